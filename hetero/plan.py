@@ -1,0 +1,166 @@
+"""Plan: the compiler's output and the runtime's input (plan.json), versioned and validated."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hetero import __version__
+from hetero.errors import PlanError
+from hetero.graph import LayerGraph
+from hetero.serde import from_dict, to_dict
+from hetero.specs import ClusterSpec, DataSpec, ModelSpec, PlannerOptions, TrainSpec
+
+PLAN_SCHEMA_VERSION = 1
+
+
+@dataclass
+class MemoryBreakdown:
+    """Predicted peak memory of one stage on its device, in GB (1e9 bytes)."""
+
+    weights_gb: float
+    lora_gb: float  # LoRA parameters + gradients + AdamW state (fp32)
+    activations_gb: float  # saved activations of the micro-batches in flight at this position
+    workspace_gb: float
+    total_gb: float
+    available_gb: float  # device memory minus headroom
+
+
+@dataclass
+class StagePlan:
+    index: int
+    host: str
+    device: str  # DeviceSpec.name
+    device_type: str
+    backend: str
+    dtype: str  # compute dtype on this device; also what it sends on the wire
+    quantization: str  # what this device applies ("none" where nf4 is unsupported)
+    first_node: int  # inclusive index into graph.nodes
+    last_node: int  # inclusive
+    node_names: list[str]
+    endpoint: str  # tcp://address:port this stage binds for its inbound traffic
+    threads: int | None
+    fwd_time_s: float  # predicted, per micro-batch
+    bwd_time_s: float
+    send_time_s: float  # activation to the next stage (0 for the last)
+    memory: MemoryBreakdown
+    program: list[str]  # text-form actions (hetero.program)
+    artifact: str = ""  # stage artifact directory, relative to plan.json
+
+
+@dataclass
+class Prediction:
+    step_time_s: float
+    tokens_per_step: int
+    tokens_per_s: float
+    bubble_fraction: float  # idle fraction of the pipeline's device-time during a step
+    stage_busy: list[float]  # per stage: busy fraction of the step
+    stage_memory_gb: list[float]
+
+
+@dataclass
+class Baseline:
+    name: str  # best_single_device | even_split | tflops_proportional
+    description: str
+    feasible: bool
+    reason: str = ""  # why infeasible
+    devices: list[str] = field(default_factory=list)
+    layer_counts: list[int] = field(default_factory=list)  # decoder layers per stage
+    prediction: Prediction | None = None
+
+
+@dataclass
+class SolverReport:
+    solver: str
+    status: str  # pulp.LpStatus text
+    sol_status: str  # pulp.LpSolution text ("Optimal Solution Found", "Solution Found", ...)
+    proven_optimal: bool
+    gap: float | None  # relative gap between best solution and bound, when known
+    objective_s: float | None
+    solve_time_s: float
+    time_limit_s: float
+    num_variables: int = 0
+    num_constraints: int = 0
+    message: str = ""
+
+
+@dataclass
+class Plan:
+    model: ModelSpec
+    cluster: ClusterSpec
+    train: TrainSpec
+    data: DataSpec
+    planner: PlannerOptions
+    graph: LayerGraph
+    stages: list[StagePlan]
+    prediction: Prediction
+    baselines: list[Baseline]
+    solver: SolverReport
+    verdict: list[str]  # sentences a person reads: why this plan, and when a single device is as good
+    config: dict[str, Any] = field(default_factory=dict)  # the resolved Hydra config
+    input_hash: str = ""
+    created: str = ""
+    hetero_version: str = __version__
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    @property
+    def schedule(self) -> str:
+        return self.train.schedule
+
+    def to_json(self) -> str:
+        return json.dumps(to_dict(self), indent=1)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "plan.json") -> Plan:
+        if not isinstance(data, dict):
+            raise PlanError(f"{where}: not a plan (expected a JSON object)")
+        version = data.get("schema_version")
+        if version != PLAN_SCHEMA_VERSION:
+            raise PlanError(
+                f"{where}: plan schema v{version} (written by hetero {data.get('hetero_version', '?')}), "
+                f"this hetero {__version__} reads v{PLAN_SCHEMA_VERSION}: recompile with `hetero compile`"
+            )
+        return from_dict(cls, data, where, PlanError)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Read and validate plan.json; every defect becomes a one-line PlanError."""
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise PlanError(f"{p}: no such plan file (run `hetero compile` first)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise PlanError(f"{p}: not valid JSON ({exc}); recompile with `hetero compile`") from None
+        plan = cls.from_dict(data, str(p))
+        if plan.input_hash and plan.input_hash != compute_input_hash(plan):
+            raise PlanError(f"{p}: input hash does not match its contents (edited by hand?); recompile it")
+        return plan
+
+
+def compute_input_hash(plan: Plan) -> str:
+    """Hash of what decides the placement: model, fleet, graph, planner options, placement-bound train keys.
+
+    Runtime-overridable training keys (lr, steps, ...) are left out, so overriding them at
+    `hetero run` keeps the hash, and every peer can check it runs the same plan.
+    """
+    from hetero.specs import RUNTIME_OVERRIDABLE
+
+    train = {k: v for k, v in to_dict(plan.train).items() if k not in RUNTIME_OVERRIDABLE}
+    payload = {
+        "model": to_dict(plan.model),
+        "cluster": to_dict(plan.cluster),
+        "planner": to_dict(plan.planner),
+        "train": train,
+        "graph_version": plan.graph.version,
+        "stages": [(s.device, s.first_node, s.last_node, s.dtype, s.quantization, s.program) for s in plan.stages],
+        "schema_version": plan.schema_version,
+    }
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

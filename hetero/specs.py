@@ -1,0 +1,198 @@
+"""Declared inputs: the model (ModelSpec), the fleet (ClusterSpec), training and planner options.
+
+These are plain frozen-ish dataclasses built from Hydra configs at the CLI edge (hetero/config.py)
+and stored verbatim in plan.json. No torch, no pulp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Backend = Literal["cuda", "rocm", "mps", "cpu"]
+Quantization = Literal["none", "nf4", "int8"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+BYTES_PER_DTYPE: dict[str, float] = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0, "nf4": 0.5}
+
+
+@dataclass
+class DeviceType:
+    """Datasheet facts about one kind of device (one file in hardware_specs/)."""
+
+    name: str  # key, the file's stem: "rtx5090"
+    display_name: str  # "NVIDIA GeForce RTX 5090"
+    vendor: str  # nvidia | amd | apple | cpu
+    backend: Backend
+    memory_gb: float  # decimal GB, as datasheets state it
+    memory_bandwidth_gbs: float  # GB/s
+    tflops_fp32: float  # dense, no sparsity
+    tflops_fp16: float  # dense tensor-core fp16 with fp32 accumulate where the sheet says so
+    tflops_bf16: float  # 0 when unsupported
+    bf16: bool
+    nf4: bool = True  # bitsandbytes 4-bit kernels available on this backend
+    source: str = ""  # where the numbers come from
+
+
+@dataclass
+class DeviceSpec:
+    """One device of the fleet: datasheet numbers, possibly overridden by the fleet file."""
+
+    name: str  # unique within the fleet, e.g. "box1.gpu0"
+    host: str
+    type: str  # DeviceType.name
+    index: int  # torch device index on its host (cpu: ordinal of the stage process)
+    backend: Backend
+    display_name: str
+    memory_gb: float
+    memory_bandwidth_gbs: float
+    tflops: dict[str, float]  # {"float32": .., "float16": .., "bfloat16": ..}
+    bf16: bool
+    nf4: bool
+    threads: int | None = None  # cpu stages: torch.set_num_threads
+    overrides: list[str] = field(default_factory=list)  # which numbers the fleet file overrode
+
+    def compute_dtype(self, requested: str = "auto") -> str:
+        """The dtype this device computes in: the requested one if it can, else its best."""
+        if self.backend == "cpu":
+            return "float32" if requested == "auto" else requested
+        if requested == "bfloat16" and not self.bf16:
+            return "float16"
+        if requested != "auto":
+            return requested
+        return "bfloat16" if self.bf16 else "float16"
+
+    def quantization(self, requested: str) -> str:
+        """The quantization this device applies: nf4 falls back to none where unsupported."""
+        if requested == "nf4" and not self.nf4:
+            return "none"
+        return requested
+
+
+@dataclass
+class HostSpec:
+    name: str
+    address: str = "127.0.0.1"  # where the other hosts reach this one
+    port: int = 29500  # first port; stage k on this host listens on port + k
+    devices: list[DeviceSpec] = field(default_factory=list)
+
+
+@dataclass
+class LinkSpec:
+    """A network path between two hosts (symmetric)."""
+
+    a: str
+    b: str
+    bandwidth_gbps: float  # gigabits per second, as NICs are sold
+    latency_us: float = 100.0
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_gbps * 1e9 / 8
+
+
+@dataclass
+class ClusterSpec:
+    """The fleet: hosts with their devices, and the links between hosts."""
+
+    name: str
+    hosts: list[HostSpec]
+    links: list[LinkSpec] = field(default_factory=list)
+    # Two devices on one host talk over PCIe / shared memory; loopback for CPU stages.
+    intra_host_bandwidth_gbps: float = 128.0
+    intra_host_latency_us: float = 20.0
+
+    @property
+    def devices(self) -> list[DeviceSpec]:
+        return [d for h in self.hosts for d in h.devices]
+
+    def device(self, name: str) -> DeviceSpec:
+        for d in self.devices:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+    def host(self, name: str) -> HostSpec:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise KeyError(name)
+
+    def link(self, host_a: str, host_b: str) -> LinkSpec:
+        """The link between two hosts; same host gives the intra-host path."""
+        if host_a == host_b:
+            return LinkSpec(host_a, host_b, self.intra_host_bandwidth_gbps, self.intra_host_latency_us)
+        for link in self.links:
+            if {link.a, link.b} == {host_a, host_b}:
+                return link
+        raise KeyError(f"no link between hosts '{host_a}' and '{host_b}'")
+
+
+@dataclass
+class LoraSpec:
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    init_from: str | None = None  # an existing PEFT adapter directory to start from
+
+
+@dataclass
+class ModelSpec:
+    """What to train: architecture (HF config dict), where weights live, dtype, quantization, LoRA."""
+
+    name: str
+    architecture: dict[str, Any]  # an HF config.json as a dict (must hold model_type)
+    pretrained: str | None = None  # hub id or local dir; only `hetero run` reads weights
+    dtype: str = "auto"  # auto = bf16 where supported, fp16 on older GPUs, fp32 on CPU
+    quantization: Quantization = "none"
+    lora: LoraSpec = field(default_factory=LoraSpec)
+    seq_len: int = 2048
+
+    @property
+    def model_type(self) -> str:
+        return str(self.architecture.get("model_type", ""))
+
+
+@dataclass
+class TrainSpec:
+    """Training keys. Those in RUNTIME_OVERRIDABLE may change at `hetero run` without recompiling."""
+
+    micro_batch_size: int = 1
+    num_micro_batches: int = 8
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    steps: int = 100
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    shuffle: bool = True
+    checkpoint_every: int = 0  # optimizer steps between checkpoints, 0 = only at the end
+
+
+RUNTIME_OVERRIDABLE = frozenset(
+    {"steps", "lr", "weight_decay", "scheduler", "warmup_steps", "max_grad_norm", "seed", "shuffle", "checkpoint_every"}
+)
+
+
+@dataclass
+class DataSpec:
+    path: str | None = None  # JSONL / JSON / Parquet file; None = the bundled demo set
+    format: Literal["text", "alpaca", "tokens"] = "alpaca"
+    text_field: str = "text"
+    train_on_prompt: bool = False  # alpaca: also compute loss on the prompt tokens
+
+
+@dataclass
+class PlannerOptions:
+    num_stages: int | None = None  # force this many stages (None: the solver chooses)
+    split: list[int] | None = None  # manual: number of decoder layers per stage, in device order
+    devices: list[str] | None = None  # manual: device names in pipeline order (with split)
+    time_limit_s: float = 30.0
+    efficiency: float = 0.4  # fraction of datasheet TFLOPS a training step reaches (roofline)
+    memory_headroom: float = 0.1  # fraction of device memory kept free (allocator, CUDA context)
+    workspace_gb: float = 0.5  # per-device fixed overhead beyond weights/activations

@@ -30,6 +30,7 @@ class LayerNode:
     kind: NodeKind
     param_names: list[str]  # HF state-dict keys this node loads (e.g. "model.layers.0.mlp.up_proj.weight")
     num_params: int
+    linear_params: int  # of num_params, those inside decoder nn.Linear weights (what nf4/int8 quantize)
     param_bytes: float  # frozen base weights under the model's dtype and quantization
     lora_params: int  # trainable LoRA parameters added to this node
     fwd_flops_per_token: float  # at the model's seq_len (attention's quadratic part averaged in)

@@ -1,0 +1,316 @@
+"""Compose the Hydra config (conf/ + the user's --config-dir) and convert it to typed specs at the edge.
+
+Hydra is used only through its compose API: no @hydra.main, no working-directory change, no output
+directories. Every failure becomes a one-line ConfigError.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hetero.errors import ConfigError
+from hetero.hardware import build_cluster, load_device_types, yaml_error_message
+from hetero.serde import from_dict
+from hetero.specs import ClusterSpec, DataSpec, LoraSpec, ModelSpec, PlannerOptions, TrainSpec
+
+GROUPS = ("model", "hardware", "train", "planner")
+_TOP_KEYS = frozenset({"model", "lora", "hardware", "train", "planner", "data", "output"})
+_DTYPES = {
+    "auto": "auto",
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
+
+
+_SECTION_TYPES: dict[str, type] = {
+    "model": ModelSpec,
+    "lora": LoraSpec,
+    "train": TrainSpec,
+    "data": DataSpec,
+    "planner": PlannerOptions,
+}
+
+
+@dataclass
+class Config:
+    """The composed configuration as typed specs, plus the resolved dict (stored in plan.json)."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    train: TrainSpec
+    data: DataSpec
+    planner: PlannerOptions
+    output: Path
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+def package_conf_dir() -> Path:
+    """The bundled conf/ directory (package data, so a non-editable install finds it too)."""
+    return Path(str(importlib.resources.files("hetero.conf")))
+
+
+def available_options(group: str, config_dir: str | Path | None = None) -> list[str]:
+    """Names selectable for a config group, from the bundled conf/ and the user's config dir."""
+    names = {p.stem for p in (package_conf_dir() / group).glob("*.yaml")}
+    if config_dir is not None:
+        names |= {p.stem for p in (Path(config_dir).expanduser() / group).glob("*.yaml")}
+    return sorted(names)
+
+
+def compose_raw(overrides: list[str], config_dir: str | Path | None = None) -> dict[str, Any]:
+    """Compose conf/config.yaml with ``overrides`` and return the resolved plain dict."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides = list(overrides)
+    user_dir: Path | None = None
+    if config_dir is not None:
+        user_dir = Path(config_dir).expanduser().resolve()
+        if not user_dir.is_dir():
+            raise ConfigError(f"--config-dir {config_dir}: no such directory")
+        overrides.append(f"hydra.searchpath=[file://{user_dir}]")
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(package_conf_dir()), version_base=None):
+            cfg = compose(config_name="config", overrides=overrides)
+            raw = OmegaConf.to_container(cfg, resolve=True)
+    except yaml.YAMLError as exc:
+        raise ConfigError(_locate_yaml_error(exc, user_dir)) from None
+    except MissingConfigException as exc:
+        raise ConfigError(_missing_option_message(str(exc), user_dir)) from None
+    except ConfigCompositionException as exc:
+        raise ConfigError(_composition_message(exc)) from None
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(_first_line(exc)) from None
+    assert isinstance(raw, dict)
+    return raw
+
+
+def load(overrides: list[str], config_dir: str | None = None) -> Config:
+    """Compose the config and build the typed specs; any defect raises a one-line ConfigError."""
+    raw = compose_raw(overrides, config_dir)
+    unknown = sorted(set(raw) - _TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown top-level key(s) {unknown}; known: {', '.join(sorted(_TOP_KEYS))}")
+    model = _model_spec(raw.get("model"), raw.get("lora"))
+    raw["model"]["architecture"] = model.architecture  # resolved for model=hf; stored in plan.json
+    raw["model"]["name"] = model.name
+    extra_specs = []
+    if config_dir is not None and (Path(config_dir).expanduser() / "hardware_specs").is_dir():
+        extra_specs.append(Path(config_dir).expanduser() / "hardware_specs")
+    cluster = build_cluster(_section(raw, "hardware"), load_device_types(extra_specs))
+    train = _convert(TrainSpec, raw.get("train"), "train")
+    data = _convert(DataSpec, raw.get("data"), "data")
+    planner = _convert(PlannerOptions, raw.get("planner"), "planner")
+    _check_ranges(model, train, planner)
+    _check_manual_split(planner, model, cluster)
+    output = raw.get("output", ".")
+    if not isinstance(output, str) or not output:
+        raise ConfigError(f"output must be a directory path, got {output!r}")
+    return Config(
+        model=model,
+        cluster=cluster,
+        train=train,
+        data=data,
+        planner=planner,
+        output=Path(output).expanduser(),
+        raw=raw,
+    )
+
+
+def _section(raw: dict[str, Any], key: str) -> dict[str, Any]:
+    value = raw.get(key)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} must be a mapping, got {value!r}")
+    return value
+
+
+def _convert(cls: type, data: Any, where: str) -> Any:
+    if data is None:
+        data = {}
+    try:
+        return from_dict(cls, data, where, ConfigError)
+    except ConfigError as exc:
+        raise ConfigError(_reword(str(exc), cls, where)) from None
+
+
+def _reword(message: str, cls: type, where: str) -> str:
+    """serde's ``a.b: expected an integer, got 'x'`` -> ``a.b must be an integer, got 'x'``."""
+    m = re.match(r"^(\S+): unknown field\(s\) \[(.*)\]$", message)
+    if m:
+        keys = [k.strip(" '\"") for k in m.group(2).split(",")]
+        known = ", ".join(f.name for f in fields(cls))
+        return f"unknown key(s) {', '.join(f'{m.group(1)}.{k}' for k in keys)}; {where} has: {known}"
+    m = re.match(r"^(\S+): expected (an integer|a number|a list|an object|str|bool), got (.*)$", message)
+    if m:
+        kind = {"str": "a string", "bool": "true or false", "an object": "a mapping"}.get(
+            m.group(2), m.group(2)
+        )
+        return f"{m.group(1)} must be {kind}, got {m.group(3)}"
+    m = re.match(r"^(\S+): expected one of (\[.*\]), got (.*)$", message)
+    if m:
+        return f"{m.group(1)} must be one of {m.group(2)}, got {m.group(3)}"
+    return message
+
+
+def _model_spec(model: Any, lora: Any) -> ModelSpec:
+    if not isinstance(model, dict):
+        raise ConfigError(f"model must be a mapping (pick one with model=<name>), got {model!r}")
+    model = dict(model)
+    if model.get("architecture") is None:
+        pretrained = model.get("pretrained")
+        if not pretrained:
+            raise ConfigError(
+                "model.pretrained is required when model.architecture is null: "
+                "pass model.pretrained=<hub id or local dir>"
+            )
+        model["architecture"] = resolve_architecture(None, str(pretrained))
+    if not model.get("name"):
+        model["name"] = str(model.get("pretrained", "model")).rstrip("/").split("/")[-1]
+    dtype = model.get("dtype", "auto")
+    if dtype not in _DTYPES:
+        raise ConfigError(f"model.dtype must be one of {sorted(set(_DTYPES.values()))}, got {dtype!r}")
+    model["dtype"] = _DTYPES[dtype]
+    spec = _convert(ModelSpec, {k: v for k, v in model.items()}, "model")
+    if "model_type" not in spec.architecture:
+        raise ConfigError("model.architecture has no model_type (it must be an HF config.json as a mapping)")
+    spec.lora = _convert(LoraSpec, lora, "lora")
+    return spec
+
+
+def resolve_architecture(architecture: dict[str, Any] | None, pretrained: str) -> dict[str, Any]:
+    """The HF config dict for ``pretrained`` (delegates to hetero.compiler.models, imported lazily)."""
+    try:
+        from hetero.compiler.models import resolve_architecture as resolve
+    except ImportError as exc:
+        raise ConfigError(f"model=hf needs hetero.compiler.models, which is not available ({exc})") from None
+    arch = resolve(architecture, pretrained)
+    if not isinstance(arch, dict):
+        raise ConfigError(f"model.pretrained={pretrained}: could not read its architecture")
+    return arch
+
+
+def _check_ranges(model: ModelSpec, train: TrainSpec, planner: PlannerOptions) -> None:
+    positive = [
+        ("model.seq_len", model.seq_len),
+        ("lora.r", model.lora.r),
+        ("train.micro_batch_size", train.micro_batch_size),
+        ("train.num_micro_batches", train.num_micro_batches),
+        ("planner.time_limit_s", planner.time_limit_s),
+        ("planner.efficiency", planner.efficiency),
+    ]
+    for key, value in positive:
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value!r}")
+    for key, value in [
+        ("train.steps", train.steps),
+        ("train.warmup_steps", train.warmup_steps),
+        ("train.checkpoint_every", train.checkpoint_every),
+        ("planner.workspace_gb", planner.workspace_gb),
+    ]:
+        if value < 0:
+            raise ConfigError(f"{key} must be zero or more, got {value!r}")
+    if not 0 <= planner.memory_headroom < 1:
+        raise ConfigError(f"planner.memory_headroom must be in [0, 1), got {planner.memory_headroom!r}")
+    if planner.efficiency > 1:
+        raise ConfigError(
+            f"planner.efficiency is a share of datasheet TFLOPS, at most 1, got {planner.efficiency!r}"
+        )
+    if planner.num_stages is not None and planner.num_stages < 1:
+        raise ConfigError(f"planner.num_stages must be at least 1, got {planner.num_stages!r}")
+
+
+def _check_manual_split(planner: PlannerOptions, model: ModelSpec, cluster: ClusterSpec) -> None:
+    """A manual split must cover every decoder layer and name real devices."""
+    names = [d.name for d in cluster.devices]
+    if planner.devices is not None:
+        missing = [d for d in planner.devices if d not in names]
+        if missing:
+            raise ConfigError(
+                f"planner.devices names unknown device(s) {missing}; the fleet has: {', '.join(names)}"
+            )
+        if len(set(planner.devices)) != len(planner.devices):
+            raise ConfigError(f"planner.devices lists a device twice: {planner.devices}")
+    if planner.split is None:
+        return
+    if any(n < 1 for n in planner.split):
+        raise ConfigError(f"planner.split {planner.split}: every stage needs at least one decoder layer")
+    layers = model.architecture.get("num_hidden_layers")
+    if isinstance(layers, int) and sum(planner.split) != layers:
+        raise ConfigError(
+            f"planner.split {planner.split} covers {sum(planner.split)} decoder layers but {model.name} "
+            f"has {layers}; make the counts add up to {layers}"
+        )
+    stages = len(planner.split)
+    if planner.devices is not None and len(planner.devices) != stages:
+        raise ConfigError(
+            f"planner.split has {stages} stages but planner.devices names {len(planner.devices)} devices; "
+            "give one device per stage"
+        )
+    if stages > len(names):
+        raise ConfigError(f"planner.split has {stages} stages but the fleet has only {len(names)} devices")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _missing_option_message(text: str, user_dir: Path | None) -> str:
+    m = re.search(r"Could not (?:find|load) '([^'/]+)/([^']+)'", text)
+    if not m:
+        return text.strip().splitlines()[0] if text.strip() else "missing config"
+    group, name = m.groups()
+    options = available_options(group, user_dir) if group in GROUPS else []
+    hint = (
+        ""
+        if user_dir is not None or group != "hardware"
+        else " (your own fleet file: add --config-dir <dir>)"
+    )
+    return f"unknown {group} '{name}'; available: {', '.join(options) or 'none'}{hint}"
+
+
+def _composition_message(exc: BaseException) -> str:
+    text = str(exc)
+    m = re.match(r"Could not override '([^']+)'", text)
+    cause = exc.__cause__ or exc.__context__
+    if m and cause is not None and "not in struct" in str(cause):
+        key = m.group(1)
+        section = key.split(".")[0]
+        cls = _SECTION_TYPES.get(section)
+        if cls is not None and "." in key:
+            known = ", ".join(f.name for f in fields(cls))
+            return f"unknown key '{key}'; {section} has: {known}"
+        return f"unknown key '{key}'; top-level keys: {', '.join(sorted(_TOP_KEYS))}"
+    if m:
+        return f"cannot override '{m.group(1)}': {_first_line(cause) if cause else _first_line(exc)}"
+    return _first_line(exc)
+
+
+def _locate_yaml_error(exc: yaml.YAMLError, user_dir: Path | None) -> str:
+    """Hydra's YAML errors carry no file name: find the file that fails to parse."""
+    roots = [d for d in (user_dir, package_conf_dir()) if d is not None]
+    for root in roots:
+        # Only where Hydra looks: the root and its group folders (a fleet dir may sit in $HOME).
+        for path in sorted([*root.glob("*.yaml"), *root.glob("*/*.yaml")]):
+            try:
+                yaml.safe_load(path.read_text())
+            except yaml.YAMLError as found:
+                return yaml_error_message(path, found)
+            except OSError:
+                continue
+    return yaml_error_message("config", exc)

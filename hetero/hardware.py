@@ -1,0 +1,306 @@
+"""Device datasheets (hardware_specs/*.yaml) and the fleet builder (conf/hardware/*.yaml -> ClusterSpec)."""
+
+from __future__ import annotations
+
+import difflib
+import importlib.resources
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hetero.errors import ConfigError, UnknownDeviceError
+from hetero.serde import from_dict
+from hetero.specs import ClusterSpec, DeviceSpec, DeviceType, HostSpec, LinkSpec
+
+# Datasheet numbers a fleet file may override per device (a card that is clocked, cut or shared
+# differently from its datasheet, e.g. a Strix Halo with a smaller GPU carve-out).
+OVERRIDABLE = (
+    "memory_gb",
+    "memory_bandwidth_gbs",
+    "tflops_fp32",
+    "tflops_fp16",
+    "tflops_bf16",
+    "bf16",
+    "nf4",
+)
+_DEVICE_KEYS = frozenset({"type", "count", "name", "index", "threads", *OVERRIDABLE})
+_HOST_KEYS = frozenset({"name", "address", "port", "devices"})
+_LINK_KEYS = frozenset({"a", "b", "bandwidth_gbps", "latency_us"})
+_CLUSTER_KEYS = frozenset(
+    {
+        "name",
+        "hosts",
+        "links",
+        "default_link",
+        "intra_host_bandwidth_gbps",
+        "intra_host_latency_us",
+        "num_devices",
+    }
+)
+
+
+def _read_yaml(path: Path, text: str) -> Any:
+    """Parse YAML; a syntax error becomes a one-line ConfigError naming the file and line."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(yaml_error_message(path, exc)) from None
+
+
+def yaml_error_message(path: str | Path, exc: yaml.YAMLError) -> str:
+    """One line: ``<file>:<line>: malformed YAML (<problem>)``."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    line = f":{mark.line + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{path}{line}: malformed YAML ({problem})"
+
+
+def _device_type_from(path: Path, text: str) -> DeviceType:
+    data = _read_yaml(path, text)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of DeviceType fields")
+    if data.get("name", path.stem) != path.stem:
+        raise ConfigError(f"{path}: name '{data.get('name')}' must equal the file name '{path.stem}'")
+    data = {"name": path.stem, **data}
+    return from_dict(DeviceType, data, str(path), ConfigError)
+
+
+def load_device_types(extra_dirs: Iterable[Path | str] = ()) -> dict[str, DeviceType]:
+    """All device types: the bundled hardware_specs/ plus ``extra_dirs`` (later dirs win on a name clash)."""
+    types: dict[str, DeviceType] = {}
+    bundled = importlib.resources.files("hetero.hardware_specs")
+    for entry in sorted(bundled.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".yaml"):
+            dt = _device_type_from(Path("hardware_specs") / entry.name, entry.read_text())
+            types[dt.name] = dt
+    for directory in extra_dirs:
+        for path in sorted(Path(directory).expanduser().glob("*.yaml")):
+            dt = _device_type_from(path, path.read_text())
+            types[dt.name] = dt
+    return types
+
+
+def _unknown_type_message(type_name: Any, where: str, known: Iterable[str]) -> str:
+    known = sorted(known)
+    close = difflib.get_close_matches(str(type_name), known, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"unknown GPU type '{type_name}' in {where}; known: {', '.join(known)}{hint}"
+
+
+def _check_keys(entry: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
+    unknown = sorted(set(entry) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {', '.join(sorted(allowed))}")
+
+
+def _number(value: Any, where: str, *, integer: bool = False, positive: bool = True) -> Any:
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok:
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"{where} must be {kind}, got {value!r}")
+    if positive and value <= 0:
+        raise ConfigError(f"{where} must be positive, got {value!r}")
+    return value
+
+
+def _device_name_stem(host: str, type_name: str) -> str:
+    # "localhost.cpu0", but "desktop.rtx5090_0": a digit right after a digit would be unreadable.
+    sep = "_" if type_name[-1:].isdigit() else ""
+    return f"{host}.{type_name}{sep}"
+
+
+def _expand_devices(
+    host: str, entries: list[Any], types: Mapping[str, DeviceType], where: str
+) -> list[DeviceSpec]:
+    devices: list[DeviceSpec] = []
+    per_type: dict[str, int] = {}
+    per_backend: dict[str, int] = {}
+    for j, entry in enumerate(entries):
+        at = f"{where}.devices[{j}]"
+        if isinstance(entry, str):  # shorthand: "- rtx3090"
+            entry = {"type": entry}
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{at}: expected a mapping like {{type: rtx3090, count: 1}}")
+        _check_keys(entry, _DEVICE_KEYS, at)
+        if "type" not in entry:
+            raise ConfigError(f"{at}: missing 'type' (a file name in hardware_specs/, e.g. rtx3090)")
+        type_name = entry["type"]
+        if type_name not in types:
+            raise UnknownDeviceError(_unknown_type_message(type_name, at, types))
+        dt = types[type_name]
+        count = _number(entry.get("count", 1), f"{at}.count", integer=True)
+        if "name" in entry and count != 1:
+            raise ConfigError(f"{at}: 'name' names one device; drop it or set count: 1")
+        overrides: list[str] = []
+        values = {k: getattr(dt, k) for k in OVERRIDABLE}
+        for key in OVERRIDABLE:
+            if key in entry:
+                new = entry[key]
+                if key in ("bf16", "nf4"):
+                    if not isinstance(new, bool):
+                        raise ConfigError(f"{at}.{key} must be true or false, got {new!r}")
+                else:
+                    new = float(_number(new, f"{at}.{key}", positive=key != "tflops_bf16"))
+                if new != values[key]:
+                    overrides.append(
+                        f"{key}={new:g} (datasheet {values[key]:g})"
+                        if key not in ("bf16", "nf4")
+                        else f"{key}={new}"
+                    )
+                values[key] = new
+        threads = entry.get("threads")
+        if threads is not None:
+            _number(threads, f"{at}.threads", integer=True)
+        first_index = None
+        if "index" in entry:  # explicit torch index of the first device of this entry
+            first_index = _number(entry["index"], f"{at}.index", integer=True, positive=False)
+        for k in range(count):
+            ordinal = per_type.get(type_name, 0)
+            per_type[type_name] = ordinal + 1
+            backend_index = per_backend.get(dt.backend, 0)
+            per_backend[dt.backend] = backend_index + 1
+            index = backend_index if first_index is None else first_index + k
+            devices.append(
+                DeviceSpec(
+                    name=str(entry.get("name") or f"{_device_name_stem(host, type_name)}{ordinal}"),
+                    host=host,
+                    type=type_name,
+                    index=int(index),
+                    backend=dt.backend,
+                    display_name=dt.display_name,
+                    memory_gb=float(values["memory_gb"]),
+                    memory_bandwidth_gbs=float(values["memory_bandwidth_gbs"]),
+                    tflops={
+                        "float32": float(values["tflops_fp32"]),
+                        "float16": float(values["tflops_fp16"]),
+                        "bfloat16": float(values["tflops_bf16"]) if values["bf16"] else 0.0,
+                    },
+                    bf16=bool(values["bf16"]),
+                    nf4=bool(values["nf4"]),
+                    threads=threads,
+                    overrides=list(overrides),
+                )
+            )
+    return devices
+
+
+def _build_links(cfg: Mapping[str, Any], host_names: list[str]) -> list[LinkSpec]:
+    links: list[LinkSpec] = []
+    seen: set[frozenset[str]] = set()
+    for i, entry in enumerate(cfg.get("links") or []):
+        at = f"hardware.links[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{at}: expected a mapping like {{a: box1, b: box2, bandwidth_gbps: 10}}")
+        _check_keys(entry, _LINK_KEYS, at)
+        for end in ("a", "b"):
+            if entry.get(end) not in host_names:
+                raise ConfigError(
+                    f"{at}.{end}: '{entry.get(end)}' is not a host; hosts: {', '.join(host_names)}"
+                )
+        if entry["a"] == entry["b"]:
+            raise ConfigError(f"{at}: a link joins two different hosts, got '{entry['a']}' twice")
+        pair = frozenset((entry["a"], entry["b"]))
+        if pair in seen:
+            raise ConfigError(f"{at}: a second link between '{entry['a']}' and '{entry['b']}'")
+        seen.add(pair)
+        if "bandwidth_gbps" not in entry:
+            raise ConfigError(f"{at}: missing bandwidth_gbps (e.g. 10 for 10 GbE)")
+        links.append(
+            LinkSpec(
+                a=entry["a"],
+                b=entry["b"],
+                bandwidth_gbps=float(_number(entry["bandwidth_gbps"], f"{at}.bandwidth_gbps")),
+                latency_us=float(_number(entry.get("latency_us", 100.0), f"{at}.latency_us", positive=False)),
+            )
+        )
+    default = cfg.get("default_link")
+    for i, a in enumerate(host_names):
+        for b in host_names[i + 1 :]:
+            if frozenset((a, b)) in seen:
+                continue
+            if not default:
+                raise ConfigError(
+                    f"hardware: no link between hosts '{a}' and '{b}'; add one to hardware.links "
+                    "or set hardware.default_link: {bandwidth_gbps: 1, latency_us: 200}"
+                )
+            if not isinstance(default, Mapping) or set(default) - {"bandwidth_gbps", "latency_us"}:
+                raise ConfigError(
+                    "hardware.default_link: expected {bandwidth_gbps: <number>, latency_us: <number>}"
+                )
+            links.append(
+                LinkSpec(
+                    a=a,
+                    b=b,
+                    bandwidth_gbps=float(
+                        _number(default.get("bandwidth_gbps"), "hardware.default_link.bandwidth_gbps")
+                    ),
+                    latency_us=float(
+                        _number(
+                            default.get("latency_us", 100.0),
+                            "hardware.default_link.latency_us",
+                            positive=False,
+                        )
+                    ),
+                )
+            )
+    return links
+
+
+def build_cluster(
+    cfg_hardware: Mapping[str, Any], device_types: Mapping[str, DeviceType] | None = None
+) -> ClusterSpec:
+    """Build the fleet from a ``hardware`` config: expand counts, apply overrides, check links."""
+    if not isinstance(cfg_hardware, Mapping):
+        raise ConfigError("hardware: expected a mapping with 'hosts' (see docs/fleet.md)")
+    types = dict(device_types) if device_types is not None else load_device_types()
+    _check_keys(cfg_hardware, _CLUSTER_KEYS, "hardware")
+    hosts_cfg = cfg_hardware.get("hosts")
+    if not isinstance(hosts_cfg, list) or not hosts_cfg:
+        raise ConfigError("hardware.hosts: declare at least one host with devices (see docs/fleet.md)")
+    hosts: list[HostSpec] = []
+    for i, entry in enumerate(hosts_cfg):
+        at = f"hardware.hosts[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{at}: expected a mapping with name, address and devices")
+        _check_keys(entry, _HOST_KEYS, at)
+        name = entry.get("name")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{at}.name: every host needs a name (a string)")
+        if any(h.name == name for h in hosts):
+            raise ConfigError(f"{at}.name: host '{name}' is declared twice")
+        devices_cfg = entry.get("devices")
+        if not isinstance(devices_cfg, list) or not devices_cfg:
+            raise ConfigError(f"{at}.devices: host '{name}' lists no devices")
+        port = _number(entry.get("port", 29500), f"{at}.port", integer=True)
+        hosts.append(
+            HostSpec(
+                name=name,
+                address=str(entry.get("address", "127.0.0.1")),
+                port=int(port),
+                devices=_expand_devices(name, list(devices_cfg), types, at),
+            )
+        )
+    names = [d.name for h in hosts for d in h.devices]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"hardware: device name(s) {dupes} used twice; give each device a unique 'name'")
+    # CPU stages share their host's cores: split them so stage processes do not oversubscribe.
+    for host in hosts:
+        cpus = [d for d in host.devices if d.backend == "cpu"]
+        for d in cpus:
+            if d.threads is None:
+                d.threads = max(1, (os.cpu_count() or 1) // len(cpus))
+    links = _build_links(cfg_hardware, [h.name for h in hosts])
+    cluster = ClusterSpec(name=str(cfg_hardware.get("name", "fleet")), hosts=hosts, links=links)
+    if "intra_host_bandwidth_gbps" in cfg_hardware:
+        cluster.intra_host_bandwidth_gbps = float(
+            _number(cfg_hardware["intra_host_bandwidth_gbps"], "hardware.intra_host_bandwidth_gbps")
+        )
+    if "intra_host_latency_us" in cfg_hardware:
+        cluster.intra_host_latency_us = float(
+            _number(cfg_hardware["intra_host_latency_us"], "hardware.intra_host_latency_us", positive=False)
+        )
+    return cluster

@@ -1,0 +1,237 @@
+"""The `hetero` command: one-line errors with exit code 2, `show` on a hand-built plan, the text Gantt,
+delegation to the runtime, and (once compiler + planner exist) `hetero compile` end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from hetero import cli
+from hetero.graph import CutEdge, LayerGraph, LayerNode, TensorSpec
+from hetero.hardware import build_cluster
+from hetero.plan import Baseline, MemoryBreakdown, Plan, Prediction, SolverReport, StagePlan
+from hetero.show import describe_span, gantt_lines
+from hetero.specs import DataSpec, ModelSpec, PlannerOptions, TrainSpec
+
+ROOT = Path(__file__).parents[1]
+
+
+def _node(name: str, kind: str) -> LayerNode:
+    return LayerNode(name, kind, [f"model.{name}.weight"], 1000, 800, 2000.0, 64, 2e6, 4e6, 512.0)  # type: ignore[arg-type]
+
+
+def make_plan() -> Plan:
+    """A two-stage plan on two CPU devices, built by hand (no compiler, no solver)."""
+    nodes = [_node("embed", "embedding")] + [_node(f"layers.{i}", "decoder") for i in range(4)]
+    nodes += [_node("norm", "norm"), _node("head", "head")]
+    edges = [
+        CutEdge(n.name, [TensorSpec("hidden", ["batch", "seq", 64], "float32", 256.0)]) for n in nodes[:-1]
+    ]
+    graph = LayerGraph("tiny", "llama", 128, "float32", "none", 64, 512, 4, nodes, edges)
+    cluster = build_cluster(
+        {"name": "local", "hosts": [{"name": "localhost", "devices": [{"type": "cpu", "count": 2}]}]}
+    )
+    train = TrainSpec(micro_batch_size=4, num_micro_batches=8)
+    mem = MemoryBreakdown(0.1, 0.02, 0.3, 0.5, 0.92, 14.4)
+    stages = [
+        StagePlan(0, "localhost", "localhost.cpu0", "cpu", "cpu", "float32", "none", 0, 2, ["embed", "layers.0", "layers.1"],
+                  "tcp://127.0.0.1:29500", 1, 0.0123, 0.0246, 0.0005, mem, ["F0", "SA0", "RG0", "B0", "STEP"]),
+        StagePlan(1, "localhost", "localhost.cpu1", "cpu", "cpu", "float32", "none", 3, 6,
+                  ["layers.2", "layers.3", "norm", "head"], "tcp://127.0.0.1:29501", 1, 0.015, 0.03, 0.0,
+                  MemoryBreakdown(0.1, 0.02, 0.3, 0.5, 15.0, 14.4), ["RA0", "F0", "B0", "SG0", "STEP"]),
+    ]  # fmt: skip
+    pred = Prediction(0.75, 4096, 5461.3, 0.18, [0.81, 0.83], [0.92, 15.0])
+    baselines = [
+        Baseline("best_single_device", "all layers on the fastest device that fits", True, "", ["localhost.cpu0"], [4],
+                 Prediction(1.2, 4096, 3413.3, 0.0, [1.0], [1.5])),
+        Baseline("even_split", "same number of layers per device", False, "localhost.cpu1 short by 2.1 GB"),
+    ]  # fmt: skip
+    solver = SolverReport(
+        "PULP_CBC_CMD", "Optimal", "Optimal Solution Found", True, 0.0, 0.75, 0.4, 30.0, 120, 340
+    )
+    return Plan(ModelSpec("tiny", {"model_type": "llama", "num_hidden_layers": 4}), cluster, train, DataSpec(),
+                PlannerOptions(), graph, stages, pred, baselines, solver,
+                ["2 stages beat the best single device by 1.60x."])  # fmt: skip
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code: int, err: str, starts: str) -> None:
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"hetero: error: {starts}"), lines[0]
+
+
+# --- show ---------------------------------------------------------------------------------------------
+
+
+def test_show_prints_every_section_of_a_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "plan.json"
+    make_plan().save(path)
+    code, out, err = run_main(["show", str(path), "--no-gantt"], capsys)
+    assert code == 0, err
+    assert "model tiny (4 decoder layers" in out and "fleet local (2 devices, 1 hosts)" in out
+    assert "8 micro-batches x 4 sequences = 4096 tokens" in out
+    assert "predicted step 750.0 ms, 5461 tok/s, pipeline bubble 18%" in out
+    assert "embed + layers 0-1 (2L)" in out and "layers 2-3 + norm + head (2L)" in out
+    assert "12.3 ms" in out and "24.6 ms" in out and "15.0 / 14.4" in out  # times, an over-full stage
+    assert "best_single_device" in out and "1.60x" in out and "infeasible" in out and "short by 2.1 GB" in out
+    assert "PULP_CBC_CMD: Optimal / Optimal Solution Found, proven optimal, gap 0.0%" in out
+    assert "2 stages beat the best single device by 1.60x." in out
+
+
+def test_show_rejects_a_plan_from_another_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "plan.json"
+    data = json.loads(make_plan().to_json())
+    data["schema_version"] = 99
+    path.write_text(json.dumps(data))
+    code, _, err = run_main(["show", str(path)], capsys)
+    assert_one_line_error(code, err, f"{path}: plan schema v99")
+    code, _, err = run_main(["show", str(tmp_path / "missing.json")], capsys)
+    assert_one_line_error(code, err, f"{tmp_path / 'missing.json'}: no such plan file")
+
+
+@dataclass
+class Ev:
+    stage: int
+    op: str
+    mb: int
+    start_s: float
+    end_s: float
+
+
+@dataclass
+class Tl:
+    events: list[Ev]
+    step_time_s: float
+
+
+def test_gantt_places_forwards_backwards_and_idle_time() -> None:
+    # 2 stages, 2 micro-batches, unit-time ops on a 10-column axis (one column per 0.1 s).
+    events = [Ev(0, "F", 0, 0.0, 0.1), Ev(0, "SA", 0, 0.1, 0.2), Ev(1, "F", 0, 0.2, 0.3), Ev(0, "F", 1, 0.1, 0.2),
+              Ev(1, "B", 0, 0.3, 0.4), Ev(1, "F", 1, 0.4, 0.5), Ev(1, "B", 1, 0.5, 0.6), Ev(0, "B", 0, 0.5, 0.6),
+              Ev(0, "B", 1, 0.7, 0.8), Ev(0, "STEP", -1, 0.8, 0.9), Ev(1, "STEP", -1, 0.6, 0.7)]  # fmt: skip
+    rows = gantt_lines(Tl(events, 1.0), 2, width=10)
+    assert rows[0] == "stage 0 |01...a.b#.|"
+    assert rows[1] == "stage 1 |..0a1b#...|"
+    assert rows[2].rstrip().endswith("1.00 s")
+
+
+def test_describe_span_names_layer_ranges() -> None:
+    graph = make_plan().graph
+    assert describe_span(graph, 0, 6) == "embed + layers 0-3 + norm + head"
+    assert describe_span(graph, 4, 4) == "layer 3"
+
+
+def test_show_draws_the_simulated_schedule(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    fake = types.ModuleType("hetero.planner.simulator")
+    fake.simulate_plan = lambda plan: Tl([Ev(0, "F", 0, 0.0, 0.5), Ev(1, "F", 0, 0.5, 1.0)], 1.0)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "hetero.planner.simulator", fake)
+    path = tmp_path / "plan.json"
+    make_plan().save(path)
+    code, out, err = run_main(["show", str(path), "--width", "8"], capsys)
+    assert code == 0, err
+    assert "stage 0 |0000....|" in out and "stage 1 |....0000|" in out
+
+
+# --- errors and delegation ------------------------------------------------------------------------------
+
+
+def test_config_errors_are_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_main(["compile", "model=llama9b"], capsys)
+    assert_one_line_error(code, err, "unknown model 'llama9b'; available: hf, llama70b")
+    fleets = tmp_path / "fleets" / "hardware"
+    fleets.mkdir(parents=True)
+    (fleets / "typo.yaml").write_text("hosts:\n  - name: a\n    devices: [{type: rtx9090}]\n")
+    (fleets / "broken.yaml").write_text("hosts:\n  - name: a\n    devices: [{type: rtx3090\n")
+    code, _, err = run_main(["compile", "-cd", str(tmp_path / "fleets"), "hardware=typo"], capsys)
+    assert_one_line_error(code, err, "unknown GPU type 'rtx9090' in hardware.hosts[0].devices[0]; known:")
+    code, _, err = run_main(["compile", "--config-dir", str(tmp_path / "fleets"), "hardware=broken"], capsys)
+    assert_one_line_error(code, err, f"{fleets / 'broken.yaml'}:")
+    assert "malformed YAML" in err
+    code, _, err = run_main(["compile", "model=llama8b", "hardware=homelab", "planner.split=[16,8]"], capsys)
+    assert_one_line_error(code, err, "planner.split [16, 8] covers 24 decoder layers but llama8b has 32")
+    code, _, err = run_main(["inspect", "train.micro_batch_size=four"], capsys)
+    assert_one_line_error(code, err, "train.micro_batch_size must be an integer, got 'four'")
+
+
+def test_runtime_commands_get_their_argv_verbatim(monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    calls: list[tuple[str, list[str]]] = []
+    fake = types.ModuleType("hetero.runtime.cli")
+    fake.main_run = lambda argv: calls.append(("run", argv)) or 0  # type: ignore[attr-defined]
+    fake.main_worker = lambda argv: calls.append(("worker", argv)) or 3  # type: ignore[attr-defined]
+    fake.main_generate = lambda argv: calls.append(("generate", argv)) or None  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "hetero.runtime.cli", fake)
+    assert cli.main(["run", "plan.json", "train.steps=5", "--help"]) == 0
+    assert cli.main(["worker", "--host", "strix"]) == 3
+    assert cli.main(["generate", "-h"]) == 0
+    assert calls == [("run", ["plan.json", "train.steps=5", "--help"]), ("worker", ["--host", "strix"]),
+                     ("generate", ["-h"])]  # fmt: skip
+
+
+def test_missing_runtime_says_not_built(monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "hetero.runtime.cli", None)  # makes the import fail
+    code, _, err = run_main(["run", "plan.json"], capsys)
+    assert_one_line_error(code, err, "hetero.runtime.cli.main_run is not built yet")
+
+
+def test_ctrl_c_exits_130(monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def interrupted(*args: object, **kwargs: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_show", interrupted)
+    assert cli.main(["show", "plan.json"]) == 130
+
+
+# --- end to end (needs hetero.compiler.trace, hetero.planner.plan, hetero.compiler.emit) ------------------
+
+
+def _hetero(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160"}
+    return subprocess.run([sys.executable, "-m", "hetero.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model", "hardware", "devices"), [("tiny", "local", {"localhost.cpu0", "localhost.cpu1"}),
+                                       ("llama8b", "homelab", {"desktop.rtx5090_0", "strix.strix_halo0"})]
+)  # fmt: skip
+def test_compile_end_to_end(
+    tmp_path: Path, model: str, hardware: str, devices: set[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # micro_batch_size=1: at seq 2048, four sequences of llama8b activations do not fit the 5090's stage.
+    args = [f"model={model}", f"hardware={hardware}", "output=out", "planner.time_limit_s=20", "train.micro_batch_size=1"]
+    result = _hetero(["compile", *args], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = Plan.load(tmp_path / "out" / "plan.json")
+    assert plan.model.name == model and plan.config["hardware"]["name"] == hardware
+    assert {s.device for s in plan.stages} <= devices
+    covered = [i for s in plan.stages for i in range(s.first_node, s.last_node + 1)]
+    assert covered == list(range(len(plan.graph.nodes)))  # every node on exactly one stage, in order
+    assert "predicted step" in result.stdout and "plan.json" in result.stdout
+    code, out, err = run_main(["show", str(tmp_path / "out" / "plan.json")], capsys)  # in-process: no 2nd startup
+    assert code == 0, err
+    assert "stage 0 |" in out
+
+
+def test_compile_too_big_for_the_fleet_is_one_line(tmp_path: Path) -> None:
+    result = _hetero(["compile", "model=llama70b", "hardware=mixed_fleet", "output=out"], tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hetero: error: "), result.stderr
+    assert "GB" in lines[0]  # the infeasibility message gives the numbers
+    assert not (tmp_path / "out" / "plan.json").exists()

@@ -1,0 +1,116 @@
+"""The package boundaries of DESIGN.md, checked on the source: planner/ is torch-free, runtime/ is
+free of the solver, Hydra and the compiler, and nothing in runtime/ unpickles what it receives."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+
+# (folder, forbidden module prefixes)
+FORBIDDEN = {
+    "planner": ("torch",),
+    "runtime": (
+        "pulp",
+        "hydra",
+        "hetero.compiler",
+        "hetero.planner.ilp",
+        "pickle",
+        "cPickle",
+        "dill",
+        "cloudpickle",
+    ),
+}
+
+
+def _imports(tree: ast.AST, package: str) -> list[tuple[int, str]]:
+    """Every module a file imports, relative imports made absolute under ``package``."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # from .x import y / from ..compiler import z
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Call):  # importlib.import_module("torch") / __import__("torch")
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if (
+                name in ("import_module", "__import__")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                found.append((node.lineno, str(node.args[0].value)))
+    return found
+
+
+def _matches(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _violations(folder: str, forbidden: tuple[str, ...]) -> list[str]:
+    bad = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        rel = path.relative_to(ROOT / folder).with_suffix("")
+        package = ".".join(["hetero", folder, *rel.parts[:-1]])
+        for line, module in _imports(tree, package if rel.name != "__init__" else package):
+            module = (
+                module.replace(f"{folder}.", f"hetero.{folder}.", 1)
+                if module.startswith(f"{folder}.")
+                else module
+            )
+            if any(_matches(module, p) for p in forbidden):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    return bad
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_folder_respects_its_import_rules(folder: str) -> None:
+    assert _violations(folder, FORBIDDEN[folder]) == []
+
+
+def test_runtime_never_loads_received_bytes_with_torch_load() -> None:
+    # torch.load unpickles: a peer could run code on this host. Tensors travel as raw bytes + header.
+    bad = []
+    for path in sorted((ROOT / "runtime").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("load", "loads")
+                and isinstance(node.value, ast.Name)
+            ):
+                if node.value.id in ("torch", "pickle", "dill", "marshal"):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} uses {node.value.id}.{node.attr}")
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module == "torch"
+                and any(a.name == "load" for a in node.names)
+            ):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports torch.load")
+    assert bad == []
+
+
+def test_checker_catches_violations(tmp_path: Path) -> None:
+    # The rules above must be able to fail: feed the checker sources that break them.
+    tree = ast.parse("import torch.nn\nfrom ..compiler import trace\nimportlib.import_module('pulp')\n")
+    modules = [m for _, m in _imports(tree, "hetero.runtime")]
+    assert any(_matches(m, "torch") for m in modules)
+    assert any(_matches(m, "hetero.compiler") for m in modules)
+    assert any(_matches(m, "pulp") for m in modules)
+
+
+def test_importing_the_planner_does_not_load_torch() -> None:
+    code = "import sys, hetero.planner, hetero.planner.simulator; assert 'torch' not in sys.modules, 'torch loaded'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -101,6 +101,8 @@ class Plan:
     solver: SolverReport
     verdict: list[str]  # sentences a person reads: why this plan, and when a single device is as good
     config: dict[str, Any] = field(default_factory=dict)  # the resolved Hydra config
+    # Where each cost number came from ("profile", "roofline (why)"); empty for datasheet-only plans.
+    cost_sources: dict[str, str] = field(default_factory=dict)
     input_hash: str = ""
     created: str = ""
     hetero_version: str = __version__
@@ -152,11 +154,16 @@ def compute_input_hash(plan: Plan) -> str:
     """
     from hetero.specs import RUNTIME_OVERRIDABLE
 
-    train = {k: v for k, v in to_dict(plan.train).items() if k not in RUNTIME_OVERRIDABLE}
+    def canonical(cls: type, obj: Any) -> Any:
+        # Round-trip through the schema so an int held in a float field (30 vs 30.0) hashes the
+        # same before saving and after loading.
+        return to_dict(from_dict(cls, to_dict(obj), cls.__name__, PlanError))
+
+    train = {k: v for k, v in canonical(TrainSpec, plan.train).items() if k not in RUNTIME_OVERRIDABLE}
     payload = {
-        "model": to_dict(plan.model),
-        "cluster": to_dict(plan.cluster),
-        "planner": to_dict(plan.planner),
+        "model": canonical(ModelSpec, plan.model),
+        "cluster": canonical(ClusterSpec, plan.cluster),
+        "planner": canonical(PlannerOptions, plan.planner),
         "train": train,
         "graph_version": plan.graph.version,
         "stages": [(s.device, s.first_node, s.last_node, s.dtype, s.quantization, s.program) for s in plan.stages],

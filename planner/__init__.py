@@ -1,0 +1,138 @@
+"""The planner: cost model, placement ILP, schedules and simulator. Never imports torch."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from hetero.planner.baselines import baselines, candidate_placements, predict
+from hetero.planner.cost import CostModel, CostTable, RooflineCostModel, build_cost_table, compute_dtype
+from hetero.planner.feasibility import check_single_nodes, explain_infeasible
+from hetero.planner.ilp import solve_ilp
+from hetero.planner.objective import Evaluation, Placement, evaluate, split_spans
+from hetero.planner.schedules import gpipe, one_f_one_b, programs_for
+from hetero.planner.simulator import ScheduleError, Timeline, simulate, simulate_plan
+
+from hetero.errors import ConfigError, InfeasiblePlanError
+from hetero.graph import LayerGraph
+from hetero.plan import Baseline, Plan, Prediction, SolverReport, StagePlan, compute_input_hash
+from hetero.program import format_program
+from hetero.specs import ClusterSpec, DataSpec, ModelSpec, PlannerOptions, TrainSpec
+
+__all__ = [
+    "CostModel", "RooflineCostModel", "ScheduleError", "Timeline", "gpipe", "one_f_one_b", "plan",
+    "programs_for", "simulate", "simulate_plan",
+]
+
+
+def _manual(table: CostTable, graph: LayerGraph, options: PlannerOptions) -> Evaluation:
+    """Validate planner.split / planner.devices and evaluate them with the same cost model."""
+    names = [d.name for d in table.devices]
+    order = options.devices or names
+    unknown = [n for n in order if n not in names]
+    if unknown:
+        raise ConfigError(f"planner.devices names unknown device(s) {unknown}; the fleet has {names}")
+    if len(set(order)) != len(order):
+        raise ConfigError(f"planner.devices lists a device twice: {order}")
+    dec = graph.decoder_indices()
+    if options.split is None:
+        # Devices without a split: spread the decoder layers evenly over them.
+        base, rest = divmod(len(dec), len(order))
+        split = [base + (1 if k < rest else 0) for k in range(len(order))]
+    else:
+        split = list(options.split)
+        if options.devices is None:
+            order = names[: len(split)]
+    if len(split) != len(order):
+        raise ConfigError(f"planner.split has {len(split)} stages but {len(order)} devices are given: {order}")
+    if sum(split) != len(dec):
+        raise ConfigError(f"planner.split={split} covers {sum(split)} decoder layers; the model has {len(dec)}")
+    if any(c < 1 for c in split):
+        raise ConfigError(f"planner.split={split}: every stage needs at least one decoder layer")
+    if not dec or dec != list(range(dec[0], dec[0] + len(dec))):
+        raise ConfigError(f"graph of '{graph.model_name}' has no contiguous decoder layers to split")
+    spans = split_spans(len(graph.nodes), split, dec)
+    ev = evaluate(table, Placement(tuple(names.index(n) for n in order), tuple(spans)))
+    if not ev.feasible:
+        raise InfeasiblePlanError(f"planner.split={split} does not fit: " + "; ".join(ev.reasons))
+    return ev
+
+
+def _verdict(prediction: Prediction, stages: list[StagePlan], base: list[Baseline], solver: SolverReport) -> list[str]:
+    """Sentences a person reads: the prediction, the comparison, and when one device is enough."""
+    step = prediction.step_time_s
+    names = ", ".join(f"{s.device_type} ({s.device})" for s in stages)
+    out = [f"Predicted {step:.3g} s/step ({prediction.tokens_per_s:,.0f} tokens/s) on {len(stages)} stage(s): "
+           f"{names}; bubble {prediction.bubble_fraction:.0%}."]
+    for b in base:
+        if not b.feasible or b.prediction is None:
+            out.append(f"{b.name}: not possible ({b.reason}).")
+            continue
+        other = b.prediction.step_time_s
+        out.append(f"{other / step:.2f}x the throughput of {b.name.replace('_', ' ')} "
+                   f"({b.description}: {other:.3g} s/step).")
+    single = next((b for b in base if b.name == "best_single_device" and b.prediction), None)
+    if single is not None and single.prediction is not None and len(stages) > 1:
+        other = single.prediction.step_time_s
+        if other <= step * 1.02:  # within 2%: the pipeline's extra machinery buys nothing
+            out.append(f"A single {single.description.split(' (')[0]} is as fast ({other:.3g} s/step vs "
+                       f"{step:.3g} s): use it alone.")
+    if len(stages) == 1:
+        out.append(f"The whole model fits and runs fastest on one device ({stages[0].device}): no pipeline needed.")
+    if not solver.proven_optimal and solver.solver != "manual":
+        gap = f" (gap {solver.gap:.1%})" if solver.gap is not None else ""
+        out.append(f"The solver stopped before proving optimality{gap}: {solver.message}.")
+    return out
+
+
+def plan(
+    model: ModelSpec,
+    graph: LayerGraph,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    data: DataSpec,
+    options: PlannerOptions,
+    cost_model: CostModel | None = None,
+) -> Plan:
+    """Place the graph on the fleet (ILP, or the manual split), build programs and predictions."""
+    cost_model = cost_model or RooflineCostModel(efficiency=options.efficiency)
+    table = build_cost_table(graph, model, cluster, train, options, cost_model)
+    limit = min(len(table.devices), len(graph.nodes))
+    if options.num_stages is not None and not 1 <= options.num_stages <= limit:
+        raise ConfigError(f"planner.num_stages={options.num_stages}: choose 1..{limit} "
+                          f"({len(table.devices)} devices, {len(graph.nodes)} layer-graph nodes)")
+    if options.split is not None or options.devices is not None:
+        ev = _manual(table, graph, options)
+        solver = SolverReport("manual", "Manual", "manual split", False, None, ev.step_time_s, 0.0,
+                              options.time_limit_s, message="planner.split/devices given: the ILP was not run")
+    else:
+        check_single_nodes(table, graph)
+        result = solve_ilp(table, options.num_stages, options.time_limit_s, starts=candidate_placements(table, graph))
+        solver = result.report
+        if result.evaluation is None:
+            if solver.status == "Infeasible" or solver.sol_status == "No Solution Exists":
+                raise InfeasiblePlanError(explain_infeasible(table, graph, model, options.num_stages))
+            raise InfeasiblePlanError(f"the solver found no placement within planner.time_limit_s="
+                                      f"{options.time_limit_s:g}: raise it or set planner.num_stages")
+        ev = result.evaluation
+    prediction, _ = predict(table, ev)
+    programs = programs_for(train.schedule, len(ev.placement.devices), train.num_micro_batches)
+    stages = []
+    for k, (d, (first, last)) in enumerate(zip(ev.placement.devices, ev.placement.spans, strict=True)):
+        dev = table.devices[d]
+        host = cluster.host(dev.host)
+        stages.append(StagePlan(
+            index=k, host=dev.host, device=dev.name, device_type=dev.type, backend=dev.backend,
+            dtype=compute_dtype(dev, model), quantization=dev.quantization(model.quantization),
+            first_node=first, last_node=last, node_names=[n.name for n in graph.nodes[first:last + 1]],
+            endpoint=f"tcp://{host.address}:{host.port + k}", threads=dev.threads,
+            fwd_time_s=ev.fwd_s[k], bwd_time_s=ev.bwd_s[k], send_time_s=ev.send_s[k], memory=ev.memory[k],
+            program=format_program(programs[k]), artifact=f"artifacts/{dev.host}/stage{k}",
+        ))
+    base = baselines(table, graph.decoder_indices())
+    result_plan = Plan(
+        model=model, cluster=cluster, train=train, data=data, planner=options, graph=graph, stages=stages,
+        prediction=prediction, baselines=base, solver=solver, verdict=_verdict(prediction, stages, base, solver),
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+    result_plan.input_hash = compute_input_hash(result_plan)
+    return result_plan

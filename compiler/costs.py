@@ -1,0 +1,161 @@
+"""Per-unit costs of LoRA fine-tuning: parameter bytes, FLOPs per token, activation bytes per token.
+
+Everything is counted from the module structure (each nn.Linear's in/out features, the attention
+heads of the config), so the numbers follow the real architecture rather than a formula per family.
+A test checks the FLOP counts against ``torch.utils.flop_counter`` and the activation estimate
+against the tensors autograd actually saves for a peft-wrapped layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from hetero.errors import ConfigError
+
+BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Bytes per quantized Linear weight. bitsandbytes NF4 packs two 4-bit codes per byte and keeps one fp32
+# absmax per block of 64 weights (+4/64); LLM.int8 keeps one byte per weight and an fp32 scale per row
+# (negligible, left out). Everything that is not a decoder Linear weight stays at the compute dtype.
+QUANT_BYTES_PER_PARAM: dict[str, float] = {"nf4": 0.5 + 4 / 64, "int8": 1.0}
+# peft keeps LoRA A/B in fp32 (autocast_adapter_dtype) and casts each targeted Linear's input to it.
+LORA_BYTES = 4
+# FlashAttention-style backward recomputes the score matrix: 5 matmuls of the forward's 2 -> 2.5x.
+ATTENTION_BWD_FACTOR = 2.5
+
+
+@dataclass
+class UnitCost:
+    num_params: int
+    linear_params: int
+    param_bytes: float
+    lora_params: int
+    fwd_flops_per_token: float
+    bwd_flops_per_token: float
+    activation_bytes_per_token: float
+
+
+def lora_targets(module: nn.Module, prefix: str, targets: Iterable[str]) -> list[tuple[str, nn.Module]]:
+    """The (full name, module) pairs peft would wrap with LoRA: names equal to or ending in a target."""
+    targets = list(targets)
+    found = []
+    for name, sub in module.named_modules():
+        full = (prefix + name).rstrip(".")
+        if not isinstance(sub, (nn.Linear, nn.Embedding)):
+            continue
+        if any(full == t or full.endswith("." + t) for t in targets):
+            found.append((full, sub))
+    return found
+
+
+def _lora_shape(sub: nn.Module) -> tuple[int, int]:
+    if isinstance(sub, nn.Linear):
+        return sub.in_features, sub.out_features
+    return sub.num_embeddings, sub.embedding_dim  # nn.Embedding: A is r x num_embeddings, B is dim x r
+
+
+def attention_flops_per_token(config: Any, seq_len: int, causal: bool = True) -> float:
+    """QK^T and PV of one layer, per token; causal kernels skip the masked half (average (S+1)/2 keys)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    keys = (seq_len + 1) / 2 if causal else seq_len
+    return 2 * 2 * heads * head_dim * keys
+
+
+def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: int, lora_r: int) -> float:
+    """Bytes autograd keeps per token for one decoder layer under LoRA (no activation checkpointing).
+
+    Frozen Linears keep only their weight (grad_input = grad_out @ W), so a Linear's input is kept
+    only when it carries LoRA, and then as peft's fp32 copy, one per LoRA'd Linear, plus the fp32
+    A-output that B's weight grad needs. The rest is what the ops themselves keep:
+    - RMSNorm: the fp32 upcast of its input and the per-token rsqrt (HF computes the norm in fp32);
+    - sdpa (flash / memory-efficient): q, k, v (k/v at KV-head size: GQA runs without repeat_kv), the
+      output and an fp32 logsumexp per head;
+    - MLP: gate output (SiLU's input), SiLU output and up output (both operands of the product).
+    Rotary cos/sin are per sequence, not per token, and are left out.
+    """
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    q_dim = heads * head_dim
+    kv_dim = config.num_key_value_heads * head_dim
+    inter = config.intermediate_size
+    in_features = {
+        "q_proj": h,
+        "k_proj": h,
+        "v_proj": h,
+        "o_proj": q_dim,
+        "gate_proj": h,
+        "up_proj": h,
+        "down_proj": inter,
+    }
+    norms = 2 * (4 * h + 4)
+    lora = sum(LORA_BYTES * (in_features[t] + lora_r) for t in targeted if t in in_features)
+    attention = dtype_bytes * (2 * q_dim + 2 * kv_dim) + 4 * heads
+    mlp = dtype_bytes * 3 * inter
+    return float(norms + lora + attention + mlp)
+
+
+def unit_cost(
+    kind: str,
+    module: nn.Module,
+    prefix: str,
+    params: dict[str, Any],
+    config: Any,
+    seq_len: int,
+    dtype: str,
+    quantization: str,
+    lora_r: int,
+    lora_target_names: list[str],
+) -> UnitCost:
+    """Costs of one pipeline unit; ``params`` maps its state-dict names to (meta) tensors."""
+    dtype_bytes = BYTES[dtype]
+    if quantization not in ("none", *QUANT_BYTES_PER_PARAM):
+        raise ConfigError(f"model.quantization={quantization!r} is not one of none, nf4, int8")
+    num_params = sum(int(t.numel()) for t in params.values())
+    linears = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear)]
+    # Only decoder Linear weights are quantized; the head stays in the compute dtype (as bitsandbytes does).
+    linear_params = sum(m.in_features * m.out_features for _, m in linears) if kind == "decoder" else 0
+    weight_bytes_q = QUANT_BYTES_PER_PARAM.get(quantization, dtype_bytes)
+    param_bytes = (num_params - linear_params) * dtype_bytes + linear_params * weight_bytes_q
+
+    targets = lora_targets(module, prefix, lora_target_names)
+    lora_params = sum(lora_r * sum(_lora_shape(m)) for _, m in targets)
+    lora_fwd = sum(2 * lora_r * sum(_lora_shape(m)) for _, m in targets if isinstance(m, nn.Linear))
+    matmul_fwd = sum(2 * m.in_features * m.out_features for _, m in linears)
+    h = config.hidden_size
+
+    if kind == "decoder":
+        attn = attention_flops_per_token(config, seq_len)
+        fwd = matmul_fwd + attn + lora_fwd
+        # Input grads through the frozen matmuls (~1x), attention backward, LoRA input + weight grads (2x).
+        bwd = matmul_fwd + ATTENTION_BWD_FACTOR * attn + 2 * lora_fwd
+        short = {name.rsplit(".", 1)[-1] for name, _ in targets}
+        act = decoder_activation_bytes(config, short, dtype_bytes, lora_r)
+    elif kind == "head":
+        fwd = matmul_fwd + lora_fwd
+        bwd = matmul_fwd + 2 * lora_fwd  # grad of the hidden state only: lm_head is frozen
+        # The loss upcasts logits to fp32 and log_softmax keeps its fp32 output (4V saved); the bf16
+        # logits and the fp32 copy live alongside it during the forward, so the peak per token is (b+8)V.
+        act = float((dtype_bytes + 8) * config.vocab_size)
+    elif kind == "norm":
+        fwd, bwd = 4.0 * h, 8.0 * h  # square, mean, rsqrt-scale, weight: elementwise, tiny
+        act = float(4 * h + 4)
+    else:  # embedding: a gather, nothing to differentiate (frozen, integer input)
+        fwd, bwd, act = 0.0, 0.0, 0.0
+        if targets:  # LoRA on the embedding: a gather from A plus a small matmul with B
+            fwd = 2.0 * lora_r * h
+            bwd = 2 * fwd
+            act = float(LORA_BYTES * lora_r)
+    return UnitCost(
+        num_params=num_params,
+        linear_params=linear_params,
+        param_bytes=float(param_bytes),
+        lora_params=lora_params,
+        fwd_flops_per_token=float(fwd),
+        bwd_flops_per_token=float(bwd),
+        activation_bytes_per_token=act,
+    )

@@ -1,0 +1,238 @@
+"""emit(plan, out_dir): write plan.json, one artifact directory per stage, and the two pictures.
+
+Layout under ``out_dir``::
+
+    plan.json
+    artifacts/<host>/stage<k>/stage.json      # what stage k loads, receives, sends, runs
+    artifacts/<host>/stage<k>/segment.py.txt  # stage k's slice of the traced fx graph, for a person
+    placement.png, schedule.png
+
+stage.json is a convenience view for the host that runs the stage (and for a person): the runtime's
+source of truth stays plan.json, whose input_hash each stage.json repeats.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from torch import fx
+
+from hetero.errors import ConfigError, PlanError
+from hetero.graph import LayerGraph, TensorSpec
+from hetero.plan import Plan, StagePlan
+from hetero.serde import to_dict
+from hetero.specs import BYTES_PER_DTYPE
+
+from .fxgraph import TracedModel, build_meta_model, trace_model
+
+STAGE_SCHEMA_VERSION = 1
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def emit(plan: Plan, out_dir: str | Path) -> list[Path]:
+    """Write plan.json, per-stage artifacts and placement/schedule pictures; return the paths written."""
+    out = Path(out_dir)
+    _check_plan(plan)
+    out.mkdir(parents=True, exist_ok=True)
+    traced = trace_model(build_meta_model(plan.model, plan.graph.dtype))
+    if len(traced.units) != len(plan.graph.nodes):
+        raise PlanError(
+            f"plan.json graph has {len(plan.graph.nodes)} nodes but model '{plan.model.name}' traces to "
+            f"{len(traced.units)}: recompile with `hetero compile`"
+        )
+    written: list[Path] = []
+    for stage in plan.stages:
+        if not stage.artifact:
+            stage.artifact = f"artifacts/{stage.host}/stage{stage.index}"
+        folder = out / stage.artifact
+        folder.mkdir(parents=True, exist_ok=True)
+        stage_json = folder / "stage.json"
+        stage_json.write_text(json.dumps(stage_manifest(plan, stage.index), indent=1))
+        segment = folder / "segment.py.txt"
+        segment.write_text(segment_source(plan, stage.index, traced))
+        written += [stage_json, segment]
+    plan_path = out / "plan.json"
+    plan.save(plan_path)
+
+    from .pictures import draw_placement, draw_schedule  # matplotlib only when drawing
+
+    placement, schedule = out / "placement.png", out / "schedule.png"
+    draw_placement(plan, placement)
+    draw_schedule(plan, schedule)
+    return [plan_path, *written, placement, schedule]
+
+
+def _check_plan(plan: Plan) -> None:
+    """Stages must tile the graph's nodes in order, and hosts must be usable as folder names."""
+    expected = 0
+    for k, stage in enumerate(plan.stages):
+        if stage.index != k or stage.first_node != expected or stage.last_node < stage.first_node:
+            raise PlanError(
+                f"plan stage {k}: nodes {stage.first_node}..{stage.last_node} do not follow stage {k - 1}"
+            )
+        expected = stage.last_node + 1
+        if not _SAFE_NAME.match(stage.host) or stage.host in (".", ".."):
+            raise ConfigError(
+                f"host name {stage.host!r} cannot be a folder name: use letters, digits, '.', '_', '-'"
+            )
+    if expected != len(plan.graph.nodes):
+        raise PlanError(
+            f"plan stages cover {expected} of {len(plan.graph.nodes)} graph nodes: recompile the plan"
+        )
+
+
+def stage_params(graph: LayerGraph, stage: StagePlan) -> list[str]:
+    """The state-dict names stage ``stage`` loads, in node order, each once (tied weights dedup)."""
+    names: list[str] = []
+    for node in graph.nodes[stage.first_node : stage.last_node + 1]:
+        names += [p for p in node.param_names if p not in names]
+    return names
+
+
+def _wire(tensor: TensorSpec, wire_dtype: str) -> dict[str, Any]:
+    """A boundary tensor as the wire carries it: the sender's compute dtype, bytes rescaled to it."""
+    scale = BYTES_PER_DTYPE[wire_dtype] / BYTES_PER_DTYPE.get(tensor.dtype, BYTES_PER_DTYPE[wire_dtype])
+    floating = tensor.dtype in ("float32", "bfloat16", "float16")
+    return {
+        "name": tensor.name,
+        "shape": tensor.shape,
+        "traced_dtype": tensor.dtype,
+        "wire_dtype": wire_dtype if floating else tensor.dtype,
+        "bytes_per_token": tensor.bytes_per_token * (scale if floating else 1.0),
+    }
+
+
+def _peer(plan: Plan, k: int) -> dict[str, Any] | None:
+    if not 0 <= k < len(plan.stages):
+        return None
+    s = plan.stages[k]
+    return {"stage": k, "host": s.host, "device": s.device, "endpoint": s.endpoint, "dtype": s.dtype}
+
+
+def stage_manifest(plan: Plan, k: int) -> dict[str, Any]:
+    """The stage.json contents of stage ``k``."""
+    stage, graph = plan.stages[k], plan.graph
+    receives = graph.edges[stage.first_node - 1].tensors if stage.first_node > 0 else []
+    sends = graph.edges[stage.last_node].tensors if stage.last_node < len(graph.nodes) - 1 else []
+    prev_dtype = plan.stages[k - 1].dtype if k > 0 else stage.dtype
+    nodes = graph.nodes[stage.first_node : stage.last_node + 1]
+    params = stage_params(graph, stage)
+    return {
+        "schema_version": STAGE_SCHEMA_VERSION,
+        "input_hash": plan.input_hash,
+        "hetero_version": plan.hetero_version,
+        "stage": k,
+        "num_stages": len(plan.stages),
+        "host": stage.host,
+        "device": stage.device,
+        "device_type": stage.device_type,
+        "backend": stage.backend,
+        "threads": stage.threads,
+        "dtype": stage.dtype,
+        "quantization": stage.quantization,
+        "model": {
+            "name": plan.model.name,
+            "model_type": plan.model.model_type,
+            "pretrained": plan.model.pretrained,
+        },
+        "lora": to_dict(plan.model.lora),
+        "nodes": [n.name for n in nodes],
+        "first_node": stage.first_node,
+        "last_node": stage.last_node,
+        "params": params,
+        "num_params": sum(n.num_params for n in nodes),
+        "lora_params": sum(n.lora_params for n in nodes),
+        # The stage reads the token ids (first stage) / labels (last stage) from the data itself.
+        "reads_input_ids": stage.first_node == 0,
+        "computes_loss": stage.last_node == len(graph.nodes) - 1,
+        "receives": [_wire(t, prev_dtype) for t in receives if not t.recomputed],
+        "sends": [_wire(t, stage.dtype) for t in sends if not t.recomputed],
+        "rebuilds": sorted({t.name for t in receives if t.recomputed}),
+        "endpoint": stage.endpoint,
+        "prev": _peer(plan, k - 1),
+        "next": _peer(plan, k + 1),
+        "schedule": plan.train.schedule,
+        "micro_batch_size": plan.train.micro_batch_size,
+        "num_micro_batches": plan.train.num_micro_batches,
+        "seq_len": plan.model.seq_len,
+        "program": list(stage.program),
+        "predicted": {
+            "fwd_time_s": stage.fwd_time_s,
+            "bwd_time_s": stage.bwd_time_s,
+            "send_time_s": stage.send_time_s,
+            "memory_gb": stage.memory.total_gb,
+            "available_gb": stage.memory.available_gb,
+        },
+    }
+
+
+def segment_source(plan: Plan, k: int, traced: TracedModel) -> str:
+    """Stage ``k``'s slice of the traced fx graph as Python, with a header saying what crosses its edges."""
+    stage, graph = plan.stages[k], plan.graph
+    first, last = stage.first_node, stage.last_node
+    nodes = list(traced.module.graph.nodes)
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    incoming: fx.Node | None = None
+    if first > 0:
+        # What the previous stage sends (the non-recomputed tensors of the cut) become placeholders.
+        sent = {t.name for t in graph.edges[first - 1].tensors if not t.recomputed}
+        for node in nodes:
+            owner = traced.owner[node.name]
+            if (
+                owner < first
+                and node.op == "call_module"
+                and node.name not in traced.recomputed
+                and _live_after(node, traced, first)
+            ):
+                name = "hidden_states" if "hidden_states" in sent else node.name
+                env[node] = incoming = sub.placeholder(name)
+
+    def needed(node: fx.Node) -> bool:
+        owner = traced.owner[node.name]
+        if node.op == "output" or node in env or (node.op == "placeholder" and first > 0):
+            return False
+        if first <= owner <= last:
+            return True
+        # Helpers made on an earlier stage that this stage rebuilds (rotary cos/sin).
+        return node.name in traced.recomputed and any(
+            first <= traced.owner[u.name] <= last or u.name in traced.recomputed for u in node.users
+        )
+
+    keep = [n for n in nodes if needed(n)]
+    for node in keep:
+        # A rebuilt helper reads earlier values only for shape/dtype/device: the received tensor has them.
+        env[node] = sub.node_copy(node, lambda a: env[a] if a in env else incoming)
+        env[node].type = None  # annotations would print as fx-internal names (_torch_Tensor_)
+    outputs = [
+        env[n]
+        for n in keep
+        if any(traced.owner[u.name] > last for u in n.users) and n.name not in traced.recomputed
+    ]
+    if last == len(graph.nodes) - 1:
+        outputs = [env[next(n for n in keep if n.op == "call_module" and n.target == "head")]]
+    sub.output(outputs[0] if len(outputs) == 1 else tuple(outputs))
+    code = sub.python_code(root_module="self").src
+    manifest = stage_manifest(plan, k)
+    header = [
+        f"# Stage {k} of {len(plan.stages)} on {stage.host}/{stage.device} ({stage.device_type}), "
+        f"{stage.dtype}, quantization {stage.quantization}",
+        f"# Nodes: {', '.join(manifest['nodes'])}",
+        f"# Receives: {', '.join(_describe(t) for t in manifest['receives']) or 'input_ids from the data'}",
+        f"# Sends:    {', '.join(_describe(t) for t in manifest['sends']) or 'nothing (computes the loss)'}",
+        f"# Rebuilds locally: {', '.join(manifest['rebuilds']) or 'nothing'}",
+        "# Read-only view of the traced torch.fx graph (modules stay the Hugging Face ones).",
+    ]
+    return "\n".join(header) + "\n" + code.strip("\n") + "\n"
+
+
+def _live_after(node: fx.Node, traced: TracedModel, first: int) -> bool:
+    return any(traced.owner[u.name] >= first for u in node.users)
+
+
+def _describe(t: dict[str, Any]) -> str:
+    shape = ", ".join(str(d) for d in t["shape"])
+    return f"{t['name']} [{shape}] {t['wire_dtype']}"

@@ -1,0 +1,183 @@
+"""Build an HF causal LM on the meta device and trace it into a chain of pipeline units with torch.fx.
+
+transformers 5.x has no ``transformers.utils.fx`` and ``torch.fx.symbolic_trace`` of the HF model
+fails on its decorators and dynamic control flow, so we trace a small wrapper (``PipelineView``)
+whose forward is the pipeline's view of the model: embed -> rotary -> decoder layers -> norm -> head.
+The embedding, each decoder layer, the final norm, the head and the rotary embedding are leaf
+modules: the tracer records one ``call_module`` per unit instead of descending into it.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.shape_prop import ShapeProp
+
+from hetero.errors import ConfigError, UnsupportedModelError
+from hetero.specs import ModelSpec
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
+COMPUTE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def cost_dtype(model: ModelSpec) -> str:
+    """The dtype costs are computed in: the model's dtype, or bfloat16 for "auto"."""
+    if model.dtype == "auto":
+        return "bfloat16"
+    if model.dtype not in COMPUTE_DTYPES:
+        raise ConfigError(f"model.dtype={model.dtype!r} is not one of auto, {', '.join(COMPUTE_DTYPES)}")
+    return model.dtype
+
+
+def build_config(architecture: dict[str, Any]) -> Any:
+    """An HF config object from an architecture dict (config.json contents); no download."""
+    if not isinstance(architecture, dict):
+        raise ConfigError("model.architecture must be a mapping (an HF config.json as a dict)")
+    model_type = architecture.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    from transformers import AutoConfig
+
+    kwargs = {k: v for k, v in architecture.items() if k not in ("model_type", "transformers_version")}
+    try:
+        config = AutoConfig.for_model(model_type, **kwargs)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ConfigError(f"model.architecture is not a valid {model_type} config: {exc}") from None
+    # sdpa is what training uses (flash / memory-efficient kernels, causal without a mask tensor).
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def build_meta_model(model: ModelSpec, dtype: str | None = None) -> nn.Module:
+    """The full CausalLM on the meta device: real structure and parameter names, no memory, no weights."""
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(model.architecture)
+    torch_dtype = COMPUTE_DTYPES[dtype or cost_dtype(model)]
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+
+
+class PipelineView(nn.Module):
+    """The CausalLM as the pipeline sees it; shares (does not copy) the model's submodules."""
+
+    def __init__(self, causal_lm: nn.Module) -> None:
+        super().__init__()
+        base = causal_lm.model
+        self.embed = base.embed_tokens
+        self.rotary = base.rotary_emb
+        self.layers = base.layers
+        self.norm = base.norm
+        self.head = causal_lm.lm_head
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        rope = self.rotary(hidden, position_ids)
+        cos, sin = rope[0], rope[1]
+        for layer in self.layers:
+            # No mask tensor: sdpa applies causality itself (is_causal), which keeps flash kernels usable.
+            hidden = layer(hidden, attention_mask=None, position_embeddings=(cos, sin))
+        hidden = self.norm(hidden)
+        return self.head(hidden)
+
+
+class _UnitTracer(fx.Tracer):
+    """Keeps the given modules (the pipeline units and the rotary embedding) as single call_module nodes."""
+
+    def __init__(self, leaves: set[int]) -> None:
+        super().__init__()
+        self._leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return id(m) in self._leaves or super().is_leaf_module(m, module_qualified_name)
+
+
+@dataclass
+class TracedModel:
+    """The traced wrapper plus, per fx node, which pipeline unit owns it and whether it is recomputable."""
+
+    module: fx.GraphModule
+    units: list[str]  # pipeline unit names in order: embed, layers.0, ..., norm, head
+    owner: dict[str, int] = field(default_factory=dict)  # fx node name -> unit index
+    recomputed: set[str] = field(default_factory=set)  # fx node names any stage can rebuild
+    batch: int = 0  # the sentinel sizes the shapes were propagated with
+    seq: int = 0
+
+
+def _sentinels(config: Any) -> tuple[int, int]:
+    """Batch and seq sizes that no config dimension equals, so shapes map back to symbols unambiguously."""
+    used = {v for v in vars(config).values() if isinstance(v, int)}
+    for batch, seq in ((3, 7), (5, 11), (13, 17), (19, 23), (29, 31)):
+        if batch not in used and seq not in used:
+            return batch, seq
+    raise ConfigError(
+        "model.architecture: cannot pick symbolic batch/seq sizes (every candidate is a config size)"
+    )
+
+
+def trace_model(causal_lm: nn.Module) -> TracedModel:
+    """Trace the wrapper of a meta-device CausalLM and propagate shapes at sentinel batch/seq sizes."""
+    view = PipelineView(causal_lm)
+    num_layers = len(view.layers)
+    units = ["embed", *(f"layers.{i}" for i in range(num_layers)), "norm", "head"]
+    leaves = {id(view.embed), id(view.rotary), id(view.norm), id(view.head), *(id(m) for m in view.layers)}
+    graph = _UnitTracer(leaves).trace(view)
+    gm = fx.GraphModule(view, graph, class_name="PipelineView")
+    _name_rotary_outputs(gm)
+
+    traced = TracedModel(module=gm, units=units)
+    unit_index = {name: i for i, name in enumerate(units)}
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target in unit_index:
+            traced.owner[node.name] = unit_index[node.target]
+            continue
+        # Helpers (position ids, rotary cos/sin) belong to the earliest unit that can compute them:
+        # the latest unit among their inputs (placeholders count as unit 0).
+        inputs = [traced.owner.get(a.name, 0) for a in node.all_input_nodes]
+        traced.owner[node.name] = max(inputs, default=0)
+        # A helper is recomputable when no unit's output flows into its values. The rotary module reads
+        # its hidden-state argument only for dtype/device, so its outputs count as recomputable too.
+        is_rotary = node.op == "call_module" and node.target == "rotary"
+        derived = [a for a in node.all_input_nodes if a.op != "placeholder"]
+        if node.op != "output" and (is_rotary or all(a.name in traced.recomputed for a in derived)):
+            traced.recomputed.add(node.name)
+
+    traced.batch, traced.seq = _sentinels(causal_lm.config)
+    ids = torch.zeros(traced.batch, traced.seq, dtype=torch.long, device="meta")
+    ShapeProp(gm).propagate(ids)
+    return traced
+
+
+def _name_rotary_outputs(gm: fx.GraphModule) -> None:
+    """Give the rotary getitem nodes readable names (rope_cos, rope_sin) for edges and segment code."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is operator.getitem:
+            src = node.args[0]
+            if isinstance(src, fx.Node) and src.op == "call_module" and src.target == "rotary":
+                node.name = ("rope_cos", "rope_sin")[node.args[1]]
+    gm.recompile()
+
+
+def module_of_unit(causal_lm: nn.Module, unit: str) -> tuple[str, nn.Module]:
+    """The state-dict prefix and module of a pipeline unit in the full CausalLM."""
+    if unit == "embed":
+        return "model.embed_tokens.", causal_lm.model.embed_tokens
+    if unit == "norm":
+        return "model.norm.", causal_lm.model.norm
+    if unit == "head":
+        return "lm_head.", causal_lm.lm_head
+    if unit.startswith("layers."):
+        i = int(unit.split(".", 1)[1])
+        return f"model.layers.{i}.", causal_lm.model.layers[i]
+    raise KeyError(unit)

@@ -1,0 +1,122 @@
+"""Baselines a plan is compared with, and the simulator-based prediction of any placement."""
+
+from __future__ import annotations
+
+from hetero.planner.cost import GB, CostTable
+from hetero.planner.objective import Evaluation, Placement, evaluate, split_spans
+from hetero.planner.schedules import programs_for
+from hetero.planner.simulator import Timeline, simulate
+
+from hetero.plan import Baseline, Prediction
+
+
+def predict(table: CostTable, evaluation: Evaluation) -> tuple[Prediction, Timeline]:
+    """Simulate the schedule on a placement's stage times: the numbers a plan reports."""
+    num_stages = len(evaluation.placement.devices)
+    programs = programs_for(table.schedule, num_stages, table.num_micro_batches)
+    timeline = simulate(programs, evaluation.fwd_s, evaluation.bwd_s, evaluation.send_s)
+    tokens = table.tokens * table.num_micro_batches
+    step = timeline.step_time_s
+    prediction = Prediction(
+        step_time_s=step,
+        tokens_per_step=tokens,
+        tokens_per_s=tokens / step if step > 0 else 0.0,
+        bubble_fraction=timeline.bubble_fraction,
+        stage_busy=timeline.busy_fraction,
+        stage_memory_gb=[mem.total_gb for mem in evaluation.memory],
+    )
+    return prediction, timeline
+
+
+def layer_counts(evaluation: Evaluation, decoder_indices: list[int]) -> list[int]:
+    """Decoder layers per stage of a placement."""
+    dec = set(decoder_indices)
+    return [sum(1 for i in range(a, b + 1) if i in dec) for a, b in evaluation.placement.spans]
+
+
+def proportional_counts(weights: list[float], total: int) -> list[int] | None:
+    """Split ``total`` layers in proportion to ``weights``, at least one each (largest remainder)."""
+    if total < len(weights) or not weights:
+        return None
+    share = sum(weights)
+    extra = total - len(weights)  # one layer each first, the rest proportionally
+    raw = [extra * w / share for w in weights]
+    counts = [int(r) for r in raw]
+    order = sorted(range(len(weights)), key=lambda k: raw[k] - counts[k], reverse=True)
+    for k in order[: extra - sum(counts)]:
+        counts[k] += 1
+    return [c + 1 for c in counts]
+
+
+def _split_baseline(
+    table: CostTable, decoder_indices: list[int], name: str, description: str, counts: list[int] | None
+) -> tuple[Baseline, Evaluation | None]:
+    names = [d.name for d in table.devices]
+    if counts is None:
+        return Baseline(name, description, False, f"{len(names)} devices but only {len(decoder_indices)} decoder "
+                        "layers: every stage needs one", names), None
+    spans = split_spans(table.num_nodes, counts, decoder_indices)
+    ev = evaluate(table, Placement(tuple(range(len(names))), tuple(spans)))
+    if not ev.feasible:
+        return Baseline(name, description, False, "; ".join(ev.reasons), names, counts), ev
+    prediction, _ = predict(table, ev)
+    return Baseline(name, description, True, "", names, counts, prediction), ev
+
+
+def single_device_baseline(table: CostTable, num_decoders: int) -> tuple[Baseline, Evaluation | None]:
+    """The fastest device that holds the whole model alone."""
+    best: tuple[Prediction, Evaluation] | None = None
+    smallest_need = float("inf")
+    for d in range(len(table.devices)):
+        ev = evaluate(table, Placement((d,), ((0, table.num_nodes - 1),)))
+        smallest_need = min(smallest_need, ev.memory[0].total_gb)
+        if not ev.feasible:
+            continue
+        prediction, _ = predict(table, ev)
+        if best is None or prediction.step_time_s < best[0].step_time_s:
+            best = (prediction, ev)
+    name = "best_single_device"
+    if best is None:
+        largest = max(table.usable_bytes) / GB
+        return Baseline(name, "the fastest single device that holds the whole model", False,
+                        f"no single device holds the whole model (needs {smallest_need:.1f} GB, the largest "
+                        f"has {largest:.1f} GB usable)"), None
+    prediction, ev = best
+    dev = table.devices[ev.placement.devices[0]]
+    return Baseline(name, f"{dev.display_name} ({dev.name}) alone", True, "", [dev.name],
+                    [num_decoders], prediction), ev
+
+
+def baselines(table: CostTable, decoder_indices: list[int]) -> list[Baseline]:
+    """Best single device, even split over the fleet, TFLOPS-proportional split over the fleet."""
+    num_dev, num_dec = len(table.devices), len(decoder_indices)
+    single, _ = single_device_baseline(table, num_dec)
+    even = proportional_counts([1.0] * num_dev, num_dec)
+    tflops = [d.tflops.get(d.compute_dtype(table.model_dtype), 0.0) or d.tflops.get("float32", 0.0) for d in table.devices]
+    prop = proportional_counts(tflops, num_dec) if all(t > 0 for t in tflops) else None
+    even_b, _ = _split_baseline(table, decoder_indices, "even_split",
+                                "all devices in fleet order, decoder layers split evenly", even)
+    prop_b, _ = _split_baseline(table, decoder_indices, "tflops_proportional",
+                                "all devices in fleet order, decoder layers in proportion to TFLOPS", prop)
+    return [single, even_b, prop_b]
+
+
+def candidate_placements(table: CostTable, graph_or_none: object = None) -> list[Placement]:
+    """Heuristic placements that seed the ILP: each device alone, even and TFLOPS splits, and the
+    TFLOPS split over every prefix of the devices sorted fastest first."""
+    decoder = [i for i in range(table.num_nodes)]
+    graph = graph_or_none
+    if graph is not None and hasattr(graph, "decoder_indices"):
+        decoder = graph.decoder_indices()
+    out = [Placement((d,), ((0, table.num_nodes - 1),)) for d in range(len(table.devices))]
+    tflops = [d.tflops.get(d.compute_dtype(table.model_dtype), 0.0) or d.tflops.get("float32", 0.0)
+              for d in table.devices]
+    fastest = sorted(range(len(table.devices)), key=lambda d: -tflops[d])
+    for orders in (list(range(len(table.devices))), fastest):
+        for s in range(2, len(orders) + 1):
+            devs = orders[:s]
+            for weights in ([1.0] * s, [tflops[d] or 1.0 for d in devs]):
+                counts = proportional_counts(weights, len(decoder))
+                if counts:
+                    out.append(Placement(tuple(devs), tuple(split_spans(table.num_nodes, counts, decoder))))
+    return out

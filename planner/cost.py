@@ -1,0 +1,228 @@
+"""Cost models: per (node, device) compute time and memory, per (host, host) transfer time.
+
+``CostModel`` is the interface; ``RooflineCostModel`` fills it from datasheet numbers. A measured
+profile (``hetero profile``) will be a second class with the same three methods. ``CostTable``
+evaluates a cost model once for every (node, device) of a planning problem, so the ILP, the brute
+force, the baselines and the manual split all read the very same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from hetero.errors import ConfigError
+from hetero.graph import LayerGraph
+from hetero.specs import BYTES_PER_DTYPE, ClusterSpec, DeviceSpec, ModelSpec, PlannerOptions, TrainSpec
+
+# bitsandbytes NF4 stores 4 bits per weight plus one fp32 absmax per block of 64 weights
+# (4 B / 64 = 0.0625 B); we do not count on double quantization, which would shave most of that.
+NF4_BYTES_PER_PARAM = 0.5 + 4.0 / 64
+# LLM.int8 keeps 1 B per weight plus a per-row fp32 scale (negligible for rows of >= 1k weights).
+INT8_BYTES_PER_PARAM = 1.0
+# LoRA parameters train in fp32: the parameter, its gradient and AdamW's two moments.
+LORA_BYTES_PER_PARAM = 16.0
+GB = 1e9
+
+
+def dtype_bytes(dtype: str) -> float:
+    """Bytes per element of a dtype name; "auto" graphs are costed at 2 bytes (bf16/fp16)."""
+    if dtype == "auto":
+        return 2.0
+    try:
+        return BYTES_PER_DTYPE[dtype]
+    except KeyError:
+        raise ConfigError(f"unknown dtype '{dtype}': use float32, bfloat16 or float16") from None
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """Bytes one node needs on one device."""
+
+    weights: float  # frozen base weights, at the device's dtype and quantization
+    lora: float  # LoRA params + grads + AdamW moments (fp32)
+    activations_per_mb: float  # saved for backward, per micro-batch in flight
+
+
+class CostModel(Protocol):
+    """What the planner asks of a cost model; a measured profile can replace the roofline."""
+
+    def node_time_s(
+        self, graph: LayerGraph, model: ModelSpec, node: int, device: DeviceSpec, tokens: int
+    ) -> tuple[float, float]:
+        """(forward, backward) seconds of node ``node`` on ``device`` for a micro-batch of ``tokens``."""
+        ...
+
+    def node_memory(
+        self, graph: LayerGraph, model: ModelSpec, node: int, device: DeviceSpec, tokens: int
+    ) -> NodeMemory:
+        """Bytes node ``node`` needs on ``device`` with micro-batches of ``tokens`` tokens."""
+        ...
+
+    def transfer_time_s(self, cluster: ClusterSpec, host_a: str, host_b: str, num_bytes: float) -> float:
+        """Seconds to move ``num_bytes`` from a device on ``host_a`` to one on ``host_b``."""
+        ...
+
+
+def compute_dtype(device: DeviceSpec, model: ModelSpec) -> str:
+    """The dtype ``device`` computes (and sends) in for this model."""
+    return device.compute_dtype(model.dtype)
+
+
+def weight_bytes(graph: LayerGraph, node: int, device: DeviceSpec, model: ModelSpec) -> float:
+    """Frozen weight bytes of a node on a device: linear weights quantized, the rest at compute dtype."""
+    n = graph.nodes[node]
+    elem = dtype_bytes(compute_dtype(device, model))
+    quant = device.quantization(model.quantization)
+    per_linear = {"nf4": NF4_BYTES_PER_PARAM, "int8": INT8_BYTES_PER_PARAM}.get(quant, elem)
+    return (n.num_params - n.linear_params) * elem + n.linear_params * per_linear
+
+
+def wire_bytes_per_token(graph: LayerGraph, node: int, device: DeviceSpec, model: ModelSpec) -> float:
+    """Bytes per token sent across the cut after ``node`` by a stage on ``device`` (its compute dtype)."""
+    if node >= len(graph.edges):
+        return 0.0
+    scale = dtype_bytes(compute_dtype(device, model)) / dtype_bytes(graph.dtype)
+    return graph.edges[node].bytes_per_token * scale
+
+
+class RooflineCostModel:
+    """time = max(FLOPs / (datasheet TFLOPS x efficiency), bytes touched / memory bandwidth)."""
+
+    def __init__(self, efficiency: float = 0.4) -> None:
+        if not 0.0 < efficiency <= 1.0:
+            raise ConfigError(f"planner.efficiency must be in (0, 1], got {efficiency}")
+        self.efficiency = efficiency
+
+    def _flops_per_s(self, device: DeviceSpec, dtype: str) -> float:
+        tflops = device.tflops.get(dtype, 0.0) or device.tflops.get("float32", 0.0)
+        if tflops <= 0:
+            raise ConfigError(f"device '{device.name}' has no TFLOPS figure for {dtype}: fix its hardware spec")
+        return tflops * 1e12 * self.efficiency
+
+    def node_time_s(
+        self, graph: LayerGraph, model: ModelSpec, node: int, device: DeviceSpec, tokens: int
+    ) -> tuple[float, float]:
+        """(forward, backward) seconds of one node for one micro-batch (roofline)."""
+        n = graph.nodes[node]
+        dtype = compute_dtype(device, model)
+        flops_per_s = self._flops_per_s(device, dtype)
+        bandwidth = device.memory_bandwidth_gbs * 1e9
+        if bandwidth <= 0:
+            raise ConfigError(f"device '{device.name}' has no memory bandwidth: fix its hardware spec")
+        weights = weight_bytes(graph, node, device, model)
+        act = n.activation_bytes_per_token * tokens * dtype_bytes(dtype) / dtype_bytes(graph.dtype)
+        # Forward reads the weights once and writes the saved activations; backward reads the
+        # weights again (input grads) and reads the saved activations while writing their grads.
+        fwd = max(n.fwd_flops_per_token * tokens / flops_per_s, (weights + act) / bandwidth)
+        bwd = max(n.bwd_flops_per_token * tokens / flops_per_s, (weights + 2 * act) / bandwidth)
+        return fwd, bwd
+
+    def node_memory(
+        self, graph: LayerGraph, model: ModelSpec, node: int, device: DeviceSpec, tokens: int
+    ) -> NodeMemory:
+        """Weights at the device's dtype/quantization, fp32 LoRA state, activations per micro-batch."""
+        n = graph.nodes[node]
+        scale = dtype_bytes(compute_dtype(device, model)) / dtype_bytes(graph.dtype)
+        return NodeMemory(
+            weights=weight_bytes(graph, node, device, model),
+            lora=n.lora_params * LORA_BYTES_PER_PARAM,
+            activations_per_mb=n.activation_bytes_per_token * tokens * scale,
+        )
+
+    def transfer_time_s(self, cluster: ClusterSpec, host_a: str, host_b: str, num_bytes: float) -> float:
+        """Bytes over the link's bandwidth plus its latency."""
+        try:
+            link = cluster.link(host_a, host_b)
+        except KeyError as exc:
+            raise ConfigError(f"fleet '{cluster.name}': {exc.args[0]}; add it under links:") from None
+        return num_bytes / link.bytes_per_s + link.latency_us * 1e-6
+
+
+def in_flight(schedule: str, position_from_end: int, num_micro_batches: int) -> int:
+    """Micro-batches whose activations a stage holds at its peak; position 0 is the last stage.
+
+    1F1B: stage k of S holds min(S - k, m), i.e. min(position_from_end + 1, m). GPipe: all m.
+    """
+    if schedule == "gpipe":
+        return num_micro_batches
+    return min(position_from_end + 1, num_micro_batches)
+
+
+@dataclass
+class CostTable:
+    """Every cost the planner needs, evaluated once: [node][device] arrays in seconds and bytes."""
+
+    devices: list[DeviceSpec]
+    fwd_s: list[list[float]]
+    bwd_s: list[list[float]]
+    weights: list[list[float]]
+    lora: list[list[float]]
+    activations_per_mb: list[list[float]]
+    wire_bytes: list[list[float]]  # per micro-batch, across the cut after node i, from device d
+    usable_bytes: list[float]  # memory_gb * (1 - headroom), per device
+    workspace_bytes: float
+    tokens: int
+    schedule: str
+    num_micro_batches: int
+    cluster: ClusterSpec
+    cost_model: CostModel
+    model_dtype: str = "auto"
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.fwd_s)
+
+    def transfer_s(self, node: int, sender: int, receiver: int) -> float:
+        """Seconds to send the cut after ``node`` from device index ``sender`` to ``receiver``."""
+        a, b = self.devices[sender], self.devices[receiver]
+        return self.cost_model.transfer_time_s(self.cluster, a.host, b.host, self.wire_bytes[node][sender])
+
+
+def build_cost_table(
+    graph: LayerGraph,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    options: PlannerOptions,
+    cost_model: CostModel,
+) -> CostTable:
+    """Evaluate ``cost_model`` for every (node, device) of the fleet."""
+    devices = cluster.devices
+    if not devices:
+        raise ConfigError(f"fleet '{cluster.name}' has no devices")
+    if not graph.nodes:
+        raise ConfigError(f"layer graph of '{graph.model_name}' has no nodes")
+    if train.micro_batch_size < 1 or train.num_micro_batches < 1:
+        raise ConfigError("train.micro_batch_size and train.num_micro_batches must be at least 1")
+    if not 0.0 <= options.memory_headroom < 1.0:
+        raise ConfigError(f"planner.memory_headroom must be in [0, 1), got {options.memory_headroom}")
+    tokens = train.micro_batch_size * graph.seq_len
+    n_nodes = len(graph.nodes)
+    fwd, bwd, w, lo, act, wire = ([], [], [], [], [], [])
+    for i in range(n_nodes):
+        times = [cost_model.node_time_s(graph, model, i, d, tokens) for d in devices]
+        mems = [cost_model.node_memory(graph, model, i, d, tokens) for d in devices]
+        fwd.append([t[0] for t in times])
+        bwd.append([t[1] for t in times])
+        w.append([m.weights for m in mems])
+        lo.append([m.lora for m in mems])
+        act.append([m.activations_per_mb for m in mems])
+        wire.append([wire_bytes_per_token(graph, i, d, model) * tokens for d in devices])
+    return CostTable(
+        devices=devices,
+        fwd_s=fwd,
+        bwd_s=bwd,
+        weights=w,
+        lora=lo,
+        activations_per_mb=act,
+        wire_bytes=wire,
+        usable_bytes=[d.memory_gb * (1.0 - options.memory_headroom) * GB for d in devices],
+        workspace_bytes=options.workspace_gb * GB,
+        tokens=tokens,
+        schedule=train.schedule,
+        num_micro_batches=train.num_micro_batches,
+        cluster=cluster,
+        cost_model=cost_model,
+        model_dtype=model.dtype,
+    )

@@ -1,0 +1,64 @@
+"""Explain why a model does not fit a fleet, with numbers a person can act on."""
+
+from __future__ import annotations
+
+from hetero.planner.cost import GB, NF4_BYTES_PER_PARAM, CostTable, dtype_bytes
+
+from hetero.errors import InfeasiblePlanError
+from hetero.graph import LayerGraph
+from hetero.specs import ModelSpec
+
+
+def _usable_gb(table: CostTable) -> list[float]:
+    return [max(0.0, (u - table.workspace_bytes) / GB) for u in table.usable_bytes]
+
+
+def _fleet_text(table: CostTable) -> str:
+    usable = _usable_gb(table)
+    parts = ", ".join(f"{d.name} {u:.1f}" for d, u in zip(table.devices, usable, strict=True))
+    return f"the fleet has {sum(usable):.1f} GB usable ({parts})"
+
+
+def check_single_nodes(table: CostTable, graph: LayerGraph) -> None:
+    """Raise if some node alone (with one micro-batch of activations) fits no device."""
+    usable = _usable_gb(table)
+    for i, node in enumerate(graph.nodes):
+        need = [
+            (table.weights[i][d] + table.lora[i][d] + table.activations_per_mb[i][d]) / GB
+            for d in range(len(table.devices))
+        ]
+        if all(n > u for n, u in zip(need, usable, strict=True)):
+            best = max(range(len(usable)), key=lambda d: usable[d] - need[d])
+            dev = table.devices[best]
+            raise InfeasiblePlanError(
+                f"layer '{node.name}' alone needs {need[best]:.1f} GB on {dev.name} ({dev.display_name}), "
+                f"which has {usable[best]:.1f} GB usable, and no device has more room: use nf4 quantization, "
+                f"a shorter model.seq_len or train.micro_batch_size=1, or a larger device"
+            )
+
+
+def explain_infeasible(table: CostTable, graph: LayerGraph, model: ModelSpec, num_stages: int | None) -> str:
+    """One line: what the model needs, what the fleet has, and what nf4 would need."""
+    n = len(table.devices)
+    avg = [sum(row) / n for row in table.weights]
+    weights = sum(avg) / GB
+    lora = sum(sum(row) / n for row in table.lora) / GB
+    acts = sum(sum(row) / n for row in table.activations_per_mb) / GB
+    dtype = model.dtype if model.dtype != "auto" else graph.dtype
+    msg = (
+        f"{model.name} ({dtype}, quantization {model.quantization}) needs {weights:.1f} GB for weights + "
+        f"{lora + acts:.1f} GB LoRA/activations (one micro-batch in flight) + "
+        f"{table.workspace_bytes / GB:.1f} GB workspace per device; {_fleet_text(table)}"
+    )
+    if model.quantization != "nf4":
+        elem = dtype_bytes(graph.dtype)
+        nf4 = sum((nd.num_params - nd.linear_params) * elem + nd.linear_params * NF4_BYTES_PER_PARAM for nd in graph.nodes)
+        msg += f"; nf4 would need {nf4 / GB:.1f} GB for weights (model.quantization=nf4)"
+    if num_stages:
+        msg += f"; planner.num_stages={num_stages} may be too few"
+    elif weights + lora + acts <= sum(_usable_gb(table)):
+        msg += (
+            "; the total would fit, but no contiguous split does (activations of micro-batches in flight "
+            "or one big layer): try fewer train.num_micro_batches, schedule=1f1b, or a smaller micro-batch"
+        )
+    return msg

@@ -1,0 +1,101 @@
+"""A cost model from a measured profile (`hetero profile`), with the roofline for what it lacks.
+
+Same interface as ``RooflineCostModel``. Per (device, layer kind) it uses the measured linear fit
+``a + b * tokens``; per host pair the measured latency and bandwidth; weights and LoRA state stay
+analytic (they are exact byte counts), activations come from the measured bytes per token. Every
+number it hands out is recorded in ``sources`` ("profile" or "roofline"), so the plan can say
+which numbers came from where.
+"""
+
+from __future__ import annotations
+
+from hetero.graph import LayerGraph
+from hetero.planner.cost import CostModel, NodeMemory, RooflineCostModel, compute_dtype
+from hetero.profile import Profile, check_profile
+from hetero.specs import ClusterSpec, DeviceSpec, ModelSpec
+
+
+class ProfileCostModel:
+    """Measured per-device layer times and per-link transfers; roofline fallback, with provenance."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        fallback: CostModel | None = None,
+        *,
+        path: str = "",
+        cluster: ClusterSpec | None = None,
+        model: ModelSpec | None = None,
+    ) -> None:
+        if cluster is not None and model is not None:
+            check_profile(profile, cluster, model, path or "profile")
+        self.profile = profile
+        self.fallback: CostModel = fallback or RooflineCostModel()
+        self.path = path
+        self.sources: dict[str, str] = {}  # "time cpu0/decoder" -> "profile" | "roofline (why)"
+
+    def _layer(self, device: DeviceSpec, kind: str, model: ModelSpec):  # -> LayerProfile | None
+        dev = self.profile.device(device.name)
+        if dev is None:
+            return None, "device not in the profile"
+        if dev.dtype != compute_dtype(device, model):
+            return None, f"profiled in {dev.dtype}, runs in {compute_dtype(device, model)}"
+        if dev.quantization != device.quantization(model.quantization):
+            return None, f"profiled with quantization {dev.quantization}"
+        layer = dev.layers.get(kind)
+        if layer is None:
+            return None, f"no {kind} layer measured"
+        return layer, ""
+
+    def node_time_s(
+        self, graph: LayerGraph, model: ModelSpec, node: int, device: DeviceSpec, tokens: int
+    ) -> tuple[float, float]:
+        """(forward, backward) seconds: the device's measured fit for this layer kind."""
+        kind = graph.nodes[node].kind
+        layer, why = self._layer(device, kind, model)
+        key = f"time {device.name}/{kind}"
+        if layer is None:
+            self.sources[key] = f"roofline ({why})"
+            return self.fallback.node_time_s(graph, model, node, device, tokens)
+        self.sources[key] = "profile"
+        return layer.fwd.at(tokens), layer.bwd.at(tokens)
+
+    def node_memory(
+        self, graph: LayerGraph, model: ModelSpec, node: int, device: DeviceSpec, tokens: int
+    ) -> NodeMemory:
+        """Analytic weights and LoRA state; measured saved activations per token where profiled."""
+        base = self.fallback.node_memory(graph, model, node, device, tokens)
+        kind = graph.nodes[node].kind
+        layer, why = self._layer(device, kind, model)
+        key = f"activations {device.name}/{kind}"
+        if layer is None or layer.activation_bytes_per_token <= 0:
+            self.sources[key] = f"roofline ({why or 'not measured'})"
+            return base
+        self.sources[key] = f"profile ({layer.memory_method})"
+        return NodeMemory(base.weights, base.lora, layer.activation_bytes_per_token * tokens)
+
+    def transfer_time_s(self, cluster: ClusterSpec, host_a: str, host_b: str, num_bytes: float) -> float:
+        """Measured latency + bytes / measured bandwidth between the two hosts, else the fleet file's link."""
+        link = self.profile.link(host_a, host_b)
+        key = f"link {min(host_a, host_b)}<->{max(host_a, host_b)}"
+        if link is None or link.bandwidth_gbps <= 0:
+            self.sources[key] = "fleet file (not measured)"
+            return self.fallback.transfer_time_s(cluster, host_a, host_b, num_bytes)
+        self.sources[key] = "profile"
+        return link.transfer_s(num_bytes)
+
+    def usable_memory_gb(self, device: DeviceSpec) -> float | None:
+        """The device's measured free memory, when the profile has it."""
+        dev = self.profile.device(device.name)
+        return None if dev is None else dev.usable_memory_gb
+
+    def summary(self) -> list[str]:
+        """Sentences for the plan: which numbers came from the profile and which from datasheets."""
+        measured = sorted(k for k, v in self.sources.items() if v.startswith("profile"))
+        other = sorted(f"{k} ({v})" for k, v in self.sources.items() if not v.startswith("profile"))
+        where = self.path or "the profile"
+        out = [f"Costs from {where} (measured {self.profile.created or 'at an unknown date'}): "
+               f"{len(measured)} of {len(self.sources)} numbers measured."]
+        if other:
+            out.append("Not in the profile, from datasheets/fleet file: " + "; ".join(other) + ".")
+        return out

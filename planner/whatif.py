@@ -1,0 +1,131 @@
+"""What-if comparisons for `hetero simulate`: another schedule, more micro-batches, one device removed.
+
+The first two re-simulate the plan's own per-stage times (the placement stays); memory is rescaled
+by how many micro-batches each stage then holds. Removing a device re-plans on the smaller fleet
+with the same cost model (datasheets, or the profile the plan was compiled with).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+
+from hetero.errors import HeteroError
+from hetero.plan import Plan
+from hetero.planner.cost import CostModel, in_flight
+from hetero.planner.schedules import SCHEDULES, programs_for
+from hetero.planner.simulator import Timeline, simulate
+
+
+@dataclass
+class WhatIf:
+    name: str  # "schedule=gpipe", "num_micro_batches=16", "without box1.gpu0"
+    description: str
+    feasible: bool
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    bubble_fraction: float | None = None
+    peak_memory_gb: list[float] | None = None  # per stage
+    reason: str = ""  # why infeasible
+
+    def versus(self, plan: Plan) -> str:
+        """One line comparing this alternative with the plan."""
+        if not self.feasible or self.tokens_per_s is None or self.step_time_s is None:
+            return f"{self.name}: not possible ({self.reason})"
+        ratio = self.tokens_per_s / plan.prediction.tokens_per_s if plan.prediction.tokens_per_s else 0.0
+        bubble = f", bubble {self.bubble_fraction:.0%}" if self.bubble_fraction is not None else ""
+        return (f"{self.name}: {self.step_time_s:.3g} s/step, {ratio:.2f}x the plan's tokens/s{bubble} "
+                f"({self.description})")
+
+
+def _stage_times(plan: Plan) -> tuple[list[float], list[float], list[float]]:
+    return ([s.fwd_time_s for s in plan.stages], [s.bwd_time_s for s in plan.stages],
+            [s.send_time_s for s in plan.stages])
+
+
+def _resimulated(plan: Plan, name: str, description: str, schedule: str, m: int) -> WhatIf:
+    """The same placement and stage times under another schedule or micro-batch count."""
+    num_stages = len(plan.stages)
+    fwd, bwd, send = _stage_times(plan)
+    timeline = simulate(programs_for(schedule, num_stages, m), fwd, bwd, send)
+    tokens = plan.prediction.tokens_per_step // max(plan.train.num_micro_batches, 1) * m
+    peaks, reasons = [], []
+    for k, sp in enumerate(plan.stages):
+        pos = num_stages - 1 - k
+        held_now = in_flight(plan.train.schedule, pos, plan.train.num_micro_batches)
+        held_new = in_flight(schedule, pos, m)
+        mem = sp.memory
+        total = mem.total_gb - mem.activations_gb + mem.activations_gb / max(held_now, 1) * held_new
+        peaks.append(total)
+        if total > mem.available_gb:
+            reasons.append(f"stage {k} on {sp.device} would need {total:.1f} GB of {mem.available_gb:.1f} GB")
+    step = timeline.step_time_s
+    return WhatIf(name, description, not reasons, step, tokens / step if step > 0 else None,
+                  timeline.bubble_fraction, peaks, "; ".join(reasons))
+
+
+def other_schedules(plan: Plan) -> list[WhatIf]:
+    """The plan's placement under each schedule it does not use."""
+    return [_resimulated(plan, f"schedule={s}", "same placement and micro-batches", s, plan.train.num_micro_batches)
+            for s in SCHEDULES if s != plan.train.schedule]
+
+
+def more_micro_batches(plan: Plan, factors: tuple[int, ...] = (2, 4)) -> list[WhatIf]:
+    """The same placement with ``factor`` times the micro-batches per step (same micro-batch size)."""
+    m = plan.train.num_micro_batches
+    return [_resimulated(plan, f"num_micro_batches={m * f}", f"{f}x the micro-batches of the same size per step",
+                         plan.train.schedule, m * f) for f in factors]
+
+
+def without_device(plan: Plan, device: str, cost_model: CostModel | None = None,
+                   time_limit_s: float = 5.0) -> WhatIf:
+    """Re-plan on the fleet minus ``device`` (same model, training keys and cost model)."""
+    from hetero.planner import plan as make_plan
+
+    cluster = copy.deepcopy(plan.cluster)
+    for host in cluster.hosts:
+        host.devices = [d for d in host.devices if d.name != device]
+    name = f"without {device}"
+    if not cluster.devices:
+        return WhatIf(name, "re-planned", False, reason="no device left")
+    options = replace(plan.planner, split=None, devices=None, time_limit_s=min(plan.planner.time_limit_s, time_limit_s),
+                      num_stages=None)
+    try:
+        other = make_plan(plan.model, plan.graph, cluster, plan.train, plan.data, options, cost_model=cost_model)
+    except HeteroError as exc:
+        return WhatIf(name, "re-planned", False, reason=str(exc).split("\n")[0])
+    p = other.prediction
+    return WhatIf(name, f"re-planned on {len(other.stages)} stage(s): " + ", ".join(s.device for s in other.stages),
+                  True, p.step_time_s, p.tokens_per_s, p.bubble_fraction, p.stage_memory_gb)
+
+
+def what_ifs(plan: Plan, cost_model: CostModel | None = None, replan: bool = True) -> list[WhatIf]:
+    """Every comparison `hetero simulate` prints: schedules, micro-batches, each used device removed."""
+    out = other_schedules(plan) + more_micro_batches(plan)
+    if replan and len(plan.cluster.devices) > 1:
+        out += [without_device(plan, s.device, cost_model) for s in plan.stages]
+    return out
+
+
+def memory_over_time(plan: Plan, timeline: Timeline) -> list[list[tuple[float, float]]]:
+    """Per stage, (time, GB) points: fixed memory plus saved activations of micro-batches in flight."""
+    out = []
+    for k, sp in enumerate(plan.stages):
+        mem = sp.memory
+        planned = max(1, in_flight(plan.train.schedule, len(plan.stages) - 1 - k, plan.train.num_micro_batches))
+        per_mb = mem.activations_gb / planned
+        fixed = mem.total_gb - mem.activations_gb
+        level, points = fixed, [(0.0, fixed)]
+        for e in timeline.stage_events(k):
+            # Activations are saved as the forward runs and freed when the backward finishes.
+            if e.op == "F":
+                points.append((e.start_s, level))
+                level += per_mb
+                points.append((e.end_s, level))
+            elif e.op == "B":
+                points.append((e.end_s, level))
+                level -= per_mb
+                points.append((e.end_s, level))
+        points.append((timeline.step_time_s, level))
+        out.append(points)
+    return out

@@ -67,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("plan", type=Path, help="path to plan.json")
     show.add_argument("--no-gantt", action="store_true", help="skip the simulated schedule")
     show.add_argument("--width", type=int, default=72, help="Gantt width in characters (default 72)")
+    with_config(sub.add_parser(
+        "profile", help="measure every device and link of a fleet for a model: hetero profile hardware=F model=M "
+        "[output=profile.json]"))
+    sim = sub.add_parser("simulate", help="predicted schedule of a plan: Gantt, bubble, utilization, memory, what-ifs")
+    sim.add_argument("plan", type=Path, help="path to plan.json")
+    sim.add_argument("--width", type=int, default=72, help="Gantt width in characters (default 72)")
+    sim.add_argument("--no-replan", action="store_true", help="skip the one-device-removed what-ifs (they re-plan)")
+    sim.add_argument("--picture", type=Path, help="where to draw it (default: simulate.png next to plan.json)")
     for name, (_, text) in RUNTIME_COMMANDS.items():
         sub.add_parser(name, help=text, add_help=False)
     return parser
@@ -96,8 +104,12 @@ def cmd_compile(config_dir: str | None, overrides: list[str]) -> int:
             f"(solver limit {cfg.planner.time_limit_s:.0f} s)"
         )
         make_plan = _lazy("hetero.planner", "plan")
-        plan = make_plan(cfg.model, graph, cfg.cluster, cfg.train, cfg.data, cfg.planner)
+        cost_model = profile_cost_model(cfg)
+        plan = make_plan(cfg.model, graph, cfg.cluster, cfg.train, cfg.data, cfg.planner, cost_model=cost_model)
         plan.config = cfg.raw
+        if cost_model is not None:
+            plan.cost_sources = {"profile": str(cfg.profile), **cost_model.sources}
+            plan.verdict += cost_model.summary()
         status.update(f"writing plan and artifacts to {cfg.output}")
         emit = _lazy("hetero.compiler.emit", "emit")
         paths = emit(plan, cfg.output)
@@ -143,6 +155,129 @@ def cmd_show(plan_path: Path, gantt: bool = True, width: int = 72) -> int:
     return 0
 
 
+def profile_cost_model(cfg: Any) -> Any:
+    """The ProfileCostModel for ``profile=PATH`` (checked against this fleet and model), else None."""
+    if cfg.profile is None:
+        return None
+    from hetero.planner.cost import RooflineCostModel
+    from hetero.planner.profile_cost import ProfileCostModel
+    from hetero.profile import Profile
+
+    profile = Profile.load(cfg.profile)
+    return ProfileCostModel(profile, RooflineCostModel(cfg.planner.efficiency), path=str(cfg.profile),
+                            cluster=cfg.cluster, model=cfg.model)
+
+
+def cmd_profile(config_dir: str | None, overrides: list[str]) -> int:
+    """Measure every device and host pair of the fleet for the model; write the profile file."""
+    from rich.progress import Progress
+
+    from hetero import config as config_mod
+    from hetero.profile import Profile, fleet_hash, model_hash, now_iso
+
+    cfg = config_mod.load(overrides, config_dir)
+    out_path = cfg.output if cfg.output.suffix == ".json" else cfg.output / "profile.json"
+    measure = _lazy("hetero.runtime.profile_worker", "measure_fleet")
+    fhash, mhash = fleet_hash(cfg.cluster), model_hash(cfg.model)
+    num_pairs = len(_lazy("hetero.runtime.profile_worker", "_link_pairs")(cfg.cluster))
+    err = _console(stderr=True)
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task(f"profiling {cfg.model.name} on {cfg.cluster.name}",
+                            total=len(cfg.cluster.devices) * 5 + num_pairs)
+
+        def on_event(line: str) -> None:
+            if line.startswith("on host"):
+                err.print(line, highlight=False)
+                return
+            bar.update(task, advance=1, description=line)
+
+        devices, links = measure(cfg.cluster, cfg.model, cfg.train.micro_batch_size, fhash + mhash,
+                                 log_dir=out_path.parent / "profile-logs", on_event=on_event)
+    profile = Profile(fleet=cfg.cluster.name, fleet_hash=fhash, model=cfg.model.name, model_hash=mhash,
+                      devices=devices, links=links, created=now_iso(),
+                      notes=[f"micro_batch_size={cfg.train.micro_batch_size}, seq_len={cfg.model.seq_len}"])
+    profile.save(out_path)
+    out = _console()
+    for d in devices:
+        dec = d.layers["decoder"]
+        tokens = cfg.train.micro_batch_size * cfg.model.seq_len
+        out.print(f"{d.device}: decoder layer fwd {dec.fwd.at(tokens) * 1e3:.2f} ms + bwd {dec.bwd.at(tokens) * 1e3:.2f} ms "
+                  f"at {tokens} tokens (r2 {dec.fwd.r2:.2f}/{dec.bwd.r2:.2f}), threads {d.threads}", highlight=False)
+    for lk in links:
+        out.print(f"link {lk.a}<->{lk.b}: {lk.bandwidth_gbps:.2f} Gbit/s, {lk.latency_us:.0f} us", highlight=False)
+    out.print(f"wrote {out_path}\nnext: hetero compile profile={out_path} ...", highlight=False)
+    return 0
+
+
+def cmd_simulate(plan_path: Path, width: int = 72, replan: bool = True, picture: Path | None = None) -> int:
+    """Print and draw a plan's predicted schedule, its bottleneck and what-if comparisons."""
+    from hetero.plan import Plan
+    from hetero.show import gantt_lines
+
+    plan = Plan.load(plan_path)
+    simulate = _lazy("hetero.planner.simulator", "simulate_plan")
+    bottleneck = _lazy("hetero.planner.bottleneck", "verdict")
+    whatif = _lazy("hetero.planner.whatif", "what_ifs")
+    memory_over_time = _lazy("hetero.planner.whatif", "memory_over_time")
+    timeline = simulate(plan)
+    out = _console()
+    out.print(f"[bold]{plan.model.name} on {plan.cluster.name}[/]: {len(plan.stages)} stage(s), {plan.train.schedule}, "
+              f"{plan.train.num_micro_batches} micro-batches; predicted {timeline.step_time_s:.4g} s/step, "
+              f"bubble {timeline.bubble_fraction:.0%}")
+    for line in gantt_lines(timeline, len(plan.stages), width):
+        out.print(line, highlight=False)
+    memory = memory_over_time(plan, timeline)
+    for k, sp in enumerate(plan.stages):
+        peak = max(gb for _, gb in memory[k])
+        out.print(f"stage {k} {sp.device}: utilization {timeline.busy_fraction[k]:.0%}, peak memory {peak:.2f} GB "
+                  f"of {sp.memory.available_gb:.1f} GB", highlight=False)
+    out.print("\n[bold]bottleneck[/]")
+    for line in bottleneck(plan):
+        out.print(f"  {line}", highlight=False)
+    out.print("\n[bold]what if[/]")
+    cost_model = None
+    if replan and plan.cost_sources.get("profile"):
+        from hetero.planner.cost import RooflineCostModel
+        from hetero.planner.profile_cost import ProfileCostModel
+        from hetero.profile import Profile
+
+        cost_model = ProfileCostModel(Profile.load(plan.cost_sources["profile"]),
+                                      RooflineCostModel(plan.planner.efficiency))
+    for w in whatif(plan, cost_model, replan):
+        out.print(f"  {w.versus(plan)}", highlight=False)
+    path = picture or plan_path.parent / "simulate.png"
+    _draw_simulation(plan, timeline, memory, path)
+    out.print(f"\nwrote {path}", highlight=False)
+    return 0
+
+
+def _draw_simulation(plan: Any, timeline: Any, memory: list[list[tuple[float, float]]], path: Path) -> None:
+    """Gantt (top) and memory over time (bottom), one row / one line per stage."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(plan.stages)
+    fig, (gantt, mem) = plt.subplots(2, 1, figsize=(10, 2 + 1.2 * n), sharex=True)
+    colours = {"F": "#4c8bf5", "B": "#f5a04c", "SA": "#9e9e9e", "SG": "#9e9e9e"}
+    for e in timeline.events:
+        if e.op in ("F", "B"):
+            gantt.barh(n - 1 - e.stage, e.end_s - e.start_s, left=e.start_s, color=colours[e.op], edgecolor="white")
+    gantt.set_yticks(range(n), [f"stage {k}\n{plan.stages[k].device}" for k in reversed(range(n))])
+    gantt.set_title(f"{plan.train.schedule}, {plan.train.num_micro_batches} micro-batches: "
+                    f"{timeline.step_time_s:.3g} s/step, bubble {timeline.bubble_fraction:.0%} (F blue, B orange)")
+    for k, points in enumerate(memory):
+        mem.plot([t for t, _ in points], [gb for _, gb in points], label=f"stage {k}")
+    mem.set_ylabel("GB")
+    mem.set_xlabel("seconds into the step")
+    mem.legend(loc="upper right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _run_runtime(command: str, argv: list[str]) -> int:
     func_name = RUNTIME_COMMANDS[command][0]
     func = _lazy("hetero.runtime.cli", func_name)
@@ -158,6 +293,10 @@ def _dispatch(argv: list[str]) -> int:
         return cmd_compile(args.config_dir, args.overrides)
     if args.command == "inspect":
         return cmd_inspect(args.config_dir, args.overrides)
+    if args.command == "profile":
+        return cmd_profile(args.config_dir, args.overrides)
+    if args.command == "simulate":
+        return cmd_simulate(args.plan, width=args.width, replan=not args.no_replan, picture=args.picture)
     if args.command == "show":
         return cmd_show(args.plan, gantt=not args.no_gantt, width=args.width)
     raise AssertionError(args.command)  # argparse rejects anything else

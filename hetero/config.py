@@ -20,7 +20,7 @@ from hetero.serde import from_dict
 from hetero.specs import ClusterSpec, DataSpec, LoraSpec, ModelSpec, PlannerOptions, TrainSpec
 
 GROUPS = ("model", "hardware", "train", "planner")
-_TOP_KEYS = frozenset({"model", "lora", "hardware", "train", "planner", "data", "output"})
+_TOP_KEYS = frozenset({"model", "lora", "hardware", "train", "planner", "data", "output", "profile"})
 _DTYPES = {
     "auto": "auto",
     "float32": "float32",
@@ -52,6 +52,7 @@ class Config:
     planner: PlannerOptions
     output: Path
     raw: dict[str, Any] = field(default_factory=dict)
+    profile: Path | None = None  # a measured profile (`hetero profile`) to plan with instead of datasheets
 
 
 def package_conf_dir() -> Path:
@@ -121,6 +122,9 @@ def load(overrides: list[str], config_dir: str | None = None) -> Config:
     output = raw.get("output", ".")
     if not isinstance(output, str) or not output:
         raise ConfigError(f"output must be a directory path, got {output!r}")
+    profile = raw.get("profile")
+    if profile is not None and (not isinstance(profile, str) or not profile):
+        raise ConfigError(f"profile must be the path of a `hetero profile` file, got {profile!r}")
     return Config(
         model=model,
         cluster=cluster,
@@ -129,6 +133,7 @@ def load(overrides: list[str], config_dir: str | None = None) -> Config:
         planner=planner,
         output=Path(output).expanduser(),
         raw=raw,
+        profile=Path(profile).expanduser() if profile else None,
     )
 
 

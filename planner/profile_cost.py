@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from hetero.graph import LayerGraph
 from hetero.planner.cost import CostModel, NodeMemory, RooflineCostModel, compute_dtype
-from hetero.profile import Profile, check_profile
+from hetero.profile import LayerProfile, Profile, check_profile
 from hetero.specs import ClusterSpec, DeviceSpec, ModelSpec
 
 
@@ -34,7 +34,7 @@ class ProfileCostModel:
         self.path = path
         self.sources: dict[str, str] = {}  # "time cpu0/decoder" -> "profile" | "roofline (why)"
 
-    def _layer(self, device: DeviceSpec, kind: str, model: ModelSpec):  # -> LayerProfile | None
+    def _layer(self, device: DeviceSpec, kind: str, model: ModelSpec) -> tuple[LayerProfile | None, str]:
         dev = self.profile.device(device.name)
         if dev is None:
             return None, "device not in the profile"

@@ -1,0 +1,211 @@
+"""The measured profile of a fleet for one model (`hetero profile`): versioned, validated, torch-free.
+
+A profile holds, per device, a linear fit ``time = a + b * tokens`` of the forward and backward of
+each layer kind (embedding, decoder, norm, head) measured on one real layer of the model at its
+dtype, quantization and LoRA; the memory that layer needed (fixed and per token); the device's
+usable memory; and, per host pair, the bandwidth and latency measured over the runtime's own
+transport. It is tied to one fleet and one model by hashes: a profile of another fleet, model or
+schema version is refused with one line, because its numbers would silently mislead the planner.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from hetero import __version__
+from hetero.errors import ConfigError
+from hetero.serde import from_dict, to_dict
+from hetero.specs import ClusterSpec, ModelSpec
+
+PROFILE_SCHEMA_VERSION = 1
+LAYER_KINDS = ("embedding", "decoder", "norm", "head")
+
+
+class ProfileError(ConfigError):
+    """A profile file is malformed, from another schema version, or of another fleet or model."""
+
+
+@dataclass
+class LinearFit:
+    """Least-squares fit ``seconds = a_s + b_s_per_token * tokens`` over measured samples."""
+
+    a_s: float
+    b_s_per_token: float
+    r2: float  # coefficient of determination of the fit (1 = perfect line)
+    samples: list[list[float]] = field(default_factory=list)  # [tokens, seconds] pairs (medians)
+
+    def at(self, tokens: int) -> float:
+        """Predicted seconds at ``tokens`` (never negative: a noisy intercept may be)."""
+        return max(0.0, self.a_s + self.b_s_per_token * tokens)
+
+
+def fit_line(xs: list[float], ys: list[float]) -> LinearFit:
+    """Ordinary least squares of ys on xs; a single distinct x gives a flat line through the mean."""
+    if len(xs) != len(ys) or not xs:
+        raise ValueError("fit_line needs as many ys as xs, at least one")
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return LinearFit(my, 0.0, 1.0, [[float(x), float(y)] for x, y in zip(xs, ys, strict=True)])
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    a = my - b * mx
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    ss_res = sum((y - (a + b * x)) ** 2 for x, y in zip(xs, ys, strict=True))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    return LinearFit(a, b, r2, [[float(x), float(y)] for x, y in zip(xs, ys, strict=True)])
+
+
+@dataclass
+class LayerProfile:
+    """One layer kind measured on one device."""
+
+    kind: str  # embedding | decoder | norm | head
+    fwd: LinearFit
+    bwd: LinearFit
+    weight_bytes: float  # parameters + buffers of the built layer (after quantization, with LoRA)
+    lora_params: int
+    activation_bytes_per_token: float  # saved for backward, per token of a micro-batch
+    peak_bytes_per_token: float  # peak extra memory during forward+backward, per token
+    memory_method: str  # how the two numbers above were measured (see hetero.runtime.profiler)
+
+
+@dataclass
+class DeviceProfile:
+    device: str  # DeviceSpec.name
+    host: str
+    type: str
+    backend: str
+    dtype: str  # the compute dtype it was measured in
+    quantization: str
+    threads: int | None
+    usable_memory_gb: float | None  # free device memory when measured (None: unknown)
+    seq_len: int
+    token_counts: list[int]
+    layers: dict[str, LayerProfile]  # by kind
+    telemetry: dict[str, float] = field(default_factory=dict)  # temperature_c, clocks; absent if not exposed
+    environment: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0  # how long profiling this device took
+
+
+@dataclass
+class LinkProfile:
+    """Measured path between two hosts (a == b: between two devices of one host)."""
+
+    a: str
+    b: str
+    bandwidth_gbps: float
+    latency_us: float
+    samples: list[list[float]] = field(default_factory=list)  # [bytes, one-way seconds]
+    method: str = "zmq ping-pong"
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_gbps * 1e9 / 8
+
+    def transfer_s(self, num_bytes: float) -> float:
+        """One-way seconds for ``num_bytes``: latency plus bytes over bandwidth."""
+        return self.latency_us * 1e-6 + num_bytes / self.bytes_per_s
+
+
+@dataclass
+class Profile:
+    fleet: str
+    fleet_hash: str
+    model: str
+    model_hash: str
+    devices: list[DeviceProfile]
+    links: list[LinkProfile] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    created: str = ""
+    hetero_version: str = __version__
+    schema_version: int = PROFILE_SCHEMA_VERSION
+
+    def device(self, name: str) -> DeviceProfile | None:
+        return next((d for d in self.devices if d.device == name), None)
+
+    def link(self, host_a: str, host_b: str) -> LinkProfile | None:
+        return next((lk for lk in self.links if {lk.a, lk.b} == {host_a, host_b}), None)
+
+    def save(self, path: str | Path) -> None:
+        """Write the profile as JSON (creating parent directories)."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(to_dict(self), indent=1))
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "profile") -> Profile:
+        if not isinstance(data, dict):
+            raise ProfileError(f"{where}: not a profile (expected a JSON object)")
+        version = data.get("schema_version")
+        if version != PROFILE_SCHEMA_VERSION:
+            raise ProfileError(
+                f"{where}: profile schema v{version} (written by hetero {data.get('hetero_version', '?')}), "
+                f"this hetero {__version__} reads v{PROFILE_SCHEMA_VERSION}: re-run `hetero profile`"
+            )
+        return from_dict(cls, data, where, ProfileError)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """Read and validate a profile file; every defect is a one-line ProfileError."""
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise ProfileError(f"{p}: no such profile file (run `hetero profile hardware=... model=...`)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ProfileError(f"{p}: not valid JSON ({exc}); re-run `hetero profile`") from None
+        return cls.from_dict(data, str(p))
+
+
+def fleet_hash(cluster: ClusterSpec) -> str:
+    """What makes measurements transferable: each device's name, host, type, backend, threads, memory."""
+    payload = [
+        (d.name, d.host, d.type, d.backend, d.index, d.threads, d.memory_gb) for d in cluster.devices
+    ]
+    hosts = [(h.name, h.address) for h in cluster.hosts]
+    return _hash({"devices": payload, "hosts": hosts})
+
+
+def model_hash(model: ModelSpec) -> str:
+    """What changes a layer's cost: architecture, dtype, quantization, LoRA rank/targets, sequence length."""
+    payload = {
+        "architecture": model.architecture,
+        "dtype": model.dtype,
+        "quantization": model.quantization,
+        "lora": [model.lora.r, sorted(model.lora.target_modules)],
+        "seq_len": model.seq_len,
+    }
+    return _hash(payload)
+
+
+def _hash(payload: Any) -> str:
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def check_profile(profile: Profile, cluster: ClusterSpec, model: ModelSpec, where: str = "profile") -> None:
+    """Refuse a profile measured on another fleet or for another model (one line, what to do)."""
+    if profile.fleet_hash != fleet_hash(cluster):
+        what = "another fleet" if profile.fleet != cluster.name else "this fleet with other devices/threads"
+        raise ProfileError(
+            f"{where} was measured on {what} ('{profile.fleet}', {len(profile.devices)} devices) but this "
+            f"compile uses fleet '{cluster.name}' ({len(cluster.devices)} devices): re-run "
+            f"`hetero profile hardware={cluster.name} model={model.name}`"
+        )
+    if profile.model_hash != model_hash(model):
+        raise ProfileError(
+            f"{where} was measured for model '{profile.model}' with another architecture, dtype, quantization, "
+            f"LoRA or seq_len than '{model.name}' here: re-run `hetero profile hardware={cluster.name} "
+            f"model={model.name}`"
+        )
+
+
+def now_iso() -> str:
+    """UTC timestamp, to the second, as profiles and plans record it."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,299 @@
+"""Measure one device for `hetero profile`: one real layer of each kind, timed at several token counts.
+
+The probe is the model's own CausalLM pruned to embedding + ONE decoder layer + norm + head (built
+with the runtime's helpers, random weights: no download), at the device's dtype, quantized like the
+runtime quantizes it, with the model's LoRA. Each layer kind is timed forward and backward the way
+the executor runs it (received activations require grad; the head includes the fp32 loss) at
+several micro-batch sizes, and ``time = a + b * tokens`` is fitted by least squares.
+
+Memory: saved-for-backward bytes are counted exactly on every device with
+``torch.autograd.graph.saved_tensors_hooks`` (unique storages, parameters excluded). On CUDA the
+peak is ``torch.cuda.max_memory_allocated`` above the pre-call level; on CPU there is no allocator
+peak to read, so the peak per token is the saved bytes per token (method says which).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetero.errors import HeteroError
+from hetero.profile import DeviceProfile, LayerProfile, fit_line
+from hetero.specs import DeviceSpec, ModelSpec
+
+from .stage import TORCH_DTYPES, StageLayout, _build_config, _quantize_nf4, _skeleton
+
+MIN_REPEATS = 3
+MAX_REPEATS = 25
+TARGET_S = 0.25  # per (kind, token count): repeat until this much time is measured
+
+
+class ProfileFailedError(HeteroError):
+    """The device could not run the probe layer at all (out of memory at the smallest size, no device)."""
+
+
+@dataclass
+class Probe:
+    """The pruned CausalLM (embedding, one decoder layer, norm, head) with LoRA, on its device."""
+
+    model: nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    hidden: int
+    vocab: int
+    lora_params_per_layer: int
+
+
+def build_probe(model: ModelSpec, device: torch.device, dtype: str, quantization: str, seed: int = 0) -> Probe:
+    """Build one layer of each kind of ``model`` on ``device`` (random weights, LoRA like the runtime)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch_dtype = TORCH_DTYPES[dtype]
+    config = _build_config(model.architecture)
+    m = _skeleton(config, StageLayout(embed=True, layers=[0], norm=True, head=True))
+    m.to_empty(device=device)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:  # the initializer_range of HF Llama-family configs; values only matter for NaNs
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    # to_empty left the rotary buffers uninitialised: rebuild them as the stage does.
+    m.model.rotary_emb = type(m.model.rotary_emb)(config=config).to(device)
+    m.to(torch_dtype)
+    m.requires_grad_(False)
+    if quantization == "nf4":
+        _quantize_nf4(m, torch_dtype, device)
+    m.eval()
+    lora = model.lora
+    peft = get_peft_model(m, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                        target_modules=list(lora.target_modules), bias="none",
+                                        task_type="CAUSAL_LM"))
+    peft.to(device)
+    peft.train()
+    n_lora = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    return Probe(m, device, torch_dtype, int(config.hidden_size), int(config.vocab_size), n_lora)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _layer_call(probe: Probe, kind: str, batch: int, seq: int) -> Callable[[], tuple[Any, Any]]:
+    """A closure that runs the forward of one layer kind and returns (output to backprop, its grad)."""
+    inner = probe.model.model
+    dev, dt = probe.device, probe.dtype
+    layer = next(iter(inner.layers.values()))
+    ids = torch.randint(0, probe.vocab, (batch, seq), device=dev)
+
+    def hidden() -> torch.Tensor:
+        return torch.randn(batch, seq, probe.hidden, device=dev, dtype=dt).requires_grad_(True)
+
+    if kind == "embedding":
+        return lambda: (inner.embed_tokens(ids), None)
+    if kind == "decoder":
+        def decoder() -> tuple[Any, Any]:
+            h = hidden()
+            # Positions and rotary tables are rebuilt per stage forward in the runtime: charged here.
+            pos = torch.arange(seq, device=dev).unsqueeze(0)
+            emb = inner.rotary_emb(h, pos)
+            out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=emb)
+            out = out[0] if isinstance(out, tuple) else out
+            return out, torch.ones_like(out)
+        return decoder
+    if kind == "norm":
+        def norm() -> tuple[Any, Any]:
+            out = inner.norm(hidden())
+            return out, torch.ones_like(out)
+        return norm
+    if kind == "head":
+        def head() -> tuple[Any, Any]:
+            logits = probe.model.lm_head(hidden())[:, :-1].float()
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
+            return loss / ids.numel(), None
+        return head
+    raise ValueError(f"unknown layer kind {kind!r}")
+
+
+def _time_once(call: Callable[[], tuple[Any, Any]], device: torch.device) -> tuple[float, float]:
+    _sync(device)
+    t0 = time.perf_counter()
+    out, grad = call()
+    _sync(device)
+    t1 = time.perf_counter()
+    if out.requires_grad:
+        out.backward(grad)
+    _sync(device)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def _saved_bytes(call: Callable[[], tuple[Any, Any]], params: set[int]) -> int:
+    """Bytes of unique storages autograd saves for backward (parameters excluded)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params and ptr != 0:
+            seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _ = call()
+    del out
+    return sum(seen.values())
+
+
+def _peak_bytes(call: Callable[[], tuple[Any, Any]], device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    out, grad = call()
+    if out.requires_grad:
+        out.backward(grad)
+    _sync(device)
+    return int(torch.cuda.max_memory_allocated(device) - before)
+
+
+def _zero_grads(probe: Probe) -> None:
+    for p in probe.model.parameters():
+        p.grad = None
+
+
+def profile_layer(probe: Probe, kind: str, batches: list[int], seq: int) -> tuple[LayerProfile, list[int]]:
+    """Time and size one layer kind at each micro-batch size; returns the profile and token counts used."""
+    params = {p.untyped_storage().data_ptr() for p in probe.model.parameters()}
+    params |= {b.untyped_storage().data_ptr() for b in probe.model.buffers()}
+    tokens, fwd, bwd, saved, peaks = [], [], [], [], []
+    for batch in batches:
+        call = _layer_call(probe, kind, batch, seq)
+        try:
+            _time_once(call, probe.device)  # warm-up: kernels, allocator, lazy init
+            samples = []
+            spent, t_start = 0.0, time.perf_counter()
+            while len(samples) < MAX_REPEATS and (len(samples) < MIN_REPEATS or spent < TARGET_S):
+                samples.append(_time_once(call, probe.device))
+                spent = time.perf_counter() - t_start
+            saved.append(_saved_bytes(call, params))
+            peak = _peak_bytes(call, probe.device)
+        except torch.OutOfMemoryError:
+            if not tokens:
+                raise ProfileFailedError(f"{probe.device}: out of memory profiling one {kind} layer at "
+                                         f"{batch * seq} tokens; the model does not fit this device") from None
+            break  # larger sizes will not fit either: fit what we have
+        finally:
+            _zero_grads(probe)
+        tokens.append(batch * seq)
+        fwd.append(statistics.median(s[0] for s in samples))
+        bwd.append(statistics.median(s[1] for s in samples))
+        if peak is not None:
+            peaks.append(peak)
+    saved_fit = fit_line(tokens, saved) if len(tokens) > 1 else None
+    per_token = max(0.0, saved_fit.b_s_per_token) if saved_fit else saved[0] / max(tokens[0], 1)
+    if peaks:
+        peak_fit = fit_line(tokens, peaks) if len(tokens) > 1 else None
+        peak_per_token = max(0.0, peak_fit.b_s_per_token) if peak_fit else peaks[0] / tokens[0]
+        method = "saved_tensors_hooks; peak: cuda max_memory_allocated"
+    else:
+        peak_per_token = per_token
+        method = "saved_tensors_hooks; peak: not measurable on CPU, taken as the saved bytes"
+    sub = {"embedding": probe.model.model.embed_tokens, "norm": probe.model.model.norm,
+           "head": probe.model.lm_head}.get(kind) or next(iter(probe.model.model.layers.values()))
+    weight_bytes = float(sum(t.numel() * t.element_size() for t in [*sub.parameters(), *sub.buffers()]))
+    lora = sum(p.numel() for p in sub.parameters() if p.requires_grad)
+    return LayerProfile(kind, fit_line(tokens, fwd), fit_line(tokens, bwd), weight_bytes, lora,
+                        per_token, peak_per_token, method), tokens
+
+
+def usable_memory_gb(device: torch.device, share: int = 1) -> float | None:
+    """Free memory of a GPU now; on CPU the host's available RAM divided among its ``share`` stages."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free / 1e9
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return avail / 1e9 / max(1, share)
+
+
+def telemetry(device: torch.device) -> dict[str, float]:
+    """Temperature and clocks where the vendor library is importable (NVML, amdsmi); else empty."""
+    if device.type != "cuda":
+        return {}
+    index = device.index or 0
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        try:
+            h = pynvml.nvmlDeviceGetHandleByIndex(index)
+            return {
+                "temperature_c": float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
+                "sm_clock_mhz": float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
+                "memory_clock_mhz": float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)),
+                "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
+            }
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # absent library, no NVIDIA device (a ROCm build), or a driver refusing: try AMD
+        pass
+    try:
+        import amdsmi  # type: ignore[import-not-found]
+
+        amdsmi.amdsmi_init()
+        try:
+            h = amdsmi.amdsmi_get_processor_handles()[index]
+            temp = amdsmi.amdsmi_get_temp_metric(h, amdsmi.AmdSmiTemperatureType.EDGE,
+                                                 amdsmi.AmdSmiTemperatureMetric.CURRENT)
+            clock = amdsmi.amdsmi_get_clock_info(h, amdsmi.AmdSmiClkType.GFX)
+            return {"temperature_c": float(temp), "sm_clock_mhz": float(clock.get("clk", math.nan))}
+        finally:
+            amdsmi.amdsmi_shut_down()
+    except Exception:
+        return {}
+
+
+def batch_sizes(micro_batch_size: int) -> list[int]:
+    """Micro-batch sizes to time: around the planned one, so the fit is tight where it is used."""
+    return sorted({1, max(1, micro_batch_size // 2), micro_batch_size, 2 * micro_batch_size})
+
+
+def profile_device(model: ModelSpec, device_spec: DeviceSpec, torch_device: torch.device, *,
+                   micro_batch_size: int = 1, share: int = 1,
+                   on_layer: Callable[[str], None] | None = None) -> DeviceProfile:
+    """Measure every layer kind of ``model`` on one device (call with that device's threads set)."""
+    t0 = time.perf_counter()
+    dtype = device_spec.compute_dtype(model.dtype)
+    quant = device_spec.quantization(model.quantization)
+    probe = build_probe(model, torch_device, dtype, quant)
+    layers: dict[str, LayerProfile] = {}
+    tokens: list[int] = []
+    for kind in ("embedding", "decoder", "norm", "head"):
+        layers[kind], used = profile_layer(probe, kind, batch_sizes(micro_batch_size), model.seq_len)
+        tokens = sorted(set(tokens) | set(used))
+        if on_layer is not None:
+            on_layer(kind)
+    from .env import describe_environment
+
+    return DeviceProfile(
+        device=device_spec.name, host=device_spec.host, type=device_spec.type, backend=device_spec.backend,
+        dtype=dtype, quantization=quant, threads=device_spec.threads,
+        usable_memory_gb=usable_memory_gb(torch_device, share), seq_len=model.seq_len, token_counts=tokens,
+        layers=layers, telemetry=telemetry(torch_device),
+        environment={**describe_environment(str(torch_device)), "torch_threads": torch.get_num_threads()},
+        seconds=time.perf_counter() - t0,
+    )

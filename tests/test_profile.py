@@ -1,0 +1,202 @@
+"""Profiles: schema and refusal, the profile cost model moving layers, and a real one-layer measurement."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from hetero.errors import HeteroError
+from hetero.hardware import build_cluster, load_device_types
+from hetero.planner import plan as make_plan
+from hetero.planner.cost import RooflineCostModel
+from hetero.planner.profile_cost import ProfileCostModel
+from hetero.profile import (
+    DeviceProfile,
+    LayerProfile,
+    LinearFit,
+    LinkProfile,
+    Profile,
+    ProfileError,
+    check_profile,
+    fit_line,
+    fleet_hash,
+    model_hash,
+)
+from hetero.specs import DataSpec, ModelSpec, PlannerOptions, TrainSpec
+
+
+def local_fleet(threads: list[int]):
+    """This machine's CPU as one stage per entry of ``threads``."""
+    devices = [{"type": "cpu", "threads": t} for t in threads]
+    return build_cluster({"name": "local", "hosts": [{"name": "localhost", "devices": devices}]}, load_device_types())
+
+
+@pytest.fixture(scope="module")
+def tiny_graph(tiny_spec: ModelSpec):
+    from hetero.compiler.trace import trace
+
+    return trace(tiny_spec)
+
+
+def _fit(a: float, b: float) -> LinearFit:
+    return LinearFit(a, b, 1.0, [[128.0, a + b * 128], [512.0, a + b * 512]])
+
+
+def synthetic_profile(cluster, model: ModelSpec, decoder_b: dict[str, float], kinds=("embedding", "decoder", "norm", "head")) -> Profile:
+    """A profile whose decoder costs b seconds per token on each device (the rest cheap)."""
+    devices = []
+    for d in cluster.devices:
+        layers = {}
+        for kind in kinds:
+            b = decoder_b[d.name] if kind == "decoder" else 1e-8
+            layers[kind] = LayerProfile(kind, _fit(1e-4, b), _fit(1e-4, 2 * b), 1e5, 10, 4000.0, 4000.0, "test")
+        devices.append(DeviceProfile(d.name, d.host, d.type, d.backend, "float32", "none", d.threads, 8.0,
+                                     model.seq_len, [128, 512], layers))
+    links = [LinkProfile("localhost", "localhost", 10.0, 50.0)]
+    return Profile(cluster.name, fleet_hash(cluster), model.name, model_hash(model), devices, links, created="now")
+
+
+def test_fit_line_recovers_a_noisy_line() -> None:
+    rng = random.Random(0)
+    xs = [128, 256, 512, 1024, 2048]
+    ys = [0.002 + 3e-5 * x + rng.gauss(0, 1e-5) for x in xs]
+    fit = fit_line(xs, ys)
+    assert fit.a_s == pytest.approx(0.002, abs=2e-4)
+    assert fit.b_s_per_token == pytest.approx(3e-5, rel=0.02)
+    assert fit.r2 > 0.999
+    assert fit.at(4096) == pytest.approx(0.002 + 3e-5 * 4096, rel=0.02)
+    assert LinearFit(-1.0, 0.0, 1.0).at(10) == 0.0  # a noisy negative intercept never gives negative time
+
+
+def test_profile_roundtrip_and_refusals(tmp_path: Path, tiny_spec: ModelSpec) -> None:
+    cluster = local_fleet([1, 1])
+    prof = synthetic_profile(cluster, tiny_spec, {d.name: 1e-5 for d in cluster.devices})
+    path = tmp_path / "p.json"
+    prof.save(path)
+    back = Profile.load(path)
+    assert back == prof
+    check_profile(back, cluster, tiny_spec)  # same fleet and model: accepted
+    # Another fleet (three stages, or other threads) and another model are refused with one line.
+    for other in (local_fleet([1, 1, 1]), local_fleet([2, 1])):
+        with pytest.raises(ProfileError, match="re-run `hetero profile hardware=local") as exc:
+            check_profile(back, other, tiny_spec)
+        assert "\n" not in str(exc.value)
+    bigger = ModelSpec(**{**tiny_spec.__dict__, "seq_len": 256})
+    with pytest.raises(ProfileError, match="another architecture"):
+        check_profile(back, cluster, bigger)
+    data = json.loads(path.read_text())
+    data["schema_version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="schema v99"):
+        Profile.load(path)
+    data["schema_version"] = 1
+    data["devices"][0]["layers"]["decoder"]["fwd"]["a_s"] = "fast"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=r"devices\[0\].layers.decoder.fwd.a_s"):
+        Profile.load(path)
+    with pytest.raises(ProfileError, match="no such profile"):
+        Profile.load(tmp_path / "missing.json")
+
+
+def test_profile_moves_layers_away_from_the_slow_device(tiny_spec: ModelSpec, tiny_graph) -> None:
+    cluster = local_fleet([2, 1])
+    train, opts = TrainSpec(micro_batch_size=4, num_micro_batches=8), PlannerOptions(time_limit_s=10)
+    tokens = train.micro_batch_size * tiny_spec.seq_len
+    fast, slow = cluster.devices[0].name, cluster.devices[1].name
+    results = {}
+    for ratio in (1.0, 3.0):
+        prof = synthetic_profile(cluster, tiny_spec, {fast: 1e-5, slow: ratio * 1e-5})
+        cm = ProfileCostModel(prof, RooflineCostModel(), cluster=cluster, model=tiny_spec)
+        p = make_plan(tiny_spec, tiny_graph, cluster, train, DataSpec(), opts, cost_model=cm)
+        layers = {s.device: sum(1 for n in s.node_names if n.startswith("layers.")) for s in p.stages}
+        results[ratio] = layers
+        # Stage times are the profile's fits, summed over the stage's nodes.
+        s0 = p.stages[0]
+        expect = sum(prof.device(s0.device).layers[tiny_graph.nodes[i].kind].fwd.at(tokens)
+                     for i in range(s0.first_node, s0.last_node + 1))
+        assert s0.fwd_time_s == pytest.approx(expect, rel=1e-9)
+        assert all(v == "profile" for k, v in cm.sources.items() if k.startswith(("time", "link")))
+    assert results[1.0][fast] == results[1.0][slow] == 3  # equal devices: even split
+    assert results[3.0].get(slow, 0) < results[3.0][fast]  # a 3x slower device gets fewer layers
+
+
+def test_missing_numbers_fall_back_to_the_roofline_and_say_so(tiny_spec: ModelSpec, tiny_graph) -> None:
+    cluster = local_fleet([1, 1])
+    prof = synthetic_profile(cluster, tiny_spec, {d.name: 1e-5 for d in cluster.devices}, kinds=("decoder",))
+    prof.links = []
+    cm = ProfileCostModel(prof, RooflineCostModel(), path="p.json")
+    roof = RooflineCostModel()
+    dev = cluster.devices[0]
+    head = tiny_graph.node_index("head")
+    tokens = 512
+    assert cm.node_time_s(tiny_graph, tiny_spec, head, dev, tokens) == roof.node_time_s(tiny_graph, tiny_spec, head, dev, tokens)
+    assert cm.transfer_time_s(cluster, "localhost", "localhost", 1e6) == roof.transfer_time_s(cluster, "localhost", "localhost", 1e6)
+    dec = tiny_graph.decoder_indices()[0]
+    assert cm.node_time_s(tiny_graph, tiny_spec, dec, dev, tokens)[0] == pytest.approx(1e-4 + 1e-5 * tokens)
+    assert cm.sources[f"time {dev.name}/head"].startswith("roofline")
+    assert cm.sources[f"time {dev.name}/decoder"] == "profile"
+    assert cm.sources["link localhost<->localhost"].startswith("fleet file")
+    summary = " ".join(cm.summary())
+    assert "p.json" in summary and f"time {dev.name}/head" in summary
+
+
+def test_real_decoder_layer_measurement(tiny_spec: ModelSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One real tiny decoder layer with LoRA: time grows with tokens, saved bytes match the layer's tensors."""
+    import torch
+
+    from hetero.runtime import profiler
+    from hetero.runtime.profiler import build_probe, profile_layer
+
+    monkeypatch.setattr(profiler, "TARGET_S", 0.05)  # fewer repeats: the test checks shape, not precision
+    torch.set_num_threads(1)
+    probe = build_probe(tiny_spec, torch.device("cpu"), "float32", "none")
+    prof, tokens = profile_layer(probe, "decoder", [1, 4], tiny_spec.seq_len)
+    assert tokens == [128, 512]
+    assert prof.fwd.b_s_per_token > 0 and prof.bwd.b_s_per_token > 0
+    assert prof.fwd.at(512) > prof.fwd.at(128)
+    # LoRA r=8 on 7 projections of a 64-wide layer: (in + out) * r parameters each.
+    arch = tiny_spec.architecture
+    h, i, kv = arch["hidden_size"], arch["intermediate_size"], arch["num_key_value_heads"] * arch["head_dim"]
+    shapes = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
+    assert prof.lora_params == sum((a + b) * 8 for a, b in shapes)
+    # Saved activations per token: at least the fp32 inputs of every LoRA'd projection (~4 B each
+    # over its input width), and well below 100x the hidden width.
+    assert 4 * (5 * h + 2 * i) <= prof.activation_bytes_per_token <= 400 * h * 4
+
+
+def test_one_device_profile_over_the_transport(tiny_spec: ModelSpec, tmp_path: Path) -> None:
+    """The measuring side end to end: two worker processes, each profiled, and their link measured."""
+    from hetero.runtime import profiler
+    from hetero.runtime.profile_worker import measure_fleet
+
+    cluster = local_fleet([1, 1])
+    small = ModelSpec(**{**tiny_spec.__dict__, "seq_len": 32})
+    events: list[str] = []
+    assert profiler.MIN_REPEATS >= 1
+    devices, links = measure_fleet(cluster, small, 1, "test-token", log_dir=tmp_path, on_event=events.append,
+                                   timeout_s=240, link_sizes=(1024, 1 << 18), link_repeats=2)
+    assert [d.device for d in devices] == [d.name for d in cluster.devices]
+    assert all(set(d.layers) == {"embedding", "decoder", "norm", "head"} for d in devices)
+    assert all(d.threads == 1 and d.environment["torch_threads"] == 1 for d in devices)
+    assert len(links) == 1 and links[0].a == links[0].b == "localhost"
+    assert links[0].bandwidth_gbps > 0 and links[0].latency_us > 0
+    assert any("decoder layer measured" in e for e in events)
+
+
+def test_profile_cli_refuses_a_foreign_profile(tmp_path: Path, tiny_spec: ModelSpec) -> None:
+    from hetero.cli import main
+
+    cluster = local_fleet([1, 1])
+    prof = synthetic_profile(cluster, tiny_spec, {d.name: 1e-5 for d in cluster.devices})
+    prof.fleet_hash = "0" * 16
+    path = tmp_path / "p.json"
+    prof.save(path)
+    with pytest.raises(HeteroError, match="re-run `hetero profile"):
+        from hetero import config as config_mod
+        from hetero.cli import profile_cost_model
+
+        profile_cost_model(config_mod.load([f"profile={path}"]))
+    assert main(["compile", f"profile={path}", f"output={tmp_path / 'out'}"]) == 2

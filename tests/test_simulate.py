@@ -1,0 +1,114 @@
+"""`hetero simulate`: what-ifs, bottleneck verdicts, memory over time, and the run comparison."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hetero.hardware import build_cluster, load_device_types
+from hetero.planner import plan as make_plan
+from hetero.planner.bottleneck import diagnose, verdict
+from hetero.planner.simulator import simulate_plan
+from hetero.planner.whatif import (
+    memory_over_time,
+    more_micro_batches,
+    other_schedules,
+    what_ifs,
+    without_device,
+)
+from hetero.runtime.run_compare import compare_run
+from hetero.specs import DataSpec, ModelSpec, PlannerOptions, TrainSpec
+
+
+@pytest.fixture(scope="module")
+def tiny_graph(tiny_spec: ModelSpec):
+    from hetero.compiler.trace import trace
+
+    return trace(tiny_spec)
+
+
+def fleet(threads: list[int], link_gbps: float | None = None):
+    if link_gbps is None:
+        hosts = [{"name": "localhost", "devices": [{"type": "cpu", "threads": t} for t in threads]}]
+        return build_cluster({"name": "local", "hosts": hosts}, load_device_types())
+    hosts = [{"name": f"h{k}", "address": f"10.0.0.{k + 1}", "devices": [{"type": "cpu", "threads": t}]}
+             for k, t in enumerate(threads)]
+    cfg = {"name": "lan", "hosts": hosts, "default_link": {"bandwidth_gbps": link_gbps, "latency_us": 100}}
+    return build_cluster(cfg, load_device_types())
+
+
+def a_plan(tiny_spec, graph, cluster, m: int = 8, split: list[int] | None = None, schedule: str = "1f1b"):
+    train = TrainSpec(micro_batch_size=4, num_micro_batches=m, schedule=schedule)
+    return make_plan(tiny_spec, graph, cluster, train, DataSpec(), PlannerOptions(time_limit_s=5, split=split))
+
+
+def test_what_ifs_resimulate_and_replan(tiny_spec, tiny_graph) -> None:
+    p = a_plan(tiny_spec, tiny_graph, fleet([1, 1]), m=4, split=[3, 3])
+    more = more_micro_batches(p, (2, 4))
+    bubbles = [w.bubble_fraction for w in more]
+    assert p.prediction.bubble_fraction > bubbles[0] > bubbles[1]  # more micro-batches: smaller bubble
+    assert all(w.tokens_per_s > p.prediction.tokens_per_s for w in more)
+    gpipe = other_schedules(p)[0]
+    assert gpipe.name == "schedule=gpipe"
+    # GPipe holds all 4 micro-batches on stage 0; 1F1B holds 2 there: more activation memory.
+    assert gpipe.peak_memory_gb[0] > p.stages[0].memory.total_gb
+    gone = without_device(p, p.stages[0].device)
+    assert gone.feasible and "1 stage" in gone.description
+    assert len(what_ifs(p)) == 1 + 2 + 2
+
+
+def test_bottleneck_verdicts(tiny_spec, tiny_graph) -> None:
+    uneven = a_plan(tiny_spec, tiny_graph, fleet([1, 1]), m=2, split=[1, 5])
+    kinds = [b.kind for b in diagnose(uneven)]
+    assert "compute" in kinds
+    compute = next(b for b in diagnose(uneven) if b.kind == "compute")
+    assert compute.where == uneven.stages[1].device  # five layers on the second stage
+    assert "bubble" in kinds and "more micro-batches" in " ".join(verdict(uneven))
+    slow_link = a_plan(tiny_spec, tiny_graph, fleet([1, 1], link_gbps=0.0001), m=8, split=[3, 3])
+    first = diagnose(slow_link)[0]
+    assert first.kind in ("link", "bubble") and any(b.kind == "link" and b.where == "h0<->h1"
+                                                    for b in diagnose(slow_link))
+    full = replace(uneven.stages[0], memory=replace(uneven.stages[0].memory, total_gb=9.5, available_gb=10.0))
+    tight = replace(uneven, stages=[full, uneven.stages[1]])
+    assert diagnose(tight)[0].kind == "memory"
+
+
+def test_memory_over_time_peaks_at_in_flight(tiny_spec, tiny_graph) -> None:
+    p = a_plan(tiny_spec, tiny_graph, fleet([1, 1]), m=8, split=[3, 3])
+    timeline = simulate_plan(p)
+    curves = memory_over_time(p, timeline)
+    for k, sp in enumerate(p.stages):
+        peak = max(gb for _, gb in curves[k])
+        assert peak == pytest.approx(sp.memory.total_gb, rel=1e-6)  # the planner's peak is what the timeline reaches
+        assert curves[k][-1][1] == pytest.approx(sp.memory.total_gb - sp.memory.activations_gb, abs=1e-9)
+
+
+def test_compare_run_flags_a_stage_off_by_more_than_20_percent(tiny_spec, tiny_graph) -> None:
+    p = a_plan(tiny_spec, tiny_graph, fleet([1, 1]), m=8, split=[3, 3])
+    m = p.train.num_micro_batches
+    ops = []
+    for k, sp in enumerate(p.stages):
+        factor = 1.05 if k == 0 else 1.6  # stage 1 is 60% slower than predicted
+        ops.append({"F": factor * m * sp.fwd_time_s, "B": factor * m * sp.bwd_time_s, "RA": 0.0, "RG": 0.0})
+    step = p.prediction.step_time_s * 1.4
+    metrics = [{"step_time_s": step, "stage_ops": ops} for _ in range(3)]
+    lines = compare_run(p, metrics)
+    assert "more than 20% off" in lines[0]  # the step is 40% off
+    assert "more than 20% off" not in lines[1] and "more than 20% off" in lines[2]
+    assert "+60%" in lines[2]
+    assert any(line.startswith("Measured:") for line in lines)
+
+
+def test_simulate_cli_prints_and_draws(tiny_spec, tiny_graph, tmp_path: Path, capsys) -> None:
+    from hetero.cli import main
+
+    p = a_plan(tiny_spec, tiny_graph, fleet([1, 1]), m=4, split=[3, 3])
+    path = tmp_path / "plan.json"
+    p.save(path)
+    assert main(["simulate", str(path), "--no-replan"]) == 0
+    out = capsys.readouterr().out
+    assert "bubble" in out and "utilization" in out and "schedule=gpipe" in out and "num_micro_batches=8" in out
+    assert (tmp_path / "simulate.png").stat().st_size > 1000
+    assert main(["simulate", str(tmp_path / "nope.json")]) == 2

@@ -1,0 +1,263 @@
+"""Training data: records -> token ids -> per-step batches ``[M, B, S]`` with loss labels.
+
+``StepBatches.step(i)`` is a pure function of ``i`` (and the constructor's arguments): sample
+``g = i * M * B + j`` of the run is record ``perm(seed, epoch)[g % N]`` with ``epoch = g // N``,
+so a resumed run, every stage process and the reference trainer all see the same order without
+sharing state.
+
+Labels follow the Hugging Face causal-LM convention: ``labels`` is aligned with ``input_ids`` and
+the loss compares ``logits[:, :-1]`` with ``labels[:, 1:]``; ``-100`` marks "no loss here".
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetero.errors import ConfigError
+from hetero.specs import DataSpec
+
+IGNORE_INDEX = -100
+FORMATS = ("text", "alpaca", "tokens")
+DEMO_NAME = "<bundled demo_alpaca.jsonl>"
+
+# Alpaca-style prompt. Loss is on the response (and EOS) only unless data.train_on_prompt.
+PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+PROMPT_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
+
+
+def render_alpaca(record: dict[str, Any]) -> str:
+    """The prompt text for an alpaca record (instruction, optional input), up to the response."""
+    extra = record.get("input") or ""
+    if extra:
+        return PROMPT_WITH_INPUT.format(instruction=record["instruction"], input=extra)
+    return PROMPT_NO_INPUT.format(instruction=record["instruction"])
+
+
+@dataclass
+class StepBatch:
+    """One optimizer step's global batch, split into M micro-batches of B sequences of S tokens."""
+
+    input_ids: torch.Tensor  # int64 [M, B, S]
+    labels: torch.Tensor  # int64 [M, B, S]; -100 where no loss
+    num_label_tokens: int  # count of labels[..., 1:] != -100 over the whole step: the loss divisor
+    record_ids: list[int]  # dataset index of each sequence, row-major over (M, B)
+
+
+def load_records(data: DataSpec) -> tuple[list[dict[str, Any]], str]:
+    """The raw records of ``data`` and a display name for error messages."""
+    if data.path is None:
+        from hetero.pretrained import demo_data_text
+
+        return _parse_jsonl(demo_data_text(), DEMO_NAME), DEMO_NAME
+    path = Path(data.path).expanduser()
+    name = str(path)
+    if not path.is_file():
+        raise ConfigError(f"data.path '{name}': no such file")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        builder = "json"
+    elif suffix == ".parquet":
+        builder = "parquet"
+    else:
+        raise ConfigError(f"data.path '{name}': unsupported file type '{suffix}'; use .jsonl, .json or .parquet")
+    if path.stat().st_size == 0:
+        raise ConfigError(f"data.path '{name}': file is empty")
+    import tempfile
+
+    import datasets
+
+    # Stage logs are line-oriented: no "Generating train split" bars (restored afterwards).
+    bars_were_off = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        # A private, throwaway Arrow cache: several stage processes read the same file at once, and
+        # the records are materialized below anyway.
+        with tempfile.TemporaryDirectory(prefix="hetero-data-") as cache_dir:
+            ds = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir)
+            records = ds.to_list()
+    except Exception as exc:  # datasets wraps parse errors in several types; all mean "bad file"
+        raise ConfigError(f"data.path '{name}': cannot read as {builder}: {_first_line(exc)}") from None
+    finally:
+        if not bars_were_off:
+            datasets.enable_progress_bars()
+    if not records:
+        raise ConfigError(f"data.path '{name}': no records")
+    return records, name
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+
+
+def _parse_jsonl(text: str, name: str) -> list[dict[str, Any]]:
+    records = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{name}: line {lineno}: invalid JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"{name}: line {lineno}: expected a JSON object")
+        records.append(record)
+    if not records:
+        raise ConfigError(f"{name}: no records")
+    return records
+
+
+def _validate(records: list[dict[str, Any]], data: DataSpec, name: str) -> None:
+    """Fail at startup, not mid-run, on a record the chosen format cannot use."""
+    for i, r in enumerate(records):
+        where = f"{name}: record {i}"
+        if data.format == "text":
+            if not isinstance(r.get(data.text_field), str):
+                raise ConfigError(f"{where}: needs a string field '{data.text_field}' (data.text_field)")
+        elif data.format == "alpaca":
+            for key in ("instruction", "output"):
+                if not isinstance(r.get(key), str):
+                    raise ConfigError(f"{where}: alpaca format needs string fields 'instruction' and 'output' (missing '{key}')")
+            if r.get("input") is not None and not isinstance(r["input"], str):
+                raise ConfigError(f"{where}: alpaca field 'input' must be a string")
+        else:
+            ids = r.get("input_ids")
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise ConfigError(f"{where}: tokens format needs a non-empty list of non-negative ints 'input_ids'")
+            labels = r.get("labels")
+            if labels is not None and (
+                not isinstance(labels, list) or len(labels) != len(ids) or not all(isinstance(t, int) for t in labels)
+            ):
+                raise ConfigError(f"{where}: 'labels' must be a list of ints as long as 'input_ids' (-100 = no loss)")
+
+
+class StepBatches:
+    """Deterministic per-step batches: ``step(i)`` depends only on ``i`` and the constructor args."""
+
+    def __init__(
+        self,
+        data: DataSpec,
+        tokenizer_dir: Path,
+        seq_len: int,
+        micro_batch_size: int,
+        num_micro_batches: int,
+        seed: int,
+        shuffle: bool,
+    ) -> None:
+        if data.format not in FORMATS:
+            raise ConfigError(f"data.format '{data.format}': expected one of {list(FORMATS)}")
+        for key, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size), ("num_micro_batches", num_micro_batches)):
+            if value < 1:
+                raise ConfigError(f"{key} must be >= 1, got {value}")
+        if seq_len < 2:
+            raise ConfigError(f"seq_len must be >= 2 to have a next-token target, got {seq_len}")
+        self.data = data
+        self.seq_len = seq_len
+        self.micro_batch_size = micro_batch_size
+        self.num_micro_batches = num_micro_batches
+        self.seed = seed
+        self.shuffle = shuffle
+        self.records, self.source = load_records(data)
+        _validate(self.records, data, self.source)
+
+        from transformers import AutoTokenizer
+
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        except Exception as exc:
+            raise ConfigError(f"tokenizer in '{tokenizer_dir}' cannot be loaded: {_first_line(exc)}") from None
+        tok = self.tokenizer
+        self.bos_id: int | None = tok.bos_token_id
+        self.eos_id: int | None = tok.eos_token_id
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.pad_id: int = pad if pad is not None else 0
+        self._encoded: dict[int, tuple[list[int], list[int]]] = {}
+        self._perms: OrderedDict[int, list[int]] = OrderedDict()
+
+    @property
+    def num_records(self) -> int:
+        """Records in the data set (one epoch)."""
+        return len(self.records)
+
+    @property
+    def sequences_per_step(self) -> int:
+        """M * B: sequences in one optimizer step."""
+        return self.num_micro_batches * self.micro_batch_size
+
+    def epoch_of(self, step: int) -> int:
+        """The epoch the first sequence of ``step`` belongs to."""
+        return step * self.sequences_per_step // self.num_records
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            order = list(range(self.num_records))
+            if self.shuffle:
+                # A string seed: stable across Python versions and platforms (hashed with sha512).
+                random.Random(f"hetero-data:{self.seed}:{epoch}").shuffle(order)
+            self._perms[epoch] = order
+            if len(self._perms) > 4:
+                self._perms.popitem(last=False)
+        return self._perms[epoch]
+
+    def record_index(self, sample: int) -> int:
+        """Dataset index of the run's ``sample``-th sequence (counting across steps and epochs)."""
+        epoch, pos = divmod(sample, self.num_records)
+        return self._permutation(epoch)[pos]
+
+    def encode(self, index: int) -> tuple[list[int], list[int]]:
+        """Token ids and labels of record ``index``, before truncation and padding."""
+        if index not in self._encoded:
+            self._encoded[index] = self._encode(self.records[index])
+        return self._encoded[index]
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _encode(self, record: dict[str, Any]) -> tuple[list[int], list[int]]:
+        fmt = self.data.format
+        if fmt == "tokens":
+            ids = list(record["input_ids"])
+            labels = list(record["labels"]) if record.get("labels") is not None else list(ids)
+            return ids, labels
+        head = [self.bos_id] if self.bos_id is not None else []
+        tail = [self.eos_id] if self.eos_id is not None else []
+        if fmt == "text":
+            body = head + self._ids(record[self.data.text_field]) + tail
+            return body, list(body)
+        # Prompt and response are tokenized separately so the loss mask falls on a token boundary.
+        prompt = head + self._ids(render_alpaca(record))
+        response = self._ids(record["output"]) + tail
+        prompt_labels = list(prompt) if self.data.train_on_prompt else [IGNORE_INDEX] * len(prompt)
+        return prompt + response, prompt_labels + response
+
+    def step(self, i: int) -> StepBatch:
+        """The global batch of optimizer step ``i`` (0-based)."""
+        if i < 0:
+            raise ValueError(f"step must be >= 0, got {i}")
+        m, b, s = self.num_micro_batches, self.micro_batch_size, self.seq_len
+        # Right padding: under a causal mask real tokens never attend to the pads that follow
+        # them, and pad positions carry label -100, so no attention mask is needed.
+        input_ids = torch.full((m * b, s), self.pad_id, dtype=torch.long)
+        labels = torch.full((m * b, s), IGNORE_INDEX, dtype=torch.long)
+        first = i * m * b
+        record_ids = []
+        for j in range(m * b):
+            index = self.record_index(first + j)
+            record_ids.append(index)
+            ids, labs = self.encode(index)
+            n = min(len(ids), s)  # truncate longer sequences
+            input_ids[j, :n] = torch.tensor(ids[:n], dtype=torch.long)
+            labels[j, :n] = torch.tensor(labs[:n], dtype=torch.long)
+        num_label_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        if num_label_tokens == 0:
+            raise ConfigError(
+                f"{self.source}: step {i} has no label tokens after truncation to seq_len={s}; raise model.seq_len"
+            )
+        return StepBatch(input_ids.view(m, b, s), labels.view(m, b, s), num_label_tokens, record_ids)

@@ -1,0 +1,111 @@
+"""The independent reference trainer: plain transformers + peft on one process, no hetero runtime code.
+
+The runtime's equivalence test trains the same model on the same data (``StepBatches``, the only
+hetero piece used here, so both see identical tokens in identical order) and compares per-step
+losses and the final LoRA weights with ``train_reference``. Everything else here is the textbook
+loop: fp32 model, peft LoRA, per-micro-batch backward of ``loss_sum / num_label_tokens``, gradient
+clipping, ``torch.optim.AdamW`` and ``transformers.get_scheduler``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from transformers import AutoModelForCausalLM, get_scheduler
+
+from hetero.runtime.data import StepBatch, StepBatches
+from hetero.specs import LoraSpec, TrainSpec
+
+HF_SCHEDULER = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+def lora_config(lora: LoraSpec) -> LoraConfig:
+    """The peft LoraConfig for a hetero LoraSpec."""
+    return LoraConfig(
+        r=lora.r,
+        lora_alpha=int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha,  # type: ignore[arg-type]
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def build_reference_model(model_dir: Path, lora: LoraSpec, init_adapter: Path | None, seed: int = 0) -> PeftModel:
+    """fp32 base model with trainable LoRA: fresh (seeded) or loaded from ``init_adapter``."""
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    if init_adapter is None:
+        model = get_peft_model(base, lora_config(lora))
+    else:
+        # Pass the config explicitly so dropout etc. follow `lora`, weights follow the adapter.
+        model = PeftModel.from_pretrained(base, str(init_adapter), is_trainable=True, config=lora_config(lora))
+    model.train()
+    return model
+
+
+def accumulate_step(model: torch.nn.Module, batch: StepBatch) -> float:
+    """Forward/backward every micro-batch of ``batch`` (grads accumulate); returns the step's mean loss."""
+    total = 0.0
+    for ids, labels in zip(batch.input_ids, batch.labels, strict=True):
+        logits = model(input_ids=ids).logits
+        # HF causal-LM convention: position t predicts token t+1.
+        loss_sum = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+            labels[:, 1:].reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
+        )
+        (loss_sum / batch.num_label_tokens).backward()
+        total += loss_sum.item()
+    return total / batch.num_label_tokens
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The LoRA parameters (everything else is frozen by peft)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def train_reference(
+    model_dir: Path,
+    lora: LoraSpec,
+    init_adapter: Path | None,
+    batches: StepBatches,
+    train: TrainSpec,
+    steps: int,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train ``steps`` optimizer steps; returns per-step losses and the final LoRA state (PEFT keys)."""
+    model = build_reference_model(model_dir, lora, init_adapter, train.seed)
+    params = trainable_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+    scheduler = get_scheduler(
+        HF_SCHEDULER[train.scheduler], optimizer, num_warmup_steps=train.warmup_steps, num_training_steps=train.steps
+    )
+    losses = []
+    for step in range(steps):
+        losses.append(accumulate_step(model, batches.step(step)))
+        if train.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    state = {k: v.detach().to(torch.float32).clone() for k, v in get_peft_model_state_dict(model).items()}
+    return losses, state
+
+
+def make_init_adapter(model_dir: Path, lora: LoraSpec, out_dir: Path, seed: int) -> Path:
+    """Save a fresh PEFT adapter whose lora_B is non-zero, so every LoRA path carries gradient from step 0."""
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = get_peft_model(base, lora_config(lora))
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+    out_dir = Path(out_dir)
+    model.save_pretrained(str(out_dir))  # peft's own writer, independent of hetero.runtime.adapter
+    return out_dir

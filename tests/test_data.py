@@ -1,0 +1,159 @@
+"""StepBatches: formats, loss masks, padding/truncation, deterministic epoch order, bad data."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from hetero.errors import ConfigError
+from hetero.pretrained import demo_data_text
+from hetero.runtime.data import IGNORE_INDEX, StepBatches, render_alpaca
+from hetero.specs import DataSpec
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO = [json.loads(line) for line in demo_data_text().splitlines() if line.strip()]
+
+
+def _batches(model_dir: Path, data: DataSpec | None = None, **kw) -> StepBatches:
+    args = {"seq_len": 128, "micro_batch_size": 4, "num_micro_batches": 3, "seed": 0, "shuffle": True} | kw
+    return StepBatches(data or DataSpec(), model_dir, **args)
+
+
+def test_demo_file_is_what_the_script_writes() -> None:
+    assert len(DEMO) >= 250
+    script = REPO / "scripts" / "make_demo_data.py"
+    assert subprocess.run([sys.executable, str(script), "--check"]).returncode == 0
+
+
+def test_alpaca_masks_the_prompt(tiny_model_dir: Path) -> None:
+    sb = _batches(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    batch = sb.step(2)
+    m, b, s = 3, 4, 128
+    assert batch.input_ids.shape == batch.labels.shape == (m, b, s)
+    assert batch.input_ids.dtype == batch.labels.dtype == torch.long
+    ids, labels = batch.input_ids.view(m * b, s), batch.labels.view(m * b, s)
+    for row, index in enumerate(batch.record_ids):
+        record = sb.records[index]
+        real = ids[row] != tok.pad_token_id
+        n = int(real.sum())
+        assert bool(real[:n].all()) and not bool(real[n:].any())  # right padding
+        assert ids[row, 0] == tok.bos_token_id and ids[row, n - 1] == tok.eos_token_id
+        assert tok.decode(ids[row, 1 : n - 1]) == render_alpaca(record) + record["output"]
+        target = labels[row] != IGNORE_INDEX
+        # Loss exactly on the response and EOS: the prompt and the pads carry -100.
+        assert tok.decode(labels[row][target]) == record["output"] + tok.eos_token
+        assert torch.equal(labels[row][target], ids[row][target])
+        assert bool(target[: n - int(target.sum())].logical_not().all()) and not bool(target[n:].any())
+    assert batch.num_label_tokens == int((batch.labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def test_train_on_prompt_labels_everything_but_pads(tiny_model_dir: Path) -> None:
+    batch = _batches(tiny_model_dir, DataSpec(train_on_prompt=True)).step(0)
+    real = batch.input_ids != 0
+    assert torch.equal(batch.labels[real], batch.input_ids[real])
+    assert bool((batch.labels[~real] == IGNORE_INDEX).all())
+
+
+def test_order_is_a_pure_function_of_step(tiny_model_dir: Path) -> None:
+    a, b = _batches(tiny_model_dir), _batches(tiny_model_dir)
+    late = b.step(40)  # a fresh instance asked out of order gives the same batch
+    for i in (0, 1, 40):
+        x, y = a.step(i), (late if i == 40 else b.step(i))
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.labels, y.labels)
+        assert x.record_ids == y.record_ids and x.num_label_tokens == y.num_label_tokens
+    n = a.num_records
+    epoch0 = [a.record_index(g) for g in range(n)]
+    epoch1 = [a.record_index(g) for g in range(n, 2 * n)]
+    assert sorted(epoch0) == sorted(epoch1) == list(range(n))  # each record once per epoch
+    assert epoch0 != epoch1 and epoch0 != list(range(n))  # reshuffled each epoch
+    # Steps straddling the epoch boundary wrap around: samples g = 12*i + j.
+    step = a.step(n // 12)
+    assert step.record_ids == [a.record_index(12 * (n // 12) + j) for j in range(12)]
+    assert _batches(tiny_model_dir, seed=1).step(0).record_ids != a.step(0).record_ids
+    plain = _batches(tiny_model_dir, shuffle=False)
+    assert [plain.record_index(g) for g in range(n + 5)] == list(range(n)) + list(range(5))
+
+
+def test_truncation_and_no_label_steps(tiny_model_dir: Path) -> None:
+    full = _batches(tiny_model_dir, shuffle=False).step(0)
+    short = _batches(tiny_model_dir, shuffle=False, seq_len=24).step(0)
+    assert short.input_ids.shape[-1] == 24
+    assert torch.equal(short.input_ids, full.input_ids[..., :24])
+    assert torch.equal(short.labels, full.labels[..., :24])
+    with pytest.raises(ConfigError, match="no label tokens"):
+        _batches(tiny_model_dir, seq_len=4).step(0)
+
+
+def test_text_format_from_jsonl_and_json(tiny_model_dir: Path, tmp_path: Path) -> None:
+    rows = [{"body": f"note number {i}: the pipeline is warm"} for i in range(5)]
+    jsonl = tmp_path / "notes.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    as_json = tmp_path / "notes.json"
+    as_json.write_text(json.dumps(rows))
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    spec = DataSpec(path=str(jsonl), format="text", text_field="body")
+    for path in (jsonl, as_json):
+        sb = _batches(tiny_model_dir, DataSpec(path=str(path), format="text", text_field="body"), shuffle=False,
+                      micro_batch_size=1, num_micro_batches=2)
+        batch = sb.step(0)
+        for mb in range(2):
+            real = batch.input_ids[mb, 0] != tok.pad_token_id
+            assert tok.decode(batch.input_ids[mb, 0][real], skip_special_tokens=True) == rows[mb]["body"]
+            assert torch.equal(batch.labels[mb, 0][real], batch.input_ids[mb, 0][real])
+    assert _batches(tiny_model_dir, spec, shuffle=False).num_records == 5
+
+
+def test_tokens_format_from_parquet(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import datasets
+
+    rows = [
+        {"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]},
+        {"input_ids": [9, 10, 11, 12, 13, 14, 15, 16], "labels": None},  # no labels: every token; truncated
+    ]
+    path = tmp_path / "tok.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    sb = _batches(tiny_model_dir, DataSpec(path=str(path), format="tokens"), shuffle=False, seq_len=6,
+                  micro_batch_size=2, num_micro_batches=1)
+    batch = sb.step(0)
+    assert batch.input_ids[0].tolist() == [[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14]]
+    assert batch.labels[0].tolist() == [[-100, -100, 7, 8, -100, -100], [9, 10, 11, 12, 13, 14]]
+    assert batch.num_label_tokens == 2 + 5
+
+
+@pytest.mark.parametrize(
+    "content,fmt,match",
+    [
+        ('{"instruction": "x"}\n', "alpaca", r"record 0: .*'output'"),
+        ('{"instruction": "a", "output": "b"}\n{"instruction": "x", "output": 3}\n', "alpaca", "record 1"),
+        ('{"text": "hi"}\n{"other": "no"}\n', "text", "record 1: needs a string field 'text'"),
+        ('{"input_ids": []}\n', "tokens", "record 0: tokens format"),
+        ('{"input_ids": [1, 2], "labels": [1]}\n', "tokens", "as long as"),
+        ("", "alpaca", "empty"),
+        ("{not json\n", "alpaca", "cannot read"),
+    ],
+)
+def test_bad_data(tiny_model_dir: Path, tmp_path: Path, content: str, fmt: str, match: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=match) as info:
+        _batches(tiny_model_dir, DataSpec(path=str(path), format=fmt))  # type: ignore[arg-type]
+    assert "\n" not in str(info.value)
+
+
+def test_bad_spec(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="format"):
+        _batches(tiny_model_dir, DataSpec(format="chat"))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="no such file"):
+        _batches(tiny_model_dir, DataSpec(path=str(tmp_path / "nope.jsonl")))
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(ConfigError, match="unsupported file type"):
+        _batches(tiny_model_dir, DataSpec(path=str(tmp_path / "data.csv")))
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        _batches(tiny_model_dir, micro_batch_size=0)

@@ -1,0 +1,223 @@
+"""Run one stage's program for one optimizer step: a type -> handler table over hetero.program Actions.
+
+Semantics (shared with the planner's simulator, see hetero/program.py): sends are asynchronous,
+receives block; stage 0's F reads micro-batch ``mb`` of the step's input ids, the last stage's F
+computes the summed token cross-entropy and its B starts from ``loss_sum / num_label_tokens`` of the
+whole step — so accumulating over micro-batches gives exactly the one-GPU gradient. STEP clips by
+the *global* gradient norm (every stage's squared norm summed by the coordinator) and steps AdamW.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from hetero.errors import WireError
+from hetero.program import Action
+from hetero.runtime.lr import make_scheduler
+from hetero.runtime.stage import Stage
+from hetero.specs import TrainSpec
+
+IGNORE_INDEX = -100
+COORDINATOR = "coordinator"
+COMPUTE_OPS = ("F", "B", "STEP")  # what counts as a stage's busy time; the rest is waiting or sending
+
+
+def stage_name(k: int) -> str:
+    """The transport name of stage k (also its peers' name for it)."""
+    return f"stage{k}"
+
+
+class Wire(Protocol):
+    """The part of hetero.runtime.transport.Transport the executor uses."""
+
+    def send(self, peer: str, kind: str, *, step: int = 0, mb: int = -1,
+             tensors: dict[str, torch.Tensor] | None = None, meta: dict | None = None) -> None: ...
+
+    def recv(self, kind: str | None = None, *, step: int | None = None, mb: int | None = None,
+             sender: str | None = None, timeout_s: Any = ...) -> Any: ...
+
+
+@dataclass
+class StepStats:
+    """What one stage measured during one optimizer step (sent to the coordinator as ``stepdone``)."""
+
+    step: int
+    loss_sum: float | None  # last stage: summed token cross-entropy of the step
+    num_label_tokens: int | None
+    grad_sumsq: float  # this stage's squared LoRA gradient norm, before clipping
+    lr: float  # the learning rate this step used
+    busy_s: float  # F + B + optimizer time
+    wall_s: float
+    op_time_s: dict[str, float] = field(default_factory=dict)  # per action type
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"step": self.step, "loss_sum": self.loss_sum, "num_label_tokens": self.num_label_tokens,
+                "grad_sumsq": self.grad_sumsq, "lr": self.lr, "busy_s": self.busy_s, "wall_s": self.wall_s,
+                "op_time_s": dict(self.op_time_s)}
+
+
+class Executor:
+    """Executes a stage's program step after step; owns the stage's optimizer and LR schedule."""
+
+    def __init__(self, stage: Stage, program: list[Action], wire: Wire, train: TrainSpec) -> None:
+        self.stage = stage
+        self.program = program
+        self.wire = wire
+        self.train = train
+        self.prev = stage_name(stage.index - 1) if not stage.is_first else None
+        self.next = stage_name(stage.index + 1) if not stage.is_last else None
+        self.params = stage.lora_parameters()
+        # torch defaults (betas, eps) like the one-GPU reference; AdamW is per-element, so splitting
+        # the parameters across stages changes nothing.
+        self.optimizer = torch.optim.AdamW(self.params, lr=train.lr, weight_decay=train.weight_decay) if self.params else None
+        self.scheduler = make_scheduler(self.optimizer, train) if self.optimizer is not None else None
+        self.steps_done = 0  # optimizer steps taken (the step number of the next step)
+        self._handlers: dict[str, Callable[[int, int], None]] = {
+            "RA": self._recv_activation, "F": self._forward, "SA": self._send_activation,
+            "RG": self._recv_grad, "B": self._backward, "SG": self._send_grad, "STEP": self._optimizer_step,
+        }
+        self._reset()
+
+    def _reset(self) -> None:
+        self._inputs: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._grads: dict[int, torch.Tensor] = {}
+        self._input_ids: torch.Tensor | None = None
+        self._labels: torch.Tensor | None = None
+        self._num_label_tokens: int | None = None
+        self._loss_sum = 0.0
+        self._grad_sumsq = 0.0
+        self._lr = 0.0
+        self._clip_wait = 0.0
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def run_step(self, step: int) -> StepStats:
+        """Execute the whole program once (one optimizer step) and return its measurements."""
+        self._reset()
+        self._lr = self.scheduler.get_last_lr()[0] if self.scheduler is not None else self.train.lr
+        times: dict[str, float] = defaultdict(float)
+        start = time.perf_counter()
+        self._step_inputs(step)  # waiting for data is not compute: timed on its own
+        times["data_wait"] = time.perf_counter() - start
+        for action in self.program:
+            t0 = time.perf_counter()
+            self._handlers[action.op](step, action.mb)
+            times[action.op] += time.perf_counter() - t0
+        wall = time.perf_counter() - start
+        times["clip_wait"] = self._clip_wait  # inside STEP, but waiting for the other stages
+        leftover = len(self._inputs) + len(self._outputs) + len(self._grads)
+        if leftover:
+            raise RuntimeError(f"stage {self.stage.index}: program left {leftover} tensors unconsumed (bad program)")
+        self.steps_done = step + 1
+        return StepStats(
+            step=step,
+            loss_sum=self._loss_sum if self.stage.is_last else None,
+            num_label_tokens=self._num_label_tokens,
+            grad_sumsq=self._grad_sumsq,
+            lr=self._lr,
+            busy_s=sum(times[op] for op in COMPUTE_OPS) - self._clip_wait,
+            wall_s=wall,
+            op_time_s=dict(times),
+        )
+
+    # -- handlers ---------------------------------------------------------------------------------
+
+    def _sync(self) -> None:
+        # Asynchronous GPU kernels would be timed by whichever action syncs next; keep busy time honest.
+        if self.stage.device.type == "cuda":
+            torch.cuda.synchronize(self.stage.device)
+
+    def _recv_activation(self, step: int, mb: int) -> None:
+        msg = self.wire.recv("act", step=step, mb=mb, sender=self.prev)
+        x = msg.tensors["h"].to(self.stage.device, self.stage.dtype)  # cast: a bf16 peer can feed fp16
+        self._inputs[mb] = x.requires_grad_(True)
+
+    def _step_inputs(self, step: int) -> None:
+        """Stage 0 needs the step's input ids, the last stage its labels: both come from the coordinator."""
+        if self.stage.is_first and self._input_ids is None:
+            msg = self.wire.recv("batch", step=step, sender=COORDINATOR)
+            self._input_ids = msg.tensors["input_ids"]
+        if self.stage.is_last and self._labels is None:
+            msg = self.wire.recv("labels", step=step, sender=COORDINATOR)
+            self._labels = msg.tensors["labels"]
+            self._num_label_tokens = int(msg.meta["num_label_tokens"])
+            if self._num_label_tokens < 1:
+                raise WireError(f"step {step}: coordinator sent num_label_tokens={self._num_label_tokens}")
+
+    def _forward(self, step: int, mb: int) -> None:
+        if self.stage.is_first:
+            assert self._input_ids is not None
+            x = self._input_ids[mb].to(self.stage.device)
+            self._inputs[mb] = x
+        else:
+            x = self._inputs[mb]
+        out = self.stage.forward(x)
+        if self.stage.is_last:
+            assert self._labels is not None
+            labels = self._labels[mb].to(out.device)
+            # HF causal-LM convention: position t predicts token t+1; fp32 loss whatever the stage dtype.
+            logits = out[:, :-1].float()
+            loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                       ignore_index=IGNORE_INDEX, reduction="sum")
+            self._loss_sum += float(loss_sum.detach())
+            out = loss_sum
+        self._outputs[mb] = out
+        self._sync()
+
+    def _send_activation(self, step: int, mb: int) -> None:
+        self.wire.send(self.next, "act", step=step, mb=mb, tensors={"h": self._outputs[mb].detach()})
+
+    def _recv_grad(self, step: int, mb: int) -> None:
+        msg = self.wire.recv("grad", step=step, mb=mb, sender=self.next)
+        out = self._outputs[mb]
+        self._grads[mb] = msg.tensors["g"].to(out.device, out.dtype)
+
+    def _backward(self, step: int, mb: int) -> None:
+        out = self._outputs.pop(mb)
+        if self.stage.is_last:
+            assert self._num_label_tokens is not None
+            if out.requires_grad:
+                (out / self._num_label_tokens).backward()
+        else:
+            grad = self._grads.pop(mb)
+            if out.requires_grad:
+                out.backward(grad)
+        if self.stage.is_first:
+            self._inputs.pop(mb, None)  # input ids need no gradient
+        self._sync()
+
+    def _send_grad(self, step: int, mb: int) -> None:
+        x = self._inputs.pop(mb)
+        grad = x.grad if x.grad is not None else torch.zeros_like(x)
+        self.wire.send(self.prev, "grad", step=step, mb=mb, tensors={"g": grad})
+
+    def _optimizer_step(self, step: int, mb: int) -> None:
+        with torch.no_grad():
+            sumsq = sum((p.grad.double().pow(2).sum() for p in self.params if p.grad is not None),
+                        torch.zeros((), dtype=torch.float64))
+            self._grad_sumsq = float(sumsq)
+        self.wire.send(COORDINATOR, "gradnorm", step=step, meta={"sumsq": self._grad_sumsq})
+        t0 = time.perf_counter()
+        msg = self.wire.recv("clip", step=step, sender=COORDINATOR)
+        self._clip_wait = time.perf_counter() - t0
+        coef = float(msg.meta["coef"])
+        if self.optimizer is None:
+            return
+        with torch.no_grad():
+            if coef != 1.0:
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        self.optimizer.step()
+        assert self.scheduler is not None
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._sync()

@@ -1,0 +1,196 @@
+"""Hand-built plans for the runtime tests (no compiler or ILP needed), and checks of those plans.
+
+``make_plan`` places the tiny model on local CPU stages with a given split of decoder layers and
+free loopback ports: the runtime is tested on exactly what it reads from a compiled plan.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from hetero.graph import LayerGraph, LayerNode
+from hetero.plan import MemoryBreakdown, Plan, Prediction, SolverReport, StagePlan, compute_input_hash
+from hetero.planner.schedules import programs_for
+from hetero.program import format_program
+from hetero.specs import (
+    ClusterSpec,
+    DataSpec,
+    DeviceSpec,
+    HostSpec,
+    LinkSpec,
+    LoraSpec,
+    ModelSpec,
+    PlannerOptions,
+    TrainSpec,
+)
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on loopback (bound then released; fine for tests)."""
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _graph(model: ModelSpec, state_keys: list[str]) -> LayerGraph:
+    arch = model.architecture
+    n_layers = int(arch["num_hidden_layers"])
+    nodes = [LayerNode("embed", "embedding", [k for k in state_keys if "embed_tokens" in k], 0, 0, 0, 0, 0, 0, 0)]
+    for i in range(n_layers):
+        keys = [k for k in state_keys if k.startswith(f"model.layers.{i}.")]
+        nodes.append(LayerNode(f"layers.{i}", "decoder", keys, 0, 0, 0, 0, 0, 0, 0))
+    nodes.append(LayerNode("norm", "norm", ["model.norm.weight"], 0, 0, 0, 0, 0, 0, 0))
+    nodes.append(LayerNode("head", "head", ["lm_head.weight"], 0, 0, 0, 0, 0, 0, 0))
+    return LayerGraph(model.name, model.model_type, model.seq_len, "float32", model.quantization,
+                      int(arch["hidden_size"]), int(arch["vocab_size"]), n_layers, nodes, edges=[])
+
+
+def make_plan(
+    model_dir: Path,
+    architecture: dict,
+    split: list[int],
+    *,
+    train: TrainSpec | None = None,
+    lora: LoraSpec | None = None,
+    seq_len: int = 32,
+    quantization: str = "none",
+    hosts: list[str] | None = None,
+    dtypes: list[str] | None = None,
+) -> Plan:
+    """A valid plan for the model in ``model_dir``: stage k holds ``split[k]`` decoder layers on CPU."""
+    from safetensors import safe_open
+
+    keys: list[str] = []
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            keys += list(h.keys())
+    model = ModelSpec(name="tiny", architecture=dict(architecture), pretrained=str(model_dir), dtype="float32",
+                      quantization=quantization, lora=lora or LoraSpec(), seq_len=seq_len)
+    train = train or TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=3)
+    graph = _graph(model, keys)
+    num_stages = len(split)
+    host_of = hosts or ["localhost"] * num_stages
+    ports = free_ports(num_stages)
+    host_specs: dict[str, HostSpec] = {}
+    for k, h in enumerate(host_of):
+        hs = host_specs.setdefault(h, HostSpec(h, "127.0.0.1", ports[k]))
+        hs.devices.append(DeviceSpec(f"{h}.cpu{k}", h, "cpu", k, "cpu", "CPU", 8.0, 50.0,
+                                     {"float32": 1.0, "float16": 1.0, "bfloat16": 1.0}, False, True, threads=1))
+    names = list(host_specs)
+    links = [LinkSpec(a, b, 10.0) for i, a in enumerate(names) for b in names[i + 1:]]
+    cluster = ClusterSpec("test", list(host_specs.values()), links)
+    programs = programs_for(train.schedule, num_stages, train.num_micro_batches)
+    stages: list[StagePlan] = []
+    first = 0
+    for k, n in enumerate(split):
+        last = first + n - (0 if k < num_stages - 1 else -2)  # the last stage also takes norm + head
+        if k == 0:
+            last += 1  # stage 0 also takes the embedding
+        stages.append(StagePlan(
+            index=k, host=host_of[k], device=f"{host_of[k]}.cpu{k}", device_type="cpu", backend="cpu",
+            dtype=(dtypes or ["float32"] * num_stages)[k], quantization=quantization,
+            first_node=first, last_node=last - 1, node_names=[nd.name for nd in graph.nodes[first:last]],
+            endpoint=f"tcp://127.0.0.1:{ports[k]}", threads=1, fwd_time_s=0.01, bwd_time_s=0.02,
+            send_time_s=0.001, memory=MemoryBreakdown(0.1, 0.01, 0.01, 0.5, 0.62, 7.0),
+            program=format_program(programs[k])))
+        first = last
+    assert first == len(graph.nodes), "split must cover every decoder layer"
+    prediction = Prediction(0.1 * num_stages, train.micro_batch_size * train.num_micro_batches * seq_len,
+                            1000.0, 0.2, [0.8] * num_stages, [0.62] * num_stages)
+    solver = SolverReport("manual", "Optimal", "Optimal Solution Found", True, 0.0, 0.1, 0.0, 0.0)
+    plan = Plan(model, cluster, train, DataSpec(), PlannerOptions(split=split), graph, stages, prediction,
+                [], solver, ["hand-built test plan"])
+    plan.input_hash = compute_input_hash(plan)
+    return plan
+
+
+def test_make_plan_round_trips_through_plan_json(tmp_path: Path, tiny_model_dir: Path, tiny_spec: ModelSpec) -> None:
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2])
+    plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded.input_hash == plan.input_hash
+    spans = [(s.first_node, s.last_node) for s in loaded.stages]
+    assert spans == [(0, 2), (3, 4), (5, 8)]
+    assert loaded.stages[1].node_names == ["layers.2", "layers.3"]
+
+
+def run_in_threads(stages: list, plan: Plan, batches, steps: int, on_step=None, prepare=None, start_step: int = 0,
+                   executors_out: list | None = None) -> list[float]:
+    """Train ``stages`` (built in this process) for ``steps`` steps, one thread per stage, over real
+    Transports on loopback, with this thread as the coordinator; returns the per-step losses.
+
+    ``on_step(k, executor)`` runs in stage k's thread just before its optimizer step (grads are there);
+    ``prepare(k, executor)`` runs once before training (e.g. to restore a checkpoint).
+    """
+    import math
+    import threading
+
+    from hetero.runtime.executor import COORDINATOR, Executor, stage_name
+    from hetero.runtime.transport import Transport
+
+    n = len(stages)
+    names = [stage_name(k) for k in range(n)]
+    coord = Transport(COORDINATOR, "tcp://127.0.0.1:0", plan.input_hash, recv_timeout_s=120)
+    wires = [Transport(names[k], "tcp://127.0.0.1:0", plan.input_hash, recv_timeout_s=120) for k in range(n)]
+    for k, w in enumerate(wires):
+        coord.connect(names[k], w.endpoint)
+        w.connect(COORDINATOR, coord.endpoint)
+        if k > 0:
+            w.connect(names[k - 1], wires[k - 1].endpoint)
+        if k < n - 1:
+            w.connect(names[k + 1], wires[k + 1].endpoint)
+    from hetero.program import parse_program
+
+    executors = [Executor(s, parse_program(plan.stages[k].program), wires[k], plan.train) for k, s in enumerate(stages)]
+    for k, ex in enumerate(executors):
+        if prepare is not None:
+            prepare(k, ex)
+    if executors_out is not None:
+        executors_out.extend(executors)
+    if on_step is not None:
+        for k, ex in enumerate(executors):
+            if ex.optimizer is not None:
+                ex.optimizer.register_step_pre_hook(lambda opt, a, kw, k=k, ex=ex: on_step(k, ex))
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            for step in range(start_step, steps):
+                stats = executors[k].run_step(step)
+                wires[k].send(COORDINATOR, "stepdone", step=step, meta=stats.to_meta())
+        except BaseException as exc:  # surfaced by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(n)]
+    for t in threads:
+        t.start()
+    losses = []
+    try:
+        for step in range(start_step, steps):
+            batch = batches.step(step)
+            coord.send(names[0], "batch", step=step, tensors={"input_ids": batch.input_ids})
+            coord.send(names[-1], "labels", step=step, tensors={"labels": batch.labels},
+                       meta={"num_label_tokens": batch.num_label_tokens})
+            sumsq = sum(coord.recv("gradnorm", step=step).meta["sumsq"] for _ in range(n))
+            norm = math.sqrt(sumsq)
+            coef = min(1.0, plan.train.max_grad_norm / (norm + 1e-6)) if plan.train.max_grad_norm > 0 else 1.0
+            for name in names:
+                coord.send(name, "clip", step=step, meta={"coef": coef})
+            done = [coord.recv("stepdone", step=step) for _ in range(n)]
+            last = next(d for d in done if d.sender == names[-1])
+            losses.append(last.meta["loss_sum"] / batch.num_label_tokens)
+    finally:
+        for t in threads:
+            t.join(timeout=30 if not errors else 1)
+        for w in [*wires, coord]:
+            w.close()
+    if errors:
+        raise errors[0]
+    return losses

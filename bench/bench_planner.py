@@ -12,10 +12,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from hetero.planner import plan  # noqa: E402
 from test_planner_ilp import TYPES, make_cluster, make_graph, make_model  # noqa: E402
 
 from hetero.errors import InfeasiblePlanError  # noqa: E402
+from hetero.planner import plan  # noqa: E402
 from hetero.specs import DataSpec, PlannerOptions, TrainSpec  # noqa: E402
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+from hetero.errors import ConfigError, InfeasiblePlanError
+from hetero.graph import LayerGraph
+from hetero.plan import Baseline, Plan, Prediction, SolverReport, StagePlan, compute_input_hash
 from hetero.planner.baselines import baselines, candidate_placements, predict
 from hetero.planner.cost import CostModel, CostTable, RooflineCostModel, build_cost_table, compute_dtype
 from hetero.planner.feasibility import check_single_nodes, explain_infeasible
@@ -11,10 +14,6 @@ from hetero.planner.ilp import solve_ilp
 from hetero.planner.objective import Evaluation, Placement, evaluate, split_spans
 from hetero.planner.schedules import gpipe, one_f_one_b, programs_for
 from hetero.planner.simulator import ScheduleError, Timeline, simulate, simulate_plan
-
-from hetero.errors import ConfigError, InfeasiblePlanError
-from hetero.graph import LayerGraph
-from hetero.plan import Baseline, Plan, Prediction, SolverReport, StagePlan, compute_input_hash
 from hetero.program import format_program
 from hetero.specs import ClusterSpec, DataSpec, ModelSpec, PlannerOptions, TrainSpec
 

@@ -1,20 +1,19 @@
-"""The placement ILP (PuLP + CBC): which devices, in which order, hold which contiguous node spans.
+"""The placement ILP (PuLP + CBC): one path with side constraints through a layered network.
 
-Variables (no explicit positions: the pipeline order is the order of the blocks along the nodes):
+A placement is a path through planner/network.py's network: each arc is one stage (device d runs
+nodes i..j) or one link, so stage times, link times and memory are precomputed per arc and the LP
+relaxation is a flow (tight), not big-M positions and orders. Memory needs no rows (arcs that do
+not fit are never created; a flat network adds one row per cut for micro-batches in flight).
 
-- x[i, d] = 1: node i runs on device d. Stage compute time and memory are linear in x.
-- st[i, d] / en[i, d]: device d's block starts / ends at node i (exactly x[i](1-x[i-1]) and
-  x[i](1-x[i+1]), continuous but integral once x is). At most one start per device makes its
-  nodes contiguous; a device with a start is used.
-- cut after node i = sum_d st[i+1, d]; the stages after node i's stage: p_i = sum of later cuts.
-  Under 1F1B a stage k of S holds min(S - k, m) = min(p + 1, m) micro-batches of activations;
-  lev[i, j] = [p_i >= j] (binary) and v[i, d, j] = x[i, d] AND lev[i, j] put that into memory rows.
-- f[i, s, h]: a transportation plan from the ending sender class s (host + wire bytes) to the
-  starting receiver host h at cut i; integral x makes it the one real pair, so link time
-  c_i = sum K f is exact, while the LP relaxation still pays for crossing hosts.
+- Flow conservation from the source (a stage starting at node 0) to the sink (one ending last).
+- Each device runs at most one stage, so per-device sums of arc times bound the period (the max
+  term of the objective); so do the links at each cut and the stages covering each node.
+- Identical devices (equal cost-table columns, same host) are used in index order.
+- A MIP start from the best known placement (the baselines and the split DP of planner/splits.py)
+  also prunes arcs that cannot beat it.
 
-The objective is hetero.planner.objective.pipeline_step_time written in these variables (tests
-check it equals brute force); see that module for how it relates to the simulator.
+The objective is hetero.planner.objective.pipeline_step_time in these variables (tests check it
+against brute force). CBC's status is checked; a time-limited run reports its gap.
 """
 
 from __future__ import annotations
@@ -23,27 +22,32 @@ import os
 import re
 import tempfile
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 
 import pulp
-from hetero.planner.cost import GB, CostTable
-from hetero.planner.objective import Evaluation, Placement, evaluate
 
 from hetero.plan import SolverReport
+from hetero.planner.cost import CostTable
+from hetero.planner.network import (
+    LinkArc,
+    Network,
+    StageArc,
+    build_network,
+    canonical,
+    head_state,
+    tail_state,
+)
+from hetero.planner.objective import Evaluation, Placement, evaluate
+from hetero.planner.splits import dp_starts
+
+__all__ = ["IlpResult", "build_network", "canonical", "solve_ilp"]
 
 
 @dataclass
 class IlpResult:
     evaluation: Evaluation | None  # None when infeasible or no solution within the time limit
     report: SolverReport
-
-
-def _identical(a, b) -> bool:  # type: ignore[no-untyped-def]
-    """Devices that are interchangeable: same type, host and numbers, nothing overridden."""
-    if a.overrides or b.overrides:
-        return False
-    keys = ("host", "type", "backend", "memory_gb", "memory_bandwidth_gbs", "tflops", "bf16", "nf4", "threads")
-    return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
 def _parse_cbc_log(text: str) -> tuple[float | None, float | None]:
@@ -54,155 +58,225 @@ def _parse_cbc_log(text: str) -> tuple[float | None, float | None]:
     return None, None
 
 
-def solve_ilp(
-    table: CostTable, num_stages: int | None = None, time_limit_s: float = 30.0, starts: list[Placement] | None = None
-) -> IlpResult:
-    """Minimize the closed-form step time over placements; the report says how sure the solver is.
-
-    ``starts``: candidate placements (baselines); the best feasible one seeds CBC (MIP start) and is
-    returned if the solver finds nothing better within the time limit.
-    """
-    t0 = time.perf_counter()
-    n, nd = table.num_nodes, len(table.devices)
-    m = table.num_micro_batches
-    gpipe = table.schedule == "gpipe"
-    # Times enter the model divided by the slowest single-device compute time, so coefficients are
-    # O(1) whatever the model size; the objective is scaled back to seconds below.
-    unit = max(sum(table.fwd_s[i][d] + table.bwd_s[i][d] for i in range(n)) for d in range(nd)) or 1.0
-    fwd = [[t / unit for t in row] for row in table.fwd_s]
-    bwd = [[t / unit for t in row] for row in table.bwd_s]
-    N, D = range(n), range(nd)
-    devices = table.devices
-    prob = pulp.LpProblem("hetero_placement", pulp.LpMinimize)
-    max_stages = num_stages if num_stages else min(n, nd)
-
-    x = {(i, d): pulp.LpVariable(f"x_{i}_{d}", cat="Binary") for i in N for d in D}
-    st = {(i, d): pulp.LpVariable(f"st_{i}_{d}", 0, 1) for i in N for d in D}
-    en = {(i, d): pulp.LpVariable(f"en_{i}_{d}", 0, 1) for i in N for d in D}
-    for i in N:
-        prob += pulp.lpSum(x[i, d] for d in D) == 1
-        for d in D:
-            prev = x[i - 1, d] if i > 0 else 0
-            nxt = x[i + 1, d] if i + 1 < n else 0
-            prob += st[i, d] >= x[i, d] - prev
-            prob += st[i, d] <= x[i, d]
-            prob += en[i, d] >= x[i, d] - nxt
-            prob += en[i, d] <= x[i, d]
-            if i > 0:
-                prob += st[i, d] <= 1 - prev
-            if i + 1 < n:
-                prob += en[i, d] <= 1 - nxt
-    used = {d: pulp.lpSum(st[i, d] for i in N) for d in D}
-    for d in D:
-        prob += used[d] <= 1  # one block per device: contiguous spans
-        prob += pulp.lpSum(en[i, d] for i in N) == used[d]
-    num_used = pulp.lpSum(used.values())
-    if num_stages:
-        prob += num_used == num_stages
-    else:
-        prob += num_used <= max_stages
-    cut = {i: pulp.lpSum(st[i + 1, d] for d in D) for i in range(n - 1)}
-    for i in range(n - 1):
-        prob += pulp.lpSum(en[i, d] for d in D) == cut[i]
-
-    # Memory. GB, not bytes: coefficients near 1e9 next to binaries make CBC misjudge feasibility.
-    levels = range(1, min(m, max_stages)) if not gpipe else range(0)
-    lev = {(i, j): pulp.LpVariable(f"lev_{i}_{j}", cat="Binary") for i in N for j in levels}
-    for i in N:
-        after = pulp.lpSum(cut[ii] for ii in range(i, n - 1))  # stages after node i's stage
-        for j in levels:
-            prob += lev[i, j] * (max_stages - j) >= after - (j - 1)
-    base_held = m if gpipe else 1
-    for d in D:
-        w_gb = [(table.weights[i][d] + table.lora[i][d]) / GB for i in N]
-        a_gb = [table.activations_per_mb[i][d] / GB for i in N]
-        usable = (table.usable_bytes[d] - table.workspace_bytes) / GB
-        row = pulp.lpSum(x[i, d] * (w_gb[i] + base_held * a_gb[i]) for i in N)
-        worst = sum(w_gb) + (m if gpipe else min(m, max_stages)) * sum(a_gb)
-        if worst <= usable:
-            continue  # the whole model at its worst position fits: no row needed
-        extra = []
-        for j in levels:
-            for i in N:
-                if a_gb[i] > 0:
-                    v = pulp.LpVariable(f"v_{i}_{d}_{j}", 0, 1)
-                    prob += v >= x[i, d] + lev[i, j] - 1
-                    extra.append(a_gb[i] * v)
-        prob += row + pulp.lpSum(extra) <= usable * used[d]
-
-    # Link time at each cut, through the transportation plan f (see the module docstring).
-    hosts = sorted({dv.host for dv in devices})
-    classes: dict[tuple[str, tuple[float, ...]], list[int]] = {}
-    for d, dv in enumerate(devices):
-        classes.setdefault((dv.host, tuple(table.wire_bytes[i][d] for i in N)), []).append(d)
-    comm = {}
-    for i in range(n - 1):
-        terms = []
-        inflow: dict[str, list] = {h: [] for h in hosts}
-        for ci, members in enumerate(classes.values()):
-            out = []
-            for h in hosts:
-                receiver = next(d for d in D if devices[d].host == h)
-                flow = pulp.LpVariable(f"f_{i}_{ci}_{h}", 0, 1)
-                out.append(flow)
-                inflow[h].append(flow)
-                terms.append(table.transfer_s(i, members[0], receiver) / unit * flow)
-            prob += pulp.lpSum(out) == pulp.lpSum(en[i, d] for d in members)
-        for h in hosts:
-            prob += pulp.lpSum(inflow[h]) == pulp.lpSum(st[i + 1, d] for d in D if devices[d].host == h)
-        comm[i] = pulp.lpSum(terms)
-
-    compute = pulp.lpSum(x[i, d] * (fwd[i][d] + bwd[i][d]) for i in N for d in D)
-    base = compute + 2 * pulp.lpSum(comm.values())
-    if gpipe:
-        mf = pulp.LpVariable("period_fwd", lowBound=0)
-        mb = pulp.LpVariable("period_bwd", lowBound=0)
-        for d in D:
-            prob += mf >= pulp.lpSum(x[i, d] * fwd[i][d] for i in N)
-            prob += mb >= pulp.lpSum(x[i, d] * bwd[i][d] for i in N)
-        for c in comm.values():
-            prob += mf >= c
-            prob += mb >= c
-        prob += base + (m - 1) * (mf + mb)
-    else:
-        period = pulp.LpVariable("period", lowBound=0)
-        for d in D:
-            prob += period >= pulp.lpSum(x[i, d] * (fwd[i][d] + bwd[i][d]) for i in N)
-        for c in comm.values():
-            prob += period >= 2 * c
-        prob += base + (m - 1) * period
-
-    # Identical devices are interchangeable: the lower index is used first and comes first.
-    for a in D:
-        for b in range(a + 1, nd):
-            if _identical(devices[a], devices[b]):
-                for i in N:
-                    prob += pulp.lpSum(st[ii, b] for ii in range(i + 1)) <= pulp.lpSum(st[ii, a] for ii in range(i))
-                break  # chaining consecutive identical pairs implies the rest
-
-    start: Evaluation | None = None
+def _best_start(table: CostTable, num_stages: int | None, starts: list[Placement] | None) -> Evaluation | None:
+    """The fastest feasible candidate placement with the requested number of stages."""
+    best: Evaluation | None = None
     for cand in starts or []:
         ev = evaluate(table, cand)
         if ev.feasible and (not num_stages or len(cand.devices) == num_stages):
-            if start is None or ev.step_time_s < start.step_time_s:
-                start = ev
-    if start is not None:
-        owner = {i: d for d, (a, b) in zip(start.placement.devices, start.placement.spans, strict=True)
-                 for i in range(a, b + 1)}
-        for (i, d), var in x.items():
-            var.setInitialValue(1 if owner[i] == d else 0)
-        num = len(start.placement.devices)
-        for k, (_, (a, b)) in enumerate(zip(start.placement.devices, start.placement.spans, strict=True)):
-            for i in range(a, b + 1):
-                for j in levels:
-                    lev[i, j].setInitialValue(1 if num - 1 - k >= j else 0)
+            if best is None or ev.step_time_s < best.step_time_s:
+                best = ev
+    return best
 
+
+def _expr(terms: object) -> pulp.LpAffineExpression:
+    """A linear expression from (variable, coefficient) pairs (much faster than lpSum of products)."""
+    return pulp.LpAffineExpression(list(terms))  # type: ignore[call-overload]
+
+
+class _Model:
+    """The PuLP problem over a Network, and how to read a placement back out of it."""
+
+    def __init__(self, table: CostTable, net: Network, num_stages: int | None) -> None:
+        n, m = table.num_nodes, table.num_micro_batches
+        gpipe = table.schedule == "gpipe"
+        self.table, self.net = table, net
+        prob = pulp.LpProblem("hetero_placement", pulp.LpMinimize)
+        self.y = {a: pulp.LpVariable(f"y{k}", cat="Binary") for k, a in enumerate(net.stages)}
+        # Links and the leave-the-cap arcs are integral once the stages are: continuous suffices.
+        self.z = {a: pulp.LpVariable(f"z{k}", 0, 1) for k, a in enumerate(net.links)}
+        self.down: dict[tuple[int, int], pulp.LpVariable] = {}
+        inflow: dict = defaultdict(list)  # type: ignore[type-arg]
+        outflow: dict = defaultdict(list)  # type: ignore[type-arg]
+        first = []
+        for a, var in self.y.items():
+            tail = tail_state(table, net, a)
+            if tail is None:
+                first.append(var)
+            else:
+                outflow[tail].append(var)
+            head = head_state(table, net, a)
+            if head is not None:
+                inflow[head].append(var)
+        for a, var in self.z.items():
+            outflow[("A", a.cut, a.state, a.group)].append(var)
+            inflow[("B", a.cut, a.state, a.host)].append(var)
+        if net.cap > 1:
+            for key in [k for k in inflow if k[0] == "A" and k[2] == net.cap]:
+                var = pulp.LpVariable(f"down_{key[1]}_{key[3]}", 0, 1)
+                self.down[key[1], key[3]] = var
+                outflow[key].append(var)
+                inflow[("A", key[1], net.cap - 1, key[3])].append(var)
+        prob += pulp.lpSum(first) == 1, "source"
+        for state in set(inflow) | set(outflow):
+            prob += pulp.lpSum(inflow[state]) == pulp.lpSum(outflow[state])
+        by_device: dict[int, list[StageArc]] = defaultdict(list)
+        for a in net.stages:
+            by_device[a.device].append(a)
+        used = {d: pulp.lpSum(self.y[a] for a in arcs) for d, arcs in by_device.items()}
+        for u in used.values():
+            prob += u <= 1
+        if num_stages:
+            prob += pulp.lpSum(self.y.values()) == num_stages
+        for a, b in net.twins:  # b only after a, and only if a is used
+            if b not in used:
+                continue  # no arc left for b: nothing to order
+            ua, ub = used.get(a, 0), used[b]
+            prob += ub <= ua
+            pos_a = pulp.lpSum(arc.first * self.y[arc] for arc in by_device.get(a, []))
+            pos_b = pulp.lpSum(arc.first * self.y[arc] for arc in by_device.get(b, []))
+            prob += pos_a + ub <= pos_b + n * (1 - ub)
+
+        self.after: dict[int, pulp.LpVariable] = {}
+        if net.flat:
+            self._in_flight_rows(prob)
+
+        # The max terms, bounded by every set of arcs of which at most one (unit) is used: the
+        # arcs of one device, the links at one cut, and the arcs covering one node. The last is
+        # written as a running sum (plus arcs starting at node k, minus arcs ending at k-1) so each
+        # arc appears twice, not once per node it covers.
+        starting: dict[int, list[StageArc]] = defaultdict(list)
+        ending: dict[int, list[StageArc]] = defaultdict(list)
+        for a in net.stages:
+            starting[a.first].append(a)
+            ending[a.last].append(a)
+        links_at: dict[int, list[LinkArc]] = defaultdict(list)
+        for a in net.links:
+            links_at[a.cut].append(a)
+        if gpipe:
+            self.periods = [pulp.LpVariable("period_fwd", 0), pulp.LpVariable("period_bwd", 0)]
+            weights = [lambda a: a.fwd, lambda a: a.bwd]
+            link_factor = 1.0
+        else:
+            self.periods = [pulp.LpVariable("period", 0)]
+            weights = [lambda a: a.fwd + a.bwd]
+            link_factor = 2.0
+        self.covers: list[tuple[list[pulp.LpVariable], object]] = []
+        for p, (period, weight) in enumerate(zip(self.periods, weights, strict=True)):
+            for arcs in by_device.values():
+                prob += _expr((self.y[a], weight(a)) for a in arcs) <= period
+            for arcs in links_at.values():
+                prob += _expr((self.z[a], link_factor * a.time) for a in arcs) <= period
+            prev: pulp.LpVariable | None = None
+            self.covers.append(([], weight))
+            for k in range(n):
+                cover = pulp.LpVariable(f"cover{p}_{k}", 0)
+                terms = [(self.y[a], weight(a)) for a in starting[k]]
+                terms += [(self.y[a], -weight(a)) for a in ending[k - 1]] if k else []
+                terms += [(prev, 1.0)] if prev is not None else []
+                prob += _expr(terms) == cover
+                prob += cover <= period
+                self.covers[-1][0].append(cover)
+                prev = cover
+        prob += (_expr((v, a.fwd + a.bwd) for a, v in self.y.items())
+                 + _expr((v, 2.0 * a.time) for a, v in self.z.items())
+                 + (m - 1) * pulp.lpSum(self.periods))
+        self.prob = prob
+
+    def _in_flight_rows(self, prob: pulp.LpProblem) -> None:
+        """Flat network: a stage that fits holding h micro-batches has at most h - 1 stages after it."""
+        n, net = self.table.num_nodes, self.net
+        starting: dict[int, list[StageArc]] = defaultdict(list)
+        limited: dict[int, list[StageArc]] = defaultdict(list)
+        for a in net.stages:
+            starting[a.first].append(a)
+            if a.held < net.most_held and a.last < n - 1:
+                limited[a.last].append(a)
+        if not limited:
+            return
+        nxt: pulp.LpVariable | None = None
+        for j in range(n - 2, -1, -1):  # after[j]: stages starting after node j, summed from the end
+            var = pulp.LpVariable(f"after_{j}", 0)
+            prob += _expr([(self.y[b], 1.0) for b in starting[j + 1]] + ([(nxt, 1.0)] if nxt is not None else [])) == var
+            self.after[j] = var
+            nxt = var
+        top = net.most_stages - 1
+        for j, arcs in limited.items():
+            # At most one stage ends at node j: if it is arc a, after[j] <= a.held - 1; else <= top.
+            prob += self.after[j] + _expr((self.y[a], top - (a.held - 1)) for a in arcs) <= top
+
+    def warm_start(self, ev: Evaluation) -> bool:
+        """Set every variable to the placement ``ev``; False if one of its arcs was pruned."""
+        table, net = self.table, self.net
+        pl = ev.placement
+        num = len(pl.devices)
+        gpipe = table.schedule == "gpipe"
+        chosen, links, downs = set(), set(), set()
+        for k, (d, (a, b)) in enumerate(zip(pl.devices, pl.spans, strict=True)):
+            q = 1 if gpipe else min(num - k, net.cap)
+            chosen.add((d, a, b, q))
+            if k > 0:
+                prev = pl.devices[k - 1]
+                links.add((a, q, net.group_of[prev], table.devices[d].host))
+                if not gpipe and q < net.cap and min(num - k + 1, net.cap) == net.cap:
+                    downs.add((a, net.group_of[prev]))
+        ys = {(a.device, a.first, a.last, a.state): v for a, v in self.y.items()}
+        zs = {(a.cut, a.state, a.group, a.host): v for a, v in self.z.items()}
+        if not chosen <= set(ys) or not links <= set(zs) or not downs <= set(self.down):
+            return False
+        for key, v in ys.items():
+            v.setInitialValue(1 if key in chosen else 0)
+        for key, v in zs.items():
+            v.setInitialValue(1 if key in links else 0)
+        for key, v in self.down.items():
+            v.setInitialValue(1 if key in downs else 0)
+        for j, var in self.after.items():
+            var.setInitialValue(sum(1 for a, _ in pl.spans if a > j))
+        for covers, weight in self.covers:
+            for a in self.y:
+                if (a.device, a.first, a.last, a.state) in chosen:
+                    for k in range(a.first, a.last + 1):
+                        covers[k].setInitialValue(weight(a))  # type: ignore[operator]
+        link_times = [0.0] + [s / net.unit for s in ev.send_s[:-1]]
+        if gpipe:
+            self.periods[0].setInitialValue(max(f / net.unit for f in ev.fwd_s + link_times))
+            self.periods[1].setInitialValue(max(b / net.unit for b in ev.bwd_s + link_times))
+        else:
+            stage = [(f + b) / net.unit for f, b in zip(ev.fwd_s, ev.bwd_s, strict=True)]
+            self.periods[0].setInitialValue(max(stage + [2 * c for c in link_times]))
+        return True
+
+    def extract(self) -> Evaluation:
+        """Read the placement out of the solved variables (rounded: CBC returns floats)."""
+        arcs = sorted((a for a, v in self.y.items() if (v.varValue or 0.0) > 0.5), key=lambda a: a.first)
+        return evaluate(self.table, Placement(tuple(a.device for a in arcs), tuple((a.first, a.last) for a in arcs)))
+
+
+def solve_ilp(
+    table: CostTable,
+    num_stages: int | None = None,
+    time_limit_s: float = 30.0,
+    starts: list[Placement] | None = None,
+    split_dp: bool = True,
+    layered: bool | None = None,
+) -> IlpResult:
+    """Minimize the closed-form step time over placements; the report says how sure the solver is.
+
+    ``starts``: candidate placements (baselines); with ``split_dp`` also the split DP's placements
+    (planner/splits.py). The best feasible one bounds the search (arcs that cannot beat it are
+    pruned), seeds CBC (MIP start) and is returned if CBC finds nothing better. ``layered``: see
+    build_network (None: automatic).
+    """
+    t0 = time.perf_counter()
+    start = _best_start(table, num_stages, starts)
+    if split_dp:
+        found = dp_starts(table, num_stages)
+        if found and (start is None or found[0].step_time_s < start.step_time_s):
+            start = found[0]
+    net = build_network(table, num_stages, start.step_time_s if start is not None else None, layered)
+    model = _Model(table, net, num_stages)
+    prob = model.prob
+    if start is not None:
+        start = evaluate(table, canonical(start.placement, net.twins))  # same costs: twins are identical
+    warm = start is not None and model.warm_start(start)
     fd, log_path = tempfile.mkstemp(prefix="hetero_cbc_", suffix=".log")
     os.close(fd)
     try:
-        solver = pulp.PULP_CBC_CMD(
-            msg=False, timeLimit=time_limit_s, logPath=log_path, gapRel=1e-9, warmStart=start is not None
-        )
+        # One thread: the machine is shared, and CBC's parallel tree search pays off only on big trees.
+        # CBC gets what is left of the budget after building the network and the model.
+        left = max(1.0, time_limit_s - (time.perf_counter() - t0))
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=left, logPath=log_path, gapRel=1e-9,
+                                   warmStart=warm, threads=1)
         prob.solve(solver)
         with open(log_path, errors="replace") as fh:
             log_text = fh.read()
@@ -219,24 +293,26 @@ def solve_ilp(
     proven = prob.sol_status == pulp.LpSolutionOptimal
     message = ""
     if has_solution:
-        evaluation = _extract(table, x, st)
-        objective = pulp.value(prob.objective) * unit
+        evaluation = model.extract()
+        objective = pulp.value(prob.objective) * net.unit
         if start is not None and start.step_time_s < evaluation.step_time_s:
             evaluation, objective = start, start.step_time_s
-        if proven:
-            gap = 0.0
-        else:
-            best, bound = _parse_cbc_log(log_text)
-            if best is not None and bound is not None and best > 0:
-                gap = max(0.0, (best - bound) / abs(best))  # scale-free: unit cancels
+        if not proven:
             message = f"time limit of {time_limit_s:g} s reached before optimality was proven"
+    elif start is not None:
+        # The start's arcs are in the network, so CBC can only have run out of time.
+        evaluation, objective = start, start.step_time_s
+        message = f"no better placement found within {time_limit_s:g} s: kept the best heuristic placement"
     elif prob.status == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
         message = "no placement satisfies the memory limits"
-    elif start is not None:
-        evaluation, objective = start, start.step_time_s
-        message = f"no better placement found within {time_limit_s:g} s: kept the best baseline placement"
     else:
         message = f"no solution found within the time limit of {time_limit_s:g} s"
+    if proven:
+        gap = 0.0
+    elif objective is not None:
+        _, bound = _parse_cbc_log(log_text)
+        if bound is not None and objective > 0:
+            gap = max(0.0, (objective - bound * net.unit) / objective)
     report = SolverReport(
         solver="PuLP/CBC",
         status=status,
@@ -251,14 +327,3 @@ def solve_ilp(
         message=message,
     )
     return IlpResult(evaluation, report)
-
-
-def _extract(table: CostTable, x, st) -> Evaluation:  # type: ignore[no-untyped-def]
-    """Read the placement out of the solved variables (rounded: CBC returns floats)."""
-    blocks = []
-    for d in range(len(table.devices)):
-        nodes = [i for i in range(table.num_nodes) if (pulp.value(x[i, d]) or 0.0) > 0.5]
-        if nodes:
-            blocks.append((min(nodes), max(nodes), d))
-    blocks.sort()
-    return evaluate(table, Placement(tuple(d for _, _, d in blocks), tuple((a, b) for a, b, _ in blocks)))

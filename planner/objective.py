@@ -20,9 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hetero.planner.cost import GB, CostTable, in_flight
-
 from hetero.plan import MemoryBreakdown
+from hetero.planner.cost import GB, CostTable, in_flight
 
 
 def pipeline_step_time(

@@ -6,6 +6,7 @@ import statistics
 from typing import Any
 
 from hetero.plan import Plan
+from hetero.runtime.run_compare import compare_run
 
 
 def build_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, float], run_dir: str) -> dict[str, Any]:
@@ -39,6 +40,8 @@ def build_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, flo
         "measured_tokens_per_s": (tokens / step_time) if step_time else None,
         "predicted_tokens_per_s": plan.prediction.tokens_per_s,
         "stages": stages,
+        # Measured vs predicted per stage, stages >20% off flagged, and the bottleneck in words.
+        "comparison": compare_run(plan, steps) if steps else [],
     }
 
 
@@ -62,3 +65,5 @@ def print_report(report: dict[str, Any]) -> None:
         table.add_row(str(s["stage"]), s["host"], s["device"], fmt(s["measured_busy_s"]), fmt(s["predicted_busy_s"]),
                       "-" if share is None else f"{100 * share:.0f}%", fmt(s["build_s"]))
     console.print(table)
+    for line in report.get("comparison", []):
+        console.print(line, highlight=False, markup=False)

@@ -1,0 +1,277 @@
+"""The layered network the placement ILP routes one path through (see planner/ilp.py).
+
+- State A(i, q, g): the next stage starts at node i, q stages remain (capped, see below), and the
+  previous stage's sender group g (host + wire bytes per cut) decides the incoming link's cost.
+- Link arc A(i, q, g) -> B(i, q, h): the activation after node i-1 travels from g's host to host
+  h (cost 2c: forward and backward). Stages that start at node 0 leave from the source directly.
+- Stage arc B(i, q, host(d)) -> A(j+1, q', group(d)): device d runs nodes i..j. Its f+b comes from
+  the cost table; arcs whose memory does not fit with the state's micro-batches in flight are
+  never created, so memory needs no constraints at all.
+- Under 1F1B the stage with r stages remaining holds min(r, m) micro-batches. q is r capped at the
+  smallest Q such that "fits holding Q" and "fits holding the most possible" agree for every arc
+  (Q = 1 when memory is loose); a free arc A(i, Q, g) -> A(i, Q-1, g) leaves the capped layer.
+  GPipe holds m everywhere: one layer. When the layers would make too many arcs, the network is
+  flat instead and the ILP bounds the stages after each tight arc with rows.
+
+Arcs that cannot be in an optimum are pruned: a stage of time t costs at least m*t plus the
+fastest time of every other node (and, below the cap, the q-1 stages after it share the nodes
+after it), and a known placement bounds the optimum from above.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from hetero.planner.cost import CostTable
+from hetero.planner.objective import Placement
+
+# Pruning keeps an arc unless its lower bound exceeds the upper bound by this much (float noise).
+PRUNE_TOL = 1e-6
+# Above this many stage arcs the in-flight states are dropped for rows (LP time grows with arcs).
+LAYERED_ARCS = 25000
+
+
+@dataclass(frozen=True)
+class StageArc:
+    """Device ``device`` runs nodes first..last in state ``state``; times in units of ``Network.unit``."""
+
+    device: int
+    first: int
+    last: int
+    state: int
+    fwd: float
+    bwd: float
+    held: int = 0  # micro-batches in flight that fit (flat networks check it with rows instead)
+
+
+@dataclass(frozen=True)
+class LinkArc:
+    """The activation after node cut-1 goes from sender group ``group`` to host ``host`` (one way)."""
+
+    cut: int
+    state: int
+    group: int
+    host: str
+    time: float
+
+
+@dataclass
+class Network:
+    """The pruned layered network of one planning problem."""
+
+    unit: float  # seconds per model time unit (keeps coefficients O(1))
+    cap: int  # the capped state Q
+    start_states: list[int]
+    stages: list[StageArc]
+    links: list[LinkArc]
+    group_of: list[int]  # sender group per device
+    twins: list[tuple[int, int]]  # (a, b): identical devices, a used first
+    flat: bool = False  # one layer; in-flight memory as rows on the arcs with held < most_held
+    most_held: int = 1
+    most_stages: int = 1
+
+
+def _twins(table: CostTable) -> list[tuple[int, int]]:
+    """Consecutive pairs of interchangeable devices: same host, identical cost-table columns."""
+    def column(d: int) -> tuple:  # type: ignore[type-arg]
+        rows = (table.fwd_s, table.bwd_s, table.weights, table.lora, table.activations_per_mb, table.wire_bytes)
+        return (table.devices[d].host, table.usable_bytes[d], *(tuple(r[d] for r in t) for t in rows))
+
+    pairs, seen = [], {}
+    for d in range(len(table.devices)):
+        key = column(d)
+        if key in seen:
+            pairs.append((seen[key], d))
+        seen[key] = d  # chain consecutive twins: a<b<c gives (a,b), (b,c)
+    return pairs
+
+
+def canonical(placement: Placement, twins: list[tuple[int, int]]) -> Placement:
+    """The same placement with each twin group's lowest indices used first, in pipeline order."""
+    group = {}
+    for a, b in twins:
+        group[b] = group.get(a, a)
+        group.setdefault(a, a)
+    members: dict[int, list[int]] = defaultdict(list)
+    for d in sorted(group):
+        members[group[d]].append(d)
+    taken: dict[int, int] = defaultdict(int)
+    devices = []
+    for d in placement.devices:
+        if d in group:
+            root = group[d]
+            devices.append(members[root][taken[root]])
+            taken[root] += 1
+        else:
+            devices.append(d)
+    return Placement(tuple(devices), placement.spans)
+
+
+def _max_held(table: CostTable, d: int, w: float, lo: float, a: float, most: int) -> int:
+    """Largest number of micro-batches in flight (<= most) whose activations fit next to the span.
+
+    Same expression and order as objective.evaluate, so borderline spans agree with brute force.
+    """
+    usable = table.usable_bytes[d]
+    for held in range(most, 0, -1):
+        if w + lo + held * a + table.workspace_bytes <= usable:
+            return held
+        if a == 0.0:
+            return 0
+    return 0
+
+
+def build_network(
+    table: CostTable, num_stages: int | None, upper_s: float | None, layered: bool | None = None
+) -> Network:
+    """Enumerate, prune and connect the stage and link arcs (see the module docstring).
+
+    ``layered``: track stages remaining in the states (exact, tight LP) or, when False, in rows
+    (one layer: far fewer arcs). None picks layers unless they would exceed LAYERED_ARCS arcs.
+    """
+    if layered is None:
+        net = build_network(table, num_stages, upper_s, True)
+        if len(net.stages) <= LAYERED_ARCS or net.cap == 1:
+            return net
+        return build_network(table, num_stages, upper_s, False)
+    n, nd, m = table.num_nodes, len(table.devices), table.num_micro_batches
+    gpipe = table.schedule == "gpipe"
+    unit = max(sum(table.fwd_s[i][d] + table.bwd_s[i][d] for i in range(n)) for d in range(nd)) or 1.0
+    most_stages = num_stages or min(n, nd)
+    most_held = m if gpipe else min(m, most_stages)
+    fastest = [min(table.fwd_s[i][d] + table.bwd_s[i][d] for d in range(nd)) / unit for i in range(n)]
+    all_fastest = sum(fastest)
+    bound = float("inf") if upper_s is None else upper_s / unit * (1 + PRUNE_TOL) + 1e-12
+
+    # Stage candidates (d, i, j, f, b, max held); running sums add in evaluate's order.
+    cands = []
+    for d in range(nd):
+        for i in range(n):
+            f = b = w = lo = a = rest = 0.0
+            for j in range(i, n):
+                f += table.fwd_s[j][d]
+                b += table.bwd_s[j][d]
+                w += table.weights[j][d]
+                lo += table.lora[j][d]
+                a += table.activations_per_mb[j][d]
+                rest += fastest[j]
+                if w + lo + a + table.workspace_bytes > table.usable_bytes[d]:
+                    break  # longer spans only need more memory
+                t = (f + b) / unit
+                if m * t + (all_fastest - rest) > bound:
+                    break  # longer spans only take longer
+                held = _max_held(table, d, w, lo, a, most_held)
+                if not gpipe or held >= m:
+                    cands.append((d, i, j, f / unit, b / unit, held))
+    if gpipe:
+        cap = 1
+    else:
+        cap = max([1] + [h + 1 for *_, h in cands if h < most_held])
+    flat = not layered and cap > 1
+    if flat:
+        cap = 1
+    # after[j]: the fastest possible time of nodes j.. (for the states' lower bounds below).
+    after = [0.0] * (n + 1)
+    for k in range(n - 1, -1, -1):
+        after[k] = after[k + 1] + fastest[k]
+    stage_arcs = []
+    for d, i, j, f, b, held in cands:
+        top = 1 if gpipe else min(held, cap)
+        t = f + b
+        base = all_fastest - (after[i] - after[j + 1]) + t
+        for q in range(1, top + 1):
+            # A stage ending the model has exactly one stage remaining (itself).
+            if j == n - 1 and q != 1:
+                continue
+            if j < n - 1 and q == 1 and cap > 1:
+                continue
+            # Below the cap exactly q-1 stages follow: one of them takes at least their average.
+            tail = after[j + 1] / (q - 1) if 1 < q < cap else 0.0
+            if base + (m - 1) * max(t, tail) > bound:
+                continue
+            stage_arcs.append(StageArc(d, i, j, q, f, b, held))
+
+    groups: dict[tuple, int] = {}  # type: ignore[type-arg]
+    group_of, group_rep = [], []
+    for d, dev in enumerate(table.devices):
+        key = (dev.host, tuple(table.wire_bytes[i][d] for i in range(n)))
+        if key not in groups:
+            groups[key] = len(groups)
+            group_rep.append(d)
+        group_of.append(groups[key])
+    host_rep: dict[str, int] = {}
+    for d, dev in enumerate(table.devices):
+        host_rep.setdefault(dev.host, d)
+    link_arcs = []
+    for i in range(1, n):
+        for g, sender in enumerate(group_rep):
+            for h, receiver in host_rep.items():
+                c = table.transfer_s(i - 1, sender, receiver) / unit
+                if all_fastest + 2 * m * c > bound:
+                    continue
+                for q in range(1, cap + 1):
+                    link_arcs.append(LinkArc(i, q, g, h, c))
+
+    if num_stages:
+        start_states = [min(num_stages, cap)]
+    else:
+        start_states = list(range(1, cap + 1))
+    net = Network(unit, cap, start_states, stage_arcs, link_arcs, group_of, _twins(table), flat, most_held,
+                  most_stages)
+    _prune_unreachable(table, net)
+    return net
+
+
+def head_state(table: CostTable, net: Network, arc: StageArc) -> tuple | None:  # type: ignore[type-arg]
+    """The A state a stage arc leads to, or None for the sink."""
+    if arc.last == table.num_nodes - 1:
+        return None
+    q = arc.state if arc.state == net.cap else arc.state - 1
+    return ("A", arc.last + 1, q, net.group_of[arc.device])
+
+
+def tail_state(table: CostTable, net: Network, arc: StageArc) -> tuple | None:  # type: ignore[type-arg]
+    """The B state a stage arc leaves from, or None for the source."""
+    if arc.first == 0:
+        return None
+    return ("B", arc.first, arc.state, table.devices[arc.device].host)
+
+
+def _prune_unreachable(table: CostTable, net: Network) -> None:
+    """Drop arcs on no source-to-sink path (forward and backward reachability over the DAG)."""
+    succ: dict = defaultdict(list)  # type: ignore[type-arg]
+    pred: dict = defaultdict(list)  # type: ignore[type-arg]
+    edges = []
+    for arc in net.stages:
+        tail = tail_state(table, net, arc)
+        if tail is None:
+            tail = "S" if arc.state in net.start_states else "X"
+        head = head_state(table, net, arc) or "T"
+        edges.append((tail, head))
+    for arc in net.links:
+        edges.append((("A", arc.cut, arc.state, arc.group), ("B", arc.cut, arc.state, arc.host)))
+    if net.cap > 1:
+        for i in range(1, table.num_nodes):
+            for g in set(net.group_of):
+                edges.append((("A", i, net.cap, g), ("A", i, net.cap - 1, g)))
+    for u, v in edges:
+        succ[u].append(v)
+        pred[v].append(u)
+
+    def reach(root: object, nxt: dict) -> set:  # type: ignore[type-arg]
+        seen, todo = {root}, [root]
+        while todo:
+            for v in nxt[todo.pop()]:
+                if v not in seen:
+                    seen.add(v)
+                    todo.append(v)
+        return seen
+
+    fwd, bwd = reach("S", succ), reach("T", pred)
+    keep = [u in fwd and v in bwd for u, v in edges]
+    ns = len(net.stages)
+    net.stages = [a for a, k in zip(net.stages, keep[:ns], strict=True) if k]
+    net.links = [a for a, k in zip(net.links, keep[ns : ns + len(net.links)], strict=True) if k]
+
+

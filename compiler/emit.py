@@ -32,12 +32,17 @@ STAGE_SCHEMA_VERSION = 1
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
-def emit(plan: Plan, out_dir: str | Path) -> list[Path]:
-    """Write plan.json, per-stage artifacts and placement/schedule pictures; return the paths written."""
+def emit(plan: Plan, out_dir: str | Path, traced: TracedModel | None = None) -> list[Path]:
+    """Write plan.json, per-stage artifacts and placement/schedule pictures; return the paths written.
+
+    ``traced`` is the module `trace_with_module` returned for this plan's model; passing it spares
+    building the meta model a second time (the slowest part of a compile).
+    """
     out = Path(out_dir)
     _check_plan(plan)
     out.mkdir(parents=True, exist_ok=True)
-    traced = trace_model(build_meta_model(plan.model, plan.graph.dtype))
+    if traced is None:
+        traced = trace_model(build_meta_model(plan.model, plan.graph.dtype))
     if len(traced.units) != len(plan.graph.nodes):
         raise PlanError(
             f"plan.json graph has {len(plan.graph.nodes)} nodes but model '{plan.model.name}' traces to "

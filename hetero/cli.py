@@ -97,8 +97,8 @@ def cmd_compile(config_dir: str | None, overrides: list[str]) -> int:
     with status_console.status("composing config") as status:
         cfg = config_mod.load(overrides, config_dir)
         status.update(f"tracing {cfg.model.name} on the meta device")
-        trace = _lazy("hetero.compiler.trace", "trace")
-        graph = trace(cfg.model)
+        trace = _lazy("hetero.compiler.trace", "trace_with_module")
+        graph, traced = trace(cfg.model)
         status.update(
             f"planning {len(graph.nodes)} nodes on {len(cfg.cluster.devices)} devices "
             f"(solver limit {cfg.planner.time_limit_s:.0f} s)"
@@ -112,7 +112,7 @@ def cmd_compile(config_dir: str | None, overrides: list[str]) -> int:
             plan.verdict += cost_model.summary()
         status.update(f"writing plan and artifacts to {cfg.output}")
         emit = _lazy("hetero.compiler.emit", "emit")
-        paths = emit(plan, cfg.output)
+        paths = emit(plan, cfg.output, traced)
     print_plan(plan, out)
     out.print("\n[bold]wrote[/]")
     for path in paths:

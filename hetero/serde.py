@@ -75,7 +75,7 @@ def _convert(tp: Any, value: Any, where: str, error: type[Exception]) -> Any:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
                 raise error(f"{where}: expected {len(args)} items, got {len(value)}")
-            return tuple(_convert(a, v, f"{where}[{i}]", error) for i, (a, v) in enumerate(zip(args, value)))
+            return tuple(_convert(a, v, f"{where}[{i}]", error) for i, (a, v) in enumerate(zip(args, value, strict=True)))
         item = args[0] if args else Any
         out = [_convert(item, v, f"{where}[{i}]", error) for i, v in enumerate(value)]
         return tuple(out) if origin is tuple else out

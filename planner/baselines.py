@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from hetero.plan import Baseline, Prediction
 from hetero.planner.cost import GB, CostTable
 from hetero.planner.objective import Evaluation, Placement, evaluate, split_spans
 from hetero.planner.schedules import programs_for
 from hetero.planner.simulator import Timeline, simulate
-
-from hetero.plan import Baseline, Prediction
 
 
 def predict(table: CostTable, evaluation: Evaluation) -> tuple[Prediction, Timeline]:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from hetero.planner.cost import GB, NF4_BYTES_PER_PARAM, CostTable, dtype_bytes
-
 from hetero.errors import InfeasiblePlanError
 from hetero.graph import LayerGraph
+from hetero.planner.cost import GB, NF4_BYTES_PER_PARAM, CostTable, dtype_bytes
 from hetero.specs import ModelSpec
 
 

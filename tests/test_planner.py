@@ -5,13 +5,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from hetero.planner import plan, simulate_plan
-from hetero.planner.bruteforce import brute_force
-from hetero.planner.cost import NF4_BYTES_PER_PARAM, RooflineCostModel
 from test_planner_ilp import make_cluster, make_graph, make_model, table_for
 
 from hetero.errors import ConfigError, InfeasiblePlanError
 from hetero.plan import Plan, compute_input_hash
+from hetero.planner import plan, simulate_plan
+from hetero.planner.bruteforce import brute_force
+from hetero.planner.cost import NF4_BYTES_PER_PARAM, RooflineCostModel
 from hetero.specs import DataSpec, PlannerOptions, TrainSpec
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
+
+from hetero.errors import ConfigError
 from hetero.planner.objective import pipeline_step_time
 from hetero.planner.schedules import gpipe, one_f_one_b, programs_for
 from hetero.planner.simulator import ScheduleError, simulate
-
-from hetero.errors import ConfigError
 from hetero.program import Action, format_program, parse_program
 
 

@@ -293,6 +293,9 @@ def build_cluster(
         for d in cpus:
             if d.threads is None:
                 d.threads = max(1, (os.cpu_count() or 1) // len(cpus))
+            # A CPU stage computes with its own threads only: its datasheet TFLOPS are per core.
+            if not any(o.startswith("tflops") for o in d.overrides):
+                d.tflops = {k: v * d.threads for k, v in d.tflops.items()}
     links = _build_links(cfg_hardware, [h.name for h in hosts])
     cluster = ClusterSpec(name=str(cfg_hardware.get("name", "fleet")), hosts=hosts, links=links)
     if "intra_host_bandwidth_gbps" in cfg_hardware:

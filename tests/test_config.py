@@ -84,6 +84,18 @@ def test_local_fleet_follows_num_devices_and_splits_cpu_threads() -> None:
     assert (host.address, host.port) == ("127.0.0.1", 29500)
 
 
+def test_cpu_stage_compute_scales_with_its_threads() -> None:
+    """A CPU stage computes with its own cores: 2 threads predict twice the TFLOPS of 1, unless overridden."""
+    per_core = load_device_types()["cpu"].tflops_fp32
+    cluster = build_cluster({"name": "t", "hosts": [{"name": "h", "devices": [
+        {"type": "cpu", "threads": 2}, {"type": "cpu", "threads": 1},
+        {"type": "cpu", "threads": 4, "tflops_fp32": 0.3}]}]})
+    fast, slow, pinned = cluster.devices
+    assert fast.tflops["float32"] == pytest.approx(2 * per_core)
+    assert slow.tflops["float32"] == pytest.approx(per_core)
+    assert pinned.tflops["float32"] == pytest.approx(0.3)  # the user's number is taken as is
+
+
 def test_mining_rig_expands_counts_with_unique_names_and_torch_indices() -> None:
     cluster = load(["hardware=mining_rig"]).cluster
     assert [d.name for d in cluster.devices] == [

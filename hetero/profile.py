@@ -91,6 +91,8 @@ class DeviceProfile:
     telemetry: dict[str, float] = field(default_factory=dict)  # temperature_c, clocks; absent if not exposed
     environment: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0  # how long profiling this device took
+    started_unix_s: float = 0.0  # wall clock when it began (0: not recorded)
+    measured_with: list[str] = field(default_factory=list)  # this host's stages running a load meanwhile
 
 
 @dataclass

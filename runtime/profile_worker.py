@@ -6,18 +6,23 @@ talks to them only through ``hetero.runtime.transport.Transport`` (msgpack heade
 frames, never pickle). The protocol reuses the wire's message kinds:
 
 - worker -> coordinator ``hello`` {device, endpoint}
-- coordinator -> worker ``welcome`` {op: "profile", model, device, micro_batch_size, share}
+- coordinator -> worker ``welcome`` {op: "profile", model, device, micro_batch_size, share, measured_with}
   -> worker runs ``profiler.profile_device`` (its own thread count) and answers ``state`` {op: "profile", profile}
   (``start`` {layer} after each layer kind, for the progress bar)
 - coordinator -> worker ``welcome`` {op: "link", peer, endpoint, sizes, repeats}: the worker sends
   ``act`` tensors of each size to the peer, which echoes each as ``grad``; one-way time is half
   the round trip; answers ``state`` {op: "link", samples}
+- coordinator -> worker ``welcome`` {op: "load", model, device, micro_batch_size}: the worker
+  answers ``state`` {op: "load"} and repeats a decoder layer's forward+backward until its next message
+  (``welcome`` {op: "idle"} just ends it)
 - ``stop`` ends a worker; a failure is reported as ``error`` {message}.
 
 GPUs are profiled one at a time (a concurrent measurement would measure the neighbours' use of the
-host's PCIe and CPU too). A host's CPU "devices" are profiled together: they share its cores and
-memory bandwidth during the run as well, so measuring each alone would predict a faster run than
-the one they get.
+host's PCIe and CPU too). A host's CPU "devices" share its cores and memory bandwidth during the run,
+so each is measured while the host's other CPU stages run that load: measuring each alone would
+predict a faster run than the one they get, and measuring them all at once (as before) shares the
+cores only while the neighbours happen to be busy, which gave non-monotonic samples and fits with
+r2 0.3-0.7 on a 2-core host.
 """
 
 from __future__ import annotations
@@ -91,17 +96,35 @@ def _measure_link(transport: Any, meta: dict[str, Any], connected: set[str]) -> 
     return samples
 
 
+LOAD_SLICE_S = 0.05  # run the load this long between looks for the coordinator's next message
+
+
+def _load_until_message(transport: Any, step: Callable[[], None]) -> Any:
+    """Repeat ``step`` (a stage's work) until a message arrives, and return that message."""
+    while True:
+        deadline = time.perf_counter() + LOAD_SLICE_S
+        step()  # at least one step between looks, however short the slice
+        while time.perf_counter() < deadline:
+            step()
+        try:
+            return transport.recv(timeout_s=0.001)
+        except WireError:  # nothing yet (or a malformed message, already discarded): keep loading
+            continue
+
+
 def serve(name: str, coordinator: str, token: str, bind: str) -> int:
     """A profile worker: say hello, then do what the coordinator asks until ``stop``."""
-    from hetero.runtime.profiler import profile_device
+    from hetero.runtime.profiler import decoder_load, profile_device
     from hetero.runtime.transport import Transport
 
     with Transport(worker_name(name), bind, token, recv_timeout_s=None) as transport:
         connected = {COORDINATOR}
         transport.connect(COORDINATOR, coordinator)
         transport.send(COORDINATOR, "hello", meta={"device": name, "endpoint": transport.endpoint})
+        next_msg = None  # a message that ended a load, still to be handled
         while True:
-            msg = transport.recv(timeout_s=3600.0)
+            msg = next_msg if next_msg is not None else transport.recv(timeout_s=3600.0)
+            next_msg = None
             if msg.kind == "stop":
                 return 0
             if msg.kind == "act":
@@ -111,22 +134,30 @@ def serve(name: str, coordinator: str, token: str, bind: str) -> int:
                 continue
             op = msg.meta.get("op")
             try:
-                if op == "profile":
+                if op in ("profile", "load"):
                     spec = from_dict(DeviceSpec, msg.meta["device"], "device")
                     model = from_dict(ModelSpec, msg.meta["model"], "model")
                     if spec.backend == "cpu":
                         torch.set_num_threads(max(1, spec.threads or 1))
+                if op == "profile":
 
                     def progress(kind: str) -> None:
                         transport.send(COORDINATOR, "start", meta={"device": name, "layer": kind})
 
                     prof = profile_device(model, spec, _device_for(spec),
                                           micro_batch_size=int(msg.meta["micro_batch_size"]),
-                                          share=int(msg.meta.get("share", 1)), on_layer=progress)
+                                          share=int(msg.meta.get("share", 1)), on_layer=progress,
+                                          measured_with=[str(n) for n in msg.meta.get("measured_with", [])])
                     transport.send(COORDINATOR, "state", meta={"op": "profile", "profile": to_dict(prof)})
+                elif op == "load":
+                    step = decoder_load(model, spec, _device_for(spec), int(msg.meta["micro_batch_size"]))
+                    step()  # warm-up before saying it is loading: the measured neighbour sees a steady load
+                    transport.send(COORDINATOR, "state", meta={"op": "load"})
+                    next_msg = _load_until_message(transport, step)
                 elif op == "link":
                     samples = _measure_link(transport, msg.meta, connected)
                     transport.send(COORDINATOR, "state", meta={"op": "link", "samples": samples})
+                # op "idle" only ends a load: nothing more to do
             except Exception as exc:  # report one line; the traceback goes to this worker's log
                 log.error("%s failed: %s", op, traceback.format_exc())
                 line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -182,14 +213,26 @@ def measure_fleet(
             by_name = {}
             for group in _profile_groups(cluster):
                 for dev in group:
+                    # The host's other CPU stages repeat a decoder layer meanwhile: the cores are shared
+                    # steadily, as in the run, not by whichever neighbour happens to be measuring what.
+                    others = [d for d in group if d.name != dev.name]
+                    for other in others:
+                        transport.send(worker_name(other.name), "welcome", meta={
+                            "op": "load", "device": to_dict(other), "model": to_dict(model),
+                            "micro_batch_size": micro_batch_size})
+                    for other in others:
+                        _await_state(transport, other.name, say)
                     share = sum(1 for d in cluster.devices if d.host == dev.host and d.backend == "cpu") or 1
                     transport.send(worker_name(dev.name), "welcome", meta={
                         "op": "profile", "device": to_dict(dev), "model": to_dict(model),
-                        "micro_batch_size": micro_batch_size, "share": share if dev.backend == "cpu" else 1})
-                for dev in group:
+                        "micro_batch_size": micro_batch_size, "share": share if dev.backend == "cpu" else 1,
+                        "measured_with": [d.name for d in others]})
                     reply = _await_state(transport, dev.name, say)
                     by_name[dev.name] = from_dict(DeviceProfile, reply["profile"], f"profile of {dev.name}")
                     say(f"profiled {dev.name}")
+                if len(group) > 1:  # end the last loads before anything else is measured
+                    for dev in group:
+                        transport.send(worker_name(dev.name), "welcome", meta={"op": "idle"})
             profiles = [by_name[d.name] for d in cluster.devices]
             links = []
             for a, b, sender, receiver in _link_pairs(cluster):
@@ -210,7 +253,7 @@ def measure_fleet(
 
 
 def _profile_groups(cluster: ClusterSpec) -> list[list[DeviceSpec]]:
-    """Devices measured together: a host's CPU stages (they share its cores in the run too), else one at a time."""
+    """A host's CPU stages form a group (each measured while the others run a load), other devices are alone."""
     groups: list[list[DeviceSpec]] = []
     for host in cluster.hosts:
         cpus = [d for d in host.devices if d.backend == "cpu"]

@@ -267,6 +267,24 @@ def telemetry(device: torch.device) -> dict[str, float]:
         return {}
 
 
+def decoder_load(model: ModelSpec, device_spec: DeviceSpec, torch_device: torch.device,
+                 micro_batch_size: int) -> Callable[[], None]:
+    """One forward+backward of a decoder layer at the planned micro-batch: the work a stage repeats in a run.
+
+    A host's other CPU stages run it in a loop while one of them is measured, so that stage is timed
+    sharing the cores the way 1F1B's steady state makes it share them.
+    """
+    probe = build_probe(model, torch_device, device_spec.compute_dtype(model.dtype),
+                        device_spec.quantization(model.quantization))
+    call = _layer_call(probe, "decoder", micro_batch_size, model.seq_len)
+
+    def step() -> None:
+        _time_once(call, probe.device)
+        _zero_grads(probe)
+
+    return step
+
+
 def batch_sizes(micro_batch_size: int) -> list[int]:
     """Micro-batch sizes to time: around the planned one, so the fit is tight where it is used."""
     return sorted({1, max(1, micro_batch_size // 2), micro_batch_size, 2 * micro_batch_size})
@@ -274,9 +292,10 @@ def batch_sizes(micro_batch_size: int) -> list[int]:
 
 def profile_device(model: ModelSpec, device_spec: DeviceSpec, torch_device: torch.device, *,
                    micro_batch_size: int = 1, share: int = 1,
-                   on_layer: Callable[[str], None] | None = None) -> DeviceProfile:
+                   on_layer: Callable[[str], None] | None = None,
+                   measured_with: list[str] | None = None) -> DeviceProfile:
     """Measure every layer kind of ``model`` on one device (call with that device's threads set)."""
-    t0 = time.perf_counter()
+    started, t0 = time.time(), time.perf_counter()
     dtype = device_spec.compute_dtype(model.dtype)
     quant = device_spec.quantization(model.quantization)
     probe = build_probe(model, torch_device, dtype, quant)
@@ -295,5 +314,5 @@ def profile_device(model: ModelSpec, device_spec: DeviceSpec, torch_device: torc
         usable_memory_gb=usable_memory_gb(torch_device, share), seq_len=model.seq_len, token_counts=tokens,
         layers=layers, telemetry=telemetry(torch_device),
         environment={**describe_environment(str(torch_device)), "torch_threads": torch.get_num_threads()},
-        seconds=time.perf_counter() - t0,
+        seconds=time.perf_counter() - t0, started_unix_s=started, measured_with=list(measured_with or []),
     )

@@ -184,6 +184,46 @@ def test_one_device_profile_over_the_transport(tiny_spec: ModelSpec, tmp_path: P
     assert len(links) == 1 and links[0].a == links[0].b == "localhost"
     assert links[0].bandwidth_gbps > 0 and links[0].latency_us > 0
     assert any("decoder layer measured" in e for e in events)
+    # One CPU stage of a host at a time, the other running a load meanwhile: the two measurements
+    # do not overlap in time (measuring both at once shares the cores only by chance).
+    first, second = sorted(devices, key=lambda d: d.started_unix_s)
+    assert first.started_unix_s > 0 and first.started_unix_s + first.seconds <= second.started_unix_s
+    assert devices[0].measured_with == [devices[1].device] and devices[1].measured_with == [devices[0].device]
+
+
+def test_load_runs_until_a_message_arrives(tiny_spec: ModelSpec) -> None:
+    """A loading worker repeats a real decoder step between polls and hands over the message that ends it."""
+    import torch
+
+    from hetero.errors import WireError
+    from hetero.runtime import profile_worker
+    from hetero.runtime.profiler import decoder_load
+
+    torch.set_num_threads(1)
+    small = ModelSpec(**{**tiny_spec.__dict__, "seq_len": 16})
+    step = decoder_load(small, local_fleet([1]).devices[0], torch.device("cpu"), 1)
+    calls = []
+
+    class Mailbox:  # two empty polls, then the message that ends the load
+        polls = 0
+
+        def recv(self, timeout_s: float) -> str:
+            assert timeout_s < 0.1  # a poll, not a wait: the load must keep the core busy
+            self.polls += 1
+            if self.polls < 3:
+                raise WireError("no message within 0.001 s")
+            return "next"
+
+    def counted() -> None:
+        calls.append(1)
+        step()
+
+    profile_worker.LOAD_SLICE_S, saved = 0.0, profile_worker.LOAD_SLICE_S
+    try:
+        assert profile_worker._load_until_message(Mailbox(), counted) == "next"
+    finally:
+        profile_worker.LOAD_SLICE_S = saved
+    assert len(calls) == 3  # one step per slice (slice 0 s): the load ran between every poll
 
 
 def test_profile_cli_refuses_a_foreign_profile(tmp_path: Path, tiny_spec: ModelSpec) -> None:

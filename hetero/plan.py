@@ -11,10 +11,11 @@ from typing import Any
 from hetero import __version__
 from hetero.errors import PlanError
 from hetero.graph import LayerGraph
-from hetero.serde import from_dict, to_dict
+from hetero.serde import check_schema_version, from_dict, read_versioned_json, to_dict
 from hetero.specs import ClusterSpec, DataSpec, ModelSpec, PlannerOptions, TrainSpec
 
 PLAN_SCHEMA_VERSION = 1
+_RECOMPILE = "recompile with `hetero compile`"
 
 
 @dataclass
@@ -120,26 +121,16 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "plan.json") -> Plan:
-        if not isinstance(data, dict):
-            raise PlanError(f"{where}: not a plan (expected a JSON object)")
-        version = data.get("schema_version")
-        if version != PLAN_SCHEMA_VERSION:
-            raise PlanError(
-                f"{where}: plan schema v{version} (written by hetero {data.get('hetero_version', '?')}), "
-                f"this hetero {__version__} reads v{PLAN_SCHEMA_VERSION}: recompile with `hetero compile`"
-            )
+        check_schema_version(data, where=where, what="plan", version=PLAN_SCHEMA_VERSION, error=PlanError,
+                             fix=_RECOMPILE)
         return from_dict(cls, data, where, PlanError)
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         """Read and validate plan.json; every defect becomes a one-line PlanError."""
         p = Path(path)
-        try:
-            data = json.loads(p.read_text())
-        except FileNotFoundError:
-            raise PlanError(f"{p}: no such plan file (run `hetero compile` first)") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise PlanError(f"{p}: not valid JSON ({exc}); recompile with `hetero compile`") from None
+        data = read_versioned_json(p, what="plan", version=PLAN_SCHEMA_VERSION, error=PlanError, fix=_RECOMPILE,
+                                   missing_fix="run `hetero compile` first")
         plan = cls.from_dict(data, str(p))
         if plan.input_hash and plan.input_hash != compute_input_hash(plan):
             raise PlanError(f"{p}: input hash does not match its contents (edited by hand?); recompile it")

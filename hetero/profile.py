@@ -19,10 +19,11 @@ from typing import Any
 
 from hetero import __version__
 from hetero.errors import ConfigError
-from hetero.serde import from_dict, to_dict
+from hetero.serde import check_schema_version, from_dict, read_versioned_json, to_dict
 from hetero.specs import ClusterSpec, ModelSpec
 
 PROFILE_SCHEMA_VERSION = 1
+_REPROFILE = "re-run `hetero profile`"
 LAYER_KINDS = ("embedding", "decoder", "norm", "head")
 
 
@@ -142,26 +143,16 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "profile") -> Profile:
-        if not isinstance(data, dict):
-            raise ProfileError(f"{where}: not a profile (expected a JSON object)")
-        version = data.get("schema_version")
-        if version != PROFILE_SCHEMA_VERSION:
-            raise ProfileError(
-                f"{where}: profile schema v{version} (written by hetero {data.get('hetero_version', '?')}), "
-                f"this hetero {__version__} reads v{PROFILE_SCHEMA_VERSION}: re-run `hetero profile`"
-            )
+        check_schema_version(data, where=where, what="profile", version=PROFILE_SCHEMA_VERSION,
+                             error=ProfileError, fix=_REPROFILE)
         return from_dict(cls, data, where, ProfileError)
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         """Read and validate a profile file; every defect is a one-line ProfileError."""
         p = Path(path)
-        try:
-            data = json.loads(p.read_text())
-        except FileNotFoundError:
-            raise ProfileError(f"{p}: no such profile file (run `hetero profile hardware=... model=...`)") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ProfileError(f"{p}: not valid JSON ({exc}); re-run `hetero profile`") from None
+        data = read_versioned_json(p, what="profile", version=PROFILE_SCHEMA_VERSION, error=ProfileError,
+                                   fix=_REPROFILE, missing_fix="run `hetero profile hardware=... model=...`")
         return cls.from_dict(data, str(p))
 
 

@@ -97,3 +97,39 @@ def _convert(tp: Any, value: Any, where: str, error: type[Exception]) -> Any:
             raise error(f"{where}: expected {tp.__name__}, got {value!r}")
         return value
     return value
+
+
+def read_versioned_json(
+    path: Any, *, what: str, version: int, error: type[Exception], fix: str, missing_fix: str
+) -> dict[str, Any]:
+    """Read a versioned JSON file (plan, profile): a missing, malformed or other-version file is one line.
+
+    ``fix`` tells the user how to make a new one (e.g. "recompile with `hetero compile`");
+    ``missing_fix`` what to do when the file is absent.
+    """
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise error(f"{p}: no such {what} file ({missing_fix})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{p}: not valid JSON ({exc}); {fix}") from None
+    check_schema_version(data, where=str(p), what=what, version=version, error=error, fix=fix)
+    return data
+
+
+def check_schema_version(data: Any, *, where: str, what: str, version: int, error: type[Exception], fix: str) -> None:
+    """Refuse anything but a JSON object of this schema version, naming both versions."""
+    from hetero import __version__
+
+    if not isinstance(data, dict):
+        raise error(f"{where}: not a {what} (expected a JSON object)")
+    found = data.get("schema_version")
+    if found != version:
+        raise error(
+            f"{where}: {what} schema v{found} (written by hetero {data.get('hetero_version', '?')}), "
+            f"this hetero {__version__} reads v{version}: {fix}"
+        )

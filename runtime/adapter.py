@@ -117,7 +117,7 @@ def load_adapter_state(adapter_dir: Path, lora: LoraSpec | None = None) -> dict[
     config = read_adapter_config(adapter_dir)
     weights = adapter_dir / ADAPTER_WEIGHTS
     if not weights.is_file():
-        hint = " (adapter_model.bin is a pickle, which hetero never loads: re-save with safetensors)" if (
+        hint = " (adapter_model.bin is a torch.save file, which hetero never loads: re-save with safetensors)" if (
             adapter_dir / "adapter_model.bin"
         ).exists() else ""
         raise CheckpointError(f"lora.init_from '{adapter_dir}': no {ADAPTER_WEIGHTS}{hint}")

@@ -3,7 +3,7 @@
 Like `hetero run`, the coordinator starts one process per device of each local host
 (``python -m hetero.runtime.profile_worker``; on another host, run the printed command there) and
 talks to them only through ``hetero.runtime.transport.Transport`` (msgpack header + raw tensor
-frames, never pickle). The protocol reuses the wire's message kinds:
+frames, never Python-object serialization). The protocol reuses the wire's message kinds:
 
 - worker -> coordinator ``hello`` {device, endpoint}
 - coordinator -> worker ``welcome`` {op: "profile", model, device, micro_batch_size, share, measured_with}

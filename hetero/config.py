@@ -98,7 +98,7 @@ def compose_raw(overrides: list[str], config_dir: str | Path | None = None) -> d
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_first_line(exc)) from None
     assert isinstance(raw, dict)
-    return raw
+    return {str(k): v for k, v in raw.items()}
 
 
 def load(overrides: list[str], config_dir: str | None = None) -> Config:

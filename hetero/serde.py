@@ -67,7 +67,7 @@ def _convert(tp: Any, value: Any, where: str, error: type[Exception]) -> Any:
                 kwargs[name] = _convert(hints[name], value[name], f"{where}.{name}", error)
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise error(f"{where}: missing field '{name}'")
-        return tp(**kwargs)
+        return tp(**kwargs)  # type: ignore[operator]  # tp is a dataclass type here
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise error(f"{where}: expected a list, got {type(value).__name__}")

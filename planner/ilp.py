@@ -201,7 +201,9 @@ class _Model:
         pl = ev.placement
         num = len(pl.devices)
         gpipe = table.schedule == "gpipe"
-        chosen, links, downs = set(), set(), set()
+        chosen: set[tuple[int, int, int, int]] = set()
+        links: set[tuple[int, int, int, str]] = set()
+        downs: set[tuple[int, int]] = set()
         for k, (d, (a, b)) in enumerate(zip(pl.devices, pl.spans, strict=True)):
             q = 1 if gpipe else min(num - k, net.cap)
             chosen.add((d, a, b, q))
@@ -218,8 +220,8 @@ class _Model:
             v.setInitialValue(1 if key in chosen else 0)
         for key, v in zs.items():
             v.setInitialValue(1 if key in links else 0)
-        for key, v in self.down.items():
-            v.setInitialValue(1 if key in downs else 0)
+        for down, v in self.down.items():
+            v.setInitialValue(1 if down in downs else 0)
         for j, var in self.after.items():
             var.setInitialValue(sum(1 for a, _ in pl.spans if a > j))
         for covers, weight in self.covers:

@@ -78,7 +78,8 @@ def _twins(table: CostTable) -> list[tuple[int, int]]:
         rows = (table.fwd_s, table.bwd_s, table.weights, table.lora, table.activations_per_mb, table.wire_bytes)
         return (table.devices[d].host, table.usable_bytes[d], *(tuple(r[d] for r in t) for t in rows))
 
-    pairs, seen = [], {}
+    pairs: list[tuple[int, int]] = []
+    seen: dict[tuple, int] = {}  # type: ignore[type-arg]
     for d in range(len(table.devices)):
         key = column(d)
         if key in seen:
@@ -89,7 +90,7 @@ def _twins(table: CostTable) -> list[tuple[int, int]]:
 
 def canonical(placement: Placement, twins: list[tuple[int, int]]) -> Placement:
     """The same placement with each twin group's lowest indices used first, in pipeline order."""
-    group = {}
+    group: dict[int, int] = {}
     for a, b in twins:
         group[b] = group.get(a, a)
         group.setdefault(a, a)
@@ -242,15 +243,14 @@ def _prune_unreachable(table: CostTable, net: Network) -> None:
     """Drop arcs on no source-to-sink path (forward and backward reachability over the DAG)."""
     succ: dict = defaultdict(list)  # type: ignore[type-arg]
     pred: dict = defaultdict(list)  # type: ignore[type-arg]
-    edges = []
+    edges: list[tuple[object, object]] = []
     for arc in net.stages:
-        tail = tail_state(table, net, arc)
+        tail: object = tail_state(table, net, arc)
         if tail is None:
             tail = "S" if arc.state in net.start_states else "X"
-        head = head_state(table, net, arc) or "T"
-        edges.append((tail, head))
-    for arc in net.links:
-        edges.append((("A", arc.cut, arc.state, arc.group), ("B", arc.cut, arc.state, arc.host)))
+        edges.append((tail, head_state(table, net, arc) or "T"))
+    for link in net.links:
+        edges.append((("A", link.cut, link.state, link.group), ("B", link.cut, link.state, link.host)))
     if net.cap > 1:
         for i in range(1, table.num_nodes):
             for g in set(net.group_of):

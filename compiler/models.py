@@ -26,8 +26,14 @@ KEYS_THAT_MATTER: tuple[str, ...] = (
 GENERATED_PREFIX = "hetero:"  # e.g. "hetero:tiny": built locally from the declared architecture
 
 
-def resolve_architecture(architecture: dict[str, Any] | None, pretrained: str | None) -> dict[str, Any]:
-    """The architecture dict to trace: from ``pretrained``'s config.json, checked against ``architecture``."""
+def resolve_architecture(
+    architecture: dict[str, Any] | None, pretrained: str | None, *, required: bool = True
+) -> dict[str, Any]:
+    """The architecture dict to trace: from ``pretrained``'s config.json, checked against ``architecture``.
+
+    ``required=False``: a declared architecture is taken as is when the model is not on this machine
+    (compiling never needs the weights), but checked whenever its config.json is at hand.
+    """
     if architecture is not None and not isinstance(architecture, dict):
         raise ConfigError("model.architecture must be a mapping (an HF config.json as a dict) or null")
     if not pretrained or str(pretrained).startswith(GENERATED_PREFIX):
@@ -35,6 +41,8 @@ def resolve_architecture(architecture: dict[str, Any] | None, pretrained: str | 
             raise ConfigError(
                 "model.architecture is null and model.pretrained is not set: pass model.pretrained=<hub id or dir>"
             )
+        return dict(architecture)
+    if not required and architecture is not None and not available_locally(str(pretrained)):
         return dict(architecture)
     found = read_config_json(str(pretrained))
     if architecture is not None:
@@ -68,6 +76,20 @@ def read_config_json(pretrained: str) -> dict[str, Any]:
             f"(huggingface-cli download {pretrained} config.json) or pass a local directory"
         )
     return _load(Path(cached))
+
+
+def available_locally(pretrained: str) -> bool:
+    """True when ``pretrained``'s config.json is on this machine: a local directory or the local hub cache."""
+    if Path(pretrained).expanduser().is_dir():
+        return True
+    if pretrained.startswith(("/", ".", "~")) or pretrained.count("/") > 1:
+        return False
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id=pretrained, filename="config.json"), str)
+    except ValueError:  # not a valid hub id
+        return False
 
 
 def check_agrees(declared: dict[str, Any], found: dict[str, Any], source: str) -> None:

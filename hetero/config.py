@@ -184,6 +184,11 @@ def _model_spec(model: Any, lora: Any) -> ModelSpec:
                 "pass model.pretrained=<hub id or local dir>"
             )
         model["architecture"] = resolve_architecture(None, str(pretrained))
+    elif model.get("pretrained"):
+        # A model file's architecture must agree with the weights it names whenever their config.json
+        # is on this machine; one not downloaded yet is taken as declared (compile needs no weights).
+        model["architecture"] = resolve_architecture(dict(model["architecture"]), str(model["pretrained"]),
+                                                     required=False)
     if not model.get("name"):
         model["name"] = str(model.get("pretrained", "model")).rstrip("/").split("/")[-1]
     dtype = model.get("dtype", "auto")
@@ -197,13 +202,15 @@ def _model_spec(model: Any, lora: Any) -> ModelSpec:
     return spec
 
 
-def resolve_architecture(architecture: dict[str, Any] | None, pretrained: str) -> dict[str, Any]:
+def resolve_architecture(
+    architecture: dict[str, Any] | None, pretrained: str, *, required: bool = True
+) -> dict[str, Any]:
     """The HF config dict for ``pretrained`` (delegates to hetero.compiler.models, imported lazily)."""
     try:
         from hetero.compiler.models import resolve_architecture as resolve
     except ImportError as exc:
         raise ConfigError(f"model=hf needs hetero.compiler.models, which is not available ({exc})") from None
-    arch = resolve(architecture, pretrained)
+    arch = resolve(architecture, pretrained, required=required)
     if not isinstance(arch, dict):
         raise ConfigError(f"model.pretrained={pretrained}: could not read its architecture")
     return arch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -266,6 +267,20 @@ def test_hf_model_resolves_its_architecture(monkeypatch: pytest.MonkeyPatch) -> 
     assert seen == [(None, "Qwen/Qwen2-0.5B")]
     assert cfg.model.name == "Qwen2-0.5B" and cfg.model.model_type == "qwen2"
     assert cfg.raw["model"]["architecture"]["num_hidden_layers"] == 24
+
+
+def test_model_file_architecture_must_agree_with_local_weights(tmp_path: Path) -> None:
+    """A declared architecture that contradicts the named weights' config.json is an error, not a silent choice."""
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    arch = dict(load(["model=tiny"]).model.architecture)
+    (weights / "config.json").write_text(json.dumps(arch))
+    agreed = load(["model=tiny", f"model.pretrained={weights}"])
+    assert agreed.model.architecture["hidden_size"] == arch["hidden_size"]
+    err = _error(["model=tiny", f"model.pretrained={weights}", "model.architecture.hidden_size=128"])
+    assert "hidden_size: declared 128, config.json 64" in str(err) and "\n" not in str(err)
+    # Weights not on this machine: compile works from the declared architecture (no download, ever).
+    assert load(["model=llama8b"]).model.architecture["hidden_size"] == 4096
 
 
 def test_build_cluster_rejects_duplicate_names_and_bad_numbers() -> None:

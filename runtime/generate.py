@@ -8,6 +8,7 @@ in the same Alpaca template the demo data trains with unless --raw.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from hetero.errors import CheckpointError
 from hetero.plan import Plan
 
 
-def generate(run_dir: Path, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
+def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
              raw: bool = False, device: str = "cpu") -> str:
     """The text the base model + ``run_dir/adapter`` continues ``prompt`` with."""
     from peft import PeftModel
@@ -24,6 +25,8 @@ def generate(run_dir: Path, prompt: str, max_new_tokens: int = 64, temperature: 
 
     from hetero.pretrained import resolve_dir
     from hetero.runtime.data import render_alpaca
+
+    run_dir = Path(run_dir)
 
     plan = Plan.load(run_dir / "plan.json")
     adapter = run_dir / "adapter"
@@ -58,5 +61,10 @@ def main_generate(argv: list[str]) -> int:
     ap.add_argument("--raw", action="store_true", help="do not wrap the prompt in the instruction template")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps")
     args = ap.parse_args(argv)
-    print(generate(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.seed, args.raw, args.device))
+    text = generate(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.seed, args.raw, args.device)
+    if text.strip():
+        print(text)
+    else:  # a blank line would look like a crash
+        print("(empty: the model's first token was end-of-sequence; try --temperature 0.8 or --raw)",
+              file=sys.stderr)
     return 0

@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps per run (median over 3..N)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["one-process-1t", "one-process-2t", "pipelining", "hetero"])
     ap.add_argument("--keep", type=Path, help="keep the work dir here instead of a temp dir")
+    ap.add_argument("--no-transport", action="store_true", help="skip the 16 MiB transport vs raw TCP comparison")
     args = ap.parse_args(argv)
     if args.steps < 3:
         ap.error("--steps must be >= 3 (the median is over steps 3..N)")
@@ -366,6 +367,12 @@ def _run(args: argparse.Namespace, work: Path) -> int:
             print(f"  {name} reaches {bound / t:6.1%} of the balanced-pipeline bound")
     if "hetero" in results and results["hetero"] is None:
         print(f"  hetero: {notes['hetero']}")
+    if not args.no_transport:
+        # The transport under the pipeline, in the same run: 16 MiB tensors vs a raw TCP socket.
+        from bench_transport import report as transport_report
+
+        print("\ntransport (process to process over loopback):")
+        transport_report(mib=16, messages=16, repeats=2)
     return 0
 
 

@@ -112,16 +112,25 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=32, help="tensors per timed round")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (best is reported)")
     args = parser.parse_args()
-    nbytes = args.mib << 20
-    total = nbytes * args.messages
+    report(args.mib, args.messages, args.repeats)
+
+
+def measure(mib: int = 16, messages: int = 32, repeats: int = 3) -> tuple[float, float]:
+    """Best MB/s of a raw TCP socket and of the Transport, process to process over loopback."""
+    nbytes = mib << 20
+    total = nbytes * messages
     # Interleave so both paths see the same machine load (the box may be shared).
     raw_best, tr_best = float("inf"), float("inf")
     for _ in range(2):
-        raw_best = min(raw_best, *_raw_sender(nbytes, args.messages, args.repeats))
-        tr_best = min(tr_best, *_transport_sender(nbytes, args.messages, args.repeats))
-    raw_mbs = total / raw_best / 1e6
-    tr_mbs = total / tr_best / 1e6
-    print(f"message size          : {args.mib} MiB float32 x {args.messages} per round, best of {2 * args.repeats}")
+        raw_best = min(raw_best, *_raw_sender(nbytes, messages, repeats))
+        tr_best = min(tr_best, *_transport_sender(nbytes, messages, repeats))
+    return total / raw_best / 1e6, total / tr_best / 1e6
+
+
+def report(mib: int = 16, messages: int = 32, repeats: int = 3) -> None:
+    """Measure both paths and print MB/s and the ratio (bench_runtime.py calls this too)."""
+    raw_mbs, tr_mbs = measure(mib, messages, repeats)
+    print(f"message size          : {mib} MiB float32 x {messages} per round, best of {2 * repeats}")
     print(f"raw TCP socket        : {raw_mbs:9.1f} MB/s")
     print(f"hetero Transport      : {tr_mbs:9.1f} MB/s")
     print(f"ratio Transport / raw : {tr_mbs / raw_mbs:9.3f}  (goal >= 0.9)")

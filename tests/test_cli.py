@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import types
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from hetero import cli
 from hetero.graph import CutEdge, LayerGraph, LayerNode, TensorSpec
 from hetero.hardware import build_cluster
 from hetero.plan import Baseline, MemoryBreakdown, Plan, Prediction, SolverReport, StagePlan
+from hetero.planner.simulator import Event, Timeline
 from hetero.show import describe_span, gantt_lines
 from hetero.specs import DataSpec, ModelSpec, PlannerOptions, TrainSpec
 
@@ -103,27 +103,12 @@ def test_show_rejects_a_plan_from_another_schema(tmp_path: Path, capsys: pytest.
     assert_one_line_error(code, err, f"{tmp_path / 'missing.json'}: no such plan file")
 
 
-@dataclass
-class Ev:
-    stage: int
-    op: str
-    mb: int
-    start_s: float
-    end_s: float
-
-
-@dataclass
-class Tl:
-    events: list[Ev]
-    step_time_s: float
-
-
 def test_gantt_places_forwards_backwards_and_idle_time() -> None:
     # 2 stages, 2 micro-batches, unit-time ops on a 10-column axis (one column per 0.1 s).
-    events = [Ev(0, "F", 0, 0.0, 0.1), Ev(0, "SA", 0, 0.1, 0.2), Ev(1, "F", 0, 0.2, 0.3), Ev(0, "F", 1, 0.1, 0.2),
-              Ev(1, "B", 0, 0.3, 0.4), Ev(1, "F", 1, 0.4, 0.5), Ev(1, "B", 1, 0.5, 0.6), Ev(0, "B", 0, 0.5, 0.6),
-              Ev(0, "B", 1, 0.7, 0.8), Ev(0, "STEP", -1, 0.8, 0.9), Ev(1, "STEP", -1, 0.6, 0.7)]  # fmt: skip
-    rows = gantt_lines(Tl(events, 1.0), 2, width=10)
+    events = [Event(0, "F", 0, 0.0, 0.1), Event(0, "SA", 0, 0.1, 0.2), Event(1, "F", 0, 0.2, 0.3), Event(0, "F", 1, 0.1, 0.2),
+              Event(1, "B", 0, 0.3, 0.4), Event(1, "F", 1, 0.4, 0.5), Event(1, "B", 1, 0.5, 0.6), Event(0, "B", 0, 0.5, 0.6),
+              Event(0, "B", 1, 0.7, 0.8), Event(0, "STEP", -1, 0.8, 0.9), Event(1, "STEP", -1, 0.6, 0.7)]  # fmt: skip
+    rows = gantt_lines(Timeline(events, 1.0, [], 0.0), 2, width=10)
     assert rows[0] == "stage 0 |01...a.b#.|"
     assert rows[1] == "stage 1 |..0a1b#...|"
     assert rows[2].rstrip().endswith("1.00 s")
@@ -139,7 +124,7 @@ def test_show_draws_the_simulated_schedule(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
 ) -> None:
     fake = types.ModuleType("hetero.planner.simulator")
-    fake.simulate_plan = lambda plan: Tl([Ev(0, "F", 0, 0.0, 0.5), Ev(1, "F", 0, 0.5, 1.0)], 1.0)  # type: ignore[attr-defined]
+    fake.simulate_plan = lambda plan: Timeline([Event(0, "F", 0, 0.0, 0.5), Event(1, "F", 0, 0.5, 1.0)], 1.0, [], 0.0)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "hetero.planner.simulator", fake)
     path = tmp_path / "plan.json"
     make_plan().save(path)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import matplotlib.pyplot as plt
 import pytest
 from matplotlib.colors import to_hex
@@ -20,23 +18,7 @@ from hetero.compiler.pictures import (
     span_label,
 )
 from hetero.hardware import build_cluster
-
-
-@dataclass(frozen=True)
-class FakeEvent:
-    stage: int
-    op: str
-    mb: int
-    start_s: float
-    end_s: float
-
-
-@dataclass
-class FakeTimeline:
-    events: list[FakeEvent]
-    step_time_s: float
-    busy_fraction: list[float]
-    bubble_fraction: float
+from hetero.planner.simulator import Event, Timeline
 
 
 def _texts(fig) -> str:
@@ -82,13 +64,13 @@ def test_schedule_draws_every_event_from_the_timeline(plan):
     events = []
     for mb in range(3):  # a hand-made two-stage GPipe step
         events += [
-            FakeEvent(0, "F", mb, mb * fwd, (mb + 1) * fwd),
-            FakeEvent(1, "F", mb, (mb + 1) * fwd, (mb + 2) * fwd),
+            Event(0, "F", mb, mb * fwd, (mb + 1) * fwd),
+            Event(1, "F", mb, (mb + 1) * fwd, (mb + 2) * fwd),
         ]
-        events += [FakeEvent(1, "B", mb, 0.5 + mb * bwd, 0.5 + (mb + 1) * bwd)]
-        events += [FakeEvent(0, "B", mb, 0.7 + mb * bwd, 0.7 + (mb + 1) * bwd)]
-    events.append(FakeEvent(0, "SA", 0, 0.1, 0.12))
-    timeline = FakeTimeline(events, step_time_s=1.3, busy_fraction=[0.69, 0.69], bubble_fraction=0.31)
+        events += [Event(1, "B", mb, 0.5 + mb * bwd, 0.5 + (mb + 1) * bwd)]
+        events += [Event(0, "B", mb, 0.7 + mb * bwd, 0.7 + (mb + 1) * bwd)]
+    events.append(Event(0, "SA", 0, 0.1, 0.12))
+    timeline = Timeline(events, step_time_s=1.3, busy_fraction=[0.69, 0.69], bubble_fraction=0.31)
     plan.stages = plan.stages[:2]
     fig = schedule_figure(plan, timeline)
     ax = fig.axes[0]

@@ -15,12 +15,10 @@ from typing import Any
 from torch import nn
 
 from hetero.errors import ConfigError
+from hetero.specs import BYTES_PER_DTYPE, QUANT_BYTES_PER_PARAM
 
-BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Bytes per quantized Linear weight. bitsandbytes NF4 packs two 4-bit codes per byte and keeps one fp32
-# absmax per block of 64 weights (+4/64); LLM.int8 keeps one byte per weight and an fp32 scale per row
-# (negligible, left out). Everything that is not a decoder Linear weight stays at the compute dtype.
-QUANT_BYTES_PER_PARAM: dict[str, float] = {"nf4": 0.5 + 4 / 64, "int8": 1.0}
+# Quantized Linear weights cost hetero.specs.QUANT_BYTES_PER_PARAM; everything that is not a decoder
+# Linear weight stays at the compute dtype.
 # peft keeps LoRA A/B in fp32 (autocast_adapter_dtype) and casts each targeted Linear's input to it.
 LORA_BYTES = 4
 # FlashAttention-style backward recomputes the score matrix: 5 matmuls of the forward's 2 -> 2.5x.
@@ -112,7 +110,7 @@ def unit_cost(
     lora_target_names: list[str],
 ) -> UnitCost:
     """Costs of one pipeline unit; ``params`` maps its state-dict names to (meta) tensors."""
-    dtype_bytes = BYTES[dtype]
+    dtype_bytes = BYTES_PER_DTYPE[dtype]
     if quantization not in ("none", *QUANT_BYTES_PER_PARAM):
         raise ConfigError(f"model.quantization={quantization!r} is not one of none, nf4, int8")
     num_params = sum(int(t.numel()) for t in params.values())

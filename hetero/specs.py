@@ -13,7 +13,12 @@ Backend = Literal["cuda", "rocm", "mps", "cpu"]
 Quantization = Literal["none", "nf4", "int8"]
 DType = Literal["float32", "bfloat16", "float16"]
 
-BYTES_PER_DTYPE: dict[str, float] = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0, "nf4": 0.5}
+BYTES_PER_DTYPE: dict[str, float] = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
+# Bytes per quantized decoder Linear weight, shared by the compiler's LayerGraph and the planner's
+# memory model. bitsandbytes NF4 packs two 4-bit codes per byte plus one fp32 absmax per block of 64
+# weights (+4/64; double quantization would shave most of that, we do not count on it); LLM.int8
+# keeps one byte per weight and an fp32 scale per row (negligible for rows of >= 1k weights).
+QUANT_BYTES_PER_PARAM: dict[str, float] = {"nf4": 0.5 + 4 / 64, "int8": 1.0}
 
 
 @dataclass

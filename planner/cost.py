@@ -13,13 +13,17 @@ from typing import Protocol
 
 from hetero.errors import ConfigError
 from hetero.graph import LayerGraph
-from hetero.specs import BYTES_PER_DTYPE, ClusterSpec, DeviceSpec, ModelSpec, PlannerOptions, TrainSpec
+from hetero.specs import (
+    BYTES_PER_DTYPE,
+    QUANT_BYTES_PER_PARAM,
+    ClusterSpec,
+    DeviceSpec,
+    ModelSpec,
+    PlannerOptions,
+    TrainSpec,
+)
 
-# bitsandbytes NF4 stores 4 bits per weight plus one fp32 absmax per block of 64 weights
-# (4 B / 64 = 0.0625 B); we do not count on double quantization, which would shave most of that.
-NF4_BYTES_PER_PARAM = 0.5 + 4.0 / 64
-# LLM.int8 keeps 1 B per weight plus a per-row fp32 scale (negligible for rows of >= 1k weights).
-INT8_BYTES_PER_PARAM = 1.0
+NF4_BYTES_PER_PARAM = QUANT_BYTES_PER_PARAM["nf4"]
 # LoRA parameters train in fp32: the parameter, its gradient and AdamW's two moments.
 LORA_BYTES_PER_PARAM = 16.0
 GB = 1e9
@@ -74,7 +78,7 @@ def weight_bytes(graph: LayerGraph, node: int, device: DeviceSpec, model: ModelS
     n = graph.nodes[node]
     elem = dtype_bytes(compute_dtype(device, model))
     quant = device.quantization(model.quantization)
-    per_linear = {"nf4": NF4_BYTES_PER_PARAM, "int8": INT8_BYTES_PER_PARAM}.get(quant, elem)
+    per_linear = QUANT_BYTES_PER_PARAM.get(quant, elem)
     return (n.num_params - n.linear_params) * elem + n.linear_params * per_linear
 
 

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 
 from hetero.errors import WireError
 from hetero.program import Action
+from hetero.runtime.data import IGNORE_INDEX
 from hetero.runtime.lr import make_scheduler
 from hetero.runtime.stage import Stage
 from hetero.specs import TrainSpec
 
-IGNORE_INDEX = -100
 COORDINATOR = "coordinator"
 COMPUTE_OPS = ("F", "B", "STEP")  # what counts as a stage's busy time; the rest is waiting or sending
 

@@ -29,6 +29,37 @@ COORDINATOR = "coordinator"
 COMPUTE_OPS = ("F", "B", "STEP")  # what counts as a stage's busy time; the rest is waiting or sending
 
 
+def build_optimizer(params: list[torch.nn.Parameter], train: TrainSpec) -> tuple[Any, Any]:
+    """AdamW and its LR schedule over a stage's LoRA parameters ((None, None) when it has none)."""
+    if not params:
+        return None, None
+    # torch defaults (betas, eps) like the one-GPU reference; AdamW is per-element, so splitting
+    # the parameters across stages changes nothing.
+    optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+    return optimizer, make_scheduler(optimizer, train)
+
+
+def grad_sumsq(params: list[torch.nn.Parameter]) -> float:
+    """Squared L2 norm of the gradients, in float64 (the stage's share of the global norm)."""
+    with torch.no_grad():
+        return float(sum((p.grad.double().pow(2).sum() for p in params if p.grad is not None),
+                         torch.zeros((), dtype=torch.float64)))
+
+
+def apply_step(params: list[torch.nn.Parameter], optimizer: Any, scheduler: Any, coef: float) -> None:
+    """Scale gradients by the clip coefficient, step AdamW and the schedule, drop the gradients."""
+    if optimizer is None:
+        return
+    with torch.no_grad():
+        if coef != 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def stage_name(k: int) -> str:
     """The transport name of stage k (also its peers' name for it)."""
     return f"stage{k}"
@@ -74,10 +105,7 @@ class Executor:
         self.prev = stage_name(stage.index - 1) if not stage.is_first else None
         self.next = stage_name(stage.index + 1) if not stage.is_last else None
         self.params = stage.lora_parameters()
-        # torch defaults (betas, eps) like the one-GPU reference; AdamW is per-element, so splitting
-        # the parameters across stages changes nothing.
-        self.optimizer = torch.optim.AdamW(self.params, lr=train.lr, weight_decay=train.weight_decay) if self.params else None
-        self.scheduler = make_scheduler(self.optimizer, train) if self.optimizer is not None else None
+        self.optimizer, self.scheduler = build_optimizer(self.params, train)
         self.steps_done = 0  # optimizer steps taken (the step number of the next step)
         self._handlers: dict[str, Callable[[int, int], None]] = {
             "RA": self._recv_activation, "F": self._forward, "SA": self._send_activation,
@@ -200,24 +228,10 @@ class Executor:
         self.wire.send(self.prev, "grad", step=step, mb=mb, tensors={"g": grad})
 
     def _optimizer_step(self, step: int, mb: int) -> None:
-        with torch.no_grad():
-            sumsq = sum((p.grad.double().pow(2).sum() for p in self.params if p.grad is not None),
-                        torch.zeros((), dtype=torch.float64))
-            self._grad_sumsq = float(sumsq)
+        self._grad_sumsq = grad_sumsq(self.params)
         self.wire.send(COORDINATOR, "gradnorm", step=step, meta={"sumsq": self._grad_sumsq})
         t0 = time.perf_counter()
         msg = self.wire.recv("clip", step=step, sender=COORDINATOR)
         self._clip_wait = time.perf_counter() - t0
-        coef = float(msg.meta["coef"])
-        if self.optimizer is None:
-            return
-        with torch.no_grad():
-            if coef != 1.0:
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-        self.optimizer.step()
-        assert self.scheduler is not None
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        apply_step(self.params, self.optimizer, self.scheduler, float(msg.meta["coef"]))
         self._sync()

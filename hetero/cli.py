@@ -173,7 +173,8 @@ def cmd_profile(config_dir: str | None, overrides: list[str]) -> int:
     from rich.progress import Progress
 
     from hetero import config as config_mod
-    from hetero.profile import Profile, fleet_hash, model_hash, now_iso
+    from hetero.profile import MEASURED_PARTS, Profile, fleet_hash, model_hash, now_iso
+    from hetero.specs import BYTES_PER_DTYPE
 
     cfg = config_mod.load(overrides, config_dir)
     out_path = cfg.output if cfg.output.suffix == ".json" else cfg.output / "profile.json"
@@ -183,7 +184,7 @@ def cmd_profile(config_dir: str | None, overrides: list[str]) -> int:
     err = _console(stderr=True)
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task(f"profiling {cfg.model.name} on {cfg.cluster.name}",
-                            total=len(cfg.cluster.devices) * 5 + num_pairs)
+                            total=len(cfg.cluster.devices) * (len(MEASURED_PARTS) + 1) + num_pairs)
 
         def on_event(line: str) -> None:
             if line.startswith("on host"):
@@ -203,6 +204,15 @@ def cmd_profile(config_dir: str | None, overrides: list[str]) -> int:
         tokens = cfg.train.micro_batch_size * cfg.model.seq_len
         out.print(f"{d.device}: decoder layer fwd {dec.fwd.at(tokens) * 1e3:.2f} ms + bwd {dec.bwd.at(tokens) * 1e3:.2f} ms "
                   f"at {tokens} tokens (r2 {dec.fwd.r2:.2f}/{dec.bwd.r2:.2f}), threads {d.threads}", highlight=False)
+        extra = []
+        if d.optimizer is not None:
+            extra.append(f"optimizer step {d.optimizer.at(dec.lora_params) * 1e3:.2f} ms per decoder layer's LoRA")
+        if d.message_send is not None and d.message_recv is not None:
+            size = tokens * int(cfg.model.architecture.get("hidden_size", 0)) * BYTES_PER_DTYPE.get(d.dtype, 4)
+            extra.append(f"a {size / 1e6:.2g} MB activation costs {d.message_send.at(size) * 1e3:.2f} ms to send, "
+                         f"{d.message_recv.at(size) * 1e3:.2f} ms to receive")
+        if extra:
+            out.print(f"  {'; '.join(extra)}", highlight=False)
     for lk in links:
         out.print(f"link {lk.a}<->{lk.b}: {lk.bandwidth_gbps:.2f} Gbit/s, {lk.latency_us:.0f} us", highlight=False)
     out.print(f"wrote {out_path}\nnext: hetero compile profile={out_path} ...", highlight=False)

@@ -25,6 +25,7 @@ from hetero.specs import ClusterSpec, ModelSpec
 PROFILE_SCHEMA_VERSION = 1
 _REPROFILE = "re-run `hetero profile`"
 LAYER_KINDS = ("embedding", "decoder", "norm", "head")
+MEASURED_PARTS = (*LAYER_KINDS, "optimizer", "messages")  # what a device's profile reports progress on
 
 
 class ProfileError(ConfigError):
@@ -33,12 +34,15 @@ class ProfileError(ConfigError):
 
 @dataclass
 class LinearFit:
-    """Least-squares fit ``seconds = a_s + b_s_per_token * tokens`` over measured samples."""
+    """Least-squares fit ``seconds = a_s + b_s_per_token * x`` over measured samples.
+
+    ``x`` is tokens for layer times; the optimizer and message fits say what theirs is.
+    """
 
     a_s: float
     b_s_per_token: float
     r2: float  # coefficient of determination of the fit (1 = perfect line)
-    samples: list[list[float]] = field(default_factory=list)  # [tokens, seconds] pairs (medians)
+    samples: list[list[float]] = field(default_factory=list)  # [x, seconds] pairs (trimmed means of repeats)
 
     def at(self, tokens: int) -> float:
         """Predicted seconds at ``tokens`` (never negative: a noisy intercept may be)."""
@@ -89,6 +93,10 @@ class DeviceProfile:
     seq_len: int
     token_counts: list[int]
     layers: dict[str, LayerProfile]  # by kind
+    # Costs outside the layers (absent in profiles written before they were measured):
+    optimizer: LinearFit | None = None  # one optimizer step; x = LoRA parameters on the stage
+    message_send: LinearFit | None = None  # CPU time to send one activation/gradient; x = bytes
+    message_recv: LinearFit | None = None  # CPU time to receive and place one; x = bytes
     telemetry: dict[str, float] = field(default_factory=dict)  # temperature_c, clocks; absent if not exposed
     environment: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0  # how long profiling this device took

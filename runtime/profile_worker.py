@@ -8,7 +8,7 @@ frames, never Python-object serialization). The protocol reuses the wire's messa
 - worker -> coordinator ``hello`` {device, endpoint}
 - coordinator -> worker ``welcome`` {op: "profile", model, device, micro_batch_size, share, measured_with}
   -> worker runs ``profiler.profile_device`` (its own thread count) and answers ``state`` {op: "profile", profile}
-  (``start`` {layer} after each layer kind, for the progress bar)
+  (``start`` {layer} after each layer kind, the optimizer and the messages: the progress bar)
 - coordinator -> worker ``welcome`` {op: "link", peer, endpoint, sizes, repeats}: the worker sends
   ``act`` tensors of each size to the peer, which echoes each as ``grad``; one-way time is half
   the round trip; answers ``state`` {op: "link", samples}
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from hetero.errors import HeteroError, WireError
-from hetero.profile import DeviceProfile, LinkProfile, fit_line
+from hetero.profile import LAYER_KINDS, DeviceProfile, LinkProfile, fit_line
 from hetero.serde import from_dict, to_dict
 from hetero.specs import ClusterSpec, DeviceSpec, ModelSpec
 
@@ -303,7 +303,8 @@ def _await_state(transport: Any, device: str, say: Callable[[str], None]) -> dic
         if msg.kind == "error":
             raise HeteroError(f"profiling {device} failed: {msg.meta.get('message', '?')}")
         if msg.kind == "start":
-            say(f"{device}: {msg.meta.get('layer')} layer measured")
+            part = str(msg.meta.get("layer"))
+            say(f"{device}: {part}{' layer' if part in LAYER_KINDS else ''} measured")
         elif msg.kind == "state":
             return dict(msg.meta)
 

@@ -10,13 +10,17 @@ Memory: saved-for-backward bytes are counted exactly on every device with
 ``torch.autograd.graph.saved_tensors_hooks`` (unique storages, parameters excluded). On CUDA the
 peak is ``torch.cuda.max_memory_allocated`` above the pre-call level; on CPU there is no allocator
 peak to read, so the peak per token is the saved bytes per token (method says which).
+
+Besides the layers, the two costs a stage pays outside its layers' compute: the optimizer step
+(the executor's own code: gradient norm, AdamW, schedule, zero_grad) against the number of LoRA
+parameters, and the CPU time of sending and of receiving one activation message over the
+runtime's transport against its bytes.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,14 +31,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetero.errors import HeteroError
-from hetero.profile import DeviceProfile, LayerProfile, fit_line
-from hetero.specs import DeviceSpec, ModelSpec
+from hetero.profile import DeviceProfile, LayerProfile, LinearFit, fit_line
+from hetero.specs import DeviceSpec, ModelSpec, TrainSpec
 
 from .stage import TORCH_DTYPES, StageLayout, _build_config, _quantize_nf4, _skeleton
 
+OPTIMIZER_COPIES = (1, 2, 4, 8)  # optimizer steps over this many decoder layers' LoRA parameters
 MIN_REPEATS = 3
-MAX_REPEATS = 25
-TARGET_S = 0.25  # per (kind, token count): repeat until this much time is measured
+MAX_REPEATS = 40
+TARGET_S = 0.3  # per (kind, token count): repeat until this much time is measured
+TRIM = 0.1  # share of the samples dropped at each end before averaging
+
+
+def typical(samples: list[float]) -> float:
+    """The trimmed mean: what many repetitions cost on average, without the rare outliers.
+
+    Not the median: where stages share cores, a call either runs through or is preempted for a
+    scheduler time slice, and the median picks one of the two modes, while a run pays their mix.
+    """
+    ordered = sorted(samples)
+    cut = int(len(ordered) * TRIM)
+    kept = ordered[cut : len(ordered) - cut] or ordered
+    return sum(kept) / len(kept)
 
 
 class ProfileFailedError(HeteroError):
@@ -197,8 +215,8 @@ def profile_layer(probe: Probe, kind: str, batches: list[int], seq: int) -> tupl
         finally:
             _zero_grads(probe)
         tokens.append(batch * seq)
-        fwd.append(statistics.median(s[0] for s in samples))
-        bwd.append(statistics.median(s[1] for s in samples))
+        fwd.append(typical([s[0] for s in samples]))
+        bwd.append(typical([s[1] for s in samples]))
         if peak is not None:
             peaks.append(peak)
     saved_fit = fit_line(tokens, saved) if len(tokens) > 1 else None
@@ -216,6 +234,99 @@ def profile_layer(probe: Probe, kind: str, batches: list[int], seq: int) -> tupl
     lora = sum(p.numel() for p in sub.parameters() if p.requires_grad)
     return LayerProfile(kind, fit_line(tokens, fwd), fit_line(tokens, bwd), weight_bytes, lora,
                         per_token, peak_per_token, method), tokens
+
+
+def _typical_time(run: Callable[[], None], prepare: Callable[[], None], device: torch.device) -> float:
+    """Typical seconds of ``run`` (``prepare`` before each, untimed) after one warm-up call."""
+    samples: list[float] = []
+    spent, t_start = 0.0, time.perf_counter()
+    for i in range(MAX_REPEATS + 1):
+        if i > MIN_REPEATS and spent >= TARGET_S:
+            break
+        prepare()
+        _sync(device)
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        if i > 0:  # the first call warms up
+            samples.append(time.perf_counter() - t0)
+        spent = time.perf_counter() - t_start
+    return typical(samples)
+
+
+def profile_optimizer(probe: Probe) -> LinearFit | None:
+    """Seconds of one optimizer step against LoRA parameters (x = parameters, slope per parameter).
+
+    Runs the executor's own step (grad norm, AdamW, LR schedule, zero_grad) over copies of one
+    decoder layer's LoRA tensors, so the per-tensor cost (the loop over tensors) and the
+    per-element cost are both in the fit. None when the model has no LoRA in its decoder layers.
+    """
+    from .executor import apply_step, build_optimizer, grad_sumsq
+
+    layer = next(iter(probe.model.model.layers.values()))
+    like = [p for p in layer.parameters() if p.requires_grad]
+    if not like:
+        return None
+    xs: list[float] = []
+    ys: list[float] = []
+    for copies in OPTIMIZER_COPIES:
+        params = [nn.Parameter(torch.zeros_like(p)) for _ in range(copies) for p in like]
+        optimizer, scheduler = build_optimizer(params, TrainSpec(steps=10 * MAX_REPEATS))
+
+        def grads(params: list[nn.Parameter] = params) -> None:
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3)
+
+        def step(params: list[nn.Parameter] = params, optimizer: Any = optimizer, scheduler: Any = scheduler) -> None:
+            grad_sumsq(params)
+            apply_step(params, optimizer, scheduler, 1.0)
+
+        xs.append(float(sum(p.numel() for p in params)))
+        ys.append(_typical_time(step, grads, probe.device))
+    return fit_line(xs, ys)
+
+
+def profile_messages(probe: Probe, token_counts: list[int]) -> tuple[LinearFit, LinearFit]:
+    """CPU seconds to send, and to receive, one activation message against its bytes (x = bytes).
+
+    Sends go through a runtime Transport to a second one in this process (loopback): the send is
+    timed in the caller (encode, a GPU tensor's copy to the host, handing the frames to ZeroMQ); the
+    receive is timed once the message has arrived (decode and the copy onto the device), the way
+    the executor receives (through the Mailbox, which also looks at control messages).
+    """
+    from .transport import Transport
+    from .worker import Mailbox
+
+    sizes, send_s, recv_s = [], [], []
+    with Transport("probe-rx", "tcp://127.0.0.1:0", "probe", recv_timeout_s=30.0) as rx, \
+            Transport("probe-tx", None, "probe") as tx:
+        assert rx.endpoint is not None
+        tx.connect("probe-rx", rx.endpoint)
+        inbox = Mailbox(rx)
+        for tokens in token_counts:
+            h = torch.randn(tokens, probe.hidden, device=probe.device, dtype=probe.dtype)
+            num_bytes = h.numel() * h.element_size()
+            settle = 0.002 + 4.0 * num_bytes / 1e9  # loopback moves > 1 GB/s: the message is in by then
+            sends, recvs = [], []
+            for i in range(MIN_REPEATS + 3):
+                _sync(probe.device)
+                t0 = time.perf_counter()
+                tx.send("probe-rx", "act", step=0, mb=i, tensors={"h": h})
+                t1 = time.perf_counter()
+                time.sleep(settle)
+                t2 = time.perf_counter()
+                msg = inbox.recv("act", step=0, mb=i, timeout_s=30.0)
+                x = msg.tensors["h"].to(probe.device, probe.dtype).requires_grad_(True)
+                _sync(probe.device)
+                t3 = time.perf_counter()
+                del x, msg
+                if i > 0:
+                    sends.append(t1 - t0)
+                    recvs.append(t3 - t2)
+            sizes.append(float(num_bytes))
+            send_s.append(typical(sends))
+            recv_s.append(typical(recvs))
+    return fit_line(sizes, send_s), fit_line(sizes, recv_s)
 
 
 def usable_memory_gb(device: torch.device, share: int = 1) -> float | None:
@@ -306,13 +417,19 @@ def profile_device(model: ModelSpec, device_spec: DeviceSpec, torch_device: torc
         tokens = sorted(set(tokens) | set(used))
         if on_layer is not None:
             on_layer(kind)
+    optimizer = profile_optimizer(probe)
+    if on_layer is not None:
+        on_layer("optimizer")
+    send, recv = profile_messages(probe, tokens)
+    if on_layer is not None:
+        on_layer("messages")
     from .env import describe_environment
 
     return DeviceProfile(
         device=device_spec.name, host=device_spec.host, type=device_spec.type, backend=device_spec.backend,
         dtype=dtype, quantization=quant, threads=device_spec.threads,
         usable_memory_gb=usable_memory_gb(torch_device, share), seq_len=model.seq_len, token_counts=tokens,
-        layers=layers, telemetry=telemetry(torch_device),
+        layers=layers, optimizer=optimizer, message_send=send, message_recv=recv, telemetry=telemetry(torch_device),
         environment={**describe_environment(str(torch_device)), "torch_threads": torch.get_num_threads()},
         seconds=time.perf_counter() - t0, started_unix_s=started, measured_with=list(measured_with or []),
     )

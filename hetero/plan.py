@@ -50,6 +50,10 @@ class StagePlan:
     memory: MemoryBreakdown
     program: list[str]  # text-form actions (hetero.program)
     artifact: str = ""  # stage artifact directory, relative to plan.json
+    # Predicted seconds an action costs besides compute ("RA"/"SA"/"RG"/"SG": one message's CPU
+    # time; "STEP": the optimizer step), and the gradient-norm round trip to the coordinator.
+    overhead_s: dict[str, float] = field(default_factory=dict)
+    step_sync_s: float = 0.0
 
 
 @dataclass

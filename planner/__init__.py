@@ -126,6 +126,8 @@ def plan(
             endpoint=f"tcp://{host.address}:{host.port + k}", threads=dev.threads,
             fwd_time_s=ev.fwd_s[k], bwd_time_s=ev.bwd_s[k], send_time_s=ev.send_s[k], memory=ev.memory[k],
             program=format_program(programs[k]), artifact=f"artifacts/{dev.host}/stage{k}",
+            overhead_s=dict(ev.overhead_s[k]) if ev.overhead_s else {},
+            step_sync_s=ev.sync_s[k] if ev.sync_s else 0.0,
         ))
     base = baselines(table, graph.decoder_indices())
     result_plan = Plan(

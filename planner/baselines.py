@@ -13,7 +13,8 @@ def predict(table: CostTable, evaluation: Evaluation) -> tuple[Prediction, Timel
     """Simulate the schedule on a placement's stage times: the numbers a plan reports."""
     num_stages = len(evaluation.placement.devices)
     programs = programs_for(table.schedule, num_stages, table.num_micro_batches)
-    timeline = simulate(programs, evaluation.fwd_s, evaluation.bwd_s, evaluation.send_s)
+    timeline = simulate(programs, evaluation.fwd_s, evaluation.bwd_s, evaluation.send_s,
+                        overhead_s=evaluation.overhead_s or None, sync_s=evaluation.sync_s or None)
     tokens = table.tokens * table.num_micro_batches
     step = timeline.step_time_s
     prediction = Prediction(

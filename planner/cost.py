@@ -1,14 +1,14 @@
 """Cost models: per (node, device) compute time and memory, per (host, host) transfer time.
 
-``CostModel`` is the interface; ``RooflineCostModel`` fills it from datasheet numbers. A measured
-profile (``hetero profile``) will be a second class with the same three methods. ``CostTable``
+``CostModel`` is the interface; ``RooflineCostModel`` fills it from datasheet numbers and
+``planner.profile_cost.ProfileCostModel`` from a measured profile (``hetero profile``). ``CostTable``
 evaluates a cost model once for every (node, device) of a planning problem, so the ILP, the brute
 force, the baselines and the manual split all read the very same numbers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from hetero.errors import ConfigError
@@ -27,6 +27,17 @@ NF4_BYTES_PER_PARAM = QUANT_BYTES_PER_PARAM["nf4"]
 # LoRA parameters train in fp32: the parameter, its gradient and AdamW's two moments.
 LORA_BYTES_PER_PARAM = 16.0
 GB = 1e9
+# Rough datasheet-path figures for what a stage pays outside its layers (a profile measures them):
+# AdamW touches ~32 bytes per fp32 LoRA parameter (param, grad, two moments; the grad norm reads
+# the grad again); every LoRA tensor costs a few ops of Python/launch overhead per step, far more
+# on CPU (one tensor at a time) than on GPUs (multi-tensor kernels). A message costs its Python
+# encode/decode plus, from or to a GPU, a copy over the host link.
+OPTIMIZER_BYTES_PER_PARAM = 32.0
+OPTIMIZER_PER_TENSOR_S = {"cpu": 50e-6}
+OPTIMIZER_PER_TENSOR_DEFAULT_S = 10e-6
+MESSAGE_FIXED_S = 100e-6
+HOST_COPY_BYTES_PER_S = 12e9  # PCIe 4.0 x16 in practice
+SYNC_BYTES = 256.0  # a gradient-norm or clip message
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -65,6 +76,18 @@ class CostModel(Protocol):
 
     def transfer_time_s(self, cluster: ClusterSpec, host_a: str, host_b: str, num_bytes: float) -> float:
         """Seconds to move ``num_bytes`` from a device on ``host_a`` to one on ``host_b``."""
+        ...
+
+    def optimizer_step_s(self, device: DeviceSpec, model: ModelSpec, lora_params: int, lora_tensors: int) -> float:
+        """Seconds of one optimizer step (grad norm, AdamW, zero_grad) over this much LoRA on ``device``.
+
+        Must be linear in (lora_params, lora_tensors): the planner splits it into a per-stage constant
+        (the value at 0, 0) and per-node parts. Optional: without it the planner assumes 0.
+        """
+        ...
+
+    def message_s(self, device: DeviceSpec, num_bytes: float) -> tuple[float, float]:
+        """(send, receive) seconds ``device``'s stage spends on one message of ``num_bytes``; optional (0, 0)."""
         ...
 
 
@@ -142,6 +165,25 @@ class RooflineCostModel:
             raise ConfigError(f"fleet '{cluster.name}': {exc.args[0]}; add it under links:") from None
         return num_bytes / link.bytes_per_s + link.latency_us * 1e-6
 
+    def optimizer_step_s(self, device: DeviceSpec, model: ModelSpec, lora_params: int, lora_tensors: int) -> float:
+        """Per-tensor overhead plus the bytes AdamW touches over the device's memory bandwidth."""
+        per_tensor = OPTIMIZER_PER_TENSOR_S.get(device.backend, OPTIMIZER_PER_TENSOR_DEFAULT_S)
+        bandwidth = max(device.memory_bandwidth_gbs, 1e-3) * 1e9
+        return lora_tensors * per_tensor + lora_params * OPTIMIZER_BYTES_PER_PARAM / bandwidth
+
+    def message_s(self, device: DeviceSpec, num_bytes: float) -> tuple[float, float]:
+        """Encode/decode overhead, plus the copy between a GPU and its host."""
+        cost = MESSAGE_FIXED_S + (num_bytes / HOST_COPY_BYTES_PER_S if device.backend != "cpu" else 0.0)
+        return cost, cost
+
+
+def lora_tensors(graph: LayerGraph, model: ModelSpec, node: int) -> int:
+    """LoRA tensors (A and B per adapted linear) of a node: every target in a decoder layer, else one."""
+    n = graph.nodes[node]
+    if n.lora_params <= 0:
+        return 0
+    return 2 * max(1, len(model.lora.target_modules)) if n.kind == "decoder" else 2
+
 
 def in_flight(schedule: str, position_from_end: int, num_micro_batches: int) -> int:
     """Micro-batches whose activations a stage holds at its peak; position 0 is the last stage.
@@ -172,6 +214,9 @@ class CostTable:
     cluster: ClusterSpec
     cost_model: CostModel
     model_dtype: str = "auto"
+    # Outside the layers (see CostModel.optimizer_step_s / message_s; zeros for a cost model without them):
+    opt_s: list[list[float]] = field(default_factory=list)  # [node][device] its share of the optimizer step
+    opt_fixed_s: list[float] = field(default_factory=list)  # [device] the step's constant part
 
     @property
     def num_nodes(self) -> int:
@@ -181,6 +226,20 @@ class CostTable:
         """Seconds to send the cut after ``node`` from device index ``sender`` to ``receiver``."""
         a, b = self.devices[sender], self.devices[receiver]
         return self.cost_model.transfer_time_s(self.cluster, a.host, b.host, self.wire_bytes[node][sender])
+
+    def message_s(self, node: int, sender: int, device: int) -> tuple[float, float]:
+        """(send, receive) CPU seconds on ``device`` for one message across the cut after ``node``
+        (sized as ``sender`` sends it; gradients going back are costed at the same size)."""
+        fn = getattr(self.cost_model, "message_s", None)
+        if fn is None:
+            return 0.0, 0.0
+        send, recv = fn(self.devices[device], self.wire_bytes[node][sender])
+        return float(send), float(recv)
+
+    def sync_s(self, device: int, coordinator: int) -> float:
+        """The step's gradient-norm round trip between ``device`` and the coordinator (on ``coordinator``'s host)."""
+        a, b = self.devices[device].host, self.devices[coordinator].host
+        return 2.0 * self.cost_model.transfer_time_s(self.cluster, a, b, SYNC_BYTES)
 
 
 def build_cost_table(
@@ -213,6 +272,10 @@ def build_cost_table(
         lo.append([m.lora for m in mems])
         act.append([m.activations_per_mb for m in mems])
         wire.append([wire_bytes_per_token(graph, i, d, model) * tokens for d in devices])
+    opt_fn = getattr(cost_model, "optimizer_step_s", None)
+    opt_fixed = [float(opt_fn(d, model, 0, 0)) if opt_fn else 0.0 for d in devices]
+    opt = [[float(opt_fn(d, model, graph.nodes[i].lora_params, lora_tensors(graph, model, i))) - opt_fixed[j]
+            if opt_fn else 0.0 for j, d in enumerate(devices)] for i in range(n_nodes)]
     return CostTable(
         devices=devices,
         fwd_s=fwd,
@@ -229,4 +292,6 @@ def build_cost_table(
         cluster=cluster,
         cost_model=cost_model,
         model_dtype=model.dtype,
+        opt_s=opt,
+        opt_fixed_s=opt_fixed,
     )

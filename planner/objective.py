@@ -14,6 +14,11 @@ and the baselines call it, and the tests compare them. How it relates to the sim
   in flight, so adjacent stages wait on each other's round trips) or faster (links are
   full-duplex); on random instances the median gap is ~2%. The ILP optimizes this linear proxy;
   the plan's predicted step time comes from the simulator.
+
+What a stage pays outside its layers -- the CPU time of each message it sends or receives and
+the optimizer step after the step's gradient-norm round trip through the coordinator -- is in
+the simulator (``Evaluation.overhead_s`` / ``sync_s``), not in this objective: it is small next
+to compute for real models and depends on where the cuts fall, which the linear ILP cannot see.
 """
 
 from __future__ import annotations
@@ -54,6 +59,10 @@ class Evaluation:
     step_time_s: float  # pipeline_step_time of the above
     feasible: bool
     reasons: list[str] = field(default_factory=list)  # why not, one per stage that overflows
+    # Per stage, seconds an action costs besides compute: "RA"/"SA"/"RG"/"SG" per message, "STEP"
+    # the optimizer step; and the gradient-norm round trip to the coordinator before STEP.
+    overhead_s: list[dict[str, float]] = field(default_factory=list)
+    sync_s: list[float] = field(default_factory=list)
 
 
 def check_placement(table: CostTable, placement: Placement) -> None:
@@ -107,7 +116,30 @@ def evaluate(table: CostTable, placement: Placement) -> Evaluation:
                 f"has {usable / GB:.1f} GB usable"
             )
     step = pipeline_step_time(table.schedule, table.num_micro_batches, fwd, bwd, send[:-1])
-    return Evaluation(placement, fwd, bwd, send, memory, step, not reasons, reasons)
+    overhead, sync = stage_overheads(table, placement)
+    return Evaluation(placement, fwd, bwd, send, memory, step, not reasons, reasons, overhead, sync)
+
+
+def stage_overheads(table: CostTable, placement: Placement) -> tuple[list[dict[str, float]], list[float]]:
+    """Per stage: message and optimizer seconds by action, and the gradient-norm round trip."""
+    devices, spans = placement.devices, placement.spans
+    last = len(devices) - 1
+    overhead: list[dict[str, float]] = []
+    sync: list[float] = []
+    for k, (d, (first, end)) in enumerate(zip(devices, spans, strict=True)):
+        ov: dict[str, float] = {}
+        if table.opt_fixed_s:
+            ov["STEP"] = table.opt_fixed_s[d] + sum(table.opt_s[i][d] for i in range(first, end + 1))
+        if k > 0:  # activations in from stage k-1, gradients back to it
+            prev_end = spans[k - 1][1]
+            send, recv = table.message_s(prev_end, devices[k - 1], d)
+            ov["RA"], ov["SG"] = recv, send
+        if k < last:  # activations out to stage k+1, gradients in from it
+            send, recv = table.message_s(end, d, d)
+            ov["SA"], ov["RG"] = send, recv
+        overhead.append({op: max(0.0, t) for op, t in ov.items()})
+        sync.append(table.sync_s(d, devices[0]))
+    return overhead, sync
 
 
 def split_spans(num_nodes: int, decoder_counts: list[int], decoder_indices: list[int]) -> list[tuple[int, int]]:

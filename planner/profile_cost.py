@@ -84,6 +84,27 @@ class ProfileCostModel:
         self.sources[key] = "profile"
         return link.transfer_s(num_bytes)
 
+    def optimizer_step_s(self, device: DeviceSpec, model: ModelSpec, lora_params: int, lora_tensors: int) -> float:
+        """The device's measured optimizer step (a + b * LoRA parameters), else the roofline's."""
+        dev = self.profile.device(device.name)
+        key = f"optimizer {device.name}"
+        if dev is None or dev.optimizer is None:
+            self.sources[key] = f"roofline ({'device not in the profile' if dev is None else 'not measured'})"
+            return self.fallback.optimizer_step_s(device, model, lora_params, lora_tensors)
+        self.sources[key] = "profile"
+        # Linear, not clamped at 0: the planner splits it into a constant and per-node parts.
+        return dev.optimizer.a_s + dev.optimizer.b_s_per_token * lora_params
+
+    def message_s(self, device: DeviceSpec, num_bytes: float) -> tuple[float, float]:
+        """The device's measured send and receive CPU time for a message of ``num_bytes``."""
+        dev = self.profile.device(device.name)
+        key = f"messages {device.name}"
+        if dev is None or dev.message_send is None or dev.message_recv is None:
+            self.sources[key] = f"roofline ({'device not in the profile' if dev is None else 'not measured'})"
+            return self.fallback.message_s(device, num_bytes)
+        self.sources[key] = "profile"
+        return dev.message_send.at(int(num_bytes)), dev.message_recv.at(int(num_bytes))
+
     def usable_memory_gb(self, device: DeviceSpec) -> float | None:
         """The device's measured free memory, when the profile has it."""
         dev = self.profile.device(device.name)

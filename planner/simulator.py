@@ -3,8 +3,12 @@
 Semantics are those of hetero.program (and of the runtime): sends are asynchronous, receives
 block. Each directed link (stage k -> k+1 for activations, k+1 -> k for gradients) carries one
 tensor at a time, in the sender's program order, each taking ``send_s[k]``; the two directions do
-not share time (full-duplex NIC / PCIe). Compute is serial on a stage. The optimizer step and the
-receive calls themselves take no time: what a receive costs is the wait for its tensor.
+not share time (full-duplex NIC / PCIe). Compute is serial on a stage. Besides compute, an action
+may cost its stage ``overhead_s[k][op]`` seconds: the CPU time of encoding a message (SA/SG,
+before it goes on the link) or of decoding one (RA/RG, after it arrived), and the optimizer step
+(STEP). STEP is a barrier, as in the runtime: every stage's gradient norm goes to the coordinator,
+which answers with the clip coefficient, so no stage steps before all have finished their last
+backward, plus its round trip ``sync_s[k]``. Without overheads all of these take no time.
 
 Because sends never block and each receive names exactly one tensor, the result does not depend
 on the order in which stages are advanced, so the simulator just advances every stage as far as it
@@ -101,7 +105,8 @@ def _validate_static(programs: list[list[Action]]) -> int:
 
 
 def simulate(
-    programs: list[list[Action]], fwd_s: list[float], bwd_s: list[float], send_s: list[float]
+    programs: list[list[Action]], fwd_s: list[float], bwd_s: list[float], send_s: list[float], *,
+    overhead_s: list[dict[str, float]] | None = None, sync_s: list[float] | None = None,
 ) -> Timeline:
     """Run the programs on a model of the pipeline; raise ScheduleError if they are invalid."""
     num_stages = len(programs)
@@ -110,6 +115,11 @@ def simulate(
             f"{num_stages} programs need {num_stages} fwd/bwd times and {num_stages - 1} send times, "
             f"got {len(fwd_s)}, {len(bwd_s)}, {len(send_s)}"
         )
+    over = list(overhead_s) if overhead_s else [{} for _ in range(num_stages)]
+    sync = list(sync_s) if sync_s else [0.0] * num_stages
+    if len(over) != num_stages or len(sync) != num_stages:
+        raise ScheduleError(f"{num_stages} programs need {num_stages} overhead and sync entries, "
+                            f"got {len(over)} and {len(sync)}")
     _validate_static(programs)
     last = num_stages - 1
 
@@ -127,6 +137,7 @@ def simulate(
     peak = [0] * num_stages
     busy = [0.0] * num_stages
     events: list[Event] = []
+    barrier: list[float] = []  # when every stage has reached its STEP (set once all have)
 
     def step(k: int) -> bool:
         """Execute stage k's next action if it can; False when blocked on a receive."""
@@ -135,12 +146,12 @@ def simulate(
         if a.op == "RA":
             if (k, a.mb) not in act_arrival:
                 return False
-            clock[k] = max(t, act_arrival[(k, a.mb)])
+            clock[k] = max(t, act_arrival[(k, a.mb)]) + over[k].get("RA", 0.0)
             received_act[k].add(a.mb)
         elif a.op == "RG":
             if (k, a.mb) not in grad_arrival:
                 return False
-            clock[k] = max(t, grad_arrival[(k, a.mb)])
+            clock[k] = max(t, grad_arrival[(k, a.mb)]) + over[k].get("RG", 0.0)
             received_grad[k].add(a.mb)
         elif a.op == "F":
             if k > 0 and a.mb not in received_act[k]:
@@ -160,7 +171,8 @@ def simulate(
         elif a.op == "SA":
             if a.mb not in forwarded[k]:
                 raise ScheduleError(f"{_name(k, a)} sends an activation before F{a.mb}")
-            start = max(t, fwd_link_free[k])
+            clock[k] = t + over[k].get("SA", 0.0)
+            start = max(clock[k], fwd_link_free[k])
             fwd_link_free[k] = start + send_s[k]
             act_arrival[(k + 1, a.mb)] = start + send_s[k]
             events.append(Event(k, "SA", a.mb, start, start + send_s[k]))
@@ -168,13 +180,19 @@ def simulate(
         elif a.op == "SG":
             if a.mb not in backwarded[k]:
                 raise ScheduleError(f"{_name(k, a)} sends a gradient before B{a.mb}")
-            start = max(t, bwd_link_free[k])
+            clock[k] = t + over[k].get("SG", 0.0)
+            start = max(clock[k], bwd_link_free[k])
             bwd_link_free[k] = start + send_s[k - 1]
             grad_arrival[(k - 1, a.mb)] = start + send_s[k - 1]
             events.append(Event(k, "SG", a.mb, start, start + send_s[k - 1]))
             return _advance(k)
         elif a.op == "STEP":
-            pass
+            if not barrier:
+                at_step = [pc[j] >= len(programs[j]) or programs[j][pc[j]].op == "STEP" for j in range(num_stages)]
+                if not all(at_step):
+                    return False
+                barrier.append(max(clock))
+            clock[k] = max(t, barrier[0]) + sync[k] + over[k].get("STEP", 0.0)
         else:
             raise ScheduleError(f"{_name(k, a)}: unknown action")
         events.append(Event(k, a.op, a.mb, t, clock[k]))
@@ -212,4 +230,6 @@ def simulate_plan(plan: Plan) -> Timeline:
         [s.fwd_time_s for s in plan.stages],
         [s.bwd_time_s for s in plan.stages],
         [s.send_time_s for s in plan.stages],
+        overhead_s=[dict(s.overhead_s) for s in plan.stages],
+        sync_s=[s.step_sync_s for s in plan.stages],
     )

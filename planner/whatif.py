@@ -47,7 +47,9 @@ def _resimulated(plan: Plan, name: str, description: str, schedule: str, m: int)
     """The same placement and stage times under another schedule or micro-batch count."""
     num_stages = len(plan.stages)
     fwd, bwd, send = _stage_times(plan)
-    timeline = simulate(programs_for(schedule, num_stages, m), fwd, bwd, send)
+    timeline = simulate(programs_for(schedule, num_stages, m), fwd, bwd, send,
+                        overhead_s=[dict(s.overhead_s) for s in plan.stages],
+                        sync_s=[s.step_sync_s for s in plan.stages])
     tokens = plan.prediction.tokens_per_step // max(plan.train.num_micro_batches, 1) * m
     peaks, reasons = [], []
     for k, sp in enumerate(plan.stages):

@@ -52,6 +52,8 @@ def compare_run(plan: Plan, metrics: list[dict[str, Any]], stage_timings: list[d
         # Sends are asynchronous, so a transfer shows up as the receiver's wait for its tensor.
         wait = ops.get("RA", 0.0) + ops.get("RG", 0.0)
         other = ops.get("SA", 0.0) + ops.get("SG", 0.0) + ops.get("STEP", 0.0) - ops.get("clip_wait", 0.0)
+        ov = sp.overhead_s
+        predicted_other = m * (ov.get("SA", 0.0) + ov.get("SG", 0.0)) + ov.get("STEP", 0.0)
         predicted_idle = max(0.0, predicted_step - predicted_compute)
         measured_idle = max(0.0, step - compute)
         c_off = _off(compute, predicted_compute)
@@ -63,6 +65,7 @@ def compare_run(plan: Plan, metrics: list[dict[str, Any]], stage_timings: list[d
             + (f" ({c_off:+.0%})" if c_off is not None else "")
             + f"; waiting for transfers {wait:.4g} s (predicted link time {2 * m * sp.send_time_s:.4g} s)"
             + f"; idle {measured_idle:.4g} s vs {predicted_idle:.4g} s; send/optimizer overhead {other:.4g} s"
+            + f" vs {predicted_other:.4g} s"
             + (" <- more than 20% off" if flag else ""))
     lines += run_verdict(plan, step, timings)
     return lines

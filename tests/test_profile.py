@@ -184,6 +184,11 @@ def test_one_device_profile_over_the_transport(tiny_spec: ModelSpec, tmp_path: P
     assert len(links) == 1 and links[0].a == links[0].b == "localhost"
     assert links[0].bandwidth_gbps > 0 and links[0].latency_us > 0
     assert any("decoder layer measured" in e for e in events)
+    assert any("optimizer measured" in e for e in events) and any("messages measured" in e for e in events)
+    for d in devices:  # what a stage pays outside its layers was measured too
+        assert d.optimizer is not None and all(t > 0 for _, t in d.optimizer.samples)
+        assert d.message_send is not None and d.message_recv is not None
+        assert all(t > 0 for _, t in d.message_send.samples + d.message_recv.samples)
     # One CPU stage of a host at a time, the other running a load meanwhile: the two measurements
     # do not overlap in time (measuring both at once shares the cores only by chance).
     first, second = sorted(devices, key=lambda d: d.started_unix_s)
@@ -240,3 +245,83 @@ def test_profile_cli_refuses_a_foreign_profile(tmp_path: Path, tiny_spec: ModelS
 
         profile_cost_model(config_mod.load([f"profile={path}"]))
     assert main(["compile", f"profile={path}", f"output={tmp_path / 'out'}"]) == 2
+
+
+def test_typical_is_a_trimmed_mean() -> None:
+    """Preempted calls are part of what a run pays (the mean of both modes); rare outliers are not."""
+    from hetero.runtime.profiler import typical
+
+    bimodal = [1.0] * 12 + [3.0] * 8  # 40% of the calls lose a scheduler slice
+    assert typical(bimodal) == pytest.approx(1.75)  # the median would say 1.0
+    assert typical([1.0] * 18 + [100.0, 0.0]) == pytest.approx(1.0)  # one stall, one glitch: trimmed
+    assert typical([2.0]) == 2.0
+
+
+def test_optimizer_and_message_costs_are_measured(tiny_spec: ModelSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor's own optimizer step grows with LoRA parameters; messages cost CPU on both sides."""
+    import torch
+
+    from hetero.runtime import profiler
+    from hetero.runtime.profiler import build_probe, profile_messages, profile_optimizer
+
+    monkeypatch.setattr(profiler, "TARGET_S", 0.05)
+    torch.set_num_threads(1)
+    probe = build_probe(tiny_spec, torch.device("cpu"), "float32", "none")
+    fit = profile_optimizer(probe)
+    assert fit is not None and len(fit.samples) == len(profiler.OPTIMIZER_COPIES)
+    xs = [x for x, _ in fit.samples]
+    assert xs == sorted(xs) and xs[-1] == xs[0] * profiler.OPTIMIZER_COPIES[-1]
+    assert fit.b_s_per_token > 0 and fit.samples[-1][1] > fit.samples[0][1]  # 8 layers' LoRA cost more than 1
+    send, recv = profile_messages(probe, [128, 2048])
+    assert [x for x, _ in send.samples] == [128 * 64 * 4.0, 2048 * 64 * 4.0]  # bytes of a [tokens, hidden] fp32
+    assert all(t > 0 for _, t in send.samples + recv.samples)
+
+
+def test_stage_overheads_come_from_the_profile_or_the_roofline(tiny_spec: ModelSpec, tiny_graph) -> None:
+    """Optimizer and message costs per stage, in the plan and in its prediction; roofline when absent."""
+    from hetero.plan import Plan
+    from hetero.planner.cost import lora_tensors, wire_bytes_per_token
+    from hetero.planner.simulator import simulate_plan
+    from hetero.serde import to_dict
+
+    cluster = local_fleet([1, 1])
+    train = TrainSpec(micro_batch_size=4, num_micro_batches=8)
+    opts = PlannerOptions(split=[3, 3])
+    tokens = train.micro_batch_size * tiny_spec.seq_len
+    prof = synthetic_profile(cluster, tiny_spec, {d.name: 1e-5 for d in cluster.devices})
+    for d in prof.devices:
+        d.optimizer = LinearFit(1e-3, 1e-8, 1.0)
+        d.message_send, d.message_recv = LinearFit(1e-4, 1e-10, 1.0), LinearFit(2e-4, 2e-10, 1.0)
+    cm = ProfileCostModel(prof, RooflineCostModel(), cluster=cluster, model=tiny_spec)
+    p = make_plan(tiny_spec, tiny_graph, cluster, train, DataSpec(), opts, cost_model=cm)
+    s0, s1 = p.stages
+    nodes0 = range(s0.first_node, s0.last_node + 1)
+    lora0 = sum(tiny_graph.nodes[i].lora_params for i in nodes0)
+    cut = wire_bytes_per_token(tiny_graph, s0.last_node, cluster.device(s0.device), tiny_spec) * tokens
+    assert cut > 0
+    assert s0.overhead_s == pytest.approx({"STEP": 1e-3 + 1e-8 * lora0, "SA": 1e-4 + 1e-10 * cut,
+                                           "RG": 2e-4 + 2e-10 * cut})
+    assert set(s1.overhead_s) == {"STEP", "RA", "SG"}
+    assert s1.overhead_s["RA"] == pytest.approx(2e-4 + 2e-10 * cut)
+    assert s0.step_sync_s == pytest.approx(2 * prof.links[0].transfer_s(256.0))
+    assert cm.sources[f"optimizer {s0.device}"] == cm.sources[f"messages {s0.device}"] == "profile"
+    # The plan's prediction is the simulator's with these overheads, and they cost time.
+    assert simulate_plan(p).step_time_s == pytest.approx(p.prediction.step_time_s)
+    bare = Plan.from_dict({**to_dict(p), "stages": [{**to_dict(s), "overhead_s": {}, "step_sync_s": 0.0}
+                                                    for s in p.stages]})
+    assert simulate_plan(bare).step_time_s < p.prediction.step_time_s
+    # A plan written before these fields existed still loads (no overheads).
+    old = to_dict(p)
+    for st in old["stages"]:
+        del st["overhead_s"], st["step_sync_s"]
+    assert Plan.from_dict(old).stages[0].overhead_s == {}
+    # A profile without them (written by an older hetero) falls back to the roofline, and says so.
+    for d in prof.devices:
+        d.optimizer = d.message_send = d.message_recv = None
+    cm = ProfileCostModel(prof, RooflineCostModel(), cluster=cluster, model=tiny_spec)
+    p = make_plan(tiny_spec, tiny_graph, cluster, train, DataSpec(), opts, cost_model=cm)
+    dev = cluster.device(p.stages[0].device)
+    roof = RooflineCostModel().optimizer_step_s(dev, tiny_spec, lora0, sum(lora_tensors(tiny_graph, tiny_spec, i)
+                                                                            for i in nodes0))
+    assert p.stages[0].overhead_s["STEP"] == pytest.approx(roof)
+    assert cm.sources[f"optimizer {dev.name}"] == "roofline (not measured)"

@@ -112,3 +112,31 @@ def test_unknown_schedule_and_bad_sizes() -> None:
         programs_for("zb", 2, 2)
     with pytest.raises(ConfigError):
         one_f_one_b(2, 0)
+
+
+def test_overheads_delay_their_stage_and_the_message() -> None:
+    """Encode before the link, decode after the arrival, both on the stage's own clock."""
+    base = simulate(one_f_one_b(2, 1), [1.0, 1.0], [1.0, 1.0], [0.5, 0.0])
+    over = [{"SA": 0.1, "RG": 0.2}, {"RA": 0.3, "SG": 0.4}]
+    tl = simulate(one_f_one_b(2, 1), [1.0, 1.0], [1.0, 1.0], [0.5, 0.0], overhead_s=over)
+    f1 = tl.stage_events(1)[0]
+    assert f1.start_s == pytest.approx(1.0 + 0.1 + 0.5 + 0.3)  # F0, encode, link, decode
+    # Then F1 + B1, encode the gradient, link back, decode, B0.
+    assert tl.step_time_s == pytest.approx(base.step_time_s + 0.1 + 0.3 + 0.4 + 0.2)
+    assert tl.busy_fraction[0] == pytest.approx(2.0 / tl.step_time_s)  # busy stays compute only
+
+
+def test_step_is_a_barrier_with_the_gradient_norm_round_trip() -> None:
+    """No stage steps before every stage finished its backward; then round trip + its optimizer."""
+    progs = one_f_one_b(3, 4)
+    f, b, c = [1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [0.0, 0.0, 0.0]
+    plain = simulate(progs, f, b, c)
+    opt = [0.5, 0.1, 0.2]
+    tl = simulate(progs, f, b, c, overhead_s=[{"STEP": o} for o in opt], sync_s=[0.05] * 3)
+    last_backward = max(e.end_s for e in tl.events if e.op == "B")
+    assert last_backward == pytest.approx(plain.step_time_s)
+    steps = sorted((e for e in tl.events if e.op == "STEP"), key=lambda e: e.stage)
+    assert all(e.end_s == pytest.approx(last_backward + 0.05 + o) for e, o in zip(steps, opt, strict=True))
+    assert tl.step_time_s == pytest.approx(plain.step_time_s + 0.05 + 0.5)
+    with pytest.raises(ScheduleError, match="overhead and sync"):
+        simulate(progs, f, b, c, sync_s=[0.0])

@@ -40,6 +40,7 @@ OPTIMIZER_COPIES = (1, 2, 4, 8)  # optimizer steps over this many decoder layers
 MIN_REPEATS = 3
 MAX_REPEATS = 40
 TARGET_S = 0.3  # per (kind, token count): repeat until this much time is measured
+DECODER_WINDOW_S = 3.0  # the decoder layer's sizes together: long enough to average a drifting machine
 TRIM = 0.1  # share of the samples dropped at each end before averaging
 
 
@@ -192,33 +193,45 @@ def _zero_grads(probe: Probe) -> None:
 
 
 def profile_layer(probe: Probe, kind: str, batches: list[int], seq: int) -> tuple[LayerProfile, list[int]]:
-    """Time and size one layer kind at each micro-batch size; returns the profile and token counts used."""
+    """Time and size one layer kind at each micro-batch size; returns the profile and token counts used.
+
+    The sizes are timed round-robin, not one after the other: a machine whose speed drifts (shared
+    hosts, boost clocks, thermal limits) then slows every size alike instead of bending the fit.
+    The decoder layer, which dominates every stage, is timed over a longer window (DECODER_WINDOW_S).
+    """
     params = {p.untyped_storage().data_ptr() for p in probe.model.parameters()}
     params |= {b.untyped_storage().data_ptr() for b in probe.model.buffers()}
-    tokens, fwd, bwd, saved, peaks = [], [], [], [], []
-    for batch in batches:
+    calls: list[tuple[int, Callable[[], tuple[Any, Any]]]] = []
+    saved: list[int] = []
+    peaks: list[int] = []
+    for batch in batches:  # build, warm up and size each; stop at the first size that does not fit
         call = _layer_call(probe, kind, batch, seq)
         try:
             _time_once(call, probe.device)  # warm-up: kernels, allocator, lazy init
-            samples = []
-            spent, t_start = 0.0, time.perf_counter()
-            while len(samples) < MAX_REPEATS and (len(samples) < MIN_REPEATS or spent < TARGET_S):
-                samples.append(_time_once(call, probe.device))
-                spent = time.perf_counter() - t_start
-            saved.append(_saved_bytes(call, params))
+            size_saved = _saved_bytes(call, params)
             peak = _peak_bytes(call, probe.device)
         except torch.OutOfMemoryError:
-            if not tokens:
+            if not calls:
                 raise ProfileFailedError(f"{probe.device}: out of memory profiling one {kind} layer at "
                                          f"{batch * seq} tokens; the model does not fit this device") from None
             break  # larger sizes will not fit either: fit what we have
         finally:
             _zero_grads(probe)
-        tokens.append(batch * seq)
-        fwd.append(typical([s[0] for s in samples]))
-        bwd.append(typical([s[1] for s in samples]))
+        calls.append((batch * seq, call))
+        saved.append(size_saved)
         if peak is not None:
             peaks.append(peak)
+    window, cap = (DECODER_WINDOW_S, 4 * MAX_REPEATS) if kind == "decoder" else (TARGET_S * len(calls), MAX_REPEATS)
+    samples: list[list[tuple[float, float]]] = [[] for _ in calls]
+    spent, t_start = 0.0, time.perf_counter()
+    while len(samples[0]) < cap and (len(samples[0]) < MIN_REPEATS or spent < window):
+        for (_, call), into in zip(calls, samples, strict=True):
+            into.append(_time_once(call, probe.device))
+            _zero_grads(probe)
+        spent = time.perf_counter() - t_start
+    tokens = [t for t, _ in calls]
+    fwd = [typical([s[0] for s in size]) for size in samples]
+    bwd = [typical([s[1] for s in size]) for size in samples]
     saved_fit = fit_line(tokens, saved) if len(tokens) > 1 else None
     per_token = max(0.0, saved_fit.b_s_per_token) if saved_fit else saved[0] / max(tokens[0], 1)
     if peaks:

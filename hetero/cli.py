@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--width", type=int, default=72, help="Gantt width in characters (default 72)")
     sim.add_argument("--no-replan", action="store_true", help="skip the one-device-removed what-ifs (they re-plan)")
     sim.add_argument("--picture", type=Path, help="where to draw it (default: simulate.png next to plan.json)")
+    sim.add_argument("--run", type=Path, metavar="RUN_DIR",
+                     help="also compare a finished `hetero run` of this plan: measured, predicted, and replayed "
+                          "with the run's own per-action times")
     for name, (_, text) in RUNTIME_COMMANDS.items():
         sub.add_parser(name, help=text, add_help=False)
     return parser
@@ -219,7 +222,52 @@ def cmd_profile(config_dir: str | None, overrides: list[str]) -> int:
     return 0
 
 
-def cmd_simulate(plan_path: Path, width: int = 72, replan: bool = True, picture: Path | None = None) -> int:
+def run_versus_plan(plan: Any, run_dir: Path) -> list[str]:
+    """Lines comparing a finished run with its plan: measured, predicted, and the replay of the run's own times."""
+    import json
+    import statistics
+
+    from hetero.errors import ConfigError
+    from hetero.plan import Plan
+    from hetero.planner.simulator import replay_run
+    from hetero.runtime.run_compare import stage_timings_from_metrics
+
+    metrics_path = run_dir / "metrics.jsonl"
+    try:
+        metrics = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        raise ConfigError(f"{metrics_path} does not exist: pass the --run-dir of a finished `hetero run`") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{metrics_path} line {exc.lineno}: not JSON ({exc.msg}); is it a hetero run's metrics?") from None
+    if (run_dir / "plan.json").is_file():
+        ran = Plan.load(run_dir / "plan.json")
+        shape = [(s.device, s.first_node, s.last_node, s.program) for s in ran.stages]
+        if shape != [(s.device, s.first_node, s.last_node, s.program) for s in plan.stages]:
+            raise ConfigError(f"{run_dir} ran another plan (other stages, spans or schedule) than this one: "
+                              "compare a run with the plan it ran")
+    timings = stage_timings_from_metrics(metrics)
+    if not timings or len(timings) != len(plan.stages):
+        raise ConfigError(f"{metrics_path} has no per-stage timings for this {len(plan.stages)}-stage plan")
+    steps = metrics[1:] if len(metrics) > 1 else metrics
+    measured = statistics.median(float(s["step_time_s"]) for s in steps)
+    predicted = plan.prediction.step_time_s
+    replayed = replay_run(plan, timings).step_time_s
+    lines = [f"measured {measured:.4g} s/step (median of {len(steps)} steps after the first); predicted {predicted:.4g} s "
+             f"(measured/predicted {measured / predicted:.2f}); replayed with the run's own per-action times "
+             f"{replayed:.4g} s (measured/replayed {measured / replayed:.2f})"]
+    if abs(measured / replayed - 1) <= 0.10 < abs(measured / predicted - 1):
+        lines.append("The schedule model holds (the replay is within 10%): the per-stage compute estimates were off. "
+                     "Re-profile (`hetero profile`) on a quiet machine, or look for a device slower than profiled.")
+    elif abs(measured / replayed - 1) > 0.10:
+        lines.append("Even the run's own per-action times do not add up to its step: it lost time the simulator does "
+                     "not model (transfer latency, stages sharing cores, other load on the hosts).")
+    else:
+        lines.append("The prediction held (within 10%).")
+    return lines
+
+
+def cmd_simulate(plan_path: Path, width: int = 72, replan: bool = True, picture: Path | None = None,
+                 run_dir: Path | None = None) -> int:
     """Print and draw a plan's predicted schedule, its bottleneck and what-if comparisons."""
     from hetero.plan import Plan
     from hetero.show import gantt_lines
@@ -255,6 +303,10 @@ def cmd_simulate(plan_path: Path, width: int = 72, replan: bool = True, picture:
                                       RooflineCostModel(plan.planner.efficiency))
     for w in whatif(plan, cost_model, replan):
         out.print(f"  {w.versus(plan)}", highlight=False)
+    if run_dir is not None:
+        out.print(f"\n[bold]run {run_dir}[/]")
+        for line in run_versus_plan(plan, run_dir):
+            out.print(f"  {line}", highlight=False)
     path = picture or plan_path.parent / "simulate.png"
     _draw_simulation(plan, timeline, memory, path)
     out.print(f"\nwrote {path}", highlight=False)
@@ -306,7 +358,8 @@ def _dispatch(argv: list[str]) -> int:
     if args.command == "profile":
         return cmd_profile(args.config_dir, args.overrides)
     if args.command == "simulate":
-        return cmd_simulate(args.plan, width=args.width, replan=not args.no_replan, picture=args.picture)
+        return cmd_simulate(args.plan, width=args.width, replan=not args.no_replan, picture=args.picture,
+                            run_dir=args.run)
     if args.command == "show":
         return cmd_show(args.plan, gantt=not args.no_gantt, width=args.width)
     raise AssertionError(args.command)  # argparse rejects anything else

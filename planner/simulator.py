@@ -233,3 +233,31 @@ def simulate_plan(plan: Plan) -> Timeline:
         overhead_s=[dict(s.overhead_s) for s in plan.stages],
         sync_s=[s.step_sync_s for s in plan.stages],
     )
+
+
+def replay_run(plan: Plan, timings: list[dict[str, float]]) -> Timeline:
+    """The plan's programs run with a finished run's own per-action times instead of the predicted ones.
+
+    ``timings[k]`` is stage k's seconds per op in one step (medians over the steps, as the run
+    report computes them). Compute, send and optimizer times are the run's; a receive's decode is
+    the plan's (a measured receive includes its wait); the links are the plan's. If this replay
+    matches the measured step but the prediction does not, the schedule model holds and the
+    compute estimates were off (re-profile); if the replay is off too, the run lost time the
+    simulator does not model.
+    """
+    if len(timings) != len(plan.stages):
+        raise ScheduleError(f"the run has timings for {len(timings)} stages but the plan has {len(plan.stages)}")
+    m = max(1, plan.train.num_micro_batches)
+    programs = [parse_program(sp.program) for sp in plan.stages]
+    overhead = [{"SA": t.get("SA", 0.0) / m, "SG": t.get("SG", 0.0) / m,
+                 "STEP": max(0.0, t.get("STEP", 0.0) - t.get("clip_wait", 0.0)),
+                 "RA": sp.overhead_s.get("RA", 0.0), "RG": sp.overhead_s.get("RG", 0.0)}
+                for t, sp in zip(timings, plan.stages, strict=True)]
+    return simulate(
+        programs,
+        [t.get("F", 0.0) / m for t in timings],
+        [t.get("B", 0.0) / m for t in timings],
+        [sp.send_time_s for sp in plan.stages],
+        overhead_s=overhead,
+        sync_s=[sp.step_sync_s for sp in plan.stages],
+    )

@@ -112,3 +112,51 @@ def test_simulate_cli_prints_and_draws(tiny_spec, tiny_graph, tmp_path: Path, ca
     assert "bubble" in out and "utilization" in out and "schedule=gpipe" in out and "num_micro_batches=8" in out
     assert (tmp_path / "simulate.png").stat().st_size > 1000
     assert main(["simulate", str(tmp_path / "nope.json")]) == 2
+
+
+def _ops_like_plan(p, factors: list[float]) -> list[dict[str, float]]:
+    """Per-stage op seconds of one step, as the runtime reports them, with compute scaled by ``factors``."""
+    m = p.train.num_micro_batches
+    return [{"F": f * m * sp.fwd_time_s, "B": f * m * sp.bwd_time_s, "SA": m * sp.overhead_s.get("SA", 0.0),
+             "SG": m * sp.overhead_s.get("SG", 0.0), "STEP": sp.overhead_s.get("STEP", 0.0) + 0.5, "clip_wait": 0.5,
+             "RA": 3.0, "RG": 3.0}  # waits say nothing about the work: the replay ignores them
+            for sp, f in zip(p.stages, factors, strict=True)]
+
+
+def test_replay_with_the_plans_own_times_is_the_prediction(tiny_spec, tiny_graph) -> None:
+    from hetero.planner.simulator import ScheduleError, replay_run
+
+    p = a_plan(tiny_spec, tiny_graph, fleet([1, 1]), m=8, split=[3, 3])
+    assert replay_run(p, _ops_like_plan(p, [1.0, 1.0])).step_time_s == pytest.approx(p.prediction.step_time_s)
+    slow = replay_run(p, _ops_like_plan(p, [1.0, 1.5])).step_time_s
+    assert slow > 1.3 * p.prediction.step_time_s  # the bottleneck stage 50% slower
+    with pytest.raises(ScheduleError, match="timings for 1 stages"):
+        replay_run(p, _ops_like_plan(p, [1.0, 1.0])[:1])
+
+
+def test_simulate_compares_a_finished_run(tiny_spec, tiny_graph, tmp_path: Path, capsys) -> None:
+    """`hetero simulate plan.json --run DIR`: prediction vs measurement vs the run's own times replayed."""
+    import json
+
+    from hetero.cli import main
+    from hetero.planner.simulator import replay_run
+
+    p = a_plan(tiny_spec, tiny_graph, fleet([1, 1]), m=8, split=[3, 3])
+    p.save(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    run.mkdir()
+    p.save(run / "plan.json")
+    ops = _ops_like_plan(p, [1.3, 1.3])  # every stage computes 30% slower than profiled
+    replayed = replay_run(p, ops).step_time_s
+    step = replayed * 1.02
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step_time_s": step, "stage_ops": ops}) + "\n"
+                                               for _ in range(4)))
+    assert main(["simulate", str(tmp_path / "plan.json"), "--no-replan", "--run", str(run)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"measured/replayed {step / replayed:.2f}" in out
+    assert "schedule model holds" in out and "Re-profile" in out
+    other = a_plan(tiny_spec, tiny_graph, fleet([1, 1]), m=8, split=[2, 4])
+    other.save(run / "plan.json")
+    assert main(["simulate", str(tmp_path / "plan.json"), "--no-replan", "--run", str(run)]) == 2
+    assert "ran another plan" in capsys.readouterr().err
+    assert main(["simulate", str(tmp_path / "plan.json"), "--no-replan", "--run", str(tmp_path / "none")]) == 2

@@ -178,7 +178,7 @@ class RooflineCostModel:
 
 
 def lora_tensors(graph: LayerGraph, model: ModelSpec, node: int) -> int:
-    """LoRA tensors (A and B per adapted linear) of a node: every target in a decoder layer, else one."""
+    """LoRA tensors (A and B per adapted linear) of a node: every target in a decoder layer, else one linear."""
     n = graph.nodes[node]
     if n.lora_params <= 0:
         return 0

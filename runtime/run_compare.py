@@ -43,6 +43,9 @@ def compare_run(plan: Plan, metrics: list[dict[str, Any]], stage_timings: list[d
     lines = [f"step time: measured {step:.4g} s, predicted {predicted_step:.4g} s"
              + (f" ({off:+.0%})" if off is not None else "")
              + (" <- more than 20% off" if off is not None and abs(off) > OFF_BY else "")]
+    if off is not None and abs(off) > OFF_BY and "profile" not in plan.cost_sources:
+        lines.append(f"This plan's costs come from datasheets: measure the fleet with `hetero profile "
+                     f"model={plan.model.name} hardware={plan.cluster.name}` and compile with profile=PATH.")
     m = plan.train.num_micro_batches
     flagged = []
     for k, sp in enumerate(plan.stages):

@@ -225,12 +225,11 @@ def cmd_profile(config_dir: str | None, overrides: list[str]) -> int:
 def run_versus_plan(plan: Any, run_dir: Path) -> list[str]:
     """Lines comparing a finished run with its plan: measured, predicted, and the replay of the run's own times."""
     import json
-    import statistics
 
     from hetero.errors import ConfigError
     from hetero.plan import Plan
     from hetero.planner.simulator import replay_run
-    from hetero.runtime.run_compare import stage_timings_from_metrics
+    from hetero.runtime.run_compare import median_step_s, stage_timings_from_metrics
 
     metrics_path = run_dir / "metrics.jsonl"
     try:
@@ -248,11 +247,10 @@ def run_versus_plan(plan: Any, run_dir: Path) -> list[str]:
     timings = stage_timings_from_metrics(metrics)
     if not timings or len(timings) != len(plan.stages):
         raise ConfigError(f"{metrics_path} has no per-stage timings for this {len(plan.stages)}-stage plan")
-    steps = metrics[1:] if len(metrics) > 1 else metrics
-    measured = statistics.median(float(s["step_time_s"]) for s in steps)
+    measured = median_step_s(metrics)
     predicted = plan.prediction.step_time_s
     replayed = replay_run(plan, timings).step_time_s
-    lines = [f"measured {measured:.4g} s/step (median of {len(steps)} steps after the first); predicted {predicted:.4g} s "
+    lines = [f"measured {measured:.4g} s/step (median over {len(metrics)} steps, the first left out); predicted {predicted:.4g} s "
              f"(measured/predicted {measured / predicted:.2f}); replayed with the run's own per-action times "
              f"{replayed:.4g} s (measured/replayed {measured / replayed:.2f})"]
     if abs(measured / replayed - 1) <= 0.10 < abs(measured / predicted - 1):

@@ -82,12 +82,12 @@ class CostModel(Protocol):
         """Seconds of one optimizer step (grad norm, AdamW, zero_grad) over this much LoRA on ``device``.
 
         Must be linear in (lora_params, lora_tensors): the planner splits it into a per-stage constant
-        (the value at 0, 0) and per-node parts. Optional: without it the planner assumes 0.
+        (the value at 0, 0) and per-node parts.
         """
         ...
 
     def message_s(self, device: DeviceSpec, num_bytes: float) -> tuple[float, float]:
-        """(send, receive) seconds ``device``'s stage spends on one message of ``num_bytes``; optional (0, 0)."""
+        """(send, receive) seconds ``device``'s stage spends on one message of ``num_bytes``."""
         ...
 
 
@@ -214,7 +214,7 @@ class CostTable:
     cluster: ClusterSpec
     cost_model: CostModel
     model_dtype: str = "auto"
-    # Outside the layers (see CostModel.optimizer_step_s / message_s; zeros for a cost model without them):
+    # Outside the layers (see CostModel.optimizer_step_s / message_s):
     opt_s: list[list[float]] = field(default_factory=list)  # [node][device] its share of the optimizer step
     opt_fixed_s: list[float] = field(default_factory=list)  # [device] the step's constant part
 
@@ -230,10 +230,7 @@ class CostTable:
     def message_s(self, node: int, sender: int, device: int) -> tuple[float, float]:
         """(send, receive) CPU seconds on ``device`` for one message across the cut after ``node``
         (sized as ``sender`` sends it; gradients going back are costed at the same size)."""
-        fn = getattr(self.cost_model, "message_s", None)
-        if fn is None:
-            return 0.0, 0.0
-        send, recv = fn(self.devices[device], self.wire_bytes[node][sender])
+        send, recv = self.cost_model.message_s(self.devices[device], self.wire_bytes[node][sender])
         return float(send), float(recv)
 
     def sync_s(self, device: int, coordinator: int) -> float:
@@ -272,10 +269,9 @@ def build_cost_table(
         lo.append([m.lora for m in mems])
         act.append([m.activations_per_mb for m in mems])
         wire.append([wire_bytes_per_token(graph, i, d, model) * tokens for d in devices])
-    opt_fn = getattr(cost_model, "optimizer_step_s", None)
-    opt_fixed = [float(opt_fn(d, model, 0, 0)) if opt_fn else 0.0 for d in devices]
-    opt = [[float(opt_fn(d, model, graph.nodes[i].lora_params, lora_tensors(graph, model, i))) - opt_fixed[j]
-            if opt_fn else 0.0 for j, d in enumerate(devices)] for i in range(n_nodes)]
+    opt_fixed = [cost_model.optimizer_step_s(d, model, 0, 0) for d in devices]
+    opt = [[cost_model.optimizer_step_s(d, model, graph.nodes[i].lora_params, lora_tensors(graph, model, i)) - opt_fixed[j]
+            for j, d in enumerate(devices)] for i in range(n_nodes)]
     return CostTable(
         devices=devices,
         fwd_s=fwd,

@@ -27,6 +27,12 @@ def stage_timings_from_metrics(metrics: list[dict[str, Any]]) -> list[dict[str, 
     return out
 
 
+def median_step_s(metrics: list[dict[str, Any]]) -> float:
+    """The run's measured step time: the median over its steps, the first (warm-up) left out when possible."""
+    steps = metrics[1:] if len(metrics) > 1 else metrics
+    return statistics.median(float(s["step_time_s"]) for s in steps)
+
+
 def _off(measured: float, predicted: float) -> float | None:
     return None if predicted <= 0 else measured / predicted - 1.0
 
@@ -36,8 +42,7 @@ def compare_run(plan: Plan, metrics: list[dict[str, Any]], stage_timings: list[d
     if not metrics:
         return ["no steps were measured: nothing to compare"]
     timings = stage_timings or stage_timings_from_metrics(metrics)
-    steps = metrics[1:] if len(metrics) > 1 else metrics
-    step = statistics.median(float(s["step_time_s"]) for s in steps)
+    step = median_step_s(metrics)
     predicted_step = plan.prediction.step_time_s
     off = _off(step, predicted_step)
     lines = [f"step time: measured {step:.4g} s, predicted {predicted_step:.4g} s"

@@ -19,7 +19,7 @@ from hetero.specs import BYTES_PER_DTYPE, QUANT_BYTES_PER_PARAM
 
 # Quantized Linear weights cost hetero.specs.QUANT_BYTES_PER_PARAM; everything that is not a decoder
 # Linear weight stays at the compute dtype.
-# peft keeps LoRA A/B in fp32 (autocast_adapter_dtype) and casts each targeted Linear's input to it.
+# peft keeps LoRA A/B in fp32 (autocast_adapter_dtype); the A-output (r values per token) is fp32.
 LORA_BYTES = 4
 # FlashAttention-style backward recomputes the score matrix: 5 matmuls of the forward's 2 -> 2.5x.
 ATTENTION_BWD_FACTOR = 2.5
@@ -34,6 +34,7 @@ class UnitCost:
     fwd_flops_per_token: float
     bwd_flops_per_token: float
     activation_bytes_per_token: float
+    recompute_bytes_per_token: float | None = None  # kept per token when recomputed (decoder layers only)
 
 
 def lora_targets(module: nn.Module, prefix: str, targets: Iterable[str]) -> list[tuple[str, nn.Module]]:
@@ -63,12 +64,21 @@ def attention_flops_per_token(config: Any, seq_len: int, causal: bool = True) ->
     return 2 * 2 * heads * head_dim * keys
 
 
-def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: int, lora_r: int) -> float:
-    """Bytes autograd keeps per token for one decoder layer under LoRA (no activation checkpointing).
+# Which Linears read the same input tensor: a LoRA on any of them keeps that input once (the runtime's
+# LoRA path saves the input at the compute dtype, shared; see runtime/lora.py).
+_INPUT_GROUPS = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "attn_out",
+                 "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "mlp_mid"}
 
-    Frozen Linears keep only their weight (grad_input = grad_out @ W), so a Linear's input is kept
-    only when it carries LoRA, and then as peft's fp32 copy, one per LoRA'd Linear, plus the fp32
-    A-output that B's weight grad needs. The rest is what the ops themselves keep:
+
+def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: int, lora_r: int,
+                             lora_dropout: float = 0.0) -> float:
+    """Bytes autograd keeps per token for one decoder layer under LoRA (no recomputation).
+
+    Frozen Linears (also nf4: bitsandbytes keeps only the weight) keep no input (grad_input =
+    grad_out @ W). A LoRA'd Linear keeps its input at the compute dtype, once per distinct input
+    (q/k/v share the attention's normed input, gate/up the MLP's), plus its fp32 A-output (r
+    values) that B's weight grad needs; with lora.dropout > 0 each LoRA'd Linear keeps its own
+    fp32 dropped-out copy and a one-byte mask instead. The rest is what the ops themselves keep:
     - RMSNorm: the fp32 upcast of its input and the per-token rsqrt (HF computes the norm in fp32);
     - sdpa (flash / memory-efficient): q, k, v (k/v at KV-head size: GQA runs without repeat_kv), the
       output and an fp32 logsumexp per head;
@@ -81,20 +91,26 @@ def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: int, 
     q_dim = heads * head_dim
     kv_dim = config.num_key_value_heads * head_dim
     inter = config.intermediate_size
-    in_features = {
-        "q_proj": h,
-        "k_proj": h,
-        "v_proj": h,
-        "o_proj": q_dim,
-        "gate_proj": h,
-        "up_proj": h,
-        "down_proj": inter,
-    }
+    in_features = {"attn_in": h, "attn_out": q_dim, "mlp_in": h, "mlp_mid": inter}
+    lora_linears = [t for t in targeted if t in _INPUT_GROUPS]
     norms = 2 * (4 * h + 4)
-    lora = sum(LORA_BYTES * (in_features[t] + lora_r) for t in targeted if t in in_features)
+    lora = LORA_BYTES * lora_r * len(lora_linears)
+    if lora_dropout > 0:
+        lora += sum((LORA_BYTES + 1) * in_features[_INPUT_GROUPS[t]] for t in lora_linears)
+    else:
+        lora += sum(dtype_bytes * in_features[g] for g in {_INPUT_GROUPS[t] for t in lora_linears})
     attention = dtype_bytes * (2 * q_dim + 2 * kv_dim) + 4 * heads
     mlp = dtype_bytes * 3 * inter
     return float(norms + lora + attention + mlp)
+
+
+def decoder_recompute_bytes(config: Any, dtype_bytes: int) -> float:
+    """Bytes per token a recomputed decoder layer keeps between its forward and backward: its input.
+
+    The layer re-runs its forward during backward (runtime/stage.py); while it does, one layer's
+    full activations exist again, which the planner adds once per stage (planner/objective.py).
+    """
+    return float(dtype_bytes * config.hidden_size)
 
 
 def unit_cost(
@@ -108,6 +124,7 @@ def unit_cost(
     quantization: str,
     lora_r: int,
     lora_target_names: list[str],
+    lora_dropout: float = 0.0,
 ) -> UnitCost:
     """Costs of one pipeline unit; ``params`` maps its state-dict names to (meta) tensors."""
     dtype_bytes = BYTES_PER_DTYPE[dtype]
@@ -125,6 +142,7 @@ def unit_cost(
     lora_fwd = sum(2 * lora_r * sum(_lora_shape(m)) for _, m in targets if isinstance(m, nn.Linear))
     matmul_fwd = sum(2 * m.in_features * m.out_features for _, m in linears)
     h = config.hidden_size
+    recompute: float | None = None
 
     if kind == "decoder":
         attn = attention_flops_per_token(config, seq_len)
@@ -132,7 +150,8 @@ def unit_cost(
         # Input grads through the frozen matmuls (~1x), attention backward, LoRA input + weight grads (2x).
         bwd = matmul_fwd + ATTENTION_BWD_FACTOR * attn + 2 * lora_fwd
         short = {name.rsplit(".", 1)[-1] for name, _ in targets}
-        act = decoder_activation_bytes(config, short, dtype_bytes, lora_r)
+        act = decoder_activation_bytes(config, short, dtype_bytes, lora_r, lora_dropout)
+        recompute = decoder_recompute_bytes(config, dtype_bytes)
     elif kind == "head":
         fwd = matmul_fwd + lora_fwd
         bwd = matmul_fwd + 2 * lora_fwd  # grad of the hidden state only: lm_head is frozen
@@ -156,4 +175,5 @@ def unit_cost(
         fwd_flops_per_token=float(fwd),
         bwd_flops_per_token=float(bwd),
         activation_bytes_per_token=act,
+        recompute_bytes_per_token=recompute,
     )

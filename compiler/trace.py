@@ -40,13 +40,15 @@ def trace_with_module(model: ModelSpec) -> tuple[LayerGraph, TracedModel]:
 
     notes = [
         "Nodes: embed, layers.0..N-1, norm, head; costs per token at seq_len with sdpa attention "
-        "(causal kernels skip the masked half) and no activation checkpointing.",
+        "(causal kernels skip the masked half); activation_bytes_per_token without recomputation, "
+        "recompute_bytes_per_token (decoder layers) what a recomputed layer keeps: its input.",
         "rope_cos/rope_sin cross every decoder cut but are recomputed=True: each stage rebuilds them from "
         "positions (rotary embedding), so only hidden_states goes on the wire. No mask tensor exists: "
         "attention is causal via sdpa's is_causal.",
         "FLOPs count matmuls (2 per multiply-add); backward = input grads through frozen weights + "
         "LoRA input/weight grads (frozen weights get no weight grads), attention backward 2.5x forward.",
-        "activation_bytes_per_token = tensors autograd keeps for backward under peft LoRA (fp32 adapters); "
+        "activation_bytes_per_token = tensors autograd keeps for backward under LoRA (fp32 adapters, inputs "
+        "shared at the compute dtype); "
         "the head's value is its peak with fp32 logits for the loss.",
     ]
     if model.dtype == "auto":
@@ -102,6 +104,7 @@ def _node(
         model.quantization,
         model.lora.r,
         model.lora.target_modules,
+        model.lora.dropout,
     )
     return LayerNode(
         name=unit,
@@ -114,6 +117,7 @@ def _node(
         fwd_flops_per_token=cost.fwd_flops_per_token,
         bwd_flops_per_token=cost.bwd_flops_per_token,
         activation_bytes_per_token=cost.activation_bytes_per_token,
+        recompute_bytes_per_token=cost.recompute_bytes_per_token,
     )
 
 

@@ -36,6 +36,9 @@ class LayerNode:
     fwd_flops_per_token: float  # at the model's seq_len (attention's quadratic part averaged in)
     bwd_flops_per_token: float  # LoRA training: input grads (~1x fwd) + LoRA weight grads
     activation_bytes_per_token: float  # saved for backward, per micro-batch token, at compute dtype
+    # Decoder layers: what the layer keeps per token when it recomputes its forward during backward
+    # (its input). None: the node cannot recompute (graphs from before recomputation, non-decoders).
+    recompute_bytes_per_token: float | None = None
 
 
 @dataclass

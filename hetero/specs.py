@@ -201,3 +201,6 @@ class PlannerOptions:
     efficiency: float = 0.4  # fraction of datasheet TFLOPS a training step reaches (roofline)
     memory_headroom: float = 0.1  # fraction of device memory kept free (allocator, CUDA context)
     workspace_gb: float = 0.5  # per-device fixed overhead beyond weights/activations
+    # Activation recomputation: auto (the solver chooses, per stage, how many decoder layers re-run
+    # their forward in backward), none, or full (every decoder layer).
+    recompute: Literal["auto", "none", "full"] = "auto"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from itertools import combinations, permutations
+from itertools import combinations, permutations, product
 
 from hetero.planner.cost import CostTable
 from hetero.planner.objective import Evaluation, Placement, evaluate
@@ -20,10 +20,16 @@ def all_placements(num_nodes: int, num_devices: int, num_stages: int | None = No
 
 
 def brute_force(table: CostTable, num_stages: int | None = None) -> Evaluation | None:
-    """The feasible placement with the lowest closed-form step time, or None when none fits."""
+    """The feasible placement with the lowest closed-form step time, or None when none fits.
+
+    Every recomputation the table's planner.recompute allows is tried explicitly, per stage (not the
+    planner's rule that the fewest recomputing layers that fit are the fastest).
+    """
     best: Evaluation | None = None
     for placement in all_placements(table.num_nodes, len(table.devices), num_stages):
-        ev = evaluate(table, placement)
-        if ev.feasible and (best is None or ev.step_time_s < best.step_time_s):
-            best = ev
+        choices = [table.recompute_choices(a, b) for a, b in placement.spans]
+        for recompute in product(*choices):
+            ev = evaluate(table, Placement(placement.devices, placement.spans, tuple(recompute)))
+            if ev.feasible and (best is None or ev.step_time_s < best.step_time_s):
+                best = ev
     return best

@@ -38,6 +38,7 @@ OPTIMIZER_PER_TENSOR_DEFAULT_S = 10e-6
 MESSAGE_FIXED_S = 100e-6
 HOST_COPY_BYTES_PER_S = 12e9  # PCIe 4.0 x16 in practice
 SYNC_BYTES = 256.0  # a gradient-norm or clip message
+RECOMPUTE_MODES = ("auto", "none", "full")
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -57,6 +58,8 @@ class NodeMemory:
     weights: float  # frozen base weights, at the device's dtype and quantization
     lora: float  # LoRA params + grads + AdamW moments (fp32)
     activations_per_mb: float  # saved for backward, per micro-batch in flight
+    # What the node keeps per micro-batch in flight when it recomputes (its input); None: it cannot.
+    recompute_per_mb: float | None = None
 
 
 class CostModel(Protocol):
@@ -151,10 +154,12 @@ class RooflineCostModel:
         """Weights at the device's dtype/quantization, fp32 LoRA state, activations per micro-batch."""
         n = graph.nodes[node]
         scale = dtype_bytes(compute_dtype(device, model)) / dtype_bytes(graph.dtype)
+        rec = n.recompute_bytes_per_token
         return NodeMemory(
             weights=weight_bytes(graph, node, device, model),
             lora=n.lora_params * LORA_BYTES_PER_PARAM,
             activations_per_mb=n.activation_bytes_per_token * tokens * scale,
+            recompute_per_mb=None if rec is None else rec * tokens * scale,
         )
 
     def transfer_time_s(self, cluster: ClusterSpec, host_a: str, host_b: str, num_bytes: float) -> float:
@@ -217,10 +222,44 @@ class CostTable:
     # Outside the layers (see CostModel.optimizer_step_s / message_s):
     opt_s: list[list[float]] = field(default_factory=list)  # [node][device] its share of the optimizer step
     opt_fixed_s: list[float] = field(default_factory=list)  # [device] the step's constant part
+    # Activation recomputation (planner.recompute): per [node][device] what a recomputing node keeps
+    # per micro-batch (its input; = activations_per_mb where it cannot recompute) and the backward
+    # seconds it adds (one more forward); which nodes can; and the mode (auto | none | full).
+    recompute_per_mb: list[list[float]] = field(default_factory=list)
+    recompute_s: list[list[float]] = field(default_factory=list)
+    recomputable: list[bool] = field(default_factory=list)
+    recompute_mode: str = "none"
+    _prefix: dict[int, tuple[list[float], list[int], list[float]]] = field(
+        default_factory=dict, repr=False, compare=False)
 
     @property
     def num_nodes(self) -> int:
         return len(self.fwd_s)
+
+    def prefixes(self, d: int) -> tuple[list[float], list[int], list[float]]:
+        """Device d's prefix sums: activations per node, recomputable nodes before each node, and
+        what recomputing saves (activations - kept) over the recomputable nodes in order."""
+        if d not in self._prefix:
+            acts, rank, saved = [0.0], [0], [0.0]
+            for i in range(self.num_nodes):
+                acts.append(acts[-1] + self.activations_per_mb[i][d])
+                can = bool(self.recomputable) and self.recomputable[i]
+                rank.append(rank[-1] + int(can))
+                if can:
+                    saved.append(saved[-1] + (self.activations_per_mb[i][d] - self.recompute_per_mb[i][d]))
+            self._prefix[d] = (acts, rank, saved)
+        return self._prefix[d]
+
+    def recompute_choices(self, first: int, last: int, mode: str | None = None) -> list[int]:
+        """How many recomputing layers a stage over nodes first..last may have under ``mode``."""
+        mode = mode or self.recompute_mode
+        _, rank, _ = self.prefixes(0)
+        count = rank[last + 1] - rank[first]
+        if mode == "none" or count == 0:
+            return [0]
+        if mode == "full":
+            return [count]
+        return list(range(count + 1))
 
     def transfer_s(self, node: int, sender: int, receiver: int) -> float:
         """Seconds to send the cut after ``node`` from device index ``sender`` to ``receiver``."""
@@ -257,9 +296,12 @@ def build_cost_table(
         raise ConfigError("train.micro_batch_size and train.num_micro_batches must be at least 1")
     if not 0.0 <= options.memory_headroom < 1.0:
         raise ConfigError(f"planner.memory_headroom must be in [0, 1), got {options.memory_headroom}")
+    if options.recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"planner.recompute={options.recompute!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
     tokens = train.micro_batch_size * graph.seq_len
     n_nodes = len(graph.nodes)
-    fwd, bwd, w, lo, act, wire = ([], [], [], [], [], [])
+    fwd, bwd, w, lo, act, wire, rec, rec_s = ([], [], [], [], [], [], [], [])
+    recomputable = []
     for i in range(n_nodes):
         times = [cost_model.node_time_s(graph, model, i, d, tokens) for d in devices]
         mems = [cost_model.node_memory(graph, model, i, d, tokens) for d in devices]
@@ -269,6 +311,13 @@ def build_cost_table(
         lo.append([m.lora for m in mems])
         act.append([m.activations_per_mb for m in mems])
         wire.append([wire_bytes_per_token(graph, i, d, model) * tokens for d in devices])
+        # A layer recomputes only if the graph says what it keeps and that is less than it saves.
+        can = graph.nodes[i].kind == "decoder" and all(
+            m.recompute_per_mb is not None and m.recompute_per_mb < m.activations_per_mb for m in mems)
+        recomputable.append(can)
+        rec.append([m.recompute_per_mb if can and m.recompute_per_mb is not None else m.activations_per_mb
+                    for m in mems])
+        rec_s.append([t[0] if can else 0.0 for t in times])
     opt_fixed = [cost_model.optimizer_step_s(d, model, 0, 0) for d in devices]
     opt = [[cost_model.optimizer_step_s(d, model, graph.nodes[i].lora_params, lora_tensors(graph, model, i)) - opt_fixed[j]
             for j, d in enumerate(devices)] for i in range(n_nodes)]
@@ -290,4 +339,8 @@ def build_cost_table(
         model_dtype=model.dtype,
         opt_s=opt,
         opt_fixed_s=opt_fixed,
+        recompute_per_mb=rec,
+        recompute_s=rec_s,
+        recomputable=recomputable,
+        recompute_mode=options.recompute,
     )

@@ -24,7 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from hetero.planner.cost import CostTable
-from hetero.planner.objective import Placement
+from hetero.planner.objective import Placement, recompute_time_s, stage_activations, stage_fits, stage_recompute
 
 # Pruning keeps an arc unless its lower bound exceeds the upper bound by this much (float noise).
 PRUNE_TOL = 1e-6
@@ -41,8 +41,9 @@ class StageArc:
     last: int
     state: int
     fwd: float
-    bwd: float
+    bwd: float  # including the forward its recomputing layers repeat
     held: int = 0  # micro-batches in flight that fit (flat networks check it with rows instead)
+    recompute: int = 0  # how many of its decoder layers recompute (the fewest that fit; see below)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ class Network:
 def _twins(table: CostTable) -> list[tuple[int, int]]:
     """Consecutive pairs of interchangeable devices: same host, identical cost-table columns."""
     def column(d: int) -> tuple:  # type: ignore[type-arg]
-        rows = (table.fwd_s, table.bwd_s, table.weights, table.lora, table.activations_per_mb, table.wire_bytes)
+        rows = (table.fwd_s, table.bwd_s, table.weights, table.lora, table.activations_per_mb, table.wire_bytes,
+                table.recompute_per_mb, table.recompute_s)
         return (table.devices[d].host, table.usable_bytes[d], *(tuple(r[d] for r in t) for t in rows))
 
     pairs: list[tuple[int, int]] = []
@@ -109,18 +111,10 @@ def canonical(placement: Placement, twins: list[tuple[int, int]]) -> Placement:
     return Placement(tuple(devices), placement.spans)
 
 
-def _max_held(table: CostTable, d: int, w: float, lo: float, a: float, most: int) -> int:
-    """Largest number of micro-batches in flight (<= most) whose activations fit next to the span.
-
-    Same expression and order as objective.evaluate, so borderline spans agree with brute force.
-    """
-    usable = table.usable_bytes[d]
-    for held in range(most, 0, -1):
-        if w + lo + held * a + table.workspace_bytes <= usable:
-            return held
-        if a == 0.0:
-            return 0
-    return 0
+def _recompute_by_held(table: CostTable, d: int, i: int, j: int, w: float, lo: float, most: int,
+                       working: float) -> list[int | None]:
+    """[h-1] -> the fewest recomputing layers with which nodes i..j fit on d holding h micro-batches."""
+    return [stage_recompute(table, d, i, j, h, w, lo, working=working) for h in range(1, most + 1)]
 
 
 def build_network(
@@ -145,30 +139,42 @@ def build_network(
     all_fastest = sum(fastest)
     bound = float("inf") if upper_s is None else upper_s / unit * (1 + PRUNE_TOL) + 1e-12
 
-    # Stage candidates (d, i, j, f, b, max held); running sums add in evaluate's order.
+    # Stage candidates (d, i, j, f, b, [fewest recomputing layers holding 1..most_held]); running
+    # sums add in evaluate's order. Recomputation is chosen per arc, not by a variable: for a given
+    # stage and micro-batches in flight the fewest layers that fit is also the fastest choice.
     cands = []
     for d in range(nd):
         for i in range(n):
-            f = b = w = lo = a = rest = 0.0
+            f = b = w = lo = rest = 0.0
+            working = 0.0
             for j in range(i, n):
                 f += table.fwd_s[j][d]
                 b += table.bwd_s[j][d]
                 w += table.weights[j][d]
                 lo += table.lora[j][d]
-                a += table.activations_per_mb[j][d]
+                if table.recomputable and table.recomputable[j]:
+                    working = max(working, table.activations_per_mb[j][d])
                 rest += fastest[j]
-                if w + lo + a + table.workspace_bytes > table.usable_bytes[d]:
+                choices = table.recompute_choices(i, j)
+                least = min(stage_activations(table, d, i, j, 1, r, working) for r in {choices[0], choices[-1]})
+                if not stage_fits(table, d, w, lo, least):
                     break  # longer spans only need more memory
                 t = (f + b) / unit
                 if m * t + (all_fastest - rest) > bound:
                     break  # longer spans only take longer
-                held = _max_held(table, d, w, lo, a, most_held)
-                if not gpipe or held >= m:
-                    cands.append((d, i, j, f / unit, b / unit, held))
+                by_held = _recompute_by_held(table, d, i, j, w, lo, most_held, working)
+                if not gpipe or by_held[m - 1] is not None:
+                    cands.append((d, i, j, f, b, by_held))
     if gpipe:
         cap = 1
     else:
-        cap = max([1] + [h + 1 for *_, h in cands if h < most_held])
+        # The smallest Q past which no arc's recomputation (or fitting at all) changes any more.
+        cap = 1
+        for *_, by_held in cands:
+            h = most_held
+            while h > 1 and by_held[h - 2] == by_held[most_held - 1]:
+                h -= 1
+            cap = max(cap, h)
     flat = not layered and cap > 1
     if flat:
         cap = 1
@@ -177,21 +183,37 @@ def build_network(
     for k in range(n - 1, -1, -1):
         after[k] = after[k + 1] + fastest[k]
     stage_arcs = []
-    for d, i, j, f, b, held in cands:
-        top = 1 if gpipe else min(held, cap)
-        t = f + b
-        base = all_fastest - (after[i] - after[j + 1]) + t
-        for q in range(1, top + 1):
+    for d, i, j, f, b, by_held in cands:
+        if gpipe:
+            variants = [(1, m, by_held[m - 1])]  # (state, held, recompute)
+        elif flat:
+            # One arc per recomputation that is the fewest for some micro-batch count, holding the
+            # most micro-batches it fits; the rows bound the stages after it.
+            variants = []
+            for h in range(most_held, 0, -1):
+                r = by_held[h - 1]
+                if r is not None and all(r != v[2] for v in variants):
+                    variants.append((1, h, r))
+        else:
+            # State q < cap holds q micro-batches; the capped state holds cap..most_held, alike by construction.
+            variants = [(q, q if q < cap else most_held, by_held[(q if q < cap else most_held) - 1])
+                        for q in range(1, cap + 1)]
+        for q, held, r in variants:
+            if r is None:
+                continue
             # A stage ending the model has exactly one stage remaining (itself).
             if j == n - 1 and q != 1:
                 continue
             if j < n - 1 and q == 1 and cap > 1:
                 continue
+            extra = recompute_time_s(table, d, i, j, r)
+            t = (f + b + extra) / unit
+            base = all_fastest - (after[i] - after[j + 1]) + t
             # Below the cap exactly q-1 stages follow: one of them takes at least their average.
             tail = after[j + 1] / (q - 1) if 1 < q < cap else 0.0
             if base + (m - 1) * max(t, tail) > bound:
                 continue
-            stage_arcs.append(StageArc(d, i, j, q, f, b, held))
+            stage_arcs.append(StageArc(d, i, j, q, f / unit, (b + extra) / unit, held, r))
 
     groups: dict[tuple, int] = {}  # type: ignore[type-arg]
     group_of, group_rep = [], []

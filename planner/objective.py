@@ -47,6 +47,9 @@ class Placement:
 
     devices: tuple[int, ...]
     spans: tuple[tuple[int, int], ...]  # (first, last) node, inclusive, contiguous, covering all nodes
+    # Per stage, how many of its decoder layers recompute (its first ones); None: the fewest that
+    # fit under the table's recompute mode (fewest is fastest: see stage_recompute).
+    recompute: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -63,6 +66,8 @@ class Evaluation:
     # the optimizer step; and the gradient-norm round trip to the coordinator before STEP.
     overhead_s: list[dict[str, float]] = field(default_factory=list)
     sync_s: list[float] = field(default_factory=list)
+    recompute: list[int] = field(default_factory=list)  # per stage: decoder layers that recompute
+    recompute_s: list[float] = field(default_factory=list)  # per stage: of bwd_s, the extra forward
 
 
 def check_placement(table: CostTable, placement: Placement) -> None:
@@ -80,25 +85,98 @@ def check_placement(table: CostTable, placement: Placement) -> None:
         raise ValueError(f"spans {placement.spans} do not cover all {table.num_nodes} nodes")
 
 
-def evaluate(table: CostTable, placement: Placement) -> Evaluation:
-    """Per-stage times, memory and the closed-form step time of one placement."""
+def stage_activations(table: CostTable, d: int, first: int, last: int, held: int, recompute: int,
+                      working: float | None = None) -> float:
+    """Activation bytes at a stage's peak: ``held`` micro-batches in flight, its first ``recompute``
+    recomputable layers keeping only their input, plus (if any recompute) one recomputing layer's
+    full activations while it re-runs its forward during backward (``working``: the largest of the
+    stage's recomputable layers, computed here when not given).
+
+    One formula over the table's prefix sums: the ILP's network, the split DP and evaluate all call
+    it, so borderline stages agree everywhere.
+    """
+    acts, rank, saved = table.prefixes(d)
+    total = acts[last + 1] - acts[first]
+    if recompute <= 0:
+        return held * total
+    if working is None:
+        working = max(table.activations_per_mb[i][d] for i in range(first, last + 1) if table.recomputable[i])
+    k = rank[first]
+    return held * (total - (saved[k + recompute] - saved[k])) + working
+
+
+def stage_fits(table: CostTable, d: int, weights: float, lora: float, acts: float) -> bool:
+    """THE memory test (one expression, so every caller agrees on borderline stages)."""
+    return weights + lora + acts + table.workspace_bytes <= table.usable_bytes[d]
+
+
+def stage_recompute(table: CostTable, d: int, first: int, last: int, held: int, weights: float, lora: float,
+                    mode: str | None = None, working: float | None = None) -> int | None:
+    """The fewest recomputing layers (allowed by ``mode``) with which the stage fits next to
+    ``weights`` + ``lora`` bytes; None if none do. Fewest is fastest: each adds a forward to the
+    backward. From one layer on, memory only falls as more recompute, so this bisects."""
+    def fits(r: int) -> bool:
+        return stage_fits(table, d, weights, lora, stage_activations(table, d, first, last, held, r, working))
+
+    choices = table.recompute_choices(first, last, mode)
+    if choices[0] == 0 and fits(0):
+        return 0
+    ones = [r for r in choices if r > 0]
+    if not ones or not fits(ones[-1]):
+        return None
+    lo, hi = 0, len(ones) - 1  # ones[hi] fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(ones[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return ones[hi]
+
+
+def recompute_time_s(table: CostTable, d: int, first: int, last: int, recompute: int) -> float:
+    """Backward seconds per micro-batch the stage's first ``recompute`` recomputable layers add."""
+    extra, left = 0.0, recompute
+    for i in range(first, last + 1):
+        if left > 0 and table.recomputable[i]:
+            extra += table.recompute_s[i][d]
+            left -= 1
+    return extra
+
+
+def evaluate(table: CostTable, placement: Placement, mode: str | None = None) -> Evaluation:
+    """Per-stage times, memory and the closed-form step time of one placement.
+
+    Recomputation per stage is the placement's, or else the fewest layers that fit under ``mode``
+    (default: the table's planner.recompute); a stage that fits under none uses the most allowed.
+    """
     check_placement(table, placement)
     num_stages = len(placement.devices)
-    fwd, bwd, send, memory, reasons = [], [], [], [], []
+    if placement.recompute is not None and len(placement.recompute) != num_stages:
+        raise ValueError("a placement's recompute needs one count per stage")
+    fwd, bwd, send, memory, reasons, recomputes, extras = [], [], [], [], [], [], []
     for k, (d, (first, last)) in enumerate(zip(placement.devices, placement.spans, strict=False)):
         nodes = range(first, last + 1)
+        held = in_flight(table.schedule, num_stages - 1 - k, table.num_micro_batches)
+        weights = sum(table.weights[i][d] for i in nodes)
+        lora = sum(table.lora[i][d] for i in nodes)
+        usable = table.usable_bytes[d]
+        if placement.recompute is not None:
+            r = placement.recompute[k]
+        else:
+            fit = stage_recompute(table, d, first, last, held, weights, lora, mode)
+            r = fit if fit is not None else table.recompute_choices(first, last, mode)[-1]
+        extra = recompute_time_s(table, d, first, last, r)
         fwd.append(sum(table.fwd_s[i][d] for i in nodes))
-        bwd.append(sum(table.bwd_s[i][d] for i in nodes))
+        bwd.append(sum(table.bwd_s[i][d] for i in nodes) + extra)
+        recomputes.append(r)
+        extras.append(extra)
         if k < num_stages - 1:
             send.append(table.transfer_s(last, d, placement.devices[k + 1]))
         else:
             send.append(0.0)
-        held = in_flight(table.schedule, num_stages - 1 - k, table.num_micro_batches)
-        weights = sum(table.weights[i][d] for i in nodes)
-        lora = sum(table.lora[i][d] for i in nodes)
-        acts = held * sum(table.activations_per_mb[i][d] for i in nodes)
+        acts = stage_activations(table, d, first, last, held, r)
         total = weights + lora + acts + table.workspace_bytes
-        usable = table.usable_bytes[d]
         memory.append(
             MemoryBreakdown(
                 weights_gb=weights / GB,
@@ -109,15 +187,17 @@ def evaluate(table: CostTable, placement: Placement) -> Evaluation:
                 available_gb=usable / GB,
             )
         )
-        if total > usable:
+        if not stage_fits(table, d, weights, lora, acts):
             dev = table.devices[d]
+            with_rec = f" with {r} of its layers recomputing" if r else ""
             reasons.append(
-                f"stage {k} on {dev.name} ({dev.display_name}) needs {total / GB:.1f} GB, "
+                f"stage {k} on {dev.name} ({dev.display_name}) needs {total / GB:.1f} GB{with_rec}, "
                 f"has {usable / GB:.1f} GB usable"
             )
     step = pipeline_step_time(table.schedule, table.num_micro_batches, fwd, bwd, send[:-1])
     overhead, sync = stage_overheads(table, placement)
-    return Evaluation(placement, fwd, bwd, send, memory, step, not reasons, reasons, overhead, sync)
+    return Evaluation(placement, fwd, bwd, send, memory, step, not reasons, reasons, overhead, sync,
+                      recomputes, extras)
 
 
 def stage_overheads(table: CostTable, placement: Placement) -> tuple[list[dict[str, float]], list[float]]:

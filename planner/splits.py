@@ -14,7 +14,7 @@ from __future__ import annotations
 from itertools import permutations
 
 from hetero.planner.cost import CostTable, in_flight
-from hetero.planner.objective import Evaluation, Placement, evaluate
+from hetero.planner.objective import Evaluation, Placement, evaluate, stage_recompute
 
 INF = float("inf")
 SLACKS = (0.0, 0.03, 0.1, 0.3)
@@ -34,16 +34,26 @@ class _Prefix:
         nd = len(table.devices)
         self.t = [[f + b for f, b in zip(pf, pb, strict=True)]
                   for pf, pb in ((_prefix(table.fwd_s, d), _prefix(table.bwd_s, d)) for d in range(nd))]
-        self.w = [[w + lo for w, lo in zip(pw, pl, strict=True)]
-                  for pw, pl in ((_prefix(table.weights, d), _prefix(table.lora, d)) for d in range(nd))]
-        self.a = [_prefix(table.activations_per_mb, d) for d in range(nd)]
-        self.room = [u - table.workspace_bytes for u in table.usable_bytes]
+        self.table = table
+        self._fit: dict[tuple[int, int, int], int] = {}
 
     def last_fitting(self, d: int, i: int, held: int) -> int:
-        """The last node j such that nodes i..j fit on d holding ``held`` micro-batches (i-1 if none)."""
-        w, a, room = self.w[d], self.a[d], self.room[d]
+        """The last node j such that nodes i..j fit on d holding ``held`` micro-batches, recomputing
+        as planner.recompute allows (i-1 if none)."""
+        key = (d, i, held)
+        if key not in self._fit:
+            self._fit[key] = self._last_fitting(d, i, held)
+        return self._fit[key]
+
+    def _last_fitting(self, d: int, i: int, held: int) -> int:
+        table, n = self.table, self.table.num_nodes
         j = i
-        while j < len(w) - 1 and w[j + 1] - w[i] + held * (a[j + 1] - a[i]) <= room:
+        w = lo = 0.0
+        while j < n:
+            w += table.weights[j][d]
+            lo += table.lora[j][d]
+            if stage_recompute(table, d, i, j, held, w, lo) is None:
+                break
             j += 1
         return j - 1
 

@@ -64,8 +64,11 @@ def make_cluster(spec: list[tuple[str, str, float | None]], gbps: float = 10.0) 
     return ClusterSpec(name="test", hosts=list(hosts.values()), links=links)
 
 
-def make_graph(num_decoders: int, hidden: int = 4096, scale: float = 1.0, rng: random.Random | None = None) -> LayerGraph:
-    """A Llama-shaped chain: embed, decoders (optionally of random sizes), norm+head as one node."""
+def make_graph(num_decoders: int, hidden: int = 4096, scale: float = 1.0, rng: random.Random | None = None,
+               recompute: bool = False) -> LayerGraph:
+    """A Llama-shaped chain: embed, decoders (optionally of random sizes), norm+head as one node.
+
+    ``recompute``: decoder layers say what they keep when recomputing (their input), so they can."""
     rng = rng or random.Random(0)
     vocab, inter = 32000, int(hidden * 3.5)
     nodes = [
@@ -79,6 +82,7 @@ def make_graph(num_decoders: int, hidden: int = 4096, scale: float = 1.0, rng: r
             LayerNode(
                 f"layers.{k}", "decoder", [f"model.layers.{k}.x"], params, params, params * 2.0,
                 int(8 * 2 * hidden * 7 * jitter), flops, 2.2 * flops, hidden * 2.0 * 12 * jitter,
+                hidden * 2.0 if recompute else None,
             )
         )
     nodes.append(
@@ -96,9 +100,10 @@ def make_model(quantization: str = "none") -> ModelSpec:
                      quantization=quantization, seq_len=2048)
 
 
-def table_for(graph, cluster, schedule="1f1b", m=4, quantization="none", headroom=0.1):  # type: ignore[no-untyped-def]
+def table_for(graph, cluster, schedule="1f1b", m=4, quantization="none", headroom=0.1,  # type: ignore[no-untyped-def]
+              recompute="auto"):
     train = TrainSpec(micro_batch_size=1, num_micro_batches=m, schedule=schedule)
-    opts = PlannerOptions(memory_headroom=headroom)
+    opts = PlannerOptions(memory_headroom=headroom, recompute=recompute)
     return build_cost_table(graph, make_model(quantization), cluster, train, opts, RooflineCostModel(0.4)), train, opts
 
 
@@ -198,6 +203,53 @@ def test_in_flight_memory_matches_brute_force(seed: int) -> None:
             continue
         assert result.report.proven_optimal and result.evaluation is not None and result.evaluation.feasible
         assert result.evaluation.step_time_s == pytest.approx(best.step_time_s, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(300, 336))
+def test_recompute_choice_matches_brute_force(seed: int) -> None:
+    # Activation-heavy layers on small cards with recomputation allowed: the brute force tries every
+    # per-stage recompute count explicitly; the ILP must find the same optimum (layered and flat).
+    rng = random.Random(seed)
+    spec = [(f"h{rng.randrange(2)}", rng.choice(["rtx4090", "rtx3090", "v100"]), rng.choice([1.5, 2.0, 2.5, 3.0, 4.0]))
+            for _ in range(rng.randint(2, 4))]
+    graph = make_graph(rng.randint(2, 6), hidden=4096, rng=random.Random(seed), recompute=True)
+    mode = ["auto", "auto", "full", "none"][seed % 4]
+    table, _, _ = table_for(graph, make_cluster(spec), schedule=rng.choice(["1f1b", "1f1b", "gpipe"]),
+                            m=rng.choice([2, 4, 8]), quantization="nf4", recompute=mode)
+    forced = rng.choice([None, None, 2])
+    best = brute_force(table, forced)
+    for layered in (True, False):
+        result = solve_ilp(table, forced, time_limit_s=30, split_dp=seed % 2 == 0, layered=layered)
+        if best is None:
+            assert result.evaluation is None
+            continue
+        assert result.report.proven_optimal and result.evaluation is not None and result.evaluation.feasible
+        assert result.evaluation.step_time_s == pytest.approx(best.step_time_s, rel=1e-6)
+        if mode == "none":
+            assert not any(result.evaluation.recompute)
+
+
+def test_recompute_is_chosen_only_where_memory_needs_it() -> None:
+    # Roomy cards: nothing recomputes. Small ones: auto recomputes some layers and fits where none fails.
+    graph = make_graph(6, hidden=4096, rng=random.Random(1), recompute=True)
+    roomy, _, _ = table_for(graph, make_cluster([("a", "rtx4090", None), ("a", "rtx3090", None)]), m=8,
+                            quantization="nf4")
+    result = solve_ilp(roomy, None, time_limit_s=30)
+    assert result.evaluation is not None and not any(result.evaluation.recompute)
+    cluster = make_cluster([("a", "rtx4090", 2.5), ("a", "rtx3090", 2.5)])
+    tight, _, _ = table_for(graph, cluster, m=8, quantization="nf4")
+    none, _, _ = table_for(graph, cluster, m=8, quantization="nf4", recompute="none")
+    full, _, _ = table_for(graph, cluster, m=8, quantization="nf4", recompute="full")
+    assert brute_force(none) is None
+    auto_ev, full_ev = solve_ilp(tight, None, 30).evaluation, solve_ilp(full, None, 30).evaluation
+    assert auto_ev is not None and full_ev is not None
+    assert 0 < sum(auto_ev.recompute) < len(graph.decoder_indices())
+    assert auto_ev.step_time_s < full_ev.step_time_s  # recomputing fewer layers is faster
+    # The extra backward time is one more forward of each recomputing layer.
+    for k, (d, (a, b)) in enumerate(zip(full_ev.placement.devices, full_ev.placement.spans, strict=True)):
+        layers = [i for i in range(a, b + 1) if full.recomputable[i]]
+        assert full_ev.recompute[k] == len(layers)
+        assert full_ev.recompute_s[k] == pytest.approx(sum(full.fwd_s[i][d] for i in layers))
 
 
 def test_in_flight_memory_is_exact() -> None:

@@ -218,8 +218,8 @@ class _Model:
             return False
         for key, v in ys.items():
             v.setInitialValue(1 if key in chosen else 0)
-        for key, v in zs.items():
-            v.setInitialValue(1 if key in links else 0)
+        for lkey, v in zs.items():
+            v.setInitialValue(1 if lkey in links else 0)
         for down, v in self.down.items():
             v.setInitialValue(1 if down in downs else 0)
         for j, var in self.after.items():

@@ -24,7 +24,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from hetero.planner.cost import CostTable
-from hetero.planner.objective import Placement, recompute_time_s, stage_activations, stage_fits, stage_recompute
+from hetero.planner.objective import (
+    Placement,
+    recompute_time_s,
+    stage_activations,
+    stage_fits,
+    stage_recompute,
+)
 
 # Pruning keeps an arc unless its lower bound exceeds the upper bound by this much (float noise).
 PRUNE_TOL = 1e-6

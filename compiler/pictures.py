@@ -177,7 +177,9 @@ def _draw_device(ax: Any, plan: Plan, device: Any, stage: Any, x: float, y: floa
     ax.text(
         x + 0.12,
         top - 1.1,
-        f"{stage.dtype}, {stage.quantization}; busy {busy:.0%} of the step",
+        f"{stage.dtype}, {stage.quantization}; busy {busy:.0%} of the step"
+        + (f"; {len(stage.recompute_layers)} layers recompute (+{_duration(stage.recompute_time_s)} bwd/mb)"
+           if stage.recompute_layers else ""),
         fontsize=8,
         color="#444444",
         va="center",

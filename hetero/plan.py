@@ -54,6 +54,10 @@ class StagePlan:
     # time; "STEP": the optimizer step), and the gradient-norm round trip to the coordinator.
     overhead_s: dict[str, float] = field(default_factory=dict)
     step_sync_s: float = 0.0
+    # Decoder layers that recompute their forward during backward (keeping only their input), and
+    # the seconds per micro-batch that adds to bwd_time_s (which includes it).
+    recompute_layers: list[str] = field(default_factory=list)
+    recompute_time_s: float = 0.0
 
 
 @dataclass
@@ -155,13 +159,17 @@ def compute_input_hash(plan: Plan) -> str:
         return to_dict(from_dict(cls, to_dict(obj), cls.__name__, PlanError))
 
     train = {k: v for k, v in canonical(TrainSpec, plan.train).items() if k not in RUNTIME_OVERRIDABLE}
+    planner = canonical(PlannerOptions, plan.planner)
+    if planner.get("recompute") == "auto":
+        del planner["recompute"]  # the default: plans from before the option keep their hash
     payload = {
         "model": canonical(ModelSpec, plan.model),
         "cluster": canonical(ClusterSpec, plan.cluster),
-        "planner": canonical(PlannerOptions, plan.planner),
+        "planner": planner,
         "train": train,
         "graph_version": plan.graph.version,
-        "stages": [(s.device, s.first_node, s.last_node, s.dtype, s.quantization, s.program) for s in plan.stages],
+        "stages": [(s.device, s.first_node, s.last_node, s.dtype, s.quantization, s.program)
+                   + ((s.recompute_layers,) if s.recompute_layers else ()) for s in plan.stages],
         "schema_version": plan.schema_version,
     }
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()

@@ -95,6 +95,8 @@ def stage_table(plan: Plan) -> Table:
         mem_style = "red" if share > 1 else ("yellow" if share > 0.9 else "")
         quant = "" if s.quantization == "none" else f"+{s.quantization}"
         holds = f"{describe_span(plan.graph, s.first_node, s.last_node)} ({decoder_count(plan.graph, s.first_node, s.last_node)}L)"
+        if s.recompute_layers:
+            holds += f", {len(s.recompute_layers)} recompute (+{fmt_time(s.recompute_time_s)} bwd)"
         table.add_row(
             str(s.index),
             s.host,

@@ -52,8 +52,18 @@ def _manual(table: CostTable, graph: LayerGraph, options: PlannerOptions) -> Eva
     spans = split_spans(len(graph.nodes), split, dec)
     ev = evaluate(table, Placement(tuple(names.index(n) for n in order), tuple(spans)))
     if not ev.feasible:
-        raise InfeasiblePlanError(f"planner.split={split} does not fit: " + "; ".join(ev.reasons))
+        how = {"none": " without recomputation (planner.recompute=none)", "full": " with every layer recomputing",
+               "auto": " even with every layer recomputing"}[table.recompute_mode]
+        raise InfeasiblePlanError(f"planner.split={split} does not fit{how}: " + "; ".join(ev.reasons))
     return ev
+
+
+def recompute_layers(table: CostTable, graph: LayerGraph, ev: Evaluation, k: int) -> list[str]:
+    """Names of stage k's recomputing layers: its first ``ev.recompute[k]`` recomputable nodes."""
+    first, last = ev.placement.spans[k]
+    count = ev.recompute[k] if ev.recompute else 0
+    names = [graph.nodes[i].name for i in range(first, last + 1) if table.recomputable[i]]
+    return names[:count]
 
 
 def _verdict(prediction: Prediction, stages: list[StagePlan], base: list[Baseline], solver: SolverReport) -> list[str]:
@@ -128,6 +138,8 @@ def plan(
             program=format_program(programs[k]), artifact=f"artifacts/{dev.host}/stage{k}",
             overhead_s=dict(ev.overhead_s[k]) if ev.overhead_s else {},
             step_sync_s=ev.sync_s[k] if ev.sync_s else 0.0,
+            recompute_layers=recompute_layers(table, graph, ev, k),
+            recompute_time_s=ev.recompute_s[k] if ev.recompute_s else 0.0,
         ))
     base = baselines(table, graph.decoder_indices())
     result_plan = Plan(

@@ -8,6 +8,11 @@ from hetero.planner.objective import Evaluation, Placement, evaluate, split_span
 from hetero.planner.schedules import programs_for
 from hetero.planner.simulator import Timeline, simulate
 
+# Baselines recompute whatever layers make them fit, as a single-GPU trainer with gradient
+# checkpointing would, whatever planner.recompute says for the plan itself: a baseline that
+# "does not fit" only because it may not recompute would flatter the plan.
+BASELINE_RECOMPUTE = "auto"
+
 
 def predict(table: CostTable, evaluation: Evaluation) -> tuple[Prediction, Timeline]:
     """Simulate the schedule on a placement's stage times: the numbers a plan reports."""
@@ -56,11 +61,11 @@ def _split_baseline(
         return Baseline(name, description, False, f"{len(names)} devices but only {len(decoder_indices)} decoder "
                         "layers: every stage needs one", names), None
     spans = split_spans(table.num_nodes, counts, decoder_indices)
-    ev = evaluate(table, Placement(tuple(range(len(names))), tuple(spans)))
+    ev = evaluate(table, Placement(tuple(range(len(names))), tuple(spans)), mode=BASELINE_RECOMPUTE)
     if not ev.feasible:
         return Baseline(name, description, False, "; ".join(ev.reasons), names, counts), ev
     prediction, _ = predict(table, ev)
-    return Baseline(name, description, True, "", names, counts, prediction), ev
+    return Baseline(name, description + _recompute_note(ev), True, "", names, counts, prediction), ev
 
 
 def single_device_baseline(table: CostTable, num_decoders: int) -> tuple[Baseline, Evaluation | None]:
@@ -68,7 +73,7 @@ def single_device_baseline(table: CostTable, num_decoders: int) -> tuple[Baselin
     best: tuple[Prediction, Evaluation] | None = None
     smallest_need = float("inf")
     for d in range(len(table.devices)):
-        ev = evaluate(table, Placement((d,), ((0, table.num_nodes - 1),)))
+        ev = evaluate(table, Placement((d,), ((0, table.num_nodes - 1),)), mode=BASELINE_RECOMPUTE)
         smallest_need = min(smallest_need, ev.memory[0].total_gb)
         if not ev.feasible:
             continue
@@ -79,12 +84,18 @@ def single_device_baseline(table: CostTable, num_decoders: int) -> tuple[Baselin
     if best is None:
         largest = max(table.usable_bytes) / GB
         return Baseline(name, "the fastest single device that holds the whole model", False,
-                        f"no single device holds the whole model (needs {smallest_need:.1f} GB, the largest "
-                        f"has {largest:.1f} GB usable)"), None
+                        f"no single device holds the whole model, even recomputing every layer (needs "
+                        f"{smallest_need:.1f} GB, the largest has {largest:.1f} GB usable)"), None
     prediction, ev = best
     dev = table.devices[ev.placement.devices[0]]
-    return Baseline(name, f"{dev.display_name} ({dev.name}) alone", True, "", [dev.name],
+    return Baseline(name, f"{dev.display_name} ({dev.name}) alone{_recompute_note(ev)}", True, "", [dev.name],
                     [num_decoders], prediction), ev
+
+
+def _recompute_note(ev: Evaluation) -> str:
+    """", recomputing N layers" when the baseline needs recomputation to fit."""
+    count = sum(ev.recompute) if ev.recompute else 0
+    return f", recomputing {count} layer{'s' if count != 1 else ''}" if count else ""
 
 
 def baselines(table: CostTable, decoder_indices: list[int]) -> list[Baseline]:

@@ -18,6 +18,7 @@ def _fleet_text(table: CostTable) -> str:
     return f"the fleet has {sum(usable):.1f} GB usable ({parts})"
 
 
+
 def check_single_nodes(table: CostTable, graph: LayerGraph) -> None:
     """Raise if some node alone (with one micro-batch of activations) fits no device."""
     usable = _usable_gb(table)
@@ -37,25 +38,34 @@ def check_single_nodes(table: CostTable, graph: LayerGraph) -> None:
 
 
 def explain_infeasible(table: CostTable, graph: LayerGraph, model: ModelSpec, num_stages: int | None) -> str:
-    """One line: what the model needs, what the fleet has, and what nf4 would need."""
+    """One line: what the model needs (recomputing as planner.recompute allows), what the fleet has,
+    and what would help."""
     n = len(table.devices)
-    avg = [sum(row) / n for row in table.weights]
-    weights = sum(avg) / GB
+    recompute = table.recompute_mode != "none" and any(table.recomputable)
+    weights = sum(sum(row) / n for row in table.weights) / GB
     lora = sum(sum(row) / n for row in table.lora) / GB
-    acts = sum(sum(row) / n for row in table.activations_per_mb) / GB
+    kept = table.recompute_per_mb if recompute else table.activations_per_mb
+    acts = sum(sum(row) / n for row in kept) / GB
+    if recompute:  # plus one layer's full activations while it re-runs
+        acts += max(sum(table.activations_per_mb[i]) / n for i in range(table.num_nodes) if table.recomputable[i]) / GB
+    have = sum(_usable_gb(table))
     dtype = model.dtype if model.dtype != "auto" else graph.dtype
+    how = "with recomputation" if recompute else "without recomputation"
     msg = (
-        f"{model.name} ({dtype}, quantization {model.quantization}) needs {weights:.1f} GB for weights + "
-        f"{lora + acts:.1f} GB LoRA/activations (one micro-batch in flight) + "
-        f"{table.workspace_bytes / GB:.1f} GB workspace per device; {_fleet_text(table)}"
+        f"{model.name} ({dtype}, quantization {model.quantization}) needs {weights + lora + acts:.1f} GB {how}, "
+        f"{_fleet_text(table)}: {weights:.1f} GB weights + {lora:.1f} GB LoRA state + {acts:.1f} GB activations "
+        f"(one micro-batch in flight{', every layer recomputing' if recompute else ''}) + "
+        f"{table.workspace_bytes / GB:.1f} GB workspace per device"
     )
+    if table.recompute_mode == "none" and any(table.recomputable):
+        msg += "; planner.recompute=auto would recompute activations to fit"
     if model.quantization != "nf4":
         elem = dtype_bytes(graph.dtype)
         nf4 = sum((nd.num_params - nd.linear_params) * elem + nd.linear_params * NF4_BYTES_PER_PARAM for nd in graph.nodes)
         msg += f"; nf4 would need {nf4 / GB:.1f} GB for weights (model.quantization=nf4)"
     if num_stages:
         msg += f"; planner.num_stages={num_stages} may be too few"
-    elif weights + lora + acts <= sum(_usable_gb(table)):
+    elif weights + lora + acts <= have:
         msg += (
             "; the total would fit, but no contiguous split does (activations of micro-batches in flight "
             "or one big layer): try fewer train.num_micro_batches, schedule=1f1b, or a smaller micro-batch"

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from hetero.errors import CheckpointError, PlanError, UnsupportedModelError
 from hetero.plan import Plan
+from hetero.runtime.lora import share_lora_inputs
 
 # Families whose CausalLM is `model.{embed_tokens, layers, norm, rotary_emb}` + `lm_head`, whose decoder
 # layer takes (hidden, attention_mask, position_ids, position_embeddings), and whose model forward adds
@@ -71,6 +73,18 @@ def stage_layout(plan: Plan, k: int) -> StageLayout:
     return layout
 
 
+def recompute_indices(plan: Plan, k: int, layout: StageLayout) -> frozenset[int]:
+    """Decoder layer indices of stage k that the plan says recompute; they must be the stage's own."""
+    found = set()
+    for name in plan.stages[k].recompute_layers:
+        m = _LAYER_RE.search(name)
+        if m is None or int(m.group(1)) not in layout.layers:
+            raise PlanError(f"stage {k}: recompute_layers names '{name}', not one of this stage's decoder layers; "
+                            "recompile the plan")
+        found.add(int(m.group(1)))
+    return frozenset(found)
+
+
 @dataclass
 class Stage:
     """A built stage: the pruned CausalLM (LoRA injected) and how to run it forward."""
@@ -83,6 +97,7 @@ class Stage:
     model: nn.Module  # the pruned HF CausalLM; parameter names equal the full model's
     peft_model: nn.Module | None  # the PeftModel around it (None when no LoRA target lives here)
     quantization: str
+    recompute: frozenset[int] = frozenset()  # decoder layer indices that recompute in backward
 
     @property
     def is_first(self) -> bool:
@@ -100,9 +115,18 @@ class Stage:
         # Every stage rebuilds positions and rotary cos/sin: cheaper than sending them.
         position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
         position_embeddings = inner.rotary_emb(h, position_ids)
-        for layer in inner.layers.values():
+        training = torch.is_grad_enabled()
+        for index, layer in inner.layers.items():
             # attention_mask=None: causal SDPA; right padding needs no mask (pads only follow real tokens).
-            out = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings)
+            kwargs = {"attention_mask": None, "position_ids": position_ids, "position_embeddings": position_embeddings}
+            if training and int(index) in self.recompute:
+                # Keep only the layer's input; its forward runs again in backward, with the RNG state
+                # of this forward (LoRA dropout draws the same mask). Non-reentrant: works when the
+                # input needs no grad (stage 0), with keyword arguments, and with bitsandbytes layers.
+                out = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False, preserve_rng_state=True,
+                                                        **kwargs)
+            else:
+                out = layer(h, **kwargs)
             h = out[0] if isinstance(out, tuple) else out
         if self.layout.norm:
             h = inner.norm(h)
@@ -309,7 +333,9 @@ def build_stage(plan: Plan, k: int, device: torch.device, *, seed: int | None = 
         _init_lora_deterministically(peft_model, plan.train.seed if seed is None else seed)
         peft_model.to(device)
         peft_model.train()
-    stage = Stage(k, len(plan.stages), device, dtype, layout, model, peft_model, sp.quantization)
+        share_lora_inputs(peft_model)
+    stage = Stage(k, len(plan.stages), device, dtype, layout, model, peft_model, sp.quantization,
+                  recompute_indices(plan, k, layout))
     if lora.init_from:
         from hetero.runtime.adapter import load_adapter_state
 

@@ -48,16 +48,20 @@ def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     assert err <= RTOL * max(scale, 1e-12), f"{name}: max abs error {err:.3g} vs scale {scale:.3g}"
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_pipeline_equals_single_process_reference(schedule: str, setup: dict, tiny_model_dir: Path,
+@pytest.mark.parametrize(("schedule", "recompute"), [("1f1b", "none"), ("gpipe", "none"), ("1f1b", "full"),
+                                                     ("gpipe", "full")])
+def test_pipeline_equals_single_process_reference(schedule: str, recompute: str, setup: dict, tiny_model_dir: Path,
                                                   tiny_spec: ModelSpec) -> None:
+    # recompute=full: every decoder layer keeps only its input and re-runs its forward in backward.
     train = replace(TRAIN, schedule=schedule)
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=train, lora=setup["lora"],
-                     seq_len=SEQ_LEN)
-    run_dir = setup["root"] / f"run-{schedule}"
+                     seq_len=SEQ_LEN, recompute=recompute)
+    assert all(len(s.recompute_layers) == (2 if recompute == "full" else 0) for s in plan.stages)
+    name = f"{schedule}-{recompute}"
+    run_dir = setup["root"] / f"run-{name}"
     run_dir.mkdir()
-    plan.save(run_dir.parent / f"plan-{schedule}.json")
-    assert main_run([str(run_dir.parent / f"plan-{schedule}.json"), "--run-dir", str(run_dir), "--no-progress",
+    plan.save(run_dir.parent / f"plan-{name}.json")
+    assert main_run([str(run_dir.parent / f"plan-{name}.json"), "--run-dir", str(run_dir), "--no-progress",
                      "checkpoint_every=2"]) == 0
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

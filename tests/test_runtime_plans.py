@@ -63,8 +63,11 @@ def make_plan(
     quantization: str = "none",
     hosts: list[str] | None = None,
     dtypes: list[str] | None = None,
+    recompute: str = "none",
 ) -> Plan:
-    """A valid plan for the model in ``model_dir``: stage k holds ``split[k]`` decoder layers on CPU."""
+    """A valid plan for the model in ``model_dir``: stage k holds ``split[k]`` decoder layers on CPU.
+
+    ``recompute``: "full" makes every decoder layer recompute its forward in backward."""
     from safetensors import safe_open
 
     keys: list[str] = []
@@ -99,13 +102,16 @@ def make_plan(
             first_node=first, last_node=last - 1, node_names=[nd.name for nd in graph.nodes[first:last]],
             endpoint=f"tcp://127.0.0.1:{ports[k]}", threads=1, fwd_time_s=0.01, bwd_time_s=0.02,
             send_time_s=0.001, memory=MemoryBreakdown(0.1, 0.01, 0.01, 0.5, 0.62, 7.0),
-            program=format_program(programs[k])))
+            program=format_program(programs[k]),
+            recompute_layers=[nd.name for nd in graph.nodes[first:last] if nd.kind == "decoder"]
+            if recompute == "full" else []))
         first = last
     assert first == len(graph.nodes), "split must cover every decoder layer"
     prediction = Prediction(0.1 * num_stages, train.micro_batch_size * train.num_micro_batches * seq_len,
                             1000.0, 0.2, [0.8] * num_stages, [0.62] * num_stages)
     solver = SolverReport("manual", "Optimal", "Optimal Solution Found", True, 0.0, 0.1, 0.0, 0.0)
-    plan = Plan(model, cluster, train, DataSpec(), PlannerOptions(split=split), graph, stages, prediction,
+    plan = Plan(model, cluster, train, DataSpec(), PlannerOptions(split=split, recompute=recompute), graph, stages,
+                prediction,
                 [], solver, ["hand-built test plan"])
     plan.input_hash = compute_input_hash(plan)
     return plan

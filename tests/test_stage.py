@@ -106,18 +106,31 @@ def test_bad_adapter_and_bad_span_are_one_line_errors(tiny_model_dir: Path, tiny
         build_stage(plan, 5, CPU)
 
 
-def _nf4_plan(model_dir: Path, spec: ModelSpec, tmp_path: Path) -> tuple:
+def test_plan_recompute_layers_reach_the_stage(tiny_model_dir: Path, tiny_spec: ModelSpec) -> None:
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], recompute="full")
+    stage = build_stage(plan, 1, CPU)
+    assert stage.recompute == frozenset(stage.layout.layers) == frozenset({3, 4, 5})
+    lora_layers = [m for m in stage.model.modules() if hasattr(m, "_hetero_cast_first")]
+    assert len(lora_layers) == 7 * 3  # every LoRA Linear runs through runtime/lora.py
+    plan.stages[1].recompute_layers = ["layers.0"]  # a layer of another stage
+    with pytest.raises(PlanError, match="recompute_layers names 'layers.0'"):
+        build_stage(plan, 1, CPU)
+
+
+def _nf4_plan(model_dir: Path, spec: ModelSpec, tmp_path: Path, recompute: str = "none") -> tuple:
     train = TrainSpec(micro_batch_size=2, num_micro_batches=2, steps=6, lr=1e-2, max_grad_norm=1.0, shuffle=False)
-    plan = make_plan(model_dir, spec.architecture, [2, 2, 2], train=train, quantization="nf4", seq_len=24)
+    plan = make_plan(model_dir, spec.architecture, [2, 2, 2], train=train, quantization="nf4", seq_len=24,
+                     recompute=recompute)
     plan = replace(plan, data=_repeating_data(tmp_path, 4))
     return plan, StepBatches(plan.data, model_dir, 24, 2, 2, 0, False)
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
 def test_nf4_pipeline_trains_and_every_lora_matrix_gets_gradient(tiny_model_dir: Path, tiny_spec: ModelSpec,
-                                                                 tmp_path: Path) -> None:
+                                                                 tmp_path: Path, recompute: str) -> None:
     import bitsandbytes as bnb
 
-    plan, batches = _nf4_plan(tiny_model_dir, tiny_spec, tmp_path)
+    plan, batches = _nf4_plan(tiny_model_dir, tiny_spec, tmp_path, recompute)
     stages = [build_stage(plan, k, CPU) for k in range(3)]
     for st in stages:
         linears = [m for m in st.model.modules() if isinstance(m, bnb.nn.Linear4bit)]

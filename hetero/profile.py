@@ -78,6 +78,8 @@ class LayerProfile:
     activation_bytes_per_token: float  # saved for backward, per token of a micro-batch
     peak_bytes_per_token: float  # peak extra memory during forward+backward, per token
     memory_method: str  # how the two numbers above were measured (see hetero.runtime.profiler)
+    # Decoder layers: bytes kept per token when the layer recomputes (None: not measured, older profile).
+    recompute_bytes_per_token: float | None = None
 
 
 @dataclass

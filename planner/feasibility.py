@@ -54,8 +54,8 @@ def explain_infeasible(table: CostTable, graph: LayerGraph, model: ModelSpec, nu
     msg = (
         f"{model.name} ({dtype}, quantization {model.quantization}) needs {weights + lora + acts:.1f} GB {how}, "
         f"{_fleet_text(table)}: {weights:.1f} GB weights + {lora:.1f} GB LoRA state + {acts:.1f} GB activations "
-        f"(one micro-batch in flight{', every layer recomputing' if recompute else ''}) + "
-        f"{table.workspace_bytes / GB:.1f} GB workspace per device"
+        f"(one micro-batch in flight{', every layer recomputing' if recompute else ''}); usable is after "
+        f"planner.memory_headroom and {table.workspace_bytes / GB:.1f} GB workspace per device"
     )
     if table.recompute_mode == "none" and any(table.recomputable):
         msg += "; planner.recompute=auto would recompute activations to fit"

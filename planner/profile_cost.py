@@ -72,7 +72,9 @@ class ProfileCostModel:
             self.sources[key] = f"roofline ({why or 'not measured'})"
             return base
         self.sources[key] = f"profile ({layer.memory_method})"
-        return NodeMemory(base.weights, base.lora, layer.activation_bytes_per_token * tokens)
+        rec = layer.recompute_bytes_per_token
+        return NodeMemory(base.weights, base.lora, layer.activation_bytes_per_token * tokens,
+                          base.recompute_per_mb if rec is None or base.recompute_per_mb is None else rec * tokens)
 
     def transfer_time_s(self, cluster: ClusterSpec, host_a: str, host_b: str, num_bytes: float) -> float:
         """Measured latency + bytes / measured bandwidth between the two hosts, else the fleet file's link."""

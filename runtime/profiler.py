@@ -6,10 +6,12 @@ runtime quantizes it, with the model's LoRA. Each layer kind is timed forward an
 the executor runs it (received activations require grad; the head includes the fp32 loss) at
 several micro-batch sizes, and ``time = a + b * tokens`` is fitted by least squares.
 
-Memory: saved-for-backward bytes are counted exactly on every device with
-``torch.autograd.graph.saved_tensors_hooks`` (unique storages, parameters excluded). On CUDA the
-peak is ``torch.cuda.max_memory_allocated`` above the pre-call level; on CPU there is no allocator
-peak to read, so the peak per token is the saved bytes per token (method says which).
+Memory: the bytes a forward leaves alive for its backward are counted exactly on every device
+with ``hetero.runtime.memory.kept_bytes`` (storages the forward created that are still alive:
+saved tensors, bitsandbytes' context tensors, a recomputing layer's input), for the decoder layer
+both as it runs and recomputing (non-reentrant checkpoint, as the runtime's Stage does). On CUDA
+the peak is ``torch.cuda.max_memory_allocated`` above the pre-call level; on CPU there is no
+allocator peak to read, so the peak per token is the kept bytes per token (method says which).
 
 Besides the layers, the two costs a stage pays outside its layers' compute: the optimizer step
 (the executor's own code: gradient norm, AdamW, schedule, zero_grad) against the number of LoRA
@@ -28,12 +30,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from hetero.errors import HeteroError
 from hetero.profile import DeviceProfile, LayerProfile, LinearFit, fit_line
 from hetero.specs import DeviceSpec, ModelSpec, TrainSpec
 
+from .lora import share_lora_inputs
+from .memory import kept_bytes
 from .stage import TORCH_DTYPES, StageLayout, _build_config, _quantize_nf4, _skeleton
 
 OPTIMIZER_COPIES = (1, 2, 4, 8)  # optimizer steps over this many decoder layers' LoRA parameters
@@ -100,6 +105,7 @@ def build_probe(model: ModelSpec, device: torch.device, dtype: str, quantization
                                         task_type="CAUSAL_LM"))
     peft.to(device)
     peft.train()
+    share_lora_inputs(peft)  # the runtime's LoRA path (runtime/lora.py), so memory is the runtime's
     n_lora = sum(p.numel() for p in peft.parameters() if p.requires_grad)
     return Probe(m, device, torch_dtype, int(config.hidden_size), int(config.vocab_size), n_lora)
 
@@ -109,8 +115,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _layer_call(probe: Probe, kind: str, batch: int, seq: int) -> Callable[[], tuple[Any, Any]]:
-    """A closure that runs the forward of one layer kind and returns (output to backprop, its grad)."""
+def _layer_call(probe: Probe, kind: str, batch: int, seq: int, recompute: bool = False
+                ) -> Callable[[], tuple[Any, Any]]:
+    """A closure that runs the forward of one layer kind and returns (output to backprop, its grad);
+    ``recompute``: the decoder layer recomputes in backward, as Stage.forward runs it."""
     inner = probe.model.model
     dev, dt = probe.device, probe.dtype
     layer = next(iter(inner.layers.values()))
@@ -127,7 +135,11 @@ def _layer_call(probe: Probe, kind: str, batch: int, seq: int) -> Callable[[], t
             # Positions and rotary tables are rebuilt per stage forward in the runtime: charged here.
             pos = torch.arange(seq, device=dev).unsqueeze(0)
             emb = inner.rotary_emb(h, pos)
-            out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=emb)
+            kwargs = {"attention_mask": None, "position_ids": pos, "position_embeddings": emb}
+            if recompute:
+                out = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False, **kwargs)
+            else:
+                out = layer(h, **kwargs)
             out = out[0] if isinstance(out, tuple) else out
             return out, torch.ones_like(out)
         return decoder
@@ -157,21 +169,9 @@ def _time_once(call: Callable[[], tuple[Any, Any]], device: torch.device) -> tup
     return t1 - t0, time.perf_counter() - t1
 
 
-def _saved_bytes(call: Callable[[], tuple[Any, Any]], params: set[int]) -> int:
-    """Bytes of unique storages autograd saves for backward (parameters excluded)."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in params and ptr != 0:
-            seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out, _ = call()
-    del out
-    return sum(seen.values())
+def _kept_bytes(call: Callable[[], tuple[Any, Any]]) -> int:
+    """Bytes the forward leaves alive for backward (see hetero.runtime.memory)."""
+    return kept_bytes(call)
 
 
 def _peak_bytes(call: Callable[[], tuple[Any, Any]], device: torch.device) -> int | None:
@@ -199,16 +199,16 @@ def profile_layer(probe: Probe, kind: str, batches: list[int], seq: int) -> tupl
     hosts, boost clocks, thermal limits) then slows every size alike instead of bending the fit.
     The decoder layer, which dominates every stage, is timed over a longer window (DECODER_WINDOW_S).
     """
-    params = {p.untyped_storage().data_ptr() for p in probe.model.parameters()}
-    params |= {b.untyped_storage().data_ptr() for b in probe.model.buffers()}
     calls: list[tuple[int, Callable[[], tuple[Any, Any]]]] = []
     saved: list[int] = []
+    recomputed: list[int] = []
     peaks: list[int] = []
     for batch in batches:  # build, warm up and size each; stop at the first size that does not fit
         call = _layer_call(probe, kind, batch, seq)
         try:
             _time_once(call, probe.device)  # warm-up: kernels, allocator, lazy init
-            size_saved = _saved_bytes(call, params)
+            size_saved = _kept_bytes(call)
+            size_recomputed = _kept_bytes(_layer_call(probe, kind, batch, seq, True)) if kind == "decoder" else 0
             peak = _peak_bytes(call, probe.device)
         except torch.OutOfMemoryError:
             if not calls:
@@ -219,6 +219,7 @@ def profile_layer(probe: Probe, kind: str, batches: list[int], seq: int) -> tupl
             _zero_grads(probe)
         calls.append((batch * seq, call))
         saved.append(size_saved)
+        recomputed.append(size_recomputed)
         if peak is not None:
             peaks.append(peak)
     window, cap = (DECODER_WINDOW_S, 4 * MAX_REPEATS) if kind == "decoder" else (TARGET_S * len(calls), MAX_REPEATS)
@@ -234,19 +235,23 @@ def profile_layer(probe: Probe, kind: str, batches: list[int], seq: int) -> tupl
     bwd = [typical([s[1] for s in size]) for size in samples]
     saved_fit = fit_line(tokens, saved) if len(tokens) > 1 else None
     per_token = max(0.0, saved_fit.b_s_per_token) if saved_fit else saved[0] / max(tokens[0], 1)
+    recompute_per_token: float | None = None
+    if kind == "decoder":
+        rec_fit = fit_line(tokens, recomputed) if len(tokens) > 1 else None
+        recompute_per_token = max(0.0, rec_fit.b_s_per_token) if rec_fit else recomputed[0] / max(tokens[0], 1)
     if peaks:
         peak_fit = fit_line(tokens, peaks) if len(tokens) > 1 else None
         peak_per_token = max(0.0, peak_fit.b_s_per_token) if peak_fit else peaks[0] / tokens[0]
-        method = "saved_tensors_hooks; peak: cuda max_memory_allocated"
+        method = "kept storages; peak: cuda max_memory_allocated"
     else:
         peak_per_token = per_token
-        method = "saved_tensors_hooks; peak: not measurable on CPU, taken as the saved bytes"
+        method = "kept storages; peak: not measurable on CPU, taken as the kept bytes"
     sub = {"embedding": probe.model.model.embed_tokens, "norm": probe.model.model.norm,
            "head": probe.model.lm_head}.get(kind) or next(iter(probe.model.model.layers.values()))
     weight_bytes = float(sum(t.numel() * t.element_size() for t in [*sub.parameters(), *sub.buffers()]))
     lora = sum(p.numel() for p in sub.parameters() if p.requires_grad)
     return LayerProfile(kind, fit_line(tokens, fwd), fit_line(tokens, bwd), weight_bytes, lora,
-                        per_token, peak_per_token, method), tokens
+                        per_token, peak_per_token, method, recompute_per_token), tokens
 
 
 def _typical_time(run: Callable[[], None], prepare: Callable[[], None], device: torch.device) -> float:

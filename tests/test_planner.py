@@ -71,7 +71,7 @@ def test_manual_split_is_validated_and_evaluated() -> None:
 
 def test_infeasible_fleet_explains_numbers() -> None:
     cluster = make_cluster([("a", "rtx3090", 4.0), ("b", "v100", 3.0)])
-    with pytest.raises(InfeasiblePlanError, match=r"needs .* GB for weights .*fleet has .* GB usable \(a.gpu0 .*nf4 would need"):
+    with pytest.raises(InfeasiblePlanError, match=r"needs .* GB without recomputation, the fleet has .* GB usable \(a.gpu0 .*: .* GB weights .*nf4 would need"):
         _plan(cluster, make_graph(8), quant="none")
     # One layer larger than every device.
     tiny = make_cluster([("a", "rtx3090", 0.9)])

@@ -265,8 +265,17 @@ hosts:
 """
 
 
-def run_hetero(model_dir: Path, data: Path, steps: int, work: Path) -> tuple[list[float] | None, str]:
-    """`hetero compile` + `hetero run` as subprocesses; returns (per-step seconds, note)."""
+# Runs a command and prints the largest peak RSS (KiB) of any process it waited for (stage workers included).
+_PEAK_RSS = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
+             "print('peak_rss_kib', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+             "sys.exit(rc)")
+
+
+def run_hetero(model_dir: Path, data: Path, steps: int, work: Path, extra: tuple[str, ...] = (),
+               peak: dict[str, float] | None = None) -> tuple[list[float] | None, str]:
+    """`hetero compile` + `hetero run` as subprocesses; returns (per-step seconds, note).
+
+    ``extra``: more compile overrides; ``peak``: filled with the run's largest process peak RSS (MiB)."""
     conf = work / "conf"
     (conf / "hardware").mkdir(parents=True, exist_ok=True)
     with socket.socket() as s:
@@ -279,14 +288,18 @@ def run_hetero(model_dir: Path, data: Path, steps: int, work: Path) -> tuple[lis
         "compile", "-cd", str(conf), "model=hf", f"model.pretrained={model_dir}", f"model.seq_len={SEQ_LEN}",
         "model.dtype=float32", "lora.r=8", "lora.alpha=16", "hardware=w1", f"train.micro_batch_size={MICRO_BATCH}",
         f"train.num_micro_batches={NUM_MICRO}", f"train.steps={steps}", f"train.lr={LR}", "train.schedule=1f1b",
-        f"data.path={data}", "data.format=tokens", "planner.num_stages=2", f"output={out}",
+        f"data.path={data}", "data.format=tokens", "planner.num_stages=2", f"output={out}", *extra,
     ]
+    shutil.rmtree(run_dir, ignore_errors=True)
     run_cmd = hetero + ["run", str(out / "plan.json"), "--run-dir", str(run_dir), "--no-progress"]
-    for cmd in (compile_cmd, run_cmd):
+    for cmd in (compile_cmd, [sys.executable, "-c", _PEAK_RSS, *run_cmd]):
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work, timeout=1800)
         if proc.returncode != 0:
             lines = (proc.stderr or proc.stdout).strip().splitlines()
-            return None, f"`hetero {cmd[len(hetero)]}` failed: {lines[-1] if lines else proc.returncode}"
+            return None, f"`{' '.join(cmd[:4])}` failed: {lines[-1] if lines else proc.returncode}"
+        for line in proc.stderr.splitlines():
+            if line.startswith("peak_rss_kib") and peak is not None:
+                peak["rss_mib"] = int(line.split()[1]) / 1024
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         return None, f"no {metrics}"

@@ -285,8 +285,11 @@ def cmd_simulate(plan_path: Path, width: int = 72, replan: bool = True, picture:
     memory = memory_over_time(plan, timeline)
     for k, sp in enumerate(plan.stages):
         peak = max(gb for _, gb in memory[k])
+        recompute = (f"; {len(sp.recompute_layers)} layers recompute ({', '.join(sp.recompute_layers[:2])}"
+                     f"{', ...' if len(sp.recompute_layers) > 2 else ''}), +{sp.recompute_time_s:.3g} s of backward "
+                     "per micro-batch" if sp.recompute_layers else "")
         out.print(f"stage {k} {sp.device}: utilization {timeline.busy_fraction[k]:.0%}, peak memory {peak:.2f} GB "
-                  f"of {sp.memory.available_gb:.1f} GB", highlight=False)
+                  f"of {sp.memory.available_gb:.1f} GB{recompute}", highlight=False)
     out.print("\n[bold]bottleneck[/]")
     for line in bottleneck(plan):
         out.print(f"  {line}", highlight=False)

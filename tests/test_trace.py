@@ -17,6 +17,7 @@ from hetero.compiler.costs import attention_flops_per_token
 from hetero.compiler.fxgraph import build_config, build_meta_model
 from hetero.compiler.trace import trace
 from hetero.errors import ConfigError, UnsupportedModelError
+from hetero.runtime.lora import share_lora_inputs
 from hetero.specs import LoraSpec, ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,12 +128,14 @@ def test_decoder_flops_match_flop_counter_on_meta():
 
 
 def test_activation_estimate_matches_saved_tensors():
-    """The per-token activation estimate is within 5% of what autograd saves for a peft layer (bf16, CPU)."""
+    """The per-token activation estimate is within 5% of what autograd saves for a peft layer run the
+    way the runtime runs it (LoRA inputs shared with the base projection; bf16, CPU)."""
     spec = tiny_model()
     graph = trace(spec)
     model = get_peft_model(
         real_tiny(torch.bfloat16), LoraConfig(r=spec.lora.r, target_modules=spec.lora.target_modules)
     )
+    assert share_lora_inputs(model) == len(spec.lora.target_modules) * spec.architecture["num_hidden_layers"]
     base = model.base_model.model
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     batch, seq = 2, spec.seq_len

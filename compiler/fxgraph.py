@@ -51,11 +51,21 @@ def build_config(architecture: dict[str, Any]) -> Any:
     kwargs = {k: v for k, v in architecture.items() if k not in ("model_type", "transformers_version")}
     try:
         config = AutoConfig.for_model(model_type, **kwargs)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise ConfigError(f"model.architecture is not a valid {model_type} config: {exc}") from None
+    except (TypeError, ValueError, KeyError, *_strict_config_errors()) as exc:
+        reason = " ".join(str(exc).split())  # huggingface_hub's validation errors span lines
+        raise ConfigError(f"model.architecture is not a valid {model_type} config: {reason}") from None
     # sdpa is what training uses (flash / memory-efficient kernels, causal without a mask tensor).
     config._attn_implementation = "sdpa"
     return config
+
+
+def _strict_config_errors() -> tuple[type[Exception], ...]:
+    """What newer transformers raise for a config field of the wrong type (huggingface_hub strict dataclasses)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: configs are not validated this way
+        return ()
+    return (StrictDataclassError,)
 
 
 def build_meta_model(model: ModelSpec, dtype: str | None = None) -> nn.Module:

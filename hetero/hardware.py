@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import difflib
 import importlib.resources
+import math
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from hetero.errors import ConfigError, UnknownDeviceError
-from hetero.serde import from_dict
+from hetero.safe_yaml import load_yaml
+from hetero.serde import from_dict, short_repr
 from hetero.specs import ClusterSpec, DeviceSpec, DeviceType, HostSpec, LinkSpec
 
 # Datasheet numbers a fleet file may override per device (a card that is clocked, cut or shared
@@ -42,30 +42,25 @@ _CLUSTER_KEYS = frozenset(
 )
 
 
-def _read_yaml(path: Path, text: str) -> Any:
-    """Parse YAML; a syntax error becomes a one-line ConfigError naming the file and line."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(yaml_error_message(path, exc)) from None
-
-
-def yaml_error_message(path: str | Path, exc: yaml.YAMLError) -> str:
-    """One line: ``<file>:<line>: malformed YAML (<problem>)``."""
-    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    line = f":{mark.line + 1}" if mark is not None else ""
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    return f"{path}{line}: malformed YAML ({problem})"
+# More devices than any home lab (or the planner's search) makes sense for; a typo like count: 1e8 would
+# otherwise build that many devices before anything could complain.
+MAX_DEVICES = 1024
+# Datasheet numbers, and whether one may be zero (tflops_bf16 is, where bf16 is unsupported).
+_DATASHEET_NUMBERS = {"memory_gb": False, "memory_bandwidth_gbs": False, "tflops_fp32": False,
+                      "tflops_fp16": False, "tflops_bf16": True}
 
 
 def _device_type_from(path: Path, text: str) -> DeviceType:
-    data = _read_yaml(path, text)
+    data = load_yaml(path, text)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of DeviceType fields")
     if data.get("name", path.stem) != path.stem:
-        raise ConfigError(f"{path}: name '{data.get('name')}' must equal the file name '{path.stem}'")
+        raise ConfigError(f"{path}: name {short_repr(data.get('name'))} must equal the file name '{path.stem}'")
     data = {"name": path.stem, **data}
-    return from_dict(DeviceType, data, str(path), ConfigError)
+    device_type = from_dict(DeviceType, data, str(path), ConfigError)
+    for key, zero_ok in _DATASHEET_NUMBERS.items():
+        _number(getattr(device_type, key), f"{path}: {key}", positive=not zero_ok, minimum=0)
+    return device_type
 
 
 def load_device_types(extra_dirs: Iterable[Path | str] = ()) -> dict[str, DeviceType]:
@@ -78,12 +73,16 @@ def load_device_types(extra_dirs: Iterable[Path | str] = ()) -> dict[str, Device
             types[dt.name] = dt
     for directory in extra_dirs:
         for path in sorted(Path(directory).expanduser().glob("*.yaml")):
-            dt = _device_type_from(path, path.read_text())
+            try:
+                text = path.read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"{path}: cannot read this datasheet ({exc})") from None
+            dt = _device_type_from(path, text)
             types[dt.name] = dt
     return types
 
 
-def _unknown_type_message(type_name: Any, where: str, known: Iterable[str]) -> str:
+def _unknown_type_message(type_name: str, where: str, known: Iterable[str]) -> str:
     known = sorted(known)
     close = difflib.get_close_matches(str(type_name), known, n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]}?)" if close else ""
@@ -91,18 +90,28 @@ def _unknown_type_message(type_name: Any, where: str, known: Iterable[str]) -> s
 
 
 def _check_keys(entry: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
-    unknown = sorted(set(entry) - allowed)
+    unknown = sorted(str(k) for k in entry if k not in allowed)  # YAML keys may be numbers, too
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {', '.join(sorted(allowed))}")
+        raise ConfigError(f"{where}: unknown key(s) {short_repr(unknown)}; allowed: {', '.join(sorted(allowed))}")
 
 
-def _number(value: Any, where: str, *, integer: bool = False, positive: bool = True) -> Any:
+def _number(value: Any, where: str, *, integer: bool = False, positive: bool = True,
+            minimum: float | None = None, maximum: float | None = None) -> Any:
+    """``value`` if it is a finite number (an int when ``integer``) in range, else a ConfigError saying so."""
     ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    kind = "an integer" if integer else "a number"
     if isinstance(value, bool) or not ok:
-        kind = "an integer" if integer else "a number"
-        raise ConfigError(f"{where} must be {kind}, got {value!r}")
+        raise ConfigError(f"{where} must be {kind}, got {short_repr(value)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where} must be a finite number, got {short_repr(value)}")
+    if abs(value) > 1e300:  # an int this large would overflow float()
+        raise ConfigError(f"{where} is out of range, got {short_repr(value)}")
     if positive and value <= 0:
-        raise ConfigError(f"{where} must be positive, got {value!r}")
+        raise ConfigError(f"{where} must be positive, got {short_repr(value)}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{where} must be at least {minimum:g}, got {short_repr(value)}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{where} must be at most {maximum:g}, got {short_repr(value)}")
     return value
 
 
@@ -113,8 +122,9 @@ def _device_name_stem(host: str, type_name: str) -> str:
 
 
 def _expand_devices(
-    host: str, entries: list[Any], types: Mapping[str, DeviceType], where: str
+    host: str, entries: list[Any], types: Mapping[str, DeviceType], where: str, room: int
 ) -> list[DeviceSpec]:
+    """The devices of one host's entries; more than ``room`` devices (the fleet's remaining allowance) is refused."""
     devices: list[DeviceSpec] = []
     per_type: dict[str, int] = {}
     per_backend: dict[str, int] = {}
@@ -128,12 +138,20 @@ def _expand_devices(
         if "type" not in entry:
             raise ConfigError(f"{at}: missing 'type' (a file name in hardware_specs/, e.g. rtx3090)")
         type_name = entry["type"]
+        if not isinstance(type_name, str):
+            raise ConfigError(f"{at}.type must be a device type's name (a file name in hardware_specs/, "
+                              f"e.g. rtx3090), got {short_repr(type_name)}")
         if type_name not in types:
             raise UnknownDeviceError(_unknown_type_message(type_name, at, types))
         dt = types[type_name]
         count = _number(entry.get("count", 1), f"{at}.count", integer=True)
+        if len(devices) + count > room:
+            raise ConfigError(f"{at}.count {count} makes the fleet larger than hetero plans for ({MAX_DEVICES} "
+                              "devices); lower the count")
         if "name" in entry and count != 1:
             raise ConfigError(f"{at}: 'name' names one device; drop it or set count: 1")
+        if "name" in entry and (not isinstance(entry["name"], str) or not entry["name"]):
+            raise ConfigError(f"{at}.name must be a device name (a string), got {short_repr(entry['name'])}")
         overrides: list[str] = []
         values = {k: getattr(dt, k) for k in OVERRIDABLE}
         for key in OVERRIDABLE:
@@ -143,7 +161,7 @@ def _expand_devices(
                     if not isinstance(new, bool):
                         raise ConfigError(f"{at}.{key} must be true or false, got {new!r}")
                 else:
-                    new = float(_number(new, f"{at}.{key}", positive=key != "tflops_bf16"))
+                    new = float(_number(new, f"{at}.{key}", positive=key != "tflops_bf16", minimum=0))
                 if new != values[key]:
                     overrides.append(
                         f"{key}={new:g} (datasheet {values[key]:g})"
@@ -153,10 +171,11 @@ def _expand_devices(
                 values[key] = new
         threads = entry.get("threads")
         if threads is not None:
-            _number(threads, f"{at}.threads", integer=True)
+            _number(threads, f"{at}.threads", integer=True, maximum=4096)
         first_index = None
         if "index" in entry:  # explicit torch index of the first device of this entry
-            first_index = _number(entry["index"], f"{at}.index", integer=True, positive=False)
+            first_index = _number(entry["index"], f"{at}.index", integer=True, positive=False, minimum=0,
+                                  maximum=MAX_DEVICES)
         for k in range(count):
             ordinal = per_type.get(type_name, 0)
             per_type[type_name] = ordinal + 1
@@ -198,7 +217,7 @@ def _build_links(cfg: Mapping[str, Any], host_names: list[str]) -> list[LinkSpec
         for end in ("a", "b"):
             if entry.get(end) not in host_names:
                 raise ConfigError(
-                    f"{at}.{end}: '{entry.get(end)}' is not a host; hosts: {', '.join(host_names)}"
+                    f"{at}.{end}: {short_repr(entry.get(end))} is not a host; hosts: {', '.join(host_names)}"
                 )
         if entry["a"] == entry["b"]:
             raise ConfigError(f"{at}: a link joins two different hosts, got '{entry['a']}' twice")
@@ -274,15 +293,15 @@ def build_cluster(
         devices_cfg = entry.get("devices")
         if not isinstance(devices_cfg, list) or not devices_cfg:
             raise ConfigError(f"{at}.devices: host '{name}' lists no devices")
-        port = _number(entry.get("port", 29500), f"{at}.port", integer=True)
-        hosts.append(
-            HostSpec(
-                name=name,
-                address=str(entry.get("address", "127.0.0.1")),
-                port=int(port),
-                devices=_expand_devices(name, list(devices_cfg), types, at),
-            )
-        )
+        address = entry.get("address", "127.0.0.1")
+        if not isinstance(address, str) or not address:
+            raise ConfigError(f"{at}.address must be a host name or IP address, got {short_repr(address)}")
+        port = _number(entry.get("port", 29500), f"{at}.port", integer=True, minimum=2, maximum=65535)
+        devices = _expand_devices(name, list(devices_cfg), types, at, MAX_DEVICES - sum(len(h.devices) for h in hosts))
+        if port + len(devices) - 1 > 65535:  # stage k on this host listens on port + k (the coordinator on port - 1)
+            raise ConfigError(f"{at}.port {port} leaves no port for each of its {len(devices)} devices: "
+                              f"at most {65536 - len(devices)}")
+        hosts.append(HostSpec(name=name, address=address, port=int(port), devices=devices))
     names = [d.name for h in hosts for d in h.devices]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -297,7 +316,10 @@ def build_cluster(
             if not any(o.startswith("tflops") for o in d.overrides):
                 d.tflops = {k: v * d.threads for k, v in d.tflops.items()}
     links = _build_links(cfg_hardware, [h.name for h in hosts])
-    cluster = ClusterSpec(name=str(cfg_hardware.get("name", "fleet")), hosts=hosts, links=links)
+    fleet_name = cfg_hardware.get("name", "fleet")
+    if not isinstance(fleet_name, str) or not fleet_name:
+        raise ConfigError(f"hardware.name must be the fleet's name (a string), got {short_repr(fleet_name)}")
+    cluster = ClusterSpec(name=fleet_name, hosts=hosts, links=links)
     if "intra_host_bandwidth_gbps" in cfg_hardware:
         cluster.intra_host_bandwidth_gbps = float(
             _number(cfg_hardware["intra_host_bandwidth_gbps"], "hardware.intra_host_bandwidth_gbps")

@@ -15,6 +15,33 @@ from hetero.errors import PlanError
 
 T = TypeVar("T")
 
+# How deep a plan or profile file may nest (theirs is about 6 levels; a resolved config is a few more).
+MAX_NESTING = 32
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters: an error message quotes the bad value, not all of it."""
+    try:
+        text = repr(value)
+    except (RecursionError, ValueError):  # nested too deep to print; an int too long to print
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def nesting_depth(value: Any, limit: int = MAX_NESTING) -> int:
+    """Levels of lists and dicts in ``value``, counted without recursion; stops counting past ``limit``."""
+    deepest = 0
+    stack = [(value, 0)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list, tuple)):
+            level += 1
+            if level > limit:
+                return level
+            deepest = max(deepest, level)
+            stack.extend((v, level) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
 
 def to_dict(obj: Any) -> Any:
     """Convert a dataclass tree to plain dicts/lists/scalars (tuples become lists)."""
@@ -48,19 +75,19 @@ def _convert(tp: Any, value: Any, where: str, error: type[Exception]) -> Any:
                 return _convert(arg, value, where, error)
             except error as exc:  # try the next alternative
                 last = exc
-        raise last or error(f"{where}: unexpected value {value!r}")
+        raise last or error(f"{where}: unexpected value {short_repr(value)}")
     if origin is typing.Literal:
-        if value not in get_args(tp):
-            raise error(f"{where}: expected one of {list(get_args(tp))}, got {value!r}")
+        if not isinstance(value, (str, int)) or value not in get_args(tp):
+            raise error(f"{where}: expected one of {list(get_args(tp))}, got {short_repr(value)}")
         return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise error(f"{where}: expected an object, got {type(value).__name__}")
         hints = get_type_hints(tp)
         fields = {f.name: f for f in dataclasses.fields(tp)}
-        unknown = set(value) - set(fields)
+        unknown = [str(k) for k in value if k not in fields]
         if unknown:
-            raise error(f"{where}: unknown field(s) {sorted(unknown)}")
+            raise error(f"{where}: unknown field(s) {short_repr(sorted(unknown), 200)}")
         kwargs = {}
         for name, f in fields.items():
             if name in value:
@@ -86,15 +113,18 @@ def _convert(tp: Any, value: Any, where: str, error: type[Exception]) -> Any:
         return {_convert(kt, k, f"{where}", error): _convert(vt, v, f"{where}.{k}", error) for k, v in value.items()}
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise error(f"{where}: expected a number, got {value!r}")
-        return float(value)
+            raise error(f"{where}: expected a number, got {short_repr(value)}")
+        try:
+            return float(value)
+        except OverflowError:  # an int past 1e308
+            raise error(f"{where}: {short_repr(value)} is out of range for a number") from None
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise error(f"{where}: expected an integer, got {value!r}")
+            raise error(f"{where}: expected an integer, got {short_repr(value)}")
         return value
     if tp in (str, bool):
         if not isinstance(value, tp):
-            raise error(f"{where}: expected {tp.__name__}, got {value!r}")
+            raise error(f"{where}: expected {tp.__name__}, got {short_repr(value)}")
         return value
     return value
 
@@ -117,6 +147,12 @@ def read_versioned_json(
         raise error(f"{p}: no such {what} file ({missing_fix})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise error(f"{p}: not valid JSON ({exc}); {fix}") from None
+    except RecursionError:  # json's decoder recurses once per level
+        raise error(f"{p}: nested more than {MAX_NESTING} levels deep, not a {what}; {fix}") from None
+    except (IsADirectoryError, PermissionError) as exc:
+        raise error(f"{p}: cannot read it ({exc.strerror})") from None
+    if nesting_depth(data) > MAX_NESTING:  # everything after this (serde, hashing) recurses too
+        raise error(f"{p}: nested more than {MAX_NESTING} levels deep, not a {what}; {fix}")
     check_schema_version(data, where=str(p), what=what, version=version, error=error, fix=fix)
     return data
 
@@ -128,8 +164,10 @@ def check_schema_version(data: Any, *, where: str, what: str, version: int, erro
     if not isinstance(data, dict):
         raise error(f"{where}: not a {what} (expected a JSON object)")
     found = data.get("schema_version")
-    if found != version:
+    if found != version or isinstance(found, bool):
+        written_by = data.get("hetero_version")
         raise error(
-            f"{where}: {what} schema v{found} (written by hetero {data.get('hetero_version', '?')}), "
-            f"this hetero {__version__} reads v{version}: {fix}"
+            f"{where}: {what} schema v{short_repr(found, 20)} (written by hetero "
+            f"{written_by[:20] if isinstance(written_by, str) else '?'}), this hetero {__version__} reads "
+            f"v{version}: {fix}"
         )

@@ -6,8 +6,11 @@ and stored verbatim in plan.json. No torch, no pulp.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from hetero.serde import short_repr
 
 Backend = Literal["cuda", "rocm", "mps", "cpu"]
 Quantization = Literal["none", "nf4", "int8"]
@@ -204,3 +207,57 @@ class PlannerOptions:
     # Activation recomputation: auto (the solver chooses, per stage, how many decoder layers re-run
     # their forward in backward), none, or full (every decoder layer).
     recompute: Literal["auto", "none", "full"] = "auto"
+
+
+# Upper bounds past any real run, that keep the planner's work and float arithmetic finite: each stage's
+# program has a few actions per micro-batch, and costs scale with sequence length and batch size.
+MAX_MICRO_BATCHES = 4096
+MAX_TOKENS = 2**24  # seq_len, and micro_batch_size * seq_len
+MAX_COUNT = 2**53  # steps and other counters: exact as floats
+
+
+def check_ranges(model: ModelSpec, train: TrainSpec, planner: PlannerOptions, error: type[Exception]) -> None:
+    """Raise ``error`` naming the first number out of its range: one rule book for configs and plan files."""
+    for key, value, high in [
+        ("model.seq_len", model.seq_len, MAX_TOKENS),
+        ("lora.r", model.lora.r, 2**16),
+        ("train.micro_batch_size", train.micro_batch_size, MAX_TOKENS),
+        ("train.num_micro_batches", train.num_micro_batches, MAX_MICRO_BATCHES),
+    ]:
+        _require(key, value, error, low=0, low_open=True, high=high)
+    if train.micro_batch_size * model.seq_len > MAX_TOKENS:
+        raise error(f"train.micro_batch_size * model.seq_len must be at most {MAX_TOKENS} tokens, got "
+                    f"{train.micro_batch_size} * {model.seq_len}")
+    for key, value in [("train.steps", train.steps), ("train.warmup_steps", train.warmup_steps),
+                       ("train.checkpoint_every", train.checkpoint_every)]:
+        _require(key, value, error, low=0, high=MAX_COUNT)
+    _require("train.seed", train.seed, error, low=-MAX_COUNT, high=MAX_COUNT)
+    for key, number in [("train.lr", train.lr), ("train.weight_decay", train.weight_decay),
+                        ("train.max_grad_norm", train.max_grad_norm), ("planner.workspace_gb", planner.workspace_gb)]:
+        _require(key, number, error, low=0, high=1e30)
+    _require("lora.alpha", model.lora.alpha, error, low=-1e30, high=1e30)
+    _require("lora.dropout", model.lora.dropout, error, low=0, high=1, high_open=True)
+    _require("planner.time_limit_s", planner.time_limit_s, error, low=0, low_open=True, high=1e9)
+    _require("planner.efficiency", planner.efficiency, error, low=0, low_open=True, high=1,
+             hint=" (a share of datasheet TFLOPS)")
+    _require("planner.memory_headroom", planner.memory_headroom, error, low=0, high=1, high_open=True)
+    if planner.num_stages is not None:
+        _require("planner.num_stages", planner.num_stages, error, low=1, high=MAX_COUNT)
+    for n in planner.split or []:
+        _require(f"planner.split {short_repr(planner.split)}: each stage's layer count", n, error, low=1,
+                 high=MAX_COUNT)
+
+
+def _require(key: str, value: float, error: type[Exception], *, low: float, high: float, low_open: bool = False,
+             high_open: bool = False, hint: str = "") -> None:
+    if isinstance(value, float) and not math.isfinite(value):  # (an int of any size compares exactly)
+        problem = "must be a finite number"
+    elif value < low or (low_open and value == low):
+        problem = "must be positive" if low == 0 and low_open else "must be zero or more" if low == 0 else \
+            f"must be at least {low:g}"
+    elif value > high or (high_open and value == high):
+        bound = str(int(high)) if float(high).is_integer() and high < 1e16 else f"{high:g}"
+        problem = f"must be below {bound}" if high_open else f"must be at most {bound}"
+    else:
+        return
+    raise error(f"{key} {problem}{hint}, got {short_repr(value)}")

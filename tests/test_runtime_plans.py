@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from hetero.graph import LayerGraph, LayerNode
+from hetero.graph import CutEdge, LayerGraph, LayerNode, TensorSpec
 from hetero.plan import MemoryBreakdown, Plan, Prediction, SolverReport, StagePlan, compute_input_hash
 from hetero.planner.schedules import programs_for
 from hetero.program import format_program
@@ -48,8 +48,11 @@ def _graph(model: ModelSpec, state_keys: list[str]) -> LayerGraph:
         nodes.append(LayerNode(f"layers.{i}", "decoder", keys, 0, 0, 0, 0, 0, 0, 0))
     nodes.append(LayerNode("norm", "norm", ["model.norm.weight"], 0, 0, 0, 0, 0, 0, 0))
     nodes.append(LayerNode("head", "head", ["lm_head.weight"], 0, 0, 0, 0, 0, 0, 0))
+    hidden = int(arch["hidden_size"])
+    edges = [CutEdge(nd.name, [TensorSpec("hidden_states", ["batch", "seq", hidden], "float32", 4.0 * hidden)])
+             for nd in nodes[:-1]]
     return LayerGraph(model.name, model.model_type, model.seq_len, "float32", model.quantization,
-                      int(arch["hidden_size"]), int(arch["vocab_size"]), n_layers, nodes, edges=[])
+                      hidden, int(arch["vocab_size"]), n_layers, nodes, edges=edges)
 
 
 def make_plan(

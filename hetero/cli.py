@@ -78,9 +78,35 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--run", type=Path, metavar="RUN_DIR",
                      help="also compare a finished `hetero run` of this plan: measured, predicted, and replayed "
                           "with the run's own per-action times")
+    keys = sub.add_parser("keys", help="make new keys for a plan's processes (rotation); old copies stop working")
+    keys.add_argument("plan", type=Path, help="path to plan.json (rewritten with the new public keys)")
+    keys.add_argument("--mode", choices=["auto", "curve", "token", "none"], default=None,
+                      help="change the plan's security mode (default: keep it)")
     for name, (_, text) in RUNTIME_COMMANDS.items():
         sub.add_parser(name, help=text, add_help=False)
     return parser
+
+
+def cmd_keys(plan_path: Path, mode: str | None) -> int:
+    """New key files under the plan's artifacts/<host>/keys and the new public keys in plan.json."""
+    from hetero.plan import Plan
+    from hetero.security import generate, resolve_mode
+
+    plan = Plan.load(plan_path)
+    addresses = [plan.cluster.host(s.host).address for s in plan.stages]
+    chosen = resolve_mode(mode, addresses) if mode is not None else plan.security.mode
+    plan.security = generate(chosen, [s.host for s in plan.stages], plan_path.parent)
+    plan.save(plan_path)
+    out = _console()
+    if chosen == "none":
+        out.print(f"{plan_path}: security none (no keys): only for a network you trust completely", highlight=False)
+        return 0
+    out.print(f"{plan_path}: new {chosen} keys for {len(plan.security.public_keys) or len(plan.stages) + 1} processes",
+              highlight=False)
+    for host in sorted({s.host for s in plan.stages}):
+        out.print(f"  copy {plan_path.parent / 'artifacts' / host / 'keys'} and plan.json to host {host}",
+                  highlight=False)
+    return 0
 
 
 def _console(stderr: bool = False) -> Any:
@@ -114,6 +140,9 @@ def cmd_compile(config_dir: str | None, overrides: list[str]) -> int:
             plan.cost_sources = {"profile": str(cfg.profile), **cost_model.sources}
             plan.verdict += cost_model.summary()
         status.update(f"writing plan and artifacts to {cfg.output}")
+        from hetero.security import generate
+
+        plan.security = generate(cfg.security, [s.host for s in plan.stages], Path(cfg.output))  # type: ignore[arg-type]
         emit = _lazy("hetero.compiler.emit", "emit")
         paths = emit(plan, cfg.output, traced)
     print_plan(plan, out)
@@ -363,6 +392,8 @@ def _dispatch(argv: list[str]) -> int:
                             run_dir=args.run)
     if args.command == "show":
         return cmd_show(args.plan, gantt=not args.no_gantt, width=args.width)
+    if args.command == "keys":
+        return cmd_keys(args.plan, args.mode)
     raise AssertionError(args.command)  # argparse rejects anything else
 
 

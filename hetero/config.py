@@ -7,6 +7,7 @@ directories. Every failure becomes a one-line ConfigError.
 from __future__ import annotations
 
 import importlib.resources
+import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -15,12 +16,14 @@ from typing import Any
 import yaml
 
 from hetero.errors import ConfigError
-from hetero.hardware import build_cluster, load_device_types, yaml_error_message
-from hetero.serde import from_dict
-from hetero.specs import ClusterSpec, DataSpec, LoraSpec, ModelSpec, PlannerOptions, TrainSpec
+from hetero.hardware import build_cluster, load_device_types
+from hetero.safe_yaml import check_interpolations, check_yaml, yaml_error_message
+from hetero.security import resolve_mode
+from hetero.serde import from_dict, short_repr
+from hetero.specs import ClusterSpec, DataSpec, LoraSpec, ModelSpec, PlannerOptions, TrainSpec, check_ranges
 
 GROUPS = ("model", "hardware", "train", "planner")
-_TOP_KEYS = frozenset({"model", "lora", "hardware", "train", "planner", "data", "output", "profile"})
+_TOP_KEYS = frozenset({"model", "lora", "hardware", "train", "planner", "data", "output", "profile", "security"})
 _DTYPES = {
     "auto": "auto",
     "float32": "float32",
@@ -53,6 +56,7 @@ class Config:
     output: Path
     raw: dict[str, Any] = field(default_factory=dict)
     profile: Path | None = None  # a measured profile (`hetero profile`) to plan with instead of datasheets
+    security: str = "curve"  # resolved: curve | token | none (hetero/security.py)
 
 
 def package_conf_dir() -> Path:
@@ -64,7 +68,7 @@ def available_options(group: str, config_dir: str | Path | None = None) -> list[
     """Names selectable for a config group, from the bundled conf/ and the user's config dir."""
     names = {p.stem for p in (package_conf_dir() / group).glob("*.yaml")}
     if config_dir is not None:
-        names |= {p.stem for p in (Path(config_dir).expanduser() / group).glob("*.yaml")}
+        names |= {p.stem for p in (Path(config_dir).expanduser() / group).glob("*.yaml") if p.is_file()}
     return sorted(names)
 
 
@@ -72,9 +76,16 @@ def compose_raw(overrides: list[str], config_dir: str | Path | None = None) -> d
     """Compose conf/config.yaml with ``overrides`` and return the resolved plain dict."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+    from hydra.errors import (
+        ConfigCompositionException,
+        HydraException,
+        MissingConfigException,
+        OverrideParseException,
+    )
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
+
+    from hetero import hydra_source
 
     overrides = list(overrides)
     user_dir: Path | None = None
@@ -82,23 +93,50 @@ def compose_raw(overrides: list[str], config_dir: str | Path | None = None) -> d
         user_dir = Path(config_dir).expanduser().resolve()
         if not user_dir.is_dir():
             raise ConfigError(f"--config-dir {config_dir}: no such directory")
-        overrides.append(f"hydra.searchpath=[file://{user_dir}]")
+        # Through hetero's checked source: each file of the user's dir is measured before OmegaConf reads it.
+        hydra_source.register()
+        quoted = str(user_dir).replace("\\", "\\\\").replace("'", "\\'")
+        overrides.append(f"hydra.searchpath=['{hydra_source.SCHEME}://{quoted}']")
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     try:
+        _check_group_choices(overrides, user_dir)
         with initialize_config_dir(config_dir=str(package_conf_dir()), version_base=None):
             cfg = compose(config_name="config", overrides=overrides)
+            check_interpolations(OmegaConf.to_container(cfg, resolve=False))  # before resolving them
             raw = OmegaConf.to_container(cfg, resolve=True)
     except yaml.YAMLError as exc:
         raise ConfigError(_locate_yaml_error(exc, user_dir)) from None
     except MissingConfigException as exc:
         raise ConfigError(_missing_option_message(str(exc), user_dir)) from None
+    except OverrideParseException as exc:
+        # The lexer's own message only repeats the override.
+        reason = "" if _first_line(exc).startswith("LexerNoViable") else f" ({_first_line(exc)[:80]})"
+        raise ConfigError(f"cannot read the override {short_repr(exc.override)}{reason}; write key=value, and "
+                          "quote a value with spaces or symbols: key='a b'") from None
     except ConfigCompositionException as exc:
         raise ConfigError(_composition_message(exc)) from None
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_first_line(exc)) from None
     assert isinstance(raw, dict)
     return {str(k): v for k, v in raw.items()}
+
+
+def _check_group_choices(overrides: list[str], user_dir: Path | None) -> None:
+    """``model=5``: a config group takes the name of one of its files (Hydra itself fails on anything else)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for override in OverridesParser.create().parse_overrides(overrides):
+        group = override.key_or_group
+        if group not in GROUPS or override.is_delete():
+            continue
+        options = ", ".join(available_options(group, user_dir))
+        given = (override.input_line or group)[:60]
+        if override.is_sweep_override():
+            raise ConfigError(f"{given}: one {group} per compile, not a sweep; pick one of: {options}")
+        if not isinstance(override.value(), str):
+            raise ConfigError(f"{given}: {group}= takes the name of one of its files ({options}), "
+                              f"got {short_repr(override.value())}")
 
 
 def load(overrides: list[str], config_dir: str | None = None) -> Config:
@@ -117,7 +155,7 @@ def load(overrides: list[str], config_dir: str | None = None) -> Config:
     train = _convert(TrainSpec, raw.get("train"), "train")
     data = _convert(DataSpec, raw.get("data"), "data")
     planner = _convert(PlannerOptions, raw.get("planner"), "planner")
-    _check_ranges(model, train, planner)
+    check_ranges(model, train, planner, ConfigError)
     _check_manual_split(planner, model, cluster)
     output = raw.get("output", ".")
     if not isinstance(output, str) or not output:
@@ -125,7 +163,12 @@ def load(overrides: list[str], config_dir: str | None = None) -> Config:
     profile = raw.get("profile")
     if profile is not None and (not isinstance(profile, str) or not profile):
         raise ConfigError(f"profile must be the path of a `hetero profile` file, got {profile!r}")
+    requested = raw.get("security", "auto")
+    if not isinstance(requested, str):
+        raise ConfigError(f"security must be one of auto, curve, token, none, got {requested!r}")
+    security = resolve_mode(requested, [h.address for h in cluster.hosts])
     return Config(
+        security=security,
         model=model,
         cluster=cluster,
         train=train,
@@ -174,8 +217,13 @@ def _reword(message: str, cls: type, where: str) -> str:
 
 def _model_spec(model: Any, lora: Any) -> ModelSpec:
     if not isinstance(model, dict):
-        raise ConfigError(f"model must be a mapping (pick one with model=<name>), got {model!r}")
+        raise ConfigError(f"model must be a mapping (pick one with model=<name>), got {short_repr(model)}")
     model = dict(model)
+    if model.get("architecture") is not None and not isinstance(model["architecture"], dict):
+        raise ConfigError("model.architecture must be a mapping (an HF config.json) or null, got "
+                          f"{short_repr(model['architecture'])}")
+    if model.get("pretrained") is not None and not isinstance(model["pretrained"], str):
+        raise ConfigError(f"model.pretrained must be a hub id or a directory, got {short_repr(model['pretrained'])}")
     if model.get("architecture") is None:
         pretrained = model.get("pretrained")
         if not pretrained:
@@ -192,14 +240,50 @@ def _model_spec(model: Any, lora: Any) -> ModelSpec:
     if not model.get("name"):
         model["name"] = str(model.get("pretrained", "model")).rstrip("/").split("/")[-1]
     dtype = model.get("dtype", "auto")
-    if dtype not in _DTYPES:
-        raise ConfigError(f"model.dtype must be one of {sorted(set(_DTYPES.values()))}, got {dtype!r}")
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise ConfigError(f"model.dtype must be one of {sorted(set(_DTYPES.values()))}, got {short_repr(dtype)}")
     model["dtype"] = _DTYPES[dtype]
     spec = _convert(ModelSpec, {k: v for k, v in model.items()}, "model")
     if "model_type" not in spec.architecture:
         raise ConfigError("model.architecture has no model_type (it must be an HF config.json as a mapping)")
+    _check_architecture(spec.architecture)
     spec.lora = _convert(LoraSpec, lora, "lora")
     return spec
+
+
+# Architecture keys the compiler sizes the model by: positive integers, a bound past any real model
+# (so meta tensors and cost arithmetic stay finite), and None where HF allows it (head_dim). Layers:
+# released models have at most ~130; tracing and planning grow with the count (256 take a minute).
+_ARCHITECTURE_SIZES = {
+    "hidden_size": 2**20,
+    "intermediate_size": 2**22,
+    "num_hidden_layers": 256,
+    "num_attention_heads": 2**12,
+    "num_key_value_heads": 2**12,
+    "head_dim": 2**12,
+    "vocab_size": 2**24,
+    "max_position_embeddings": 2**30,
+}
+_ARCHITECTURE_NUMBERS = ("rms_norm_eps", "rope_theta", "initializer_range")
+
+
+def _check_architecture(architecture: dict[str, Any]) -> None:
+    """The sizes the compiler reads: what to fix, before transformers fails on it with a page of text."""
+    if not isinstance(architecture.get("model_type"), str):
+        raise ConfigError(f"model.architecture.model_type must be a string such as llama, got "
+                          f"{short_repr(architecture.get('model_type'))}")
+    for key, high in _ARCHITECTURE_SIZES.items():
+        value = architecture.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+            raise ConfigError(f"model.architecture.{key} must be a positive integer (at most {high}), got "
+                              f"{short_repr(value)}")
+    for key in _ARCHITECTURE_NUMBERS:
+        value = architecture.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value)):
+            raise ConfigError(f"model.architecture.{key} must be a finite number, got {short_repr(value)}")
 
 
 def resolve_architecture(
@@ -216,36 +300,6 @@ def resolve_architecture(
     return arch
 
 
-def _check_ranges(model: ModelSpec, train: TrainSpec, planner: PlannerOptions) -> None:
-    positive = [
-        ("model.seq_len", model.seq_len),
-        ("lora.r", model.lora.r),
-        ("train.micro_batch_size", train.micro_batch_size),
-        ("train.num_micro_batches", train.num_micro_batches),
-        ("planner.time_limit_s", planner.time_limit_s),
-        ("planner.efficiency", planner.efficiency),
-    ]
-    for key, value in positive:
-        if value <= 0:
-            raise ConfigError(f"{key} must be positive, got {value!r}")
-    for key, value in [
-        ("train.steps", train.steps),
-        ("train.warmup_steps", train.warmup_steps),
-        ("train.checkpoint_every", train.checkpoint_every),
-        ("planner.workspace_gb", planner.workspace_gb),
-    ]:
-        if value < 0:
-            raise ConfigError(f"{key} must be zero or more, got {value!r}")
-    if not 0 <= planner.memory_headroom < 1:
-        raise ConfigError(f"planner.memory_headroom must be in [0, 1), got {planner.memory_headroom!r}")
-    if planner.efficiency > 1:
-        raise ConfigError(
-            f"planner.efficiency is a share of datasheet TFLOPS, at most 1, got {planner.efficiency!r}"
-        )
-    if planner.num_stages is not None and planner.num_stages < 1:
-        raise ConfigError(f"planner.num_stages must be at least 1, got {planner.num_stages!r}")
-
-
 def _check_manual_split(planner: PlannerOptions, model: ModelSpec, cluster: ClusterSpec) -> None:
     """A manual split must cover every decoder layer and name real devices."""
     names = [d.name for d in cluster.devices]
@@ -259,8 +313,6 @@ def _check_manual_split(planner: PlannerOptions, model: ModelSpec, cluster: Clus
             raise ConfigError(f"planner.devices lists a device twice: {planner.devices}")
     if planner.split is None:
         return
-    if any(n < 1 for n in planner.split):
-        raise ConfigError(f"planner.split {planner.split}: every stage needs at least one decoder layer")
     layers = model.architecture.get("num_hidden_layers")
     if isinstance(layers, int) and sum(planner.split) != layers:
         raise ConfigError(
@@ -320,9 +372,9 @@ def _locate_yaml_error(exc: yaml.YAMLError, user_dir: Path | None) -> str:
         # Only where Hydra looks: the root and its group folders (a fleet dir may sit in $HOME).
         for path in sorted([*root.glob("*.yaml"), *root.glob("*/*.yaml")]):
             try:
-                yaml.safe_load(path.read_text())
-            except yaml.YAMLError as found:
-                return yaml_error_message(path, found)
-            except OSError:
+                check_yaml(path, path.read_text())
+            except ConfigError as found:
+                return str(found)
+            except (OSError, UnicodeDecodeError):
                 continue
     return yaml_error_message("config", exc)

@@ -33,3 +33,7 @@ class WireError(HeteroError):
 
 class CheckpointError(HeteroError):
     """A checkpoint or adapter on disk is missing, malformed, or does not match the plan."""
+
+
+class TrainingDivergedError(HeteroError):
+    """Training produced NaN or inf values (the message names the stage, step and what to change)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,19 @@ from typing import Any
 from hetero import __version__
 from hetero.errors import PlanError
 from hetero.graph import LayerGraph
+from hetero.program import parse_program
+from hetero.security import SecuritySpec
 from hetero.serde import check_schema_version, from_dict, read_versioned_json, to_dict
-from hetero.specs import ClusterSpec, DataSpec, ModelSpec, PlannerOptions, TrainSpec
+from hetero.specs import (
+    BYTES_PER_DTYPE,
+    QUANT_BYTES_PER_PARAM,
+    ClusterSpec,
+    DataSpec,
+    ModelSpec,
+    PlannerOptions,
+    TrainSpec,
+    check_ranges,
+)
 
 PLAN_SCHEMA_VERSION = 1
 _RECOMPILE = "recompile with `hetero compile`"
@@ -113,6 +125,8 @@ class Plan:
     # Where each cost number came from ("profile", "roofline (why)"); empty for datasheet-only plans.
     cost_sources: dict[str, str] = field(default_factory=dict)
     input_hash: str = ""
+    # Who may talk to the run's processes (hetero/security.py): the mode and every process's public key.
+    security: SecuritySpec = field(default_factory=SecuritySpec)
     created: str = ""
     hetero_version: str = __version__
     schema_version: int = PLAN_SCHEMA_VERSION
@@ -131,7 +145,9 @@ class Plan:
     def from_dict(cls, data: Any, where: str = "plan.json") -> Plan:
         check_schema_version(data, where=where, what="plan", version=PLAN_SCHEMA_VERSION, error=PlanError,
                              fix=_RECOMPILE)
-        return from_dict(cls, data, where, PlanError)
+        plan = from_dict(cls, data, where, PlanError)
+        check_plan(plan, where)
+        return plan
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
@@ -143,6 +159,81 @@ class Plan:
         if plan.input_hash and plan.input_hash != compute_input_hash(plan):
             raise PlanError(f"{p}: input hash does not match its contents (edited by hand?); recompile it")
         return plan
+
+
+def check_plan(plan: Plan, where: str = "plan.json") -> None:
+    """What the types cannot say: stages that tile the graph in order on the fleet's devices, runnable
+    programs, and finite, non-negative costs (a runtime or a Gantt built on NaN fails far from the cause)."""
+
+    def bad(what: str) -> PlanError:
+        return PlanError(f"{where}: {what}; {_RECOMPILE}")
+
+    try:
+        check_ranges(plan.model, plan.train, plan.planner, PlanError)
+    except PlanError as exc:
+        raise bad(str(exc)) from None
+    data = to_dict(plan)
+    for section in ("model", "cluster", "graph", "stages", "prediction", "baselines", "train", "planner"):
+        found = _non_finite(data[section], section, skip=("model.architecture",))
+        if found:
+            raise bad(f"{found} is not a finite number")
+    nodes = plan.graph.nodes
+    if not nodes or len(plan.graph.edges) != len(nodes) - 1:
+        raise bad(f"graph has {len(nodes)} nodes and {len(plan.graph.edges)} cuts between them")
+    devices = {d.name: (h.name, d) for h in plan.cluster.hosts for d in h.devices}
+    if not plan.stages:
+        raise bad("no stages")
+    next_node = 0
+    for k, s in enumerate(plan.stages):
+        at = f"stages[{k}]"
+        if s.index != k:
+            raise bad(f"{at}.index is {s.index}")
+        host, device = devices.get(s.device, (None, None))
+        if device is None or host != s.host or (device.type, device.backend) != (s.device_type, s.backend):
+            raise bad(f"{at} runs on {s.host}/{s.device} ({s.device_type}, {s.backend}), not a device of the fleet")
+        if s.first_node != next_node or not s.first_node <= s.last_node < len(nodes):
+            raise bad(f"{at} covers nodes {s.first_node}..{s.last_node}; stages must cover nodes 0..{len(nodes) - 1} "
+                      "in order")
+        next_node = s.last_node + 1
+        if s.node_names != [n.name for n in nodes[s.first_node : s.last_node + 1]]:
+            raise bad(f"{at}.node_names do not match graph nodes {s.first_node}..{s.last_node}")
+        if not set(s.recompute_layers) <= set(s.node_names):
+            raise bad(f"{at}.recompute_layers names layers outside the stage")
+        if s.dtype not in BYTES_PER_DTYPE or s.quantization not in ("none", *QUANT_BYTES_PER_PARAM):
+            raise bad(f"{at} computes in {s.dtype!r} with quantization {s.quantization!r}")
+        scheme, _, port = s.endpoint.rpartition(":")
+        if not scheme.startswith("tcp://") or not port.isdigit() or not 0 < int(port) < 65536:
+            raise bad(f"{at}.endpoint {s.endpoint!r} is not tcp://<address>:<port>")
+        costs = [s.fwd_time_s, s.bwd_time_s, s.send_time_s, s.recompute_time_s, s.step_sync_s,
+                 *s.overhead_s.values(), *vars(s.memory).values()]
+        if min(costs) < 0:
+            raise bad(f"{at} has a negative time or memory")
+        if s.threads is not None and s.threads < 1:
+            raise bad(f"{at}.threads is {s.threads}")
+        try:
+            actions = parse_program(s.program)
+        except ValueError as exc:
+            raise bad(f"{at}.program: {exc}") from None
+        if any(a.mb >= plan.train.num_micro_batches for a in actions):
+            raise bad(f"{at}.program names a micro-batch past train.num_micro_batches={plan.train.num_micro_batches}")
+    if next_node != len(nodes):
+        raise bad(f"the stages cover nodes 0..{next_node - 1} of 0..{len(nodes) - 1}")
+
+
+def _non_finite(value: Any, where: str, skip: tuple[str, ...]) -> str | None:
+    """The path of the first NaN or infinity in a tree of dicts and lists, or None (no recursion)."""
+    stack = [(value, where)]
+    while stack:
+        item, at = stack.pop()
+        if at in skip:
+            continue
+        if isinstance(item, float) and not math.isfinite(item):
+            return at
+        if isinstance(item, dict):
+            stack.extend((v, f"{at}.{k}") for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(item))
+    return None
 
 
 def compute_input_hash(plan: Plan) -> str:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from hetero.errors import WireError
+from hetero.errors import TrainingDivergedError, WireError
 from hetero.program import Action
 from hetero.runtime.data import IGNORE_INDEX
 from hetero.runtime.lr import make_scheduler
@@ -130,6 +130,9 @@ class Executor:
     def run_step(self, step: int) -> StepStats:
         """Execute the whole program once (one optimizer step) and return its measurements."""
         self._reset()
+        rules = getattr(getattr(self.wire, "transport", self.wire), "rules", None)
+        if rules is not None:
+            rules.step = step  # from now on, messages of other steps than this and the next are dropped
         self._lr = self.scheduler.get_last_lr()[0] if self.scheduler is not None else self.train.lr
         times: dict[str, float] = defaultdict(float)
         start = time.perf_counter()
@@ -201,7 +204,9 @@ class Executor:
         self._sync()
 
     def _send_activation(self, step: int, mb: int) -> None:
-        self.wire.send(self.next, "act", step=step, mb=mb, tensors={"h": self._outputs[mb].detach()})
+        out = self._outputs[mb].detach()
+        _check_finite(out, "activations", self.stage.index, step, mb)
+        self.wire.send(self.next, "act", step=step, mb=mb, tensors={"h": out})
 
     def _recv_grad(self, step: int, mb: int) -> None:
         msg = self.wire.recv("grad", step=step, mb=mb, sender=self.next)
@@ -225,6 +230,7 @@ class Executor:
     def _send_grad(self, step: int, mb: int) -> None:
         x = self._inputs.pop(mb)
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
+        _check_finite(grad, "input gradients", self.stage.index, step, mb)
         self.wire.send(self.prev, "grad", step=step, mb=mb, tensors={"g": grad})
 
     def _optimizer_step(self, step: int, mb: int) -> None:
@@ -235,3 +241,11 @@ class Executor:
         self._clip_wait = time.perf_counter() - t0
         apply_step(self.params, self.optimizer, self.scheduler, float(msg.meta["coef"]))
         self._sync()
+
+
+def _check_finite(t: torch.Tensor, what: str, k: int, step: int, mb: int) -> None:
+    """Peers drop non-finite activations and gradients (runtime/messages.py): fail here, by name, instead."""
+    if not bool(torch.isfinite(t).all()):
+        raise TrainingDivergedError(f"stage {k} computed NaN/inf {what} at step {step}, micro-batch {mb}: training "
+                                    "diverged; lower train.lr (or raise train.warmup_steps) and resume from the "
+                                    "last checkpoint")

@@ -6,14 +6,26 @@ never drops (the schedule bounds how many micro-batches are in flight, hence the
 ``recv`` returns the first message matching its filters and keeps the others, in arrival order,
 for later calls: a 1F1B stage asks for ``act`` and ``grad`` messages in its own order.
 
+Who may talk (hetero/security.py): with an ``Identity`` the inbox is a CurveZMQ server (or, on one
+machine, a ZeroMQ PLAIN server with per-process tokens) whose ZAP handler admits only the run's own
+processes; a connection from anyone else is refused during the ZeroMQ handshake and logged, and
+never reaches ``recv``. A message's sender is the authenticated peer: a header claiming another
+name is dropped. Every received message is then checked (wire.decode, then ``Rules`` from
+runtime/messages.py); one that fails is logged with its peer and dropped, and ``recv`` goes on
+waiting for the real peers. ``max_message_bytes`` sets ZeroMQ's MAXMSGSIZE, so an oversized
+message is cut off by ZeroMQ before it is held in memory.
+
 A Transport belongs to one process; its methods may be called from several threads (a lock guards
 each socket), but the schedule executor is expected to be the only receiver.
 """
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import logging
+import re
+import socket
 import threading
 import time
 from collections import deque
@@ -24,14 +36,17 @@ import torch
 import zmq
 
 from hetero.errors import WireError
+from hetero.security import Identity
 
 from .wire import Message, decode, encode
 
 log = logging.getLogger(__name__)
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
 
 _DEFAULT = object()  # "use the transport's recv_timeout_s"
 CLOSE_LINGER_S = 10.0  # how long close() waits for queued sends to reach a live peer
-_POLL_SLICE_MS = 1000  # wake up periodically so long waits stay interruptible (Ctrl-C)
+_POLL_SLICE_MS = 1000
+_PART_WAIT_MS = 2000  # a message's later frames are normally there with its first  # wake up periodically so long waits stay interruptible (Ctrl-C)
 
 
 def _parse_tcp_endpoint(endpoint: str) -> tuple[str, str]:
@@ -45,25 +60,35 @@ def _parse_tcp_endpoint(endpoint: str) -> tuple[str, str]:
     return host.strip("[]"), port
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+def bind_address(endpoint: str) -> str:
+    """The address to bind for a plan endpoint: exactly the plan's address (never every interface).
+
+    A stage listens only where the plan says its peers reach it, so a host with a second network
+    (the internet, a guest Wi-Fi) does not expose the port there.
+    """
+    host, port = _parse_tcp_endpoint(endpoint)
+    if host != "localhost" and not _is_ip(host):
+        try:  # ZeroMQ binds interfaces and addresses, not host names
+            host = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        except (OSError, IndexError):
+            raise WireError(f"cannot resolve {host!r} of {endpoint!r} to one of this host's addresses: "
+                            "write the host's IP address in the fleet file") from None
+    return _join(host, port)
+
+
+def _is_ip(host: str) -> bool:
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ipaddress.ip_address(host)
+        return True
     except ValueError:
         return False
 
 
-def bind_address(endpoint: str) -> str:
-    """The address to bind for a plan endpoint: itself on loopback, all interfaces otherwise.
-
-    A plan names each stage by the address its peers dial; on a LAN host that address may belong
-    to an interface we should not guess at, so bind the port on every interface instead.
-    """
-    host, port = _parse_tcp_endpoint(endpoint)
-    if _is_loopback(host):
-        return _join(host, port)
-    return f"tcp://*:{port}"
+def _peer_address(frame: Any) -> str:
+    try:
+        return f"unauthenticated peer {frame.get('Peer-Address')}"
+    except (zmq.ZMQError, AttributeError):
+        return "unauthenticated peer"
 
 
 def _join(host: str, port: str) -> str:
@@ -73,15 +98,114 @@ def _join(host: str, port: str) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+class _Gatekeeper(threading.Thread):
+    """The context's ZAP handler: admits a connection only with one of the run's keys (or tokens).
+
+    Runs in its own thread (libzmq asks it synchronously during each handshake); every refusal is
+    logged with the peer's address, the first ones in full and then one line per 100.
+    """
+
+    def __init__(self, ctx: zmq.Context, owner: str, identity: Identity, peer_keys: dict[str, str]) -> None:
+        super().__init__(daemon=True, name=f"zap-{owner}")
+        import zmq.utils.z85 as z85
+
+        self.owner = owner
+        self.mode = identity.mode
+        self._by_key = {z85.decode(key.encode("ascii")): name for name, key in peer_keys.items()}
+        self._tokens = dict(identity.peer_tokens)
+        self.refused = 0
+        self._done = threading.Event()
+        self._sock = ctx.socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(ZAP_ENDPOINT)
+        self._monitor: zmq.Socket | None = None
+
+    def watch(self, sock: zmq.Socket) -> None:
+        """Also log handshakes that fail before ZAP is asked (a peer without keys, or no ZeroMQ at all)."""
+        events = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self._monitor = sock.get_monitor_socket(events)
+
+    def _refuse(self, address: str, why: str) -> None:
+        self.refused += 1
+        if self.refused <= 10 or self.refused % 100 == 0:
+            log.warning("%s refused a connection from %s: %s (%d refused so far)", self.owner, address or "?", why,
+                        self.refused)
+
+    def _decide(self, mechanism: bytes, credentials: list[bytes]) -> tuple[bool, str, str]:
+        if self.mode == "curve" and mechanism == b"CURVE" and len(credentials) == 1:
+            name = self._by_key.get(credentials[0])
+            return (True, name, "") if name else (False, "", "unknown CURVE key (not one of this plan's processes)")
+        if self.mode == "token" and mechanism == b"PLAIN" and len(credentials) == 2:
+            user = credentials[0].decode("utf-8", "replace")
+            token = self._tokens.get(user)
+            if token is not None and hmac.compare_digest(token.encode(), credentials[1]):
+                return True, user, ""
+            return False, "", f"wrong token for {user[:40]!r}"
+        return False, "", f"mechanism {mechanism.decode('ascii', 'replace')[:10]} without this run's keys"
+
+    def _on_event(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        event = recv_monitor_message(self._monitor)  # type: ignore[arg-type]
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return  # ZAP said no: already logged with the reason
+        why = "ZeroMQ handshake failed (no key, another mechanism, or not a ZeroMQ peer)"
+        self._refuse(event.get("endpoint", b"").decode("ascii", "replace"), why)
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        try:
+            while not self._done.is_set():
+                ready = dict(poller.poll(200))
+                if self._monitor is not None and ready.get(self._monitor):
+                    self._on_event()
+                if not ready.get(self._sock):
+                    continue
+                request = self._sock.recv_multipart()
+                if len(request) < 6:
+                    self._sock.send_multipart([b"1.0", request[1] if len(request) > 1 else b"", b"400",
+                                               b"malformed ZAP request", b"", b""])
+                    continue
+                _version, request_id, _domain, address, _routing, mechanism, *credentials = request
+                ok, user, why = self._decide(mechanism, credentials)
+                if ok:
+                    self._sock.send_multipart([b"1.0", request_id, b"200", b"OK", user.encode(), b""])
+                    continue
+                self._refuse(address.decode("ascii", "replace"), why)
+                self._sock.send_multipart([b"1.0", request_id, b"400", why.encode()[:200], b"", b""])
+        finally:
+            self._sock.close(linger=0)
+            if self._monitor is not None:
+                self._monitor.close(linger=0)
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join(timeout=5)
+
+
 class Transport:
     """One process's inbox (PULL, bound) and outboxes (PUSH, one per peer)."""
 
-    def __init__(self, name: str, bind: str | None, plan_hash: str, *, recv_timeout_s: float | None = 300.0):
+    def __init__(self, name: str, bind: str | None, plan_hash: str, *, recv_timeout_s: float | None = 300.0,
+                 identity: Identity | None = None, peer_keys: dict[str, str] | None = None,
+                 max_message_bytes: int | None = None, rules: Any = None):
         address = bind_address(bind) if bind is not None else None  # validate before opening sockets
         self.name = name
         self.plan_hash = plan_hash
         self.recv_timeout_s = recv_timeout_s
+        self.identity = identity
+        self.peer_keys = dict(peer_keys or {})
+        self.rules = rules  # runtime.messages.Rules, or None: every well-formed message is accepted
+        self.rejected = 0  # messages dropped by the checks (diagnostics)
+        self.rejections: deque[tuple[str, str]] = deque(maxlen=20)  # (claimed sender, why), newest last
+        if identity is not None and identity.mode == "curve" and set(self.peer_keys) == set():
+            raise WireError(f"{name}: CURVE needs the plan's public keys")
         self._ctx = zmq.Context(io_threads=1)
+        self._gate: _Gatekeeper | None = None
         self._peers: dict[str, zmq.Socket] = {}
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
@@ -96,6 +220,19 @@ class Transport:
             pull.setsockopt(zmq.RCVHWM, 0)  # never drop or stall on the receive side
             pull.setsockopt(zmq.LINGER, 0)
             pull.setsockopt(zmq.IPV6, 1)
+            if max_message_bytes is not None:
+                pull.setsockopt(zmq.MAXMSGSIZE, int(max_message_bytes))  # ZeroMQ drops the connection
+            if identity is not None:
+                self._gate = _Gatekeeper(self._ctx, name, identity, self.peer_keys)
+                self._gate.watch(pull)
+                self._gate.start()
+                pull.setsockopt(zmq.ZAP_DOMAIN, b"hetero")
+                if identity.mode == "curve":
+                    pull.curve_server = True
+                    pull.curve_secretkey = identity.secret.encode("ascii")
+                    pull.curve_publickey = identity.public.encode("ascii")
+                else:
+                    pull.plain_server = True
             host, port = _parse_tcp_endpoint(address)
             try:
                 if port in ("0", "*"):
@@ -105,11 +242,13 @@ class Transport:
                 self.endpoint = _join(_parse_tcp_endpoint(bind)[0], port)
             except zmq.ZMQError as exc:
                 pull.close(linger=0)
+                if self._gate is not None:
+                    self._gate.stop()
                 self._ctx.term()
-                raise WireError(
-                    f"{name} cannot listen on {address} ({exc.strerror}): is another process using "
-                    "that port? stop it or recompile with another base port"
-                ) from None
+                hint = ("is another process using that port? stop it or recompile with another base port"
+                        if exc.errno == zmq.EADDRINUSE else
+                        "is that address one of this host's? check the host's address in the fleet file")
+                raise WireError(f"{name} cannot listen on {address} ({exc.strerror}): {hint}") from None
             self._pull = pull
 
     # -- outbound ---------------------------------------------------------------------------------
@@ -129,8 +268,27 @@ class Transport:
             push.setsockopt(zmq.LINGER, int(CLOSE_LINGER_S * 1000))
             push.setsockopt(zmq.TCP_KEEPALIVE, 1)  # notice a peer host that vanished
             push.setsockopt(zmq.IPV6, 1)  # harmless for IPv4 peers; needed for [::1]-style endpoints
+            self._secure_client(push, peer)
             push.connect(_join(host, port))
             self._peers[peer] = push
+
+    def _secure_client(self, push: zmq.Socket, peer: str) -> None:
+        """Present this process's key (or token) to ``peer``'s inbox; CURVE also checks the peer's key."""
+        ident = self.identity
+        if ident is None:
+            return
+        if ident.mode == "curve":
+            server = self.peer_keys.get(peer)
+            if server is None:
+                push.close(linger=0)
+                raise WireError(f"{self.name} has no public key for {peer!r}: plan.json lacks it (recompile, "
+                                "or `hetero keys plan.json`)")
+            push.curve_secretkey = ident.secret.encode("ascii")
+            push.curve_publickey = ident.public.encode("ascii")
+            push.curve_serverkey = server.encode("ascii")
+        else:
+            push.plain_username = ident.name.encode()
+            push.plain_password = ident.token.encode()
 
     def send(self, peer: str, kind: str, *, step: int = 0, mb: int = -1,
              tensors: dict[str, torch.Tensor] | None = None, meta: dict | None = None) -> None:
@@ -157,7 +315,8 @@ class Transport:
         """The first message (pending or new) matching every given filter; others are kept for later.
 
         ``timeout_s`` defaults to the transport's ``recv_timeout_s``; ``None`` waits forever. A
-        malformed or foreign message raises WireError (it is discarded; queued messages are kept).
+        malformed, foreign, spoofed or unexpected message is logged and dropped (see ``rejections``);
+        the wait goes on.
         """
         self._check_open()
         if self._pull is None:
@@ -184,11 +343,67 @@ class Transport:
                     wait_ms = min(_POLL_SLICE_MS, max(1, int(remaining * 1000)))
                 if not self._pull.poll(wait_ms, zmq.POLLIN):
                     continue
-                frames = self._pull.recv_multipart(copy=False)
-                msg = decode(frames, self.plan_hash)  # WireError propagates; the bad message is gone
+                frames = self._read_frames()
+                if frames is None:
+                    continue
+                msg = self._admit(frames)
+                if msg is None:
+                    continue
                 if matches(msg):
                     return msg
+                if msg.kind == "heartbeat":  # only the newest heartbeat of a peer matters
+                    self._pending = deque(m for m in self._pending
+                                          if not (m.kind == "heartbeat" and m.sender == msg.sender))
                 self._pending.append(msg)
+
+    def _read_frames(self) -> list[Any] | None:
+        """One message's frames, never blocking. A connection that ZeroMQ cut mid-message (MAXMSGSIZE
+        exceeded) can leave the first frames readable and the rest never coming: wait a little for
+        each, then drop what came."""
+        assert self._pull is not None
+        try:
+            frames = [self._pull.recv(zmq.NOBLOCK, copy=False)]
+        except zmq.Again:
+            return None
+        while frames[-1].more:
+            deadline = time.monotonic() + _PART_WAIT_MS / 1000
+            while True:
+                try:
+                    frames.append(self._pull.recv(zmq.NOBLOCK, copy=False))
+                    break
+                except zmq.Again:
+                    if time.monotonic() > deadline:
+                        self.rejected += 1
+                        why = f"a message was cut off after {len(frames)} frame(s): larger than the plan allows?"
+                        self.rejections.append(("?", why))
+                        log.warning("%s dropped %s", self.name, why)
+                        return None
+                    self._pull.poll(50, zmq.POLLIN)
+        return frames
+
+    def _admit(self, frames: list[Any]) -> Message | None:
+        """Decode and check one received message; None (logged) when it is dropped."""
+        user = None
+        if self.identity is not None:
+            try:
+                user = frames[0].get("User-Id")
+            except (zmq.ZMQError, AttributeError):  # bytes frames (tests) carry no metadata
+                user = None
+        try:
+            msg = decode(frames, self.plan_hash)
+            if self.identity is not None and msg.sender != user:
+                raise WireError(f"{msg.describe()}: the peer authenticated as {user!r}, not {msg.sender!r}")
+            if self.rules is not None:
+                self.rules.check(msg, list(self._pending))
+        except WireError as exc:
+            self.rejected += 1
+            peer = user or _peer_address(frames[0])
+            self.rejections.append((peer, str(exc)))
+            if self.rejected <= 20 or self.rejected % 1000 == 0:
+                log.warning("%s dropped a message from %s: %s (%d dropped so far)", self.name, peer, exc,
+                            self.rejected)
+            return None
+        return msg
 
     def _timeout_message(self, kind: str | None, step: int | None, mb: int | None,
                          sender: str | None, timeout: float) -> str:
@@ -200,6 +415,13 @@ class Transport:
         source = f"from {sender}" if sender is not None else "from any peer"
         hint = "is that stage alive? see its log" if sender is not None else "are the other stages alive? see their logs"
         return f"no {what} {source} within {timeout:g} s: {hint}"
+
+    def last_rejection(self, sender: str | None = None) -> str | None:
+        """The newest drop reason (of messages claiming ``sender``, if given), for error messages."""
+        for peer, why in reversed(self.rejections):
+            if sender is None or peer == sender or re.search(rf"\b{re.escape(sender)}\b", why):
+                return why
+        return None
 
     def pending(self) -> int:
         """How many received messages wait for a matching recv (diagnostics)."""
@@ -224,6 +446,8 @@ class Transport:
             if self._pull is not None:
                 self._pull.close(linger=0)
             self._pending.clear()
+        if self._gate is not None:
+            self._gate.stop()
         self._ctx.term()
 
     def __enter__(self) -> Transport:

@@ -1,0 +1,236 @@
+"""What a process of a run accepts: one typed record per message kind, checked at the edge.
+
+The Transport decodes frames into a ``Message`` (runtime/wire.py: header, dtypes, byte counts); a
+``Rules`` object then decides whether that message can be part of this run, from this process's
+point of view:
+
+- the sender may send this kind to this process (``act`` only from the previous stage, ``grad``
+  only from the next, ``clip``/``welcome``/``batch``/``labels``/``stop`` only from the coordinator);
+- its metadata is the kind's record (``Clip``, ``GradNorm``, ...: every field present with its type,
+  numbers finite where a NaN can only be a bug or an attack, clip coefficients in [0, 1]);
+- its tensors are the ones the plan says, with the plan's shape and dtype (activations
+  [micro_batch, seq, hidden] in the sending stage's dtype; token ids within the vocabulary);
+- its step is one the program can have in flight (the current step or the next), its micro-batch
+  one of the step's, and it is not a duplicate of a message still waiting.
+
+A message that fails is dropped and logged by the Transport; the process keeps serving its real
+peers. Together with the pending-queue cap this bounds what a peer can make a process hold.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hetero.errors import WireError
+from hetero.security import COORDINATOR
+
+from .wire import DTYPES, Message
+
+# Kinds that belong to no step (step 0 on the wire): no step window applies.
+UNSTEPPED = frozenset({"hello", "welcome", "start", "state", "stop", "error", "heartbeat"})
+
+
+@dataclass(frozen=True)
+class Field:
+    types: tuple[type, ...]
+    finite: bool = False
+    low: float | None = None
+    high: float | None = None
+    optional: bool = False
+
+
+_NUM = (int, float)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One message kind's record: metadata fields and whether other keys are tolerated."""
+
+    fields: dict[str, Field] = field(default_factory=dict)
+    open: bool = False  # lifecycle messages may carry extra keys (newer fields, diagnostics)
+
+
+# The records, one per kind a run exchanges.
+KINDS: dict[str, Kind] = {
+    "hello": Kind({"stage": Field((int,), low=0), "input_hash": Field((str,)), "wire_version": Field((int,)),
+                   "env": Field((dict,), optional=True)}, open=True),
+    "welcome": Kind({"train": Field((dict,)), "start_step": Field((int,), low=0), "resume": Field((bool,))}, open=True),
+    "start": Kind({"stage": Field((int,), low=0), "keys": Field((list,))}, open=True),
+    "state": Kind({}, open=True),
+    "act": Kind({}),
+    "grad": Kind({}),
+    "batch": Kind({}),
+    "labels": Kind({"num_label_tokens": Field((int,), low=1)}),
+    "gradnorm": Kind({"sumsq": Field(_NUM, finite=True, low=0.0)}),
+    "clip": Kind({"coef": Field(_NUM, finite=True, low=0.0, high=1.0), "grad_norm": Field(_NUM, low=0.0)}),
+    "stepdone": Kind({"step": Field((int,), low=0), "grad_sumsq": Field(_NUM, low=0.0), "lr": Field(_NUM, finite=True),
+                      "busy_s": Field(_NUM, finite=True), "wall_s": Field(_NUM, finite=True),
+                      "loss_sum": Field((*_NUM, type(None))), "num_label_tokens": Field((int, type(None))),
+                      "op_time_s": Field((dict,))}, open=True),
+    "checkpoint": Kind({}, open=True),
+    "stop": Kind({"reason": Field((str,), optional=True)}, open=True),
+    "error": Kind({"message": Field((str,))}, open=True),
+    "heartbeat": Kind({}, open=True),
+}
+
+
+def check_meta(msg: Message) -> None:
+    """The message's metadata is its kind's record; raises WireError (one line) otherwise."""
+    kind = KINDS.get(msg.kind)
+    if kind is None:
+        raise WireError(f"{msg.describe()}: a run never sends this kind here")
+    for name, spec in kind.fields.items():
+        if name not in msg.meta:
+            if spec.optional:
+                continue
+            raise WireError(f"{msg.describe()} lacks meta field {name!r}")
+        value = msg.meta[name]
+        if not isinstance(value, spec.types) or (isinstance(value, bool) and bool not in spec.types):
+            raise WireError(f"{msg.describe()}: meta {name!r} is a {type(value).__name__}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if spec.finite and not math.isfinite(value):
+                raise WireError(f"{msg.describe()}: meta {name!r} is {value}, not a finite number")
+            if (spec.low is not None and value < spec.low) or (spec.high is not None and value > spec.high):
+                raise WireError(f"{msg.describe()}: meta {name!r} = {value} is out of range")
+    if not kind.open:
+        extra = sorted(set(msg.meta) - set(kind.fields))
+        if extra:
+            raise WireError(f"{msg.describe()} carries unexpected meta field {extra[0]!r}")
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    shape: tuple[int, ...]
+    dtype: str
+    low: int | None = None  # integer tensors: allowed value range [low, high)
+    high: int | None = None
+    extra_low: int | None = None  # one more allowed value outside the range (labels' -100)
+
+
+@dataclass
+class Rules:
+    """What one process (``me``) accepts; built from the plan by ``stage_rules``/``coordinator_rules``."""
+
+    me: str
+    senders: dict[str, frozenset[str]]  # kind -> who may send it to me
+    tensors: dict[str, dict[str, TensorRule]] = field(default_factory=dict)  # kind -> name -> rule
+    open_tensors: frozenset[str] = frozenset({"state", "checkpoint"})  # named float32 tensors, any shape
+    num_micro_batches: int = 1
+    step: int | None = None  # the step in progress; None before training (only duplicates are refused)
+    max_pending: int = 64
+
+    def check(self, msg: Message, pending: list[Message]) -> None:
+        """Raise WireError (one line) when ``msg`` cannot be part of this run; see the module docstring."""
+        allowed = self.senders.get(msg.kind)
+        if allowed is None:
+            raise WireError(f"{msg.describe()}: {self.me} never receives {msg.kind!r}")
+        if msg.sender not in allowed:
+            raise WireError(f"{msg.describe()}: {self.me} takes {msg.kind!r} only from {', '.join(sorted(allowed))}")
+        check_meta(msg)
+        if msg.kind not in UNSTEPPED:
+            if self.step is not None and not self.step <= msg.step <= self.step + 1:
+                raise WireError(f"{msg.describe()}: {self.me} is at step {self.step} (accepts {self.step} and "
+                                f"{self.step + 1})")
+            if msg.kind in ("act", "grad") and not 0 <= msg.mb < self.num_micro_batches:
+                raise WireError(f"{msg.describe()}: micro-batch out of range 0..{self.num_micro_batches - 1}")
+        self._check_tensors(msg)
+        if msg.kind != "heartbeat":
+            same = (msg.kind, msg.step, msg.mb, msg.sender)
+            if any((m.kind, m.step, m.mb, m.sender) == same for m in pending):
+                raise WireError(f"{msg.describe()} duplicates a message still waiting")
+        if len(pending) >= self.max_pending:
+            raise WireError(f"{msg.describe()}: {len(pending)} messages already wait (limit {self.max_pending})")
+
+    def _check_tensors(self, msg: Message) -> None:
+        if msg.kind in self.open_tensors:
+            for name, t in msg.tensors.items():
+                if t.dtype != torch.float32:
+                    raise WireError(f"{msg.describe()}: tensor {name!r} is {t.dtype}, expected float32")
+            return
+        expected = self.tensors.get(msg.kind, {})
+        if set(msg.tensors) != set(expected):
+            raise WireError(f"{msg.describe()} carries tensors {sorted(msg.tensors)}, expected {sorted(expected)}")
+        for name, rule in expected.items():
+            t = msg.tensors[name]
+            if tuple(t.shape) != rule.shape or t.dtype != DTYPES[rule.dtype]:
+                raise WireError(f"{msg.describe()}: tensor {name!r} is {_dtype_name(t)}{list(t.shape)}, "
+                                f"the plan says {rule.dtype}{list(rule.shape)}")
+            if rule.low is not None and t.numel():
+                lo, hi = int(t.min()), int(t.max())
+                bad_low = lo < rule.low and not (rule.extra_low is not None and
+                                                  bool(((t >= rule.low) | (t == rule.extra_low)).all()))
+                if bad_low or (rule.high is not None and hi >= rule.high):
+                    raise WireError(f"{msg.describe()}: tensor {name!r} holds ids outside [{rule.low}, {rule.high})")
+            elif t.is_floating_point() and msg.kind in ("act", "grad") and not bool(torch.isfinite(t).all()):
+                # A pipeline stage never emits inf/NaN activations or gradients from finite LoRA training
+                # without the loss going NaN first, which the coordinator reports; drop, do not train on it.
+                raise WireError(f"{msg.describe()}: tensor {name!r} holds NaN or inf")
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return next((k for k, v in DTYPES.items() if v == t.dtype), str(t.dtype))
+
+
+def _stage(k: int) -> str:
+    return f"stage{k}"
+
+
+def stage_rules(plan: Any, k: int) -> Rules:
+    """What stage ``k`` of ``plan`` accepts."""
+    n = len(plan.stages)
+    train, model = plan.train, plan.model
+    hidden = int(plan.graph.hidden_size)
+    vocab = int(model.architecture.get("vocab_size", 0)) if isinstance(model.architecture, dict) else 0
+    shape = (train.micro_batch_size, model.seq_len, hidden)
+    senders: dict[str, frozenset[str]] = {
+        kind: frozenset({COORDINATOR}) for kind in ("welcome", "state", "clip", "stop", "heartbeat", "error")
+    }
+    tensors: dict[str, dict[str, TensorRule]] = {}
+    ids = (train.num_micro_batches, train.micro_batch_size, model.seq_len)
+    if k == 0:
+        senders["batch"] = frozenset({COORDINATOR})
+        tensors["batch"] = {"input_ids": TensorRule(ids, "int64", 0, vocab or None)}
+    else:
+        senders["act"] = frozenset({_stage(k - 1)})
+        tensors["act"] = {"h": TensorRule(shape, plan.stages[k - 1].dtype)}
+    if k == n - 1:
+        senders["labels"] = frozenset({COORDINATOR})
+        tensors["labels"] = {"labels": TensorRule(ids, "int64", 0, vocab or None, extra_low=-100)}
+    else:
+        senders["grad"] = frozenset({_stage(k + 1)})
+        tensors["grad"] = {"g": TensorRule(shape, plan.stages[k + 1].dtype)}
+    # Pending at most: both steps' micro-batches from each neighbour, the step inputs, control messages.
+    return Rules(me=_stage(k), senders=senders, tensors=tensors, num_micro_batches=train.num_micro_batches,
+                 max_pending=4 * train.num_micro_batches + 16)
+
+
+def coordinator_rules(plan: Any) -> Rules:
+    """What the coordinator accepts: lifecycle and per-step reports from the plan's stages only."""
+    stages = frozenset(_stage(k) for k in range(len(plan.stages)))
+    kinds = ("hello", "start", "gradnorm", "stepdone", "checkpoint", "error", "heartbeat")
+    return Rules(me=COORDINATOR, senders={kind: stages for kind in kinds}, num_micro_batches=1,
+                 max_pending=8 * len(plan.stages) + 16)
+
+
+def max_message_bytes(plan: Any, k: int | None) -> int:
+    """The largest message process ``k`` (None: the coordinator) can legitimately receive, with margin.
+
+    Stages receive activations/gradients/token ids and, on resume, their LoRA + AdamW state (three
+    float32 tensors per LoRA parameter); the coordinator receives every stage's checkpoint.
+    """
+    train, model = plan.train, plan.model
+    boundary = train.micro_batch_size * model.seq_len * int(plan.graph.hidden_size) * 4
+    ids = 2 * train.num_micro_batches * train.micro_batch_size * model.seq_len * 8
+
+    def state(stage: Any) -> int:
+        return 3 * 4 * sum(plan.graph.nodes[i].lora_params for i in range(stage.first_node, stage.last_node + 1))
+
+    if k is None:
+        largest = max(state(s) for s in plan.stages)
+    else:
+        largest = max(boundary, ids, state(plan.stages[k]))
+    return int(largest * 1.25) + (4 << 20)  # headers, tensor names, metadata

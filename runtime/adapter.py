@@ -8,6 +8,7 @@ takes the keys of its own layers with ``select``.
 
 from __future__ import annotations
 
+import errno
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from hetero.errors import CheckpointError
+from hetero.runtime.rundir import RunDirError, latest_checkpoint, staging_dir, write_bytes
 from hetero.specs import LoraSpec
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -61,13 +63,16 @@ def _check_state(state: dict[str, torch.Tensor], r: int, target_modules: Iterabl
 
 
 def save_adapter(state: dict[str, torch.Tensor], lora: LoraSpec, base_model: str, out_dir: Path) -> None:
-    """Write ``state`` (whole-model PEFT keys) as a standard PEFT LoRA adapter directory."""
+    """Write ``state`` (whole-model PEFT keys) as a standard PEFT LoRA adapter directory, whole or not at all.
+
+    The files go to a hidden sibling that is flushed and renamed onto ``out_dir``; a full or read-only
+    disk raises RunDirError (one line) and leaves no partial adapter behind.
+    """
     from peft import LoraConfig
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     out_dir = Path(out_dir)
     _check_state(state, lora.r, lora.target_modules, f"adapter for {out_dir}")
-    out_dir.mkdir(parents=True, exist_ok=True)
     config = LoraConfig(
         r=lora.r,
         # peft types alpha as int and standard adapters store 16, not 16.0; a fractional alpha still works.
@@ -78,10 +83,22 @@ def save_adapter(state: dict[str, torch.Tensor], lora: LoraSpec, base_model: str
         task_type="CAUSAL_LM",
         base_model_name_or_path=base_model,
     )
-    config.save_pretrained(str(out_dir))
     # Contiguous CPU copies: stage tensors may be views on an accelerator, safetensors wants neither.
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in sorted(state.items())}
-    save_file(tensors, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    try:
+        with staging_dir(out_dir) as tmp:
+            config.save_pretrained(str(tmp))
+            write_bytes(tmp / ADAPTER_WEIGHTS, save(tensors, metadata={"format": "pt"}))
+    except OSError as exc:
+        raise _adapter_write_failure(exc, out_dir) from None
+
+
+def _adapter_write_failure(exc: OSError, out_dir: Path) -> RunDirError:
+    reason = exc.strerror or type(exc).__name__
+    fix = "free space" if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else f"make {out_dir.parent} writable"
+    last = latest_checkpoint(out_dir.parent)
+    kept = f"; the same LoRA weights are in the final checkpoint {last}" if last is not None else ""
+    return RunDirError(f"cannot write the adapter to {out_dir} ({reason}): {fix}{kept}")
 
 
 def read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
@@ -93,8 +110,15 @@ def read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: invalid JSON ({exc.msg})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {str(exc)[:160]})") from None
     if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA" or "r" not in config:
         raise CheckpointError(f"{path}: not a LoRA adapter config (needs peft_type LORA and r)")
+    r, alpha = config["r"], config.get("lora_alpha")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1 or (
+            alpha is not None and (not isinstance(alpha, (int, float)) or isinstance(alpha, bool))):
+        raise CheckpointError(f"{path}: r must be a positive integer and lora_alpha a number (got r={r!r}, "
+                              f"lora_alpha={alpha!r})")
     return config
 
 
@@ -103,6 +127,8 @@ def _config_targets(config: dict[str, Any], where: Path) -> set[str]:
     if isinstance(targets, str):
         # PEFT allows a regex here; hetero plans name modules, so only an exact list can be compared.
         raise CheckpointError(f"{where}: target_modules is a regex ('{targets}'); hetero needs an explicit list")
+    if targets is not None and (not isinstance(targets, list) or not all(isinstance(t, str) for t in targets)):
+        raise CheckpointError(f"{where}: target_modules must be a list of module names, got {targets!r}"[:300])
     return set(targets or [])
 
 
@@ -124,7 +150,8 @@ def load_adapter_state(adapter_dir: Path, lora: LoraSpec | None = None) -> dict[
     try:
         state = load_file(str(weights))
     except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{weights}: unreadable safetensors file ({exc})") from None
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise CheckpointError(f"{weights}: unreadable safetensors file, truncated or corrupt ({detail})") from None
     targets = _config_targets(config, adapter_dir / ADAPTER_CONFIG)
     where = f"lora.init_from '{adapter_dir}'"
     if lora is not None:

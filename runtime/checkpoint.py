@@ -5,22 +5,38 @@ JSON-able dict) that travels to the coordinator as one ``checkpoint`` message an
 ``checkpoints/step-NNNNNN/stage<k>.safetensors`` + ``stage<k>.json``. Keys are the whole model's PEFT
 keys (``base_model.model.model.layers.5.self_attn.q_proj.lora_A.weight``), so a checkpoint does not
 depend on the split: a re-planned run can take any stage's tensors from the union of the files.
+
+``write_checkpoint`` writes a step directory whole or not at all (rundir.staging_dir: COMPLETE last,
+then one rename); loading checks every file, so a truncated or edited checkpoint is one line, not a
+traceback.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from hetero.errors import CheckpointError
 from hetero.runtime.executor import Executor
+from hetero.runtime.rundir import (
+    CHECKPOINTS,
+    COMPLETE,
+    checkpoint_dir,
+    checkpoint_step,
+    complete_checkpoints,
+    staging_dir,
+    write_bytes,
+    write_failure,
+)
 
 CHECKPOINT_FORMAT = 1
 LORA, EXP_AVG, EXP_AVG_SQ = "lora/", "exp_avg/", "exp_avg_sq/"
+_STAGE_JSON = re.compile(r"stage(\d+)\.json")
 
 
 def peft_key(param_name: str, adapter: str = "default") -> str:
@@ -60,9 +76,16 @@ def _jsonable(state: dict[str, Any]) -> dict[str, Any]:
 def restore_stage(executor: Executor, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     """Load a stage payload back into a freshly built executor (same stage keys)."""
     names = [peft_key(n) for n, _ in executor.stage.lora_named_parameters()]
-    missing = [k for k in names if LORA + k not in tensors]
+    k = executor.stage.index
+    missing = [key for key in names if LORA + key not in tensors]
     if missing:
-        raise CheckpointError(f"checkpoint lacks LoRA tensor {missing[0]} of stage {executor.stage.index}")
+        raise CheckpointError(f"checkpoint lacks LoRA tensor {missing[0]} of stage {k}")
+    for key, p in zip(names, executor.params, strict=True):
+        if tuple(tensors[LORA + key].shape) != tuple(p.shape):
+            raise CheckpointError(
+                f"checkpoint tensor {key} has shape {tuple(tensors[LORA + key].shape)}, stage {k}'s LoRA parameter "
+                f"{tuple(p.shape)}: it was trained with another model or another lora.r"
+            )
     with torch.no_grad():
         for key, p in zip(names, executor.params, strict=True):
             p.copy_(tensors[LORA + key].to(p.device, p.dtype))
@@ -82,37 +105,153 @@ def restore_stage(executor: Executor, tensors: dict[str, torch.Tensor], meta: di
     executor.steps_done = done
 
 
-def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"step-{step:06d}"
-
-
 def save_stage_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
-    """Write one stage's payload as stage<k>.safetensors + stage<k>.json under ``directory``."""
+    """Write one stage's payload as stage<k>.safetensors + stage<k>.json under ``directory`` (flushed to disk).
+
+    Not atomic by itself: ``write_checkpoint`` calls it inside a staging directory.
+    """
+    from safetensors.torch import save
+
     directory.mkdir(parents=True, exist_ok=True)
     k = int(meta["stage"])
     # safetensors refuses non-contiguous or shared storage; received tensors view one buffer each.
-    save_file({n: t.contiguous().clone() for n, t in tensors.items()}, str(directory / f"stage{k}.safetensors"),
-              metadata={"format": str(CHECKPOINT_FORMAT), "plan_hash": str(meta.get("plan_hash", ""))})
-    (directory / f"stage{k}.json").write_text(json.dumps(meta, indent=1))
+    data = save({n: t.contiguous().clone() for n, t in tensors.items()},
+                metadata={"format": str(CHECKPOINT_FORMAT), "plan_hash": str(meta.get("plan_hash", ""))})
+    write_bytes(directory / f"stage{k}.safetensors", data)
+    del data
+    write_bytes(directory / f"stage{k}.json", json.dumps(meta, indent=1).encode())
     return directory / f"stage{k}.json"
 
 
+def write_checkpoint(run_dir: Path, step: int, payloads: Iterable[tuple[dict[str, torch.Tensor], dict[str, Any]]],
+                     num_stages: int, train: dict[str, Any] | None = None) -> Path:
+    """Write ``RUN_DIR/checkpoints/step-N/`` whole or not at all; returns it.
+
+    Every stage file, then COMPLETE, go into a hidden sibling that is flushed and renamed into place:
+    a full or read-only disk leaves neither a partial step directory nor a changed older checkpoint,
+    and raises RunDirError with the ``--resume`` command for the last complete checkpoint.
+    """
+    final = checkpoint_dir(run_dir, step)
+    try:
+        with staging_dir(final) as tmp:
+            for tensors, meta in payloads:
+                save_stage_checkpoint(tmp, tensors, meta)
+            # COMPLETE also keeps the run's training settings (lr, scheduler, steps, ...): --resume uses them.
+            marker = {"stages": num_stages, "step": step, **({"train": train} if train is not None else {})}
+            write_bytes(tmp / COMPLETE, json.dumps(marker).encode())
+    except OSError as exc:
+        raise write_failure(exc, f"checkpoint {final.name}", final.parent, Path(run_dir)) from None
+    return final
+
+
+def checkpoint_settings(directory: Path) -> dict[str, Any] | None:
+    """The training settings a complete checkpoint was written with (None: an older checkpoint without them)."""
+    try:
+        marker = json.loads((Path(directory) / COMPLETE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    train = marker.get("train") if isinstance(marker, dict) else None
+    return dict(train) if isinstance(train, dict) else None
+
+
+def resolve_resume(path: Path) -> Path:
+    """The checkpoint ``--resume PATH`` means: a complete step-N directory, or the newest one of a run directory."""
+    path = Path(path)
+    if not path.is_dir():
+        what = "not a directory" if path.exists() else "no such directory"
+        raise CheckpointError(f"--resume {path}: {what}; pass a run directory or its checkpoints/step-N")
+    if (path / COMPLETE).is_file():
+        return path
+    if checkpoint_step(path) is not None or any(path.glob("stage*.json")):
+        done = complete_checkpoints(path.parent)
+        hint = (f"resume from the newest complete one, {done[-1]}" if done
+                else "that run has no complete checkpoint: start without --resume")
+        raise CheckpointError(f"--resume {path}: not a complete checkpoint (no {COMPLETE} marker: the run stopped "
+                              f"while writing it); {hint}")
+    checkpoints = path if path.name == CHECKPOINTS else path / CHECKPOINTS
+    if checkpoints.is_dir():
+        done = complete_checkpoints(checkpoints)
+        if done:
+            return done[-1]
+        raise CheckpointError(f"--resume {path}: no complete checkpoint in {checkpoints} (the run stopped before "
+                              "its first; train.checkpoint_every sets how often): start without --resume")
+    raise CheckpointError(f"--resume {path}: neither a run directory (with {CHECKPOINTS}/) nor a checkpoint "
+                          f"(with {COMPLETE}); pass RUN_DIR or RUN_DIR/{CHECKPOINTS}/step-N")
+
+
 def load_stage_checkpoint(directory: Path, k: int, plan_hash: str | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """Read stage k's payload back; checks format and (optionally) the plan hash."""
+    """Read stage k's payload back; checks format, contents and (optionally) the plan hash. Errors are one line."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     meta_path, tensor_path = directory / f"stage{k}.json", directory / f"stage{k}.safetensors"
     if not meta_path.is_file() or not tensor_path.is_file():
         raise CheckpointError(f"{directory}: no checkpoint of stage {k} (stage{k}.json / .safetensors missing)")
     try:
         meta = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{meta_path}: unreadable ({_first_line(exc)})") from None
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{meta_path}: not valid JSON ({exc})") from None
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{meta_path}: checkpoint format {meta.get('format')}, this hetero reads {CHECKPOINT_FORMAT}")
+    _check_meta(meta, meta_path, k)
     if plan_hash is not None and meta.get("plan_hash") != plan_hash:
         raise CheckpointError(
             f"{meta_path}: written by plan {meta.get('plan_hash')}, this run's plan is {plan_hash}"
         )
-    return load_file(str(tensor_path)), meta
+    try:
+        tensors = load_file(str(tensor_path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{tensor_path}: unreadable safetensors file, truncated or corrupt "
+                              f"({_first_line(exc)}); resume from another checkpoint") from None
+    _check_tensors(tensors, meta, tensor_path)
+    return tensors, meta
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+
+
+def _check_meta(meta: Any, path: Path, k: int) -> None:
+    """The stage JSON has the fields ``restore_stage`` reads, with the right types."""
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: not a stage checkpoint (a JSON object is expected)")
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {meta.get('format')}, this hetero reads {CHECKPOINT_FORMAT}")
+    problems = []
+    if meta.get("stage") != k:
+        problems.append(f"'stage' is {meta.get('stage')!r}, the file name says {k}")
+    step = meta.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        problems.append(f"'step' is {step!r}, not a step count")
+    keys = meta.get("keys")
+    if not isinstance(keys, list) or not all(isinstance(x, str) for x in keys):
+        problems.append("'keys' is not a list of tensor names")
+    steps = meta.get("adam_steps")
+    if not isinstance(steps, dict) or not all(isinstance(v, (int, float)) for v in steps.values()):
+        problems.append("'adam_steps' is not an object of numbers")
+    if problems:
+        raise CheckpointError(f"{path}: corrupt stage checkpoint ({problems[0]}); resume from another checkpoint")
+
+
+def _check_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any], path: Path) -> None:
+    """Every LoRA tensor the JSON names is there; AdamW moments pair with it in shape; all are finite."""
+    for name in tensors:
+        if not name.startswith((LORA, EXP_AVG, EXP_AVG_SQ)):
+            raise CheckpointError(f"{path}: unexpected tensor '{name}' (not lora/, exp_avg/ or exp_avg_sq/)")
+    for key in meta["keys"]:
+        lora = tensors.get(LORA + key)
+        if lora is None:
+            raise CheckpointError(f"{path}: lacks LoRA tensor {key} that its JSON names; the checkpoint is corrupt")
+        moments = [tensors.get(EXP_AVG + key), tensors.get(EXP_AVG_SQ + key)]
+        if any(m is not None for m in moments):
+            if any(m is None or m.shape != lora.shape for m in moments) or key not in meta["adam_steps"]:
+                raise CheckpointError(f"{path}: AdamW state of {key} does not match its LoRA tensor "
+                                      f"{tuple(lora.shape)}; the checkpoint is corrupt")
+        for t in (lora, *moments):
+            if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise CheckpointError(f"{path}: {key} holds NaN or inf (training had diverged); "
+                                      "resume from an earlier checkpoint")
 
 
 def lora_from_payload(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -121,19 +260,22 @@ def lora_from_payload(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 
 def load_checkpoint_union(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Every stage's payload in a checkpoint directory, merged (keys are whole-model, so any split can resume)."""
-    directory = Path(directory)
-    if not (directory / "COMPLETE").is_file():
-        raise CheckpointError(f"{directory}: not a complete checkpoint (no COMPLETE marker: some stage never wrote)")
-    metas = sorted(directory.glob("stage*.json"))
+    """Every stage's payload in a checkpoint (or a run directory's newest one), merged.
+
+    Keys are whole-model, so any split can resume from the union.
+    """
+    directory = resolve_resume(Path(directory))
+    stages = sorted(int(m.group(1)) for p in directory.iterdir() if (m := _STAGE_JSON.fullmatch(p.name)))
+    if not stages:
+        raise CheckpointError(f"{directory}: has {COMPLETE} but no stage<k>.json; the checkpoint is corrupt")
     tensors: dict[str, torch.Tensor] = {}
     merged: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "adam_steps": {}, "keys": []}
     steps = set()
-    for path in metas:
-        part, meta = load_stage_checkpoint(directory, int(path.stem[len("stage"):]))
+    for k in stages:
+        part, meta = load_stage_checkpoint(directory, k)
         tensors.update(part)
-        merged["adam_steps"].update(meta.get("adam_steps", {}))
-        merged["keys"] += meta.get("keys", [])
+        merged["adam_steps"].update(meta["adam_steps"])
+        merged["keys"] += meta["keys"]
         steps.add(int(meta["step"]))
         merged["plan_hash"] = meta.get("plan_hash")
     if len(steps) != 1:

@@ -237,6 +237,32 @@ class StepBatches:
         prompt_labels = list(prompt) if self.data.train_on_prompt else [IGNORE_INDEX] * len(prompt)
         return prompt + response, prompt_labels + response
 
+    def check(self, first_step: int, end_step: int, vocab_size: int | None) -> None:
+        """Fail before the run starts, not mid-run: token ids fit the model, and every step in
+        ``[first_step, end_step)`` has a label token (a step without one would divide its loss by zero)."""
+        if vocab_size is not None and self.data.format == "tokens":
+            for i, r in enumerate(self.records):
+                bad = next((t for t in r["input_ids"] if t >= vocab_size), None)
+                if bad is None and r.get("labels") is not None:
+                    bad = next((t for t in r["labels"] if t != IGNORE_INDEX and not 0 <= t < vocab_size), None)
+                if bad is not None:
+                    raise ConfigError(f"{self.source}: record {i}: token id {bad} is outside the model's vocabulary "
+                                      f"(vocab_size {vocab_size}); tokenize with this model's tokenizer")
+        per_step = self.sequences_per_step
+        for i in range(first_step, end_step):
+            # Usually the step's first record has labels: about one tokenization per step, cached for the run.
+            if not any(self._labeled(self.record_index(i * per_step + j)) for j in range(per_step)):
+                self.step(i)  # raises the error a run would hit at this step
+        top = max((max(ids, default=0) for ids, _ in self._encoded.values()), default=0)
+        if vocab_size is not None and top >= vocab_size:
+            raise ConfigError(f"the tokenizer in {self.tokenizer.name_or_path} produces token id {top}, beyond the "
+                              f"model's vocab_size {vocab_size}: use the model's own tokenizer")
+
+    def _labeled(self, index: int) -> bool:
+        """Whether record ``index`` has a label token after truncation to seq_len (as ``step`` counts them)."""
+        _, labels = self.encode(index)
+        return any(t != IGNORE_INDEX for t in labels[1:self.seq_len])
+
     def step(self, i: int) -> StepBatch:
         """The global batch of optimizer step ``i`` (0-based)."""
         if i < 0:

@@ -1,0 +1,189 @@
+"""What `hetero run` checks before it starts a stage process: each problem is one line within seconds,
+not a stage error after the 15-45 s the stages take to import and build.
+
+Cheapest first: the ``--resume`` checkpoint and the ``lora.init_from`` adapter (read whole, and
+matched against the LoRA modules and shapes the plan's model has), this host's ports, whether the
+run directory can be created, then the data (records, tokenizer, the first step's batch).
+``prepare_run_dir`` then creates the run directory and writes plan.json and config.yaml.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from hetero.errors import CheckpointError, HeteroError
+from hetero.plan import Plan
+from hetero.runtime.rundir import check_creatable, check_free_space, create_run_dir, write_run_file
+
+PEFT_PREFIX = "base_model.model."  # as in adapter.py (not imported: that module pulls in torch)
+# Bytes per LoRA parameter: a checkpoint holds it in fp32 with AdamW's two fp32 moments; the adapter, fp32.
+CHECKPOINT_BYTES_PER_PARAM, ADAPTER_BYTES_PER_PARAM = 12, 4
+
+
+class PortBusyError(HeteroError):
+    """A port this host must listen on is taken (by another run, usually)."""
+
+
+def preflight(plan: Plan, run_dir: Path, host: str | None = None, port: int | None = None,
+              resume: Path | None = None) -> Path | None:
+    """Check everything that can fail before a stage starts; returns the checkpoint ``--resume`` means."""
+    from hetero.pretrained import resolve_dir
+
+    model_dir = resolve_dir(plan.model)
+    first_step = 0
+    if resume is not None:
+        resume, first_step = check_resume(resume, plan, model_dir)
+    if plan.model.lora.init_from:
+        check_init_from(plan, model_dir)
+    check_ports(plan, host, port)
+    check_creatable(run_dir)
+    check_data(plan, model_dir, first_step)
+    return resume
+
+
+def check_resume(path: Path, plan: Plan, model_dir: Path) -> tuple[Path, int]:
+    """The checkpoint ``path`` means, read whole and matched with the plan; and the step it continues from."""
+    from hetero.runtime.checkpoint import load_checkpoint_union, lora_from_payload, resolve_resume
+
+    directory = resolve_resume(path)
+    tensors, meta = load_checkpoint_union(directory)
+    step = int(meta["step"])
+    if step >= plan.train.steps:
+        raise CheckpointError(f"{directory} is after step {step}, train.steps is {plan.train.steps}: raise it "
+                              f"(hetero run ... steps=N) to train on")
+    check_lora_state(lora_from_payload(tensors), plan, model_dir, f"checkpoint {directory}")
+    return directory, step
+
+
+def check_init_from(plan: Plan, model_dir: Path) -> None:
+    """``lora.init_from`` is a readable PEFT adapter with the plan's rank, targets and this model's modules."""
+    from hetero.runtime.adapter import load_adapter_state
+
+    lora = plan.model.lora
+    assert lora.init_from is not None
+    state = load_adapter_state(Path(lora.init_from), lora)
+    check_lora_state(state, plan, model_dir, f"lora.init_from '{lora.init_from}'")
+
+
+def lora_shapes(plan: Plan, model_dir: Path) -> dict[str, tuple[int, int] | None]:
+    """PEFT key -> shape of every LoRA tensor the plan's model trains (None where the base shape is unknown).
+
+    A module gets LoRA when its name ends in one of lora.target_modules (PEFT's rule for a list);
+    A is [r, in] and B is [out, r] of the base weight, read from the safetensors headers only.
+    """
+    lora = plan.model.lora
+    targets = set(lora.target_modules)
+    names = [n for node in plan.graph.nodes for n in node.param_names
+             if n.endswith(".weight") and n[: -len(".weight")].rsplit(".", 1)[-1] in targets]
+    base = _header_shapes(model_dir, names)
+    shapes: dict[str, tuple[int, int] | None] = {}
+    for name in names:
+        module = PEFT_PREFIX + name[: -len(".weight")]
+        shape = base.get(name, ())
+        two_d = len(shape) == 2  # pre-quantized weights store packed shapes: nothing to compare with
+        shapes[module + ".lora_A.weight"] = (lora.r, shape[1]) if two_d else None
+        shapes[module + ".lora_B.weight"] = (shape[0], lora.r) if two_d else None
+    return shapes
+
+
+def _header_shapes(model_dir: Path, names: list[str]) -> dict[str, tuple[int, ...]]:
+    """Shapes of ``names`` in the model's safetensors files (headers only: no tensor is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    from hetero.pretrained import weight_index
+
+    index = weight_index(model_dir)
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        if name in index:
+            by_file[index[name]].append(name)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file, wanted in by_file.items():
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in wanted:
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"model weights {file}: unreadable ({str(exc).splitlines()[0][:160]})") from None
+    return shapes
+
+
+def check_lora_state(state: dict[str, Any], plan: Plan, model_dir: Path, where: str) -> None:
+    """``state`` (PEFT keys -> tensors) has a LoRA tensor of the right shape for every module the plan trains."""
+    expected = lora_shapes(plan, model_dir)
+    if not expected:
+        return  # a graph that names no weights (hand-edited plans): the stages check their own keys
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise CheckpointError(f"{where} has no {missing[0]} ({len(missing)} of {len(expected)} LoRA tensors missing): "
+                              "it was trained for another model or other lora.target_modules")
+    # Decoder modules beyond the plan's (a deeper model, more targets); others (a tied head) are let through.
+    extra = sorted(k for k in state if k not in expected and k.startswith(f"{PEFT_PREFIX}model.layers."))
+    if extra:
+        raise CheckpointError(f"{where} has {extra[0]}, a LoRA module this plan does not train: it was trained "
+                              "for another model or other lora.target_modules")
+    for key, shape in expected.items():
+        got = tuple(state[key].shape)
+        if shape is not None and got != shape:
+            raise CheckpointError(f"{where}: {key} has shape {got}, this model's is {shape}: it was trained for "
+                                  "another model or another lora.r")
+
+
+def check_ports(plan: Plan, host: str | None, port: int | None) -> None:
+    """Every port this host's processes will listen on (coordinator + local stages) is free now."""
+    import zmq
+
+    from hetero.runtime.transport import bind_address
+    from hetero.runtime.worker import coordinator_endpoint
+
+    name = host or plan.stages[0].host
+    wanted = [("the coordinator", coordinator_endpoint(plan, name, port))]
+    wanted += [(f"stage {s.index}", s.endpoint) for s in plan.stages if s.host == name]
+    ctx = zmq.Context(io_threads=1)
+    sockets = []
+    try:
+        for who, endpoint in wanted:
+            sock = ctx.socket(zmq.PULL)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, 1)
+            sockets.append(sock)
+            # Bound like Transport binds it (and kept bound: two of our own endpoints on one port collide too).
+            try:
+                sock.bind(bind_address(endpoint))
+            except zmq.ZMQError as exc:
+                fix = "pass another --port" if who == "the coordinator" else "recompile with another base port"
+                code = exc.errno or 0
+                reason = os.strerror(code) if code in errno.errorcode else exc.strerror  # without zmq's suffix
+                raise PortBusyError(f"{who} cannot listen on {endpoint} ({reason}): another process (another "
+                                    f"run?) holds the port; stop it or {fix}") from None
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+        ctx.term()
+
+
+def check_data(plan: Plan, model_dir: Path, first_step: int) -> None:
+    """The data file reads, every record has the format's fields, and every step to run has a label token."""
+    from hetero.runtime.data import StepBatches
+
+    train = plan.train
+    batches = StepBatches(plan.data, model_dir, plan.model.seq_len, train.micro_batch_size, train.num_micro_batches,
+                          train.seed, train.shuffle)
+    vocab = plan.model.architecture.get("vocab_size")
+    batches.check(first_step, train.steps, vocab if isinstance(vocab, int) else None)
+
+
+def prepare_run_dir(plan: Plan, run_dir: Path, config_yaml: str) -> Path:
+    """Create the run directory (logs/, checkpoints/), check its free space, write plan.json + config.yaml."""
+    create_run_dir(run_dir)
+    lora_params = sum(node.lora_params for node in plan.graph.nodes)
+    checkpoint = CHECKPOINT_BYTES_PER_PARAM * lora_params
+    adapter = ADAPTER_BYTES_PER_PARAM * lora_params
+    check_free_space(run_dir, checkpoint + adapter + 2**20, "one checkpoint and the adapter")
+    plan_path = write_run_file(run_dir, "plan.json", plan.to_json())
+    write_run_file(run_dir, "config.yaml", config_yaml)
+    return plan_path

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import shlex
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -14,12 +17,61 @@ from typing import Any
 
 import yaml
 
-from hetero.errors import ConfigError
+from hetero.errors import CheckpointError, ConfigError
 from hetero.plan import Plan
+from hetero.security import key_dirs
 from hetero.serde import from_dict, to_dict
 from hetero.specs import RUNTIME_OVERRIDABLE, TrainSpec
 
 PLACEMENT_SECTIONS = ("model", "lora", "hardware", "cluster", "planner", "data")
+# `hetero run runtime.KEY=SECONDS`: how the run watches its processes (not training settings).
+RUN_OPTIONS = {
+    "failure_timeout_s": "a working stage or coordinator silent this long is dead (default 10)",
+    "load_timeout_s": "the same while a stage loads its weights (default 120)",
+}
+
+
+def split_run_options(pairs: list[str]) -> tuple[list[str], dict[str, float]]:
+    """Take the ``runtime.KEY=SECONDS`` pairs out of ``pairs``; returns the rest and their values."""
+    rest: list[str] = []
+    values: dict[str, float] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not key.startswith("runtime."):
+            rest.append(pair)
+            continue
+        name = key[len("runtime."):]
+        if name not in RUN_OPTIONS:
+            raise ConfigError(f"unknown run option '{key}'; `hetero run` accepts "
+                              f"{', '.join('runtime.' + n for n in sorted(RUN_OPTIONS))}")
+        try:
+            value = float(raw) if sep else math.nan
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= 1.0):
+            raise ConfigError(f"{key} must be a number of seconds >= 1 (e.g. {key}=10), got {raw!r}")
+        values[name] = value
+    return rest, values
+
+
+def resume_train(train: TrainSpec, pairs: list[str], saved: dict[str, Any] | None) -> tuple[TrainSpec, str | None]:
+    """The training settings of a resumed run: the checkpoint's, then the command line's overrides.
+
+    Returns them and one line naming the keys the command line changed from the checkpoint (or None).
+    """
+    if saved is None:
+        return parse_overrides(pairs, train), None
+    settings = {k: v for k, v in saved.items() if k in RUNTIME_OVERRIDABLE}
+    base = from_dict(TrainSpec, {**to_dict(train), **settings}, "checkpoint COMPLETE train", CheckpointError)
+    out = parse_overrides(pairs, base)
+    given = {}
+    for pair in pairs:
+        key, _, raw = pair.partition("=")
+        given[key[len("train."):] if key.startswith("train.") else key] = raw
+    changed = [f"{k}: checkpoint {settings[k]}, now {raw} (from the command line)" for k, raw in given.items()
+               if k in settings and getattr(out, k) != settings[k]]
+    return out, ("hetero run: resuming with settings that differ from the checkpoint: " + "; ".join(changed)
+                 if changed else None)
 
 
 def parse_overrides(pairs: list[str], train: TrainSpec) -> TrainSpec:
@@ -58,18 +110,6 @@ def parse_overrides(pairs: list[str], train: TrainSpec) -> TrainSpec:
     return out
 
 
-def _sigterm_as_interrupt() -> None:
-    """SIGTERM stops the run in order (stages told to stop, logs kept), like Ctrl-C."""
-    import signal
-    import threading
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handler)
-
-
 def default_run_dir(plan: Plan) -> Path:
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{plan.model.name}"
 
@@ -77,41 +117,67 @@ def default_run_dir(plan: Plan) -> Path:
 def main_run(argv: list[str]) -> int:
     """`hetero run plan.json [key=value ...] [--run-dir D] [--host NAME] [--port P]`."""
     from hetero.runtime.coordinator import Coordinator, RunOptions
+    from hetero.runtime.preflight import preflight, prepare_run_dir
     from hetero.runtime.report import build_report, print_report
+    from hetero.runtime.rundir import write_run_file
 
     ap = argparse.ArgumentParser(prog="hetero run", description="Train with a compiled plan.")
     ap.add_argument("plan", type=Path)
-    ap.add_argument("overrides", nargs="*", help=f"run-time keys: {', '.join(sorted(RUNTIME_OVERRIDABLE))}")
+    ap.add_argument("overrides", nargs="*", help=f"run-time keys: {', '.join(sorted(RUNTIME_OVERRIDABLE))}; "
+                    f"run options: {', '.join('runtime.' + k for k in sorted(RUN_OPTIONS))}")
     ap.add_argument("--run-dir", type=Path)
     ap.add_argument("--host", help="the plan host this coordinator runs on (default: stage 0's host)")
     ap.add_argument("--port", type=int, help="coordinator port (default: that host's base port - 1)")
     ap.add_argument("--handshake-timeout", type=float, default=600.0, help="seconds to wait for every stage to say hello")
-    ap.add_argument("--resume", type=Path, help="continue from RUN_DIR/checkpoints/step-N (any split of the same model)")
+    ap.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                    help="continue a run from its newest complete checkpoint (or from RUN_DIR/checkpoints/step-N, "
+                         "any split of the same model), with its training settings; the run directory defaults to RUN_DIR")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_intermixed_args(argv)  # overrides may come before or after the options
 
     plan = Plan.load(args.plan)
-    train = parse_overrides(args.overrides, plan.train)
+    pairs, run_options = split_run_options(args.overrides)
+    checkpoint = None
+    if args.resume is not None:
+        from hetero.runtime.checkpoint import checkpoint_settings, resolve_resume
+
+        checkpoint = resolve_resume(args.resume)
+        train, changed = resume_train(plan.train, pairs, checkpoint_settings(checkpoint))
+        if changed:
+            print(changed, flush=True)
+    else:
+        train = parse_overrides(pairs, plan.train)
     plan = replace(plan, train=train)
     from hetero.runtime.worker import coordinator_endpoint
 
     coordinator_endpoint(plan, args.host, args.port)  # validates --host before anything is created
     run_dir = args.run_dir or default_run_dir(plan)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    plan_path = run_dir / "plan.json"
-    plan.save(plan_path)  # the overrides are in it; the input hash is unchanged (they are not placement)
+    if args.run_dir is None and checkpoint is not None and checkpoint != args.resume:
+        run_dir = checkpoint.parent.parent  # --resume RUN_DIR goes on in RUN_DIR
+    # Whatever can fail before a stage starts fails now, as one line, before the run directory exists.
+    resume = preflight(plan, run_dir, args.host, args.port, args.resume)
     config = dict(plan.config) if plan.config else {}
     config["train"] = to_dict(train)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    # plan.json has the overrides in it; the input hash is unchanged (they are not placement).
+    plan_path = prepare_run_dir(plan, run_dir, yaml.safe_dump(config, sort_keys=False))
 
     options = RunOptions(run_dir=run_dir, host=args.host, port=args.port,
                          handshake_timeout_s=args.handshake_timeout, progress=not args.no_progress,
-                         resume=args.resume)
-    _sigterm_as_interrupt()
+                         resume=resume, key_dirs=key_dirs(args.plan, args.host or plan.stages[0].host),
+                         **run_options)
     result = Coordinator(plan, plan_path, options).run()
+    if result.interrupted_after is not None:
+        again = ["hetero", "run", str(plan_path)] + (["--host", args.host] if args.host else []) + (
+            ["--port", str(args.port)] if args.port is not None else [])
+        if result.checkpoint is None:
+            print(f"hetero: interrupted before the first step finished: nothing to keep; start again with "
+                  f"`{shlex.join(again + ['--run-dir', str(run_dir)])}`", file=sys.stderr)
+        else:
+            print(f"hetero: interrupted after step {result.interrupted_after}: checkpoint {result.checkpoint}; "
+                  f"continue with `{shlex.join(again + ['--resume', str(run_dir)])}`", file=sys.stderr)
+        return 130
     report = build_report(plan, result.steps, result.build_s, str(run_dir))
-    (run_dir / "report.json").write_text(json.dumps(report, indent=1))
+    write_run_file(run_dir, "report.json", json.dumps(report, indent=1))
     print_report(report)
     print(f"adapter: {run_dir / 'adapter'}   metrics: {run_dir / 'metrics.jsonl'}")
     return 0

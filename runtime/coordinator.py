@@ -4,14 +4,30 @@ Per optimizer step it sends the step's input ids to stage 0 and labels to the la
 every stage's squared gradient norm, answers with the global clip coefficient (the math of
 ``clip_grad_norm_`` on one GPU), and writes one metrics.jsonl line from the stages' ``stepdone``.
 Checkpoint messages become checkpoints/step-N/ files; the last one also becomes adapter/.
+
+Failures end the run within ``failure_timeout_s``: a local stage that exits is seen at once (its exit
+code or signal), a stage whose connection drops for good within LOST_GRACE_S, a silent one (hung,
+stopped, its host unreachable) after ``failure_timeout_s`` without heartbeat; the error names the
+stage, its host and pid, the cause, and the ``--resume`` command.
+
+Ctrl-C or SIGTERM stops at the next step boundary with a checkpoint: the coordinator sends no more
+data and no clip for the step in progress, so every stage's state stays the one after the last
+completed step; it sends ``stop`` with ``checkpoint: N`` (N steps done), each stage answers with its
+payload from wherever it is blocked, the coordinator writes checkpoints/step-N and sends the final
+``stop``. A second Ctrl-C exits at once.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
+import shlex
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,19 +36,24 @@ import torch
 
 from hetero.errors import HeteroError, WireError
 from hetero.plan import Plan
-from hetero.runtime.executor import COORDINATOR, stage_name
-from hetero.runtime.worker import (
+from hetero.runtime.control import (
+    FAILURE_TIMEOUT_S,
+    LOAD_TIMEOUT_S,
     Heartbeat,
     Mailbox,
     PeerError,
+    PeerLost,
     StopRequested,
-    coordinator_endpoint,
     drop_unsent,
+    heartbeat_interval,
     is_timeout,
-    spawn_stages,
-    stop_processes,
 )
+from hetero.runtime.executor import COORDINATOR, stage_name
+from hetero.runtime.processes import exit_cause, is_stopped, spawn_stages, stop_processes
+from hetero.runtime.rundir import append_run_line, write_run_file
+from hetero.runtime.worker import coordinator_endpoint
 from hetero.serde import to_dict
+from hetero.specs import RUNTIME_OVERRIDABLE
 
 
 class StageFailedError(HeteroError):
@@ -46,9 +67,11 @@ class RunOptions:
     port: int | None = None  # coordinator port (default: that host's base port - 1)
     handshake_timeout_s: float = 600.0  # remote hosts may still be loading or quantizing weights
     step_timeout_s: float = 1800.0
-    silence_s: float = 60.0  # a peer without heartbeat for this long is dead
+    failure_timeout_s: float = FAILURE_TIMEOUT_S  # a working peer without heartbeat for this long is dead
+    load_timeout_s: float = LOAD_TIMEOUT_S  # the same while a stage builds (loading may hold the GIL)
     progress: bool = True
     resume: Path | None = None  # a checkpoints/step-N directory (of this or another split of the model)
+    key_dirs: list[Path] = field(default_factory=list)  # where this host's key files are (hetero/security.py)
 
 
 @dataclass
@@ -56,6 +79,8 @@ class RunResult:
     steps: list[dict[str, Any]] = field(default_factory=list)  # the metrics.jsonl lines
     environments: dict[str, Any] = field(default_factory=dict)
     build_s: dict[int, float] = field(default_factory=dict)
+    interrupted_after: int | None = None  # Ctrl-C / SIGTERM: the steps done when training stopped
+    checkpoint: Path | None = None  # ... and the checkpoint that holds them (None: no step was done)
 
 
 class Coordinator:
@@ -69,15 +94,29 @@ class Coordinator:
         self.num_stages = len(plan.stages)
         self.host = options.host or plan.stages[0].host
         self.endpoint = coordinator_endpoint(plan, self.host, options.port)
-        self.transport = Transport(COORDINATOR, self.endpoint, plan.input_hash, recv_timeout_s=300.0)
+        from hetero.runtime.messages import coordinator_rules, max_message_bytes
+        from hetero.security import install_keys, load_identity
+
+        # This host's keys go to RUN_DIR/keys, where the local stages (started from RUN_DIR/plan.json) look.
+        local_names = [COORDINATOR, *(stage_name(s.index) for s in plan.stages if s.host == self.host)]
+        install_keys(plan.security, local_names, [*options.key_dirs, self.run_dir / "keys"], self.run_dir / "keys")
+        identity = load_identity(plan.security, COORDINATOR, [self.run_dir / "keys"])
+        self.transport = Transport(COORDINATOR, self.endpoint, plan.input_hash, recv_timeout_s=300.0,
+                                   identity=identity, peer_keys=plan.security.public_keys,
+                                   max_message_bytes=max_message_bytes(plan, None), rules=coordinator_rules(plan))
         self.names = [stage_name(k) for k in range(self.num_stages)]
         for k, sp in enumerate(plan.stages):
             self.transport.connect(self.names[k], sp.endpoint)
         self.procs: dict = {}
-        self.mailbox = Mailbox(self.transport, silence_s=options.silence_s, on_idle=self._check_children)
-        self.heartbeat = Heartbeat(self.transport, self.names)
+        self.pids: dict[int, int] = {}  # stage -> pid (local: started here; remote: from its hello)
+        self.mailbox = Mailbox(self.transport, silence_s=options.failure_timeout_s, on_idle=self._check_children)
+        self.heartbeat = Heartbeat(self.transport, self.names, interval_s=heartbeat_interval(options.failure_timeout_s))
         self.result = RunResult()
         self.start_step = 0  # > 0 when resuming from a checkpoint
+        self.training = False  # between the first data sent and the last step: Ctrl-C means "checkpoint, then stop"
+        self.trained = False  # training has begun: a failure's message says how to continue
+        self.stop_signal: str | None = None  # the first SIGINT/SIGTERM received while training
+        self.hung: set[int] = set()  # stages to kill rather than ask to stop
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -86,33 +125,112 @@ class Coordinator:
         local = [s.index for s in self.plan.stages if s.host == self.host]
         remote = sorted({s.host for s in self.plan.stages if s.host != self.host})
         self.procs = spawn_stages(self.plan_path, local, self.run_dir, self.endpoint)
+        self.pids = {k: p.pid for k, p in self.procs.items()}
         if remote:
             print(f"hetero run: waiting for hosts {', '.join(remote)}: on each, run "
                   f"`hetero worker plan.json --host NAME --coordinator {self.endpoint}`", flush=True)
         self.heartbeat.start()
+        restore_signals = self._catch_signals()
         try:
             # Tokenize while the stages import and build (before anyone watches for silence).
             batches = self._batches()
             self._handshake()
             self._train(batches)
             self.heartbeat.stopped.set()  # nothing may queue behind the stop for stages about to exit
-            self._broadcast("stop", {"reason": "training finished"})
+            interrupted = self.result.interrupted_after is not None
+            self._broadcast("stop", {"reason": f"{self.stop_signal}: checkpoint saved" if interrupted
+                                     else "training finished"})
             stop_processes(self.procs)
         except BaseException as exc:
             self.heartbeat.stopped.set()
-            reason = "interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else f"run failed: {exc}"
+            error = self._explain(exc)
+            reason = "interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else f"run failed: {error or exc}"
             self._broadcast("stop", {"reason": reason})
-            stop_processes(self.procs, grace_s=5.0)
-            # Dead stages never take what is queued for them: give live remote ones a second, not 10.
+            stop_processes(self.procs, grace_s=3.0, kill_now=self.hung)
+            # Dead stages never take what is queued for them: give live remote ones a second, not 10,
+            # and the local ones (all gone now) nothing.
             drop_unsent(self.transport, linger_ms=1000)
-            if isinstance(exc, (PeerError, StopRequested)):
-                raise StageFailedError(f"{exc} (logs: {self.run_dir / 'logs'})") from None
+            drop_unsent(self.transport, 0, [self.names[k] for k in self.procs])
+            if error is not None:
+                raise error from None
             raise
         finally:
-            self.heartbeat.stopped.set()
-            self.heartbeat.join(timeout=5)
+            restore_signals()
+            self.heartbeat.finish()
+            self.mailbox.close()  # its connection monitors first: the transport's context waits for them
             self.transport.close()
         return self.result
+
+    def _catch_signals(self) -> Callable[[], None]:
+        """SIGINT/SIGTERM while training: checkpoint at the next step boundary; returns the undo."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig in previous:
+            signal.signal(sig, self._on_signal)
+
+        def restore() -> None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+        return restore
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if not self.training or self.stop_signal is not None:
+            raise KeyboardInterrupt  # before training, or the second time: stop at once
+        self.stop_signal = signal.Signals(signum).name
+        print(f"hetero run: {self.stop_signal}: stopping after this step with a checkpoint "
+              "(Ctrl-C again to quit at once, without one)", file=sys.stderr, flush=True)
+
+    def _explain(self, exc: BaseException) -> HeteroError | None:
+        """The one-line error for a failed run; None: re-raise ``exc`` as it is."""
+        if not isinstance(exc, (PeerError, PeerLost, StopRequested)):
+            return None  # StageFailedError and the like are explained already; Ctrl-C and bugs pass
+        try:
+            self._check_children()  # a local stage that exited is the most precise cause
+        except StageFailedError as dead:
+            return dead
+        k = self.names.index(exc.peer) if isinstance(exc, (PeerError, PeerLost)) and exc.peer in self.names else None
+        if k is None:
+            return StageFailedError(f"{exc} (logs: {self.run_dir / 'logs'})")
+        if isinstance(exc, PeerError):
+            return StageFailedError(self._failure_line(k, "failed", exc.message))
+        cause = exc.cause
+        if exc.silent:
+            self.hung.add(k)
+            if k in self.procs and is_stopped(self.procs[k].pid):
+                cause = cause.replace("(hung or stopped?)", "(the process is stopped: SIGSTOP or Ctrl-Z?)")
+        return StageFailedError(self._failure_line(k, "stopped responding", cause))
+
+    def _failure_line(self, k: int, what: str, cause: str) -> str:
+        """``stage 1 exited on host h (pid 42): killed by SIGKILL; continue from step 4 with `...` (log: ...)``."""
+        host = self.plan.stages[k].host
+        pid = f" (pid {self.pids[k]})" if k in self.pids else ""
+        log = str(self.run_dir / "logs" / f"stage{k}.log") if k in self.procs else f"on {host}, under `hetero worker`"
+        hint = f"; {self._resume_hint()}" if self.trained else ""
+        return f"stage {k} {what} on host {host}{pid}: {cause}{hint} (log: {log})"
+
+    def _command(self) -> str:
+        """The `hetero run` command line that runs this plan again, in this run directory's copy."""
+        parts = ["hetero", "run", str(self.plan_path)]
+        if self.options.host:
+            parts += ["--host", self.options.host]
+        if self.options.port is not None:
+            parts += ["--port", str(self.options.port)]
+        return shlex.join(parts)
+
+    def _resume_hint(self) -> str:
+        from hetero.runtime.rundir import checkpoint_step, latest_checkpoint
+
+        last = latest_checkpoint(self.run_dir)
+        if last is not None:
+            return (f"continue from step {checkpoint_step(last)} with "
+                    f"`{self._command()} --resume {shlex.quote(str(self.run_dir))}`")
+        if self.options.resume is not None:
+            return (f"no newer checkpoint: continue with `{self._command()} --resume "
+                    f"{shlex.quote(str(self.options.resume))} --run-dir {shlex.quote(str(self.run_dir))}`")
+        return (f"no checkpoint yet (train.checkpoint_every=N writes them): start again with "
+                f"`{self._command()} --run-dir {shlex.quote(str(self.run_dir))}`")
 
     def _broadcast(self, kind: str, meta: dict[str, Any]) -> None:
         for name in self.names:
@@ -125,10 +243,10 @@ class Coordinator:
         for k, p in self.procs.items():
             code = p.poll()
             if code is not None and code != 0:
-                raise StageFailedError(
-                    f"stage {k} exited with code {code}: {_last_error_line(self.run_dir / 'logs' / f'stage{k}.log')} "
-                    f"(log: {self.run_dir / 'logs' / f'stage{k}.log'})"
-                )
+                cause = exit_cause(code)
+                if code > 0 and (line := _last_error_line(self.run_dir / "logs" / f"stage{k}.log")):
+                    cause += f": {line}"
+                raise StageFailedError(self._failure_line(k, "exited", cause))
 
     def _gather(self, kind: str, step: int, timeout_s: float) -> dict[int, Any]:
         """One ``kind`` message for ``step`` from every stage, keyed by stage index."""
@@ -145,6 +263,8 @@ class Coordinator:
             if msg.sender not in self.names:
                 raise WireError(f"'{kind}' from unknown peer {msg.sender!r}")
             got[self.names.index(msg.sender)] = msg
+            if kind == "start":
+                self.mailbox.bounds.pop(msg.sender, None)  # built: from now on the failure bound applies
         return got
 
     def _missing(self, kind: str, step: int, timeout_s: float, missing: list[int]) -> str:
@@ -157,6 +277,9 @@ class Coordinator:
         if kind == "hello" and remote:
             hint = (f"is `hetero worker plan.json --host {remote[0]} --coordinator {self.endpoint}` running there, "
                     "and can it reach this host?")
+        dropped = next((why for k in missing if (why := self.transport.last_rejection(self.names[k]))), None)
+        if dropped:
+            hint = f"a message claiming to be from it was dropped: {dropped}"
         return f"{what} within {timeout_s:g} s: {hint}"
 
     def _handshake(self) -> None:
@@ -176,9 +299,13 @@ class Coordinator:
                 raise StageFailedError(f"stage {k} speaks wire v{meta.get('wire_version')}, this coordinator v{WIRE_VERSION}: "
                                        "install the same hetero version on every host")
             self.result.environments[f"stage{k}"] = {"host": self.plan.stages[k].host, **meta.get("env", {})}
-        (self.run_dir / "environments.json").write_text(json.dumps(self.result.environments, indent=1, default=str))
+            if isinstance(meta.get("pid"), int):
+                self.pids.setdefault(k, int(meta["pid"]))
+        write_run_file(self.run_dir, "environments.json", json.dumps(self.result.environments, indent=1, default=str))
         now = time.monotonic()
         self.mailbox.last_seen = {name: now for name in self.names}  # from now on, silence means death
+        self.mailbox.bounds = {name: self.options.load_timeout_s for name in self.names}  # ... once built
+        self.mailbox.watch_connections(self.names)
         resume = None
         if self.options.resume is not None:
             from hetero.runtime.checkpoint import load_checkpoint_union
@@ -188,7 +315,7 @@ class Coordinator:
             if self.start_step >= self.plan.train.steps:
                 raise StageFailedError(f"{self.options.resume} is after step {self.start_step}, train.steps is "
                                        f"{self.plan.train.steps}: raise it (hetero run ... steps=N) to train on")
-        welcome = {"train": to_dict(self.plan.train), "silence_s": self.options.silence_s,
+        welcome = {"train": to_dict(self.plan.train), "failure_timeout_s": self.options.failure_timeout_s,
                    "start_step": self.start_step, "resume": resume is not None}
         for name in self.names:
             self.transport.send(name, "welcome", meta=welcome)
@@ -219,28 +346,33 @@ class Coordinator:
                            train.num_micro_batches, train.seed, train.shuffle)
 
     def _train(self, batches: Any) -> None:
-        from hetero.runtime.checkpoint import checkpoint_dir, lora_from_payload, save_stage_checkpoint
+        from hetero.runtime.checkpoint import lora_from_payload
 
         plan, train = self.plan, self.plan.train
         tokens_per_step = train.num_micro_batches * train.micro_batch_size * plan.model.seq_len
-        metrics_path = self.run_dir / "metrics.jsonl"
-        metrics_path.write_text("")
+        self._start_metrics()
         timeout = self.options.step_timeout_s
         progress = _Progress(train.steps, self.options.progress)
         first = self.start_step
+        self.training = self.trained = True
         label_tokens = {first: self._send_data(batches, first)}
         last = time.perf_counter()
         with progress:
             for step in range(first, train.steps):
+                if self.stop_signal is not None:  # Ctrl-C / SIGTERM: `step` steps are done
+                    self._checkpoint_and_stop(step)
+                    return
+                self.transport.rules.step = step  # reports for other steps than this and the next are dropped
                 norms = self._gather("gradnorm", step, timeout)
-                grad_norm = math.sqrt(sum(float(m.meta["sumsq"]) for m in norms.values()))
+                # Summed in stage order, not arrival order: the same run gives the same bits.
+                grad_norm = math.sqrt(sum(float(norms[k].meta["sumsq"]) for k in sorted(norms)))
                 coef = 1.0
                 if train.max_grad_norm > 0:
                     # clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6), never above 1.
                     coef = min(1.0, train.max_grad_norm / (grad_norm + 1e-6))
                 for name in self.names:
                     self.transport.send(name, "clip", step=step, meta={"coef": coef, "grad_norm": grad_norm})
-                if step + 1 < train.steps:  # the next step's data travels while this one finishes
+                if step + 1 < train.steps and self.stop_signal is None:  # the next step's data travels early
                     label_tokens[step + 1] = self._send_data(batches, step + 1)
                 done = self._gather("stepdone", step, timeout)
                 now = time.perf_counter()
@@ -255,21 +387,57 @@ class Coordinator:
                     "stage_ops": [done[k].meta["op_time_s"] for k in range(self.num_stages)],
                 }
                 self.result.steps.append(line)
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(line) + "\n")
+                append_run_line(self.run_dir, "metrics.jsonl", json.dumps(line))
                 progress.update(step, loss, line["tokens_per_s"])
                 final = step + 1 == train.steps
                 if final or (train.checkpoint_every > 0 and (step + 1) % train.checkpoint_every == 0):
                     payloads = self._gather("checkpoint", step, timeout)
-                    directory = checkpoint_dir(self.run_dir, step + 1)
-                    for msg in payloads.values():
-                        save_stage_checkpoint(directory, msg.tensors, msg.meta)
-                    (directory / "COMPLETE").write_text(json.dumps({"stages": self.num_stages, "step": step + 1}))
+                    self._write_checkpoint(step + 1, payloads)
                     if final:
                         state: dict[str, torch.Tensor] = {}
                         for msg in payloads.values():
                             state.update(lora_from_payload(msg.tensors))
                         self._save_adapter(state)
+
+    def _write_checkpoint(self, done: int, payloads: dict[int, Any]) -> Path:
+        """checkpoints/step-<done>/, with the training settings `--resume` continues with."""
+        from hetero.runtime.checkpoint import write_checkpoint
+
+        settings = {k: v for k, v in to_dict(self.plan.train).items() if k in RUNTIME_OVERRIDABLE}
+        return write_checkpoint(self.run_dir, done, [(payloads[k].tensors, payloads[k].meta) for k in sorted(payloads)],
+                                self.num_stages, train=settings)
+
+    def _checkpoint_and_stop(self, done: int) -> None:
+        """After Ctrl-C: every stage's state after ``done`` steps into checkpoints/step-<done>/."""
+        from hetero.runtime.rundir import COMPLETE, checkpoint_dir
+
+        self.training = False  # from here on, Ctrl-C quits at once
+        self.result.interrupted_after = done
+        existing = checkpoint_dir(self.run_dir, done)
+        if (existing / COMPLETE).is_file():
+            self.result.checkpoint = existing  # just written (checkpoint_every), or the one resumed from
+            return
+        if done == 0:
+            return  # nothing trained yet: nothing to keep
+        for name in self.names:
+            self.transport.send(name, "stop", meta={"reason": f"{self.stop_signal}: send a checkpoint",
+                                                    "checkpoint": done})
+        payloads = self._gather("checkpoint", done - 1, self.options.step_timeout_s)
+        self.result.checkpoint = self._write_checkpoint(done, payloads)
+
+    def _start_metrics(self) -> None:
+        """metrics.jsonl: empty for a new run; a resumed one keeps the lines of the steps before it."""
+        path = self.run_dir / "metrics.jsonl"
+        kept: list[str] = []
+        if self.start_step > 0 and path.is_file():
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    step = json.loads(line)["step"]
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short by a crash
+                if isinstance(step, int) and step < self.start_step:
+                    kept.append(line)
+        write_run_file(self.run_dir, "metrics.jsonl", "".join(f"{line}\n" for line in kept))
 
     def _save_adapter(self, state: dict[str, torch.Tensor]) -> None:
         from hetero.runtime.adapter import save_adapter
@@ -278,14 +446,18 @@ class Coordinator:
         save_adapter({k: v.clone() for k, v in state.items()}, self.plan.model.lora, base, self.run_dir / "adapter")
 
 
-def _last_error_line(log: Path) -> str:
-    """The most telling line of a stage log: its last 'hetero: error' line, else its last line."""
+def _last_error_line(log: Path) -> str | None:
+    """What a stage that exited with an error said: its 'hetero: error' line, else a Python exception line."""
     try:
-        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
-        return "no log"
-    errors = [ln for ln in lines if "error" in ln.lower()]
-    return (errors or lines or ["empty log"])[-1][:300]
+        return None
+    for line in reversed(lines):
+        if "hetero: error:" in line:
+            return re.sub(r"^stage \d+: ", "", line.split("hetero: error:", 1)[1].strip())[:300]
+    if lines and re.match(r"[\w.]+(Error|Exception|Interrupt)\b", lines[-1]):
+        return lines[-1][:300]  # an uncaught exception's last traceback line
+    return None
 
 
 class _Progress:

@@ -4,8 +4,10 @@
 Life of a stage: hello (plan hash, wire version, environment) -> welcome (run settings, incl. the
 `hetero run` overrides) -> build the stage -> ready -> steps (the executor) with a checkpoint message
 whenever due -> final checkpoint -> wait for stop. It never outlives the run: it exits on ``stop``,
-when the coordinator's heartbeats stop, when its parent process dies, or on any error (reported to
-the coordinator as one ``error`` line; the traceback goes to the stage's log).
+when the coordinator is silent for ``failure_timeout_s`` (from the welcome) or its connection drops
+for good, when its parent process dies, or on any error (reported to the coordinator as one
+``error`` line; the traceback goes to the stage's log). Asked for a checkpoint before stopping
+(Ctrl-C on `hetero run`), it sends its state from wherever it waits, then waits for the final stop.
 """
 
 from __future__ import annotations
@@ -15,9 +17,7 @@ import faulthandler
 import logging
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 import traceback
 from dataclasses import replace
@@ -27,22 +27,23 @@ from typing import Any
 from hetero.errors import HeteroError, PlanError, WireError
 from hetero.plan import Plan
 from hetero.program import parse_program
+from hetero.runtime.control import (
+    FAILURE_TIMEOUT_S,
+    Heartbeat,
+    Mailbox,
+    PeerLost,
+    StopRequested,
+    drop_unsent,
+    heartbeat_interval,
+    is_timeout,
+)
+from hetero.runtime.processes import spawn_stages, stop_processes, supervise
+from hetero.security import key_dirs, load_identity
 from hetero.serde import from_dict, to_dict
 from hetero.specs import TrainSpec
 
 COORDINATOR = "coordinator"
-HEARTBEAT_S = 2.0  # how often each side says it is alive
-SLICE_S = 0.5  # a blocking receive wakes up this often to look at control messages
 log = logging.getLogger("hetero.worker")
-
-
-class StopRequested(Exception):
-    """The coordinator asked this process to stop (normal end, Ctrl-C, or another stage failed)."""
-
-
-def is_timeout(exc: WireError) -> bool:
-    """Whether a transport error is a receive timeout (as opposed to a bad or foreign message)."""
-    return type(exc).__name__ == "RecvTimeout" or str(exc).startswith("no ")
 
 
 def coordinator_endpoint(plan: Plan, host: str | None = None, port: int | None = None) -> str:
@@ -72,112 +73,42 @@ def device_for(plan: Plan, k: int) -> Any:
     raise PlanError(f"stage {k}: unknown backend '{sp.backend}'")
 
 
-class Mailbox:
-    """A Transport whose blocking receives also watch the control plane.
-
-    While waiting it notices ``stop`` (raises StopRequested), ``error`` from a peer, and silence of
-    the peers it watches (no heartbeat for ``silence_s``), so no process hangs on a dead run.
-    """
-
-    def __init__(self, transport: Any, watch: dict[str, float] | None = None, silence_s: float = 60.0,
-                 on_idle: Any = None) -> None:
-        self.transport = transport
-        self.last_seen = dict(watch or {})  # peer -> monotonic time it was last heard from
-        self.silence_s = silence_s
-        self.on_idle = on_idle  # called every slice (the coordinator checks its child processes)
-
-    def send(self, peer: str, kind: str, **kwargs: Any) -> None:
-        self.transport.send(peer, kind, **kwargs)
-
-    def _take(self, kind: str) -> Any:
-        try:
-            return self.transport.recv(kind, timeout_s=0)
-        except WireError as exc:
-            if is_timeout(exc):
-                return None
-            raise
-
-    def poll_control(self) -> None:
-        """Handle control messages that arrived so far; raise if the run must end."""
-        now = time.monotonic()
-        while (msg := self._take("heartbeat")) is not None:
-            self.last_seen[msg.sender] = now
-        if (msg := self._take("stop")) is not None:
-            raise StopRequested(str(msg.meta.get("reason", "stop requested")))
-        if (msg := self._take("error")) is not None:
-            raise PeerError(msg.sender, str(msg.meta.get("message", "failed")))
-        for peer, seen in self.last_seen.items():
-            if now - seen > self.silence_s:
-                raise WireError(f"{peer} has been silent for {now - seen:.0f} s (no heartbeat): it died or the network is down")
-        if self.on_idle is not None:
-            self.on_idle()
-
-    def recv(self, kind: str | None = None, *, step: int | None = None, mb: int | None = None,
-             sender: str | None = None, timeout_s: float | None = None) -> Any:
-        """Like Transport.recv, but wakes up every SLICE_S to run poll_control()."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            self.poll_control()
-            try:
-                msg = self.transport.recv(kind, step=step, mb=mb, sender=sender, timeout_s=SLICE_S)
-            except WireError as exc:
-                if not is_timeout(exc):
-                    raise
-                if deadline is not None and time.monotonic() > deadline:
-                    what = f"{kind!r} step {step}" + (f" mb {mb}" if mb is not None and mb >= 0 else "")
-                    raise WireError(f"no {what} from {sender or 'any peer'} within {timeout_s:g} s") from None
-                continue
-            if msg.sender in self.last_seen:
-                self.last_seen[msg.sender] = time.monotonic()
-            return msg
-
-
-class PeerError(HeteroError):
-    """Another process of the run reported a failure."""
-
-    def __init__(self, peer: str, message: str) -> None:
-        super().__init__(f"{peer} failed: {message}")
-        self.peer = peer
-
-
-class Heartbeat(threading.Thread):
-    """Sends ``heartbeat`` to peers every HEARTBEAT_S; exits the process if its parent dies."""
-
-    def __init__(self, transport: Any, peers: list[str], parent_pid: int | None = None) -> None:
-        super().__init__(daemon=True, name="heartbeat")
-        self.transport, self.peers, self.parent_pid = transport, peers, parent_pid
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopped.wait(HEARTBEAT_S):
-            if self.parent_pid is not None and os.getppid() != self.parent_pid:
-                log.error("parent process %d is gone: exiting", self.parent_pid)
-                os._exit(3)  # the main thread may be blocked inside torch; nothing to save
-            for peer in self.peers:
-                try:
-                    self.transport.send(peer, "heartbeat")
-                except Exception as exc:
-                    if getattr(self.transport, "_closed", False):
-                        return  # shutting down: nothing left to tell
-                    log.warning("heartbeat to %s failed: %s", peer, exc)  # keep beating: one failure is no death
-
-
-def drop_unsent(transport: Any, linger_ms: int = 0) -> None:
-    """Make close() drop, after ``linger_ms``, what peers that already exited will never take."""
-    import zmq
-
-    # Transport has no close(linger=...) yet; its sockets are plain pyzmq sockets.
-    for sock in getattr(transport, "_peers", {}).values():
-        sock.setsockopt(zmq.LINGER, linger_ms)
-
-
 def apply_train_settings(train: TrainSpec, settings: dict[str, Any]) -> TrainSpec:
     """The plan's TrainSpec with the coordinator's run-time values (validated like plan.json)."""
     merged = {**to_dict(train), **settings}
     return from_dict(TrainSpec, merged, "welcome.train", WireError)
 
 
-def run_stage(plan: Plan, k: int, coordinator: str, parent_pid: int | None = None) -> int:
+def await_welcome(mailbox: Mailbox, transport: Any, plan: Plan, timeout_s: float) -> Any:
+    """The coordinator's welcome. Without keys (security none) a coordinator of another plan is a
+    misconfiguration, not an attack: stop as soon as its messages show it (they are dropped)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return mailbox.recv("welcome", sender=COORDINATOR, timeout_s=min(2.0, max(0.1, deadline - time.monotonic())))
+        except WireError as exc:
+            if not is_timeout(exc) or time.monotonic() >= deadline:
+                raise
+        why = transport.last_rejection(COORDINATOR)
+        if plan.security.mode == "none" and why is not None and "runs plan" in why:
+            raise WireError(f"the coordinator runs another plan ({why})")
+
+
+def stage_transport(plan: Plan, k: int, keys: list[Path]) -> Any:
+    """Stage k's Transport: its key, the plan's public keys, its message rules and size limit."""
+    from hetero.runtime.executor import stage_name
+    from hetero.runtime.messages import max_message_bytes, stage_rules
+    from hetero.runtime.transport import Transport
+    from hetero.security import load_identity
+
+    identity = load_identity(plan.security, stage_name(k), keys)
+    return Transport(stage_name(k), plan.stages[k].endpoint, plan.input_hash, recv_timeout_s=300.0,
+                     identity=identity, peer_keys=plan.security.public_keys,
+                     max_message_bytes=max_message_bytes(plan, k), rules=stage_rules(plan, k))
+
+
+def run_stage(plan: Plan, k: int, coordinator: str, parent_pid: int | None = None,
+              keys: list[Path] | None = None) -> int:
     """Run stage k until the coordinator says stop; returns the process exit code."""
     # Import the heavy libraries before hello: once the coordinator watches our heartbeats, a long
     # import holding the import lock or the GIL must not look like a dead stage.
@@ -185,37 +116,40 @@ def run_stage(plan: Plan, k: int, coordinator: str, parent_pid: int | None = Non
     import torch
     import transformers  # noqa: F401
 
-    from hetero.runtime.checkpoint import peft_key, restore_stage, stage_payload
+    from hetero.runtime.checkpoint import peft_key, restore_stage
     from hetero.runtime.env import describe_environment
     from hetero.runtime.executor import Executor, stage_name
     from hetero.runtime.stage import build_stage
-    from hetero.runtime.transport import Transport
     from hetero.runtime.wire import WIRE_VERSION
 
     sp = plan.stages[k]
     device = device_for(plan, k)
     if device.type == "cpu":
         torch.set_num_threads(max(1, sp.threads or 1))
-    transport = Transport(stage_name(k), sp.endpoint, plan.input_hash, recv_timeout_s=300.0)
+    transport = stage_transport(plan, k, keys or [])
     heartbeat: Heartbeat | None = None
-    stopped = False  # after a stop nothing is left to deliver: close without lingering on dead peers
+    linger_ms: int | None = None  # None: close() flushes what is queued (CLOSE_LINGER_S at most per peer)
     try:
         transport.connect(COORDINATOR, coordinator)
         if k > 0:
             transport.connect(stage_name(k - 1), plan.stages[k - 1].endpoint)
         if k < len(plan.stages) - 1:
             transport.connect(stage_name(k + 1), plan.stages[k + 1].endpoint)
-        heartbeat = Heartbeat(transport, [COORDINATOR], parent_pid)
+        # The heartbeat thread also ends this process if the coordinator's connection drops for good,
+        # even while this thread is busy building the stage.
+        heartbeat = Heartbeat(transport, [COORDINATOR], parent_pid, watch=[COORDINATOR])
         heartbeat.start()
         transport.send(COORDINATOR, "hello", meta={
-            "stage": k, "input_hash": plan.input_hash, "wire_version": WIRE_VERSION,
+            "stage": k, "input_hash": plan.input_hash, "wire_version": WIRE_VERSION, "pid": os.getpid(),
             "env": describe_environment(str(device)),
         })
         mailbox = Mailbox(transport)
         log.info("stage %d on %s: hello sent to %s", k, device, coordinator)
-        welcome = mailbox.recv("welcome", sender=COORDINATOR, timeout_s=600.0)
+        welcome = await_welcome(mailbox, transport, plan, 600.0)
+        failure_timeout_s = float(welcome.meta.get("failure_timeout_s", FAILURE_TIMEOUT_S))
         mailbox.last_seen[COORDINATOR] = time.monotonic()
-        mailbox.silence_s = float(welcome.meta.get("silence_s", 60.0))
+        mailbox.silence_s = failure_timeout_s
+        heartbeat.interval_s = heartbeat_interval(failure_timeout_s)
         train = apply_train_settings(plan.train, welcome.meta.get("train", {}))
         plan = replace(plan, train=train)
         t0 = time.perf_counter()
@@ -231,21 +165,19 @@ def run_stage(plan: Plan, k: int, coordinator: str, parent_pid: int | None = Non
             state = mailbox.recv("state", sender=COORDINATOR, timeout_s=600.0)
             restore_stage(executor, state.tensors, state.meta)
             log.info("stage %d resumed after step %d", k, executor.steps_done)
-        for step in range(int(welcome.meta.get("start_step", 0)), train.steps):
-            stats = executor.run_step(step)
-            transport.send(COORDINATOR, "stepdone", step=step, meta=stats.to_meta())
-            log.info("step %d: busy %.3f s of %.3f s", step, stats.busy_s, stats.wall_s)
-            due = train.checkpoint_every > 0 and (step + 1) % train.checkpoint_every == 0
-            if due or step + 1 == train.steps:
-                tensors, meta = stage_payload(executor, plan.input_hash)
-                transport.send(COORDINATOR, "checkpoint", step=step, tensors=tensors, meta=meta)
+        train_steps(executor, mailbox, plan.input_hash, int(welcome.meta.get("start_step", 0)))
         stop = mailbox.recv("stop", sender=COORDINATOR, timeout_s=None)
         log.info("stopping: %s", stop.meta.get("reason", "stop requested"))
-        stopped = True
+        linger_ms = 0  # after a stop nothing is left to deliver: do not linger on dead peers
     except StopRequested as stop:
         log.info("stopping: %s", stop)
-        stopped = True
+        linger_ms = 0
         return 0
+    except PeerLost as lost:  # the coordinator is gone: nobody is left to tell
+        log.error("stage %d: coordinator %s: exiting", k, lost.cause)
+        print(f"hetero: error: stage {k}: the coordinator stopped answering ({lost.cause})", file=sys.stderr, flush=True)
+        linger_ms = 0
+        return 2
     except Exception as exc:  # report every failure to the coordinator as one line
         line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if not isinstance(exc, HeteroError):
@@ -256,15 +188,46 @@ def run_stage(plan: Plan, k: int, coordinator: str, parent_pid: int | None = Non
         except Exception:
             pass
         print(f"hetero: error: stage {k}: {line}", file=sys.stderr, flush=True)
+        linger_ms = 2000  # time for the error line to reach a live coordinator, not for dead neighbours
         return 2 if isinstance(exc, HeteroError) else 1
     finally:
         if heartbeat is not None:
-            heartbeat.stopped.set()
-        if stopped:
-            drop_unsent(transport)
+            heartbeat.finish()  # before close(): its connection monitor is a socket of the transport's context
+        if linger_ms is not None:
+            drop_unsent(transport, linger_ms)
         transport.close()
         log.info("stage %d: transport closed", k)
     return 0
+
+
+def train_steps(executor: Any, mailbox: Mailbox, plan_hash: str, start_step: int) -> None:
+    """Steps ``start_step``.. of the run: ``stepdone`` after each, ``checkpoint`` when due and after the last.
+
+    Also answers the coordinator's checkpoint request (Ctrl-C on `hetero run`) from wherever it waits.
+    """
+    from hetero.runtime.checkpoint import stage_payload
+
+    train, transport = executor.train, mailbox.transport
+
+    def checkpoint_on_request(done: int) -> None:
+        # The coordinator sends no clip for step `done`: this stage's state stays the one after `done`
+        # steps until the final stop, wherever the program is blocked.
+        if executor.steps_done != done:
+            raise WireError(f"the coordinator asked for a checkpoint after step {done}, this stage has done "
+                            f"{executor.steps_done}")
+        tensors, meta = stage_payload(executor, plan_hash)
+        transport.send(COORDINATOR, "checkpoint", step=done - 1, tensors=tensors, meta=meta)
+        log.info("checkpoint after step %d sent on request; waiting for stop", done)
+
+    mailbox.on_checkpoint = checkpoint_on_request
+    for step in range(start_step, train.steps):
+        stats = executor.run_step(step)
+        transport.send(COORDINATOR, "stepdone", step=step, meta=stats.to_meta())
+        log.info("step %d: busy %.3f s of %.3f s", step, stats.busy_s, stats.wall_s)
+        due = train.checkpoint_every > 0 and (step + 1) % train.checkpoint_every == 0
+        if due or step + 1 == train.steps:
+            tensors, meta = stage_payload(executor, plan_hash)
+            transport.send(COORDINATOR, "checkpoint", step=step, tensors=tensors, meta=meta)
 
 
 def serve_host(plan_path: Path, plan: Plan, host: str, run_dir: Path, coordinator: str) -> int:
@@ -282,7 +245,7 @@ def serve_host(plan_path: Path, plan: Plan, host: str, run_dir: Path, coordinato
     print(f"hetero worker: host {host} runs stages {stages} (logs in {run_dir / 'logs'}); coordinator {coordinator}",
           flush=True)
     try:
-        codes = {k: p.wait() for k, p in procs.items()}
+        codes = supervise(procs)
     except KeyboardInterrupt:
         stop_processes(procs)
         raise
@@ -293,37 +256,6 @@ def serve_host(plan_path: Path, plan: Plan, host: str, run_dir: Path, coordinato
               file=sys.stderr)
         return 1
     return 0
-
-
-def spawn_stages(plan_path: Path, stages: list[int], run_dir: Path, coordinator: str) -> dict[int, subprocess.Popen]:
-    """One ``python -m hetero.runtime.worker`` per stage, logging to run_dir/logs/stage<k>.log."""
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    procs: dict[int, subprocess.Popen] = {}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for k in stages:
-        with open(run_dir / "logs" / f"stage{k}.log", "ab") as logf:
-            # start_new_session: a terminal Ctrl-C reaches only the parent, which stops stages in order.
-            procs[k] = subprocess.Popen(
-                [sys.executable, "-m", "hetero.runtime.worker", str(plan_path), "--stage", str(k),
-                 "--coordinator", coordinator, "--parent-pid", str(os.getpid())],
-                stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-    return procs
-
-
-def stop_processes(procs: dict[int, subprocess.Popen], grace_s: float = 10.0) -> None:
-    """Wait up to grace_s for stage processes to exit, then terminate, then kill the stragglers."""
-    deadline = time.monotonic() + grace_s
-    for p in procs.values():
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.send_signal(signal.SIGTERM)
-    for p in procs.values():
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -349,16 +281,29 @@ def main_worker(argv: list[str]) -> int:
                             format=f"%(asctime)s stage{args.stage} %(levelname)s %(message)s")
         if not 0 <= args.stage < len(plan.stages):
             raise PlanError(f"--stage {args.stage}: the plan has stages 0..{len(plan.stages) - 1}")
-        return run_stage(plan, args.stage, coordinator, args.parent_pid)
+        return run_stage(plan, args.stage, coordinator, args.parent_pid,
+                         key_dirs(args.plan, plan.stages[args.stage].host))
+    for s in plan.stages:  # every key this host needs, before any process starts
+        if s.host == args.host:
+            load_identity(plan.security, f"stage{s.index}", key_dirs(args.plan, args.host))
     run_dir = args.run_dir or Path("runs") / f"worker-{args.host}-{time.strftime('%Y%m%d-%H%M%S')}"
     return serve_host(args.plan, plan, args.host, run_dir, coordinator)
 
 
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown of torch & co. (seconds on a busy host; nothing is left to save):
+    a run's failure bound counts until its stages are gone."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     try:
-        sys.exit(main_worker(sys.argv[1:]))
+        _exit_now(main_worker(sys.argv[1:]))
     except HeteroError as exc:
         print(f"hetero: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        _exit_now(2)
     except KeyboardInterrupt:
-        sys.exit(130)
+        _exit_now(130)

@@ -1,0 +1,113 @@
+"""Stage processes on this host: starting them, reading how they ended, and making sure they end.
+
+A stopped process (SIGSTOP, Ctrl-Z) ignores SIGTERM until it is continued, and a hung one ignores
+``stop``: only SIGKILL ends both, so every path that stops stages ends with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STRAGGLER_S = 30.0  # `hetero worker`: how long its other stages may outlive one that exited
+STOPPED_KILL_S = 30.0  # `hetero worker`: a stage stopped (SIGSTOP) this long is killed
+log = logging.getLogger("hetero.processes")
+
+
+def exit_cause(code: int) -> str:
+    """``killed by SIGKILL`` for a negative Popen return code, ``exit code N`` otherwise."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether a local process is stopped by a signal (Linux /proc; False where unknown)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[:1] in (["T"], ["t"])
+
+
+def spawn_stages(plan_path: Path, stages: list[int], run_dir: Path, coordinator: str) -> dict[int, subprocess.Popen]:
+    """One ``python -m hetero.runtime.worker`` per stage, logging to run_dir/logs/stage<k>.log."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    procs: dict[int, subprocess.Popen] = {}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for k in stages:
+        with open(run_dir / "logs" / f"stage{k}.log", "ab") as logf:
+            # start_new_session: a terminal Ctrl-C reaches only the parent, which stops stages in order.
+            procs[k] = subprocess.Popen(
+                [sys.executable, "-m", "hetero.runtime.worker", str(plan_path), "--stage", str(k),
+                 "--coordinator", coordinator, "--parent-pid", str(os.getpid())],
+                stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    return procs
+
+
+def stop_processes(procs: dict[int, subprocess.Popen], grace_s: float = 10.0, kill_now: set[int] | None = None) -> None:
+    """End stage processes: kill ``kill_now`` (hung ones) at once, give the others ``grace_s`` to exit
+    on their own, then SIGTERM (with SIGCONT, for a stopped one), then SIGKILL."""
+    for k in kill_now or set():
+        if k in procs and procs[k].poll() is None:
+            procs[k].kill()  # SIGKILL ends a stopped process too
+    deadline = time.monotonic() + grace_s
+    for p in procs.values():
+        while p.poll() is None and time.monotonic() < deadline:
+            if is_stopped(p.pid):
+                p.kill()  # it cannot see `stop`; waiting for it is pointless
+                break
+            time.sleep(0.05)
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            p.send_signal(signal.SIGCONT)  # a stopped process takes SIGTERM only once continued
+    for p in procs.values():
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def supervise(procs: dict[int, subprocess.Popen], poll_s: float = 0.5) -> dict[int, int]:
+    """Wait for every stage of this host and return their exit codes (`hetero worker`).
+
+    A remote host has no coordinator next to it to clean up: once one of its stages has exited, the
+    others get STRAGGLER_S to follow (they do, on the coordinator's ``stop`` or its silence) before
+    they are killed, and a stage stopped by a signal for STOPPED_KILL_S is killed (it cannot notice
+    that its run is over).
+    """
+    codes: dict[int, int] = {}
+    first_exit: float | None = None
+    stopped_since: dict[int, float] = {}
+    while len(codes) < len(procs):
+        now = time.monotonic()
+        for k, p in procs.items():
+            if k in codes:
+                continue
+            code = p.poll()
+            if code is not None:
+                codes[k] = code
+                first_exit = first_exit if first_exit is not None else now
+                continue
+            if is_stopped(p.pid):
+                since = stopped_since.setdefault(k, now)
+                if now - since > STOPPED_KILL_S:
+                    log.error("stage %d (pid %d) has been stopped for %.0f s: killing it", k, p.pid, now - since)
+                    p.kill()
+            else:
+                stopped_since.pop(k, None)
+            if first_exit is not None and now - first_exit > STRAGGLER_S:
+                log.error("stage %d (pid %d) outlived the others by %.0f s: killing it", k, p.pid, now - first_exit)
+                p.kill()
+        if len(codes) < len(procs):
+            time.sleep(poll_s)
+    return codes

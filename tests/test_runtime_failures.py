@@ -1,0 +1,371 @@
+"""A run that fails or is interrupted: noticed within runtime.failure_timeout_s, said in one line, no
+process left behind, and `--resume RUN_DIR` ends exactly where an uninterrupted run ends.
+
+The process tests run the tiny model as three CPU stages of real `hetero run` processes and compare
+the resumed adapters bit for bit with one uninterrupted run (module fixture ``reference``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from test_runtime_plans import free_ports, make_plan
+
+from hetero.errors import ConfigError
+from hetero.runtime.cli import RUN_OPTIONS, resume_train, split_run_options
+from hetero.runtime.control import Heartbeat, Mailbox, PeerLost
+from hetero.runtime.processes import exit_cause
+from hetero.runtime.transport import Transport
+from hetero.specs import ModelSpec, TrainSpec
+
+HETERO = [sys.executable, "-m", "hetero.cli"]
+FAILURE_TIMEOUT_S = 5.0
+STEPS = 16
+TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=STEPS, lr=1e-3)
+# Given to the interrupted runs only: `--resume` must take them from the checkpoint.
+SETTINGS = ["lr=2e-3", "scheduler=cosine", "warmup_steps=2", "max_grad_norm=0.5"]
+RUNTIME = [f"runtime.failure_timeout_s={FAILURE_TIMEOUT_S:g}"]
+
+# -- the control plane, in one process ---------------------------------------------------------------
+
+
+def _pair() -> tuple[Transport, Transport]:
+    a = Transport("a", "tcp://127.0.0.1:0", "plan", recv_timeout_s=5)
+    b = Transport("b", "tcp://127.0.0.1:0", "plan", recv_timeout_s=5)
+    assert a.endpoint and b.endpoint
+    a.connect("b", b.endpoint)
+    b.connect("a", a.endpoint)
+    return a, b
+
+
+def test_a_silent_peer_is_named_within_its_bound_and_a_busy_listener_is_not_fooled() -> None:
+    a, b = _pair()
+    beat = Heartbeat(a, ["b"], interval_s=0.2)
+    mailbox = Mailbox(b, watch={"a": time.monotonic()}, silence_s=1.5)
+    try:
+        beat.start()
+        time.sleep(3.0)  # busy: a's heartbeats wait unread in b's socket, older than the bound
+        with pytest.raises(Exception, match="no 'x' step"):  # a timeout, not "a is silent"
+            mailbox.recv("x", step=0, timeout_s=1.5)
+        beat.finish()
+        t0 = time.monotonic()
+        with pytest.raises(PeerLost, match=r"no heartbeat for 1.5 s \(hung or stopped\?\)") as lost:
+            mailbox.recv("x", step=0, timeout_s=30)
+        assert lost.value.peer == "a" and lost.value.silent
+        assert time.monotonic() - t0 < 1.5 + 1.5
+    finally:
+        beat.finish()
+        mailbox.close()
+        a.close()
+        b.close()
+
+
+def test_a_dropped_connection_is_a_lost_peer() -> None:
+    a, b = _pair()
+    mailbox = Mailbox(b)
+    mailbox.watch_connections(["a"])
+    try:
+        a.send("b", "heartbeat")
+        mailbox.recv("heartbeat", timeout_s=5)  # b's outbound connection to a is up by now
+        time.sleep(0.3)
+        a.close()  # a's process exits: its inbox closes
+        t0 = time.monotonic()
+        with pytest.raises(PeerLost, match="connection lost") as lost:
+            mailbox.recv("x", step=0, timeout_s=30)
+        assert lost.value.peer == "a" and not lost.value.silent
+        assert time.monotonic() - t0 < 4
+    finally:
+        mailbox.close()
+        a.close()
+        b.close()
+
+
+def test_exit_causes_read_like_a_person_would_say_them() -> None:
+    assert exit_cause(-signal.SIGKILL) == "killed by SIGKILL"
+    assert exit_cause(-signal.SIGSEGV) == "killed by SIGSEGV"
+    assert exit_cause(2) == "exit code 2"
+
+
+def test_runtime_options_are_checked_in_one_line() -> None:
+    rest, values = split_run_options(["lr=1e-4", "runtime.failure_timeout_s=5", "runtime.load_timeout_s=30"])
+    assert rest == ["lr=1e-4"] and values == {"failure_timeout_s": 5.0, "load_timeout_s": 30.0}
+    assert set(values) == set(RUN_OPTIONS)
+    with pytest.raises(ConfigError, match=r"unknown run option 'runtime.colour'; `hetero run` accepts "
+                                          r"runtime.failure_timeout_s, runtime.load_timeout_s"):
+        split_run_options(["runtime.colour=red"])
+    for bad in ("runtime.failure_timeout_s=soon", "runtime.failure_timeout_s=0.2", "runtime.failure_timeout_s"):
+        with pytest.raises(ConfigError, match="must be a number of seconds >= 1"):
+            split_run_options([bad])
+
+
+def test_resume_keeps_the_checkpoint_settings_unless_the_command_line_changes_them() -> None:
+    plan_train = TrainSpec(lr=1e-3, scheduler="constant", steps=10)
+    saved = {"lr": 3.5e-05, "scheduler": "cosine", "warmup_steps": 2, "steps": 10, "seed": 4}
+    train, note = resume_train(plan_train, [], saved)
+    assert (train.lr, train.scheduler, train.warmup_steps, train.seed) == (3.5e-05, "cosine", 2, 4) and note is None
+    train, note = resume_train(plan_train, ["scheduler=cosine", "train.lr=1e-3", "steps=20"], saved)
+    assert (train.lr, train.scheduler, train.steps) == (1e-3, "cosine", 20)
+    assert note == ("hetero run: resuming with settings that differ from the checkpoint: lr: checkpoint 3.5e-05, "
+                    "now 1e-3 (from the command line); steps: checkpoint 10, now 20 (from the command line)")
+    train, note = resume_train(plan_train, ["lr=2e-4"], None)  # an older checkpoint: plan.json + command line
+    assert train.lr == 2e-4 and train.scheduler == "constant" and note is None
+
+
+# -- real runs -----------------------------------------------------------------------------------------
+
+_STARTED: list[subprocess.Popen] = []
+_PIDS: list[int] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers():
+    """Whatever a failing test started is killed, stopped stages included."""
+    yield
+    for pid in _PIDS:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _PIDS.clear()
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(HETERO + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    _STARTED.append(proc)
+    return proc
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"{proc.args} did not finish in {timeout} s\nstdout:{out}\nstderr:{err}") from None
+    return proc.returncode, out, err
+
+
+def _run(plan: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
+    return _start(["run", str(plan), "--run-dir", str(run_dir), "--port", str(free_ports(1)[0]), "--no-progress",
+                   *RUNTIME, *extra], plan.parent)
+
+
+def _port(proc: subprocess.Popen) -> str:
+    args = list(proc.args)
+    return str(args[args.index("--port") + 1])
+
+
+def _wait_for(what: str, ready, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            out, err = proc.communicate()
+            raise AssertionError(f"{what} never happened (exit {proc.returncode})\nstdout:{out}\nstderr:{err}")
+        time.sleep(0.05)
+
+
+def _exit_within(proc: subprocess.Popen, since: float, bound: float) -> tuple[int, str, float]:
+    try:
+        proc.wait(timeout=bound + 60)
+    except subprocess.TimeoutExpired:
+        pass
+    took = time.monotonic() - since
+    code, _, err = _finish(proc, 5)
+    assert took <= bound, f"`hetero run` took {took:.1f} s to exit (bound {bound} s)\n{err}"
+    return code, err, took
+
+
+def _one_error_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("hetero:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def _stage_pids(run_dir: Path) -> list[int]:
+    envs = json.loads((run_dir / "environments.json").read_text())
+    pids = [int(envs[f"stage{k}"]["pid"]) for k in range(len(envs))]
+    _PIDS.extend(pids)
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _processes_of(run_dir: Path) -> list[int]:
+    """Every live process whose command line names this run directory (the stages name its plan.json)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(run_dir) in cmdline and _alive(int(proc.name)):
+            found.append(int(proc.name))
+    return found
+
+
+def _assert_no_process_left(run_dir: Path, pids: list[int]) -> None:
+    deadline = time.monotonic() + 2.0  # the kernel may take a moment to reap
+    while (any(_alive(p) for p in pids) or _processes_of(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "stage processes outlived the run"
+    assert _processes_of(run_dir) == []
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
+    from hetero.runtime.adapter import load_adapter_state
+
+    return load_adapter_state(run_dir / "adapter")
+
+
+def _assert_same_run(run_dir: Path, reference: dict) -> None:
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(STEPS))  # every step once: earlier lines kept, redone ones not
+    assert [(m["loss"], m["lr"]) for m in metrics] == reference["losses"]
+    state = _adapter(run_dir)
+    assert set(state) == set(reference["adapter"])
+    for key, want in reference["adapter"].items():
+        assert torch.equal(state[key], want), key
+
+
+@pytest.fixture(scope="module")
+def root(tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("failures")
+    make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=TRAIN).save(root / "plan.json")
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(root: Path) -> dict:
+    """One uninterrupted run with SETTINGS: its per-step (loss, lr) and final adapter."""
+    run_dir = root / "reference"
+    code, _, err = _finish(_run(root / "plan.json", run_dir, *SETTINGS))
+    assert code == 0, err[-3000:]
+    metrics = _metrics(run_dir)
+    assert len({round(m["lr"], 12) for m in metrics}) > 3  # the cosine schedule really acts
+    return {"losses": [(m["loss"], m["lr"]) for m in metrics], "adapter": _adapter(run_dir)}
+
+
+@pytest.mark.slow
+def test_a_killed_stage_stops_the_run_in_one_line_and_resume_finishes_it(root: Path, reference: dict) -> None:
+    run_dir = root / "killed"
+    run = _run(root / "plan.json", run_dir, *SETTINGS, "checkpoint_every=2")
+    _wait_for("the step-2 checkpoint", lambda: (run_dir / "checkpoints" / "step-000002" / "COMPLETE").is_file(), run)
+    pids = _stage_pids(run_dir)
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    code, err, took = _exit_within(run, t0, FAILURE_TIMEOUT_S + 5)
+    print(f"SIGKILL: `hetero run` exited {took:.2f} s after the kill")
+    assert code == 2
+    line = _one_error_line(err)
+    assert f"stage 1 exited on host localhost (pid {pids[1]}): killed by SIGKILL" in line, line
+    assert f"continue from step 2 with `hetero run {run_dir / 'plan.json'} --port {_port(run)} --resume {run_dir}`" in line \
+        or f"continue from step 4 with `hetero run {run_dir / 'plan.json'} --port {_port(run)} --resume {run_dir}`" in line, line
+    _assert_no_process_left(run_dir, pids)
+    assert not (run_dir / "adapter").exists()
+
+    # The original plan.json (without SETTINGS): the checkpoint's settings are the ones that go on.
+    resume = _start(["run", "plan.json", "--resume", str(run_dir), "--port", str(free_ports(1)[0]), "--no-progress"],
+                    root)
+    code, out, err = _finish(resume)
+    assert code == 0, err[-3000:]
+    assert "differ from the checkpoint" not in out
+    _assert_same_run(run_dir, reference)
+
+
+@pytest.mark.slow
+def test_a_stopped_stage_is_found_within_the_failure_timeout_and_killed(root: Path) -> None:
+    run_dir = root / "stopped"
+    run = _run(root / "plan.json", run_dir, "steps=400")
+    _wait_for("the first step", lambda: bool(_metrics(run_dir)), run)
+    pids = _stage_pids(run_dir)
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGSTOP)
+    code, err, took = _exit_within(run, t0, FAILURE_TIMEOUT_S + 5)
+    print(f"SIGSTOP: `hetero run` exited {took:.2f} s after the stop")
+    assert code == 2
+    line = _one_error_line(err)
+    assert (f"stage 1 stopped responding on host localhost (pid {pids[1]}): no heartbeat for {FAILURE_TIMEOUT_S:g} s "
+            "(the process is stopped: SIGSTOP or Ctrl-Z?)") in line, line
+    assert "no checkpoint yet" in line and f"--run-dir {run_dir}" in line, line
+    _assert_no_process_left(run_dir, pids)  # SIGKILL ends a stopped process; SIGTERM would not
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_at_the_next_step_and_resume_finishes_the_run(root: Path, reference: dict) -> None:
+    run_dir = root / "interrupted"
+    run = _run(root / "plan.json", run_dir, *SETTINGS)  # checkpoint_every=0: only Ctrl-C writes one
+    _wait_for("the first step", lambda: bool(_metrics(run_dir)), run)
+    pids = _stage_pids(run_dir)
+    run.send_signal(signal.SIGINT)
+    code, out, err = _finish(run, 120)
+    assert code == 130, err[-3000:]
+    line = [ln for ln in err.splitlines() if ln.startswith("hetero:")]
+    assert len(line) == 1 and "Traceback" not in err, err
+    done = len(_metrics(run_dir))
+    checkpoint = run_dir / "checkpoints" / f"step-{done:06d}"
+    assert (checkpoint / "COMPLETE").is_file()
+    assert line[0] == (f"hetero: interrupted after step {done}: checkpoint {checkpoint}; continue with "
+                       f"`hetero run {run_dir / 'plan.json'} --port {_port(run)} --resume {run_dir}`")
+    assert done < STEPS
+    _assert_no_process_left(run_dir, pids)
+
+    resume = _start(["run", "plan.json", "--resume", str(run_dir), "--port", str(free_ports(1)[0]), "--no-progress"],
+                    root)
+    code, out, err = _finish(resume)
+    assert code == 0, err[-3000:]
+    _assert_same_run(run_dir, reference)
+
+
+@pytest.mark.slow
+def test_stages_whose_coordinator_vanished_exit_on_their_own(tiny_model_dir: Path, tiny_spec: ModelSpec,
+                                                              tmp_path: Path) -> None:
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=replace(TRAIN, steps=400),
+                     hosts=["alpha", "beta", "beta"])
+    plan.save(tmp_path / "plan.json")
+    port = free_ports(1)[0]
+    worker = _start(["worker", "plan.json", "--host", "beta", "--coordinator", f"tcp://127.0.0.1:{port}",
+                     "--run-dir", str(tmp_path / "beta")], tmp_path)
+    run_dir = tmp_path / "run"
+    run = _start(["run", "plan.json", "--run-dir", str(run_dir), "--port", str(port), "--no-progress", *RUNTIME],
+                 tmp_path)
+    _wait_for("the first step", lambda: bool(_metrics(run_dir)), run)
+    pids = _stage_pids(run_dir)
+    t0 = time.monotonic()
+    run.kill()  # the coordinator vanishes; nobody sends stop
+    run.communicate()
+    worker_code: list[int] = []
+    waiter = threading.Thread(target=lambda: worker_code.append(worker.wait()), daemon=True)
+    waiter.start()
+    waiter.join(FAILURE_TIMEOUT_S + 5)
+    took = time.monotonic() - t0
+    print(f"coordinator killed: the remote host's stages were gone {took:.2f} s later")
+    assert worker_code, f"`hetero worker` still runs {took:.0f} s after its coordinator vanished"
+    assert not [p for p in pids if _alive(p)], "stages outlived their coordinator"

@@ -21,7 +21,7 @@ from hetero.errors import CheckpointError, ConfigError
 from hetero.plan import Plan
 from hetero.security import key_dirs
 from hetero.serde import from_dict, to_dict
-from hetero.specs import RUNTIME_OVERRIDABLE, TrainSpec
+from hetero.specs import RUNTIME_OVERRIDABLE, TrainSpec, check_ranges
 
 PLACEMENT_SECTIONS = ("model", "lora", "hardware", "cluster", "planner", "data")
 # `hetero run runtime.KEY=SECONDS`: how the run watches its processes (not training settings).
@@ -147,6 +147,7 @@ def main_run(argv: list[str]) -> int:
             print(changed, flush=True)
     else:
         train = parse_overrides(pairs, plan.train)
+    check_ranges(plan.model, train, plan.planner, ConfigError)  # lr=nan, steps=1e9, ...: one line, now
     plan = replace(plan, train=train)
     from hetero.runtime.worker import coordinator_endpoint
 

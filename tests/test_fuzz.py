@@ -361,6 +361,18 @@ def test_fuzzed_plans_never_start_a_run_with_a_bad_override(
     assert_accepted_or_one_line(code, err, path.read_text()[:2000])
 
 
+@pytest.mark.parametrize(("override", "says"), [("lr=nan", "train.lr"), ("max_grad_norm=-1", "max_grad_norm"),
+                                               ("steps=0", "train.steps")])
+def test_run_overrides_out_of_range_fail_before_anything_starts(workdir: Path, compiled_plan: dict[str, Any],
+                                                                override: str, says: str) -> None:
+    path = workdir / "run-overrides" / "plan.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(compiled_plan))
+    code, _, err = run_cli(["run", str(path), override, "--run-dir", str(workdir / "run-overrides" / "run")])
+    assert code == 2 and says in err and err.count("\n") <= 1, err
+    assert not (workdir / "run-overrides" / "run" / "logs").exists()
+
+
 def test_a_deeply_nested_plan_is_one_line(workdir: Path) -> None:
     path = workdir / "deep.json"
     path.write_text("[" * 100_000 + "]" * 100_000)

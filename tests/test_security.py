@@ -55,6 +55,13 @@ def transport(plan: Plan, tmp_path: Path, name: str, *, bind: bool, rules: bool 
                      max_message_bytes=max_message_bytes(plan, k) if bind else None)
 
 
+def no_linger(t: Transport) -> Transport:
+    """A refused peer's queued messages are never taken: let close() drop them at once."""
+    for sock in t._peers.values():
+        sock.setsockopt(zmq.LINGER, 0)
+    return t
+
+
 def act(plan: Plan, value: float = 0.5, step: int = 0) -> torch.Tensor:
     return torch.full((1, plan.model.seq_len, plan.graph.hidden_size), value)
 
@@ -86,6 +93,7 @@ def test_a_client_without_the_key_delivers_nothing(keyed) -> None:
         stranger.send("stage1", "act", step=0, mb=0, tensors={"h": act(plan, float("nan"))})
         with pytest.raises(WireError, match="no 'act'"):
             stage1.recv("act", timeout_s=1.0)
+        no_linger(stranger)
     assert stage1._gate is not None and stage1._gate.refused >= 1
     assert stage1.rejected == 0  # refused at the handshake: never decoded
     delivered_and_still_serving(plan, stage1, stage0, 2.0)
@@ -104,6 +112,7 @@ def test_a_stolen_plan_json_without_the_secret_key_is_refused(tmp_path: Path, ti
                 t.send("stage1", "act", step=0, mb=0, tensors={"h": act(plan)})
                 with pytest.raises(WireError, match="no 'act'"):
                     stage1.recv("act", timeout_s=1.0)
+                no_linger(t)
         assert stage1._gate is not None and stage1._gate.refused >= 1
 
 

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import replace
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procs import PIDS, clean_up, finish, start
 from test_runtime_plans import free_ports, make_plan
 
 from hetero.errors import ConfigError
@@ -28,7 +28,6 @@ from hetero.runtime.processes import exit_cause
 from hetero.runtime.transport import Transport
 from hetero.specs import ModelSpec, TrainSpec
 
-HETERO = [sys.executable, "-m", "hetero.cli"]
 FAILURE_TIMEOUT_S = 5.0
 STEPS = 16
 TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=STEPS, lr=1e-3)
@@ -123,46 +122,17 @@ def test_resume_keeps_the_checkpoint_settings_unless_the_command_line_changes_th
 
 # -- real runs -----------------------------------------------------------------------------------------
 
-_STARTED: list[subprocess.Popen] = []
-_PIDS: list[int] = []
 
 
 @pytest.fixture(autouse=True)
 def _no_leftovers():
     """Whatever a failing test started is killed, stopped stages included."""
     yield
-    for pid in _PIDS:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    _PIDS.clear()
-    while _STARTED:
-        proc = _STARTED.pop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-
-
-def _start(args: list[str], cwd: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(HETERO + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    _STARTED.append(proc)
-    return proc
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        raise AssertionError(f"{proc.args} did not finish in {timeout} s\nstdout:{out}\nstderr:{err}") from None
-    return proc.returncode, out, err
+    clean_up()
 
 
 def _run(plan: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
-    return _start(["run", str(plan), "--run-dir", str(run_dir), "--port", str(free_ports(1)[0]), "--no-progress",
+    return start(["run", str(plan), "--run-dir", str(run_dir), "--port", str(free_ports(1)[0]), "--no-progress",
                    *RUNTIME, *extra], plan.parent)
 
 
@@ -186,7 +156,7 @@ def _exit_within(proc: subprocess.Popen, since: float, bound: float) -> tuple[in
     except subprocess.TimeoutExpired:
         pass
     took = time.monotonic() - since
-    code, _, err = _finish(proc, 5)
+    code, _, err = finish(proc, 5)
     assert took <= bound, f"`hetero run` took {took:.1f} s to exit (bound {bound} s)\n{err}"
     return code, err, took
 
@@ -200,7 +170,7 @@ def _one_error_line(err: str) -> str:
 def _stage_pids(run_dir: Path) -> list[int]:
     envs = json.loads((run_dir / "environments.json").read_text())
     pids = [int(envs[f"stage{k}"]["pid"]) for k in range(len(envs))]
-    _PIDS.extend(pids)
+    PIDS.extend(pids)
     return pids
 
 
@@ -266,7 +236,7 @@ def root(tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path_factory: pytest.Te
 def reference(root: Path) -> dict:
     """One uninterrupted run with SETTINGS: its per-step (loss, lr) and final adapter."""
     run_dir = root / "reference"
-    code, _, err = _finish(_run(root / "plan.json", run_dir, *SETTINGS))
+    code, _, err = finish(_run(root / "plan.json", run_dir, *SETTINGS))
     assert code == 0, err[-3000:]
     metrics = _metrics(run_dir)
     assert len({round(m["lr"], 12) for m in metrics}) > 3  # the cosine schedule really acts
@@ -292,9 +262,9 @@ def test_a_killed_stage_stops_the_run_in_one_line_and_resume_finishes_it(root: P
     assert not (run_dir / "adapter").exists()
 
     # The original plan.json (without SETTINGS): the checkpoint's settings are the ones that go on.
-    resume = _start(["run", "plan.json", "--resume", str(run_dir), "--port", str(free_ports(1)[0]), "--no-progress"],
+    resume = start(["run", "plan.json", "--resume", str(run_dir), "--port", str(free_ports(1)[0]), "--no-progress"],
                     root)
-    code, out, err = _finish(resume)
+    code, out, err = finish(resume)
     assert code == 0, err[-3000:]
     assert "differ from the checkpoint" not in out
     _assert_same_run(run_dir, reference)
@@ -325,7 +295,7 @@ def test_ctrl_c_checkpoints_at_the_next_step_and_resume_finishes_the_run(root: P
     _wait_for("the first step", lambda: bool(_metrics(run_dir)), run)
     pids = _stage_pids(run_dir)
     run.send_signal(signal.SIGINT)
-    code, out, err = _finish(run, 120)
+    code, out, err = finish(run, 120)
     assert code == 130, err[-3000:]
     line = [ln for ln in err.splitlines() if ln.startswith("hetero:")]
     assert len(line) == 1 and "Traceback" not in err, err
@@ -337,9 +307,9 @@ def test_ctrl_c_checkpoints_at_the_next_step_and_resume_finishes_the_run(root: P
     assert done < STEPS
     _assert_no_process_left(run_dir, pids)
 
-    resume = _start(["run", "plan.json", "--resume", str(run_dir), "--port", str(free_ports(1)[0]), "--no-progress"],
+    resume = start(["run", "plan.json", "--resume", str(run_dir), "--port", str(free_ports(1)[0]), "--no-progress"],
                     root)
-    code, out, err = _finish(resume)
+    code, out, err = finish(resume)
     assert code == 0, err[-3000:]
     _assert_same_run(run_dir, reference)
 
@@ -351,10 +321,10 @@ def test_stages_whose_coordinator_vanished_exit_on_their_own(tiny_model_dir: Pat
                      hosts=["alpha", "beta", "beta"])
     plan.save(tmp_path / "plan.json")
     port = free_ports(1)[0]
-    worker = _start(["worker", "plan.json", "--host", "beta", "--coordinator", f"tcp://127.0.0.1:{port}",
+    worker = start(["worker", "plan.json", "--host", "beta", "--coordinator", f"tcp://127.0.0.1:{port}",
                      "--run-dir", str(tmp_path / "beta")], tmp_path)
     run_dir = tmp_path / "run"
-    run = _start(["run", "plan.json", "--run-dir", str(run_dir), "--port", str(port), "--no-progress", *RUNTIME],
+    run = start(["run", "plan.json", "--run-dir", str(run_dir), "--port", str(port), "--no-progress", *RUNTIME],
                  tmp_path)
     _wait_for("the first step", lambda: bool(_metrics(run_dir)), run)
     pids = _stage_pids(run_dir)

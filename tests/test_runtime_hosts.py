@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from procs import clean_up, finish, start
 from test_runtime_plans import free_ports, make_plan
 
 from hetero.plan import Plan, compute_input_hash
@@ -20,7 +19,6 @@ from hetero.specs import ModelSpec, TrainSpec
 
 pytestmark = pytest.mark.slow
 
-HETERO = [sys.executable, "-m", "hetero.cli"]
 TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=3, lr=1e-3)
 
 
@@ -28,35 +26,13 @@ def _two_host_plan(model_dir: Path, spec: ModelSpec, train: TrainSpec = TRAIN) -
     return make_plan(model_dir, spec.architecture, [2, 2, 2], train=train, hosts=["alpha", "beta", "beta"])
 
 
-_STARTED: list[subprocess.Popen] = []
 
 
 @pytest.fixture(autouse=True)
 def _no_leftovers():
-    """Whatever a failing test started is stopped (its stages follow: they watch their parent)."""
+    """Whatever a failing test started is killed, stopped stages included."""
     yield
-    while _STARTED:
-        proc = _STARTED.pop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-
-
-def _start(args: list[str], cwd: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(HETERO + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    _STARTED.append(proc)
-    return proc
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        raise AssertionError(f"{proc.args} did not finish in {timeout} s\nstdout:{out}\nstderr:{err}") from None
-    return proc.returncode, out, err
+    clean_up()
 
 
 def _one_error_line(err: str) -> str:
@@ -90,13 +66,13 @@ def test_two_hosts_train_and_the_adapter_loads_with_peft(tiny_model_dir: Path, t
     coordinator = f"tcp://127.0.0.1:{port}"
     run_dir = tmp_path / "run"
     # The remote host's worker may start before the coordinator: its hello waits in the queue.
-    worker = _start(["worker", "plan.json", "--host", "beta", "--coordinator", coordinator,
+    worker = start(["worker", "plan.json", "--host", "beta", "--coordinator", coordinator,
                      "--run-dir", str(tmp_path / "beta")], tmp_path)
-    run = _start(["run", "plan.json", "--run-dir", str(run_dir), "--port", str(port), "steps=2"], tmp_path)
-    code, out, err = _finish(run)
+    run = start(["run", "plan.json", "--run-dir", str(run_dir), "--port", str(port), "steps=2"], tmp_path)
+    code, out, err = finish(run)
     assert code == 0, err[-3000:]
     assert "waiting for hosts beta" in out
-    assert _finish(worker, 60)[0] == 0
+    assert finish(worker, 60)[0] == 0
 
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2  # the steps=2 override reached every host
@@ -121,17 +97,17 @@ def test_a_worker_of_another_plan_is_refused(tiny_model_dir: Path, tiny_spec: Mo
     assert other.input_hash != plan.input_hash
     other.save(tmp_path / "other.json")
     port = free_ports(1)[0]
-    worker = _start(["worker", "other.json", "--host", "beta", "--coordinator", f"tcp://127.0.0.1:{port}",
+    worker = start(["worker", "other.json", "--host", "beta", "--coordinator", f"tcp://127.0.0.1:{port}",
                      "--run-dir", str(tmp_path / "beta")], tmp_path)
     # The coordinator drops the foreign hellos (logged at once) and keeps waiting for the real stages.
-    run = _start(["run", "plan.json", "--run-dir", str(tmp_path / "run"), "--port", str(port),
+    run = start(["run", "plan.json", "--run-dir", str(tmp_path / "run"), "--port", str(port),
                   "--handshake-timeout", "20"], tmp_path)
-    code, _, err = _finish(run)
+    code, _, err = finish(run)
     assert code == 2
     line = err.strip().splitlines()[-1]
     assert line.startswith("hetero: error:") and "sent no 'hello' within 20 s" in line, err
     assert plan.input_hash[:12] in line and other.input_hash[:12] in line, line
-    wcode, _, werr = _finish(worker, 120)
+    wcode, _, werr = finish(worker, 120)
     assert wcode != 0 and "error" in werr  # the foreign worker does not linger either
 
 
@@ -140,7 +116,7 @@ def test_a_dying_stage_stops_the_whole_run(tiny_model_dir: Path, tiny_spec: Mode
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=train)
     plan.save(tmp_path / "plan.json")
     run_dir = tmp_path / "run"
-    run = _start(["run", "plan.json", "--run-dir", str(run_dir), "--port", str(free_ports(1)[0])], tmp_path)
+    run = start(["run", "plan.json", "--run-dir", str(run_dir), "--port", str(free_ports(1)[0])], tmp_path)
     deadline = time.monotonic() + 180
     metrics = run_dir / "metrics.jsonl"
     while not (metrics.is_file() and metrics.read_text().strip()):
@@ -149,7 +125,7 @@ def test_a_dying_stage_stops_the_whole_run(tiny_model_dir: Path, tiny_spec: Mode
     envs = json.loads((run_dir / "environments.json").read_text())
     pids = [envs[f"stage{k}"]["pid"] for k in range(2)]
     os.kill(pids[1], signal.SIGKILL)
-    code, _, err = _finish(run, 120)
+    code, _, err = finish(run, 120)
     assert code == 2
     assert "stage 1 exited" in _one_error_line(err)
     time.sleep(1.0)
@@ -172,8 +148,8 @@ def test_a_stage_error_is_one_line_naming_the_stage(tiny_model_dir: Path, tiny_s
     save_file(weights, str(model_dir / "model.safetensors"))
     plan = make_plan(model_dir, tiny_spec.architecture, [6])
     plan.save(tmp_path / "plan.json")
-    run = _start(["run", "plan.json", "--run-dir", str(tmp_path / "run"), "--port", str(free_ports(1)[0])], tmp_path)
-    code, _, err = _finish(run, 120)
+    run = start(["run", "plan.json", "--run-dir", str(tmp_path / "run"), "--port", str(free_ports(1)[0])], tmp_path)
+    code, _, err = finish(run, 120)
     assert code == 2
     line = _one_error_line(err)
     assert "stage 0" in line and "tensor 'model.layers.1.mlp.down_proj.weight' is not in the weights" in line, line
@@ -190,9 +166,9 @@ def test_a_missing_host_is_named_with_the_command_to_start_it(tiny_model_dir: Pa
     plan.cluster.hosts.append(HostSpec("alpha", "127.0.0.1", port + 1))  # the coordinator's host, no devices
     plan.input_hash = compute_input_hash(plan)
     plan.save(tmp_path / "plan.json")
-    run = _start(["run", "plan.json", "--host", "alpha", "--handshake-timeout", "2", "--run-dir", str(tmp_path / "r")],
+    run = start(["run", "plan.json", "--host", "alpha", "--handshake-timeout", "2", "--run-dir", str(tmp_path / "r")],
                  tmp_path)
-    code, out, err = _finish(run, 120)
+    code, out, err = finish(run, 120)
     assert code == 2
     line = _one_error_line(err)
     assert "stage(s) 0 on beta sent no 'hello' within 2 s" in line, line

@@ -156,7 +156,7 @@ def main_run(argv: list[str]) -> int:
     if args.run_dir is None and checkpoint is not None and checkpoint != args.resume:
         run_dir = checkpoint.parent.parent  # --resume RUN_DIR goes on in RUN_DIR
     # Whatever can fail before a stage starts fails now, as one line, before the run directory exists.
-    resume = preflight(plan, run_dir, args.host, args.port, args.resume)
+    checked = preflight(plan, run_dir, args.host, args.port, checkpoint)
     config = dict(plan.config) if plan.config else {}
     config["train"] = to_dict(train)
     # plan.json has the overrides in it; the input hash is unchanged (they are not placement).
@@ -164,7 +164,8 @@ def main_run(argv: list[str]) -> int:
 
     options = RunOptions(run_dir=run_dir, host=args.host, port=args.port,
                          handshake_timeout_s=args.handshake_timeout, progress=not args.no_progress,
-                         resume=resume, key_dirs=key_dirs(args.plan, args.host or plan.stages[0].host),
+                         resume=checked.resume, checkpoint=checked.checkpoint, batches=checked.batches,
+                         key_dirs=key_dirs(args.plan, args.host or plan.stages[0].host),
                          **run_options)
     result = Coordinator(plan, plan_path, options).run()
     if result.interrupted_after is not None:

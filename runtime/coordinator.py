@@ -71,6 +71,8 @@ class RunOptions:
     load_timeout_s: float = LOAD_TIMEOUT_S  # the same while a stage builds (loading may hold the GIL)
     progress: bool = True
     resume: Path | None = None  # a checkpoints/step-N directory (of this or another split of the model)
+    checkpoint: tuple[dict[str, Any], dict[str, Any]] | None = None  # its (tensors, meta), if already read
+    batches: Any = None  # the run's StepBatches, if already built (`hetero run` checks the data first)
     key_dirs: list[Path] = field(default_factory=list)  # where this host's key files are (hetero/security.py)
 
 
@@ -133,7 +135,7 @@ class Coordinator:
         restore_signals = self._catch_signals()
         try:
             # Tokenize while the stages import and build (before anyone watches for silence).
-            batches = self._batches()
+            batches = self.options.batches if self.options.batches is not None else self._batches()
             self._handshake()
             self._train(batches)
             self.heartbeat.stopped.set()  # nothing may queue behind the stop for stages about to exit
@@ -310,7 +312,7 @@ class Coordinator:
         if self.options.resume is not None:
             from hetero.runtime.checkpoint import load_checkpoint_union
 
-            resume = load_checkpoint_union(self.options.resume)
+            resume = self.options.checkpoint or load_checkpoint_union(self.options.resume)
             self.start_step = int(resume[1]["step"])
             if self.start_step >= self.plan.train.steps:
                 raise StageFailedError(f"{self.options.resume} is after step {self.start_step}, train.steps is "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,25 +29,34 @@ class PortBusyError(HeteroError):
     """A port this host must listen on is taken (by another run, usually)."""
 
 
+@dataclass
+class Checked:
+    """What the checks read, handed on to the coordinator so that nothing is read twice."""
+
+    resume: Path | None = None  # the checkpoint directory ``--resume`` means
+    checkpoint: tuple[dict[str, Any], dict[str, Any]] | None = None  # its (tensors, meta), read whole
+    batches: Any = None  # the run's StepBatches (data read and tokenized)
+
+
 def preflight(plan: Plan, run_dir: Path, host: str | None = None, port: int | None = None,
-              resume: Path | None = None) -> Path | None:
-    """Check everything that can fail before a stage starts; returns the checkpoint ``--resume`` means."""
+              resume: Path | None = None) -> Checked:
+    """Check everything that can fail before a stage starts; returns what was read on the way."""
     from hetero.pretrained import resolve_dir
 
     model_dir = resolve_dir(plan.model)
-    first_step = 0
+    checked = Checked()
     if resume is not None:
-        resume, first_step = check_resume(resume, plan, model_dir)
+        checked.resume, checked.checkpoint = _read_resume(resume, plan, model_dir)
     if plan.model.lora.init_from:
         check_init_from(plan, model_dir)
     check_ports(plan, host, port)
     check_creatable(run_dir)
-    check_data(plan, model_dir, first_step)
-    return resume
+    first_step = int(checked.checkpoint[1]["step"]) if checked.checkpoint is not None else 0
+    checked.batches = check_data(plan, model_dir, first_step)
+    return checked
 
 
-def check_resume(path: Path, plan: Plan, model_dir: Path) -> tuple[Path, int]:
-    """The checkpoint ``path`` means, read whole and matched with the plan; and the step it continues from."""
+def _read_resume(path: Path, plan: Plan, model_dir: Path) -> tuple[Path, tuple[dict[str, Any], dict[str, Any]]]:
     from hetero.runtime.checkpoint import load_checkpoint_union, lora_from_payload, resolve_resume
 
     directory = resolve_resume(path)
@@ -56,7 +66,13 @@ def check_resume(path: Path, plan: Plan, model_dir: Path) -> tuple[Path, int]:
         raise CheckpointError(f"{directory} is after step {step}, train.steps is {plan.train.steps}: raise it "
                               f"(hetero run ... steps=N) to train on")
     check_lora_state(lora_from_payload(tensors), plan, model_dir, f"checkpoint {directory}")
-    return directory, step
+    return directory, (tensors, meta)
+
+
+def check_resume(path: Path, plan: Plan, model_dir: Path) -> tuple[Path, int]:
+    """The checkpoint ``path`` means, read whole and matched with the plan; and the step it continues from."""
+    directory, (_, meta) = _read_resume(path, plan, model_dir)
+    return directory, int(meta["step"])
 
 
 def check_init_from(plan: Plan, model_dir: Path) -> None:
@@ -166,8 +182,10 @@ def check_ports(plan: Plan, host: str | None, port: int | None) -> None:
         ctx.term()
 
 
-def check_data(plan: Plan, model_dir: Path, first_step: int) -> None:
-    """The data file reads, every record has the format's fields, and every step to run has a label token."""
+def check_data(plan: Plan, model_dir: Path, first_step: int) -> Any:
+    """The data file reads, every record has the format's fields, and every step to run has a label token.
+
+    Returns the checked StepBatches, which the coordinator then feeds from."""
     from hetero.runtime.data import StepBatches
 
     train = plan.train
@@ -175,6 +193,7 @@ def check_data(plan: Plan, model_dir: Path, first_step: int) -> None:
                           train.seed, train.shuffle)
     vocab = plan.model.architecture.get("vocab_size")
     batches.check(first_step, train.steps, vocab if isinstance(vocab, int) else None)
+    return batches
 
 
 def prepare_run_dir(plan: Plan, run_dir: Path, config_yaml: str) -> Path:

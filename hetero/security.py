@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from hetero.errors import ConfigError, PlanError
 
-COORDINATOR = "coordinator"
+COORDINATOR = "coordinator"  # the run's process names, on the wire and in key files
 KEY_SUFFIX = ".key"
 
 Mode = Literal["curve", "token", "none"]
@@ -54,8 +54,13 @@ class Identity:
     peer_tokens: tuple[tuple[str, str], ...] = ()  # token mode: (identity, token) of every process
 
 
+def stage_name(k: int) -> str:
+    """The process name of stage k (its transport name, its peers' name for it, its key file's)."""
+    return f"stage{k}"
+
+
 def identities(num_stages: int) -> list[str]:
-    return [COORDINATOR, *(f"stage{k}" for k in range(num_stages))]
+    return [COORDINATOR, *(stage_name(k) for k in range(num_stages))]
 
 
 def is_loopback(address: str) -> bool:
@@ -116,11 +121,20 @@ def generate(mode: Mode, stage_hosts: list[str], out_dir: Path) -> SecuritySpec:
         for stale in folder.glob(f"*{KEY_SUFFIX}"):
             stale.unlink()
     for name, content in files.items():
-        path = out_dir / "artifacts" / host_of(name, stage_hosts) / "keys" / f"{name}{KEY_SUFFIX}"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(content, f, indent=1)
+        _write_private(out_dir / "artifacts" / host_of(name, stage_hosts) / "keys" / f"{name}{KEY_SUFFIX}",
+                       json.dumps(content, indent=1))
     return SecuritySpec(mode=mode, public_keys=public)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a key file readable by its owner only (created 0600: never briefly world-readable)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def _find_key(name: str, folders: list[Path]) -> Path | None:
+    return next((f / f"{name}{KEY_SUFFIX}" for f in folders if (f / f"{name}{KEY_SUFFIX}").is_file()), None)
 
 
 def key_dirs(plan_path: Path, host: str) -> list[Path]:
@@ -133,7 +147,7 @@ def load_identity(spec: SecuritySpec, name: str, folders: list[Path]) -> Identit
     """The key file of ``name`` (None in mode none); a one-line PlanError when missing or wrong."""
     if spec.mode == "none":
         return None
-    path = next((f / f"{name}{KEY_SUFFIX}" for f in folders if (f / f"{name}{KEY_SUFFIX}").is_file()), None)
+    path = _find_key(name, folders)
     if path is None:
         where = " or ".join(str(f) for f in folders)
         raise PlanError(f"no key file {name}{KEY_SUFFIX} in {where}: copy the plan's artifacts/<host>/keys folder "
@@ -171,10 +185,7 @@ def install_keys(spec: SecuritySpec, names: list[str], folders: list[Path], dest
     os.chmod(dest, 0o700)
     for name in names:
         load_identity(spec, name, folders)  # one-line error when missing or wrong
-        src = next(f / f"{name}{KEY_SUFFIX}" for f in folders if (f / f"{name}{KEY_SUFFIX}").is_file())
+        src = _find_key(name, folders)
         target = dest / f"{name}{KEY_SUFFIX}"
-        if src.resolve() == target.resolve():
-            continue
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(src.read_text())
+        if src is not None and src.resolve() != target.resolve():
+            _write_private(target, src.read_text())

@@ -23,9 +23,9 @@ from hetero.program import Action
 from hetero.runtime.data import IGNORE_INDEX
 from hetero.runtime.lr import make_scheduler
 from hetero.runtime.stage import Stage
+from hetero.security import COORDINATOR, stage_name
 from hetero.specs import TrainSpec
 
-COORDINATOR = "coordinator"
 COMPUTE_OPS = ("F", "B", "STEP")  # what counts as a stage's busy time; the rest is waiting or sending
 
 
@@ -58,11 +58,6 @@ def apply_step(params: list[torch.nn.Parameter], optimizer: Any, scheduler: Any,
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def stage_name(k: int) -> str:
-    """The transport name of stage k (also its peers' name for it)."""
-    return f"stage{k}"
 
 
 class Wire(Protocol):
@@ -130,9 +125,6 @@ class Executor:
     def run_step(self, step: int) -> StepStats:
         """Execute the whole program once (one optimizer step) and return its measurements."""
         self._reset()
-        rules = getattr(getattr(self.wire, "transport", self.wire), "rules", None)
-        if rules is not None:
-            rules.step = step  # from now on, messages of other steps than this and the next are dropped
         self._lr = self.scheduler.get_last_lr()[0] if self.scheduler is not None else self.train.lr
         times: dict[str, float] = defaultdict(float)
         start = time.perf_counter()

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from hetero.errors import WireError
-from hetero.security import COORDINATOR
+from hetero.security import COORDINATOR, stage_name
 
 from .wire import DTYPES, Message
 
@@ -175,10 +175,6 @@ def _dtype_name(t: torch.Tensor) -> str:
     return next((k for k, v in DTYPES.items() if v == t.dtype), str(t.dtype))
 
 
-def _stage(k: int) -> str:
-    return f"stage{k}"
-
-
 def stage_rules(plan: Any, k: int) -> Rules:
     """What stage ``k`` of ``plan`` accepts."""
     n = len(plan.stages)
@@ -195,22 +191,22 @@ def stage_rules(plan: Any, k: int) -> Rules:
         senders["batch"] = frozenset({COORDINATOR})
         tensors["batch"] = {"input_ids": TensorRule(ids, "int64", 0, vocab or None)}
     else:
-        senders["act"] = frozenset({_stage(k - 1)})
+        senders["act"] = frozenset({stage_name(k - 1)})
         tensors["act"] = {"h": TensorRule(shape, plan.stages[k - 1].dtype)}
     if k == n - 1:
         senders["labels"] = frozenset({COORDINATOR})
         tensors["labels"] = {"labels": TensorRule(ids, "int64", 0, vocab or None, extra_low=-100)}
     else:
-        senders["grad"] = frozenset({_stage(k + 1)})
+        senders["grad"] = frozenset({stage_name(k + 1)})
         tensors["grad"] = {"g": TensorRule(shape, plan.stages[k + 1].dtype)}
     # Pending at most: both steps' micro-batches from each neighbour, the step inputs, control messages.
-    return Rules(me=_stage(k), senders=senders, tensors=tensors, num_micro_batches=train.num_micro_batches,
+    return Rules(me=stage_name(k), senders=senders, tensors=tensors, num_micro_batches=train.num_micro_batches,
                  max_pending=4 * train.num_micro_batches + 16)
 
 
 def coordinator_rules(plan: Any) -> Rules:
     """What the coordinator accepts: lifecycle and per-step reports from the plan's stages only."""
-    stages = frozenset(_stage(k) for k in range(len(plan.stages)))
+    stages = frozenset(stage_name(k) for k in range(len(plan.stages)))
     kinds = ("hello", "start", "gradnorm", "stepdone", "checkpoint", "error", "heartbeat")
     return Rules(me=COORDINATOR, senders={kind: stages for kind in kinds}, num_micro_batches=1,
                  max_pending=8 * len(plan.stages) + 16)

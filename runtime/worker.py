@@ -38,11 +38,10 @@ from hetero.runtime.control import (
     is_timeout,
 )
 from hetero.runtime.processes import spawn_stages, stop_processes, supervise
-from hetero.security import key_dirs, load_identity
+from hetero.security import COORDINATOR, key_dirs, load_identity
 from hetero.serde import from_dict, to_dict
 from hetero.specs import TrainSpec
 
-COORDINATOR = "coordinator"
 log = logging.getLogger("hetero.worker")
 
 
@@ -221,6 +220,8 @@ def train_steps(executor: Any, mailbox: Mailbox, plan_hash: str, start_step: int
 
     mailbox.on_checkpoint = checkpoint_on_request
     for step in range(start_step, train.steps):
+        if transport.rules is not None:
+            transport.rules.step = step  # from now on, messages of other steps than this and the next are dropped
         stats = executor.run_step(step)
         transport.send(COORDINATOR, "stepdone", step=step, meta=stats.to_meta())
         log.info("step %d: busy %.3f s of %.3f s", step, stats.busy_s, stats.wall_s)

@@ -9,7 +9,6 @@ whose connection dropped and stayed down (its process exited or its host went aw
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -74,13 +73,10 @@ class ConnectionWatch:
         self.grace_s = grace_s
         self._monitors: dict[str, Any] = {}
         self._down_since: dict[str, float] = {}
-        sockets = getattr(transport, "_peers", {})
-        lock = getattr(transport, "_send_lock", None) or contextlib.nullcontext()
-        with lock:  # the socket is shared with the threads that send on it
-            for peer in peers:
-                sock = sockets.get(peer)
-                if sock is not None:
-                    self._monitors[peer] = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        for peer in peers:
+            monitor = transport.monitor(peer, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            if monitor is not None:
+                self._monitors[peer] = monitor
 
     def lost(self) -> list[str]:
         """Peers whose connection dropped and has stayed down for ``grace_s``."""
@@ -250,9 +246,4 @@ class Heartbeat(threading.Thread):
 
 def drop_unsent(transport: Any, linger_ms: int = 0, peers: list[str] | None = None) -> None:
     """Make close() drop, after ``linger_ms``, what ``peers`` (default: all) that already exited will never take."""
-    import zmq
-
-    # Transport has no close(linger=...) yet; its sockets are plain pyzmq sockets.
-    for peer, sock in getattr(transport, "_peers", {}).items():
-        if peers is None or peer in peers:
-            sock.setsockopt(zmq.LINGER, linger_ms)
+    transport.set_linger(linger_ms, peers)

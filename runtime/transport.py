@@ -308,6 +308,23 @@ class Transport:
             # copy=False: ZeroMQ keeps a reference to each memoryview (hence the tensor) until sent.
             sock.send_multipart(frames, copy=False)
 
+    def set_linger(self, linger_ms: int, peers: list[str] | None = None) -> None:
+        """How long close() may wait for queued sends to ``peers`` (default: every peer) to go out.
+
+        For peers that exited or refused us, which will never take what is queued for them."""
+        with self._send_lock:
+            for peer, sock in self._peers.items():
+                if peers is None or peer in peers:
+                    sock.setsockopt(zmq.LINGER, int(linger_ms))
+
+    def monitor(self, peer: str, events: int) -> zmq.Socket | None:
+        """A ZeroMQ monitor socket for ``events`` of the outbound connection to ``peer`` (None if not connected).
+
+        The caller owns it and must close it before this Transport closes."""
+        with self._send_lock:
+            sock = self._peers.get(peer)
+            return None if sock is None else sock.get_monitor_socket(events)
+
     # -- inbound ----------------------------------------------------------------------------------
 
     def recv(self, kind: str | None = None, *, step: int | None = None, mb: int | None = None,

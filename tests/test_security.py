@@ -57,8 +57,7 @@ def transport(plan: Plan, tmp_path: Path, name: str, *, bind: bool, rules: bool 
 
 def no_linger(t: Transport) -> Transport:
     """A refused peer's queued messages are never taken: let close() drop them at once."""
-    for sock in t._peers.values():
-        sock.setsockopt(zmq.LINGER, 0)
+    t.set_linger(0)
     return t
 
 
@@ -257,7 +256,7 @@ def test_mode_defaults_and_token_is_refused_off_one_machine() -> None:
 
 
 ATTACKER = """
-import os, pickle, socket, sys, time, torch, zmq
+import os, pickle, socket, sys, time, torch
 from hetero.plan import Plan
 from hetero.runtime.transport import Transport
 from hetero.security import key_dirs, load_identity
@@ -281,8 +280,7 @@ with Transport("stage0", None, plan.input_hash, identity=keyed, peer_keys=plan.s
             pass
         time.sleep(0.2)
     for t in (liar, stranger):  # what the stage refused will never be taken: do not linger on it
-        for sock in t._peers.values():
-            sock.setsockopt(zmq.LINGER, 0)
+        t.set_linger(0)
 """
 
 

@@ -205,7 +205,7 @@ def test_a_stage_listens_only_on_its_plan_address() -> None:
             peer.send("stage1", "heartbeat", meta={"t": 0})
             with pytest.raises(WireError, match="no 'heartbeat'"):
                 lan.recv("heartbeat", timeout_s=0.5)
-            peer._peers["stage1"].setsockopt(zmq.LINGER, 0)  # nothing listens there: drop, do not wait
+            peer.set_linger(0)  # nothing listens there: drop, do not wait
             peer.connect("stage1", f"tcp://127.0.0.2:{port}")
             peer.send("stage1", "heartbeat", meta={"t": 1})
             assert lan.recv("heartbeat").meta == {"t": 1}

@@ -195,14 +195,22 @@ def test_in_flight_memory_matches_brute_force(seed: int) -> None:
             for _ in range(rng.randint(2, 4))]
     graph = make_graph(rng.randint(3, 6), hidden=4096, rng=random.Random(seed))
     table, _, _ = table_for(graph, make_cluster(spec), m=8, quantization="nf4")
-    best = brute_force(table)
+    ilp_matches_brute_force(table, None, split_dp=seed % 2 == 0)
+
+
+def ilp_matches_brute_force(table, forced: int | None, split_dp: bool) -> list:
+    """The layered and the flat ILP both reach the brute-force optimum, or both find nothing; their evaluations."""
+    best = brute_force(table, forced)
+    found = []
     for layered in (True, False):
-        result = solve_ilp(table, None, time_limit_s=30, split_dp=seed % 2 == 0, layered=layered)
+        result = solve_ilp(table, forced, time_limit_s=30, split_dp=split_dp, layered=layered)
         if best is None:
             assert result.evaluation is None
             continue
         assert result.report.proven_optimal and result.evaluation is not None and result.evaluation.feasible
         assert result.evaluation.step_time_s == pytest.approx(best.step_time_s, rel=1e-6)
+        found.append(result.evaluation)
+    return found
 
 
 @pytest.mark.parametrize("seed", range(300, 336))
@@ -217,16 +225,9 @@ def test_recompute_choice_matches_brute_force(seed: int) -> None:
     table, _, _ = table_for(graph, make_cluster(spec), schedule=rng.choice(["1f1b", "1f1b", "gpipe"]),
                             m=rng.choice([2, 4, 8]), quantization="nf4", recompute=mode)
     forced = rng.choice([None, None, 2])
-    best = brute_force(table, forced)
-    for layered in (True, False):
-        result = solve_ilp(table, forced, time_limit_s=30, split_dp=seed % 2 == 0, layered=layered)
-        if best is None:
-            assert result.evaluation is None
-            continue
-        assert result.report.proven_optimal and result.evaluation is not None and result.evaluation.feasible
-        assert result.evaluation.step_time_s == pytest.approx(best.step_time_s, rel=1e-6)
+    for evaluation in ilp_matches_brute_force(table, forced, split_dp=seed % 2 == 0):
         if mode == "none":
-            assert not any(result.evaluation.recompute)
+            assert not any(evaluation.recompute)
 
 
 def test_recompute_is_chosen_only_where_memory_needs_it() -> None:

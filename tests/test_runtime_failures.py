@@ -243,18 +243,23 @@ def reference(root: Path) -> dict:
     return {"losses": [(m["loss"], m["lr"]) for m in metrics], "adapter": _adapter(run_dir)}
 
 
+def _signal_middle_stage(run: subprocess.Popen, run_dir: Path, sig: signal.Signals) -> tuple[list[int], str]:
+    """Send ``sig`` to stage 1; `hetero run` must exit 2 within the failure bound. The stage pids and its error line."""
+    pids = _stage_pids(run_dir)
+    t0 = time.monotonic()
+    os.kill(pids[1], sig)
+    code, err, took = _exit_within(run, t0, FAILURE_TIMEOUT_S + 5)
+    print(f"{sig.name}: `hetero run` exited {took:.2f} s after it")
+    assert code == 2
+    return pids, _one_error_line(err)
+
+
 @pytest.mark.slow
 def test_a_killed_stage_stops_the_run_in_one_line_and_resume_finishes_it(root: Path, reference: dict) -> None:
     run_dir = root / "killed"
     run = _run(root / "plan.json", run_dir, *SETTINGS, "checkpoint_every=2")
     _wait_for("the step-2 checkpoint", lambda: (run_dir / "checkpoints" / "step-000002" / "COMPLETE").is_file(), run)
-    pids = _stage_pids(run_dir)
-    t0 = time.monotonic()
-    os.kill(pids[1], signal.SIGKILL)
-    code, err, took = _exit_within(run, t0, FAILURE_TIMEOUT_S + 5)
-    print(f"SIGKILL: `hetero run` exited {took:.2f} s after the kill")
-    assert code == 2
-    line = _one_error_line(err)
+    pids, line = _signal_middle_stage(run, run_dir, signal.SIGKILL)
     assert f"stage 1 exited on host localhost (pid {pids[1]}): killed by SIGKILL" in line, line
     assert f"continue from step 2 with `hetero run {run_dir / 'plan.json'} --port {_port(run)} --resume {run_dir}`" in line \
         or f"continue from step 4 with `hetero run {run_dir / 'plan.json'} --port {_port(run)} --resume {run_dir}`" in line, line
@@ -275,13 +280,7 @@ def test_a_stopped_stage_is_found_within_the_failure_timeout_and_killed(root: Pa
     run_dir = root / "stopped"
     run = _run(root / "plan.json", run_dir, "steps=400")
     _wait_for("the first step", lambda: bool(_metrics(run_dir)), run)
-    pids = _stage_pids(run_dir)
-    t0 = time.monotonic()
-    os.kill(pids[1], signal.SIGSTOP)
-    code, err, took = _exit_within(run, t0, FAILURE_TIMEOUT_S + 5)
-    print(f"SIGSTOP: `hetero run` exited {took:.2f} s after the stop")
-    assert code == 2
-    line = _one_error_line(err)
+    pids, line = _signal_middle_stage(run, run_dir, signal.SIGSTOP)
     assert (f"stage 1 stopped responding on host localhost (pid {pids[1]}): no heartbeat for {FAILURE_TIMEOUT_S:g} s "
             "(the process is stopped: SIGSTOP or Ctrl-Z?)") in line, line
     assert "no checkpoint yet" in line and f"--run-dir {run_dir}" in line, line

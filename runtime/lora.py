@@ -7,8 +7,16 @@ same arithmetic runs in one autograd function that keeps the input as it arrived
 shared by every projection that reads it) plus the r-wide fp32 output of A, and casts again in
 backward. With lora.dropout > 0 it keeps a one-byte mask per element instead of a dropped-out copy.
 
-Numbers are peft's: the same ops in the same order (F.linear, scaling, the cast back to the base
-layer's dtype), so fp32 training equals plain peft (tests/test_runtime_equivalence.py).
+Where the base layer is a plain ``nn.Linear`` whose weight has the input's and the adapter's dtype
+(fp32 on CPU, or bf16 adapters on a bf16 model), base and adapter run as one fused linear
+(``_LoraLinear``): the adapter's output is accumulated into the base GEMM's output (``addmm_``, the
+scaling folded into the GEMM), and in backward the adapter's input gradient into the base's. That
+drops, per adapted projection, a full-width delta tensor, its scaling multiply and the add, forward
+and backward -- about a quarter of a W1 stage's compute on this CPU (docs/benchmarks.md). Peers
+running stock peft pay them. The rounding of the delta differs from peft's by an ulp; fp32 training
+equals plain peft to 1e-4 (tests/test_runtime_equivalence.py), and a run equals itself bit for bit.
+Elsewhere (bitsandbytes 4-bit, bf16 base with fp32 adapters) the delta runs on its own, as peft
+orders it.
 """
 
 from __future__ import annotations
@@ -57,12 +65,68 @@ class _LoraDelta(torch.autograd.Function):
         return grad_x, grad_a, grad_b, None, None
 
 
+class _LoraLinear(torch.autograd.Function):
+    """x @ W^T + b + (dropout(x) @ A^T) @ B^T * scaling as one linear, for a frozen nn.Linear base.
+
+    Saves what the unfused path saves (x, A's r-wide output, the dropout mask; weights are parameters).
+    The r-wide products are computed r-rows-first (A @ x^T, not x @ A^T): on CPU BLAS the skinny
+    orientation is ~4x slower at LoRA's shapes (measured 2026-11-23, docs/benchmarks.md)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a_weight: torch.Tensor,
+                b_weight: torch.Tensor, scaling: float, p: float) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        out = x2.mm(weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+        mask = None
+        xa = x2
+        if p > 0:
+            mask = torch.rand_like(x2) >= p
+            xa = x2 * mask / (1.0 - p)
+        a_t = a_weight.mm(xa.t())  # r x N
+        out.addmm_(a_t.t(), b_weight.t(), alpha=scaling)
+        ctx.scaling, ctx.p, ctx.has_bias = scaling, p, bias is not None
+        ctx.save_for_backward(x, weight, a_weight, b_weight, a_t, mask)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, a_weight, b_weight, a_t, mask = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        grad_b = a_t.mm(g2).t().mul_(ctx.scaling)  # (g^T a) as (a^T g)^T
+        ga_t = b_weight.t().mm(g2.t()).mul_(ctx.scaling)  # r x N: the gradient reaching A's output
+        xa = x2 if mask is None else x2 * mask / (1.0 - ctx.p)
+        grad_a = ga_t.mm(xa)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            gx = g2.mm(weight)
+            if mask is None:
+                gx.addmm_(ga_t.t(), a_weight)
+            else:
+                gx.add_(ga_t.t().mm(a_weight) * mask / (1.0 - ctx.p))
+            grad_x = gx.view(x.shape)
+        grad_bias = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, None, grad_bias, grad_a, grad_b.contiguous(), None, None
+
+
+def _fusable(module: Any, x: torch.Tensor) -> bool:
+    """A frozen plain nn.Linear base, no hooks, the input's and the adapter's dtype on its weight."""
+    base = module.base_layer
+    return (type(base) is nn.Linear and not base.weight.requires_grad and not base._forward_hooks
+            and not base._forward_pre_hooks and x.dtype == base.weight.dtype == module._hetero_a_dtype
+            and x.device == base.weight.device and x.dim() >= 2)
+
+
 def _forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """peft's vanilla single-adapter LoRA forward, through _LoraDelta."""
+    """peft's vanilla single-adapter LoRA forward, through _LoraLinear or _LoraDelta."""
     name = self.active_adapters[0]
-    result = self.base_layer(x, *args, **kwargs)
     dropout = self.lora_dropout[name]
     p = float(dropout.p) if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
+    if not args and not kwargs and _fusable(self, x):
+        base = self.base_layer
+        return _LoraLinear.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
+                                 self.scaling[name], p)
+    result = self.base_layer(x, *args, **kwargs)
     delta = _LoraDelta.apply(x, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name], p)
     if self._hetero_cast_first:  # peft's bitsandbytes layers cast the LoRA output before adding it
         return result + delta.to(result.dtype)
@@ -89,6 +153,7 @@ def share_lora_inputs(model: nn.Module) -> int:
         if not (is_linear or is_4bit) or not _plain(module):
             continue
         module._hetero_cast_first = is_4bit
+        module._hetero_a_dtype = module.lora_A[module.active_adapters[0]].weight.dtype
         module.forward = types.MethodType(_forward, module)
         count += 1
     return count

@@ -119,11 +119,16 @@ def candidate_placements(table: CostTable, graph_or_none: object = None) -> list
     graph = graph_or_none
     if graph is not None and hasattr(graph, "decoder_indices"):
         decoder = graph.decoder_indices()
-    out = [Placement((d,), ((0, table.num_nodes - 1),)) for d in range(len(table.devices))]
-    tflops = [d.tflops.get(d.compute_dtype(table.model_dtype), 0.0) or d.tflops.get("float32", 0.0)
-              for d in table.devices]
-    fastest = sorted(range(len(table.devices)), key=lambda d: -tflops[d])
-    for orders in (list(range(len(table.devices))), fastest):
+    nd = table.num_devices
+    out = [Placement((d,), ((0, table.num_nodes - 1),)) for d in range(nd)]
+    if table.devices:
+        tflops = [d.tflops.get(d.compute_dtype(table.model_dtype), 0.0) or d.tflops.get("float32", 0.0)
+                  for d in table.devices]
+    else:  # a table without a fleet: speed is the inverse of the device's whole-model time
+        tflops = [1.0 / max(1e-30, sum(table.fwd_s[i][d] + table.bwd_s[i][d] for i in range(table.num_nodes)))
+                  for d in range(nd)]
+    fastest = sorted(range(nd), key=lambda d: -tflops[d])
+    for orders in (list(range(nd)), fastest):
         for s in range(2, len(orders) + 1):
             devs = orders[:s]
             for weights in ([1.0] * s, [tflops[d] or 1.0 for d in devs]):

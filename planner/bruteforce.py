@@ -26,7 +26,7 @@ def brute_force(table: CostTable, num_stages: int | None = None) -> Evaluation |
     planner's rule that the fewest recomputing layers that fit are the fastest).
     """
     best: Evaluation | None = None
-    for placement in all_placements(table.num_nodes, len(table.devices), num_stages):
+    for placement in all_placements(table.num_nodes, table.num_devices, num_stages):
         choices = [table.recompute_choices(a, b) for a, b in placement.spans]
         for recompute in product(*choices):
             ev = evaluate(table, Placement(placement.devices, placement.spans, tuple(recompute)))

@@ -2,8 +2,9 @@
 
 ``CostModel`` is the interface; ``RooflineCostModel`` fills it from datasheet numbers and
 ``planner.profile_cost.ProfileCostModel`` from a measured profile (``hetero profile``). ``CostTable``
-evaluates a cost model once for every (node, device) of a planning problem, so the ILP, the brute
-force, the baselines and the manual split all read the very same numbers.
+evaluates a cost model once for every (node, device) and every link of a planning problem, as dense
+arrays: the exact DP, the ILP, the brute force, the baselines and the manual split all read the very
+same numbers, and none of them calls back into the fleet or the cost model.
 """
 
 from __future__ import annotations
@@ -200,26 +201,44 @@ def in_flight(schedule: str, position_from_end: int, num_micro_batches: int) -> 
     return min(position_from_end + 1, num_micro_batches)
 
 
+def _rows(values: object) -> list[list[float]]:
+    """A [row][column] list of floats from any nested sequence (numpy arrays included)."""
+    return [[float(x) for x in row] for row in values]  # type: ignore[attr-defined]
+
+
 @dataclass
 class CostTable:
-    """Every cost the planner needs, evaluated once: [node][device] arrays in seconds and bytes."""
+    """Every cost the planner needs, evaluated once as dense arrays: the solvers read nothing else.
 
-    devices: list[DeviceSpec]
+    [node][device] arrays in seconds and bytes. Links are per [node][wire kind][sender host][receiver
+    host]: a device sends the cut after a node in its wire kind (its compute dtype decides the bytes),
+    so storage grows with hosts and dtypes, not with devices squared, and the cost model is still
+    evaluated at the exact byte counts (a measured link need not be linear in bytes). A table can be
+    built from random arrays (no fleet, no cost model): unset link, message and sync arrays are zero.
+    """
+
     fwd_s: list[list[float]]
     bwd_s: list[list[float]]
     weights: list[list[float]]
     lora: list[list[float]]
     activations_per_mb: list[list[float]]
-    wire_bytes: list[list[float]]  # per micro-batch, across the cut after node i, from device d
     usable_bytes: list[float]  # memory_gb * (1 - headroom), per device
     workspace_bytes: float
-    tokens: int
     schedule: str
     num_micro_batches: int
-    cluster: ClusterSpec
-    cost_model: CostModel
+    tokens: int = 0  # per micro-batch (for tokens/s)
     model_dtype: str = "auto"
-    # Outside the layers (see CostModel.optimizer_step_s / message_s):
+    # Where each device sits and what it sends: host index, wire kind index.
+    host_of: list[int] = field(default_factory=list)
+    wire_kind: list[int] = field(default_factory=list)
+    wire_bytes: list[list[float]] = field(default_factory=list)  # [node][kind] bytes per micro-batch (information)
+    link_s: list[list[list[list[float]]]] = field(default_factory=list)  # [node][kind][host a][host b] one way
+    # CPU seconds a stage on [device] spends to send / receive one message across the cut after [node]
+    # sized as [kind] sends it (gradients going back are costed at the same size).
+    message_send_s: list[list[list[float]]] = field(default_factory=list)  # [node][kind][device]
+    message_recv_s: list[list[list[float]]] = field(default_factory=list)  # [node][kind][device]
+    sync_round_trip_s: list[list[float]] = field(default_factory=list)  # [host][coordinator's host]
+    # Outside the layers (see CostModel.optimizer_step_s):
     opt_s: list[list[float]] = field(default_factory=list)  # [node][device] its share of the optimizer step
     opt_fixed_s: list[float] = field(default_factory=list)  # [device] the step's constant part
     # Activation recomputation (planner.recompute): per [node][device] what a recomputing node keeps
@@ -229,12 +248,60 @@ class CostTable:
     recompute_s: list[list[float]] = field(default_factory=list)
     recomputable: list[bool] = field(default_factory=list)
     recompute_mode: str = "none"
+    # The fleet's devices, for names in plans and messages; solvers never read them (may be empty).
+    devices: list[DeviceSpec] = field(default_factory=list)
     _prefix: dict[int, tuple[list[float], list[int], list[float]]] = field(
         default_factory=dict, repr=False, compare=False)
+    _classes: list[int] = field(default_factory=list, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("fwd_s", "bwd_s", "weights", "lora", "activations_per_mb", "opt_s", "recompute_per_mb",
+                     "recompute_s"):
+            setattr(self, name, _rows(getattr(self, name)))
+        self.usable_bytes = [float(x) for x in self.usable_bytes]
+        self.opt_fixed_s = [float(x) for x in self.opt_fixed_s]
+        self.recomputable = [bool(x) for x in self.recomputable]
+        n, nd = len(self.fwd_s), len(self.usable_bytes)
+        for name in ("fwd_s", "bwd_s", "weights", "lora", "activations_per_mb"):
+            rows = getattr(self, name)
+            if len(rows) != n or any(len(r) != nd for r in rows):
+                raise ValueError(f"CostTable.{name} must be [{n} nodes][{nd} devices]")
+        self.host_of = [int(h) for h in self.host_of] or [0] * nd
+        self.wire_kind = [int(k) for k in self.wire_kind] or [0] * nd
+        if len(self.host_of) != nd or len(self.wire_kind) != nd:
+            raise ValueError("CostTable.host_of and wire_kind need one entry per device")
+        hosts, kinds = max(self.host_of) + 1, max(self.wire_kind) + 1
+        self.link_s = ([[_rows(hk) for hk in kinds_] for kinds_ in self.link_s] if len(self.link_s)
+                       else [[[[0.0] * hosts for _ in range(hosts)] for _ in range(kinds)] for _ in range(n)])
+        zeros = [[[0.0] * nd for _ in range(kinds)] for _ in range(n)]
+        self.message_send_s = [_rows(r) for r in self.message_send_s] if len(self.message_send_s) else zeros
+        self.message_recv_s = [_rows(r) for r in self.message_recv_s] if len(self.message_recv_s) else zeros
+        self.sync_round_trip_s = (_rows(self.sync_round_trip_s) if len(self.sync_round_trip_s)
+                                  else [[0.0] * hosts for _ in range(hosts)])
+        if not self.recompute_per_mb:
+            self.recompute_per_mb = [list(r) for r in self.activations_per_mb]
+        if not self.recompute_s:
+            self.recompute_s = [[0.0] * nd for _ in range(n)]
+        if not self.recomputable:
+            self.recomputable = [False] * n
+        shapes = [(len(self.link_s), n), (len(self.link_s[0]) if n else kinds, kinds),
+                  (len(self.sync_round_trip_s), hosts), (len(self.message_send_s), n), (len(self.recomputable), n)]
+        if any(a != b for a, b in shapes) or any(len(ha) < hosts for k in self.link_s for ha in k):
+            raise ValueError("CostTable link/message/sync/recompute arrays do not match the nodes, kinds and hosts")
 
     @property
     def num_nodes(self) -> int:
         return len(self.fwd_s)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.usable_bytes)
+
+    def device_name(self, d: int) -> str:
+        """``name (display name)`` of device d, or ``device d`` for a table without a fleet."""
+        if d < len(self.devices):
+            return f"{self.devices[d].name} ({self.devices[d].display_name})"
+        return f"device {d}"
 
     def prefixes(self, d: int) -> tuple[list[float], list[int], list[float]]:
         """Device d's prefix sums: activations per node, recomputable nodes before each node, and
@@ -243,7 +310,7 @@ class CostTable:
             acts, rank, saved = [0.0], [0], [0.0]
             for i in range(self.num_nodes):
                 acts.append(acts[-1] + self.activations_per_mb[i][d])
-                can = bool(self.recomputable) and self.recomputable[i]
+                can = self.recomputable[i]
                 rank.append(rank[-1] + int(can))
                 if can:
                     saved.append(saved[-1] + (self.activations_per_mb[i][d] - self.recompute_per_mb[i][d]))
@@ -263,19 +330,33 @@ class CostTable:
 
     def transfer_s(self, node: int, sender: int, receiver: int) -> float:
         """Seconds to send the cut after ``node`` from device index ``sender`` to ``receiver``."""
-        a, b = self.devices[sender], self.devices[receiver]
-        return self.cost_model.transfer_time_s(self.cluster, a.host, b.host, self.wire_bytes[node][sender])
+        return self.link_s[node][self.wire_kind[sender]][self.host_of[sender]][self.host_of[receiver]]
 
     def message_s(self, node: int, sender: int, device: int) -> tuple[float, float]:
         """(send, receive) CPU seconds on ``device`` for one message across the cut after ``node``
         (sized as ``sender`` sends it; gradients going back are costed at the same size)."""
-        send, recv = self.cost_model.message_s(self.devices[device], self.wire_bytes[node][sender])
-        return float(send), float(recv)
+        kind = self.wire_kind[sender]
+        return self.message_send_s[node][kind][device], self.message_recv_s[node][kind][device]
 
     def sync_s(self, device: int, coordinator: int) -> float:
         """The step's gradient-norm round trip between ``device`` and the coordinator (on ``coordinator``'s host)."""
-        a, b = self.devices[device].host, self.devices[coordinator].host
-        return 2.0 * self.cost_model.transfer_time_s(self.cluster, a, b, SYNC_BYTES)
+        return self.sync_round_trip_s[self.host_of[device]][self.host_of[coordinator]]
+
+    def device_classes(self) -> list[int]:
+        """Per device, its class: devices of one class are interchangeable (same host, memory, wire
+        kind and every [node][device] column), numbered by first appearance."""
+        if not self._classes:
+            keys: dict[tuple, int] = {}  # type: ignore[type-arg]
+            rows = (self.fwd_s, self.bwd_s, self.weights, self.lora, self.activations_per_mb,
+                    self.recompute_per_mb, self.recompute_s, self.opt_s)
+            for d in range(self.num_devices):
+                messages = tuple(r[d] for per_node in (self.message_send_s, self.message_recv_s)
+                                 for kinds in per_node for r in kinds)
+                key = (self.host_of[d], self.wire_kind[d], self.usable_bytes[d],
+                       self.opt_fixed_s[d] if self.opt_fixed_s else 0.0,
+                       *(tuple(r[d] for r in t) for t in rows), messages)
+                self._classes.append(keys.setdefault(key, len(keys)))
+        return self._classes
 
 
 def build_cost_table(
@@ -286,7 +367,7 @@ def build_cost_table(
     options: PlannerOptions,
     cost_model: CostModel,
 ) -> CostTable:
-    """Evaluate ``cost_model`` for every (node, device) of the fleet."""
+    """Evaluate ``cost_model`` for every (node, device) of the fleet and every link the solvers may use."""
     devices = cluster.devices
     if not devices:
         raise ConfigError(f"fleet '{cluster.name}' has no devices")
@@ -300,7 +381,7 @@ def build_cost_table(
         raise ConfigError(f"planner.recompute={options.recompute!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
     tokens = train.micro_batch_size * graph.seq_len
     n_nodes = len(graph.nodes)
-    fwd, bwd, w, lo, act, wire, rec, rec_s = ([], [], [], [], [], [], [], [])
+    fwd, bwd, w, lo, act, rec, rec_s = ([], [], [], [], [], [], [])
     recomputable = []
     for i in range(n_nodes):
         times = [cost_model.node_time_s(graph, model, i, d, tokens) for d in devices]
@@ -310,7 +391,6 @@ def build_cost_table(
         w.append([m.weights for m in mems])
         lo.append([m.lora for m in mems])
         act.append([m.activations_per_mb for m in mems])
-        wire.append([wire_bytes_per_token(graph, i, d, model) * tokens for d in devices])
         # A layer recomputes only if the graph says what it keeps and that is less than it saves.
         can = graph.nodes[i].kind == "decoder" and all(
             m.recompute_per_mb is not None and m.recompute_per_mb < m.activations_per_mb for m in mems)
@@ -321,26 +401,46 @@ def build_cost_table(
     opt_fixed = [cost_model.optimizer_step_s(d, model, 0, 0) for d in devices]
     opt = [[cost_model.optimizer_step_s(d, model, graph.nodes[i].lora_params, lora_tensors(graph, model, i)) - opt_fixed[j]
             for j, d in enumerate(devices)] for i in range(n_nodes)]
+    # Links: one wire kind per distinct bytes-per-cut column (a dtype), one index per host.
+    hosts = [h.name for h in cluster.hosts]
+    host_of = [hosts.index(d.host) for d in devices]
+    kinds: dict[tuple[float, ...], int] = {}
+    wire_kind = [kinds.setdefault(tuple(wire_bytes_per_token(graph, i, d, model) * tokens for i in range(n_nodes)),
+                                  len(kinds)) for d in devices]
+    kind_bytes = [[k[i] for k in kinds] for i in range(n_nodes)]  # [node][kind]
+    link = [[[[float(cost_model.transfer_time_s(cluster, a, b, kind_bytes[i][k])) for b in hosts] for a in hosts]
+             for k in range(len(kinds))] for i in range(n_nodes)]
+    sends: list[list[list[float]]] = []
+    recvs: list[list[list[float]]] = []
+    for i in range(n_nodes):
+        per_kind = [[cost_model.message_s(d, kind_bytes[i][k]) for d in devices] for k in range(len(kinds))]
+        sends.append([[float(s) for s, _ in row] for row in per_kind])
+        recvs.append([[float(r) for _, r in row] for row in per_kind])
+    sync = [[2.0 * float(cost_model.transfer_time_s(cluster, a, b, SYNC_BYTES)) for b in hosts] for a in hosts]
     return CostTable(
-        devices=devices,
         fwd_s=fwd,
         bwd_s=bwd,
         weights=w,
         lora=lo,
         activations_per_mb=act,
-        wire_bytes=wire,
         usable_bytes=[d.memory_gb * (1.0 - options.memory_headroom) * GB for d in devices],
         workspace_bytes=options.workspace_gb * GB,
-        tokens=tokens,
         schedule=train.schedule,
         num_micro_batches=train.num_micro_batches,
-        cluster=cluster,
-        cost_model=cost_model,
+        tokens=tokens,
         model_dtype=model.dtype,
+        host_of=host_of,
+        wire_kind=wire_kind,
+        wire_bytes=kind_bytes,
+        link_s=link,
+        message_send_s=sends,
+        message_recv_s=recvs,
+        sync_round_trip_s=sync,
         opt_s=opt,
         opt_fixed_s=opt_fixed,
         recompute_per_mb=rec,
         recompute_s=rec_s,
         recomputable=recomputable,
         recompute_mode=options.recompute,
+        devices=devices,
     )

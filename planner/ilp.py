@@ -13,15 +13,20 @@ not fit are never created; a flat network adds one row per cut for micro-batches
   also prunes arcs that cannot beat it.
 
 The objective is hetero.planner.objective.pipeline_step_time in these variables (tests check it
-against brute force). CBC's status is checked; a time-limited run reports its gap.
+against brute force). CBC searches exactly (no gap, a tiny cutoff increment on an objective scaled to
+be >= 1) against the wall clock, and is killed if it overruns; its solution status is checked, and a
+time-limited run reports its gap. planner.solve runs this when the exact DP (planner/exact.py) cannot.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 import tempfile
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -29,6 +34,7 @@ import pulp
 
 from hetero.plan import SolverReport
 from hetero.planner.cost import CostTable
+from hetero.planner.deadline import OutOfTime, check
 from hetero.planner.network import (
     LinkArc,
     Network,
@@ -209,7 +215,7 @@ class _Model:
             chosen.add((d, a, b, q, ev.recompute[k] if ev.recompute else 0))
             if k > 0:
                 prev = pl.devices[k - 1]
-                links.add((a, q, net.group_of[prev], table.devices[d].host))
+                links.add((a, q, net.group_of[prev], table.host_of[d]))
                 if not gpipe and q < net.cap and min(num - k + 1, net.cap) == net.cap:
                     downs.add((a, net.group_of[prev]))
         ys = {(a.device, a.first, a.last, a.state, a.recompute): v for a, v in self.y.items()}
@@ -245,6 +251,62 @@ class _Model:
                                               tuple(a.recompute for a in arcs)))
 
 
+# CBC stops itself at its time limit; past the deadline by this much it is killed (its root LP and
+# preprocessing do not look at the clock), so a solve never overruns planner.time_limit_s by more.
+CBC_GRACE_S = 0.5
+# Exact search: no gap, and a new solution need only be this much better (in units of Network.unit,
+# i.e. relative to a lower bound on the step time) than the last, instead of CBC's absolute 1e-5.
+CBC_INCREMENT = 1e-9
+
+
+def run_cbc(prob: pulp.LpProblem, warm: bool, deadline: float) -> tuple[bool, str]:
+    """Solve ``prob`` with the bundled CBC (one thread, exact tolerances, wall-clock limit) until
+    ``deadline`` (time.perf_counter()); (finished, log). Finished: prob holds CBC's statuses and values."""
+    with warnings.catch_warnings():  # PuLP 3 deprecates the bundled binary's class, not the binary
+        warnings.simplefilter("ignore", DeprecationWarning)
+        solver = pulp.PULP_CBC_CMD(msg=False)
+    tmp = tempfile.mkdtemp(prefix="hetero_cbc_")
+    mps, sol, mst, log = (os.path.join(tmp, name) for name in ("p.mps", "p.sol", "p.mst", "p.log"))
+    try:
+        names = prob.writeMPS(mps, rename=1)[:3]
+        args = [str(solver.path), mps]
+        if warm:
+            solver.writesol(mst, prob, *names)
+            args += ["-mips", mst]
+        seconds = max(0.05, deadline - time.perf_counter())
+        args += ["-sec", f"{seconds:.3f}", "-timeMode", "elapsed", "-threads", "1", "-allowableGap", "0",
+                 "-ratioGap", "0", "-increment", f"{CBC_INCREMENT:g}", "-solve", "-printingOptions", "all",
+                 "-solution", sol]
+        with open(log, "w") as out:
+            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            try:
+                proc.wait(timeout=seconds + CBC_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        with open(log, errors="replace") as fh:
+            text = fh.read()
+        if proc.returncode != 0 or not os.path.exists(sol):
+            return False, text
+        status, values, _, _, _, sol_status = solver.readsol_MPS(sol, prob, *names)
+        prob.assignVarsVals(values)
+        prob.assignStatus(status, sol_status)
+        return True, text
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _starting_point(table: CostTable, num_stages: int | None, starts: list[Placement] | None, split_dp: bool,
+                    deadline: float) -> Evaluation | None:
+    """The best known placement: the candidates, and the split DP's if asked (until the deadline)."""
+    start = _best_start(table, num_stages, starts)
+    if split_dp:
+        found = dp_starts(table, num_stages, deadline=deadline)
+        if found and (start is None or found[0].step_time_s < start.step_time_s):
+            start = found[0]
+    return start
+
+
 def solve_ilp(
     table: CostTable,
     num_stages: int | None = None,
@@ -252,53 +314,60 @@ def solve_ilp(
     starts: list[Placement] | None = None,
     split_dp: bool = True,
     layered: bool | None = None,
+    deadline: float | None = None,
 ) -> IlpResult:
     """Minimize the closed-form step time over placements; the report says how sure the solver is.
 
     ``starts``: candidate placements (baselines); with ``split_dp`` also the split DP's placements
     (planner/splits.py). The best feasible one bounds the search (arcs that cannot beat it are
     pruned), seeds CBC (MIP start) and is returned if CBC finds nothing better. ``layered``: see
-    build_network (None: automatic).
+    build_network (None: automatic). Everything (heuristics, network, CBC) ends by ``deadline``
+    (time.perf_counter(); default: now + time_limit_s), plus at most CBC_GRACE_S.
     """
     t0 = time.perf_counter()
-    start = _best_start(table, num_stages, starts)
-    if split_dp:
-        found = dp_starts(table, num_stages)
-        if found and (start is None or found[0].step_time_s < start.step_time_s):
-            start = found[0]
-    net = build_network(table, num_stages, start.step_time_s if start is not None else None, layered)
-    model = _Model(table, net, num_stages)
-    prob = model.prob
+    deadline = t0 + time_limit_s if deadline is None else deadline
+    start = _starting_point(table, num_stages, starts, split_dp, deadline)
+    try:
+        net = build_network(table, num_stages, start.step_time_s if start is not None else None, layered, deadline)
+        model = _Model(table, net, num_stages)
+        check(deadline)
+    except OutOfTime:
+        return _out_of_time(table, start, time_limit_s, t0)
     if start is not None:
         start = evaluate(table, canonical(start.placement, net.twins))  # same costs: twins are identical
-    warm = start is not None and model.warm_start(start)
-    fd, log_path = tempfile.mkstemp(prefix="hetero_cbc_", suffix=".log")
-    os.close(fd)
-    try:
-        # One thread: the machine is shared, and CBC's parallel tree search pays off only on big trees.
-        # CBC gets what is left of the budget after building the network and the model.
-        left = max(1.0, time_limit_s - (time.perf_counter() - t0))
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=left, logPath=log_path, gapRel=1e-9,
-                                   warmStart=warm, threads=1)
-        prob.solve(solver)
-        with open(log_path, errors="replace") as fh:
-            log_text = fh.read()
-    finally:
-        os.unlink(log_path)
-    elapsed = time.perf_counter() - t0
+    finished, log_text = run_cbc(model.prob, start is not None and model.warm_start(start), deadline)
+    return _report(table, model, start, finished, log_text, time_limit_s, t0)
 
-    status = pulp.LpStatus[prob.status]
-    sol_status = pulp.LpSolution.get(prob.sol_status, str(prob.sol_status))
-    has_solution = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-    evaluation = None
-    objective = None
-    gap: float | None = None
-    proven = prob.sol_status == pulp.LpSolutionOptimal
-    message = ""
+
+def _out_of_time(table: CostTable, start: Evaluation | None, time_limit_s: float, t0: float) -> IlpResult:
+    """The deadline passed before CBC could start: the best heuristic placement, unproven."""
+    message = (f"the time limit of {time_limit_s:g} s ran out while building the ILP: kept the best heuristic "
+               "placement" if start is not None else
+               f"the time limit of {time_limit_s:g} s ran out while building the ILP")
+    report = SolverReport("PuLP/CBC", "Not Solved", "No Solution Found", False, None,
+                          start.step_time_s if start is not None else None, time.perf_counter() - t0,
+                          time_limit_s, message=message)
+    return IlpResult(start, report)
+
+
+def _report(table: CostTable, model: _Model, start: Evaluation | None, finished: bool, log_text: str,
+            time_limit_s: float, t0: float) -> IlpResult:
+    """Read CBC's answer (checked: sol_status, not only status) into an evaluation and a report."""
+    prob, net = model.prob, model.net
+    status = pulp.LpStatus[prob.status] if finished else "Not Solved"
+    sol_status = pulp.LpSolution.get(prob.sol_status, str(prob.sol_status)) if finished else "No Solution Found"
+    has_solution = finished and prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    proven = finished and prob.sol_status == pulp.LpSolutionOptimal
+    evaluation, objective, gap, message = None, None, None, ""
     if has_solution:
         evaluation = model.extract()
-        objective = pulp.value(prob.objective) * net.unit
-        if start is not None and start.step_time_s < evaluation.step_time_s:
+        objective = evaluation.step_time_s
+        if not evaluation.feasible:
+            proven, evaluation, objective = False, None, None
+        if start is not None and (evaluation is None or start.step_time_s < evaluation.step_time_s):
+            # CBC's "optimal" must not lose to a placement it was given (tolerances): then it is not proven.
+            if evaluation is not None and start.step_time_s < evaluation.step_time_s * (1 - 1e-7):
+                proven = False
             evaluation, objective = start, start.step_time_s
         if not proven:
             message = f"time limit of {time_limit_s:g} s reached before optimality was proven"
@@ -306,11 +375,12 @@ def solve_ilp(
         # The start's arcs are in the network, so CBC can only have run out of time.
         evaluation, objective = start, start.step_time_s
         message = f"no better placement found within {time_limit_s:g} s: kept the best heuristic placement"
-    elif prob.status == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
+    elif finished and (prob.status == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible):
         message = "no placement satisfies the memory limits"
+        proven = True
     else:
         message = f"no solution found within the time limit of {time_limit_s:g} s"
-    if proven:
+    if proven and evaluation is not None:
         gap = 0.0
     elif objective is not None:
         _, bound = _parse_cbc_log(log_text)
@@ -320,10 +390,10 @@ def solve_ilp(
         solver="PuLP/CBC",
         status=status,
         sol_status=sol_status,
-        proven_optimal=proven,
+        proven_optimal=proven and evaluation is not None,
         gap=gap,
         objective_s=objective,
-        solve_time_s=elapsed,
+        solve_time_s=time.perf_counter() - t0,
         time_limit_s=time_limit_s,
         num_variables=len(prob.variables()),
         num_constraints=len(prob.constraints),

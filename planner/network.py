@@ -24,6 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from hetero.planner.cost import CostTable
+from hetero.planner.deadline import check
 from hetero.planner.objective import (
     Placement,
     recompute_time_s,
@@ -59,7 +60,7 @@ class LinkArc:
     cut: int
     state: int
     group: int
-    host: str
+    host: int
     time: float
 
 
@@ -67,7 +68,7 @@ class LinkArc:
 class Network:
     """The pruned layered network of one planning problem."""
 
-    unit: float  # seconds per model time unit (keeps coefficients O(1))
+    unit: float  # seconds per time unit: a lower bound on the step time (the objective is >= 1)
     cap: int  # the capped state Q
     start_states: list[int]
     stages: list[StageArc]
@@ -80,19 +81,13 @@ class Network:
 
 
 def _twins(table: CostTable) -> list[tuple[int, int]]:
-    """Consecutive pairs of interchangeable devices: same host, identical cost-table columns."""
-    def column(d: int) -> tuple:  # type: ignore[type-arg]
-        rows = (table.fwd_s, table.bwd_s, table.weights, table.lora, table.activations_per_mb, table.wire_bytes,
-                table.recompute_per_mb, table.recompute_s)
-        return (table.devices[d].host, table.usable_bytes[d], *(tuple(r[d] for r in t) for t in rows))
-
+    """Consecutive pairs of interchangeable devices (one class: same host, identical cost-table columns)."""
     pairs: list[tuple[int, int]] = []
-    seen: dict[tuple, int] = {}  # type: ignore[type-arg]
-    for d in range(len(table.devices)):
-        key = column(d)
-        if key in seen:
-            pairs.append((seen[key], d))
-        seen[key] = d  # chain consecutive twins: a<b<c gives (a,b), (b,c)
+    seen: dict[int, int] = {}
+    for d, cls in enumerate(table.device_classes()):
+        if cls in seen:
+            pairs.append((seen[cls], d))
+        seen[cls] = d  # chain consecutive twins: a<b<c gives (a,b), (b,c)
     return pairs
 
 
@@ -124,24 +119,30 @@ def _recompute_by_held(table: CostTable, d: int, i: int, j: int, w: float, lo: f
 
 
 def build_network(
-    table: CostTable, num_stages: int | None, upper_s: float | None, layered: bool | None = None
+    table: CostTable, num_stages: int | None, upper_s: float | None, layered: bool | None = None,
+    deadline: float | None = None,
 ) -> Network:
     """Enumerate, prune and connect the stage and link arcs (see the module docstring).
 
     ``layered``: track stages remaining in the states (exact, tight LP) or, when False, in rows
     (one layer: far fewer arcs). None picks layers unless they would exceed LAYERED_ARCS arcs.
+    Raises planner.deadline.OutOfTime past ``deadline`` (time.perf_counter()).
     """
     if layered is None:
-        net = build_network(table, num_stages, upper_s, True)
+        net = build_network(table, num_stages, upper_s, True, deadline)
         if len(net.stages) <= LAYERED_ARCS or net.cap == 1:
             return net
-        return build_network(table, num_stages, upper_s, False)
-    n, nd, m = table.num_nodes, len(table.devices), table.num_micro_batches
+        return build_network(table, num_stages, upper_s, False, deadline)
+    n, nd, m = table.num_nodes, table.num_devices, table.num_micro_batches
     gpipe = table.schedule == "gpipe"
-    unit = max(sum(table.fwd_s[i][d] + table.bwd_s[i][d] for i in range(n)) for d in range(nd)) or 1.0
+    # The unit: every node on its fastest device, a lower bound on any step time. So the objective is
+    # >= 1 and CBC's absolute tolerances (its cutoff increment) are relative ones (not 1e-5 of a slow
+    # device's whole-model time, which let it call a placement 0.015% from the optimum optimal).
+    fastest_s = [min(table.fwd_s[i][d] + table.bwd_s[i][d] for d in range(nd)) for i in range(n)]
+    unit = sum(fastest_s) or 1.0
     most_stages = num_stages or min(n, nd)
     most_held = m if gpipe else min(m, most_stages)
-    fastest = [min(table.fwd_s[i][d] + table.bwd_s[i][d] for d in range(nd)) / unit for i in range(n)]
+    fastest = [t / unit for t in fastest_s]
     all_fastest = sum(fastest)
     bound = float("inf") if upper_s is None else upper_s / unit * (1 + PRUNE_TOL) + 1e-12
 
@@ -151,6 +152,7 @@ def build_network(
     cands = []
     for d in range(nd):
         for i in range(n):
+            check(deadline)
             f = b = w = lo = rest = 0.0
             working = 0.0
             for j in range(i, n):
@@ -189,7 +191,9 @@ def build_network(
     for k in range(n - 1, -1, -1):
         after[k] = after[k + 1] + fastest[k]
     stage_arcs = []
-    for d, i, j, f, b, by_held in cands:
+    for count, (d, i, j, f, b, by_held) in enumerate(cands):
+        if count % 256 == 0:
+            check(deadline)
         if gpipe:
             variants = [(1, m, by_held[m - 1])]  # (state, held, recompute)
         elif flat:
@@ -221,19 +225,20 @@ def build_network(
                 continue
             stage_arcs.append(StageArc(d, i, j, q, f / unit, (b + extra) / unit, held, r))
 
-    groups: dict[tuple, int] = {}  # type: ignore[type-arg]
+    groups: dict[tuple[int, int], int] = {}
     group_of, group_rep = [], []
-    for d, dev in enumerate(table.devices):
-        key = (dev.host, tuple(table.wire_bytes[i][d] for i in range(n)))
+    for d in range(nd):
+        key = (table.host_of[d], table.wire_kind[d])
         if key not in groups:
             groups[key] = len(groups)
             group_rep.append(d)
         group_of.append(groups[key])
-    host_rep: dict[str, int] = {}
-    for d, dev in enumerate(table.devices):
-        host_rep.setdefault(dev.host, d)
+    host_rep: dict[int, int] = {}
+    for d in range(nd):
+        host_rep.setdefault(table.host_of[d], d)
     link_arcs = []
     for i in range(1, n):
+        check(deadline)
         for g, sender in enumerate(group_rep):
             for h, receiver in host_rep.items():
                 c = table.transfer_s(i - 1, sender, receiver) / unit
@@ -264,7 +269,7 @@ def tail_state(table: CostTable, net: Network, arc: StageArc) -> tuple | None:  
     """The B state a stage arc leaves from, or None for the source."""
     if arc.first == 0:
         return None
-    return ("B", arc.first, arc.state, table.devices[arc.device].host)
+    return ("B", arc.first, arc.state, table.host_of[arc.device])
 
 
 def _prune_unreachable(table: CostTable, net: Network) -> None:

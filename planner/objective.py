@@ -188,10 +188,9 @@ def evaluate(table: CostTable, placement: Placement, mode: str | None = None) ->
             )
         )
         if not stage_fits(table, d, weights, lora, acts):
-            dev = table.devices[d]
             with_rec = f" with {r} of its layers recomputing" if r else ""
             reasons.append(
-                f"stage {k} on {dev.name} ({dev.display_name}) needs {total / GB:.1f} GB{with_rec}, "
+                f"stage {k} on {table.device_name(d)} needs {total / GB:.1f} GB{with_rec}, "
                 f"has {usable / GB:.1f} GB usable"
             )
     step = pipeline_step_time(table.schedule, table.num_micro_batches, fwd, bwd, send[:-1])

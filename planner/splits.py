@@ -14,6 +14,7 @@ from __future__ import annotations
 from itertools import permutations
 
 from hetero.planner.cost import CostTable, in_flight
+from hetero.planner.deadline import left
 from hetero.planner.objective import Evaluation, Placement, evaluate, stage_recompute
 
 INF = float("inf")
@@ -31,7 +32,7 @@ class _Prefix:
     """Per-device prefix sums of time and memory, so a span's cost is two lookups."""
 
     def __init__(self, table: CostTable) -> None:
-        nd = len(table.devices)
+        nd = table.num_devices
         self.t = [[f + b for f, b in zip(pf, pb, strict=True)]
                   for pf, pb in ((_prefix(table.fwd_s, d), _prefix(table.bwd_s, d)) for d in range(nd))]
         self.table = table
@@ -125,12 +126,8 @@ def split_for_order(table: CostTable, order: tuple[int, ...], pre: _Prefix | Non
 
 def _orders(table: CostTable, size: int, limit: int) -> list[tuple[int, ...]]:
     """Device orders of ``size`` devices modulo identical twins; heuristic ones past ``limit``."""
-    nd = len(table.devices)
-    kind: dict[tuple, int] = {}  # type: ignore[type-arg]
-    label = []
-    for d, dev in enumerate(table.devices):
-        key = (dev.host, table.usable_bytes[d], tuple(r[d] for r in table.fwd_s), tuple(r[d] for r in table.wire_bytes))
-        label.append(kind.setdefault(key, len(kind)))
+    nd = table.num_devices
+    label = table.device_classes()
     seen: set[tuple[int, ...]] = set()
     out: list[tuple[int, ...]] = []
     for count, perm in enumerate(permutations(range(nd), size)):
@@ -147,7 +144,7 @@ def _orders(table: CostTable, size: int, limit: int) -> list[tuple[int, ...]]:
     # Too many: fastest first, roomiest first, fleet order, and hosts kept together.
     speed = sorted(range(nd), key=lambda d: sum(r[d] for r in table.fwd_s))
     room = sorted(range(nd), key=lambda d: -table.usable_bytes[d])
-    by_host = sorted(range(nd), key=lambda d: (table.devices[d].host, speed.index(d)))
+    by_host = sorted(range(nd), key=lambda d: (table.host_of[d], speed.index(d)))
     # Under 1F1B early stages hold more micro-batches: put the cards that fit the most layers
     # (holding min(m, size) micro-batches) first.
     held = in_flight(table.schedule, size - 1, table.num_micro_batches)
@@ -159,14 +156,18 @@ def _orders(table: CostTable, size: int, limit: int) -> list[tuple[int, ...]]:
     return sorted(cands)
 
 
-def dp_starts(table: CostTable, num_stages: int | None = None, limit: int = 60) -> list[Evaluation]:
-    """Feasible placements from the split DP over device orders, best first."""
+def dp_starts(table: CostTable, num_stages: int | None = None, limit: int = 60,
+              deadline: float | None = None) -> list[Evaluation]:
+    """Feasible placements from the split DP over device orders, best first (those found by
+    ``deadline``, a time.perf_counter() value)."""
     pre = _Prefix(table)
-    sizes = [num_stages] if num_stages else range(1, min(table.num_nodes, len(table.devices)) + 1)
+    sizes = [num_stages] if num_stages else range(1, min(table.num_nodes, table.num_devices) + 1)
     found: list[Evaluation] = []
     seen: set[Placement] = set()
     for size in sizes:
         for order in _orders(table, size, limit):
+            if left(deadline) <= 0:
+                break
             for placement in split_for_order(table, order, pre):
                 if placement in seen:
                     continue  # several slacks often give the same split

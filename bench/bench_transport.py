@@ -117,9 +117,12 @@ def main() -> None:
 
 def measure(mib: int = 16, messages: int = 32, repeats: int = 3) -> tuple[float, float]:
     """Best MB/s of a raw TCP socket and of the Transport, process to process over loopback."""
-    nbytes = mib << 20
+    return measure_bytes(mib << 20, messages, repeats)
+
+
+def measure_bytes(nbytes: int, messages: int, repeats: int = 3) -> tuple[float, float]:
+    """Best MB/s of a raw TCP socket and of the Transport for messages of ``nbytes`` (a multiple of 4)."""
     total = nbytes * messages
-    # Interleave so both paths see the same machine load (the box may be shared).
     raw_best, tr_best = float("inf"), float("inf")
     for _ in range(2):
         raw_best = min(raw_best, *_raw_sender(nbytes, messages, repeats))
@@ -127,9 +130,23 @@ def measure(mib: int = 16, messages: int = 32, repeats: int = 3) -> tuple[float,
     return total / raw_best / 1e6, total / tr_best / 1e6
 
 
+SWEEP_BYTES = (64 << 10, 1 << 20, 16 << 20, 64 << 20)
+
+
+def sweep(sizes: tuple[int, ...] = SWEEP_BYTES, round_bytes: int = 256 << 20, repeats: int = 2) -> list[dict]:
+    """Transport vs raw TCP from 64 KiB to 64 MiB messages; each round moves ~``round_bytes``
+    (at least 4 and at most 1024 messages), best of 2 x ``repeats`` rounds. Rows of dicts."""
+    rows = []
+    for nbytes in sizes:
+        messages = max(4, min(1024, round_bytes // nbytes))
+        raw, tr = measure_bytes(nbytes, messages, repeats)
+        rows.append({"bytes": nbytes, "messages": messages, "raw_mb_s": raw, "transport_mb_s": tr, "ratio": tr / raw})
+    return rows
+
+
 def report(mib: int = 16, messages: int = 32, repeats: int = 3) -> None:
     """Measure both paths and print MB/s and the ratio (bench_runtime.py calls this too)."""
-    raw_mbs, tr_mbs = measure(mib, messages, repeats)
+    raw_mbs, tr_mbs = measure_bytes(mib << 20, messages, repeats)
     print(f"message size          : {mib} MiB float32 x {messages} per round, best of {2 * repeats}")
     print(f"raw TCP socket        : {raw_mbs:9.1f} MB/s")
     print(f"hetero Transport      : {tr_mbs:9.1f} MB/s")

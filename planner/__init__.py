@@ -1,4 +1,4 @@
-"""The planner: cost model, placement ILP, schedules and simulator. Never imports torch."""
+"""The planner: cost model, placement solvers (exact DP, ILP), schedules and simulator. Never imports torch."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from hetero.plan import Baseline, Plan, Prediction, SolverReport, StagePlan, com
 from hetero.planner.baselines import baselines, candidate_placements, predict
 from hetero.planner.cost import CostModel, CostTable, RooflineCostModel, build_cost_table, compute_dtype
 from hetero.planner.feasibility import check_single_nodes, explain_infeasible
-from hetero.planner.ilp import solve_ilp
 from hetero.planner.objective import Evaluation, Placement, evaluate, split_spans
 from hetero.planner.schedules import gpipe, one_f_one_b, programs_for
 from hetero.planner.simulator import ScheduleError, Timeline, simulate, simulate_plan
+from hetero.planner.solve import solve
 from hetero.program import format_program
 from hetero.specs import ClusterSpec, DataSpec, ModelSpec, PlannerOptions, TrainSpec
 
@@ -102,7 +102,8 @@ def plan(
     options: PlannerOptions,
     cost_model: CostModel | None = None,
 ) -> Plan:
-    """Place the graph on the fleet (ILP, or the manual split), build programs and predictions."""
+    """Place the graph on the fleet (planner.solve: exact DP or ILP; or the manual split), build programs
+    and predictions."""
     cost_model = cost_model or RooflineCostModel(efficiency=options.efficiency)
     table = build_cost_table(graph, model, cluster, train, options, cost_model)
     limit = min(len(table.devices), len(graph.nodes))
@@ -112,10 +113,10 @@ def plan(
     if options.split is not None or options.devices is not None:
         ev = _manual(table, graph, options)
         solver = SolverReport("manual", "Manual", "manual split", False, None, ev.step_time_s, 0.0,
-                              options.time_limit_s, message="planner.split/devices given: the ILP was not run")
+                              options.time_limit_s, message="planner.split/devices given: the solver was not run")
     else:
         check_single_nodes(table, graph)
-        result = solve_ilp(table, options.num_stages, options.time_limit_s, starts=candidate_placements(table, graph))
+        result = solve(table, options.num_stages, options.time_limit_s, starts=candidate_placements(table, graph))
         solver = result.report
         if result.evaluation is None:
             if solver.status == "Infeasible" or solver.sol_status == "No Solution Exists":

@@ -1,0 +1,100 @@
+"""The placement solve: the exact DP where it applies, the ILP where it does not, in one time limit.
+
+``solve`` is a pure function of a CostTable (dense arrays; no fleet, no cost model). The exact DP
+(planner/exact.py) proves the optimum of fleets with few device classes -- a rig of 3080s and
+3090s, hosts of identical GPUs -- in about a second; when its state space is too large (many
+distinct devices) or it runs out of its share of the time, the ILP (planner/ilp.py) gets what is
+left of planner.time_limit_s, seeded with the best placement known. The report says which solver
+proved the optimum, or how far from proven the plan is (gap against the best lower bound of both).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from hetero.plan import SolverReport
+from hetero.planner.cost import CostTable
+from hetero.planner.exact import ExactResult, solve_exact
+from hetero.planner.ilp import solve_ilp
+from hetero.planner.objective import Evaluation, Placement, evaluate
+
+# Of the time limit, the exact DP may use this share when the ILP may still need the rest.
+DP_SHARE = 0.6
+EXACT = "exact DP"
+
+
+@dataclass
+class SolveResult:
+    evaluation: Evaluation | None  # None: no placement fits (proven), or none found in time
+    report: SolverReport
+
+
+def _best_of(table: CostTable, num_stages: int | None, starts: list[Placement] | None) -> Evaluation | None:
+    """The fastest feasible candidate with the requested number of stages."""
+    best: Evaluation | None = None
+    for cand in starts or []:
+        if num_stages and len(cand.devices) != num_stages:
+            continue
+        ev = evaluate(table, cand)
+        if ev.feasible and (best is None or ev.step_time_s < best.step_time_s):
+            best = ev
+    return best
+
+
+def solve(table: CostTable, num_stages: int | None = None, time_limit_s: float = 30.0,
+          starts: list[Placement] | None = None, exact: bool = True) -> SolveResult:
+    """The placement minimizing objective.pipeline_step_time, within ``time_limit_s`` (plus at most
+    the ILP's CBC_GRACE_S); ``starts`` are heuristic candidates (upper bounds, MIP starts)."""
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit_s
+    start = _best_of(table, num_stages, starts)
+    dp: ExactResult | None = None
+    if exact:
+        dp = solve_exact(table, num_stages, t0 + DP_SHARE * time_limit_s,
+                         start.step_time_s if start is not None else None)
+        proven = _proven_by_dp(table, dp, start, time_limit_s, t0) if dp.proven else None
+        if proven is not None:
+            return proven
+        if dp.placement is not None:
+            found = evaluate(table, dp.placement)
+            if found.feasible and (start is None or found.step_time_s < start.step_time_s):
+                start = found
+    seeds = ([start.placement] if start is not None else []) + list(starts or [])
+    ilp = solve_ilp(table, num_stages, time_limit_s, starts=seeds, deadline=deadline)
+    report = ilp.report
+    evaluation = ilp.evaluation
+    if evaluation is None and start is not None:
+        evaluation = start
+    lower = None
+    if dp is not None and dp.lower_bound_s is not None:
+        lower = dp.lower_bound_s
+    if evaluation is not None and not report.proven_optimal:
+        ilp_lower = evaluation.step_time_s * (1 - report.gap) if report.gap is not None else None
+        lower = max([b for b in (lower, ilp_lower) if b is not None], default=None)
+        report.gap = None if lower is None else max(0.0, (evaluation.step_time_s - lower) / evaluation.step_time_s)
+        report.objective_s = evaluation.step_time_s
+    if dp is not None and dp.reason:
+        report.message = f"{dp.reason}, so the ILP ran" + (f": {report.message}" if report.message else "")
+    report.solve_time_s = time.perf_counter() - t0
+    return SolveResult(evaluation, report)
+
+
+def _proven_by_dp(table: CostTable, dp: ExactResult, start: Evaluation | None, time_limit_s: float,
+                  t0: float) -> SolveResult | None:
+    """The DP finished: its placement (or the start it could not beat) is optimal, or nothing fits.
+    None if its placement does not check out under objective.evaluate (a bug: the ILP decides then)."""
+    evaluation = evaluate(table, dp.placement) if dp.placement is not None else start
+    if evaluation is not None and (not evaluation.feasible or dp.value_s is not None and not
+                                   abs(evaluation.step_time_s - dp.value_s) <= 1e-9 * dp.value_s):
+        return None
+    message = f"{dp.dp_runs} threshold DP(s)"
+    if evaluation is None:
+        report = SolverReport(EXACT, "Infeasible", "No Solution Exists", False, None, None,
+                              time.perf_counter() - t0, time_limit_s, message="no placement satisfies the memory limits")
+        return SolveResult(None, report)
+    if start is not None and start.step_time_s < evaluation.step_time_s:
+        evaluation = start  # equal to float noise (REL_TOL): keep the known one
+    report = SolverReport(EXACT, "Optimal", "Optimal Solution Found", True, 0.0, evaluation.step_time_s,
+                          time.perf_counter() - t0, time_limit_s, message=message)
+    return SolveResult(evaluation, report)

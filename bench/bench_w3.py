@@ -657,6 +657,11 @@ def timeline(trace_dir: Path, sampler: Sampler, steps: int) -> dict[str, Any] | 
             "waits_over_2ms": len(waits) / n,
             "link_busy_in_waits": moved * 8 / sampler.link.rate_bps / wait_s if wait_s > 0 else None,
         })
+    # hetero: stage 1's waits for its first activation (pipeline fill) vs the later ones (steady state)
+    ra = [r for r in traces[1] if r[0] == "RA" and r[1] in kept]
+    if ra:
+        out["ra_first_s"] = sum(r[4] - r[3] for r in ra if r[2] == 0) / n
+        out["ra_rest_per_mb_s"] = sum(r[4] - r[3] for r in ra if r[2] != 0) / max(1, sum(r[2] != 0 for r in ra))
     sent = {(r[0], r[1], r[2]): r[4] for k in (0, 1) for r in traces[k] if r[0] in ("SA", "SG")}
     for name, send_op, recv_op, receiver in (("act", "SA", "RA", 1), ("grad", "SG", "RG", 0)):
         transit = [r[4] - sent[(send_op, r[1], r[2])] for r in traces[receiver]
@@ -819,6 +824,9 @@ def print_report(rows: list[dict[str, Any]]) -> None:
                 fmt = {k: f"{tl[k] * 1e3:.0f} ms" if tl.get(k) is not None else "-" for k in ("act_transit_s", "grad_transit_s")}
                 line += (f"; transit act {fmt['act_transit_s']} (n={tl['act_transit_n']}), grad {fmt['grad_transit_s']} "
                          f"(n={tl['grad_transit_n']}), wire time of one message {wire * 1e3:.1f} ms")
+            if tl.get("ra_first_s") is not None:
+                line += (f"; s1 waits for act 0 {tl['ra_first_s']:.2f} s (fill), for each later act "
+                         f"{tl['ra_rest_per_mb_s'] * 1e3:.0f} ms")
             print(line)
     print("\nratios (speedup = other's step time / this step time; > 1 means faster):")
     for rate in dict.fromkeys(r["rate"] for r in rows):

@@ -1,0 +1,303 @@
+"""One benchmark command: `python -m bench` from the repository root (~13 minutes on 2 cores).
+
+Runs, in this order (each section measures its own baseline in the same run):
+
+  planner    W2 + rig fleets: solve time and proof for llama8b/llama70b x nf4/bf16  (bench_planner.py)
+  compile    `hetero compile` wall time and peak RSS, llama8b on homelab, llama70b nf4 on mining_rig
+  transport  hetero's Transport vs a raw TCP socket, 64 KiB - 64 MiB messages      (bench_transport.py)
+  w1         hetero vs torch.distributed.pipelining, 2 and 3 stages x 4, 8, 16 micro-batches (bench_runtime.py)
+  w3         the same over a rate-limited veth between two network namespaces (bench_w3.py; root only)
+
+then prints every table and the ratios last, and rewrites the generated part of docs/benchmarks.md
+(between its `bench:begin` / `bench:end` markers: tables, machine, date, commands) and
+docs/bench.png. `--only w1 w3` runs some sections; `--no-write` leaves docs/ alone. Do not run it
+while other heavy work shares the machine: its numbers would say more about the neighbours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path.insert(0, str(BENCH))
+
+SECTIONS = ("planner", "compile", "transport", "w1", "w3")
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+DOC, PLOT = REPO / "docs" / "benchmarks.md", REPO / "docs" / "bench.png"
+
+# What `hetero compile` is timed on: the everyday plan, and the biggest shipped one.
+COMPILES = (
+    ("llama8b on homelab", ["model=llama8b", "hardware=homelab"]),
+    ("llama70b nf4 on mining_rig", ["model=llama70b", "model.quantization=nf4", "hardware=mining_rig"]),
+)
+
+
+def machine() -> str:
+    """One line about where the numbers come from."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{os.cpu_count()} CPUs ({cpu}), Python {platform.python_version()}, torch {torch.__version__}, "
+            f"{platform.system()} {platform.release()}")
+
+
+# ---------------------------------------------------------------- sections
+
+
+def bench_planner() -> dict[str, Any]:
+    import bench_planner
+
+    rows = bench_planner.rig_rows()
+    return {"rows": rows}
+
+
+def bench_compile(work: Path) -> dict[str, Any]:
+    from bench_runtime import _PEAK_RSS, _hetero_cmd
+
+    rows = []
+    for name, overrides in COMPILES:
+        out = work / re.sub(r"\W+", "-", name)
+        cmd = _hetero_cmd() + ["compile", *overrides, f"output={out}"]
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", _PEAK_RSS, *cmd], capture_output=True, text=True, cwd=REPO,
+                              timeout=600)
+        wall = time.perf_counter() - t0
+        row: dict[str, Any] = {"name": name, "command": "hetero compile " + " ".join(overrides), "wall_s": wall}
+        for line in proc.stderr.splitlines():
+            if line.startswith("peak_rss_kib"):
+                row["peak_rss_mib"] = int(line.split()[1]) / 1024
+        if proc.returncode != 0:
+            lines = (proc.stderr or proc.stdout).strip().splitlines()
+            row["error"] = lines[-1] if lines else str(proc.returncode)
+        else:
+            plan = json.loads((out / "plan.json").read_text())
+            row["solve_s"] = plan["solver"]["solve_time_s"]
+            row["proven"] = plan["solver"]["proven_optimal"]
+        rows.append(row)
+    return {"rows": rows}
+
+
+def bench_transport() -> dict[str, Any]:
+    import bench_transport
+
+    return {"rows": bench_transport.sweep()}
+
+
+def bench_w1(work: Path) -> dict[str, Any]:
+    import bench_runtime
+
+    return bench_runtime.run_w1(work, log=lambda s: print("  " + s, flush=True) if s else None)
+
+
+def bench_w3(work: Path) -> dict[str, Any]:
+    import bench_w3
+
+    return {"rows": bench_w3.run_w3(work=work)}
+
+
+# ---------------------------------------------------------------- report
+
+
+def _f(x: Any, p: int = 3) -> str:
+    return "-" if x is None else f"{x:.{p}f}" if isinstance(x, float) else str(x)
+
+
+def markdown(results: dict[str, Any], started: str, wall_s: float) -> list[str]:
+    """The generated part of docs/benchmarks.md."""
+    out = [BEGIN, "", f"## Latest `python -m bench` ({started}, {wall_s / 60:.1f} min)", "",
+           f"Machine: {machine()}. Commands: `python -m bench` (all below); each section alone: "
+           "`python bench/bench_planner.py`, `python bench/bench_transport.py`, `python bench/bench_runtime.py`, "
+           "`sudo python bench/bench_w3.py`. Ratios, not absolute times, are what carries between days.", ""]
+    for name, res in results.items():
+        if "error" in res:
+            out += [f"### {name}: not measured", "", f"`{res['error']}`", ""]
+    if "w1" in results and "rows" in results["w1"]:
+        r = results["w1"]
+        out += ["### W1 — hetero vs torch.distributed.pipelining (CPU stages x 1 thread, loopback)", "",
+                f"{r['steps']} steps per run, median of steps 3..{r['steps']}; the figure of a setting is the "
+                "median over its alternating runs. Layer bound: per-node times measured alone with hetero's "
+                f"kernels, best contiguous split, (m+S-1) slots plus the optimizer (and total work / {r['cores']} "
+                "cores when S exceeds them).", "",
+                "| S | m | hetero s/step | peer s/step | hetero tokens/s | **hetero / peer** | of layer bound | "
+                "splits hetero / peer |", "|---|---|---|---|---|---|---|---|"]
+        for row in r["rows"]:
+            tok = row["tokens_per_step"] / row["hetero_s"] if row.get("hetero_s") else None
+            out.append(f"| {row['stages']} | {row['m']} | {_f(row.get('hetero_s'))} | {_f(row.get('peer_s'))} | "
+                       f"{_f(tok, 0)} | **{_f(row.get('speedup'), 2)}x** | {_f(row.get('of_layer_bound'), 2)} | "
+                       f"{row.get('hetero_split')} / {row['peer_split']} |")
+        base = r.get("baselines") or {}
+        if base:
+            out += ["", "One process, stock peft, m=8: " + ", ".join(f"{k} {v:.3f} s/step" for k, v in base.items())
+                    + "."]
+        out += [""]
+    if "w3" in results and "rows" in results["w3"]:
+        out += ["### W3 — over a rate-limited link (two network namespaces, veth + tc tbf)", ""]
+        out += _table(results["w3"]["rows"])
+    if "transport" in results and "rows" in results["transport"]:
+        out += ["### Transport vs raw TCP (loopback, process to process)", "",
+                "| message | raw MB/s | Transport MB/s | ratio |", "|---|---|---|---|"]
+        for row in results["transport"]["rows"]:
+            size = row["bytes"]
+            label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+            out.append(f"| {label} | {row['raw_mb_s']:.0f} | {row['transport_mb_s']:.0f} | {row['ratio']:.2f} |")
+        out += [""]
+    if "planner" in results and "rows" in results["planner"]:
+        out += ["### Planner — rig-scale fleets (W2)", ""]
+        out += _table(results["planner"]["rows"])
+    if "compile" in results and "rows" in results["compile"]:
+        out += ["### `hetero compile`", "", "| plan | wall s | peak RSS MiB | solve s | proven |", "|---|---|---|---|---|"]
+        for row in results["compile"]["rows"]:
+            out.append(f"| `{row['command']}` | {row['wall_s']:.1f} | {_f(row.get('peak_rss_mib'), 0)} | "
+                       f"{_f(row.get('solve_s'), 2)} | {row.get('proven', row.get('error', '-'))} |")
+        out += [""]
+    out += ["![benchmarks](bench.png)", "", END]
+    return out
+
+
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    """A markdown table of uniform dict rows (the columns of the first row)."""
+    if not rows:
+        return ["(no rows)", ""]
+    cols = list(rows[0])
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in rows:
+        out.append("| " + " | ".join(_f(row.get(c)) if not isinstance(row.get(c), float) else
+                                     f"{row[c]:.3g}" for c in cols) + " |")
+    return out + [""]
+
+
+def write_doc(lines: list[str]) -> None:
+    """Replace the generated part of docs/benchmarks.md (or put it after the first paragraph)."""
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    block = "\n".join(lines)
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    else:
+        head, sep, rest = text.partition("\n## ")
+        text = head.rstrip() + "\n\n" + block + "\n\n" + (sep.lstrip("\n") + rest if sep else "")
+    DOC.write_text(text)
+
+
+def plot(results: dict[str, Any]) -> None:
+    """docs/bench.png: W1 (and W3) tokens/s, hetero vs the peer, per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results.get("w1", {}).get("rows", [])
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"S={r['stages']}\nm={r['m']}" for r in rows]
+    xs = range(len(rows))
+    for off, who, color in ((-0.2, "hetero", "#1f77b4"), (0.2, "peer", "#aaaaaa")):
+        vals = [r["tokens_per_step"] / r[f"{who}_s"] if r.get(f"{who}_s") else 0 for r in rows]
+        ax.bar([x + off for x in xs], vals, width=0.4, color=color,
+               label="hetero" if who == "hetero" else "torch.distributed.pipelining")
+    for x, r in zip(xs, rows, strict=True):
+        if r.get("speedup"):
+            top = r["tokens_per_step"] / min(r["hetero_s"], r["peer_s"])
+            ax.text(x, top * 1.02, f"{r['speedup']:.2f}x", ha="center", fontsize=9)
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("tokens/s (higher is better)")
+    ax.set_title("W1 on this CPU: hetero vs torch.distributed.pipelining (1 thread per stage)")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(PLOT, dpi=110)
+    plt.close(fig)
+
+
+def ratios(results: dict[str, Any]) -> list[str]:
+    """The lines printed last."""
+    out = ["", "ratios:"]
+    for row in results.get("w1", {}).get("rows", []):
+        if row.get("speedup"):
+            out.append(f"  W1 S={row['stages']} m={row['m']:<3} hetero / torch pipelining {row['speedup']:.2f}x, "
+                       f"{row['of_layer_bound']:.0%} of the layer-granularity bound")
+    for row in results.get("w3", {}).get("rows", []):
+        if "ratio" in row:
+            out.append("  W3 " + ", ".join(f"{k} {_f(v, 2)}" for k, v in row.items() if k in ("rate", "runtime", "ratio")))
+    for row in results.get("transport", {}).get("rows", []):
+        out.append(f"  transport {row['bytes'] >> 10:>6} KiB: Transport / raw TCP {row['ratio']:.2f}")
+    prows = results.get("planner", {}).get("rows", [])
+    if prows:
+        times = [r.get("solve_s", 0.0) for r in prows]
+        proven = sum(1 for r in prows if r.get("proven"))
+        out.append(f"  planner: {proven}/{len(prows)} fleets proven optimal, slowest solve {max(times):.2f} s")
+    for name, res in results.items():
+        if "error" in res:
+            out.append(f"  {name}: NOT MEASURED ({res['error']})")
+    return out
+
+
+def run_section(name: str, work: Path) -> dict[str, Any]:
+    if name == "planner":
+        return bench_planner()
+    if name == "transport":
+        return bench_transport()
+    return {"compile": bench_compile, "w1": bench_w1, "w3": bench_w3}[name](work)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description="Every hetero benchmark, ratios last.")
+    ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md and docs/bench.png")
+    ap.add_argument("--json", type=Path, help="also write every result here")
+    args = ap.parse_args(argv)
+    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"python -m bench, {started}: {machine()}", flush=True)
+    t0 = time.perf_counter()
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="hetero-bench-") as tmp:
+        work = Path(tmp)
+        for name in SECTIONS:
+            if name not in args.only:
+                continue
+            print(f"\n== {name}", flush=True)
+            s0 = time.perf_counter()
+            try:
+                sub = work / name
+                sub.mkdir()
+                results[name] = run_section(name, sub)
+            except Exception as exc:  # one broken section must not lose the others' numbers
+                traceback.print_exc()
+                results[name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+            results[name]["wall_s"] = time.perf_counter() - s0
+            print(f"== {name}: {results[name]['wall_s']:.0f} s", flush=True)
+    wall = time.perf_counter() - t0
+    lines = markdown(results, started, wall)
+    print("\n" + "\n".join(lines[1:-1]))
+    print("\n".join(ratios(results)))
+    print(f"\ntotal {wall / 60:.1f} min")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+    if not args.no_write:
+        write_doc(lines)
+        plot(results)
+        print(f"wrote {DOC.relative_to(REPO)} and {PLOT.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -869,6 +869,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = run_w3(args.steps, tuple(args.rates), tuple(args.skip), sizes, args.keep,  # type: ignore[arg-type]
                       trace=not args.no_trace)
+    except KeyboardInterrupt:
+        print("W3 interrupted: its namespaces and their processes are removed", file=sys.stderr)
+        return 130
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)

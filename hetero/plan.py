@@ -95,10 +95,10 @@ class Baseline:
 
 @dataclass
 class SolverReport:
-    solver: str
-    status: str  # pulp.LpStatus text
+    solver: str  # "exact DP" or "PuLP/CBC" (planner/solve.py): whose answer this is, and who proved it
+    status: str  # pulp.LpStatus text (the exact DP reports in the same words)
     sol_status: str  # pulp.LpSolution text ("Optimal Solution Found", "Solution Found", ...)
-    proven_optimal: bool
+    proven_optimal: bool  # that solver proved no placement is faster (under the cost model)
     gap: float | None  # relative gap between best solution and bound, when known
     objective_s: float | None
     solve_time_s: float

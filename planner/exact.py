@@ -216,7 +216,7 @@ class ThresholdDP:
         # A lower bound on the time of nodes 0..i-1 wherever they run (for pruning against a cutoff).
         reps = [mem[0] for mem in self.members]
         fastest = [min(table.fwd_s[i][d] + table.bwd_s[i][d] for d in reps) for i in range(n)]
-        self.before_lb = np.concatenate([[0.0], np.cumsum(fastest)]) * (1 - 1e-9)
+        self.before_lb = np.concatenate([[0.0], np.cumsum(np.nan_to_num(fastest, nan=0.0))]) * (1 - 1e-9)
 
     def candidates(self) -> list[np.ndarray]:
         """Sorted distinct values each period can take: stage terms and link terms."""

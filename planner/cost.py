@@ -284,9 +284,11 @@ class CostTable:
             self.recompute_s = [[0.0] * nd for _ in range(n)]
         if not self.recomputable:
             self.recomputable = [False] * n
-        shapes = [(len(self.link_s), n), (len(self.link_s[0]) if n else kinds, kinds),
-                  (len(self.sync_round_trip_s), hosts), (len(self.message_send_s), n), (len(self.recomputable), n)]
-        if any(a != b for a, b in shapes) or any(len(ha) < hosts for k in self.link_s for ha in k):
+        short = [(len(self.link_s), n), (len(self.message_send_s), n), (len(self.message_recv_s), n),
+                 (len(self.recomputable), n), (len(self.sync_round_trip_s), hosts),
+                 *((len(per_kind), kinds) for per_kind in self.link_s + self.message_send_s + self.message_recv_s),
+                 *((len(rows), hosts) for per_kind in self.link_s for rows in per_kind)]
+        if any(have < need for have, need in short):
             raise ValueError("CostTable link/message/sync/recompute arrays do not match the nodes, kinds and hosts")
 
     @property

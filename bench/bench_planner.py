@@ -9,8 +9,10 @@ Models: llama8b and llama70b as `hetero compile` traces them (meta device), nf4 
 - random fleets of 2, 4, 8, 16 datasheet GPUs over 1-4 hosts (often more classes: the ILP's turf).
 
 The acceptance (issue #10): every fleet of up to 16 devices and 4 device classes proven optimal (or
-proven infeasible) in <= 2 s of solve time. ``planner_rows`` returns the rows (a list of dicts) for a
-``python -m bench`` entry point. Usage: python bench/bench_planner.py [time_limit_s] [--rigs]
+proven infeasible) in <= 2 s of solve time. ``planner_rows`` returns every row (a list of dicts) and
+``rig_rows`` the acceptance rows, for ``python -m bench``.
+
+Usage: python bench/bench_planner.py [time_limit_s] [--rigs]
 """
 
 from __future__ import annotations
@@ -120,6 +122,23 @@ def planner_rows(time_limit_s: float = 30.0, include_random: bool = True,
             for spec in randoms:
                 rows.append(_row(base.model, graph, build_cluster(spec, types), base.train, options, "random"))
     return rows
+
+
+def rig_rows(time_limit_s: float = 30.0) -> list[dict[str, Any]]:
+    """The acceptance rows (fleets of <= 16 devices in <= 4 classes: shipped and rigs), compact for a table.
+
+    ``proven``: the solver proved its answer -- the optimum, or that nothing fits (``result`` says which).
+    """
+    out = []
+    for row in planner_rows(time_limit_s, include_random=False):
+        if row["devices"] > 16 or row["classes"] > 4:
+            continue
+        result = "infeasible" if row["infeasible"] else ("optimal" if row["proven"] else "unproven")
+        out.append({"model": row["model"], "quant": row["quant"], "fleet": row["fleet"], "devices": row["devices"],
+                    "classes": row["classes"], "solver": row["solver"], "result": result,
+                    "proven": row["proven"] or row["infeasible"], "solve_s": row["solve_s"], "gap": row["gap"],
+                    "stages": row["stages"], "step_s": row["step_s"]})
+    return out
 
 
 def _fmt(value: float | None, spec: str) -> str:

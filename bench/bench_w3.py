@@ -31,7 +31,12 @@ Reported per rate and run: median step time over steps 3..N and tokens/s; bytes 
 the link carried per step (veth counters over steps 3..N) and from the model geometry; how much of
 each step the link was busy each way (bytes / rate / step time); for hetero, where each stage's
 time went (metrics.jsonl ``stage_ops``: F/B/STEP compute, RA/RG waiting to receive, SA/SG send
-calls). Ratios last. Namespaces, veths and every process started in them are removed on every exit
+calls); and a timeline from each action's start and end (hetero: a sitecustomize hook put on the
+stage processes' PYTHONPATH wraps the Executor's handlers, runtime/ is untouched; the peer: its
+stage's forward/backward chunks and the schedule's send/recv waits), which gives each stage's compute
+and waits per step, the link's business during the waits, the activations' and gradients' transit
+time against the wire time, and stage 1's fill wait vs its steady per-activation wait
+(``--no-trace`` leaves both runtimes unwrapped). Ratios last. Namespaces, veths and every process started in them are removed on every exit
 path (exception, Ctrl-C, SIGTERM). Not root, or ``ip netns`` refused: one line, exit 0.
 """
 

@@ -100,16 +100,21 @@ def _recompute_note(ev: Evaluation) -> str:
 
 def baselines(table: CostTable, decoder_indices: list[int]) -> list[Baseline]:
     """Best single device, even split over the fleet, TFLOPS-proportional split over the fleet."""
+    return [b for b, _ in baseline_evaluations(table, decoder_indices)]
+
+
+def baseline_evaluations(table: CostTable, decoder_indices: list[int]) -> list[tuple[Baseline, Evaluation | None]]:
+    """The baselines with their evaluations (None where a baseline cannot be built)."""
     num_dev, num_dec = len(table.devices), len(decoder_indices)
-    single, _ = single_device_baseline(table, num_dec)
+    single, single_ev = single_device_baseline(table, num_dec)
     even = proportional_counts([1.0] * num_dev, num_dec)
     tflops = [d.tflops.get(d.compute_dtype(table.model_dtype), 0.0) or d.tflops.get("float32", 0.0) for d in table.devices]
     prop = proportional_counts(tflops, num_dec) if all(t > 0 for t in tflops) else None
-    even_b, _ = _split_baseline(table, decoder_indices, "even_split",
-                                "all devices in fleet order, decoder layers split evenly", even)
-    prop_b, _ = _split_baseline(table, decoder_indices, "tflops_proportional",
-                                "all devices in fleet order, decoder layers in proportion to TFLOPS", prop)
-    return [single, even_b, prop_b]
+    even_b, even_ev = _split_baseline(table, decoder_indices, "even_split",
+                                      "all devices in fleet order, decoder layers split evenly", even)
+    prop_b, prop_ev = _split_baseline(table, decoder_indices, "tflops_proportional",
+                                      "all devices in fleet order, decoder layers in proportion to TFLOPS", prop)
+    return [(single, single_ev), (even_b, even_ev), (prop_b, prop_ev)]
 
 
 def candidate_placements(table: CostTable, graph_or_none: object = None) -> list[Placement]:

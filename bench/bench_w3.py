@@ -842,6 +842,12 @@ def print_report(rows: list[dict[str, Any]]) -> None:
                 print(f"  {rate:<8} {run} vs torch-pipelining {peer['step_s'] / by[run]['step_s']:6.2f}x")
         if "hetero-curve" in by and "hetero-none" in by:
             print(f"  {rate:<8} hetero-curve vs hetero-none      {by['hetero-none']['step_s'] / by['hetero-curve']['step_s']:6.2f}x")
+        exposed = {run: r["step_s"] - max(st["compute_s"] for st in r["timeline"]["stages"])
+                   for run, r in by.items() if r.get("timeline")}
+        if exposed:
+            # Less sensitive to a neighbour slowing the CPU than step time: compute is taken out.
+            print(f"  {rate:<8} exposed (step - busiest stage's compute): "
+                  + ", ".join(f"{run} {t:.2f} s" for run, t in exposed.items()))
 
 
 def main(argv: list[str] | None = None) -> int:

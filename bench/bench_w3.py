@@ -756,16 +756,19 @@ def run_w3(steps: int = 5, rates: tuple[str, ...] = ("1gbit", "100mbit"), skip: 
                     continue
                 t0 = time.monotonic()
                 tag = f"{rate}-{run}"
-                if run == "torch-pipelining":
-                    result = run_peer(link, model, steps, work, timeout, tag, trace)
-                elif plan_dir is None:
-                    result = {"available": False, "note": plan_note}
-                else:
-                    mode = run.split("-", 1)[1]
-                    result = run_hetero(link, plan_with_security(plan_dir, mode), steps, work, tag, timeout, trace)
-                    if result["available"]:
-                        result["stage_ops"] = stage_ops(result.pop("rows"))
-                    result["predicted_step_s"] = predicted
+                try:
+                    if run == "torch-pipelining":
+                        result = run_peer(link, model, steps, work, timeout, tag, trace)
+                    elif plan_dir is None:
+                        result = {"available": False, "note": plan_note}
+                    else:
+                        mode = run.split("-", 1)[1]
+                        result = run_hetero(link, plan_with_security(plan_dir, mode), steps, work, tag, timeout, trace)
+                        if result["available"]:
+                            result["stage_ops"] = stage_ops(result.pop("rows"))
+                        result["predicted_step_s"] = predicted
+                except (RuntimeError, OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:
+                    result = {"available": False, "note": f"{type(exc).__name__}: {exc}"}  # the other runs go on
                 row = dict(common, run=run, **result)
                 if row["available"]:
                     row["step_s"] = br.median_tail(row["times"])

@@ -112,7 +112,7 @@ def bench_w1(work: Path) -> dict[str, Any]:
 def bench_w3(work: Path) -> dict[str, Any]:
     import bench_w3
 
-    return {"rows": bench_w3.run_w3(work=work)}
+    return {"rows": bench_w3.run_w3(steps=4, work=work)}
 
 
 # ---------------------------------------------------------------- report
@@ -152,7 +152,7 @@ def markdown(results: dict[str, Any], started: str, wall_s: float) -> list[str]:
         out += [""]
     if "w3" in results and "rows" in results["w3"]:
         out += ["### W3 — over a rate-limited link (two network namespaces, veth + tc tbf)", ""]
-        out += _table(results["w3"]["rows"])
+        out += w3_lines(results["w3"]["rows"])
     if "transport" in results and "rows" in results["transport"]:
         out += ["### Transport vs raw TCP (loopback, process to process)", "",
                 "| message | raw MB/s | Transport MB/s | ratio |", "|---|---|---|---|"]
@@ -171,6 +171,33 @@ def markdown(results: dict[str, Any], started: str, wall_s: float) -> list[str]:
                        f"{_f(row.get('solve_s'), 2)} | {row.get('proven', row.get('error', '-'))} |")
         out += [""]
     out += ["![benchmarks](bench.png)", "", END]
+    return out
+
+
+def w3_speedups(rows: list[dict[str, Any]]) -> list[tuple[str, str, float]]:
+    """(rate, hetero run, peer step / hetero step) for every hetero run next to a peer run of its rate."""
+    peer = {r["rate"]: r["step_s"] for r in rows if r.get("run") == "torch-pipelining" and r.get("available")}
+    return [(r["rate"], r["run"], peer[r["rate"]] / r["step_s"]) for r in rows
+            if r.get("available") and r.get("run", "").startswith("hetero") and r.get("rate") in peer]
+
+
+def w3_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """W3's table: one line per (rate, run), with the link's busy fraction each way."""
+    if not rows or not rows[0].get("rate"):
+        return [f"not measured: {rows[0].get('note') if rows else 'nothing ran'}", ""]
+    r0 = rows[0]
+    out = [f"W1's model at hidden {r0['hidden']}, seq {r0['seq']} ({r0['tokens_per_step']} tokens/step); one activation "
+           f"message at 1 Gbit/s takes {r0['ratio_1gbit']:.3f} of a stage's forward. One stage process per namespace, "
+           "1 thread each; hetero with CurveZMQ (the default off loopback) and with security none.", "",
+           "| rate | run | s/step | tokens/s | link busy a→b / b→a | note |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if not r.get("available"):
+            out.append(f"| {r.get('rate')} | {r.get('run')} | - | - | - | {r.get('note', '')} |")
+            continue
+        link = r.get("link") or {}
+        busy = (f"{link['busy_ab']:.1%} / {link['busy_ba']:.1%}" if "busy_ab" in link and "busy_ba" in link else "-")
+        out.append(f"| {r['rate']} | {r['run']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {busy} | |")
+    out += [""] + [f"- {rate}: {run} / torch pipelining **{x:.2f}x**" for rate, run, x in w3_speedups(rows)] + [""]
     return out
 
 
@@ -235,9 +262,8 @@ def ratios(results: dict[str, Any]) -> list[str]:
         if row.get("speedup"):
             out.append(f"  W1 S={row['stages']} m={row['m']:<3} hetero / torch pipelining {row['speedup']:.2f}x, "
                        f"{row['of_layer_bound']:.0%} of the layer-granularity bound")
-    for row in results.get("w3", {}).get("rows", []):
-        if "ratio" in row:
-            out.append("  W3 " + ", ".join(f"{k} {_f(v, 2)}" for k, v in row.items() if k in ("rate", "runtime", "ratio")))
+    for rate, run, x in w3_speedups(results.get("w3", {}).get("rows", [])):
+        out.append(f"  W3 {rate:<8} {run:<13} / torch pipelining {x:.2f}x")
     for row in results.get("transport", {}).get("rows", []):
         out.append(f"  transport {row['bytes'] >> 10:>6} KiB: Transport / raw TCP {row['ratio']:.2f}")
     prows = results.get("planner", {}).get("rows", [])
@@ -264,7 +290,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md and docs/bench.png")
     ap.add_argument("--json", type=Path, help="also write every result here")
+    ap.add_argument("--from-json", type=Path, help="measure nothing: render a --json file of an earlier run")
     args = ap.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        if "results" not in saved:  # a bare results dict
+            mtime = datetime.fromtimestamp(args.from_json.stat().st_mtime, timezone.utc)
+            saved = {"results": saved, "started": mtime.strftime("%Y-%m-%d %H:%M UTC (file time)"),
+                     "wall_s": sum(r.get("wall_s", 0.0) for r in saved.values())}
+        results, started, wall = saved["results"], saved["started"], saved["wall_s"]
+        return report(results, started, wall, args)
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"python -m bench, {started}: {machine()}", flush=True)
     t0 = time.perf_counter()
@@ -286,12 +321,18 @@ def main(argv: list[str] | None = None) -> int:
             results[name]["wall_s"] = time.perf_counter() - s0
             print(f"== {name}: {results[name]['wall_s']:.0f} s", flush=True)
     wall = time.perf_counter() - t0
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "started": started, "wall_s": wall}, indent=1,
+                                        default=str))
+    return report(results, started, wall, args)
+
+
+def report(results: dict[str, Any], started: str, wall: float, args: argparse.Namespace) -> int:
+    """Print the tables and the ratios last; write docs/ unless --no-write."""
     lines = markdown(results, started, wall)
     print("\n" + "\n".join(lines[1:-1]))
     print("\n".join(ratios(results)))
     print(f"\ntotal {wall / 60:.1f} min")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1, default=str))
     if not args.no_write:
         write_doc(lines)
         plot(results)

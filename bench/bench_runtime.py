@@ -511,15 +511,9 @@ def run_w1(work: Path, stage_counts: tuple[int, ...] = (2, 3), micro_batches: tu
     model_dir, data = prepare(work, steps, max(micro_batches))
     result: dict[str, Any] = {"rows": [], "baselines": {}, "cores": cores, "steps": steps,
                               "torch": torch.__version__}
-    if baselines:
-        for threads in (1, 2):
-            t = median_tail(run_one_process(model_dir, data, min(steps, 4), threads, NUM_MICRO))
-            result["baselines"][f"one-process-{threads}t"] = t
-            log(f"one process, {threads} thread(s), m={NUM_MICRO}: {t:.3f} s/step")
-        torch.set_num_threads(1)
     from hetero.runtime.env import keep_freed_memory
 
-    keep_freed_memory()  # as in hetero's stage processes (after the stock baselines above)
+    keep_freed_memory()  # as hetero's stage processes do
     node_s, opt_s = node_times(model_dir)
     result["node_times_s"], result["opt_s"] = node_s, opt_s
     log("per-node F+B per micro-batch (hetero kernels, alone): " + ", ".join(f"{t * 1e3:.0f}" for t in node_s)
@@ -540,13 +534,10 @@ def run_w1(work: Path, stage_counts: tuple[int, ...] = (2, 3), micro_batches: tu
                 row["predicted_s"] = json.loads(plan.read_text())["prediction"]["step_time_s"]
             bound, bound_split = layer_bound(node_s, opt_s, stages, m, cores)
             row["layer_bound_s"], row["layer_bound_split"] = bound, bound_split
-            one = result["baselines"].get("one-process-1t")
-            if one:
-                row["balanced_bound_s"] = one / NUM_MICRO * m / stages * (m + stages - 1) / m
             pairs = rounds if m == extra_rounds_at else 1
             for r in range(pairs):
                 order: tuple[str, ...] = ("hetero", "peer") if r % 2 == 0 else ("peer", "hetero")
-                if peer_tuned and m == extra_rounds_at:
+                if peer_tuned and m == extra_rounds_at and stages == stage_counts[0] and r == 0:
                     order += ("peer_tuned",)
                 for who in order:
                     if who == "peer_tuned":
@@ -572,7 +563,36 @@ def run_w1(work: Path, stage_counts: tuple[int, ...] = (2, 3), micro_batches: tu
             if row["hetero_s"] and row["peer_tuned_s"]:
                 row["speedup_vs_tuned_peer"] = row["peer_tuned_s"] / row["hetero_s"]
             result["rows"].append(row)
+    if baselines:
+        # Last, and each in a process of its own: multithreaded torch in this process slowed every
+        # pipeline run that came after it by up to ~20% (measured 2026-11-23).
+        for threads in (1, 2):
+            t = _one_process_in_child(model_dir, data, min(steps, 4), threads, work)
+            result["baselines"][f"one-process-{threads}t"] = t
+            log(f"one process, {threads} thread(s), m={NUM_MICRO}: {t:.3f} s/step")
+        one = result["baselines"]["one-process-1t"]
+        for row in result["rows"]:
+            m, stages = row["m"], row["stages"]
+            row["balanced_bound_s"] = one / NUM_MICRO * m / stages * (m + stages - 1) / m
     return result
+
+
+def _one_process_worker(model_dir: str, data: str, steps: int, threads: int, out: str) -> None:
+    Path(out).write_text(json.dumps(run_one_process(Path(model_dir), Path(data), steps, threads, NUM_MICRO)))
+
+
+def _one_process_in_child(model_dir: Path, data: Path, steps: int, threads: int, work: Path) -> float:
+    """run_one_process in a spawned process (its threads and allocations leave this one untouched)."""
+    import multiprocessing as mp
+
+    out = work / f"one-process-{threads}t.json"
+    proc = mp.get_context("spawn").Process(target=_one_process_worker,
+                                           args=(str(model_dir), str(data), steps, threads, str(out)))
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:
+        raise RuntimeError(f"one-process baseline ({threads} threads) exited with {proc.exitcode}")
+    return median_tail(json.loads(out.read_text()))
 
 
 # ---------------------------------------------------------------- report

@@ -416,6 +416,24 @@ _PEAK_RSS = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]
              "sys.exit(rc)")
 
 
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive loopback ports that are free now (a run binds base-1..base+S)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + count > 65535:
+            continue
+        try:
+            for p in range(first, first + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
+
+
 def _hetero_cmd() -> list[str]:
     return [sys.executable, "-m", "hetero.cli"] if not shutil.which("hetero") else ["hetero"]
 
@@ -425,9 +443,7 @@ def compile_hetero(model_dir: Path, data: Path, steps: int, work: Path, extra: t
     """`hetero compile` of W1 on ``stages`` local CPU devices; returns (plan.json, note)."""
     conf = work / "conf"
     (conf / "hardware").mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1] + 1  # the coordinator takes base port - 1
+    port = free_ports(max(2, stages) + 1) + 1  # the coordinator takes base port - 1
     (conf / "hardware" / "w1.yaml").write_text(HARDWARE_YAML.format(port=port, count=max(2, stages)))
     out = work / name
     cmd = _hetero_cmd() + [

@@ -46,6 +46,9 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 2
 _DEFAULT = object()  # "use the transport's recv_timeout_s"
 CLOSE_LINGER_S = 10.0  # how long close() waits for queued sends to reach a live peer
 _POLL_SLICE_MS = 1000
+# A send finds no pipe to its peer only when ZeroMQ gave up on the connection: the handshake failed
+# (another program holds the peer's port, or it refused our key). Wait this long, then fail.
+SEND_STALL_S = 5.0
 _PART_WAIT_MS = 2000  # a message's later frames are normally there with its first  # wake up periodically so long waits stay interruptible (Ctrl-C)
 
 
@@ -207,6 +210,7 @@ class Transport:
         self._ctx = zmq.Context(io_threads=1)
         self._gate: _Gatekeeper | None = None
         self._peers: dict[str, zmq.Socket] = {}
+        self._endpoints: dict[str, str] = {}  # peer -> the endpoint it was connected at (for errors)
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._pending: deque[Message] = deque()
@@ -271,6 +275,7 @@ class Transport:
             self._secure_client(push, peer)
             push.connect(_join(host, port))
             self._peers[peer] = push
+            self._endpoints[peer] = endpoint
 
     def _secure_client(self, push: zmq.Socket, peer: str) -> None:
         """Present this process's key (or token) to ``peer``'s inbox; CURVE also checks the peer's key."""
@@ -300,13 +305,28 @@ class Transport:
         self._check_open()
         msg = Message(kind=kind, sender=self.name, step=step, mb=mb, meta=meta or {}, tensors=tensors or {})
         frames = encode(msg, self.plan_hash)
-        with self._send_lock:
-            sock = self._peers.get(peer)
-            if sock is None:
-                known = ", ".join(sorted(self._peers)) or "none"
-                raise WireError(f"{self.name} has no connection to {peer!r} (connected: {known}): connect() it first")
-            # copy=False: ZeroMQ keeps a reference to each memoryview (hence the tensor) until sent.
-            sock.send_multipart(frames, copy=False)
+        deadline = time.monotonic() + SEND_STALL_S
+        while True:
+            with self._send_lock:
+                sock = self._peers.get(peer)
+                if sock is None:
+                    known = ", ".join(sorted(self._peers)) or "none"
+                    raise WireError(f"{self.name} has no connection to {peer!r} (connected: {known}): "
+                                    "connect() it first")
+                try:
+                    # copy=False: ZeroMQ keeps a reference to each memoryview (hence the tensor) until sent.
+                    # NOBLOCK: the queue is unbounded, so only a connection ZeroMQ gave up on can block,
+                    # and a blocked send would hold this lock (and every other sender) forever.
+                    sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:
+                    pass
+            if time.monotonic() > deadline:
+                where = self._endpoints.get(peer, "its address")
+                raise WireError(f"{self.name} cannot send to {peer} at {where}: ZeroMQ has no working connection "
+                                f"after {SEND_STALL_S:g} s (the handshake failed: is another program using that "
+                                "port, or does the peer refuse this process's key?)")
+            time.sleep(0.05)
 
     def set_linger(self, linger_ms: int, peers: list[str] | None = None) -> None:
         """How long close() may wait for queued sends to ``peers`` (default: every peer) to go out.

@@ -307,3 +307,43 @@ def test_encoded_frames_are_what_send_puts_on_the_wire(pair) -> None:
     finally:
         pull.close(linger=0)
         ctx.term()
+
+
+def test_send_to_a_peer_whose_handshake_fails_errors_instead_of_hanging(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A port held by a ZeroMQ socket that refuses our handshake (another run's stage, a wrong key):
+    ZeroMQ drops the connection's queue, and a blocking send used to wait forever while holding the
+    send lock (a whole run hung with it, heartbeats included). Now the send fails in one line and
+    sends to other peers go on meanwhile."""
+    import hetero.runtime.transport as transport_mod
+
+    monkeypatch.setattr(transport_mod, "SEND_STALL_S", 1.0)
+    ctx = zmq.Context()
+    foreign = ctx.socket(zmq.PULL)
+    foreign.plain_server = True  # its handshake is not ours
+    port = foreign.bind_to_random_port("tcp://127.0.0.1")
+    outcome: dict[str, object] = {}
+    with Transport("coordinator", "tcp://127.0.0.1:0", "planhash", recv_timeout_s=5) as tr, \
+            Transport("stage1", "tcp://127.0.0.1:0", "planhash", recv_timeout_s=5) as good:
+        tr.connect("stage2", f"tcp://127.0.0.1:{port}")
+        tr.connect("stage1", good.endpoint)
+
+        def hammer() -> None:
+            try:
+                for _ in range(200):
+                    tr.send("stage2", "heartbeat")
+                    time.sleep(0.02)
+                outcome["error"] = None
+            except WireError as exc:
+                outcome["error"] = str(exc)
+
+        thread = threading.Thread(target=hammer, daemon=True)
+        thread.start()
+        time.sleep(0.5)
+        tr.send("stage1", "heartbeat")  # the lock is not held by the stalled peer
+        assert good.recv("heartbeat", timeout_s=5).sender == "coordinator"
+        thread.join(timeout=20)
+        assert not thread.is_alive(), "send to the refusing peer hung"
+        assert "cannot send to stage2" in str(outcome["error"]) and "handshake failed" in str(outcome["error"])
+        tr.set_linger(0)
+    foreign.close(0)
+    ctx.term()

@@ -101,32 +101,3 @@ def describe_environment(device: str | None = None) -> dict[str, Any]:
         "devices": _devices(device),
         "packages": {name: _package_version(name) for name in _PACKAGES},
     }
-
-
-# glibc's mallopt parameters (malloc.h) and the values a stage process uses.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit
-_TRIM_THRESHOLD = 1 << 30
-
-
-def keep_freed_memory() -> bool:
-    """Let glibc keep freed tensor memory for reuse instead of returning it to the kernel.
-
-    By default glibc serves blocks above 128 KiB (a W1 activation is 512 KiB-1.4 MiB) with fresh
-    mmap()s and trims the heap top, so every step's tensors fault their pages in again: ~900 page
-    faults per MLP forward+backward on W1, each a trip into the kernel (and the hypervisor on a VM).
-    A training step allocates the same sizes every time, so keeping the memory costs nothing the
-    step's peak did not already hold. Off with HETERO_MALLOC_TUNING=0; a no-op off glibc. Returns
-    whether it applied."""
-    if os.environ.get("HETERO_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
-        return False
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and bool(
-            libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
-    except (OSError, AttributeError):
-        return False

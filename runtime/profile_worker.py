@@ -318,9 +318,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bind", required=True)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from hetero.runtime.env import keep_freed_memory
-
-    keep_freed_memory()  # measure under the allocator settings the stages run with
     try:
         return serve(args.device, args.coordinator, args.token, args.bind)
     except HeteroError as exc:

@@ -116,14 +116,13 @@ def run_stage(plan: Plan, k: int, coordinator: str, parent_pid: int | None = Non
     import transformers  # noqa: F401
 
     from hetero.runtime.checkpoint import peft_key, restore_stage
-    from hetero.runtime.env import describe_environment, keep_freed_memory
+    from hetero.runtime.env import describe_environment
     from hetero.runtime.executor import Executor, stage_name
     from hetero.runtime.stage import build_stage
     from hetero.runtime.wire import WIRE_VERSION
 
     sp = plan.stages[k]
     device = device_for(plan, k)
-    keep_freed_memory()
     if device.type == "cpu":
         torch.set_num_threads(max(1, sp.threads or 1))
     transport = stage_transport(plan, k, keys or [])

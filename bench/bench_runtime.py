@@ -354,15 +354,9 @@ def _pipelining_worker(rank: int, port: int, model_dir: str, data: str, steps: i
     dist.destroy_process_group()
 
 
-# glibc reads these at process start: the peer with the allocator settings hetero's stages apply
-# (runtime/env.py keep_freed_memory), to show how much of a gap is the allocator.
-TUNED_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-
-
 def run_pipelining(model_dir: Path, data: Path, steps: int, work: Path, counts: list[int] | None = None,
-                   num_micro: int | None = None, env: dict[str, str] | None = None) -> list[float]:
-    """torch.distributed.pipelining with Schedule1F1B over gloo, one process x 1 thread per stage
-    (``env``: extra environment for the stage processes)."""
+                   num_micro: int | None = None) -> list[float]:
+    """torch.distributed.pipelining with Schedule1F1B over gloo, one process x 1 thread per stage."""
     import torch.multiprocessing as mp
 
     counts = counts or even_counts(2)
@@ -371,17 +365,8 @@ def run_pipelining(model_dir: Path, data: Path, steps: int, work: Path, counts: 
         port = s.getsockname()[1]
     out = work / "pipelining.json"
     out.unlink(missing_ok=True)
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
-        mp.start_processes(_pipelining_worker, args=(port, str(model_dir), str(data), steps, str(out), counts,
-                                                     num_micro), nprocs=len(counts), join=True, start_method="spawn")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    mp.start_processes(_pipelining_worker, args=(port, str(model_dir), str(data), steps, str(out), counts,
+                                                 num_micro), nprocs=len(counts), join=True, start_method="spawn")
     return json.loads(out.read_text())
 
 
@@ -516,20 +501,15 @@ def plan_split(plan: Path) -> list[int]:
 
 def run_w1(work: Path, stage_counts: tuple[int, ...] = (2, 3), micro_batches: tuple[int, ...] = (4, 8, 16),
            steps: int = 5, rounds: int = 2, extra_rounds_at: int = 8, baselines: bool = True,
-           peer_tuned: bool = True, log: Any = print) -> dict[str, Any]:
+           log: Any = print) -> dict[str, Any]:
     """Run W1 over every (stages, micro-batches) setting; returns {"rows": [...], "baselines": {...}}.
 
     hetero and the peer alternate; settings with m == ``extra_rounds_at`` get ``rounds`` pairs, the
-    others one pair; with ``peer_tuned`` those settings also run the peer with hetero's allocator
-    settings (TUNED_MALLOC_ENV) once per round. Rows carry the step times, the bounds and hetero's
-    per-stage ops."""
+    others one pair. Rows carry the step times, the bounds and hetero's per-stage ops."""
     cores = os.cpu_count() or 1
     model_dir, data = prepare(work, steps, max(micro_batches))
     result: dict[str, Any] = {"rows": [], "baselines": {}, "cores": cores, "steps": steps,
                               "torch": torch.__version__}
-    from hetero.runtime.env import keep_freed_memory
-
-    keep_freed_memory()  # as hetero's stage processes do
     node_s, opt_s = node_times(model_dir)
     result["node_times_s"], result["opt_s"] = node_s, opt_s
     log("per-node F+B per micro-batch (hetero kernels, alone): " + ", ".join(f"{t * 1e3:.0f}" for t in node_s)
@@ -540,8 +520,7 @@ def run_w1(work: Path, stage_counts: tuple[int, ...] = (2, 3), micro_batches: tu
         for m in micro_batches:
             plan, note = compile_hetero(model_dir, data, steps, work, stages=stages, num_micro=m, name=f"plan-{stages}-{m}")
             row: dict[str, Any] = {"stages": stages, "m": m, "tokens_per_step": SEQ_LEN * MICRO_BATCH * m,
-                                   "peer_split": counts, "peer_split_err": split_err, "hetero": [], "peer": [],
-                                   "peer_tuned": []}
+                                   "peer_split": counts, "peer_split_err": split_err, "hetero": [], "peer": []}
             if plan is None:
                 row["note"] = note
                 log(f"S={stages} m={m}: hetero UNAVAILABLE: {note}")
@@ -552,14 +531,9 @@ def run_w1(work: Path, stage_counts: tuple[int, ...] = (2, 3), micro_batches: tu
             row["layer_bound_s"], row["layer_bound_split"] = bound, bound_split
             pairs = rounds if m == extra_rounds_at else 1
             for r in range(pairs):
-                order: tuple[str, ...] = ("hetero", "peer") if r % 2 == 0 else ("peer", "hetero")
-                if peer_tuned and m == extra_rounds_at and stages == stage_counts[0] and r == 0:
-                    order += ("peer_tuned",)
+                order = ("hetero", "peer") if r % 2 == 0 else ("peer", "hetero")
                 for who in order:
-                    if who == "peer_tuned":
-                        row[who].append(median_tail(run_pipelining(model_dir, data, steps, work, counts, m,
-                                                                   TUNED_MALLOC_ENV)))
-                    elif who == "peer":
+                    if who == "peer":
                         row["peer"].append(median_tail(run_pipelining(model_dir, data, steps, work, counts, m)))
                     elif plan is not None:
                         detail: dict[str, Any] = {}
@@ -571,13 +545,11 @@ def run_w1(work: Path, stage_counts: tuple[int, ...] = (2, 3), micro_batches: tu
                         row["hetero"].append(median_tail(times))
                         row["stage_ops"] = detail.get("stage_ops")
                     log(f"S={stages} m={m} round {r + 1} {who}: {row[who][-1]:.3f} s/step" if row[who] else "")
-            for who in ("hetero", "peer", "peer_tuned"):
+            for who in ("hetero", "peer"):
                 row[f"{who}_s"] = statistics.median(row[who]) if row[who] else None
             if row["hetero_s"] and row["peer_s"]:
                 row["speedup"] = row["peer_s"] / row["hetero_s"]
                 row["of_layer_bound"] = row["layer_bound_s"] / row["hetero_s"]
-            if row["hetero_s"] and row["peer_tuned_s"]:
-                row["speedup_vs_tuned_peer"] = row["peer_tuned_s"] / row["hetero_s"]
             result["rows"].append(row)
     if baselines:
         # Last, and each in a process of its own: multithreaded torch in this process slowed every
@@ -620,13 +592,13 @@ def print_report(result: dict[str, Any], out: Any = print) -> None:
     if base:
         out(f"\none process (stock peft), m={NUM_MICRO}: " + ", ".join(
             f"{k} {v:.3f} s/step ({SEQ_LEN * MICRO_BATCH * NUM_MICRO / v:.0f} tokens/s)" for k, v in base.items()))
-    out(f"\n{'S':>2}{'m':>4}{'hetero s':>10}{'peer s':>9}{'peer+malloc':>13}{'hetero tok/s':>14}{'peer tok/s':>12}"
+    out(f"\n{'S':>2}{'m':>4}{'hetero s':>10}{'peer s':>9}{'hetero tok/s':>14}{'peer tok/s':>12}"
         f"{'layer bound':>13}{'balanced':>10}  splits (hetero / peer / bound)")
     for r in result["rows"]:
         def fmt(x: float | None, w: int, p: int = 3) -> str:
             return f"{x:>{w}.{p}f}" if x else f"{'-':>{w}}"
         tok = r["tokens_per_step"]
-        out(f"{r['stages']:>2}{r['m']:>4}{fmt(r['hetero_s'], 10)}{fmt(r['peer_s'], 9)}{fmt(r.get('peer_tuned_s'), 13)}"
+        out(f"{r['stages']:>2}{r['m']:>4}{fmt(r['hetero_s'], 10)}{fmt(r['peer_s'], 9)}"
             f"{fmt(tok / r['hetero_s'] if r['hetero_s'] else None, 14, 0)}{fmt(tok / r['peer_s'] if r['peer_s'] else None, 12, 0)}"
             f"{fmt(r['layer_bound_s'], 13)}{fmt(r.get('balanced_bound_s'), 10)}  "
             f"{r.get('hetero_split')} / {r['peer_split']} / {r['layer_bound_split']}")
@@ -641,10 +613,8 @@ def print_report(result: dict[str, Any], out: Any = print) -> None:
     for r in result["rows"]:
         if r.get("speedup"):
             runs = ", ".join(f"{p / h:.2f}" for h, p in zip(r["hetero"], r["peer"], strict=False))
-            tuned = (f"; vs the peer with hetero's allocator settings {r['speedup_vs_tuned_peer']:.2f}x"
-                     if r.get("speedup_vs_tuned_peer") else "")
             out(f"  S={r['stages']} m={r['m']:<3} hetero vs torch.distributed.pipelining {r['speedup']:.2f}x "
-                f"(per round {runs}); {r['of_layer_bound']:.0%} of the layer-granularity bound{tuned}")
+                f"(per round {runs}); {r['of_layer_bound']:.0%} of the layer-granularity bound")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -655,7 +625,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--rounds", type=int, default=2, help="alternating hetero/peer pairs at m=8 (others: one)")
     ap.add_argument("--no-baselines", action="store_true", help="skip the one-process runs")
-    ap.add_argument("--no-peer-tuned", action="store_true", help="skip the peer run with hetero's allocator settings")
     ap.add_argument("--keep", type=Path, help="keep the work dir here instead of a temp dir")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--no-transport", action="store_true", help="skip the 16 MiB transport vs raw TCP comparison")
@@ -668,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"W1: micro-batches of {MICRO_BATCH} x {SEQ_LEN} tokens, {args.steps} steps per run (median of steps "
               f"3..{args.steps}); torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
         result = run_w1(work, tuple(args.stages), tuple(args.micro_batches), args.steps, args.rounds,
-                        baselines=not args.no_baselines, peer_tuned=not args.no_peer_tuned, log=lambda s: print(s, flush=True) if s else None)
+                        baselines=not args.no_baselines, log=lambda s: print(s, flush=True) if s else None)
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
         print_report(result)

@@ -133,7 +133,7 @@ def measure_bytes(nbytes: int, messages: int, repeats: int = 3) -> tuple[float, 
 SWEEP_BYTES = (64 << 10, 1 << 20, 16 << 20, 64 << 20)
 
 
-def sweep(sizes: tuple[int, ...] = SWEEP_BYTES, round_bytes: int = 128 << 20, repeats: int = 2) -> list[dict]:
+def sweep(sizes: tuple[int, ...] = SWEEP_BYTES, round_bytes: int = 64 << 20, repeats: int = 2) -> list[dict]:
     """Transport vs raw TCP from 64 KiB to 64 MiB messages; each round moves ~``round_bytes``
     (at least 4 and at most 1024 messages), best of 2 x ``repeats`` rounds. Rows of dicts."""
     rows = []

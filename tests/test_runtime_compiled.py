@@ -45,4 +45,8 @@ def test_compiled_plan_trains_like_the_reference(tiny_model_dir: Path, tmp_path:
         state.update(ex.stage.lora_state())
     assert set(state) == set(want_state)
     for key, value in want_state.items():
-        assert torch.allclose(state[key], value, rtol=1e-4, atol=1e-6), key
+        # Within 1e-4 of each tensor's scale: the runtime's fused LoRA linear rounds differently from
+        # peft's separate delta, and AdamW's per-element normalisation lifts that rounding to ~1e-6
+        # on elements whose gradient is near zero (seen: 4.6e-6 on one of 1376, tensor scale 0.07).
+        # A wrong gradient moves weights by ~lr = 1e-3 per step, far above this.
+        assert torch.allclose(state[key], value, rtol=1e-4, atol=1e-4 * float(value.abs().max())), key

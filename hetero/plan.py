@@ -73,6 +73,21 @@ class StagePlan:
 
 
 @dataclass
+class ReplicaPlan:
+    """One pipeline replica of a data x pipeline plan: its stages and its share of the step's batch.
+
+    Replicas hold the whole model each, on disjoint devices, and train on disjoint micro-batches of
+    the same optimizer step; at the step their LoRA gradients are summed (through the coordinator)
+    so the update is the one a single device computes over the whole global batch.
+    """
+
+    stages: list[int]  # indices into Plan.stages, in pipeline order (replica r's follow replica r-1's)
+    num_micro_batches: int  # this replica's share of train.num_micro_batches
+    first_micro_batch: int  # where its share starts in the step's micro-batches
+    step_time_s: float = 0.0  # predicted step time of this replica alone (before the reduction)
+
+
+@dataclass
 class Prediction:
     step_time_s: float
     tokens_per_step: int
@@ -80,6 +95,7 @@ class Prediction:
     bubble_fraction: float  # idle fraction of the pipeline's device-time during a step
     stage_busy: list[float]  # per stage: busy fraction of the step
     stage_memory_gb: list[float]
+    reduce_s: float = 0.0  # summing LoRA gradients across replicas at the optimizer step (0: one replica)
 
 
 @dataclass
@@ -127,6 +143,8 @@ class Plan:
     input_hash: str = ""
     # Who may talk to the run's processes (hetero/security.py): the mode and every process's public key.
     security: SecuritySpec = field(default_factory=SecuritySpec)
+    # Data x pipeline: the pipeline replicas (empty: one pipeline of every stage, all micro-batches).
+    replicas: list[ReplicaPlan] = field(default_factory=list)
     created: str = ""
     hetero_version: str = __version__
     schema_version: int = PLAN_SCHEMA_VERSION
@@ -134,6 +152,35 @@ class Plan:
     @property
     def schedule(self) -> str:
         return self.train.schedule
+
+    @property
+    def pipelines(self) -> list[ReplicaPlan]:
+        """The plan's replicas; a plan without any is one pipeline of all its stages."""
+        if self.replicas:
+            return self.replicas
+        return [ReplicaPlan(list(range(len(self.stages))), self.train.num_micro_batches, 0,
+                            self.prediction.step_time_s)]
+
+    def replica_of(self, k: int) -> tuple[int, ReplicaPlan, int]:
+        """Stage k's replica index, the replica, and k's position in its pipeline."""
+        for r, rep in enumerate(self.pipelines):
+            if k in rep.stages:
+                return r, rep, rep.stages.index(k)
+        raise PlanError(f"stage {k} belongs to no replica of the plan; {_RECOMPILE}")
+
+    def prev_stage(self, k: int) -> int | None:
+        """The stage that feeds stage k its activations (None: k is the first of its pipeline)."""
+        _, rep, pos = self.replica_of(k)
+        return rep.stages[pos - 1] if pos > 0 else None
+
+    def next_stage(self, k: int) -> int | None:
+        """The stage stage k sends its activations to (None: k is the last of its pipeline)."""
+        _, rep, pos = self.replica_of(k)
+        return rep.stages[pos + 1] if pos + 1 < len(rep.stages) else None
+
+    def micro_batches_of(self, k: int) -> int:
+        """Micro-batches stage k runs per optimizer step (its replica's share)."""
+        return self.replica_of(k)[1].num_micro_batches
 
     def to_json(self) -> str:
         return json.dumps(to_dict(self), indent=1)
@@ -183,7 +230,8 @@ def check_plan(plan: Plan, where: str = "plan.json") -> None:
     devices = {d.name: (h.name, d) for h in plan.cluster.hosts for d in h.devices}
     if not plan.stages:
         raise bad("no stages")
-    next_node = 0
+    _check_replicas(plan, bad)
+    first_of = {k: rep.stages[0] == k for rep in plan.pipelines for k in rep.stages}
     for k, s in enumerate(plan.stages):
         at = f"stages[{k}]"
         if s.index != k:
@@ -191,10 +239,13 @@ def check_plan(plan: Plan, where: str = "plan.json") -> None:
         host, device = devices.get(s.device, (None, None))
         if device is None or host != s.host or (device.type, device.backend) != (s.device_type, s.backend):
             raise bad(f"{at} runs on {s.host}/{s.device} ({s.device_type}, {s.backend}), not a device of the fleet")
+        prev = plan.prev_stage(k)
+        next_node = 0 if first_of[k] else plan.stages[prev].last_node + 1  # type: ignore[index]
         if s.first_node != next_node or not s.first_node <= s.last_node < len(nodes):
-            raise bad(f"{at} covers nodes {s.first_node}..{s.last_node}; stages must cover nodes 0..{len(nodes) - 1} "
-                      "in order")
-        next_node = s.last_node + 1
+            raise bad(f"{at} covers nodes {s.first_node}..{s.last_node}; the stages of a pipeline must cover nodes "
+                      f"0..{len(nodes) - 1} in order")
+        if plan.next_stage(k) is None and s.last_node != len(nodes) - 1:
+            raise bad(f"the pipeline ending with {at} covers nodes 0..{s.last_node} of 0..{len(nodes) - 1}")
         if s.node_names != [n.name for n in nodes[s.first_node : s.last_node + 1]]:
             raise bad(f"{at}.node_names do not match graph nodes {s.first_node}..{s.last_node}")
         if not set(s.recompute_layers) <= set(s.node_names):
@@ -214,10 +265,38 @@ def check_plan(plan: Plan, where: str = "plan.json") -> None:
             actions = parse_program(s.program)
         except ValueError as exc:
             raise bad(f"{at}.program: {exc}") from None
-        if any(a.mb >= plan.train.num_micro_batches for a in actions):
-            raise bad(f"{at}.program names a micro-batch past train.num_micro_batches={plan.train.num_micro_batches}")
-    if next_node != len(nodes):
-        raise bad(f"the stages cover nodes 0..{next_node - 1} of 0..{len(nodes) - 1}")
+        m = plan.micro_batches_of(k)
+        if any(a.mb >= m for a in actions):
+            where = "train.num_micro_batches" if not plan.replicas else "its replica's num_micro_batches"
+            raise bad(f"{at}.program names a micro-batch past {where}={m}")
+
+
+def _check_replicas(plan: Plan, bad: Any) -> None:
+    """Replicas partition the stages in order (replica r's follow replica r-1's), on distinct devices,
+    and their shares partition the step's micro-batches in order."""
+    if not plan.replicas:
+        return
+    expect_stage, expect_mb = 0, 0
+    for r, rep in enumerate(plan.replicas):
+        at = f"replicas[{r}]"
+        if not rep.stages or rep.stages != list(range(expect_stage, expect_stage + len(rep.stages))):
+            raise bad(f"{at}.stages is {rep.stages}; expected stages {expect_stage}.. in order")
+        if rep.num_micro_batches < 1 or rep.first_micro_batch != expect_mb:
+            raise bad(f"{at} takes micro-batches {rep.first_micro_batch}..+{rep.num_micro_batches}; expected "
+                      f"at least one from {expect_mb}")
+        if not math.isfinite(rep.step_time_s) or rep.step_time_s < 0:
+            raise bad(f"{at}.step_time_s is {rep.step_time_s}")
+        expect_stage += len(rep.stages)
+        expect_mb += rep.num_micro_batches
+    if expect_stage != len(plan.stages):
+        raise bad(f"the replicas hold {expect_stage} of the plan's {len(plan.stages)} stages")
+    if expect_mb != plan.train.num_micro_batches:
+        raise bad(f"the replicas' micro-batches sum to {expect_mb}, train.num_micro_batches is "
+                  f"{plan.train.num_micro_batches}")
+    used = [s.device for s in plan.stages]
+    twice = sorted({d for d in used if used.count(d) > 1})
+    if twice:
+        raise bad(f"device {twice[0]} runs two stages")
 
 
 def _non_finite(value: Any, where: str, skip: tuple[str, ...]) -> str | None:
@@ -263,5 +342,7 @@ def compute_input_hash(plan: Plan) -> str:
                    + ((s.recompute_layers,) if s.recompute_layers else ()) for s in plan.stages],
         "schema_version": plan.schema_version,
     }
+    if plan.replicas:  # one-pipeline plans keep the hash they had before replicas existed
+        payload["replicas"] = [(r.stages, r.num_micro_batches, r.first_micro_batch) for r in plan.replicas]
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

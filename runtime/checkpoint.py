@@ -23,6 +23,7 @@ import torch
 
 from hetero.errors import CheckpointError
 from hetero.runtime.executor import Executor
+from hetero.runtime.stage import peft_key
 from hetero.runtime.rundir import (
     CHECKPOINTS,
     COMPLETE,
@@ -37,11 +38,6 @@ from hetero.runtime.rundir import (
 CHECKPOINT_FORMAT = 1
 LORA, EXP_AVG, EXP_AVG_SQ = "lora/", "exp_avg/", "exp_avg_sq/"
 _STAGE_JSON = re.compile(r"stage(\d+)\.json")
-
-
-def peft_key(param_name: str, adapter: str = "default") -> str:
-    """The PEFT state-dict key of a LoRA parameter name (peft drops the adapter name)."""
-    return param_name.replace(f".{adapter}.", ".")
 
 
 def stage_payload(executor: Executor, plan_hash: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

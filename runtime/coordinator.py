@@ -333,11 +333,42 @@ class Coordinator:
     # -- training ---------------------------------------------------------------------------------
 
     def _send_data(self, batches: Any, step: int) -> int:
+        """Each replica's share of the step's micro-batches: input ids to its first stage, labels to its
+        last, with the whole step's label-token count (every replica's loss is divided by it)."""
         batch = batches.step(step)
-        self.transport.send(self.names[0], "batch", step=step, tensors={"input_ids": batch.input_ids})
-        self.transport.send(self.names[-1], "labels", step=step, tensors={"labels": batch.labels},
-                            meta={"num_label_tokens": batch.num_label_tokens})
+        for rep in self.plan.pipelines:
+            share = slice(rep.first_micro_batch, rep.first_micro_batch + rep.num_micro_batches)
+            self.transport.send(self.names[rep.stages[0]], "batch", step=step,
+                                tensors={"input_ids": batch.input_ids[share].contiguous()})
+            self.transport.send(self.names[rep.stages[-1]], "labels", step=step,
+                                tensors={"labels": batch.labels[share].contiguous()},
+                                meta={"num_label_tokens": batch.num_label_tokens})
         return int(batch.num_label_tokens)
+
+    def _clip_coef(self, grad_norm: float) -> float:
+        """clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6), never above 1."""
+        max_norm = self.plan.train.max_grad_norm
+        return min(1.0, max_norm / (grad_norm + 1e-6)) if max_norm > 0 else 1.0
+
+    def _end_step(self, step: int, timeout: float) -> tuple[float, float]:
+        """The optimizer step's synchronisation: the global gradient norm and clip coefficient to every
+        stage; with replicas, each stage's LoRA gradients summed with the other replicas' first."""
+        if len(self.plan.pipelines) == 1:
+            norms = self._gather("gradnorm", step, timeout)
+            # Summed in stage order, not arrival order: the same run gives the same bits.
+            grad_norm = math.sqrt(sum(float(norms[k].meta["sumsq"]) for k in sorted(norms)))
+            coef = self._clip_coef(grad_norm)
+            for name in self.names:
+                self.transport.send(name, "clip", step=step, meta={"coef": coef, "grad_norm": grad_norm})
+            return grad_norm, coef
+        grads = self._gather("grads", step, timeout)
+        totals = sum_replica_grads(self.plan, {k: msg.tensors for k, msg in grads.items()}, step)
+        grad_norm = math.sqrt(sum(float(totals[key].double().pow(2).sum()) for key in sorted(totals)))
+        coef = self._clip_coef(grad_norm)
+        for k in sorted(grads):
+            self.transport.send(self.names[k], "reduced", step=step, meta={"coef": coef, "grad_norm": grad_norm},
+                                tensors={key: totals[key] for key in grads[k].tensors})
+        return grad_norm, coef
 
     def _batches(self) -> Any:
         from hetero.pretrained import resolve_dir
@@ -365,22 +396,15 @@ class Coordinator:
                     self._checkpoint_and_stop(step)
                     return
                 self.transport.rules.step = step  # reports for other steps than this and the next are dropped
-                norms = self._gather("gradnorm", step, timeout)
-                # Summed in stage order, not arrival order: the same run gives the same bits.
-                grad_norm = math.sqrt(sum(float(norms[k].meta["sumsq"]) for k in sorted(norms)))
-                coef = 1.0
-                if train.max_grad_norm > 0:
-                    # clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6), never above 1.
-                    coef = min(1.0, train.max_grad_norm / (grad_norm + 1e-6))
-                for name in self.names:
-                    self.transport.send(name, "clip", step=step, meta={"coef": coef, "grad_norm": grad_norm})
+                grad_norm, coef = self._end_step(step, timeout)
                 if step + 1 < train.steps and self.stop_signal is None:  # the next step's data travels early
                     label_tokens[step + 1] = self._send_data(batches, step + 1)
                 done = self._gather("stepdone", step, timeout)
                 now = time.perf_counter()
                 step_time, last = now - last, now
-                last_meta = done[self.num_stages - 1].meta
-                loss = float(last_meta["loss_sum"]) / label_tokens.pop(step)
+                lasts = [done[rep.stages[-1]].meta for rep in plan.pipelines]
+                last_meta = lasts[0]
+                loss = sum(float(m["loss_sum"]) for m in lasts) / label_tokens.pop(step)
                 line = {
                     "step": step, "loss": loss, "lr": float(done[0].meta["lr"]), "grad_norm": grad_norm,
                     "clip_coef": coef, "tokens": tokens_per_step, "label_tokens": int(last_meta["num_label_tokens"]),
@@ -397,8 +421,8 @@ class Coordinator:
                     self._write_checkpoint(step + 1, payloads)
                     if final:
                         state: dict[str, torch.Tensor] = {}
-                        for msg in payloads.values():
-                            state.update(lora_from_payload(msg.tensors))
+                        for k in plan.pipelines[0].stages:  # every replica holds the same adapter
+                            state.update(lora_from_payload(payloads[k].tensors))
                         self._save_adapter(state)
 
     def _write_checkpoint(self, done: int, payloads: dict[int, Any]) -> Path:
@@ -406,8 +430,11 @@ class Coordinator:
         from hetero.runtime.checkpoint import write_checkpoint
 
         settings = {k: v for k, v in to_dict(self.plan.train).items() if k in RUNTIME_OVERRIDABLE}
-        return write_checkpoint(self.run_dir, done, [(payloads[k].tensors, payloads[k].meta) for k in sorted(payloads)],
-                                self.num_stages, train=settings)
+        # Replicas hold identical LoRA and AdamW state (they apply the same summed gradients): the first
+        # replica's stages (0..S-1) are the whole model, in the same key space as any other split.
+        first = self.plan.pipelines[0].stages
+        return write_checkpoint(self.run_dir, done, [(payloads[k].tensors, payloads[k].meta) for k in first],
+                                len(first), train=settings)
 
     def _checkpoint_and_stop(self, done: int) -> None:
         """After Ctrl-C: every stage's state after ``done`` steps into checkpoints/step-<done>/."""
@@ -446,6 +473,34 @@ class Coordinator:
 
         base = self.plan.model.pretrained or self.plan.model.name
         save_adapter({k: v.clone() for k, v in state.items()}, self.plan.model.lora, base, self.run_dir / "adapter")
+
+
+def sum_replica_grads(plan: Plan, grads: dict[int, dict[str, torch.Tensor]], step: int) -> dict[str, torch.Tensor]:
+    """Per LoRA key, the sum of every replica's gradient, added in replica order (the same bits every run).
+
+    Every replica holds the whole model, so each key arrives once from each replica, with one shape;
+    anything else is a stage that trains something else (a one-line error, nothing is applied)."""
+    totals: dict[str, torch.Tensor] = {}
+    for r, rep in enumerate(plan.pipelines):
+        seen: set[str] = set()
+        for k in rep.stages:
+            for key, t in grads[k].items():
+                if key in seen:
+                    raise StageFailedError(f"step {step}: two stages of replica {r} sent gradients for {key}")
+                seen.add(key)
+                if r == 0:
+                    totals[key] = t.clone()
+                elif key not in totals or totals[key].shape != t.shape:
+                    raise StageFailedError(f"step {step}: stage {k} (replica {r}) sent gradient {key} "
+                                           f"{tuple(t.shape)}, which replica 0 does not train with that shape: "
+                                           "the hosts run different plans or models")
+                else:
+                    totals[key] += t
+        if seen != set(totals):
+            missing = sorted(set(totals) - seen)
+            raise StageFailedError(f"step {step}: replica {r} sent no gradient for {missing[0]}: the hosts run "
+                                   "different plans or models")
+    return totals
 
 
 def _last_error_line(log: Path) -> str | None:

@@ -22,7 +22,7 @@ from hetero.errors import TrainingDivergedError, WireError
 from hetero.program import Action
 from hetero.runtime.data import IGNORE_INDEX
 from hetero.runtime.lr import make_scheduler
-from hetero.runtime.stage import Stage
+from hetero.runtime.stage import Stage, peft_key
 from hetero.security import COORDINATOR, stage_name
 from hetero.specs import TrainSpec
 
@@ -92,14 +92,21 @@ class StepStats:
 class Executor:
     """Executes a stage's program step after step; owns the stage's optimizer and LR schedule."""
 
-    def __init__(self, stage: Stage, program: list[Action], wire: Wire, train: TrainSpec) -> None:
+    def __init__(self, stage: Stage, program: list[Action], wire: Wire, train: TrainSpec,
+                 neighbours: tuple[int | None, int | None] | None = None, replicated: bool = False) -> None:
+        """``neighbours``: the stages before and after this one in its pipeline (default: index -+ 1);
+        ``replicated``: other replicas hold the same layers, and STEP sums gradients with them."""
         self.stage = stage
         self.program = program
         self.wire = wire
         self.train = train
-        self.prev = stage_name(stage.index - 1) if not stage.is_first else None
-        self.next = stage_name(stage.index + 1) if not stage.is_last else None
+        prev, nxt = neighbours if neighbours is not None else (stage.index - 1, stage.index + 1)
+        self.prev = stage_name(prev) if not stage.is_first and prev is not None else None
+        self.next = stage_name(nxt) if not stage.is_last and nxt is not None else None
+        self.replicated = replicated
         self.params = stage.lora_parameters()
+        # Whole-model PEFT keys of the LoRA parameters (checkpoint keys; gradients travel under them).
+        self.keys = [peft_key(name) for name, _ in stage.lora_named_parameters()]
         self.optimizer, self.scheduler = build_optimizer(self.params, train)
         self.steps_done = 0  # optimizer steps taken (the step number of the next step)
         self._handlers: dict[str, Callable[[int, int], None]] = {
@@ -226,13 +233,40 @@ class Executor:
         self.wire.send(self.prev, "grad", step=step, mb=mb, tensors={"g": grad})
 
     def _optimizer_step(self, step: int, mb: int) -> None:
-        self._grad_sumsq = grad_sumsq(self.params)
-        self.wire.send(COORDINATOR, "gradnorm", step=step, meta={"sumsq": self._grad_sumsq})
-        t0 = time.perf_counter()
-        msg = self.wire.recv("clip", step=step, sender=COORDINATOR)
-        self._clip_wait = time.perf_counter() - t0
-        apply_step(self.params, self.optimizer, self.scheduler, float(msg.meta["coef"]))
+        if self.replicated:
+            coef = self._reduce_grads(step)
+        else:
+            self._grad_sumsq = grad_sumsq(self.params)
+            self.wire.send(COORDINATOR, "gradnorm", step=step, meta={"sumsq": self._grad_sumsq})
+            t0 = time.perf_counter()
+            msg = self.wire.recv("clip", step=step, sender=COORDINATOR)
+            self._clip_wait = time.perf_counter() - t0
+            coef = float(msg.meta["coef"])
+        apply_step(self.params, self.optimizer, self.scheduler, coef)
         self._sync()
+
+    def _reduce_grads(self, step: int) -> float:
+        """Replicas: send this stage's LoRA gradients (float32) to the coordinator, which sums them with
+        the other replicas' for the same keys and answers with the sums and the global clip
+        coefficient; the sums replace this stage's gradients. Returns the coefficient."""
+        grads = {key: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().to("cpu", torch.float32)
+                 for key, p in zip(self.keys, self.params, strict=True)}
+        self.wire.send(COORDINATOR, "grads", step=step, tensors=grads)
+        t0 = time.perf_counter()
+        msg = self.wire.recv("reduced", step=step, sender=COORDINATOR)
+        self._clip_wait = time.perf_counter() - t0
+        if set(msg.tensors) != set(self.keys):
+            raise WireError(f"step {step}: the coordinator's summed gradients name other tensors than stage "
+                            f"{self.stage.index}'s LoRA parameters")
+        with torch.no_grad():
+            for key, p in zip(self.keys, self.params, strict=True):
+                total = msg.tensors[key]
+                if tuple(total.shape) != tuple(p.shape):
+                    raise WireError(f"step {step}: summed gradient {key} has shape {tuple(total.shape)}, "
+                                    f"the parameter {tuple(p.shape)}")
+                p.grad = total.to(p.device, p.dtype).clone()
+        self._grad_sumsq = grad_sumsq(self.params)
+        return float(msg.meta["coef"])
 
 
 def _check_finite(t: torch.Tensor, what: str, k: int, step: int, mb: int) -> None:

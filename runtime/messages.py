@@ -67,6 +67,9 @@ KINDS: dict[str, Kind] = {
     "labels": Kind({"num_label_tokens": Field((int,), low=1)}),
     "gradnorm": Kind({"sumsq": Field(_NUM, finite=True, low=0.0)}),
     "clip": Kind({"coef": Field(_NUM, finite=True, low=0.0, high=1.0), "grad_norm": Field(_NUM, low=0.0)}),
+    # Replicas: a stage's LoRA gradients to the coordinator, and their sums across replicas back.
+    "grads": Kind({}),
+    "reduced": Kind({"coef": Field(_NUM, finite=True, low=0.0, high=1.0), "grad_norm": Field(_NUM, low=0.0)}),
     "stepdone": Kind({"step": Field((int,), low=0), "grad_sumsq": Field(_NUM, low=0.0), "lr": Field(_NUM, finite=True),
                       "busy_s": Field(_NUM, finite=True), "wall_s": Field(_NUM, finite=True),
                       "loss_sum": Field((*_NUM, type(None))), "num_label_tokens": Field((int, type(None))),
@@ -118,7 +121,8 @@ class Rules:
     me: str
     senders: dict[str, frozenset[str]]  # kind -> who may send it to me
     tensors: dict[str, dict[str, TensorRule]] = field(default_factory=dict)  # kind -> name -> rule
-    open_tensors: frozenset[str] = frozenset({"state", "checkpoint"})  # named float32 tensors, any shape
+    # Kinds of named float32 tensors of any shape (checked against the stage's parameters where used).
+    open_tensors: frozenset[str] = frozenset({"state", "checkpoint", "grads", "reduced"})
     num_micro_batches: int = 1
     step: int | None = None  # the step in progress; None before training (only duplicates are refused)
     max_pending: int = 64
@@ -176,38 +180,40 @@ def _dtype_name(t: torch.Tensor) -> str:
 
 
 def stage_rules(plan: Any, k: int) -> Rules:
-    """What stage ``k`` of ``plan`` accepts."""
-    n = len(plan.stages)
+    """What stage ``k`` of ``plan`` accepts (from its pipeline replica's neighbours and the coordinator)."""
     train, model = plan.train, plan.model
     hidden = int(plan.graph.hidden_size)
     vocab = int(model.architecture.get("vocab_size", 0)) if isinstance(model.architecture, dict) else 0
     shape = (train.micro_batch_size, model.seq_len, hidden)
+    step_end = "reduced" if len(plan.pipelines) > 1 else "clip"
     senders: dict[str, frozenset[str]] = {
-        kind: frozenset({COORDINATOR}) for kind in ("welcome", "state", "clip", "stop", "heartbeat", "error")
+        kind: frozenset({COORDINATOR}) for kind in ("welcome", "state", step_end, "stop", "heartbeat", "error")
     }
     tensors: dict[str, dict[str, TensorRule]] = {}
-    ids = (train.num_micro_batches, train.micro_batch_size, model.seq_len)
-    if k == 0:
+    m = plan.micro_batches_of(k)
+    ids = (m, train.micro_batch_size, model.seq_len)
+    prev, nxt = plan.prev_stage(k), plan.next_stage(k)
+    if prev is None:
         senders["batch"] = frozenset({COORDINATOR})
         tensors["batch"] = {"input_ids": TensorRule(ids, "int64", 0, vocab or None)}
     else:
-        senders["act"] = frozenset({stage_name(k - 1)})
-        tensors["act"] = {"h": TensorRule(shape, plan.stages[k - 1].dtype)}
-    if k == n - 1:
+        senders["act"] = frozenset({stage_name(prev)})
+        tensors["act"] = {"h": TensorRule(shape, plan.stages[prev].dtype)}
+    if nxt is None:
         senders["labels"] = frozenset({COORDINATOR})
         tensors["labels"] = {"labels": TensorRule(ids, "int64", 0, vocab or None, extra_low=-100)}
     else:
-        senders["grad"] = frozenset({stage_name(k + 1)})
-        tensors["grad"] = {"g": TensorRule(shape, plan.stages[k + 1].dtype)}
+        senders["grad"] = frozenset({stage_name(nxt)})
+        tensors["grad"] = {"g": TensorRule(shape, plan.stages[nxt].dtype)}
     # Pending at most: both steps' micro-batches from each neighbour, the step inputs, control messages.
-    return Rules(me=stage_name(k), senders=senders, tensors=tensors, num_micro_batches=train.num_micro_batches,
-                 max_pending=4 * train.num_micro_batches + 16)
+    return Rules(me=stage_name(k), senders=senders, tensors=tensors, num_micro_batches=m, max_pending=4 * m + 16)
 
 
 def coordinator_rules(plan: Any) -> Rules:
     """What the coordinator accepts: lifecycle and per-step reports from the plan's stages only."""
     stages = frozenset(stage_name(k) for k in range(len(plan.stages)))
-    kinds = ("hello", "start", "gradnorm", "stepdone", "checkpoint", "error", "heartbeat")
+    step_end = "grads" if len(plan.pipelines) > 1 else "gradnorm"
+    kinds = ("hello", "start", step_end, "stepdone", "checkpoint", "error", "heartbeat")
     return Rules(me=COORDINATOR, senders={kind: stages for kind in kinds}, num_micro_batches=1,
                  max_pending=8 * len(plan.stages) + 16)
 

@@ -37,6 +37,11 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
+def peft_key(param_name: str, adapter: str = "default") -> str:
+    """The PEFT state-dict key of a LoRA parameter name (peft drops the adapter name)."""
+    return param_name.replace(f".{adapter}.", ".")
+
+
 @dataclass
 class StageLayout:
     """Which parts of the model stage k holds (from the plan's node span)."""
@@ -99,13 +104,14 @@ class Stage:
     quantization: str
     recompute: frozenset[int] = frozenset()  # decoder layer indices that recompute in backward
 
+    # The first stage of a pipeline holds the embedding, the last the LM head (every replica has both).
     @property
     def is_first(self) -> bool:
-        return self.index == 0
+        return self.layout.embed
 
     @property
     def is_last(self) -> bool:
-        return self.index == self.num_stages - 1
+        return self.layout.head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Stage 0 takes input ids [B, S]; others hidden states [B, S, H]. The last stage returns logits."""

@@ -25,7 +25,7 @@ WIRE_VERSION: int = 1
 
 KINDS: frozenset[str] = frozenset({
     "hello", "welcome", "start", "act", "grad", "batch", "labels", "loss", "gradnorm", "clip",
-    "stepdone", "state", "checkpoint", "stop", "error", "heartbeat", "generate", "logits",
+    "stepdone", "state", "checkpoint", "stop", "error", "heartbeat", "generate", "logits", "grads", "reduced",
 })
 
 # Wire dtype names: stable strings, independent of the torch version on either host.

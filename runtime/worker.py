@@ -130,10 +130,10 @@ def run_stage(plan: Plan, k: int, coordinator: str, parent_pid: int | None = Non
     linger_ms: int | None = None  # None: close() flushes what is queued (CLOSE_LINGER_S at most per peer)
     try:
         transport.connect(COORDINATOR, coordinator)
-        if k > 0:
-            transport.connect(stage_name(k - 1), plan.stages[k - 1].endpoint)
-        if k < len(plan.stages) - 1:
-            transport.connect(stage_name(k + 1), plan.stages[k + 1].endpoint)
+        neighbours = (plan.prev_stage(k), plan.next_stage(k))  # within k's pipeline replica
+        for j in neighbours:
+            if j is not None:
+                transport.connect(stage_name(j), plan.stages[j].endpoint)
         # The heartbeat thread also ends this process if the coordinator's connection drops for good,
         # even while this thread is busy building the stage.
         heartbeat = Heartbeat(transport, [COORDINATOR], parent_pid, watch=[COORDINATOR])
@@ -153,7 +153,8 @@ def run_stage(plan: Plan, k: int, coordinator: str, parent_pid: int | None = Non
         plan = replace(plan, train=train)
         t0 = time.perf_counter()
         stage = build_stage(plan, k, device)
-        executor = Executor(stage, parse_program(sp.program), mailbox, train)
+        executor = Executor(stage, parse_program(sp.program), mailbox, train, neighbours,
+                            replicated=len(plan.pipelines) > 1)
         n_lora = sum(p.numel() for p in executor.params)
         log.info("stage %d built in %.1f s: layers %s, %d LoRA parameters", k, time.perf_counter() - t0,
                  stage.layout.layers, n_lora)

@@ -10,7 +10,15 @@ import socket
 from pathlib import Path
 
 from hetero.graph import CutEdge, LayerGraph, LayerNode, TensorSpec
-from hetero.plan import MemoryBreakdown, Plan, Prediction, SolverReport, StagePlan, compute_input_hash
+from hetero.plan import (
+    MemoryBreakdown,
+    Plan,
+    Prediction,
+    ReplicaPlan,
+    SolverReport,
+    StagePlan,
+    compute_input_hash,
+)
 from hetero.planner.schedules import programs_for
 from hetero.program import format_program
 from hetero.specs import (
@@ -67,10 +75,13 @@ def make_plan(
     hosts: list[str] | None = None,
     dtypes: list[str] | None = None,
     recompute: str = "none",
+    shares: list[int] | None = None,
 ) -> Plan:
     """A valid plan for the model in ``model_dir``: stage k holds ``split[k]`` decoder layers on CPU.
 
-    ``recompute``: "full" makes every decoder layer recompute its forward in backward."""
+    ``recompute``: "full" makes every decoder layer recompute its forward in backward.
+    ``shares``: data x pipeline replicas; ``split`` is then one split per replica, and replica r runs
+    ``shares[r]`` of the step's micro-batches (summing to train.num_micro_batches)."""
     from safetensors import safe_open
 
     keys: list[str] = []
@@ -81,7 +92,9 @@ def make_plan(
                       quantization=quantization, lora=lora or LoraSpec(), seq_len=seq_len)
     train = train or TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=3)
     graph = _graph(model, keys)
-    num_stages = len(split)
+    splits = [split] if shares is None else list(split)  # type: ignore[list-item]
+    counts = [len(sp) for sp in splits]
+    num_stages = sum(counts)
     host_of = hosts or ["localhost"] * num_stages
     ports = free_ports(num_stages)
     host_specs: dict[str, HostSpec] = {}
@@ -92,30 +105,36 @@ def make_plan(
     names = list(host_specs)
     links = [LinkSpec(a, b, 10.0) for i, a in enumerate(names) for b in names[i + 1:]]
     cluster = ClusterSpec("test", list(host_specs.values()), links)
-    programs = programs_for(train.schedule, num_stages, train.num_micro_batches)
     stages: list[StagePlan] = []
-    first = 0
-    for k, n in enumerate(split):
-        last = first + n - (0 if k < num_stages - 1 else -2)  # the last stage also takes norm + head
-        if k == 0:
-            last += 1  # stage 0 also takes the embedding
-        stages.append(StagePlan(
-            index=k, host=host_of[k], device=f"{host_of[k]}.cpu{k}", device_type="cpu", backend="cpu",
-            dtype=(dtypes or ["float32"] * num_stages)[k], quantization=quantization,
-            first_node=first, last_node=last - 1, node_names=[nd.name for nd in graph.nodes[first:last]],
-            endpoint=f"tcp://127.0.0.1:{ports[k]}", threads=1, fwd_time_s=0.01, bwd_time_s=0.02,
-            send_time_s=0.001, memory=MemoryBreakdown(0.1, 0.01, 0.01, 0.5, 0.62, 7.0),
-            program=format_program(programs[k]),
-            recompute_layers=[nd.name for nd in graph.nodes[first:last] if nd.kind == "decoder"]
-            if recompute == "full" else []))
-        first = last
-    assert first == len(graph.nodes), "split must cover every decoder layer"
+    replicas: list[ReplicaPlan] = []
+    micro = shares or [train.num_micro_batches]
+    for r, rsplit in enumerate(splits):
+        programs = programs_for(train.schedule, len(rsplit), micro[r])
+        replicas.append(ReplicaPlan(list(range(len(stages), len(stages) + len(rsplit))), micro[r], sum(micro[:r]),
+                                    0.1 * len(rsplit)))
+        first = 0
+        for pos, n in enumerate(rsplit):
+            k = len(stages)
+            last = first + n - (0 if pos < len(rsplit) - 1 else -2)  # the last stage also takes norm + head
+            if pos == 0:
+                last += 1  # the first stage also takes the embedding
+            stages.append(StagePlan(
+                index=k, host=host_of[k], device=f"{host_of[k]}.cpu{k}", device_type="cpu", backend="cpu",
+                dtype=(dtypes or ["float32"] * num_stages)[k], quantization=quantization,
+                first_node=first, last_node=last - 1, node_names=[nd.name for nd in graph.nodes[first:last]],
+                endpoint=f"tcp://127.0.0.1:{ports[k]}", threads=1, fwd_time_s=0.01, bwd_time_s=0.02,
+                send_time_s=0.001, memory=MemoryBreakdown(0.1, 0.01, 0.01, 0.5, 0.62, 7.0),
+                program=format_program(programs[pos]),
+                recompute_layers=[nd.name for nd in graph.nodes[first:last] if nd.kind == "decoder"]
+                if recompute == "full" else []))
+            first = last
+        assert first == len(graph.nodes), "split must cover every decoder layer"
     prediction = Prediction(0.1 * num_stages, train.micro_batch_size * train.num_micro_batches * seq_len,
                             1000.0, 0.2, [0.8] * num_stages, [0.62] * num_stages)
     solver = SolverReport("manual", "Optimal", "Optimal Solution Found", True, 0.0, 0.1, 0.0, 0.0)
-    plan = Plan(model, cluster, train, DataSpec(), PlannerOptions(split=split, recompute=recompute), graph, stages,
-                prediction,
-                [], solver, ["hand-built test plan"])
+    plan = Plan(model, cluster, train, DataSpec(), PlannerOptions(split=split if shares is None else None,
+                                                                 recompute=recompute), graph, stages,
+                prediction, [], solver, ["hand-built test plan"], replicas=replicas if shares is not None else [])
     plan.input_hash = compute_input_hash(plan)
     return plan
 

@@ -134,7 +134,8 @@ def cmd_compile(config_dir: str | None, overrides: list[str]) -> int:
         )
         make_plan = _lazy("hetero.planner", "plan")
         cost_model = profile_cost_model(cfg)
-        plan = make_plan(cfg.model, graph, cfg.cluster, cfg.train, cfg.data, cfg.planner, cost_model=cost_model)
+        plan = make_plan(cfg.model, graph, cfg.cluster, cfg.train, cfg.data, cfg.planner, cost_model=cost_model,
+                         evaluation=cfg.eval)
         plan.config = cfg.raw
         if cost_model is not None:
             plan.cost_sources = {"profile": str(cfg.profile), **cost_model.sources}
@@ -267,6 +268,7 @@ def run_versus_plan(plan: Any, run_dir: Path) -> list[str]:
         raise ConfigError(f"{metrics_path} does not exist: pass the --run-dir of a finished `hetero run`") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{metrics_path} line {exc.lineno}: not JSON ({exc.msg}); is it a hetero run's metrics?") from None
+    metrics = [m for m in metrics if "step_time_s" in m]  # training steps; eval_loss lines are the evaluator's
     if (run_dir / "plan.json").is_file():
         ran = Plan.load(run_dir / "plan.json")
         shape = [(s.device, s.first_node, s.last_node, s.program) for s in ran.stages]

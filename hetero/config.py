@@ -20,10 +20,20 @@ from hetero.hardware import build_cluster, load_device_types
 from hetero.safe_yaml import check_interpolations, check_yaml, yaml_error_message
 from hetero.security import resolve_mode
 from hetero.serde import from_dict, short_repr
-from hetero.specs import ClusterSpec, DataSpec, LoraSpec, ModelSpec, PlannerOptions, TrainSpec, check_ranges
+from hetero.specs import (
+    ClusterSpec,
+    DataSpec,
+    EvalSpec,
+    LoraSpec,
+    ModelSpec,
+    PlannerOptions,
+    TrainSpec,
+    check_ranges,
+)
 
 GROUPS = ("model", "hardware", "train", "planner")
-_TOP_KEYS = frozenset({"model", "lora", "hardware", "train", "planner", "data", "output", "profile", "security"})
+_TOP_KEYS = frozenset({"model", "lora", "hardware", "train", "planner", "data", "eval", "output", "profile",
+                       "security"})
 _DTYPES = {
     "auto": "auto",
     "float32": "float32",
@@ -40,6 +50,7 @@ _SECTION_TYPES: dict[str, type] = {
     "lora": LoraSpec,
     "train": TrainSpec,
     "data": DataSpec,
+    "eval": EvalSpec,
     "planner": PlannerOptions,
 }
 
@@ -57,6 +68,7 @@ class Config:
     raw: dict[str, Any] = field(default_factory=dict)
     profile: Path | None = None  # a measured profile (`hetero profile`) to plan with instead of datasheets
     security: str = "curve"  # resolved: curve | token | none (hetero/security.py)
+    eval: EvalSpec = field(default_factory=EvalSpec)
 
 
 def package_conf_dir() -> Path:
@@ -155,7 +167,9 @@ def load(overrides: list[str], config_dir: str | None = None) -> Config:
     train = _convert(TrainSpec, raw.get("train"), "train")
     data = _convert(DataSpec, raw.get("data"), "data")
     planner = _convert(PlannerOptions, raw.get("planner"), "planner")
+    evaluation = _convert(EvalSpec, raw.get("eval"), "eval")
     check_ranges(model, train, planner, ConfigError)
+    check_eval(evaluation, cluster)
     _check_manual_split(planner, model, cluster)
     output = raw.get("output", ".")
     if not isinstance(output, str) or not output:
@@ -177,7 +191,28 @@ def load(overrides: list[str], config_dir: str | None = None) -> Config:
         output=Path(output).expanduser(),
         raw=raw,
         profile=Path(profile).expanduser() if profile else None,
+        eval=evaluation,
     )
+
+
+def check_eval(evaluation: EvalSpec, cluster: ClusterSpec | None = None) -> None:
+    """eval.* as one-line ConfigErrors: a step count, a held-out file when on, a device of the fleet."""
+    if evaluation.every < 0 or evaluation.max_batches < 1:
+        raise ConfigError(f"eval.every must be >= 0 and eval.max_batches >= 1, got {evaluation.every} and "
+                          f"{evaluation.max_batches}")
+    if evaluation.every > 0 and not evaluation.path:
+        raise ConfigError(f"eval.every={evaluation.every} needs held-out data: set eval.path=FILE (same format as "
+                          "data.format, records not in the training data)")
+    if evaluation.path and not Path(evaluation.path).expanduser().is_file():
+        raise ConfigError(f"eval.path={evaluation.path}: no such file")
+    if cluster is not None and evaluation.device is not None:
+        names = [d.name for d in cluster.devices]
+        if evaluation.device not in names:
+            raise ConfigError(f"eval.device={evaluation.device} is not a device of fleet '{cluster.name}': "
+                              f"choose one of {', '.join(names)}")
+        if len(names) < 2:
+            raise ConfigError(f"eval.device={evaluation.device} would leave fleet '{cluster.name}' no device to "
+                              "train on")
 
 
 def _section(raw: dict[str, Any], key: str) -> dict[str, Any]:

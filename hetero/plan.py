@@ -20,6 +20,7 @@ from hetero.specs import (
     QUANT_BYTES_PER_PARAM,
     ClusterSpec,
     DataSpec,
+    EvalSpec,
     ModelSpec,
     PlannerOptions,
     TrainSpec,
@@ -145,6 +146,7 @@ class Plan:
     security: SecuritySpec = field(default_factory=SecuritySpec)
     # Data x pipeline: the pipeline replicas (empty: one pipeline of every stage, all micro-batches).
     replicas: list[ReplicaPlan] = field(default_factory=list)
+    eval: EvalSpec = field(default_factory=EvalSpec)  # held-out evaluation (run-time settings, not hashed)
     created: str = ""
     hetero_version: str = __version__
     schema_version: int = PLAN_SCHEMA_VERSION

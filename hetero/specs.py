@@ -196,6 +196,21 @@ class DataSpec:
 
 
 @dataclass
+class EvalSpec:
+    """Evaluation on held-out data by a device the plan leaves out of training (docs/running.md).
+
+    Every ``every`` optimizer steps the coordinator hands the latest adapter to an evaluator process
+    on that device; it computes the held-out loss while training goes on, and metrics.jsonl gets an
+    ``eval_loss`` line for that step. All keys may change at `hetero run` (eval.every=N ...)."""
+
+    every: int = 0  # evaluate every N optimizer steps (0: off); the last step is always evaluated
+    path: str | None = None  # held-out data, in data.format (required when every > 0)
+    device: str | None = None  # a fleet device kept out of training (compile) / used to evaluate (run);
+    # None: the first device on the coordinator's host that the plan leaves out
+    max_batches: int = 8  # held-out micro-batches (of train.micro_batch_size sequences) per evaluation
+
+
+@dataclass
 class PlannerOptions:
     num_stages: int | None = None  # force this many stages (None: the solver chooses)
     split: list[int] | None = None  # manual: number of decoder layers per stage, in device order

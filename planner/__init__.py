@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime, timezone
 
 from hetero.errors import ConfigError, InfeasiblePlanError
@@ -15,7 +16,7 @@ from hetero.planner.schedules import gpipe, one_f_one_b, programs_for
 from hetero.planner.simulator import ScheduleError, Timeline, simulate, simulate_plan
 from hetero.planner.solve import solve
 from hetero.program import format_program
-from hetero.specs import ClusterSpec, DataSpec, ModelSpec, PlannerOptions, TrainSpec
+from hetero.specs import ClusterSpec, DataSpec, EvalSpec, ModelSpec, PlannerOptions, TrainSpec
 
 __all__ = [
     "CostModel", "RooflineCostModel", "ScheduleError", "Timeline", "gpipe", "one_f_one_b", "plan",
@@ -128,11 +129,17 @@ def plan(
     data: DataSpec,
     options: PlannerOptions,
     cost_model: CostModel | None = None,
+    evaluation: EvalSpec | None = None,
 ) -> Plan:
     """Place the graph on the fleet (planner.solve: exact DP or ILP; or the manual split), build programs
-    and predictions."""
+    and predictions. ``evaluation.device`` is kept out of training (it evaluates held-out data)."""
     cost_model = cost_model or RooflineCostModel(efficiency=options.efficiency)
-    table = build_cost_table(graph, model, cluster, train, options, cost_model)
+    evaluation = evaluation or EvalSpec()
+    training = cluster
+    if evaluation.device is not None:
+        training = replace(cluster, hosts=[replace(h, devices=[d for d in h.devices if d.name != evaluation.device])
+                                           for h in cluster.hosts])
+    table = build_cost_table(graph, model, training, train, options, cost_model)
     limit = min(len(table.devices), len(graph.nodes))
     if options.num_stages is not None and not 1 <= options.num_stages <= limit:
         raise ConfigError(f"planner.num_stages={options.num_stages}: choose 1..{limit} "
@@ -177,7 +184,7 @@ def plan(
     verdict = _verdict(prediction, stages, base, solver) + ([adopted] if adopted else [])
     result_plan = Plan(
         model=model, cluster=cluster, train=train, data=data, planner=options, graph=graph, stages=stages,
-        prediction=prediction, baselines=base, solver=solver, verdict=verdict,
+        prediction=prediction, baselines=base, solver=solver, verdict=verdict, eval=evaluation,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
     result_plan.input_hash = compute_input_hash(result_plan)

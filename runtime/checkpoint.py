@@ -23,7 +23,6 @@ import torch
 
 from hetero.errors import CheckpointError
 from hetero.runtime.executor import Executor
-from hetero.runtime.stage import peft_key
 from hetero.runtime.rundir import (
     CHECKPOINTS,
     COMPLETE,
@@ -34,6 +33,7 @@ from hetero.runtime.rundir import (
     write_bytes,
     write_failure,
 )
+from hetero.runtime.stage import peft_key
 
 CHECKPOINT_FORMAT = 1
 LORA, EXP_AVG, EXP_AVG_SQ = "lora/", "exp_avg/", "exp_avg_sq/"

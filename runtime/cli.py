@@ -17,11 +17,12 @@ from typing import Any
 
 import yaml
 
+from hetero.config import check_eval
 from hetero.errors import CheckpointError, ConfigError
 from hetero.plan import Plan
 from hetero.security import key_dirs
 from hetero.serde import from_dict, to_dict
-from hetero.specs import RUNTIME_OVERRIDABLE, TrainSpec, check_ranges
+from hetero.specs import RUNTIME_OVERRIDABLE, EvalSpec, TrainSpec, check_ranges
 
 PLACEMENT_SECTIONS = ("model", "lora", "hardware", "cluster", "planner", "data")
 # `hetero run runtime.KEY=SECONDS`: how the run watches its processes (not training settings).
@@ -52,6 +53,29 @@ def split_run_options(pairs: list[str]) -> tuple[list[str], dict[str, float]]:
             raise ConfigError(f"{key} must be a number of seconds >= 1 (e.g. {key}=10), got {raw!r}")
         values[name] = value
     return rest, values
+
+
+def split_eval_options(pairs: list[str], evaluation: EvalSpec) -> tuple[list[str], EvalSpec]:
+    """Take the ``eval.KEY=VALUE`` pairs out of ``pairs``; returns the rest and the plan's eval settings
+    with them applied (held-out evaluation may change at every run)."""
+    rest: list[str] = []
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not key.startswith("eval."):
+            rest.append(pair)
+            continue
+        name = key[len("eval."):]
+        if not sep or name not in to_dict(evaluation):
+            raise ConfigError(f"unknown eval option '{pair}'; `hetero run` accepts "
+                              f"{', '.join('eval.' + n + '=...' for n in to_dict(evaluation))}")
+        try:
+            values[name] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise ConfigError(f"override '{pair}': cannot parse the value {raw!r}") from None
+    out = from_dict(EvalSpec, {**to_dict(evaluation), **values}, "eval", ConfigError)
+    check_eval(out)
+    return rest, out
 
 
 def resume_train(train: TrainSpec, pairs: list[str], saved: dict[str, Any] | None) -> tuple[TrainSpec, str | None]:
@@ -137,6 +161,7 @@ def main_run(argv: list[str]) -> int:
 
     plan = Plan.load(args.plan)
     pairs, run_options = split_run_options(args.overrides)
+    pairs, evaluation = split_eval_options(pairs, plan.eval)
     checkpoint = None
     if args.resume is not None:
         from hetero.runtime.checkpoint import checkpoint_settings, resolve_resume
@@ -148,10 +173,14 @@ def main_run(argv: list[str]) -> int:
     else:
         train = parse_overrides(pairs, plan.train)
     check_ranges(plan.model, train, plan.planner, ConfigError)  # lr=nan, steps=1e9, ...: one line, now
-    plan = replace(plan, train=train)
+    plan = replace(plan, train=train, eval=evaluation)
     from hetero.runtime.worker import coordinator_endpoint
 
     coordinator_endpoint(plan, args.host, args.port)  # validates --host before anything is created
+    if evaluation.every > 0:
+        from hetero.runtime.evaluator import eval_device_name
+
+        eval_device_name(plan, evaluation, args.host or plan.stages[0].host)  # a spare device: one line if none
     run_dir = args.run_dir or default_run_dir(plan)
     if args.run_dir is None and checkpoint is not None and checkpoint != args.resume:
         run_dir = checkpoint.parent.parent  # --resume RUN_DIR goes on in RUN_DIR
@@ -159,6 +188,7 @@ def main_run(argv: list[str]) -> int:
     checked = preflight(plan, run_dir, args.host, args.port, checkpoint)
     config = dict(plan.config) if plan.config else {}
     config["train"] = to_dict(train)
+    config["eval"] = to_dict(evaluation)
     # plan.json has the overrides in it; the input hash is unchanged (they are not placement).
     plan_path = prepare_run_dir(plan, run_dir, yaml.safe_dump(config, sort_keys=False))
 

@@ -51,7 +51,7 @@ from hetero.runtime.control import (
 from hetero.runtime.executor import COORDINATOR, stage_name
 from hetero.runtime.processes import exit_cause, is_stopped, spawn_stages, stop_processes
 from hetero.runtime.rundir import append_run_line, write_run_file
-from hetero.runtime.worker import coordinator_endpoint
+from hetero.runtime.worker import coordinator_endpoint, payload_due
 from hetero.serde import to_dict
 from hetero.specs import RUNTIME_OVERRIDABLE
 
@@ -83,6 +83,8 @@ class RunResult:
     build_s: dict[int, float] = field(default_factory=dict)
     interrupted_after: int | None = None  # Ctrl-C / SIGTERM: the steps done when training stopped
     checkpoint: Path | None = None  # ... and the checkpoint that holds them (None: no step was done)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # the evaluator's eval_loss lines
+    eval_errors: list[str] = field(default_factory=list)
 
 
 class Coordinator:
@@ -119,6 +121,7 @@ class Coordinator:
         self.trained = False  # training has begun: a failure's message says how to continue
         self.stop_signal: str | None = None  # the first SIGINT/SIGTERM received while training
         self.hung: set[int] = set()  # stages to kill rather than ask to stop
+        self.evaluator: Any = None  # runtime/evaluator.py EvalClient when eval.every > 0
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -128,6 +131,11 @@ class Coordinator:
         remote = sorted({s.host for s in self.plan.stages if s.host != self.host})
         self.procs = spawn_stages(self.plan_path, local, self.run_dir, self.endpoint)
         self.pids = {k: p.pid for k, p in self.procs.items()}
+        if self.plan.eval.every > 0:
+            from hetero.runtime.evaluator import EvalClient, eval_device_name
+
+            device = eval_device_name(self.plan, self.plan.eval, self.host)
+            self.evaluator = EvalClient(self.plan_path, self.plan, device, self.run_dir)
         if remote:
             print(f"hetero run: waiting for hosts {', '.join(remote)}: on each, run "
                   f"`hetero worker plan.json --host NAME --coordinator {self.endpoint}`", flush=True)
@@ -138,6 +146,7 @@ class Coordinator:
             batches = self.options.batches if self.options.batches is not None else self._batches()
             self._handshake()
             self._train(batches)
+            self._finish_eval()
             self.heartbeat.stopped.set()  # nothing may queue behind the stop for stages about to exit
             interrupted = self.result.interrupted_after is not None
             self._broadcast("stop", {"reason": f"{self.stop_signal}: checkpoint saved" if interrupted
@@ -157,6 +166,8 @@ class Coordinator:
                 raise error from None
             raise
         finally:
+            if self.evaluator is not None:
+                self.evaluator.close()
             restore_signals()
             self.heartbeat.finish()
             self.mailbox.close()  # its connection monitors first: the transport's context waits for them
@@ -318,10 +329,12 @@ class Coordinator:
                 raise StageFailedError(f"{self.options.resume} is after step {self.start_step}, train.steps is "
                                        f"{self.plan.train.steps}: raise it (hetero run ... steps=N) to train on")
         welcome = {"train": to_dict(self.plan.train), "failure_timeout_s": self.options.failure_timeout_s,
-                   "start_step": self.start_step, "resume": resume is not None}
+                   "start_step": self.start_step, "resume": resume is not None, "eval_every": self.plan.eval.every}
         for name in self.names:
             self.transport.send(name, "welcome", meta=welcome)
         ready = self._gather("start", 0, timeout)
+        if self.evaluator is not None:  # it built its model meanwhile
+            self.evaluator.wait_ready(self.options.handshake_timeout_s)
         self.result.build_s = {k: float(m.meta.get("build_s", 0.0)) for k, m in ready.items()}
         if resume is not None:
             from hetero.runtime.checkpoint import select_payload
@@ -416,14 +429,47 @@ class Coordinator:
                 append_run_line(self.run_dir, "metrics.jsonl", json.dumps(line))
                 progress.update(step, loss, line["tokens_per_s"])
                 final = step + 1 == train.steps
-                if final or (train.checkpoint_every > 0 and (step + 1) % train.checkpoint_every == 0):
+                self._record_eval()
+                if payload_due(train, plan.eval.every, step):
                     payloads = self._gather("checkpoint", step, timeout)
-                    self._write_checkpoint(step + 1, payloads)
+                    state: dict[str, torch.Tensor] = {}
+                    for k in plan.pipelines[0].stages:  # every replica holds the same adapter
+                        state.update(lora_from_payload(payloads[k].tensors))
+                    every = plan.eval.every
+                    if self.evaluator is not None and (final or (step + 1) % every == 0):
+                        # The last step's evaluation waits for the one before (training is over).
+                        self._record_eval(self.evaluator.request(step, state, wait_s=self._eval_wait_s() if final
+                                                                 else 0.0))
+                    if final or (train.checkpoint_every > 0 and (step + 1) % train.checkpoint_every == 0):
+                        self._write_checkpoint(step + 1, payloads)
                     if final:
-                        state: dict[str, torch.Tensor] = {}
-                        for k in plan.pipelines[0].stages:  # every replica holds the same adapter
-                            state.update(lora_from_payload(payloads[k].tensors))
                         self._save_adapter(state)
+
+    def _record_eval(self, answers: list[dict[str, Any]] | None = None) -> None:
+        """The evaluator's answers so far (or ``answers``) as metrics.jsonl lines: ``{"step", "eval_loss", ...}``."""
+        if self.evaluator is None:
+            return
+        for answer in self.evaluator.poll() if answers is None else answers:
+            if "eval_loss" in answer:
+                self.result.evals.append(answer)
+                append_run_line(self.run_dir, "metrics.jsonl", json.dumps(answer))
+            else:
+                self.result.eval_errors.append(str(answer.get("error", answer)))
+                print(f"hetero run: evaluation: {answer.get('error', answer)}", file=sys.stderr, flush=True)
+
+    def _eval_wait_s(self) -> float:
+        slowest = max((float(a.get("eval_s", 0.0)) for a in self.result.evals), default=0.0)
+        return max(300.0, 3 * slowest)
+
+    def _finish_eval(self) -> None:
+        """Wait for the last evaluation (the final step's) and record what is left."""
+        if self.evaluator is None:
+            return
+        self._record_eval(self.evaluator.finish(timeout_s=self._eval_wait_s()))
+        if self.evaluator.skipped:
+            print(f"hetero run: evaluation skipped after step(s) {', '.join(str(s + 1) for s in self.evaluator.skipped)}"
+                  f": the evaluation before was still running on {self.evaluator.device} (raise eval.every)",
+                  file=sys.stderr, flush=True)
 
     def _write_checkpoint(self, done: int, payloads: dict[int, Any]) -> Path:
         """checkpoints/step-<done>/, with the training settings `--resume` continues with."""

@@ -165,7 +165,8 @@ def run_stage(plan: Plan, k: int, coordinator: str, parent_pid: int | None = Non
             state = mailbox.recv("state", sender=COORDINATOR, timeout_s=600.0)
             restore_stage(executor, state.tensors, state.meta)
             log.info("stage %d resumed after step %d", k, executor.steps_done)
-        train_steps(executor, mailbox, plan.input_hash, int(welcome.meta.get("start_step", 0)))
+        train_steps(executor, mailbox, plan.input_hash, int(welcome.meta.get("start_step", 0)),
+                    eval_every=int(welcome.meta.get("eval_every", 0)))
         stop = mailbox.recv("stop", sender=COORDINATOR, timeout_s=None)
         log.info("stopping: %s", stop.meta.get("reason", "stop requested"))
         linger_ms = 0  # after a stop nothing is left to deliver: do not linger on dead peers
@@ -200,8 +201,9 @@ def run_stage(plan: Plan, k: int, coordinator: str, parent_pid: int | None = Non
     return 0
 
 
-def train_steps(executor: Any, mailbox: Mailbox, plan_hash: str, start_step: int) -> None:
-    """Steps ``start_step``.. of the run: ``stepdone`` after each, ``checkpoint`` when due and after the last.
+def train_steps(executor: Any, mailbox: Mailbox, plan_hash: str, start_step: int, eval_every: int = 0) -> None:
+    """Steps ``start_step``.. of the run: ``stepdone`` after each, ``checkpoint`` when due, after the last,
+    and every ``eval_every`` steps (the coordinator hands the adapter to the evaluator).
 
     Also answers the coordinator's checkpoint request (Ctrl-C on `hetero run`) from wherever it waits.
     """
@@ -226,10 +228,16 @@ def train_steps(executor: Any, mailbox: Mailbox, plan_hash: str, start_step: int
         stats = executor.run_step(step)
         transport.send(COORDINATOR, "stepdone", step=step, meta=stats.to_meta())
         log.info("step %d: busy %.3f s of %.3f s", step, stats.busy_s, stats.wall_s)
-        due = train.checkpoint_every > 0 and (step + 1) % train.checkpoint_every == 0
-        if due or step + 1 == train.steps:
+        if payload_due(train, eval_every, step):
             tensors, meta = stage_payload(executor, plan_hash)
             transport.send(COORDINATOR, "checkpoint", step=step, tensors=tensors, meta=meta)
+
+
+def payload_due(train: TrainSpec, eval_every: int, step: int) -> bool:
+    """After ``step``, do the stages send their state (a checkpoint, the adapter for evaluation, the last)?"""
+    done = step + 1
+    return (done == train.steps or (train.checkpoint_every > 0 and done % train.checkpoint_every == 0)
+            or (eval_every > 0 and done % eval_every == 0))
 
 
 def serve_host(plan_path: Path, plan: Plan, host: str, run_dir: Path, coordinator: str) -> int:

@@ -1,0 +1,303 @@
+"""Held-out evaluation on a device the plan leaves out of training, while training goes on.
+
+`hetero run` starts ``python -m hetero.runtime.evaluator PLAN --device NAME`` on the coordinator's
+host when eval.every > 0. It builds the whole model the way a stage is built (runtime/stage.py: the
+same weights, dtype, quantization and forward; one stage covering every node), once, then serves
+requests over its stdin/stdout -- a local pipe, nothing on the network:
+
+- in: one JSON line per evaluation, ``{"step": N, "adapter": PATH}``: PATH is a safetensors file of
+  the LoRA weights after step N (whole-model keys), written by the coordinator; the evaluator
+  deletes it once loaded.
+- out: one JSON line per request, ``{"step": N, "eval_loss": x, "eval_tokens": n, "eval_s": t}``
+  (summed token cross-entropy over the held-out micro-batches / their label tokens, the training
+  loss's definition), or ``{"step": N, "error": "..."}``. End of input ends the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetero.errors import ConfigError, HeteroError, PlanError
+from hetero.plan import Plan
+from hetero.specs import DataSpec, EvalSpec
+
+
+def eval_device_name(plan: Plan, evaluation: EvalSpec, host: str) -> str:
+    """The device that evaluates: eval.device, else the first device of ``host`` no stage uses."""
+    used = {s.device for s in plan.stages}
+    if evaluation.device is not None:
+        try:
+            spec = plan.cluster.device(evaluation.device)
+        except KeyError:
+            raise ConfigError(f"eval.device={evaluation.device} is not a device of the plan's fleet "
+                              f"'{plan.cluster.name}'") from None
+        if spec.name in used:
+            raise ConfigError(f"eval.device={spec.name} trains in this plan: recompile with "
+                              f"`hetero compile ... eval.device={spec.name}` to keep it out of training")
+        if spec.host != host:
+            raise ConfigError(f"eval.device={spec.name} is on host {spec.host}; the evaluator runs on the "
+                              f"coordinator's host {host}: choose one of its devices")
+        return spec.name
+    free = [d.name for d in plan.cluster.host(host).devices if d.name not in used]
+    if not free:
+        raise ConfigError(f"eval.every={evaluation.every} needs a device the plan leaves out of training; every "
+                          f"device of host {host} trains: recompile with `hetero compile ... eval.device=NAME`")
+    return free[0]
+
+
+def held_out_batches(plan: Plan, evaluation: EvalSpec) -> Any:
+    """The held-out micro-batches: eval.path in data.format, in file order, at most eval.max_batches of them
+    (never repeating a record)."""
+    from hetero.pretrained import resolve_dir
+    from hetero.runtime.data import StepBatches
+
+    if not evaluation.path:
+        raise ConfigError("eval.path is not set: held-out evaluation needs a file (eval.path=FILE)")
+    data = DataSpec(path=evaluation.path, format=plan.data.format, text_field=plan.data.text_field,
+                    train_on_prompt=plan.data.train_on_prompt)
+    train = plan.train
+    args = (data, resolve_dir(plan.model), plan.model.seq_len, train.micro_batch_size)
+    batches = StepBatches(*args, evaluation.max_batches, train.seed, False)
+    fit = batches.num_records // train.micro_batch_size
+    if fit < 1:
+        raise ConfigError(f"eval.path={evaluation.path} has {batches.num_records} record(s), fewer than one "
+                          f"micro-batch (train.micro_batch_size={train.micro_batch_size})")
+    if fit < evaluation.max_batches:
+        batches = StepBatches(*args, fit, train.seed, False)
+    return batches
+
+
+def build_evaluator(plan: Plan, device_name: str) -> Any:
+    """The whole model as one stage on ``device_name`` (built by runtime/stage.py, LoRA untrained)."""
+    from hetero.planner.cost import compute_dtype
+    from hetero.runtime.stage import build_stage
+
+    spec = plan.cluster.device(device_name)
+    nodes = plan.graph.nodes
+    whole = replace(plan.stages[0], index=0, host=spec.host, device=spec.name, device_type=spec.type,
+                    backend=spec.backend, dtype=compute_dtype(spec, plan.model),
+                    quantization=spec.quantization(plan.model.quantization), first_node=0,
+                    last_node=len(nodes) - 1, node_names=[n.name for n in nodes], recompute_layers=[])
+    one = replace(plan, stages=[whole], replicas=[])
+    if spec.backend == "cpu":
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, spec.threads or 1))
+    elif spec.backend in ("cuda", "rocm"):
+        if not torch.cuda.is_available():
+            raise PlanError(f"eval.device {spec.name} ({spec.backend}): this torch sees no GPU here")
+        device = torch.device("cuda", spec.index)
+    else:
+        device = torch.device(spec.backend)
+    stage = build_stage(one, 0, device)
+    if stage.peft_model is not None:
+        stage.peft_model.eval()  # no LoRA dropout when evaluating
+    return stage
+
+
+def held_out_loss(stage: Any, batch: Any) -> tuple[float, int]:
+    """Summed token cross-entropy over every micro-batch of ``batch`` / its label tokens (fp32)."""
+    from hetero.runtime.data import IGNORE_INDEX
+
+    total = torch.zeros((), dtype=torch.float64)
+    with torch.no_grad():
+        for mb in range(batch.input_ids.shape[0]):
+            logits = stage.forward(batch.input_ids[mb].to(stage.device))[:, :-1].float()
+            labels = batch.labels[mb][:, 1:].to(logits.device)
+            total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                       ignore_index=IGNORE_INDEX, reduction="sum").double().cpu()
+    tokens = int(batch.num_label_tokens)
+    return float(total) / max(tokens, 1), tokens
+
+
+def serve(plan: Plan, device_name: str, evaluation: EvalSpec, stdin: Any, stdout: Any) -> int:
+    """Answer evaluation requests until stdin ends; returns the exit code."""
+    from safetensors.torch import load_file
+
+    batch = held_out_batches(plan, evaluation).step(0)
+    stage = build_evaluator(plan, device_name)
+    print(json.dumps({"ready": True, "batches": int(batch.input_ids.shape[0]),
+                      "tokens": int(batch.num_label_tokens)}), file=stdout, flush=True)
+    for line in stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        step, path = int(request["step"]), Path(request["adapter"])
+        t0 = time.perf_counter()
+        try:
+            state = load_file(str(path))
+            path.unlink(missing_ok=True)
+            stage.load_lora_state(state)
+            loss, tokens = held_out_loss(stage, batch)
+            answer: dict[str, Any] = {"step": step, "eval_loss": loss, "eval_tokens": tokens,
+                                      "eval_s": time.perf_counter() - t0}
+            if not math.isfinite(loss):
+                answer = {"step": step, "error": f"held-out loss is {loss}"}
+        except (HeteroError, OSError, ValueError, RuntimeError) as exc:
+            answer = {"step": step, "error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__}
+        print(json.dumps(answer), file=stdout, flush=True)
+    return 0
+
+
+class EvalClient:
+    """The coordinator's side: starts the evaluator process, hands it adapters, collects its answers.
+
+    Never blocks training: a request while the previous evaluation is still running is skipped (and
+    counted), answers are read by a thread and taken with ``poll``; ``finish`` waits for the last one.
+    """
+
+    def __init__(self, plan_path: Path, plan: Plan, device: str, run_dir: Path) -> None:
+        import subprocess
+        import threading
+        from queue import Queue
+
+        from hetero.serde import to_dict
+
+        self.dir = run_dir / "eval"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.log = run_dir / "logs" / "eval.log"
+        self.device = device
+        with open(self.log, "ab") as logf:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hetero.runtime.evaluator", str(plan_path), "--device", device,
+                 "--eval", json.dumps(to_dict(plan.eval))],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, text=True, start_new_session=True)
+        self.answers: Queue[dict[str, Any]] = Queue()
+        self.busy: int | None = None  # the step being evaluated
+        self.skipped: list[int] = []
+        self.ready = threading.Event()
+        self.reader = threading.Thread(target=self._read, daemon=True, name="hetero-eval-reader")
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(answer, dict) and answer.get("ready"):
+                self.ready.set()
+            elif isinstance(answer, dict) and isinstance(answer.get("step"), int):
+                self.answers.put(answer)
+        self.answers.put({"exited": self.proc.wait()})
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until the evaluator has built its model; a one-line HeteroError when it cannot."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready.wait(timeout=0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                why = _last_error(self.log) or (f"exit code {self.proc.returncode}" if self.proc.returncode is not None
+                                                else f"not ready within {timeout_s:g} s")
+                raise HeteroError(f"the evaluator on {self.device} did not start: {why} (log: {self.log})")
+
+    def request(self, step: int, lora: dict[str, torch.Tensor], wait_s: float = 0.0) -> list[dict[str, Any]]:
+        """Evaluate the adapter after ``step``. While the previous evaluation still runs, wait up to
+        ``wait_s`` for it, then skip this one. Returns the answers that arrived meanwhile."""
+        from safetensors.torch import save_file
+
+        arrived: list[dict[str, Any]] = []
+        deadline = time.monotonic() + wait_s
+        while self.busy is not None and self.proc.poll() is None and time.monotonic() < deadline:
+            arrived += self.poll(timeout_s=min(1.0, max(0.01, deadline - time.monotonic())))
+        if self.busy is not None or self.proc.poll() is not None or self.proc.stdin is None:
+            self.skipped.append(step)
+            return arrived
+        path = self.dir / f"step-{step + 1:06d}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in lora.items()}, str(tmp))
+        tmp.replace(path)
+        try:
+            self.proc.stdin.write(json.dumps({"step": step, "adapter": str(path)}) + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            self.skipped.append(step)
+            return arrived
+        self.busy = step
+        return arrived
+
+    def poll(self, timeout_s: float = 0.0) -> list[dict[str, Any]]:
+        """The answers that arrived (waiting up to ``timeout_s`` for the first); frees the evaluator."""
+        from queue import Empty
+
+        out: list[dict[str, Any]] = []
+        try:
+            while True:
+                answer = self.answers.get(timeout=timeout_s) if not out and timeout_s > 0 else self.answers.get_nowait()
+                if "exited" in answer:
+                    self.busy = None
+                    code = answer["exited"]
+                    if code:
+                        out.append({"error": f"the evaluator exited with code {code} (log: {self.log})"})
+                    continue
+                if answer.get("step") == self.busy:
+                    self.busy = None
+                out.append(answer)
+        except Empty:
+            pass
+        return out
+
+    def finish(self, timeout_s: float) -> list[dict[str, Any]]:
+        """Wait (at most ``timeout_s``) for the evaluation in flight, then end the process."""
+        out: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout_s
+        while self.busy is not None and self.proc.poll() is None and time.monotonic() < deadline:
+            out += self.poll(timeout_s=min(1.0, max(0.01, deadline - time.monotonic())))
+        out += self.poll()
+        self.close()
+        return out
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=5)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _last_error(log: Path) -> str | None:
+    """The evaluator's 'hetero: error' line, or the last line of a traceback."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if "hetero: error:" in line:
+            return line.split("hetero: error:", 1)[1].strip()
+    return lines[-1][:300] if lines else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hetero.runtime.evaluator",
+                                 description="Held-out loss of a run's adapter (started by `hetero run`).")
+    ap.add_argument("plan", type=Path)
+    ap.add_argument("--device", required=True, help="the fleet device that evaluates")
+    ap.add_argument("--eval", required=True, help="the eval settings, as JSON")
+    args = ap.parse_args(argv)
+    from hetero.serde import from_dict
+
+    plan = Plan.load(args.plan)
+    evaluation = from_dict(EvalSpec, json.loads(args.eval), "--eval", ConfigError)
+    try:
+        return serve(plan, args.device, evaluation, sys.stdin, sys.stdout)
+    except HeteroError as exc:
+        print(f"hetero: error: evaluator: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Held-out evaluation on a device the plan leaves out of training (eval.*).
+
+A one-stage plan trains on one CPU device while a second, spare one evaluates: metrics.jsonl gets an
+eval_loss line every eval.every steps and after the last, and the last one equals the held-out loss
+of the run's adapter computed independently with transformers + peft.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from test_runtime_plans import make_plan
+
+from hetero.errors import ConfigError
+from hetero.plan import compute_input_hash
+from hetero.runtime.cli import main_run
+from hetero.runtime.data import IGNORE_INDEX, StepBatches
+from hetero.specs import DataSpec, DeviceSpec, ModelSpec, TrainSpec
+
+pytestmark = pytest.mark.slow
+
+HELD_OUT = [{"instruction": f"Name a colour number {i}.", "input": "", "output": f"Colour {i} is blue-{i}."}
+            for i in range(9)]
+
+
+def _plan_with_spare(tiny_model_dir: Path, tiny_spec: ModelSpec, train: TrainSpec):
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [6], train=train, seq_len=64)
+    host = plan.cluster.hosts[0]
+    host.devices.append(DeviceSpec("localhost.spare", host.name, "cpu", 9, "cpu", "CPU", 8.0, 50.0,
+                                   {"float32": 1.0, "float16": 1.0, "bfloat16": 1.0}, False, True, threads=1))
+    plan.input_hash = compute_input_hash(plan)
+    return plan
+
+
+def test_spare_device_evaluates_while_training(tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path) -> None:
+    train = TrainSpec(micro_batch_size=2, num_micro_batches=2, steps=5, lr=5e-3, seed=1)
+    plan = _plan_with_spare(tiny_model_dir, tiny_spec, train)
+    plan.save(tmp_path / "plan.json")
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in HELD_OUT))
+    run_dir = tmp_path / "run"
+    assert main_run([str(tmp_path / "plan.json"), "--run-dir", str(run_dir), "--no-progress", "eval.every=2",
+                     f"eval.path={held_out}", "eval.max_batches=3"]) == 0
+
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if "step_time_s" in x]
+    evals = [x for x in lines if "eval_loss" in x]
+    assert [x["step"] for x in steps] == list(range(5))
+    assert [x["step"] for x in evals] == [1, 3, 4]  # after steps 2 and 4 (eval.every=2) and after the last
+    assert all(x["eval_tokens"] > 0 and x["eval_s"] > 0 for x in evals)
+    assert len({round(x["eval_loss"], 6) for x in evals}) == 3, "the adapter changes between evaluations"
+    assert (run_dir / "logs" / "eval.log").is_file()
+    assert not list((run_dir / "eval").glob("*.safetensors")), "the evaluator deletes the adapters it took"
+
+    # Independent: base model + the run's final adapter with transformers + peft, HF's own shifted loss.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(run_dir / "adapter")).eval()
+    batches = StepBatches(DataSpec(path=str(held_out)), tiny_model_dir, plan.model.seq_len, 2, 3, 0, False)
+    batch = batches.step(0)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for mb in range(3):
+            labels = batch.labels[mb]
+            n = int((labels[:, 1:] != IGNORE_INDEX).sum())
+            total += float(model(input_ids=batch.input_ids[mb], labels=labels).loss) * n
+            tokens += n
+    assert evals[-1]["eval_tokens"] == tokens
+    assert evals[-1]["eval_loss"] == pytest.approx(total / tokens, rel=1e-5)
+
+
+def test_eval_needs_a_spare_device_and_held_out_data(tiny_model_dir: Path, tiny_spec: ModelSpec,
+                                                     tmp_path: Path) -> None:
+    train = TrainSpec(micro_batch_size=2, num_micro_batches=2, steps=2)
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [6], train=train, seq_len=64)
+    plan.save(tmp_path / "plan.json")
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text(json.dumps(HELD_OUT[0]) + "\n")
+    with pytest.raises(ConfigError, match="needs held-out data: set eval.path"):
+        main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "r"), "eval.every=1"])
+    with pytest.raises(ConfigError, match="every device of host localhost trains: recompile with"):
+        main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "r"), "eval.every=1",
+                  f"eval.path={held_out}"])
+    with pytest.raises(ConfigError, match="unknown eval option 'eval.evry=1'"):
+        main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "r"), "eval.evry=1"])
+    assert not (tmp_path / "r").exists(), "a refused run leaves no run directory"
+    spare = replace(_plan_with_spare(tiny_model_dir, tiny_spec, train))
+    spare.save(tmp_path / "spare.json")
+    with pytest.raises(ConfigError, match="eval.device=localhost.cpu0 trains in this plan"):
+        main_run([str(tmp_path / "spare.json"), "--run-dir", str(tmp_path / "r"), "eval.every=1",
+                  f"eval.path={held_out}", "eval.device=localhost.cpu0"])

@@ -9,6 +9,7 @@ same numbers, and none of them calls back into the fleet or the cost model.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,6 +40,8 @@ OPTIMIZER_PER_TENSOR_DEFAULT_S = 10e-6
 MESSAGE_FIXED_S = 100e-6
 HOST_COPY_BYTES_PER_S = 12e9  # PCIe 4.0 x16 in practice
 SYNC_BYTES = 256.0  # a gradient-norm or clip message
+GRAD_WIRE_BYTES_PER_PARAM = 4.0  # replicas reduce LoRA gradients in fp32
+REDUCE_PROBE_BYTES = 64e6  # the message size at which a reduction's per-byte cost is measured
 RECOMPUTE_MODES = ("auto", "none", "full")
 
 
@@ -248,6 +251,11 @@ class CostTable:
     recompute_s: list[list[float]] = field(default_factory=list)
     recomputable: list[bool] = field(default_factory=list)
     recompute_mode: str = "none"
+    # Data-parallel replicas (planner.replicas): the LoRA gradient bytes of each [node] as they cross the
+    # wire (fp32), and the seconds per byte of a stage's gradients going to the coordinator and the sum
+    # coming back, serialization included, per [host][coordinator's host]. Unset: zeros.
+    grad_bytes: list[float] = field(default_factory=list)
+    reduce_s_per_byte: list[list[float]] = field(default_factory=list)
     # The fleet's devices, for names in plans and messages; solvers never read them (may be empty).
     devices: list[DeviceSpec] = field(default_factory=list)
     _prefix: dict[int, tuple[list[float], list[int], list[float]]] = field(
@@ -284,12 +292,17 @@ class CostTable:
             self.recompute_s = [[0.0] * nd for _ in range(n)]
         if not self.recomputable:
             self.recomputable = [False] * n
+        self.grad_bytes = [float(x) for x in self.grad_bytes] or [0.0] * n
+        self.reduce_s_per_byte = (_rows(self.reduce_s_per_byte) if len(self.reduce_s_per_byte)
+                                  else [[0.0] * hosts for _ in range(hosts)])
         short = [(len(self.link_s), n), (len(self.message_send_s), n), (len(self.message_recv_s), n),
-                 (len(self.recomputable), n), (len(self.sync_round_trip_s), hosts),
+                 (len(self.recomputable), n), (len(self.sync_round_trip_s), hosts), (len(self.grad_bytes), n),
+                 (len(self.reduce_s_per_byte), hosts), *((len(row), hosts) for row in self.reduce_s_per_byte),
                  *((len(per_kind), kinds) for per_kind in self.link_s + self.message_send_s + self.message_recv_s),
                  *((len(rows), hosts) for per_kind in self.link_s for rows in per_kind)]
         if any(have < need for have, need in short):
-            raise ValueError("CostTable link/message/sync/recompute arrays do not match the nodes, kinds and hosts")
+            raise ValueError("CostTable link/message/sync/recompute/reduce arrays do not match the nodes, kinds "
+                             "and hosts")
 
     @property
     def num_nodes(self) -> int:
@@ -361,6 +374,28 @@ class CostTable:
         return self._classes
 
 
+def subtable(table: CostTable, num_micro_batches: int, devices: list[int] | None = None) -> CostTable:
+    """The same problem with ``num_micro_batches`` per step on ``devices`` only (in that order; default:
+    all): what one pipeline replica solves. Hosts and wire kinds keep their indices."""
+    keep = list(range(table.num_devices)) if devices is None else list(devices)
+
+    def cols(rows: list[list[float]]) -> list[list[float]]:
+        return [[row[d] for d in keep] for row in rows]
+
+    return dataclasses.replace(
+        table, num_micro_batches=num_micro_batches,
+        fwd_s=cols(table.fwd_s), bwd_s=cols(table.bwd_s), weights=cols(table.weights), lora=cols(table.lora),
+        activations_per_mb=cols(table.activations_per_mb), usable_bytes=[table.usable_bytes[d] for d in keep],
+        host_of=[table.host_of[d] for d in keep], wire_kind=[table.wire_kind[d] for d in keep],
+        message_send_s=[cols(per_kind) for per_kind in table.message_send_s],
+        message_recv_s=[cols(per_kind) for per_kind in table.message_recv_s],
+        opt_s=cols(table.opt_s) if table.opt_s else [],
+        opt_fixed_s=[table.opt_fixed_s[d] for d in keep] if table.opt_fixed_s else [],
+        recompute_per_mb=cols(table.recompute_per_mb), recompute_s=cols(table.recompute_s),
+        devices=[table.devices[d] for d in keep] if table.devices else [],
+        _prefix={}, _classes=[])
+
+
 def build_cost_table(
     graph: LayerGraph,
     model: ModelSpec,
@@ -419,6 +454,13 @@ def build_cost_table(
         sends.append([[float(s) for s, _ in row] for row in per_kind])
         recvs.append([[float(r) for _, r in row] for row in per_kind])
     sync = [[2.0 * float(cost_model.transfer_time_s(cluster, a, b, SYNC_BYTES)) for b in hosts] for a in hosts]
+    # Replicas' gradient reduction: up to the coordinator and the sum back down, each a transfer plus a
+    # send and a receive (the slowest device of the sending host stands for the stage, and for the
+    # coordinator's side too), per byte at a large message so the fixed costs nearly vanish.
+    cpu_per_byte = [max((sum(cost_model.message_s(d, REDUCE_PROBE_BYTES)) for d in devices if d.host == h),
+                        default=0.0) / REDUCE_PROBE_BYTES for h in hosts]
+    reduce = [[2.0 * float(cost_model.transfer_time_s(cluster, a, b, REDUCE_PROBE_BYTES)) / REDUCE_PROBE_BYTES
+               + 2.0 * cpu_per_byte[i] for b in hosts] for i, a in enumerate(hosts)]
     return CostTable(
         fwd_s=fwd,
         bwd_s=bwd,
@@ -444,5 +486,7 @@ def build_cost_table(
         recompute_s=rec_s,
         recomputable=recomputable,
         recompute_mode=options.recompute,
+        grad_bytes=[GRAD_WIRE_BYTES_PER_PARAM * n.lora_params for n in graph.nodes],
+        reduce_s_per_byte=reduce,
         devices=devices,
     )

@@ -22,7 +22,7 @@ from torch import fx
 
 from hetero.errors import ConfigError, PlanError
 from hetero.graph import LayerGraph, TensorSpec
-from hetero.plan import Plan, StagePlan
+from hetero.plan import Plan, StagePlan, check_plan
 from hetero.serde import to_dict
 from hetero.specs import BYTES_PER_DTYPE
 
@@ -71,22 +71,14 @@ def emit(plan: Plan, out_dir: str | Path, traced: TracedModel | None = None) -> 
 
 
 def _check_plan(plan: Plan) -> None:
-    """Stages must tile the graph's nodes in order, and hosts must be usable as folder names."""
-    expected = 0
-    for k, stage in enumerate(plan.stages):
-        if stage.index != k or stage.first_node != expected or stage.last_node < stage.first_node:
-            raise PlanError(
-                f"plan stage {k}: nodes {stage.first_node}..{stage.last_node} do not follow stage {k - 1}"
-            )
-        expected = stage.last_node + 1
+    """Every pipeline's stages tile the graph's nodes in order (plan.check_plan), and hosts must be
+    usable as folder names."""
+    for stage in plan.stages:
         if not _SAFE_NAME.match(stage.host) or stage.host in (".", ".."):
             raise ConfigError(
                 f"host name {stage.host!r} cannot be a folder name: use letters, digits, '.', '_', '-'"
             )
-    if expected != len(plan.graph.nodes):
-        raise PlanError(
-            f"plan stages cover {expected} of {len(plan.graph.nodes)} graph nodes: recompile the plan"
-        )
+    check_plan(plan, "plan")
 
 
 def stage_params(graph: LayerGraph, stage: StagePlan) -> list[str]:
@@ -110,8 +102,8 @@ def _wire(tensor: TensorSpec, wire_dtype: str) -> dict[str, Any]:
     }
 
 
-def _peer(plan: Plan, k: int) -> dict[str, Any] | None:
-    if not 0 <= k < len(plan.stages):
+def _peer(plan: Plan, k: int | None) -> dict[str, Any] | None:
+    if k is None:
         return None
     s = plan.stages[k]
     return {"stage": k, "host": s.host, "device": s.device, "endpoint": s.endpoint, "dtype": s.dtype}
@@ -122,7 +114,8 @@ def stage_manifest(plan: Plan, k: int) -> dict[str, Any]:
     stage, graph = plan.stages[k], plan.graph
     receives = graph.edges[stage.first_node - 1].tensors if stage.first_node > 0 else []
     sends = graph.edges[stage.last_node].tensors if stage.last_node < len(graph.nodes) - 1 else []
-    prev_dtype = plan.stages[k - 1].dtype if k > 0 else stage.dtype
+    prev, nxt = plan.prev_stage(k), plan.next_stage(k)  # within k's pipeline replica
+    prev_dtype = plan.stages[prev].dtype if prev is not None else stage.dtype
     nodes = graph.nodes[stage.first_node : stage.last_node + 1]
     params = stage_params(graph, stage)
     return {
@@ -157,11 +150,11 @@ def stage_manifest(plan: Plan, k: int) -> dict[str, Any]:
         "sends": [_wire(t, stage.dtype) for t in sends if not t.recomputed],
         "rebuilds": sorted({t.name for t in receives if t.recomputed}),
         "endpoint": stage.endpoint,
-        "prev": _peer(plan, k - 1),
-        "next": _peer(plan, k + 1),
+        "prev": _peer(plan, prev),
+        "next": _peer(plan, nxt),
         "schedule": plan.train.schedule,
         "micro_batch_size": plan.train.micro_batch_size,
-        "num_micro_batches": plan.train.num_micro_batches,
+        "num_micro_batches": plan.micro_batches_of(k),
         "seq_len": plan.model.seq_len,
         "program": list(stage.program),
         "predicted": {

@@ -41,8 +41,9 @@ def span_label(node_names: list[str]) -> str:
 
 def _title(plan: Plan) -> str:
     p = plan.prediction
+    shape = f"{len(plan.replicas)} replicas, " if plan.replicas else ""
     head = (
-        f"{plan.model.name}: {len(plan.stages)} stage(s), predicted {p.step_time_s:.3g} s/step, "
+        f"{plan.model.name}: {shape}{len(plan.stages)} stage(s), predicted {p.step_time_s:.3g} s/step, "
         f"{p.tokens_per_s:,.0f} tokens/s"
     )
     best = next((b for b in plan.baselines if b.name == "best_single_device"), None)
@@ -91,9 +92,10 @@ def placement_figure(plan: Plan) -> Any:
         if link.a in names and link.b in names
     ]
     top = host_h + (0.5 + 0.4 * max(arcs) if arcs and max(arcs) > 1 else 0.2)
-    fig, ax = plt.subplots(figsize=(fig_w, 0.95 * (top + 2.6)))
+    below = 2.5 + STRIP_GAP * (len(plan.pipelines) - 1)  # room for one pipeline strip per replica
+    fig, ax = plt.subplots(figsize=(fig_w, 0.95 * (top + below + 0.1)))
     ax.set_xlim(-0.3, width + 0.3)
-    ax.set_ylim(-2.5, top)
+    ax.set_ylim(-below, top)
     ax.axis("off")
 
     x_of: dict[str, float] = {}
@@ -169,7 +171,8 @@ def _draw_device(ax: Any, plan: Plan, device: Any, stage: Any, x: float, y: floa
         )
         return
     ax.text(
-        x + 0.12, top - 0.3, f"stage {stage.index}", fontsize=10, weight="bold", color=colour, va="center"
+        x + 0.12, top - 0.3, f"stage {stage.index}" + (f" (r{plan.replica_of(stage.index)[0]})" if plan.replicas else ""),
+        fontsize=10, weight="bold", color=colour, va="center"
     )
     ax.text(x + 1.0, top - 0.3, _fit(device.display_name, 34), fontsize=8.5, va="center")
     ax.text(x + 0.12, top - 0.72, span_label(stage.node_names), fontsize=9.5, va="center")
@@ -249,12 +252,24 @@ def _draw_links(ax: Any, plan: Plan, x_of: dict[str, float], host_h: float) -> N
             )
 
 
+STRIP_GAP = 1.5  # vertical distance between the pipeline strips of two replicas
+
+
 def _draw_pipeline_strip(ax: Any, plan: Plan, width: float) -> None:
-    """A bar of all graph nodes in order, coloured by stage: the pipeline at a glance."""
+    """Per pipeline replica, a bar of all graph nodes in order, coloured by stage: the pipelines at a glance."""
+    for r, rep in enumerate(plan.pipelines):
+        title = "pipeline order (graph nodes, coloured by stage)"
+        if plan.replicas:
+            title = (f"replica {r}: {rep.num_micro_batches} of {plan.train.num_micro_batches} micro-batches "
+                     f"per step (graph nodes, coloured by stage)")
+        _draw_strip(ax, plan, [plan.stages[k] for k in rep.stages], width, -1.6 - STRIP_GAP * r, title)
+
+
+def _draw_strip(ax: Any, plan: Plan, stages: list[Any], width: float, y: float, title: str) -> None:
     nodes = len(plan.graph.nodes)
-    y, h = -1.6, 0.6
-    ax.text(0, y + h + 0.3, "pipeline order (graph nodes, coloured by stage)", fontsize=9, color="#333333")
-    for stage in plan.stages:
+    h = 0.6
+    ax.text(0, y + h + 0.3, title, fontsize=9, color="#333333")
+    for stage in stages:
         x0 = width * stage.first_node / nodes
         x1 = width * (stage.last_node + 1) / nodes
         ax.add_patch(Rectangle((x0, y), x1 - x0, h, fc=stage_colour(stage.index), ec="white", lw=1.5))
@@ -271,7 +286,7 @@ def _draw_pipeline_strip(ax: Any, plan: Plan, width: float) -> None:
                 fontsize=8,
                 color="white",
             )
-        if stage.index < len(plan.stages) - 1:
+        if stage is not stages[-1]:
             ax.text(
                 x1,
                 y - 0.25,
@@ -328,7 +343,8 @@ def schedule_figure(plan: Plan, timeline: Any = None) -> Any:
     labels = []
     for k, s in enumerate(plan.stages):
         busy = timeline.busy_fraction[k] if k < len(timeline.busy_fraction) else 0.0
-        labels.append(f"stage {k}: {s.device}\n{span_label(s.node_names)}  ({busy:.0%} busy)")
+        replica = f" (replica {plan.replica_of(k)[0]})" if plan.replicas else ""
+        labels.append(f"stage {k}{replica}: {s.device}\n{span_label(s.node_names)}  ({busy:.0%} busy)")
     ax.set_yticks(range(n), labels, fontsize=8)
     ax.set_ylim(n - 0.4, -1.0)
     ax.set_xlim(0, step * 1.08)
@@ -345,8 +361,9 @@ def schedule_figure(plan: Plan, timeline: Any = None) -> Any:
         fontsize=8,
         frameon=False,
     )
+    replicas = f"{len(plan.replicas)} replicas, " if plan.replicas else ""
     ax.set_title(
-        f"{plan.schedule} schedule, {plan.train.num_micro_batches} micro-batches of {plan.train.micro_batch_size} "
+        f"{plan.schedule} schedule, {replicas}{plan.train.num_micro_batches} micro-batches of {plan.train.micro_batch_size} "
         f"x {plan.model.seq_len} tokens: step {step:.3g} s, bubble {timeline.bubble_fraction:.0%}",
         fontsize=11,
     )

@@ -334,6 +334,8 @@ def compute_input_hash(plan: Plan) -> str:
     planner = canonical(PlannerOptions, plan.planner)
     if planner.get("recompute") == "auto":
         del planner["recompute"]  # the default: plans from before the option keep their hash
+    if planner.get("replicas", 0) is None:
+        del planner["replicas"]  # likewise
     payload = {
         "model": canonical(ModelSpec, plan.model),
         "cluster": canonical(ClusterSpec, plan.cluster),

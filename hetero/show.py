@@ -89,6 +89,7 @@ def stage_table(plan: Plan) -> Table:
     ]:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     busy = plan.prediction.stage_busy
+    replica_of = {k: r for r, rep in enumerate(plan.replicas) for k in rep.stages}
     for s in plan.stages:
         mem = s.memory
         share = mem.total_gb / mem.available_gb if mem.available_gb > 0 else float("inf")
@@ -98,7 +99,7 @@ def stage_table(plan: Plan) -> Table:
         if s.recompute_layers:
             holds += f", {len(s.recompute_layers)} recompute (+{fmt_time(s.recompute_time_s)} bwd)"
         table.add_row(
-            str(s.index),
+            f"{s.index}" + (f" [dim]r{replica_of[s.index]}[/]" if replica_of else ""),
             s.host,
             f"{s.device} [dim]({s.device_type}, {s.backend})[/]",
             holds,
@@ -199,7 +200,22 @@ def prediction_lines(plan: Plan) -> list[str]:
         f"schedule {t.schedule}: {t.num_micro_batches} micro-batches x {t.micro_batch_size} sequences "
         f"= {p.tokens_per_step} tokens per optimizer step",
         f"predicted step {fmt_time(p.step_time_s)}, {fmt_rate(p.tokens_per_s)}, pipeline bubble {p.bubble_fraction:.0%}",
+        *replica_lines(plan),
     ]
+
+
+def replica_lines(plan: Plan) -> list[str]:
+    """Data x pipeline: one line per replica (its stages, share of the batch, own step time) and the reduction."""
+    if not plan.replicas:
+        return []
+    out = [f"{len(plan.replicas)} pipeline replicas, LoRA gradients summed at each step "
+           f"({fmt_time(plan.prediction.reduce_s)}):"]
+    for r, rep in enumerate(plan.replicas):
+        devices = " -> ".join(plan.stages[k].device for k in rep.stages)
+        out.append(f"  replica {r}: stages {rep.stages[0]}..{rep.stages[-1]} on {devices}; micro-batches "
+                   f"{rep.first_micro_batch}..{rep.first_micro_batch + rep.num_micro_batches - 1} "
+                   f"({rep.num_micro_batches} of {plan.train.num_micro_batches}), alone {fmt_time(rep.step_time_s)}/step")
+    return out
 
 
 def gantt_lines(timeline: TimelineLike, num_stages: int, width: int = 72) -> list[str]:

@@ -222,6 +222,9 @@ class PlannerOptions:
     # Activation recomputation: auto (the solver chooses, per stage, how many decoder layers re-run
     # their forward in backward), none, or full (every decoder layer).
     recompute: Literal["auto", "none", "full"] = "auto"
+    # Data x pipeline: how many pipeline replicas (None: the solver chooses; 1: one pipeline). With
+    # num_stages, that many stages per replica.
+    replicas: int | None = None
 
 
 # Upper bounds past any real run, that keep the planner's work and float arithmetic finite: each stage's
@@ -253,6 +256,9 @@ def check_ranges(model: ModelSpec, train: TrainSpec, planner: PlannerOptions, er
     _require("lora.alpha", model.lora.alpha, error, low=-1e30, high=1e30)
     _require("lora.dropout", model.lora.dropout, error, low=0, high=1, high_open=True)
     _require("planner.time_limit_s", planner.time_limit_s, error, low=0, low_open=True, high=1e9)
+    if planner.replicas is not None:
+        _require("planner.replicas", planner.replicas, error, low=1, high=train.num_micro_batches,
+                 hint=" (each replica needs at least one of train.num_micro_batches)")
     _require("planner.efficiency", planner.efficiency, error, low=0, low_open=True, high=1,
              hint=" (a share of datasheet TFLOPS)")
     _require("planner.memory_headroom", planner.memory_headroom, error, low=0, high=1, high_open=True)

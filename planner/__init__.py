@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from datetime import datetime, timezone
 
 from hetero.errors import ConfigError, InfeasiblePlanError
 from hetero.graph import LayerGraph
-from hetero.plan import Baseline, Plan, Prediction, SolverReport, StagePlan, compute_input_hash
+from hetero.plan import Baseline, Plan, Prediction, ReplicaPlan, SolverReport, StagePlan, compute_input_hash
 from hetero.planner.baselines import baseline_evaluations, candidate_placements, predict
-from hetero.planner.cost import CostModel, CostTable, RooflineCostModel, build_cost_table, compute_dtype
+from hetero.planner.cost import (
+    CostModel,
+    CostTable,
+    RooflineCostModel,
+    build_cost_table,
+    compute_dtype,
+    subtable,
+)
 from hetero.planner.feasibility import check_single_nodes, explain_infeasible
 from hetero.planner.objective import Evaluation, Placement, evaluate, split_spans
+from hetero.planner.replicas import ReplicaSolution, solve_replicas
 from hetero.planner.schedules import gpipe, one_f_one_b, programs_for
-from hetero.planner.simulator import ScheduleError, Timeline, simulate, simulate_plan
-from hetero.planner.solve import solve
+from hetero.planner.simulator import ScheduleError, Timeline, combine_replicas, simulate, simulate_plan
+from hetero.planner.solve import EXACT, solve
 from hetero.program import format_program
 from hetero.specs import ClusterSpec, DataSpec, EvalSpec, ModelSpec, PlannerOptions, TrainSpec
 
@@ -121,6 +130,86 @@ def _simulated_best(table: CostTable, ev: Evaluation, prediction: Prediction,
                        "one planned.")
 
 
+def predict_replicas(table: CostTable, evaluations: list[Evaluation], shares: list[int], reduce_s: float,
+                     ) -> Prediction:
+    """The simulator's prediction of data x pipeline replicas: each replica with its own share, then
+    the optimizer step's barrier with the gradient reduction (simulator.combine_replicas)."""
+    timelines = [predict(subtable(table, m), ev)[1] for ev, m in zip(evaluations, shares, strict=True)]
+    timeline = combine_replicas(timelines, reduce_s)
+    tokens = table.tokens * table.num_micro_batches
+    step = timeline.step_time_s
+    return Prediction(step_time_s=step, tokens_per_step=tokens, tokens_per_s=tokens / step if step > 0 else 0.0,
+                      bubble_fraction=timeline.bubble_fraction, stage_busy=timeline.busy_fraction,
+                      stage_memory_gb=[mem.total_gb for ev in evaluations for mem in ev.memory], reduce_s=reduce_s)
+
+
+def _ratio(x: float) -> str:
+    """1.24x; 1.004x where two decimals would round a real difference away."""
+    return f"{x:.3f}x" if abs(x - 1) < 0.01 else f"{x:.2f}x"
+
+
+def _replicas(table: CostTable, options: PlannerOptions, single: Prediction, single_solver: SolverReport,
+              ) -> tuple[list[tuple[Evaluation, int]] | None, Prediction, SolverReport, list[str]]:
+    """Data x pipeline replicas when they simulate faster than the one pipeline (or planner.replicas asks
+    for them): the replicas with their shares (None: keep the one pipeline), the prediction, the solver
+    report and the verdict lines (which also say what the best replicas would have given)."""
+    t0 = time.perf_counter()
+    left = max(1.0, options.time_limit_s - single_solver.solve_time_s)
+    forced = options.replicas
+    solution = solve_replicas(table, left, max_replicas=forced, num_replicas=forced, num_stages=options.num_stages)
+    if forced is not None and (solution is None or solution.num_replicas != forced):
+        raise InfeasiblePlanError(f"planner.replicas={forced}: no {forced} replicas of the model fit on this fleet "
+                                  f"(each replica holds the whole model on its own devices)")
+    if solution is not None and solution.num_replicas < 2 and table.num_devices >= 2 and table.num_micro_batches >= 2:
+        # One pipeline wins: say by how much over the best two replicas (bounded by what time is left).
+        spare = max(0.5, min(0.25 * options.time_limit_s, options.time_limit_s - single_solver.solve_time_s
+                             - (time.perf_counter() - t0)))
+        pair = solve_replicas(table, spare, num_replicas=2, num_stages=options.num_stages)
+        if pair is None or pair.num_replicas != 2:
+            return None, single, single_solver, ["Two data-parallel replicas do not fit (each holds the whole model)."]
+        pred = predict_replicas(table, pair.evaluations, pair.shares, pair.reduce_s)
+        if pred.step_time_s >= single.step_time_s:
+            return None, single, single_solver, [
+                f"One pipeline is faster than data-parallel replicas: the best two replicas (shares "
+                f"{'+'.join(map(str, pair.shares))}) predict {pred.step_time_s:.3g} s/step, "
+                f"{_ratio(single.step_time_s / pred.step_time_s)} the throughput of this plan "
+                f"({pair.reduce_s:.3g} s of it summing their gradients)."]
+        # The closed form ranked one pipeline first, the simulator (whose numbers the plan reports) the
+        # replicas: the plan never advises the slower of two placements it names.
+        return _replica_choice(table, pair, prediction=pred, single=single, report=single_solver, why=(
+            f"The solver's closed form ranks one pipeline first ({pair.single.step_time_s if pair.single else 0:.3g} "
+            f"vs {pair.step_time_s:.3g} s/step for two replicas); simulated, two replicas are faster and are "
+            "planned."))
+    if solution is None or solution.num_replicas < 2:
+        return None, single, single_solver, []
+    prediction = predict_replicas(table, solution.evaluations, solution.shares, solution.reduce_s)
+    if forced is None and prediction.step_time_s >= single.step_time_s:
+        return None, single, single_solver, [
+            f"Replicas ({solution.num_replicas}, shares {'+'.join(map(str, solution.shares))}) win by the closed "
+            f"form but simulate at {prediction.step_time_s:.3g} s/step against {single.step_time_s:.3g} s: one "
+            "pipeline is planned."]
+    report = SolverReport(EXACT + " (replicas)", "Optimal" if solution.proven_optimal else "Not Solved",
+                          "Optimal Solution Found" if solution.proven_optimal else "Solution Found",
+                          solution.proven_optimal, 0.0 if solution.proven_optimal else None, solution.step_time_s,
+                          single_solver.solve_time_s + time.perf_counter() - t0, options.time_limit_s,
+                          message=solution.message)
+    return _replica_choice(table, solution, prediction, single, report)
+
+
+def _replica_choice(table: CostTable, solution: ReplicaSolution, prediction: Prediction, single: Prediction,
+                    report: SolverReport, why: str = "",
+                    ) -> tuple[list[tuple[Evaluation, int]], Prediction, SolverReport, list[str]]:
+    """The replicas as (evaluation, share) pairs with their prediction, report and verdict lines."""
+    parts = [f"replica {r}: {len(ev.placement.devices)} stage(s), {m} of {table.num_micro_batches} micro-batches"
+             for r, (ev, m) in enumerate(zip(solution.evaluations, solution.shares, strict=True))]
+    note = [f"{solution.num_replicas} data-parallel pipeline replicas ({'; '.join(parts)}); their LoRA gradients "
+            f"are summed at every step ({solution.reduce_s:.3g} s).",
+            f"{_ratio(single.step_time_s / prediction.step_time_s)} the throughput of the best single pipeline "
+            f"({single.step_time_s:.3g} s/step vs {prediction.step_time_s:.3g} s)."]
+    return list(zip(solution.evaluations, solution.shares, strict=True)), prediction, report, note + (
+        [why] if why else [])
+
+
 def plan(
     model: ModelSpec,
     graph: LayerGraph,
@@ -161,30 +250,48 @@ def plan(
     prediction, _ = predict(table, ev)
     adopted = ""
     pairs = baseline_evaluations(table, graph.decoder_indices())
-    if options.split is None and options.devices is None:
+    auto = options.split is None and options.devices is None
+    if auto:
         ev, prediction, adopted = _simulated_best(table, ev, prediction, pairs, options.num_stages)
-    programs = programs_for(train.schedule, len(ev.placement.devices), train.num_micro_batches)
-    stages = []
-    for k, (d, (first, last)) in enumerate(zip(ev.placement.devices, ev.placement.spans, strict=True)):
-        dev = table.devices[d]
-        host = cluster.host(dev.host)
-        stages.append(StagePlan(
-            index=k, host=dev.host, device=dev.name, device_type=dev.type, backend=dev.backend,
-            dtype=compute_dtype(dev, model), quantization=dev.quantization(model.quantization),
-            first_node=first, last_node=last, node_names=[n.name for n in graph.nodes[first:last + 1]],
-            endpoint=f"tcp://{host.address}:{host.port + k}", threads=dev.threads,
-            fwd_time_s=ev.fwd_s[k], bwd_time_s=ev.bwd_s[k], send_time_s=ev.send_s[k], memory=ev.memory[k],
-            program=format_program(programs[k]), artifact=f"artifacts/{dev.host}/stage{k}",
-            overhead_s=dict(ev.overhead_s[k]) if ev.overhead_s else {},
-            step_sync_s=ev.sync_s[k] if ev.sync_s else 0.0,
-            recompute_layers=recompute_layers(table, graph, ev, k),
-            recompute_time_s=ev.recompute_s[k] if ev.recompute_s else 0.0,
-        ))
+    chosen: list[tuple[Evaluation, int]] = [(ev, train.num_micro_batches)]
+    replica_note: list[str] = []
+    if auto and options.replicas != 1 and (options.num_stages is None or options.replicas is not None):
+        picked, prediction, solver, replica_note = _replicas(table, options, prediction, solver)
+        if picked is not None:
+            chosen, adopted = picked, ""
+    stages: list[StagePlan] = []
+    replicas: list[ReplicaPlan] = []
+    for rep_ev, share in chosen:
+        programs = programs_for(train.schedule, len(rep_ev.placement.devices), share)
+        first_stage = len(stages)
+        for pos, (d, (first, last)) in enumerate(zip(rep_ev.placement.devices, rep_ev.placement.spans, strict=True)):
+            k = len(stages)
+            dev = table.devices[d]
+            host = cluster.host(dev.host)
+            stages.append(StagePlan(
+                index=k, host=dev.host, device=dev.name, device_type=dev.type, backend=dev.backend,
+                dtype=compute_dtype(dev, model), quantization=dev.quantization(model.quantization),
+                first_node=first, last_node=last, node_names=[n.name for n in graph.nodes[first:last + 1]],
+                endpoint=f"tcp://{host.address}:{host.port + k}", threads=dev.threads,
+                fwd_time_s=rep_ev.fwd_s[pos], bwd_time_s=rep_ev.bwd_s[pos], send_time_s=rep_ev.send_s[pos],
+                memory=rep_ev.memory[pos], program=format_program(programs[pos]),
+                artifact=f"artifacts/{dev.host}/stage{k}",
+                overhead_s=dict(rep_ev.overhead_s[pos]) if rep_ev.overhead_s else {},
+                step_sync_s=rep_ev.sync_s[pos] if rep_ev.sync_s else 0.0,
+                recompute_layers=recompute_layers(table, graph, rep_ev, pos),
+                recompute_time_s=rep_ev.recompute_s[pos] if rep_ev.recompute_s else 0.0,
+            ))
+        replicas.append(ReplicaPlan(list(range(first_stage, len(stages))), share,
+                                    sum(m for _, m in chosen[:len(replicas)]), rep_ev.step_time_s))
+    if len(replicas) > 1:
+        for rep, (rep_ev, share) in zip(replicas, chosen, strict=True):
+            rep.step_time_s = predict(subtable(table, share), rep_ev)[0].step_time_s
     base = [b for b, _ in pairs]
-    verdict = _verdict(prediction, stages, base, solver) + ([adopted] if adopted else [])
+    verdict = _verdict(prediction, stages, base, solver) + replica_note + ([adopted] if adopted else [])
     result_plan = Plan(
         model=model, cluster=cluster, train=train, data=data, planner=options, graph=graph, stages=stages,
         prediction=prediction, baselines=base, solver=solver, verdict=verdict, eval=evaluation,
+        replicas=replicas if len(replicas) > 1 else [],
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
     result_plan.input_hash = compute_input_hash(result_plan)

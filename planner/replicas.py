@@ -144,8 +144,11 @@ class _Search:
     """Replicas as multisets of device classes: bounds and solves of T(U, m), enumerated multi-host
     replicas, the packing DP and the search over thresholds (see the module docstring)."""
 
-    def __init__(self, table: CostTable, deadline: float, max_replicas: int | None) -> None:
+    def __init__(self, table: CostTable, deadline: float, max_replicas: int | None, num_stages: int | None = None,
+                 exact_count: bool = False) -> None:
         self.table, self.deadline, self.max_replicas = table, deadline, max_replicas
+        # planner.num_stages: every replica has that many stages; exact_count: exactly max_replicas replicas.
+        self.num_stages, self.exact_count = num_stages, exact_count
         self.n, self.total_mb = table.num_nodes, table.num_micro_batches
         self.classes = table.device_classes()
         self.members = [[d for d, c in enumerate(self.classes) if c == k] for k in range(max(self.classes) + 1)]
@@ -254,7 +257,7 @@ class _Search:
         tau_max = self.best - self.two
         devices = [d for k, x in enumerate(self.multisets[u]) for d in self.members[k][:x]]
         upper = tau_max * (1 + REL_TOL) if tau_max < INF else None
-        result = solve_exact(subtable(self.table, m, devices), deadline=self.deadline, upper_s=upper)
+        result = solve_exact(subtable(self.table, m, devices), self.num_stages, deadline=self.deadline, upper_s=upper)
         self.solves += 1
         if not result.proven:
             check(self.deadline)
@@ -281,7 +284,8 @@ class _Search:
         grad = np.concatenate([[0.0], np.cumsum(table.grad_bytes)])
         per_class = np.array([[table.reduce_s_per_byte[h][c] for c in self.coordinators] for h in self.host])
         times, reds, parts = [], [], []
-        for seq in (q for s in range(1, min(self.size[u], self.n) + 1) for q in self.sequences(u, s)):
+        lengths = [self.num_stages] if self.num_stages else range(1, min(self.size[u], self.n) + 1)
+        for seq in (q for s in lengths if s <= min(self.size[u], self.n) for q in self.sequences(u, s)):
             check(self.deadline)
             s = len(seq)
             combos = list(itertools.combinations(range(1, n), s - 1))
@@ -411,7 +415,7 @@ class _Search:
 
         def g(s: int, mu: int, need: bool, left: int | None) -> float:
             if mu == 0:
-                return INF if need else 0.0
+                return INF if need or (self.exact_count and left) else 0.0
             if s == 0 or left == 0:
                 return INF
             key = (s, mu, need, left)
@@ -524,18 +528,26 @@ def _single_solution(table: CostTable, single: Evaluation | None, proven: bool, 
 
 
 def solve_replicas(table: CostTable, time_limit_s: float = 30.0, max_replicas: int | None = None,
-                   starts: list[Placement] | None = None) -> ReplicaSolution | None:
-    """The fastest plan of R >= 1 pipeline replicas under the module's step-time model (None: none fits)."""
+                   starts: list[Placement] | None = None, num_replicas: int | None = None,
+                   num_stages: int | None = None) -> ReplicaSolution | None:
+    """The fastest plan of R >= 1 pipeline replicas under the module's step-time model (None: none fits).
+
+    ``num_replicas``: exactly that many replicas (planner.replicas; the single pipeline is still solved,
+    for comparison); ``num_stages``: every replica has that many stages (planner.num_stages)."""
     t0 = time.perf_counter()
-    result = solve(table, None, SINGLE_SHARE * time_limit_s, starts=starts)
+    result = solve(table, num_stages, SINGLE_SHARE * time_limit_s, starts=starts)
     single = result.evaluation
     single_proven = result.report.proven_optimal or (single is None and result.report.status == "Infeasible")
-    limit = min(table.num_micro_batches, table.num_devices, max_replicas or table.num_devices)
+    if num_replicas is not None and num_replicas > min(table.num_micro_batches, table.num_devices):
+        return None
+    limit = num_replicas or min(table.num_micro_batches, table.num_devices, max_replicas or table.num_devices)
     if limit <= 1:
         return _single_solution(table, single, single_proven, "one pipeline (one replica allowed)")
-    upper = single.step_time_s if single is not None else INF
-    search = _Search(table, t0 + time_limit_s, limit if limit < min(table.num_micro_batches, table.num_devices)
-                     else None)
+    forced = num_replicas is not None
+    upper = single.step_time_s if single is not None and not forced else INF
+    search = _Search(table, t0 + time_limit_s,
+                     limit if forced or limit < min(table.num_micro_batches, table.num_devices) else None,
+                     num_stages, exact_count=forced)
     try:
         proven = search.run(upper)
     except OutOfTime:
@@ -547,6 +559,8 @@ def solve_replicas(table: CostTable, time_limit_s: float = 30.0, max_replicas: i
     how = (f"{search.solves} replica solves, {search.enumerations} enumerations, {search.thresholds} thresholds, "
            f"{time.perf_counter() - t0:.2f} s")
     why = "" if proven else f"; not proven optimal: {'; '.join(search.unproven)}"
+    if forced and not search.picked:
+        return None
     if not search.picked or search.best >= upper:
         return _single_solution(table, single, proven, f"one pipeline: no replicas are faster ({how}){why}")
     placements, shares = search.assign(search.picked)
@@ -557,8 +571,8 @@ def solve_replicas(table: CostTable, time_limit_s: float = 30.0, max_replicas: i
         return _single_solution(table, single, False, f"one pipeline ({bad})")
     placements = [Placement(p.devices, p.spans, tuple(e.recompute)) for p, e in zip(placements, evaluations,
                                                                                       strict=True)]
-    gain = (f": {upper / step:.2f}x the throughput of the best single pipeline ({upper:.4g} s/step)"
-            if single is not None else " (no single pipeline fits)")
+    gain = (f": {single.step_time_s / step:.2f}x the throughput of the best single pipeline "
+            f"({single.step_time_s:.4g} s/step)" if single is not None else " (no single pipeline fits)")
     message = (f"{len(placements)} replicas, shares {'+'.join(map(str, shares))}, {step:.4g} s/step "
                f"({reduce_s:.3g} s of it the gradient reduction){gain}; {how}{why}")
     return ReplicaSolution(placements, shares, evaluations, reduce_s, step, proven, message, single, single_proven)

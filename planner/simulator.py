@@ -219,20 +219,56 @@ def simulate(
     return Timeline(events, step_time, busy_fraction, bubble, peak)
 
 
+def combine_replicas(timelines: list[Timeline], reduce_s: float = 0.0) -> Timeline:
+    """One timeline of data x pipeline replicas, each simulated alone (stages renumbered in replica order).
+
+    Before the optimizer step replicas share nothing, so each one's own simulation holds. STEP is a
+    barrier across all of them: the coordinator needs every replica's gradients, sums them
+    (``reduce_s``: the transfers and the sum), and only then does any stage step. Each STEP event
+    moves to start at the global barrier; what follows it (the stage's sync and optimizer) is unchanged.
+    """
+    if len(timelines) == 1 and reduce_s == 0.0:
+        return timelines[0]
+    # A replica's own barrier: when its last stage reached STEP (the latest STEP start).
+    own = [max((e.start_s for e in t.events if e.op == "STEP"), default=t.step_time_s) for t in timelines]
+    barrier = max(own) + reduce_s
+    events: list[Event] = []
+    busy_s: list[float] = []
+    peak: list[int] = []
+    offset = 0
+    for t, mine in zip(timelines, own, strict=True):
+        n = len(t.busy_fraction)
+        for e in t.events:
+            end = barrier + (e.end_s - max(e.start_s, mine)) if e.op == "STEP" else e.end_s
+            events.append(Event(e.stage + offset, e.op, e.mb, e.start_s, end))
+        busy_s += [f * t.step_time_s for f in t.busy_fraction]
+        peak += list(t.peak_in_flight)
+        offset += n
+    step_time = max([e.end_s for e in events] + [barrier])
+    busy_fraction = [b / step_time if step_time > 0 else 0.0 for b in busy_s]
+    bubble = 1.0 - sum(busy_fraction) / len(busy_fraction) if busy_fraction and step_time > 0 else 0.0
+    return Timeline(events, step_time, busy_fraction, bubble, peak)
+
+
 def simulate_plan(plan: Plan) -> Timeline:
-    """Simulate a plan's stored programs with its predicted per-stage times."""
+    """Simulate a plan's stored programs with its predicted per-stage times (every replica, then the
+    step's barrier with the gradient reduction between them)."""
     try:
         programs = [parse_program(s.program) for s in plan.stages]
     except ValueError as exc:
         raise ScheduleError(f"plan has a malformed program: {exc}") from None
-    return simulate(
-        programs,
-        [s.fwd_time_s for s in plan.stages],
-        [s.bwd_time_s for s in plan.stages],
-        [s.send_time_s for s in plan.stages],
-        overhead_s=[dict(s.overhead_s) for s in plan.stages],
-        sync_s=[s.step_sync_s for s in plan.stages],
-    )
+    timelines = []
+    for rep in plan.pipelines:
+        stages = [plan.stages[k] for k in rep.stages]
+        timelines.append(simulate(
+            [programs[k] for k in rep.stages],
+            [s.fwd_time_s for s in stages],
+            [s.bwd_time_s for s in stages],
+            [s.send_time_s for s in stages],
+            overhead_s=[dict(s.overhead_s) for s in stages],
+            sync_s=[s.step_sync_s for s in stages],
+        ))
+    return combine_replicas(timelines, plan.prediction.reduce_s if len(timelines) > 1 else 0.0)
 
 
 def replay_run(plan: Plan, timings: list[dict[str, float]]) -> Timeline:
@@ -247,17 +283,21 @@ def replay_run(plan: Plan, timings: list[dict[str, float]]) -> Timeline:
     """
     if len(timings) != len(plan.stages):
         raise ScheduleError(f"the run has timings for {len(timings)} stages but the plan has {len(plan.stages)}")
-    m = max(1, plan.train.num_micro_batches)
-    programs = [parse_program(sp.program) for sp in plan.stages]
-    overhead = [{"SA": t.get("SA", 0.0) / m, "SG": t.get("SG", 0.0) / m,
-                 "STEP": max(0.0, t.get("STEP", 0.0) - t.get("clip_wait", 0.0)),
-                 "RA": sp.overhead_s.get("RA", 0.0), "RG": sp.overhead_s.get("RG", 0.0)}
-                for t, sp in zip(timings, plan.stages, strict=True)]
-    return simulate(
-        programs,
-        [t.get("F", 0.0) / m for t in timings],
-        [t.get("B", 0.0) / m for t in timings],
-        [sp.send_time_s for sp in plan.stages],
-        overhead_s=overhead,
-        sync_s=[sp.step_sync_s for sp in plan.stages],
-    )
+    timelines = []
+    for rep in plan.pipelines:
+        m = max(1, rep.num_micro_batches)
+        stages = [plan.stages[k] for k in rep.stages]
+        times = [timings[k] for k in rep.stages]
+        overhead = [{"SA": t.get("SA", 0.0) / m, "SG": t.get("SG", 0.0) / m,
+                     "STEP": max(0.0, t.get("STEP", 0.0) - t.get("clip_wait", 0.0)),
+                     "RA": sp.overhead_s.get("RA", 0.0), "RG": sp.overhead_s.get("RG", 0.0)}
+                    for t, sp in zip(times, stages, strict=True)]
+        timelines.append(simulate(
+            [parse_program(sp.program) for sp in stages],
+            [t.get("F", 0.0) / m for t in times],
+            [t.get("B", 0.0) / m for t in times],
+            [sp.send_time_s for sp in stages],
+            overhead_s=overhead,
+            sync_s=[sp.step_sync_s for sp in stages],
+        ))
+    return combine_replicas(timelines, plan.prediction.reduce_s if len(timelines) > 1 else 0.0)

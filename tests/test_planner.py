@@ -20,10 +20,38 @@ def _plan(cluster, graph, quant="nf4", m=4, schedule="1f1b", **opts):  # type: i
     return plan(make_model(quant), graph, cluster, train, DataSpec(), PlannerOptions(time_limit_s=20.0, **opts))
 
 
+def test_plan_with_replicas_is_complete_and_round_trips(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Where replicas simulate faster than one pipeline the plan has them: each a whole pipeline on its
+    own devices with its share of the micro-batches, the prediction the simulator's, the verdict says so."""
+    cluster = make_cluster([("a", "rtx4090", None), ("b", "rtx3090", 6.0), ("b", "v100", 6.0)])
+    graph = make_graph(6, rng=random.Random(3))
+    one = _plan(cluster, graph, replicas=1)
+    p = _plan(cluster, graph)
+    assert len(p.replicas) >= 2, "this fleet trains faster as replicas (the test needs a case that does)"
+    assert p.prediction.step_time_s < one.prediction.step_time_s
+    assert sum(r.num_micro_batches for r in p.replicas) == 4
+    for rep in p.replicas:
+        stages = [p.stages[k] for k in rep.stages]
+        assert stages[0].first_node == 0 and stages[-1].last_node == len(graph.nodes) - 1
+        assert all(b.first_node == a.last_node + 1 for a, b in zip(stages, stages[1:], strict=False))
+        assert all(len([a for a in s.program if a.startswith("F")]) == rep.num_micro_batches for s in stages)
+    assert len({s.device for s in p.stages}) == len(p.stages)
+    assert p.prediction.step_time_s == pytest.approx(simulate_plan(p).step_time_s)
+    assert p.prediction.reduce_s > 0
+    assert any("data-parallel pipeline replicas" in v for v in p.verdict)
+    assert any("the throughput of the best single pipeline" in v for v in p.verdict)
+    path = tmp_path / "plan.json"
+    p.save(path)
+    loaded = Plan.load(path)
+    assert loaded.replicas == p.replicas and loaded.input_hash == p.input_hash
+    forced = _plan(cluster, graph, replicas=2, num_stages=1)
+    assert [len(r.stages) for r in forced.replicas] == [1, 1]
+
+
 def test_plan_is_complete_and_round_trips(tmp_path) -> None:  # type: ignore[no-untyped-def]
     cluster = make_cluster([("a", "rtx4090", None), ("b", "rtx3090", 6.0), ("b", "v100", 6.0)])
     graph = make_graph(6, rng=random.Random(3))
-    p = _plan(cluster, graph)
+    p = _plan(cluster, graph, replicas=1)
     # The stages cover every node once, in order, and match the brute-force optimum.
     assert p.stages[0].first_node == 0 and p.stages[-1].last_node == len(graph.nodes) - 1
     for a, b in zip(p.stages, p.stages[1:], strict=False):

@@ -1,0 +1,105 @@
+"""Held-out evaluation on a spare device: how much does it slow training? (W1 model, this CPU)
+
+    python bench/bench_eval.py [--steps 8] [--rounds 3] [--every 2] [--out DIR]
+
+Workload W1's model (bench_runtime.py) trains as one 1-thread CPU stage; the fleet's second CPU
+device is kept out of training at compile (eval.device) and, in the "eval" runs, evaluates the
+latest adapter on 8 held-out micro-batches every ``--every`` steps while training goes on (a separate
+process, 1 thread). Runs with and without evaluation alternate (``--rounds`` pairs, order swapped
+each round); a run's figure is its median step time after the first two steps. Printed: both
+medians, their ratio (target: eval runs at most 5% slower), and the eval_loss lines the eval runs
+wrote. About 2 minutes on 2 cores; never part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench_runtime import LR, MICRO_BATCH, NUM_MICRO, SEQ_LEN, W1_ARCH, free_ports, median_tail, prepare
+
+FLEET = """\
+name: w1eval
+hosts:
+  - name: localhost
+    address: 127.0.0.1
+    port: {port}
+    devices:
+      - {{type: cpu, count: 2, threads: 1}}
+"""
+EVAL_BATCHES = 8
+
+
+def hetero(*args: str, cwd: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "hetero.cli", *args], capture_output=True, text=True, cwd=cwd)
+    if proc.returncode != 0:
+        sys.exit(f"hetero {' '.join(args[:2])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+
+
+def run(plan: Path, run_dir: Path, steps: int, cwd: Path, extra: list[str]) -> tuple[float, list[dict[str, Any]]]:
+    hetero("run", str(plan), f"steps={steps}", "--run-dir", str(run_dir), "--no-progress", *extra, cwd=cwd)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return (median_tail([float(r["step_time_s"]) for r in rows if "step_time_s" in r]),
+            [r for r in rows if "eval_loss" in r])
+
+
+def bench(out: Path, steps: int, rounds: int, every: int) -> dict[str, Any]:
+    model_dir, data = prepare(out, steps)
+    held_out = out / "held-out.jsonl"
+    rng = random.Random(1)
+    with held_out.open("w") as f:
+        for _ in range(EVAL_BATCHES * MICRO_BATCH):
+            f.write(json.dumps({"input_ids": [rng.randrange(3, W1_ARCH["vocab_size"]) for _ in range(SEQ_LEN)]}) + "\n")
+    conf = out / "conf"
+    (conf / "hardware").mkdir(parents=True, exist_ok=True)
+    (conf / "hardware" / "w1eval.yaml").write_text(FLEET.format(port=free_ports(4) + 1))
+    hetero("compile", "-cd", str(conf), "model=hf", f"model.pretrained={model_dir}", f"model.seq_len={SEQ_LEN}",
+           "model.dtype=float32", "lora.r=8", "lora.alpha=16", "hardware=w1eval",
+           f"train.micro_batch_size={MICRO_BATCH}", f"train.num_micro_batches={NUM_MICRO}", f"train.lr={LR}",
+           f"data.path={data}", "data.format=tokens", "eval.device=localhost.cpu1", f"output={out / 'plan'}", cwd=out)
+    plan = out / "plan" / "plan.json"
+    on = [f"eval.every={every}", f"eval.path={held_out}", f"eval.max_batches={EVAL_BATCHES}"]
+    times: dict[str, list[float]] = {"no eval": [], "eval": []}
+    evals: list[dict[str, Any]] = []
+    for r in range(rounds):
+        for name in (["no eval", "eval"] if r % 2 == 0 else ["eval", "no eval"]):
+            t, lines = run(plan, out / f"run-{name.replace(' ', '-')}-{r}", steps, out, on if name == "eval" else [])
+            times[name].append(t)
+            evals = lines or evals
+            print(f"  round {r}: {name}: {t:.3f} s/step" + (f", {len(lines)} eval_loss lines" if lines else ""),
+                  flush=True)
+    base, with_eval = statistics.median(times["no eval"]), statistics.median(times["eval"])
+    return {"no_eval_s": base, "eval_s": with_eval, "ratio": with_eval / base, "evals": evals, "every": every,
+            "steps": steps, "rounds": rounds}
+
+
+def print_report(result: dict[str, Any]) -> None:
+    ok = "yes" if result["ratio"] <= 1.05 else "NO"
+    print(f"training step, median: without eval {result['no_eval_s']:.3f} s, with eval every {result['every']} "
+          f"steps {result['eval_s']:.3f} s: {result['ratio']:.3f}x (within 5%: {ok})")
+    for line in result["evals"]:
+        print(f"  eval after step {line['step'] + 1}: loss {line['eval_loss']:.4f} on {line['eval_tokens']} tokens "
+              f"({line['eval_s']:.2f} s)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--every", type=int, default=2)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="bench-eval-"))
+    out.mkdir(parents=True, exist_ok=True)
+    print_report(bench(out.resolve(), args.steps, args.rounds, args.every))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""One benchmark command: `python -m bench` from the repository root (~14 minutes on 2 cores).
+"""One benchmark command: `python -m bench` from the repository root (~21 minutes on 2 cores).
 
 Runs, in this order (each section measures its own baseline in the same run):
 
@@ -7,6 +7,8 @@ Runs, in this order (each section measures its own baseline in the same run):
   transport  hetero's Transport vs a raw TCP socket, 64 KiB - 64 MiB messages      (bench_transport.py)
   w1         hetero vs torch.distributed.pipelining, 2 and 3 stages x 4, 8, 16 micro-batches (bench_runtime.py)
   w3         the same over a rate-limited veth between two network namespaces (bench_w3.py; root only)
+  replicas   2 replicas x 1 stage vs 1 replica x 2 stages on W1's model: predicted vs measured (bench_replicas.py)
+  eval       held-out evaluation on a spare CPU device: training step with vs without it (bench_eval.py)
 
 then prints every table and the ratios last, and rewrites the generated part of docs/benchmarks.md
 (between its `bench:begin` / `bench:end` markers: tables, machine, date, commands) and
@@ -34,7 +36,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-SECTIONS = ("planner", "compile", "transport", "w1", "w3")
+SECTIONS = ("planner", "compile", "transport", "w1", "w3", "replicas", "eval")
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 DOC, PLOT = REPO / "docs" / "benchmarks.md", REPO / "docs" / "bench.png"
 
@@ -115,6 +117,22 @@ def bench_w3(work: Path) -> dict[str, Any]:
     return {"rows": bench_w3.run_w3(steps=4, work=work)}
 
 
+def bench_replicas(work: Path) -> dict[str, Any]:
+    import bench_replicas
+
+    result = bench_replicas.bench(work, steps=6, rounds=2)
+    bench_replicas.print_report(result)
+    return result
+
+
+def bench_eval(work: Path) -> dict[str, Any]:
+    import bench_eval
+
+    result = bench_eval.bench(work, steps=6, rounds=2, every=2)
+    bench_eval.print_report(result)
+    return result
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -153,6 +171,23 @@ def markdown(results: dict[str, Any], started: str, wall_s: float) -> list[str]:
     if "w3" in results and "rows" in results["w3"]:
         out += ["### W3 — over a rate-limited link (two network namespaces, veth + tc tbf)", ""]
         out += w3_lines(results["w3"]["rows"])
+    if "replicas" in results and "rows" in results["replicas"]:
+        r = results["replicas"]
+        out += ["### Data x pipeline replicas on W1's model (2 CPU devices x 1 thread)", "",
+                f"Both plans compiled from one `hetero profile`, run alternately ({r['rounds']} rounds of "
+                f"{r['steps']} steps, median of steps 3..{r['steps']}).", "",
+                "| plan | replicas x stages | predicted s/step | measured s/step | measured / predicted |",
+                "|---|---|---|---|---|"]
+        for name, row in r["rows"].items():
+            out.append(f"| {name} | {row['shape']} | {row['predicted_s']:.3f} | {row['measured_s']:.3f} | "
+                       f"{row['ratio']:.2f} |")
+        out += ["", f"Faster measured: {r['faster']}; the planner's own choice: {r['auto']}.", ""]
+    if "eval" in results and "eval_s" in results["eval"]:
+        r = results["eval"]
+        out += ["### Held-out evaluation on a spare device (W1's model, 1 training + 1 eval CPU thread)", "",
+                f"Training step without evaluation {r['no_eval_s']:.3f} s, with evaluation every {r['every']} steps "
+                f"{r['eval_s']:.3f} s: **{r['ratio']:.3f}x** (medians over {r['rounds']} alternating runs of "
+                f"{r['steps']} steps).", ""]
     if "transport" in results and "rows" in results["transport"]:
         out += ["### Transport vs raw TCP (loopback, process to process)", "",
                 "| message | raw MB/s | Transport MB/s | ratio |", "|---|---|---|---|"]
@@ -264,6 +299,15 @@ def ratios(results: dict[str, Any]) -> list[str]:
                        f"{row['of_layer_bound']:.0%} of the layer-granularity bound")
     for rate, run, x in w3_speedups(results.get("w3", {}).get("rows", [])):
         out.append(f"  W3 {rate:<8} {run:<13} / torch pipelining {x:.2f}x")
+    for name, row in results.get("replicas", {}).get("rows", {}).items():
+        out.append(f"  replicas: {name} ({row['shape']}) measured / predicted {row['ratio']:.2f}")
+    if "faster" in results.get("replicas", {}):
+        r = results["replicas"]
+        faster = r["rows"][r["faster"]]["shape"]
+        out.append(f"  replicas: faster measured {faster}, planner chose {r['auto']}"
+                   f" ({'the faster' if faster == r['auto'] else 'NOT the faster'})")
+    if "ratio" in results.get("eval", {}):
+        out.append(f"  eval: training step with / without evaluation on a spare device {results['eval']['ratio']:.3f}x")
     for row in results.get("transport", {}).get("rows", []):
         out.append(f"  transport {row['bytes'] >> 10:>6} KiB: Transport / raw TCP {row['ratio']:.2f}")
     prows = results.get("planner", {}).get("rows", [])
@@ -284,7 +328,8 @@ def run_section(name: str, work: Path) -> dict[str, Any]:
         return bench_planner()
     if name == "transport":
         return bench_transport()
-    return {"compile": bench_compile, "w1": bench_w1, "w3": bench_w3}[name](work)
+    return {"compile": bench_compile, "w1": bench_w1, "w3": bench_w3, "replicas": bench_replicas,
+            "eval": bench_eval}[name](work)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,14 +24,16 @@ class Bottleneck:
 
 
 def _period_parts(plan: Plan) -> tuple[list[float], list[float]]:
+    """Per stage its compute per micro-batch, and its link to the next stage of its pipeline (0: none)."""
     compute = [s.fwd_time_s + s.bwd_time_s for s in plan.stages]
-    links = [2.0 * s.send_time_s for s in plan.stages[:-1]]  # activation down + gradient back
+    # activation down + gradient back; a replica's last stage sends nothing
+    links = [2.0 * s.send_time_s if plan.next_stage(k) is not None else 0.0 for k, s in enumerate(plan.stages)]
     return compute, links
 
 
 def _micro_batches_for(plan: Plan, target_bubble: float = 0.1) -> int:
     """Micro-batches per step that bring the fill/drain share to ``target_bubble`` (1F1B rule of thumb)."""
-    s = len(plan.stages)
+    s = max(len(r.stages) for r in plan.pipelines)  # the longest pipeline (replica)
     # Balanced 1F1B: bubble = (S - 1) / (m + S - 1); solve for m.
     return max(plan.train.num_micro_batches + 1, int((s - 1) * (1 - target_bubble) / target_bubble + 0.999))
 
@@ -46,7 +48,7 @@ def diagnose(plan: Plan) -> list[Bottleneck]:
     others = sorted(compute[:k] + compute[k + 1:])
     second = f"; the next slowest stage needs {others[-1]:.3g} s" if others else ""
     if worst_link is not None and links[worst_link] > compute[k]:
-        a, b = plan.stages[worst_link], plan.stages[worst_link + 1]
+        a, b = plan.stages[worst_link], plan.stages[plan.next_stage(worst_link) or 0]
         where = f"{a.host}<->{b.host}"
         hosts = f"hosts {a.host} and {b.host}" if a.host != b.host else f"devices {a.device} and {b.device} on {a.host}"
         out.append(Bottleneck("link", where, (

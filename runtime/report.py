@@ -13,11 +13,10 @@ def build_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, flo
     """Summarize metrics.jsonl lines against the plan's predictions (first step left out when possible)."""
     measured = steps[1:] if len(steps) > 1 else steps
     step_time = statistics.median(s["step_time_s"] for s in measured) if measured else None
-    m = plan.train.num_micro_batches
     stages = []
     for k, sp in enumerate(plan.stages):
         busy = statistics.median(s["stage_busy"][k] for s in measured) if measured else None
-        predicted_busy = m * (sp.fwd_time_s + sp.bwd_time_s)
+        predicted_busy = plan.micro_batches_of(k) * (sp.fwd_time_s + sp.bwd_time_s)  # its replica's share
         stages.append({
             "stage": k, "host": sp.host, "device": sp.device, "layers": sp.node_names,
             "measured_busy_s": busy, "predicted_busy_s": predicted_busy,

@@ -51,9 +51,9 @@ def compare_run(plan: Plan, metrics: list[dict[str, Any]], stage_timings: list[d
     if off is not None and abs(off) > OFF_BY and "profile" not in plan.cost_sources:
         lines.append(f"This plan's costs come from datasheets: measure the fleet with `hetero profile "
                      f"model={plan.model.name} hardware={plan.cluster.name}` and compile with profile=PATH.")
-    m = plan.train.num_micro_batches
     flagged = []
     for k, sp in enumerate(plan.stages):
+        m = plan.micro_batches_of(k)  # its replica's share of the step
         ops = timings[k] if k < len(timings) else {}
         compute = ops.get("F", 0.0) + ops.get("B", 0.0)
         predicted_compute = m * (sp.fwd_time_s + sp.bwd_time_s)

@@ -205,8 +205,9 @@ def test_compile_end_to_end(
     plan = Plan.load(tmp_path / "out" / "plan.json")
     assert plan.model.name == model and plan.config["hardware"]["name"] == hardware
     assert {s.device for s in plan.stages} <= devices
-    covered = [i for s in plan.stages for i in range(s.first_node, s.last_node + 1)]
-    assert covered == list(range(len(plan.graph.nodes)))  # every node on exactly one stage, in order
+    for rep in plan.pipelines:  # every node on exactly one stage of each pipeline replica, in order
+        covered = [i for k in rep.stages for i in range(plan.stages[k].first_node, plan.stages[k].last_node + 1)]
+        assert covered == list(range(len(plan.graph.nodes)))
     assert "predicted step" in result.stdout and "plan.json" in result.stdout
     code, out, err = run_main(["show", str(tmp_path / "out" / "plan.json")], capsys)  # in-process: no 2nd startup
     assert code == 0, err

@@ -143,6 +143,10 @@ def predict_replicas(table: CostTable, evaluations: list[Evaluation], shares: li
                       stage_memory_gb=[mem.total_gb for ev in evaluations for mem in ev.memory], reduce_s=reduce_s)
 
 
+# Of planner.time_limit_s, the unforced replica search (and the two-replica comparison) may use this share.
+REPLICA_SHARE = 0.2
+
+
 def _ratio(x: float) -> str:
     """1.24x; 1.004x where two decimals would round a real difference away."""
     return f"{x:.3f}x" if abs(x - 1) < 0.01 else f"{x:.2f}x"
@@ -154,15 +158,19 @@ def _replicas(table: CostTable, options: PlannerOptions, single: Prediction, sin
     for them): the replicas with their shares (None: keep the one pipeline), the prediction, the solver
     report and the verdict lines (which also say what the best replicas would have given)."""
     t0 = time.perf_counter()
-    left = max(1.0, options.time_limit_s - single_solver.solve_time_s)
     forced = options.replicas
-    solution = solve_replicas(table, left, max_replicas=forced, num_replicas=forced, num_stages=options.num_stages)
+    left = max(0.5, options.time_limit_s - single_solver.solve_time_s)
+    # Unforced, replicas are an option the search may leave unproven: it gets a share of the limit, so a
+    # fleet whose replicas cannot be proven does not make every compile wait for the whole limit.
+    budget = left if forced is not None else min(left, max(2.0, REPLICA_SHARE * options.time_limit_s))
+    solution = solve_replicas(table, budget, max_replicas=forced, num_replicas=forced, num_stages=options.num_stages)
     if forced is not None and (solution is None or solution.num_replicas != forced):
         raise InfeasiblePlanError(f"planner.replicas={forced}: no {forced} replicas of the model fit on this fleet "
                                   f"(each replica holds the whole model on its own devices)")
-    if solution is not None and solution.num_replicas < 2 and table.num_devices >= 2 and table.num_micro_batches >= 2:
-        # One pipeline wins: say by how much over the best two replicas (bounded by what time is left).
-        spare = max(0.5, min(0.25 * options.time_limit_s, options.time_limit_s - single_solver.solve_time_s
+    if (solution is not None and solution.num_replicas < 2 and solution.proven_optimal and table.num_devices >= 2
+            and table.num_micro_batches >= 2):
+        # One pipeline wins (proven): say by how much over the best two replicas, in a bounded time.
+        spare = max(0.5, min(REPLICA_SHARE * options.time_limit_s, options.time_limit_s - single_solver.solve_time_s
                              - (time.perf_counter() - t0)))
         pair = solve_replicas(table, spare, num_replicas=2, num_stages=options.num_stages)
         if pair is None or pair.num_replicas != 2:
@@ -181,7 +189,11 @@ def _replicas(table: CostTable, options: PlannerOptions, single: Prediction, sin
             f"vs {pair.step_time_s:.3g} s/step for two replicas); simulated, two replicas are faster and are "
             "planned."))
     if solution is None or solution.num_replicas < 2:
-        return None, single, single_solver, []
+        unproven = solution is not None and not solution.proven_optimal and single_solver.proven_optimal
+        return None, single, single_solver, [
+            f"Data-parallel replicas were searched for {budget:.3g} s without proving whether any beat one "
+            f"pipeline ({solution.message if solution else ''}); raise planner.time_limit_s to settle it."
+        ] if unproven else []
     prediction = predict_replicas(table, solution.evaluations, solution.shares, solution.reduce_s)
     if forced is None and prediction.step_time_s >= single.step_time_s:
         return None, single, single_solver, [

@@ -219,3 +219,25 @@ def test_mining_rig_llama8b_nf4_replicas() -> None:
         check_solution(table, rushed)
         assert rushed.step_time_s >= sol.step_time_s * (1 - 1e-9)
         assert rushed.proven_optimal or "not proven optimal" in rushed.message
+
+
+def test_mining_rig_compile_plans_replicas_and_says_by_how_much() -> None:
+    """The issue's command, `hetero compile model=llama8b model.quantization=nf4 hardware=mining_rig`:
+    the plan runs replicas where they simulate faster than the best single pipeline, and its verdict
+    gives the ratio that one forced pipeline (planner.replicas=1) confirms."""
+    from dataclasses import replace
+
+    from hetero import config as config_mod
+    from hetero.compiler.trace import trace
+    from hetero.planner import plan
+
+    cfg = config_mod.load(["model=llama8b", "model.quantization=nf4", "hardware=mining_rig"])
+    graph = trace(cfg.model)
+    chosen = plan(cfg.model, graph, cfg.cluster, cfg.train, cfg.data, cfg.planner)
+    single = plan(cfg.model, graph, cfg.cluster, cfg.train, cfg.data, replace(cfg.planner, replicas=1))
+    assert len(chosen.replicas) >= 2 and not single.replicas
+    assert chosen.prediction.step_time_s < single.prediction.step_time_s
+    ratio = single.prediction.step_time_s / chosen.prediction.step_time_s
+    line = next(v for v in chosen.verdict if "the throughput of the best single pipeline" in v)
+    assert line.startswith(f"{ratio:.3f}x" if ratio < 1.01 else f"{ratio:.2f}x"), line
+    assert f"{single.prediction.step_time_s:.3g} s/step" in line

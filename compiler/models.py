@@ -73,7 +73,7 @@ def read_config_json(pretrained: str) -> dict[str, Any]:
     if not isinstance(cached, str):
         raise ConfigError(
             f"model.pretrained '{pretrained}' is not in the local Hugging Face cache: download it first "
-            f"(huggingface-cli download {pretrained} config.json) or pass a local directory"
+            f"(`hf download {pretrained} config.json`) or pass a local directory"
         )
     return _load(Path(cached))
 

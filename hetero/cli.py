@@ -25,8 +25,8 @@ RUNTIME_COMMANDS = {
 }
 
 _OVERRIDES_HELP = (
-    "Hydra overrides: model=<name> hardware=<fleet> train.<key>=<v> planner.<key>=<v> output=<dir> "
-    "(groups: model, hardware, train, planner)"
+    "Hydra overrides: model=<name> hardware=<fleet> train.<key>=<v> planner.<key>=<v> lora.<key>=<v> "
+    "data.<key>=<v> eval.<key>=<v> profile=<file> output=<dir> (names and defaults below)"
 )
 
 
@@ -44,10 +44,14 @@ def _lazy(module: str, name: str) -> Callable[..., Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and for docs)."""
+    from hetero.config import choices_help
+
     parser = argparse.ArgumentParser(
         prog="hetero",
         description="Declarative pipeline compiler for LoRA/QLoRA fine-tuning across mixed GPUs.",
-        epilog="example: hetero compile model=llama8b hardware=homelab output=plans/llama8b",
+        epilog=f"{choices_help(commands=False)}\n\nexample: hetero compile model=llama8b hardware=homelab "
+               "output=plans/llama8b\n`hetero compile --help` lists every key with its default.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"hetero {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -60,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
 
     with_config(
-        sub.add_parser("compile", help="trace the model, place it on the fleet, write plan.json + artifacts")
+        sub.add_parser("compile", help="trace the model, place it on the fleet, write plan.json + artifacts",
+                       epilog=choices_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     )
     with_config(sub.add_parser("inspect", help="trace the model and print its LayerGraph (no planning)"))
     show = sub.add_parser("show", help="print a compiled plan: stages, memory, baselines, verdict, schedule")
@@ -69,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--width", type=int, default=72, help="Gantt width in characters (default 72)")
     with_config(sub.add_parser(
         "profile", help="measure every device and link of a fleet for a model: hetero profile hardware=F model=M "
-        "[output=profile.json]"))
+        "[output=profile.json]", epilog=choices_help(commands=False),
+        formatter_class=argparse.RawDescriptionHelpFormatter))
     sim = sub.add_parser("simulate", help="predicted schedule of a plan: Gantt, bubble, utilization, memory, what-ifs")
     sim.add_argument("plan", type=Path, help="path to plan.json")
     sim.add_argument("--width", type=int, default=72, help="Gantt width in characters (default 72)")

@@ -84,6 +84,55 @@ def available_options(group: str, config_dir: str | Path | None = None) -> list[
     return sorted(names)
 
 
+def _yaml_file(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _defaults_line(values: dict[str, Any], skip: tuple[str, ...] = ()) -> str:
+    def show(v: Any) -> str:
+        if v is None:
+            return "null"
+        if isinstance(v, list):
+            return "[" + ",".join(map(str, v)) + "]"
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    return " ".join(f"{k}={show(v)}" for k, v in values.items() if k not in skip and not isinstance(v, dict))
+
+
+def choices_help(commands: bool = True) -> str:
+    """What `hetero compile --help` lists: the shipped models and fleets, where your own fleet goes, and
+    each group's main keys with their defaults (read from the bundled conf/, so it cannot drift)."""
+    conf = package_conf_dir()
+    root = _yaml_file(conf / "config.yaml")
+    tiny = _yaml_file(conf / "model" / "tiny.yaml")  # @package _global_: model: and lora: at the top
+    lines = [
+        f"models (model=NAME):     {', '.join(available_options('model'))}  (hf: any hub id or local dir, "
+        "model.pretrained=...)",
+        f"fleets (hardware=NAME):  {', '.join(available_options('hardware'))}  (yours: -cd DIR with "
+        "DIR/hardware/NAME.yaml; docs/fleet.md)",
+    ]
+    if not commands:
+        return "\n".join(lines)
+    lines += [
+        "",
+        "keys, with their defaults (key=value on the command line):",
+        f"  train.*    {_defaults_line(_yaml_file(conf / 'train' / 'default.yaml'))}",
+        f"  planner.*  {_defaults_line(_yaml_file(conf / 'planner' / 'default.yaml'))}",
+        f"  model.*    {_defaults_line(tiny.get('model') or {}, skip=('name',))}  (model=tiny's; each model "
+        "file sets its own)",
+        f"  lora.*     {_defaults_line(tiny.get('lora') or {})}",
+        f"  data.*     {_defaults_line(root.get('data') or {})}  (docs/quickstart.md: formats)",
+        f"  eval.*     {_defaults_line(root.get('eval') or {})}  (docs/running.md)",
+        f"  profile={root.get('profile') or 'null'} (a `hetero profile` file)  security={root.get('security')} "
+        f"(auto|curve|token|none)  output={root.get('output')}",
+    ]
+    return "\n".join(lines)
+
+
 def compose_raw(overrides: list[str], config_dir: str | Path | None = None) -> dict[str, Any]:
     """Compose conf/config.yaml with ``overrides`` and return the resolved plain dict."""
     from hydra import compose, initialize_config_dir
@@ -282,6 +331,10 @@ def _model_spec(model: Any, lora: Any) -> ModelSpec:
     if "model_type" not in spec.architecture:
         raise ConfigError("model.architecture has no model_type (it must be an HF config.json as a mapping)")
     _check_architecture(spec.architecture)
+    positions = spec.architecture.get("max_position_embeddings")
+    if isinstance(positions, int) and not isinstance(positions, bool) and 0 < positions < spec.seq_len:
+        raise ConfigError(f"model.seq_len={spec.seq_len} is longer than the model's max_position_embeddings="
+                          f"{positions} (its config.json): set model.seq_len={positions} or less")
     spec.lora = _convert(LoraSpec, lora, "lora")
     return spec
 

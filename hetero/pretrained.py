@@ -64,6 +64,16 @@ def resolve_dir(model: ModelSpec) -> Path:
     return _hub_cache_dir(source)
 
 
+def adapter_base(model: ModelSpec) -> str:
+    """An adapter's ``base_model_name_or_path``: a hub id as given, else the real local directory (the
+    bundled tiny model's cache directory included), so that ``AutoPeftModelForCausalLM.from_pretrained``
+    on the adapter finds its base model."""
+    source = model.pretrained or model.name
+    if source != TINY and not Path(source).expanduser().is_dir():
+        return source  # a hub id: every Hugging Face tool resolves it
+    return str(resolve_dir(model))
+
+
 def _hub_cache_dir(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
@@ -72,7 +82,7 @@ def _hub_cache_dir(repo_id: str) -> Path:
     except Exception as exc:  # LocalEntryNotFoundError, bad repo id, offline-mode errors: all mean "not here"
         raise ConfigError(
             f"model.pretrained '{repo_id}' is not in the local Hugging Face cache: download it first "
-            f"(huggingface-cli download {repo_id}) or pass a local directory ({type(exc).__name__})"
+            f"(`hf download {repo_id}`) or pass a local directory ({type(exc).__name__})"
         ) from None
     if not (snapshot / "config.json").is_file():
         raise ConfigError(f"model.pretrained '{repo_id}': cached snapshot {snapshot} has no config.json")

@@ -515,9 +515,10 @@ class Coordinator:
         write_run_file(self.run_dir, "metrics.jsonl", "".join(f"{line}\n" for line in kept))
 
     def _save_adapter(self, state: dict[str, torch.Tensor]) -> None:
+        from hetero.pretrained import adapter_base
         from hetero.runtime.adapter import save_adapter
 
-        base = self.plan.model.pretrained or self.plan.model.name
+        base = adapter_base(self.plan.model)  # a directory AutoPeftModelForCausalLM can load, or a hub id
         save_adapter({k: v.clone() for k, v in state.items()}, self.plan.model.lora, base, self.run_dir / "adapter")
 
 

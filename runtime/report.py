@@ -52,12 +52,19 @@ def print_report(report: dict[str, Any]) -> None:
     def fmt(x: float | None, unit: str = "s") -> str:
         return "-" if x is None else f"{x:.3f} {unit}".strip()
 
-    console = Console()
+    def rate(x: float | None) -> str:
+        return "-" if x is None else f"{x:,.0f}"
+
+    import sys
+
+    # The compile summary's width policy: the terminal's width, 140 columns when piped.
+    console = Console(width=None if sys.stdout.isatty() else 140)
     console.print(f"[bold]run[/bold] {report['run_dir']}: {report['steps']} steps, loss "
-                  f"{fmt(report['first_loss'], '')} -> {fmt(report['final_loss'], '')}")
+                  f"{fmt(report['first_loss'], '')} -> {fmt(report['final_loss'], '')}", highlight=False)
     console.print(f"step time: measured {fmt(report['measured_step_time_s'])} (median), predicted "
                   f"{fmt(report['predicted_step_time_s'])}; tokens/s measured "
-                  f"{fmt(report['measured_tokens_per_s'], '')} vs predicted {fmt(report['predicted_tokens_per_s'], '')}")
+                  f"{rate(report['measured_tokens_per_s'])} vs predicted {rate(report['predicted_tokens_per_s'])}",
+                  highlight=False)
     table = Table("stage", "host", "device", "busy measured", "busy predicted", "busy share", "build")
     for s in report["stages"]:
         share = s["measured_busy_fraction"]

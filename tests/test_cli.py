@@ -221,3 +221,17 @@ def test_compile_too_big_for_the_fleet_is_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and lines[0].startswith("hetero: error: "), result.stderr
     assert "GB" in lines[0]  # the infeasibility message gives the numbers
     assert not (tmp_path / "out" / "plan.json").exists()
+
+
+def test_compile_help_lists_models_fleets_and_keys_with_defaults() -> None:
+    out = subprocess.run([sys.executable, "-m", "hetero.cli", "compile", "--help"], capture_output=True, text=True,
+                         timeout=60).stdout
+    for name in ("llama8b", "llama70b", "tiny", "hf", "homelab", "mining_rig", "mixed_fleet", "local"):
+        assert name in out, name
+    for key in ("train.*", "micro_batch_size=4", "planner.*", "recompute=auto", "replicas=null", "lora.*", "r=8",
+                "data.*", "format=alpaca", "eval.*", "every=0", "profile=null", "seq_len=128",
+                "DIR/hardware/NAME.yaml"):
+        assert key in out, key
+    top = subprocess.run([sys.executable, "-m", "hetero.cli", "--help"], capture_output=True, text=True,
+                         timeout=60).stdout
+    assert "mining_rig" in top and "llama8b" in top and "hetero compile --help" in top

@@ -308,3 +308,10 @@ def test_wheel_ships_conf_and_hardware_specs(tmp_path: Path) -> None:
     for required in ("hetero/conf/config.yaml", "hetero/conf/model/llama8b.yaml", "hetero/conf/hardware/homelab.yaml",
                      "hetero/hardware_specs/rtx5090.yaml", "hetero/hardware_specs/strix_halo.yaml"):  # fmt: skip
         assert required in names
+
+
+def test_seq_len_past_the_models_positions_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"model.seq_len=512 is longer than the model's max_position_embeddings=256 "
+                                          r"\(its config.json\): set model.seq_len=256 or less"):
+        config_mod.load(["model=tiny", "model.seq_len=512"])
+    assert load(["model=tiny", "model.seq_len=256"]).model.seq_len == 256

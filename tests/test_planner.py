@@ -151,7 +151,8 @@ def test_plan_is_never_slower_than_a_baseline_it_lists() -> None:
     adopted = 0
     for model, fleet in (("llama8b", "homelab"), ("llama8b", "mixed_fleet"), ("llama70b", "mining_rig"),
                          ("llama70b", None)):
-        cfg = config_mod.load([f"model={model}", "model.quantization=nf4", f"hardware={fleet or 'mining_rig'}"])
+        cfg = config_mod.load([f"model={model}", "model.quantization=nf4", f"hardware={fleet or 'mining_rig'}",
+                               "planner.time_limit_s=10"])
         cluster = cfg.cluster if fleet else build_cluster(four_by_four, load_device_types())
         p = make_plan(cfg.model, trace(cfg.model), cluster, cfg.train, cfg.data, cfg.planner)
         for b in p.baselines:

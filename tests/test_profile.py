@@ -334,7 +334,8 @@ def test_stage_overheads_come_from_the_profile_or_the_roofline(tiny_spec: ModelS
 
 
 def test_profile_compile_run_predicts_the_step(tmp_path: Path, capsys) -> None:
-    """The whole loop on this machine: profile hardware=local, compile with it, run, compare.
+    """The whole loop on this machine: profile hardware=local, compile with it, run, compare; the demo
+    model's adapter then loads with AutoPeftModelForCausalLM.
 
     The bound is loose on purpose: this machine's speed drifts by +-25% within a minute (the
     same stage step takes 25-43 ms), so one profile and one run can disagree by that much; the
@@ -359,3 +360,7 @@ def test_profile_compile_run_predicts_the_step(tmp_path: Path, capsys) -> None:
     capsys.readouterr()
     assert main(["simulate", str(out / "plan.json"), "--no-replan", "--run", str(run)]) == 0
     assert "measured/replayed" in capsys.readouterr().out
+    # The demo model (bundled: no hub id): its adapter loads with AutoPeftModelForCausalLM and generates.
+    from test_adapter import check_loads_with_auto_peft
+
+    check_loads_with_auto_peft(run / "adapter")

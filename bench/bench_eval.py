@@ -17,12 +17,11 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench_replicas import hetero
 from bench_runtime import LR, MICRO_BATCH, NUM_MICRO, SEQ_LEN, W1_ARCH, free_ports, median_tail, prepare
 
 FLEET = """\
@@ -35,12 +34,6 @@ hosts:
       - {{type: cpu, count: 2, threads: 1}}
 """
 EVAL_BATCHES = 8
-
-
-def hetero(*args: str, cwd: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "hetero.cli", *args], capture_output=True, text=True, cwd=cwd)
-    if proc.returncode != 0:
-        sys.exit(f"hetero {' '.join(args[:2])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
 
 
 def run(plan: Path, run_dir: Path, steps: int, cwd: Path, extra: list[str]) -> tuple[float, list[dict[str, Any]]]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import shlex
 import signal
 import sys
@@ -49,7 +48,7 @@ from hetero.runtime.control import (
     is_timeout,
 )
 from hetero.runtime.executor import COORDINATOR, stage_name
-from hetero.runtime.processes import exit_cause, is_stopped, spawn_stages, stop_processes
+from hetero.runtime.processes import exit_cause, is_stopped, last_error_line, spawn_stages, stop_processes
 from hetero.runtime.rundir import append_run_line, write_run_file
 from hetero.runtime.worker import coordinator_endpoint, payload_due
 from hetero.serde import to_dict
@@ -257,7 +256,7 @@ class Coordinator:
             code = p.poll()
             if code is not None and code != 0:
                 cause = exit_cause(code)
-                if code > 0 and (line := _last_error_line(self.run_dir / "logs" / f"stage{k}.log")):
+                if code > 0 and (line := last_error_line(self.run_dir / "logs" / f"stage{k}.log")):
                     cause += f": {line}"
                 raise StageFailedError(self._failure_line(k, "exited", cause))
 
@@ -548,20 +547,6 @@ def sum_replica_grads(plan: Plan, grads: dict[int, dict[str, torch.Tensor]], ste
             raise StageFailedError(f"step {step}: replica {r} sent no gradient for {missing[0]}: the hosts run "
                                    "different plans or models")
     return totals
-
-
-def _last_error_line(log: Path) -> str | None:
-    """What a stage that exited with an error said: its 'hetero: error' line, else a Python exception line."""
-    try:
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return None
-    for line in reversed(lines):
-        if "hetero: error:" in line:
-            return re.sub(r"^stage \d+: ", "", line.split("hetero: error:", 1)[1].strip())[:300]
-    if lines and re.match(r"[\w.]+(Error|Exception|Interrupt)\b", lines[-1]):
-        return lines[-1][:300]  # an uncaught exception's last traceback line
-    return None
 
 
 class _Progress:

@@ -193,10 +193,12 @@ class EvalClient:
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the evaluator has built its model; a one-line HeteroError when it cannot."""
+        from hetero.runtime.processes import last_error_line
+
         deadline = time.monotonic() + timeout_s
         while not self.ready.wait(timeout=0.2):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                why = _last_error(self.log) or (f"exit code {self.proc.returncode}" if self.proc.returncode is not None
+                why = last_error_line(self.log) or (f"exit code {self.proc.returncode}" if self.proc.returncode is not None
                                                 else f"not ready within {timeout_s:g} s")
                 raise HeteroError(f"the evaluator on {self.device} did not start: {why} (log: {self.log})")
 
@@ -267,18 +269,6 @@ class EvalClient:
         except Exception:
             self.proc.kill()
             self.proc.wait()
-
-
-def _last_error(log: Path) -> str | None:
-    """The evaluator's 'hetero: error' line, or the last line of a traceback."""
-    try:
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return None
-    for line in reversed(lines):
-        if "hetero: error:" in line:
-            return line.split("hetero: error:", 1)[1].strip()
-    return lines[-1][:300] if lines else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -111,3 +112,18 @@ def supervise(procs: dict[int, subprocess.Popen], poll_s: float = 0.5) -> dict[i
         if len(codes) < len(procs):
             time.sleep(poll_s)
     return codes
+
+
+def last_error_line(log: Path) -> str | None:
+    """What a process of the run (a stage, the evaluator) that exited with an error said: its
+    'hetero: error' line without the process's name, else an uncaught exception's last line."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if "hetero: error:" in line:
+            return re.sub(r"^(stage \d+|evaluator): ", "", line.split("hetero: error:", 1)[1].strip())[:300]
+    if lines and re.match(r"[\w.]+(Error|Exception|Interrupt)\b", lines[-1]):
+        return lines[-1][:300]  # an uncaught exception's last traceback line
+    return None

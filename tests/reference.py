@@ -109,3 +109,26 @@ def make_init_adapter(model_dir: Path, lora: LoraSpec, out_dir: Path, seed: int)
     out_dir = Path(out_dir)
     model.save_pretrained(str(out_dir))  # peft's own writer, independent of hetero.runtime.adapter
     return out_dir
+
+
+def reference_run(model_dir: Path, root: Path, train: TrainSpec, seq_len: int) -> dict:
+    """A fresh adapter (non-zero lora_B, r=4, dropout 0) and the reference's losses and final LoRA state
+    over ``train.steps`` steps of the demo data: what the runtime equivalence tests compare against.
+    ``lora`` in the result starts from that adapter (``init_from``)."""
+    from dataclasses import replace
+
+    from hetero.specs import DataSpec
+
+    lora = LoraSpec(r=4, alpha=8.0, dropout=0.0)
+    adapter = make_init_adapter(model_dir, lora, root / "init_adapter", seed=7)
+    batches = StepBatches(DataSpec(), model_dir, seq_len, train.micro_batch_size, train.num_micro_batches,
+                          train.seed, train.shuffle)
+    losses, state = train_reference(model_dir, lora, adapter, batches, train, train.steps)
+    return {"root": root, "lora": replace(lora, init_from=str(adapter)), "losses": losses, "state": state}
+
+
+def assert_close_to_scale(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
+    """|got - want| <= rtol x the largest |want| (a tensor-scale bound: AdamW lifts rounding on tiny entries)."""
+    scale = want.abs().max().item()
+    err = (got - want).abs().max().item()
+    assert err <= rtol * max(scale, 1e-12), f"{name}: max abs error {err:.3g} vs scale {scale:.3g}"

@@ -10,20 +10,18 @@ checkpoint, in whole-model keys, resumes on a one-replica plan and continues the
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from reference import make_init_adapter, train_reference
+from reference import assert_close_to_scale, reference_run
 from test_runtime_plans import make_plan
 
 from hetero.errors import PlanError
 from hetero.plan import Plan
 from hetero.runtime.adapter import load_adapter_state
 from hetero.runtime.cli import main_run
-from hetero.runtime.data import StepBatches
-from hetero.specs import DataSpec, LoraSpec, ModelSpec, TrainSpec
+from hetero.specs import ModelSpec, TrainSpec
 
 pytestmark = pytest.mark.slow
 
@@ -35,19 +33,12 @@ RTOL = 1e-4
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("replicas")
-    lora = LoraSpec(r=4, alpha=8.0, dropout=0.0)
-    adapter = make_init_adapter(tiny_model_dir, lora, root / "init_adapter", seed=7)
-    batches = StepBatches(DataSpec(), tiny_model_dir, SEQ_LEN, TRAIN.micro_batch_size, TRAIN.num_micro_batches,
-                          TRAIN.seed, TRAIN.shuffle)
-    losses, state = train_reference(tiny_model_dir, lora, adapter, batches, TRAIN, TRAIN.steps)
-    return {"root": root, "lora": replace(lora, init_from=str(adapter)), "losses": losses, "state": state}
+    """The initial adapter and the reference run, computed once for the module."""
+    return reference_run(tiny_model_dir, tmp_path_factory.mktemp("replicas"), TRAIN, SEQ_LEN)
 
 
 def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    scale = want.abs().max().item()
-    err = (got - want).abs().max().item()
-    assert err <= RTOL * max(scale, 1e-12), f"{name}: max abs error {err:.3g} vs scale {scale:.3g}"
+    assert_close_to_scale(name, got, want, RTOL)
 
 
 def _metrics(run_dir: Path) -> list[dict]:

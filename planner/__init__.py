@@ -131,16 +131,19 @@ def _simulated_best(table: CostTable, ev: Evaluation, prediction: Prediction,
 
 
 def predict_replicas(table: CostTable, evaluations: list[Evaluation], shares: list[int], reduce_s: float,
-                     ) -> Prediction:
+                     ) -> tuple[Prediction, list[float]]:
     """The simulator's prediction of data x pipeline replicas: each replica with its own share, then
-    the optimizer step's barrier with the gradient reduction (simulator.combine_replicas)."""
+    the optimizer step's barrier with the gradient reduction (simulator.combine_replicas); and each
+    replica's own simulated step (before the reduction)."""
     timelines = [predict(subtable(table, m), ev)[1] for ev, m in zip(evaluations, shares, strict=True)]
     timeline = combine_replicas(timelines, reduce_s)
     tokens = table.tokens * table.num_micro_batches
     step = timeline.step_time_s
-    return Prediction(step_time_s=step, tokens_per_step=tokens, tokens_per_s=tokens / step if step > 0 else 0.0,
-                      bubble_fraction=timeline.bubble_fraction, stage_busy=timeline.busy_fraction,
-                      stage_memory_gb=[mem.total_gb for ev in evaluations for mem in ev.memory], reduce_s=reduce_s)
+    prediction = Prediction(step_time_s=step, tokens_per_step=tokens, tokens_per_s=tokens / step if step > 0 else 0.0,
+                            bubble_fraction=timeline.bubble_fraction, stage_busy=timeline.busy_fraction,
+                            stage_memory_gb=[mem.total_gb for ev in evaluations for mem in ev.memory],
+                            reduce_s=reduce_s)
+    return prediction, [t.step_time_s for t in timelines]
 
 
 # Of planner.time_limit_s, the unforced replica search (and the two-replica comparison) may use this share.
@@ -153,7 +156,7 @@ def _ratio(x: float) -> str:
 
 
 def _replicas(table: CostTable, options: PlannerOptions, single: Prediction, single_solver: SolverReport,
-              ) -> tuple[list[tuple[Evaluation, int]] | None, Prediction, SolverReport, list[str]]:
+              ) -> tuple[list[tuple[Evaluation, int, float]] | None, Prediction, SolverReport, list[str]]:
     """Data x pipeline replicas when they simulate faster than the one pipeline (or planner.replicas asks
     for them): the replicas with their shares (None: keep the one pipeline), the prediction, the solver
     report and the verdict lines (which also say what the best replicas would have given)."""
@@ -175,7 +178,7 @@ def _replicas(table: CostTable, options: PlannerOptions, single: Prediction, sin
         pair = solve_replicas(table, spare, num_replicas=2, num_stages=options.num_stages)
         if pair is None or pair.num_replicas != 2:
             return None, single, single_solver, ["Two data-parallel replicas do not fit (each holds the whole model)."]
-        pred = predict_replicas(table, pair.evaluations, pair.shares, pair.reduce_s)
+        pred, own = predict_replicas(table, pair.evaluations, pair.shares, pair.reduce_s)
         if pred.step_time_s >= single.step_time_s:
             return None, single, single_solver, [
                 f"One pipeline is faster than data-parallel replicas: the best two replicas (shares "
@@ -184,7 +187,7 @@ def _replicas(table: CostTable, options: PlannerOptions, single: Prediction, sin
                 f"({pair.reduce_s:.3g} s of it summing their gradients)."]
         # The closed form ranked one pipeline first, the simulator (whose numbers the plan reports) the
         # replicas: the plan never advises the slower of two placements it names.
-        return _replica_choice(table, pair, prediction=pred, single=single, report=single_solver, why=(
+        return _replica_choice(table, pair, pred, own, single, single_solver, why=(
             f"The solver's closed form ranks one pipeline first ({pair.single.step_time_s if pair.single else 0:.3g} "
             f"vs {pair.step_time_s:.3g} s/step for two replicas); simulated, two replicas are faster and are "
             "planned."))
@@ -194,7 +197,7 @@ def _replicas(table: CostTable, options: PlannerOptions, single: Prediction, sin
             f"Data-parallel replicas were searched for {budget:.3g} s without proving whether any beat one "
             f"pipeline ({solution.message if solution else ''}); raise planner.time_limit_s to settle it."
         ] if unproven else []
-    prediction = predict_replicas(table, solution.evaluations, solution.shares, solution.reduce_s)
+    prediction, own = predict_replicas(table, solution.evaluations, solution.shares, solution.reduce_s)
     if forced is None and prediction.step_time_s >= single.step_time_s:
         return None, single, single_solver, [
             f"Replicas ({solution.num_replicas}, shares {'+'.join(map(str, solution.shares))}) win by the closed "
@@ -205,20 +208,20 @@ def _replicas(table: CostTable, options: PlannerOptions, single: Prediction, sin
                           solution.proven_optimal, 0.0 if solution.proven_optimal else None, solution.step_time_s,
                           single_solver.solve_time_s + time.perf_counter() - t0, options.time_limit_s,
                           message=solution.message)
-    return _replica_choice(table, solution, prediction, single, report)
+    return _replica_choice(table, solution, prediction, own, single, report)
 
 
-def _replica_choice(table: CostTable, solution: ReplicaSolution, prediction: Prediction, single: Prediction,
-                    report: SolverReport, why: str = "",
-                    ) -> tuple[list[tuple[Evaluation, int]], Prediction, SolverReport, list[str]]:
-    """The replicas as (evaluation, share) pairs with their prediction, report and verdict lines."""
+def _replica_choice(table: CostTable, solution: ReplicaSolution, prediction: Prediction, own: list[float],
+                    single: Prediction, report: SolverReport, why: str = "",
+                    ) -> tuple[list[tuple[Evaluation, int, float]], Prediction, SolverReport, list[str]]:
+    """The replicas as (evaluation, share, own simulated step) with their prediction, report and verdict lines."""
     parts = [f"replica {r}: {len(ev.placement.devices)} stage(s), {m} of {table.num_micro_batches} micro-batches"
              for r, (ev, m) in enumerate(zip(solution.evaluations, solution.shares, strict=True))]
     note = [f"{solution.num_replicas} data-parallel pipeline replicas ({'; '.join(parts)}); their LoRA gradients "
             f"are summed at every step ({solution.reduce_s:.3g} s).",
             f"{_ratio(single.step_time_s / prediction.step_time_s)} the throughput of the best single pipeline "
             f"({single.step_time_s:.3g} s/step vs {prediction.step_time_s:.3g} s)."]
-    return list(zip(solution.evaluations, solution.shares, strict=True)), prediction, report, note + (
+    return list(zip(solution.evaluations, solution.shares, own, strict=True)), prediction, report, note + (
         [why] if why else [])
 
 
@@ -265,7 +268,7 @@ def plan(
     auto = options.split is None and options.devices is None
     if auto:
         ev, prediction, adopted = _simulated_best(table, ev, prediction, pairs, options.num_stages)
-    chosen: list[tuple[Evaluation, int]] = [(ev, train.num_micro_batches)]
+    chosen: list[tuple[Evaluation, int, float]] = [(ev, train.num_micro_batches, prediction.step_time_s)]
     replica_note: list[str] = []
     if auto and options.replicas != 1 and (options.num_stages is None or options.replicas is not None):
         picked, prediction, solver, replica_note = _replicas(table, options, prediction, solver)
@@ -273,7 +276,7 @@ def plan(
             chosen, adopted = picked, ""
     stages: list[StagePlan] = []
     replicas: list[ReplicaPlan] = []
-    for rep_ev, share in chosen:
+    for rep_ev, share, own_step in chosen:
         programs = programs_for(train.schedule, len(rep_ev.placement.devices), share)
         first_stage = len(stages)
         for pos, (d, (first, last)) in enumerate(zip(rep_ev.placement.devices, rep_ev.placement.spans, strict=True)):
@@ -294,10 +297,7 @@ def plan(
                 recompute_time_s=rep_ev.recompute_s[pos] if rep_ev.recompute_s else 0.0,
             ))
         replicas.append(ReplicaPlan(list(range(first_stage, len(stages))), share,
-                                    sum(m for _, m in chosen[:len(replicas)]), rep_ev.step_time_s))
-    if len(replicas) > 1:
-        for rep, (rep_ev, share) in zip(replicas, chosen, strict=True):
-            rep.step_time_s = predict(subtable(table, share), rep_ev)[0].step_time_s
+                                    sum(m for _, m, _ in chosen[:len(replicas)]), own_step))
     base = [b for b, _ in pairs]
     verdict = _verdict(prediction, stages, base, solver) + replica_note + ([adopted] if adopted else [])
     result_plan = Plan(

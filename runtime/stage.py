@@ -95,7 +95,6 @@ class Stage:
     """A built stage: the pruned CausalLM (LoRA injected) and how to run it forward."""
 
     index: int
-    num_stages: int
     device: torch.device
     dtype: torch.dtype
     layout: StageLayout
@@ -340,7 +339,7 @@ def build_stage(plan: Plan, k: int, device: torch.device, *, seed: int | None = 
         peft_model.to(device)
         peft_model.train()
         share_lora_inputs(peft_model)
-    stage = Stage(k, len(plan.stages), device, dtype, layout, model, peft_model, sp.quantization,
+    stage = Stage(k, device, dtype, layout, model, peft_model, sp.quantization,
                   recompute_indices(plan, k, layout))
     if lora.init_from:
         from hetero.runtime.adapter import load_adapter_state

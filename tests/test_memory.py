@@ -46,7 +46,7 @@ def build(arch: dict, dtype: str, quant: str, layers: int, recompute: bool, shar
     peft.train()
     if share:
         share_lora_inputs(peft)
-    return Stage(1, 3, torch.device("cpu"), DTYPES[dtype], StageLayout(False, list(range(layers)), False, False),
+    return Stage(1, torch.device("cpu"), DTYPES[dtype], StageLayout(False, list(range(layers)), False, False),
                  model, peft, quant, frozenset(range(layers)) if recompute else frozenset())
 
 

@@ -1,24 +1,41 @@
-"""compiler.pictures: what a person reads off placement.png and schedule.png is there and right."""
+"""compiler.pictures: what a person reads off placement.png, schedule.png and simulate.png is there and right."""
 
 from __future__ import annotations
 
+import colorsys
+from dataclasses import replace
+
 import matplotlib.pyplot as plt
 import pytest
-from matplotlib.colors import to_hex
-from matplotlib.patches import Rectangle
+from matplotlib.colors import to_hex, to_rgb
+from matplotlib.patches import FancyBboxPatch, Rectangle
 from test_emit import tiny_plan
 
 from hetero.compiler.pictures import (
     BACKWARD_COLOUR,
     FORWARD_COLOUR,
+    MEMORY_PARTS,
+    STAGE_PALETTE,
+    STEP_COLOUR,
+    WARNING_COLOUR,
+    WARNING_TINT,
+    crowded_stages,
     draw_placement,
     draw_schedule,
+    draw_simulation,
+    memory_axis_limits,
     placement_figure,
+    schedule_blocks,
     schedule_figure,
+    simulation_figure,
     span_label,
+    stage_colour,
 )
 from hetero.hardware import build_cluster
-from hetero.planner.simulator import Event, Timeline
+from hetero.plan import ReplicaPlan
+from hetero.planner.simulator import Event, Timeline, combine_replicas, simulate, simulate_plan
+from hetero.planner.whatif import memory_over_time
+from hetero.program import parse_program
 
 
 def _texts(fig) -> str:
@@ -92,5 +109,136 @@ def test_draw_functions_write_pngs(tmp_path):
     plan = tiny_plan()  # the real simulator's timeline this time
     placement = draw_placement(plan, tmp_path / "placement.png")
     schedule = draw_schedule(plan, tmp_path / "schedule.png")
-    for path in (placement, schedule):
+    timeline = simulate_plan(plan)
+    simulated = draw_simulation(plan, timeline, memory_over_time(plan, timeline), tmp_path / "sub" / "simulate.png")
+    assert simulated == tmp_path / "sub" / "simulate.png"
+    for path in (placement, schedule, simulated):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
+
+
+def _distance(a: str, b: str) -> float:
+    return sum((x - y) ** 2 for x, y in zip(to_rgb(a), to_rgb(b), strict=True)) ** 0.5
+
+
+def test_memory_parts_have_their_own_palette_and_legend(plan):
+    """Greys with distinct hatches for memory, hues for stages, red for warnings: no colour means two things."""
+    for part in MEMORY_PARTS:
+        r, g, b = to_rgb(part.colour)
+        assert r == g == b, f"{part.label} is not a neutral grey"
+        assert part.colour.lower() not in {c.lower() for c in STAGE_PALETTE}
+    assert len({p.colour for p in MEMORY_PARTS}) == len({p.hatch for p in MEMORY_PARTS}) == len(MEMORY_PARTS)
+    for colour in STAGE_PALETTE:
+        assert colorsys.rgb_to_hsv(*to_rgb(colour))[1] > 0.4  # a hue, never a grey
+        assert _distance(colour, WARNING_COLOUR) > 0.3  # red is kept for warnings
+    assert {stage_colour(k) for k in range(len(STAGE_PALETTE))} == set(STAGE_PALETTE)
+    fig = placement_figure(plan)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    plt.close(fig)
+    assert legend[0] == "memory: weights" and [p.label for p in MEMORY_PARTS[1:]] == legend[1:4]
+    assert any("usable capacity" in t for t in legend) and any("90%" in t for t in legend)
+
+
+def _with_memory(plan, shares: list[float]):
+    """The plan with stage k's peak at shares[k] of a 10 GB usable device."""
+    plan.stages = [replace(s, memory=replace(s.memory, total_gb=10.0 * share, available_gb=10.0))
+                   for s, share in zip(plan.stages, shares, strict=True)]
+    return plan
+
+
+def test_devices_past_90_percent_of_memory_stand_out(plan):
+    _with_memory(plan, [0.9, 0.96, 0.5])  # exactly 90% is not past the line
+    assert crowded_stages(plan) == [1]
+    fig = placement_figure(plan)
+    ax = fig.axes[0]
+    tinted = [p for p in ax.patches if isinstance(p, FancyBboxPatch) and to_hex(p.get_facecolor()) == WARNING_TINT.lower()]
+    assert len(tinted) == 1
+    share_labels = {t.get_text(): to_hex(t.get_color()) for t in ax.texts if t.get_text().endswith("%")}
+    assert share_labels == {"90%": "#333333", "96%": WARNING_COLOUR.lower(), "50%": "#333333"}
+    assert "stage 1 above 90% of usable memory" in _texts(fig)
+    # Every bar (white, full width = the 10 GB usable) marks its capacity at its right end (solid) and
+    # 9 GB into it the 90% line (dashed red); the crowded bar has a red outline.
+    bars = [p for p in ax.patches if type(p) is Rectangle and to_hex(p.get_facecolor()) == "#ffffff"]
+    assert len(bars) == 3
+    assert sorted(to_hex(b.get_edgecolor()) for b in bars).count(WARNING_COLOUR.lower()) == 1
+    for colour, share in (("#222222", 1.0), (WARNING_COLOUR.lower(), 0.9)):
+        marks = [line for line in ax.lines if to_hex(line.get_color()) == colour]
+        assert len(marks) == 3
+        for bar in bars:
+            inside = [m for m in marks if bar.get_y() < sum(m.get_ydata()) / 2 < bar.get_y() + bar.get_height()
+                      and bar.get_x() <= m.get_xdata()[0] <= bar.get_x() + bar.get_width() + 1e-9]
+            assert len(inside) == 1
+            assert inside[0].get_xdata()[0] == pytest.approx(bar.get_x() + share * bar.get_width())
+    plt.close(fig)
+    assert crowded_stages(_with_memory(tiny_plan(), [0.5, 0.5, 0.5])) == []
+
+
+def test_step_blocks_follow_the_barrier_and_end_the_step(plan):
+    """Each stage's STEP starts at the barrier (the last stage to finish its backwards) and lasts its
+    gradient-norm round trip plus optimizer step; the latest one ends at the step time."""
+    timeline = simulate_plan(plan)
+    blocks = schedule_blocks(timeline)
+    steps = {b.stage: b for b in blocks if b.kind == "STEP"}
+    assert sorted(steps) == [s.index for s in plan.stages]
+    last_backward = max(b.end_s for b in blocks if b.kind == "B")
+    for s in plan.stages:
+        step = steps[s.index]
+        assert step.duration_s == pytest.approx(s.step_sync_s + s.overhead_s["STEP"])
+        assert step.start_s >= last_backward and step.label == "STEP"
+    assert len({round(b.start_s, 12) for b in steps.values()}) == 1
+    assert max(b.end_s for b in steps.values()) == pytest.approx(timeline.step_time_s)
+    assert [b.label for b in blocks if b.stage == 0 and b.kind == "F"] == ["F0", "F1", "F2", "F3"]
+
+    fig = schedule_figure(plan, timeline)
+    ax = fig.axes[0]
+    step_boxes = [p for p in ax.patches if to_hex(p.get_facecolor()) == STEP_COLOUR.lower()]
+    assert sorted(round(p.get_x() + p.get_width(), 9) for p in step_boxes) == sorted(
+        round(b.end_s, 9) for b in steps.values())
+    assert sum(t.get_text().startswith("STEP") for t in ax.texts) == len(plan.stages)
+    assert any(t.get_text() == "STEP: gradient-norm sync + optimizer" for t in ax.get_legend().get_texts())
+    plt.close(fig)
+
+
+def test_replicas_sum_gradients_before_a_zero_length_step(plan):
+    """Two one-stage replicas without overheads: a reduce block before the barrier, then a STEP of
+    zero seconds that is still drawn (a thin marker named 'STEP 0 s')."""
+    program = parse_program(["F0", "B0", "F1", "B1", "STEP"])
+    fast = simulate([program], [0.1], [0.2], [0.0])
+    slow = simulate([program], [0.2], [0.3], [0.0])
+    timeline = combine_replicas([fast, slow], reduce_s=0.25)
+    blocks = schedule_blocks(timeline, reduce_s=0.25)
+    reduce = [b for b in blocks if b.kind == "reduce"]
+    steps = [b for b in blocks if b.kind == "STEP"]
+    assert [(b.stage, b.start_s, b.duration_s) for b in reduce] == [(0, 1.0, 0.25), (1, 1.0, 0.25)]
+    assert [(b.stage, b.start_s, b.duration_s) for b in steps] == [(0, 1.25, 0.0), (1, 1.25, 0.0)]
+    assert timeline.step_time_s == pytest.approx(1.25)
+
+    plan.stages = plan.stages[:2]
+    plan.prediction.reduce_s = 0.25
+    plan.replicas = [ReplicaPlan([0], 2, 0), ReplicaPlan([1], 2, 2)]
+    fig = schedule_figure(plan, timeline)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.texts].count("STEP 0 s") == 2
+    markers = [p for p in ax.patches if to_hex(p.get_facecolor()) == STEP_COLOUR.lower()]
+    assert len(markers) == 2 and all(p.get_x() + p.get_width() == pytest.approx(1.25) for p in markers)
+    assert "sum gradients across replicas" in [t.get_text() for t in ax.get_legend().get_texts()]
+    plt.close(fig)
+
+
+def test_memory_axes_start_at_zero_and_show_capacity(plan):
+    """A 2% swing must look like 2%: the axis runs from 0 past the capacity, which is drawn as a line."""
+    assert memory_axis_limits([(0.0, 20.0), (1.0, 20.4)], 24.0) == (0.0, pytest.approx(24.0 * 1.08))
+    low, high = memory_axis_limits([(0.0, 20.0), (1.0, 30.0)], 24.0)  # over capacity: the peak still shows
+    assert low == 0.0 and high >= 30.0
+    timeline = simulate_plan(plan)
+    memory = memory_over_time(plan, timeline)
+    fig = simulation_figure(plan, timeline, memory)
+    panels = fig.axes[1:]
+    assert len(panels) == len(plan.stages)
+    for ax, stage, points in zip(panels, plan.stages, memory, strict=True):
+        assert ax.get_ylim()[0] == 0.0 and ax.get_ylim()[1] >= max(stage.memory.available_gb, *(g for _, g in points))
+        flat = {round(line.get_ydata()[0], 9) for line in ax.lines if len(set(line.get_ydata())) == 1}
+        assert round(stage.memory.available_gb, 9) in flat and round(0.9 * stage.memory.available_gb, 9) in flat
+        assert f"{stage.memory.available_gb:.1f} GB usable" in ax.get_title(loc="left")
+    gantt_text = [t.get_text() for t in fig.axes[0].texts]
+    assert sum(t.startswith("STEP") for t in gantt_text) == len(plan.stages)
+    plt.close(fig)

@@ -114,7 +114,8 @@ def memory_over_time(plan: Plan, timeline: Timeline) -> list[list[tuple[float, f
     out = []
     for k, sp in enumerate(plan.stages):
         mem = sp.memory
-        planned = max(1, in_flight(plan.train.schedule, len(plan.stages) - 1 - k, plan.train.num_micro_batches))
+        _, rep, pos = plan.replica_of(k)  # in flight within its own pipeline, over its own share of the step
+        planned = max(1, in_flight(plan.train.schedule, len(rep.stages) - 1 - pos, rep.num_micro_batches))
         per_mb = mem.activations_gb / planned
         fixed = mem.total_gb - mem.activations_gb
         level, points = fixed, [(0.0, fixed)]

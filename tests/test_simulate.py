@@ -161,3 +161,16 @@ def test_simulate_compares_a_finished_run(tiny_spec, tiny_graph, tmp_path: Path,
     assert main(["simulate", str(tmp_path / "plan.json"), "--no-replan", "--run", str(run)]) == 2
     assert "ran another plan" in capsys.readouterr().err
     assert main(["simulate", str(tmp_path / "plan.json"), "--no-replan", "--run", str(tmp_path / "none")]) == 2
+
+
+def test_memory_over_time_counts_in_flight_per_replica(tiny_spec, tiny_graph) -> None:
+    """Two replicas of two stages, 8 micro-batches shared: each stage's curve peaks at the planner's peak,
+    counted over its own pipeline and share (not the whole plan's four stages and eight micro-batches)."""
+    train = TrainSpec(micro_batch_size=4, num_micro_batches=8)
+    p = make_plan(tiny_spec, tiny_graph, fleet([1, 1, 1, 1]), train, DataSpec(),
+                  PlannerOptions(time_limit_s=5, replicas=2, num_stages=2))
+    assert len(p.replicas) == 2 and all(len(r.stages) == 2 for r in p.replicas)
+    timeline = simulate_plan(p)
+    curves = memory_over_time(p, timeline)
+    for k, sp in enumerate(p.stages):
+        assert max(gb for _, gb in curves[k]) == pytest.approx(sp.memory.total_gb, rel=1e-6), k

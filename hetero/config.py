@@ -17,6 +17,7 @@ import yaml
 
 from hetero.errors import ConfigError
 from hetero.hardware import build_cluster, load_device_types
+from hetero.hints import COMMAND_LINE
 from hetero.safe_yaml import check_interpolations, check_yaml, yaml_error_message
 from hetero.security import resolve_mode
 from hetero.serde import from_dict, short_repr
@@ -230,6 +231,9 @@ def load(overrides: list[str], config_dir: str | None = None) -> Config:
     if not isinstance(requested, str):
         raise ConfigError(f"security must be one of auto, curve, token, none, got {requested!r}")
     security = resolve_mode(requested, [h.address for h in cluster.hosts])
+    # The command line itself, so every hint built from this config (plan.json's copy) repeats the user's choices.
+    raw[COMMAND_LINE] = {"config_dir": str(Path(config_dir).expanduser().resolve()) if config_dir else None,
+                         "overrides": [str(o) for o in overrides]}
     return Config(
         security=security,
         model=model,

@@ -192,20 +192,24 @@ def _hash(payload: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def check_profile(profile: Profile, cluster: ClusterSpec, model: ModelSpec, where: str = "profile") -> None:
-    """Refuse a profile measured on another fleet or for another model (one line, what to do)."""
+def check_profile(profile: Profile, cluster: ClusterSpec, model: ModelSpec, where: str = "profile",
+                  rerun: str | None = None) -> None:
+    """Refuse a profile measured on another fleet or for another model (one line, what to do).
+
+    ``rerun`` is the `hetero profile` command to suggest (with the user's own overrides); by default one
+    naming only the fleet and the model.
+    """
+    rerun = rerun or f"hetero profile hardware={cluster.name} model={model.name}"
     if profile.fleet_hash != fleet_hash(cluster):
         what = "another fleet" if profile.fleet != cluster.name else "this fleet with other devices/threads"
         raise ProfileError(
             f"{where} was measured on {what} ('{profile.fleet}', {len(profile.devices)} devices) but this "
-            f"compile uses fleet '{cluster.name}' ({len(cluster.devices)} devices): re-run "
-            f"`hetero profile hardware={cluster.name} model={model.name}`"
+            f"compile uses fleet '{cluster.name}' ({len(cluster.devices)} devices): re-run `{rerun}`"
         )
     if profile.model_hash != model_hash(model):
         raise ProfileError(
             f"{where} was measured for model '{profile.model}' with another architecture, dtype, quantization, "
-            f"LoRA or seq_len than '{model.name}' here: re-run `hetero profile hardware={cluster.name} "
-            f"model={model.name}`"
+            f"LoRA or seq_len than '{model.name}' here: re-run `{rerun}`"
         )
 
 

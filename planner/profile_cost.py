@@ -26,9 +26,10 @@ class ProfileCostModel:
         path: str = "",
         cluster: ClusterSpec | None = None,
         model: ModelSpec | None = None,
+        rerun: str | None = None,
     ) -> None:
         if cluster is not None and model is not None:
-            check_profile(profile, cluster, model, path or "profile")
+            check_profile(profile, cluster, model, path or "profile", rerun)
         self.profile = profile
         self.fallback: CostModel = fallback or RooflineCostModel()
         self.path = path

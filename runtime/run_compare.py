@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from hetero.hints import suggest
 from hetero.plan import Plan
 
 OFF_BY = 0.20  # a stage more than 20% off its prediction is flagged
@@ -49,8 +50,11 @@ def compare_run(plan: Plan, metrics: list[dict[str, Any]], stage_timings: list[d
              + (f" ({off:+.0%})" if off is not None else "")
              + (" <- more than 20% off" if off is not None and abs(off) > OFF_BY else "")]
     if off is not None and abs(off) > OFF_BY and "profile" not in plan.cost_sources:
-        lines.append(f"This plan's costs come from datasheets: measure the fleet with `hetero profile "
-                     f"model={plan.model.name} hardware={plan.cluster.name}` and compile with profile=PATH.")
+        fallback = [f"model={plan.model.name}", f"hardware={plan.cluster.name}"]
+        measure = suggest("profile", plan.config, fallback=fallback, add=["output=profile.json"])
+        again = suggest("compile", plan.config, fallback=fallback, drop=("profile",), add=["profile=profile.json"])
+        lines.append(f"This plan's costs come from datasheets: measure the fleet with `{measure}`, then "
+                     f"compile with the measurements: `{again}`.")
     flagged = []
     for k, sp in enumerate(plan.stages):
         m = plan.micro_batches_of(k)  # its replica's share of the step

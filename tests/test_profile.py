@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -245,11 +247,12 @@ def test_profile_cli_refuses_a_foreign_profile(tmp_path: Path, tiny_spec: ModelS
     prof.fleet_hash = "0" * 16
     path = tmp_path / "p.json"
     prof.save(path)
-    with pytest.raises(HeteroError, match="re-run `hetero profile"):
-        from hetero import config as config_mod
-        from hetero.cli import profile_cost_model
+    from hetero import config as config_mod
+    from hetero.cli import profile_cost_model
 
-        profile_cost_model(config_mod.load([f"profile={path}"]))
+    # The re-run hint keeps the user's own overrides, and writes where the refused profile was.
+    with pytest.raises(HeteroError, match=f"re-run `hetero profile hardware=local lora.r=4 output={path}`$"):
+        profile_cost_model(config_mod.load(["hardware=local", "lora.r=4", f"profile={path}"]))
     assert main(["compile", f"profile={path}", f"output={tmp_path / 'out'}"]) == 2
 
 
@@ -333,9 +336,10 @@ def test_stage_overheads_come_from_the_profile_or_the_roofline(tiny_spec: ModelS
     assert cm.sources[f"optimizer {dev.name}"] == "roofline (not measured)"
 
 
-def test_profile_compile_run_predicts_the_step(tmp_path: Path, capsys) -> None:
-    """The whole loop on this machine: profile hardware=local, compile with it, run, compare; the demo
-    model's adapter then loads with AutoPeftModelForCausalLM.
+def test_profile_compile_run_predicts_the_step(tmp_path: Path, capsys, monkeypatch) -> None:
+    """The whole loop on this machine, as a user follows the hints: a datasheet plan's "measure the fleet"
+    hints, run as printed (they keep the user's overrides), profile hardware=local and compile with it; run,
+    compare; the demo model's adapter then loads with AutoPeftModelForCausalLM.
 
     The bound is loose on purpose: this machine's speed drifts by +-25% within a minute (the
     same stage step takes 25-43 ms), so one profile and one run can disagree by that much; the
@@ -346,12 +350,28 @@ def test_profile_compile_run_predicts_the_step(tmp_path: Path, capsys) -> None:
     import statistics
 
     from hetero.cli import main
+    from hetero.plan import Plan
+    from hetero.runtime.run_compare import compare_run
 
-    prof, out, run = tmp_path / "profile.json", tmp_path / "plan", tmp_path / "run"
-    assert main(["profile", "model=tiny", "hardware=local", f"output={prof}"]) == 0
-    assert main(["compile", "model=tiny", "hardware=local", f"profile={prof}", f"output={out}"]) == 0
+    # A user's datasheet plan with a choice of their own (lora.r=4: a profile for r=8 would be refused).
+    monkeypatch.chdir(tmp_path)
+    user = ["model=tiny", "hardware=local", "lora.r=4", "output=plan"]
+    assert main(["compile", *user]) == 0
+    capsys.readouterr()
+    # Its run came out far off the prediction: the hints say how to measure and re-plan; follow them as printed.
+    datasheets = Plan.load(tmp_path / "plan" / "plan.json")
+    off = [{"step_time_s": 3 * datasheets.prediction.step_time_s, "stage_ops": []}] * 3
+    hint = next(line for line in compare_run(datasheets, off) if "come from datasheets" in line)
+    measure, again = re.findall(r"`([^`]+)`", hint)
+    assert measure == "hetero profile model=tiny hardware=local lora.r=4 output=profile.json", hint
+    assert main(shlex.split(measure)[1:]) == 0
+    follow = capsys.readouterr().out.splitlines()[-1]
+    assert follow == "next: hetero compile model=tiny hardware=local lora.r=4 profile=profile.json", follow
+    assert again == "hetero compile model=tiny hardware=local lora.r=4 output=plan profile=profile.json", hint
+    assert main(shlex.split(again)[1:]) == 0
+    out, run, prof = tmp_path / "plan", tmp_path / "run", "profile.json"
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["cost_sources"]["profile"] == str(prof)
+    assert plan["cost_sources"]["profile"] == prof and plan["model"]["lora"]["r"] == 4
     assert all(s["overhead_s"].get("STEP", 0) > 0 for s in plan["stages"])
     assert main(["run", str(out / "plan.json"), "steps=6", "--run-dir", str(run), "--no-progress"]) == 0
     steps = [json.loads(line)["step_time_s"] for line in (run / "metrics.jsonl").read_text().splitlines()]

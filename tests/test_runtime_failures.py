@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import threading
@@ -266,10 +268,12 @@ def test_a_killed_stage_stops_the_run_in_one_line_and_resume_finishes_it(root: P
     _assert_no_process_left(run_dir, pids)
     assert not (run_dir / "adapter").exists()
 
-    # The original plan.json (without SETTINGS): the checkpoint's settings are the ones that go on.
-    resume = start(["run", "plan.json", "--resume", str(run_dir), "--port", str(free_ports(1)[0]), "--no-progress"],
-                    root)
-    code, out, err = finish(resume)
+    # The command the line gives, run as printed (from another directory), finishes the run.
+    printed = re.search(r"continue from step \d with `([^`]+)`", line)
+    assert printed, line
+    command = shlex.split(printed.group(1))
+    assert command[:2] == ["hetero", "run"]
+    code, out, err = finish(start([*command[2:], "--no-progress"], root.parent))
     assert code == 0, err[-3000:]
     assert "differ from the checkpoint" not in out
     _assert_same_run(run_dir, reference)
@@ -306,10 +310,12 @@ def test_ctrl_c_checkpoints_at_the_next_step_and_resume_finishes_the_run(root: P
     assert done < STEPS
     _assert_no_process_left(run_dir, pids)
 
+    # The original plan.json (without SETTINGS): the checkpoint's settings are the ones that go on.
     resume = start(["run", "plan.json", "--resume", str(run_dir), "--port", str(free_ports(1)[0]), "--no-progress"],
                     root)
     code, out, err = finish(resume)
     assert code == 0, err[-3000:]
+    assert "differ from the checkpoint" not in out
     _assert_same_run(run_dir, reference)
 
 

@@ -30,6 +30,10 @@ _OVERRIDES_HELP = (
 )
 
 
+_SWEEP_EXAMPLE = ("sweep example: hetero compile -m model=llama8b hardware=homelab,mixed_fleet "
+                  "model.quantization=none,nf4 output=sweeps/llama8b")
+
+
 class NotBuiltError(HeteroError):
     """A part of hetero this command needs is not installed or not written yet."""
 
@@ -63,10 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
 
-    with_config(
-        sub.add_parser("compile", help="trace the model, place it on the fleet, write plan.json + artifacts",
-                       epilog=choices_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    )
+    compile_parser = sub.add_parser(
+        "compile", help="trace the model, place it on the fleet, write plan.json + artifacts",
+        epilog=f"{choices_help()}\n\n{_SWEEP_EXAMPLE}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    compile_parser.add_argument(
+        "-m", "--multirun", action="store_true",
+        help="sweep: compile every combination of key=a,b / key=range(1,4) / key=choice(a,b) values, "
+             "each into output/<key=value,...>/, and compare them in one table and output/sweep.csv "
+             "(docs/quickstart.md)")
+    with_config(compile_parser)
     with_config(sub.add_parser("inspect", help="trace the model and print its LayerGraph (no planning)"))
     show = sub.add_parser("show", help="print a compiled plan: stages, memory, baselines, verdict, schedule")
     show.add_argument("plan", type=Path, help="path to plan.json")
@@ -123,35 +132,45 @@ def _console(stderr: bool = False) -> Any:
     return Console(file=stream, width=None if stream.isatty() else 140, stderr=stderr)
 
 
-def cmd_compile(config_dir: str | None, overrides: list[str]) -> int:
-    """Config -> trace -> plan -> emit, with a progress line, then the plan summary."""
+def compile_config(cfg: Any, say: Callable[[str], None]) -> tuple[Any, list[Path]]:
+    """Trace, plan and emit one composed config (a compile or a sweep's point); ``say`` gets progress."""
+    from hetero import warnings_log
+
+    warnings_log.log_to(Path(cfg.output) / "warnings.log")  # library warnings: the plan's dir, not the terminal
+    say(f"tracing {cfg.model.name} on the meta device")
+    trace = _lazy("hetero.compiler.trace", "trace_with_module")
+    graph, traced = trace(cfg.model)
+    say(f"planning {len(graph.nodes)} nodes on {len(cfg.cluster.devices)} devices "
+        f"(solver limit {cfg.planner.time_limit_s:.0f} s)")
+    make_plan = _lazy("hetero.planner", "plan")
+    cost_model = profile_cost_model(cfg)
+    plan = make_plan(cfg.model, graph, cfg.cluster, cfg.train, cfg.data, cfg.planner, cost_model=cost_model,
+                     evaluation=cfg.eval)
+    plan.config = cfg.raw
+    if cost_model is not None:
+        plan.cost_sources = {"profile": str(cfg.profile), **cost_model.sources}
+        plan.verdict += cost_model.summary()
+    say(f"writing plan and artifacts to {cfg.output}")
+    from hetero.security import generate
+
+    plan.security = generate(cfg.security, [s.host for s in plan.stages], Path(cfg.output))
+    emit = _lazy("hetero.compiler.emit", "emit")
+    return plan, emit(plan, cfg.output, traced)
+
+
+def cmd_compile(config_dir: str | None, overrides: list[str], multirun: bool = False) -> int:
+    """Config -> trace -> plan -> emit, with a progress line, then the plan summary; -m: hetero.sweep."""
     from hetero import config as config_mod
+    from hetero import sweep
     from hetero.show import print_plan
 
     out, status_console = _console(), _console(stderr=True)
+    if multirun:
+        return sweep.run_sweep(overrides, config_dir, compile_config, out, status_console)
+    sweep.refuse_sweeps(overrides)
     with status_console.status("composing config") as status:
         cfg = config_mod.load(overrides, config_dir)
-        status.update(f"tracing {cfg.model.name} on the meta device")
-        trace = _lazy("hetero.compiler.trace", "trace_with_module")
-        graph, traced = trace(cfg.model)
-        status.update(
-            f"planning {len(graph.nodes)} nodes on {len(cfg.cluster.devices)} devices "
-            f"(solver limit {cfg.planner.time_limit_s:.0f} s)"
-        )
-        make_plan = _lazy("hetero.planner", "plan")
-        cost_model = profile_cost_model(cfg)
-        plan = make_plan(cfg.model, graph, cfg.cluster, cfg.train, cfg.data, cfg.planner, cost_model=cost_model,
-                         evaluation=cfg.eval)
-        plan.config = cfg.raw
-        if cost_model is not None:
-            plan.cost_sources = {"profile": str(cfg.profile), **cost_model.sources}
-            plan.verdict += cost_model.summary()
-        status.update(f"writing plan and artifacts to {cfg.output}")
-        from hetero.security import generate
-
-        plan.security = generate(cfg.security, [s.host for s in plan.stages], Path(cfg.output))  # type: ignore[arg-type]
-        emit = _lazy("hetero.compiler.emit", "emit")
-        paths = emit(plan, cfg.output, traced)
+        plan, paths = compile_config(cfg, status.update)
     print_plan(plan, out)
     out.print("\n[bold]wrote[/]")
     for path in paths:
@@ -198,13 +217,16 @@ def profile_cost_model(cfg: Any) -> Any:
     """The ProfileCostModel for ``profile=PATH`` (checked against this fleet and model), else None."""
     if cfg.profile is None:
         return None
+    from hetero.hints import suggest
     from hetero.planner.cost import RooflineCostModel
     from hetero.planner.profile_cost import ProfileCostModel
     from hetero.profile import Profile
 
     profile = Profile.load(cfg.profile)
+    rerun = suggest("profile", cfg.raw, fallback=[f"hardware={cfg.cluster.name}", f"model={cfg.model.name}"],
+                    add=[f"output={cfg.profile}"])
     return ProfileCostModel(profile, RooflineCostModel(cfg.planner.efficiency), path=str(cfg.profile),
-                            cluster=cfg.cluster, model=cfg.model)
+                            cluster=cfg.cluster, model=cfg.model, rerun=rerun)
 
 
 def cmd_profile(config_dir: str | None, overrides: list[str]) -> int:
@@ -217,6 +239,9 @@ def cmd_profile(config_dir: str | None, overrides: list[str]) -> int:
 
     cfg = config_mod.load(overrides, config_dir)
     out_path = cfg.output if cfg.output.suffix == ".json" else cfg.output / "profile.json"
+    from hetero import warnings_log
+
+    warnings_log.log_to(out_path.parent / "profile-logs" / "warnings.log")
     measure = _lazy("hetero.runtime.profile_worker", "measure_fleet")
     fhash, mhash = fleet_hash(cfg.cluster), model_hash(cfg.model)
     num_pairs = len(_lazy("hetero.runtime.profile_worker", "_link_pairs")(cfg.cluster))
@@ -254,7 +279,10 @@ def cmd_profile(config_dir: str | None, overrides: list[str]) -> int:
             out.print(f"  {'; '.join(extra)}", highlight=False)
     for lk in links:
         out.print(f"link {lk.a}<->{lk.b}: {lk.bandwidth_gbps:.2f} Gbit/s, {lk.latency_us:.0f} us", highlight=False)
-    out.print(f"wrote {out_path}\nnext: hetero compile profile={out_path} ...", highlight=False)
+    from hetero.hints import suggest
+
+    compile_next = suggest("compile", cfg.raw, fallback=[], add=[f"profile={out_path}"])
+    out.print(f"wrote {out_path}\nnext: {compile_next}", highlight=False)
     return 0
 
 
@@ -346,36 +374,10 @@ def cmd_simulate(plan_path: Path, width: int = 72, replan: bool = True, picture:
         for line in run_versus_plan(plan, run_dir):
             out.print(f"  {line}", highlight=False)
     path = picture or plan_path.parent / "simulate.png"
-    _draw_simulation(plan, timeline, memory, path)
+    draw_simulation = _lazy("hetero.compiler.pictures", "draw_simulation")
+    draw_simulation(plan, timeline, memory, path)
     out.print(f"\nwrote {path}", highlight=False)
     return 0
-
-
-def _draw_simulation(plan: Any, timeline: Any, memory: list[list[tuple[float, float]]], path: Path) -> None:
-    """Gantt (top) and memory over time (bottom), one row / one line per stage."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n = len(plan.stages)
-    fig, (gantt, mem) = plt.subplots(2, 1, figsize=(10, 2 + 1.2 * n), sharex=True)
-    colours = {"F": "#4c8bf5", "B": "#f5a04c", "SA": "#9e9e9e", "SG": "#9e9e9e"}
-    for e in timeline.events:
-        if e.op in ("F", "B"):
-            gantt.barh(n - 1 - e.stage, e.end_s - e.start_s, left=e.start_s, color=colours[e.op], edgecolor="white")
-    gantt.set_yticks(range(n), [f"stage {k}\n{plan.stages[k].device}" for k in reversed(range(n))])
-    gantt.set_title(f"{plan.train.schedule}, {plan.train.num_micro_batches} micro-batches: "
-                    f"{timeline.step_time_s:.3g} s/step, bubble {timeline.bubble_fraction:.0%} (F blue, B orange)")
-    for k, points in enumerate(memory):
-        mem.plot([t for t, _ in points], [gb for _, gb in points], label=f"stage {k}")
-    mem.set_ylabel("GB")
-    mem.set_xlabel("seconds into the step")
-    mem.legend(loc="upper right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def _run_runtime(command: str, argv: list[str]) -> int:
@@ -388,9 +390,13 @@ def _run_runtime(command: str, argv: list[str]) -> int:
 def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] in RUNTIME_COMMANDS:
         return _run_runtime(argv[0], argv[1:])
+    if argv and argv[0] == "compile":
+        # Hydra users write -m anywhere (`... key=a,b -m`); argparse takes it only before the overrides.
+        sweep_flags = [a for a in argv[1:] if a in ("-m", "--multirun")]
+        argv = ["compile", *sweep_flags, *(a for a in argv[1:] if a not in sweep_flags)]
     args = build_parser().parse_args(argv)
     if args.command == "compile":
-        return cmd_compile(args.config_dir, args.overrides)
+        return cmd_compile(args.config_dir, args.overrides, multirun=args.multirun)
     if args.command == "inspect":
         return cmd_inspect(args.config_dir, args.overrides)
     if args.command == "profile":
@@ -407,6 +413,9 @@ def _dispatch(argv: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hetero` console script."""
+    from hetero import warnings_log
+
+    warnings_log.route_to_log()
     try:
         return _dispatch(list(sys.argv[1:] if argv is None else argv))
     except HeteroError as exc:

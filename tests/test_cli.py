@@ -185,8 +185,8 @@ def test_ctrl_c_exits_130(monkeypatch, capsys: pytest.CaptureFixture[str]) -> No
 # --- end to end (needs hetero.compiler.trace, hetero.planner.plan, hetero.compiler.emit) ------------------
 
 
-def _hetero(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160"}
+def _hetero(args: list[str], cwd: Path, **env_vars: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160", **env_vars}
     return subprocess.run([sys.executable, "-m", "hetero.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
 
@@ -200,8 +200,10 @@ def test_compile_end_to_end(
 ) -> None:
     # micro_batch_size=1: at seq 2048, four sequences of llama8b activations do not fit the 5090's stage.
     args = [f"model={model}", f"hardware={hardware}", "output=out", "planner.time_limit_s=20", "train.micro_batch_size=1"]
-    result = _hetero(["compile", *args], tmp_path)
+    # Every warning switched on: none of torch's / transformers' may reach the terminal (they go to the logs).
+    result = _hetero(["compile", *args], tmp_path, PYTHONWARNINGS="always")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "Warning" not in result.stdout + result.stderr, result.stderr[-3000:]
     plan = Plan.load(tmp_path / "out" / "plan.json")
     assert plan.model.name == model and plan.config["hardware"]["name"] == hardware
     assert {s.device for s in plan.stages} <= devices
@@ -212,6 +214,13 @@ def test_compile_end_to_end(
     code, out, err = run_main(["show", str(tmp_path / "out" / "plan.json")], capsys)  # in-process: no 2nd startup
     assert code == 0, err
     assert "stage 0 |" in out
+    if model == "tiny":  # the README's main command: compile, then run; the terminal shows hetero's lines only
+        ran = _hetero(["run", "out/plan.json", "steps=2", "--run-dir", "run"], tmp_path, PYTHONWARNINGS="always")
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        assert "Warning" not in ran.stdout + ran.stderr, ran.stderr[-3000:]
+        assert "adapter:" in ran.stdout
+        # ...and they were raised (torch 2.13 deprecates torch.jit.script_method at import): logged, not lost.
+        assert "DeprecationWarning" in (tmp_path / "run" / "logs" / "warnings.log").read_text()
 
 
 def test_compile_too_big_for_the_fleet_is_one_line(tmp_path: Path) -> None:
@@ -235,3 +244,27 @@ def test_compile_help_lists_models_fleets_and_keys_with_defaults() -> None:
     top = subprocess.run([sys.executable, "-m", "hetero.cli", "--help"], capture_output=True, text=True,
                          timeout=60).stdout
     assert "mining_rig" in top and "llama8b" in top and "hetero compile --help" in top
+
+
+def test_library_warnings_go_to_the_log_and_heteros_own_still_print(tmp_path: Path, monkeypatch, capsys) -> None:
+    import warnings
+
+    from hetero import warnings_log
+
+    monkeypatch.setattr(warnings_log, "_state", {"pending": [], "path": None, "original": None})
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # restored after the test
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    warnings_log.route_to_log()
+    library = "/usr/lib/python3/site-packages/transformers/modeling_utils.py"
+    ours = str(ROOT / "runtime" / "stage.py")
+    warnings.showwarning("kept until the log is known", FutureWarning, library, 1)
+    warnings_log.log_to(tmp_path / "run" / "logs" / "warnings.log")
+    warnings.showwarning("straight to the log", DeprecationWarning, library, 2)
+    with warnings.catch_warnings(record=True) as shown:  # what the original showwarning shows
+        warnings_log._show("a hetero warning", UserWarning, ours, 3)
+        warnings_log._show("another library's", UserWarning, library, 4)
+    logged = (tmp_path / "run" / "logs" / "warnings.log").read_text()
+    assert "FutureWarning: kept until the log is known" in logged and "DeprecationWarning: straight" in logged
+    assert "another library's" in logged and "hetero warning" not in logged
+    assert [str(w.message) for w in shown] == ["a hetero warning"]
+    assert "Warning" not in capsys.readouterr().err

@@ -1,0 +1,328 @@
+"""`hetero compile -m`: expand Hydra sweep overrides, compile every point in this process, compare them.
+
+``key=a,b``, ``key=range(1,4)``, ``key=choice(a,b)`` and, for a config group, ``key=glob(llama*)``
+are sweeps (Hydra's override grammar); ``key=[a,b]`` is one list value. The points are the cartesian
+product in Hydra's order: the first swept key varies slowest. Each point is compiled into its own
+directory under ``output``, named by its swept values: ``key=value`` pairs joined by commas, any
+character other than letters, digits and ``._=,+@-`` replaced by ``_``
+(``hardware=homelab,model.quantization=nf4``); ``point-NN`` (its number) when that name is over 100
+characters or an earlier point has it. One table on stdout and ``output/sweep.csv`` compare the
+points; a point that fails (a HeteroError) is a row with its one-line error. Exit code: 0 when every
+point compiled, 1 when any failed (the table and the CSV are written either way).
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from hetero.config import GROUPS, available_options, package_conf_dir
+from hetero.errors import ConfigError, HeteroError
+from hetero.plan import Plan
+from hetero.serde import short_repr
+from hetero.show import fmt_rate, fmt_time
+
+CSV_NAME = "sweep.csv"
+_MAX_NAME = 100
+
+
+@dataclass(frozen=True)
+class Point:
+    """One combination of swept values: the overrides that compose it and the directory it goes to."""
+
+    number: int  # 1-based, as the table, the CSV and the progress line show it
+    overrides: tuple[str, ...]  # the command line's overrides with this point's values in place
+    values: tuple[tuple[str, str], ...]  # (swept key, value as written) in command-line order
+    name: str  # its directory under output
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """The expanded command line: what varies, what every point shares, the points, where they go."""
+
+    keys: tuple[str, ...]  # the swept keys, in command-line order
+    fixed: tuple[str, ...]  # the overrides every point shares
+    points: tuple[Point, ...]
+    output: Path  # where the point directories and sweep.csv go
+
+
+@dataclass
+class PointResult:
+    """A compiled point (its plan and plan.json) or a failed one (its one-line error)."""
+
+    point: Point
+    plan: Plan | None = None
+    plan_json: Path | None = None
+    error: str = ""
+
+
+def _parse(overrides: Sequence[str]) -> list[Any]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        return OverridesParser.create().parse_overrides(list(overrides))
+    except OverrideParseException as exc:
+        raise ConfigError(f"cannot read the override {short_repr(exc.override)}; write key=value, key=a,b to "
+                          "sweep, and quote a value with spaces or symbols: key='a b'") from None
+
+
+def refuse_sweeps(overrides: Sequence[str]) -> None:
+    """Without -m a sweep value is a mistake: say how to sweep, or how to write a list or a string."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except OverrideParseException:
+        return  # hetero.config.load reports it, with the override
+    for override in parsed:
+        if override.is_sweep_override():
+            line = override.input_line or override.get_key_element()
+            raise ConfigError(f"{line} is a sweep: add -m to compile each value and compare them "
+                              f"(hetero compile -m {line} ...); a list is written key=[a,b], a string with a "
+                              "comma key='a,b'")
+
+
+def _sweep_values(override: Any, config_dir: str | Path | None) -> list[str]:
+    """A sweep override's values as they would be written after ``key=``."""
+    from hydra.core.override_parser.types import ValueType
+
+    key = override.get_key_element()
+    if override.value_type == ValueType.GLOB_CHOICE_SWEEP:
+        if override.key_or_group not in GROUPS:
+            raise ConfigError(f"{override.input_line}: glob() picks files of a config group "
+                              f"({', '.join(GROUPS)}), not values of {key}")
+        return list(override.value().filter(available_options(override.key_or_group, config_dir)))
+    if not override.is_discrete_sweep():
+        raise ConfigError(f"{override.input_line}: a continuous sweep cannot be compiled point by point; "
+                          "list the values (key=a,b), or use range(start,stop,step) or choice(a,b)")
+    return list(override.sweep_string_iterator())
+
+
+def _shown(value: str) -> str:
+    """``b\\ c`` (the override form of a value with a space) -> ``b c``."""
+    return re.sub(r"\\(.)", r"\1", value)
+
+
+def point_name(values: Sequence[tuple[str, str]], number: int, taken: set[str]) -> str:
+    """The directory of a point: its swept values, sanitized; ``point-NN`` when too long or taken."""
+    name = re.sub(r"[^A-Za-z0-9._=,+@-]", "_", ",".join(f"{k}={v}" for k, v in values))
+    if not name or len(name) > _MAX_NAME or name in taken:
+        name = f"point-{number:02d}"
+    return name
+
+
+def default_output() -> str:
+    """The root config's ``output`` (where a compile writes without ``output=``)."""
+    import yaml
+
+    root = yaml.safe_load((package_conf_dir() / "config.yaml").read_text()) or {}
+    return str(root.get("output", "."))
+
+
+def expand(overrides: Sequence[str], config_dir: str | Path | None = None) -> Sweep:
+    """The points of the sweep, in Hydra's order (the first swept key varies slowest)."""
+    parsed = _parse(overrides)
+    keys: list[str] = []
+    choices: list[list[tuple[str, str]]] = []  # per override: (override text, value shown) of each choice
+    output: str | None = None
+    for override in parsed:
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            choices.append([(str(override.input_line), "")])
+            if override.key_or_group == "output" and not override.is_delete():
+                output = str(override.value())
+            continue
+        if override.key_or_group == "output":
+            raise ConfigError(f"{override.input_line}: output cannot be swept; each point gets its own "
+                              "directory under output")
+        if key in keys:
+            raise ConfigError(f"{key} is swept twice; give all its values in one override: {key}=a,b,c")
+        written = _sweep_values(override, config_dir)
+        if not written:
+            raise ConfigError(f"{override.input_line}: the sweep has no values")
+        keys.append(key)
+        choices.append([(f"{key}={v}", _shown(v)) for v in written])
+    swept = [i for i, o in enumerate(parsed) if o.is_sweep_override()]
+    points: list[Point] = []
+    taken: set[str] = set()
+    for number, combo in enumerate(itertools.product(*choices), start=1):
+        values = tuple((key, combo[i][1]) for key, i in zip(keys, swept, strict=True))
+        name = point_name(values, number, taken)
+        taken.add(name)
+        points.append(Point(number, tuple(text for text, _ in combo), values, name))
+    fixed = tuple(str(o.input_line) for o in parsed if not o.is_sweep_override())
+    return Sweep(tuple(keys), fixed, tuple(points), Path(output or default_output()).expanduser())
+
+
+# --- the comparison -------------------------------------------------------------------------------------
+
+
+def plan_summary(plan: Plan) -> dict[str, Any]:
+    """What the sweep compares, from a plan: prediction, tightest memory, layout, versus one device."""
+    free_gb, tight = min(((s.memory.available_gb - s.memory.total_gb, s) for s in plan.stages),
+                         key=lambda pair: pair[0])
+    single = next((b for b in plan.baselines if b.name == "best_single_device"), None)
+    single_s = single.prediction.step_time_s if single and single.feasible and single.prediction else None
+    step = plan.prediction.step_time_s
+    speedup = single_s / step if single_s is not None and step > 0 else None
+    if len(plan.stages) == 1:
+        versus = "one device"
+    elif speedup is None:
+        versus = "none fits alone"
+    else:
+        versus = f"{speedup:.2f}x"
+    return {
+        "step_time_s": step,
+        "tokens_per_s": plan.prediction.tokens_per_s,
+        "tokens_per_step": plan.prediction.tokens_per_step,
+        "bubble_fraction": plan.prediction.bubble_fraction,
+        "headroom_gb": free_gb,
+        "headroom_fraction": free_gb / tight.memory.available_gb if tight.memory.available_gb > 0 else 0.0,
+        "tightest_device": tight.device,
+        "num_stages": len(plan.stages),
+        "num_replicas": len(plan.pipelines),
+        "devices_used": len({s.device for s in plan.stages}),
+        "fleet_devices": len(plan.cluster.devices),
+        "single_device_step_time_s": single_s,
+        "speedup_vs_single_device": speedup,
+        "versus_single": versus,
+        "proven_optimal": int(plan.solver.proven_optimal),
+    }
+
+
+def best_point(results: Sequence[PointResult]) -> PointResult | None:
+    """The point with the fastest predicted step (the first of equals); None when none compiled."""
+    done = [r for r in results if r.plan is not None]
+    return min(done, key=lambda r: r.plan.prediction.step_time_s if r.plan else 0.0) if done else None
+
+
+def csv_rows(sweep: Sweep, results: Sequence[PointResult]) -> list[dict[str, Any]]:
+    """One dict per point, full precision (floats as Python writes them), empty cells for a failed point."""
+    best = best_point(results)
+    rows = []
+    for r in results:
+        row: dict[str, Any] = {"point": r.point.number, "name": r.point.name, **dict(r.point.values),
+                               "status": "ok" if r.plan is not None else "error", "best": int(r is best)}
+        row.update(plan_summary(r.plan) if r.plan is not None else {})
+        row.update({"plan_json": str(r.plan_json or ""), "error": r.error})
+        rows.append(row)
+    return rows
+
+
+CSV_COLUMNS = ("point", "name", "status", "best", "step_time_s", "tokens_per_s", "tokens_per_step",
+               "bubble_fraction", "headroom_gb", "headroom_fraction", "tightest_device", "num_stages",
+               "num_replicas", "devices_used", "fleet_devices", "single_device_step_time_s",
+               "speedup_vs_single_device", "versus_single", "proven_optimal", "plan_json", "error")
+
+
+def write_csv(path: Path, sweep: Sweep, results: Sequence[PointResult]) -> None:
+    """sweep.csv: a header, then one row per point (the swept keys after ``name``)."""
+    columns = [*CSV_COLUMNS[:2], *sweep.keys, *CSV_COLUMNS[2:]]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns, restval="")
+            writer.writeheader()
+            for row in csv_rows(sweep, results):
+                writer.writerow({k: "" if v is None else v for k, v in row.items()})
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}; choose another output=") from None
+
+
+def sweep_table(sweep: Sweep, results: Sequence[PointResult]) -> Table:
+    """The comparison: per point its swept values, prediction, headroom, layout; * = fastest step."""
+    fixed = f"; fixed: {' '.join(sweep.fixed)}" if sweep.fixed else ""
+    table = Table(title=f"Sweep: {len(results)} points{fixed}", title_justify="left", header_style="bold")
+    # Only the error column wraps: the swept values and the numbers are what a reader scans down.
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("", no_wrap=True)  # the best point's mark
+    for key in sweep.keys:
+        table.add_column(key, no_wrap=True)
+    for col in ("step", "throughput", "headroom", "devices", "replicas", "vs best single"):
+        table.add_column(col, justify="right", no_wrap=True)
+    best = best_point(results)
+    for r in results:
+        values = [v for _, v in r.point.values]
+        if r.plan is None:  # its error goes under the table (failure_lines): a whole line, not a wrapped cell
+            table.add_row(str(r.point.number), "", *values, Text("failed", style="red"), *["-"] * 5)
+            continue
+        s = plan_summary(r.plan)
+        table.add_row(
+            str(r.point.number), "*" if r is best else "", *values, fmt_time(s["step_time_s"]),
+            fmt_rate(s["tokens_per_s"]), f"{s['headroom_gb']:.1f} GB ({s['headroom_fraction']:.0%})",
+            f"{s['devices_used']}/{s['fleet_devices']}", str(s["num_replicas"]), s["versus_single"],
+            style="bold" if r is best else None,
+        )
+    return table
+
+
+def failure_lines(results: Sequence[PointResult]) -> list[str]:
+    """One line per failed point: its number, directory name and one-line error."""
+    return [f"point {r.point.number} ({r.point.name}) failed: {r.error}" for r in results if r.plan is None]
+
+
+# Compiles one composed config (hetero.cli.compile_config): progress callback in, the plan and its paths out.
+CompileFn = Callable[[Any, Callable[[str], None]], tuple[Plan, list[Path]]]
+
+
+def compile_points(sweep: Sweep, config_dir: str | None, compile_config: CompileFn,
+                   err: Console) -> list[PointResult]:
+    """Compile each point into its directory, a spinner and one line per point on ``err``."""
+    from hetero import config as config_mod
+
+    results: list[PointResult] = []
+    total = len(sweep.points)
+    with err.status(f"sweep of {total} points") as status:
+        for point in sweep.points:
+            label = f"point {point.number}/{total} ({point.name})"
+
+            def say(text: str, label: str = label) -> None:
+                status.update(f"{label}: {text}")
+
+            result = PointResult(point)
+            try:
+                say("composing config")
+                cfg = config_mod.load(list(point.overrides), config_dir)
+                where = sweep.output / point.name
+                cfg = replace(cfg, output=where, raw={**cfg.raw, "output": str(where)})
+                result.plan, paths = compile_config(cfg, say)
+                result.plan_json = next((Path(p) for p in paths if Path(p).name == "plan.json"),
+                                        where / "plan.json")
+                err.print(f"{label}: {fmt_time(result.plan.prediction.step_time_s)}/step", highlight=False)
+            except HeteroError as exc:
+                result.error = " ".join(str(exc).split()) or type(exc).__name__
+                err.print(f"{label}: failed: {result.error}", highlight=False)
+            results.append(result)
+    return results
+
+
+def run_sweep(overrides: Sequence[str], config_dir: str | None, compile_config: CompileFn, out: Console,
+              err: Console) -> int:
+    """Expand, compile every point, print the table, write sweep.csv; 0 when every point compiled, else 1."""
+    sweep = expand(overrides, config_dir)
+    results = compile_points(sweep, config_dir, compile_config, err)
+    csv_path = sweep.output / CSV_NAME
+    write_csv(csv_path, sweep, results)
+    out.print(sweep_table(sweep, results))
+    best = best_point(results)
+    if best is not None and best.plan is not None:
+        out.print(f"* fastest predicted step: point {best.point.number} ({best.point.name}), "
+                  f"{fmt_time(best.plan.prediction.step_time_s)}/step", highlight=False)
+    failed = failure_lines(results)
+    for line in failed:
+        out.print(line, highlight=False, style="red", soft_wrap=True)
+    out.print(f"\nwrote {csv_path} and one directory per point under {sweep.output}", highlight=False)
+    if best is not None:
+        out.print(f"next: hetero show {best.plan_json}", highlight=False)
+    return 1 if failed else 0

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from procs import STARTED, clean_up, finish, start
+from reference import assert_close_to_scale, reference_run
 from safetensors.torch import load_file
 from test_runtime_plans import free_ports, make_plan
 
@@ -25,6 +26,8 @@ from hetero.specs import ModelSpec, TrainSpec
 pytestmark = pytest.mark.slow
 
 OTHER_TRANSFORMERS = "5.12.1"
+SEQ_LEN = 32
+TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=2, lr=1e-3, max_grad_norm=0.3)
 
 
 @pytest.fixture(autouse=True)
@@ -38,8 +41,10 @@ def other_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv = tmp_path_factory.mktemp("other-env") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
+    # --no-compile: byte-compiling every transformers module takes longer than importing the few a stage uses.
     done = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                           f"transformers=={OTHER_TRANSFORMERS}"], capture_output=True, text=True, timeout=600)
+                           "--no-compile", f"transformers=={OTHER_TRANSFORMERS}"], capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return python
 
@@ -64,16 +69,16 @@ def _run(tmp_path: Path, name: str, beta_python: Path) -> tuple[list[float], dic
 
 def test_a_stage_on_another_transformers_version_trains_the_same(tiny_model_dir: Path, tiny_spec: ModelSpec,
                                                                 tmp_path: Path, other_python: Path) -> None:
+    # The independent reference (plain transformers + peft, this environment), not a second hetero run.
+    reference = reference_run(tiny_model_dir, tmp_path / "reference", TRAIN, SEQ_LEN)
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], hosts=["alpha", "beta", "beta"],
-                     train=TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=2, lr=1e-3))
+                     train=TRAIN, lora=reference["lora"], seq_len=SEQ_LEN)
     plan.save(tmp_path / "plan.json")
-    same_losses, same_adapter, same_envs = _run(tmp_path, "same", Path(sys.executable))
     mixed_losses, mixed_adapter, mixed_envs = _run(tmp_path, "mixed", other_python)
 
     versions = [mixed_envs[f"stage{k}"]["packages"]["transformers"] for k in range(3)]
     assert versions[1] == versions[2] == OTHER_TRANSFORMERS != versions[0], versions
-    assert same_envs["stage1"]["packages"]["transformers"] == versions[0]
-    assert mixed_losses == pytest.approx(same_losses, rel=1e-5)
-    assert same_adapter.keys() == mixed_adapter.keys() and len(same_adapter) == 6 * 7 * 2
-    for key, tensor in same_adapter.items():
-        torch.testing.assert_close(mixed_adapter[key], tensor, rtol=1e-4, atol=1e-6, msg=key)
+    assert mixed_losses == pytest.approx(reference["losses"], rel=1e-4)
+    assert mixed_adapter.keys() == reference["state"].keys() and len(mixed_adapter) == 6 * 7 * 2
+    for key, want in reference["state"].items():
+        assert_close_to_scale(key, mixed_adapter[key], want, 1e-4)

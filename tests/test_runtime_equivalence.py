@@ -39,8 +39,9 @@ def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     assert_close_to_scale(name, got, want, RTOL)
 
 
-@pytest.mark.parametrize(("schedule", "recompute"), [("1f1b", "none"), ("gpipe", "none"), ("1f1b", "full"),
-                                                     ("gpipe", "full")])
+# Each schedule once and each recompute mode once: recomputation happens inside a layer's backward, the same
+# under either schedule, so two runs cover what four did and keep CI's time (test_stage checks it on NF4 too).
+@pytest.mark.parametrize(("schedule", "recompute"), [("1f1b", "full"), ("gpipe", "none")])
 def test_pipeline_equals_single_process_reference(schedule: str, recompute: str, setup: dict, tiny_model_dir: Path,
                                                   tiny_spec: ModelSpec) -> None:
     # recompute=full: every decoder layer keeps only its input and re-runs its forward in backward.

@@ -13,7 +13,7 @@ from typing import Any
 from hetero.errors import ConfigError, UnknownDeviceError
 from hetero.safe_yaml import load_yaml
 from hetero.serde import from_dict, short_repr
-from hetero.specs import ClusterSpec, DeviceSpec, DeviceType, HostSpec, LinkSpec
+from hetero.specs import ClusterSpec, DeviceSpec, DeviceType, HostSpec, LinkSpec, SshSpec, check_ssh
 
 # Datasheet numbers a fleet file may override per device (a card that is clocked, cut or shared
 # differently from its datasheet, e.g. a Strix Halo with a smaller GPU carve-out).
@@ -27,7 +27,8 @@ OVERRIDABLE = (
     "nf4",
 )
 _DEVICE_KEYS = frozenset({"type", "count", "name", "index", "threads", *OVERRIDABLE})
-_HOST_KEYS = frozenset({"name", "address", "port", "devices"})
+_HOST_KEYS = frozenset({"name", "address", "port", "devices", "ssh"})
+_SSH_KEYS = frozenset({"target", "port", "identity", "options", "python", "plan_dir"})
 _LINK_KEYS = frozenset({"a", "b", "bandwidth_gbps", "latency_us"})
 _CLUSTER_KEYS = frozenset(
     {
@@ -206,6 +207,32 @@ def _expand_devices(
     return devices
 
 
+def _ssh_spec(entry: Any, where: str) -> SshSpec:
+    """A host's ``ssh:``: ``user@host``, or a mapping {target, port, identity, options, python, plan_dir}."""
+    if isinstance(entry, str):
+        entry = {"target": entry}
+    if not isinstance(entry, Mapping):
+        raise ConfigError(f"{where} must be [user@]host or a mapping like {{target: me@strix, python: "
+                          f"~/venv/bin/python}}, got {short_repr(entry)}")
+    _check_keys(entry, _SSH_KEYS, where)
+    if "target" not in entry:
+        raise ConfigError(f"{where}: missing 'target' ([user@]host, as you would type it after `ssh`)")
+    for key in ("target", "identity", "python", "plan_dir"):
+        value = entry.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{where}.{key} must be a string, got {short_repr(value)}")
+    options = entry.get("options", [])
+    if not isinstance(options, list) or not all(isinstance(o, str) for o in options):
+        raise ConfigError(f"{where}.options must be a list of KEY=VALUE strings (ssh -o), got {short_repr(options)}")
+    port = entry.get("port")
+    if port is not None:
+        port = int(_number(port, f"{where}.port", integer=True, minimum=1, maximum=65535))
+    spec = SshSpec(target=entry["target"], port=port, identity=entry.get("identity"), options=list(options),
+                   python="python3" if entry.get("python") is None else entry["python"], plan_dir=entry.get("plan_dir"))
+    check_ssh(spec, where, ConfigError)
+    return spec
+
+
 def _build_links(cfg: Mapping[str, Any], host_names: list[str]) -> list[LinkSpec]:
     links: list[LinkSpec] = []
     seen: set[frozenset[str]] = set()
@@ -301,7 +328,8 @@ def build_cluster(
         if port + len(devices) - 1 > 65535:  # stage k on this host listens on port + k (the coordinator on port - 1)
             raise ConfigError(f"{at}.port {port} leaves no port for each of its {len(devices)} devices: "
                               f"at most {65536 - len(devices)}")
-        hosts.append(HostSpec(name=name, address=address, port=int(port), devices=devices))
+        ssh = _ssh_spec(entry["ssh"], f"{at}.ssh") if entry.get("ssh") is not None else None
+        hosts.append(HostSpec(name=name, address=address, port=int(port), devices=devices, ssh=ssh))
     names = [d.name for h in hosts for d in h.devices]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:

@@ -25,6 +25,7 @@ from hetero.specs import (
     PlannerOptions,
     TrainSpec,
     check_ranges,
+    check_ssh,
 )
 
 PLAN_SCHEMA_VERSION = 1
@@ -185,7 +186,11 @@ class Plan:
         return self.replica_of(k)[1].num_micro_batches
 
     def to_json(self) -> str:
-        return json.dumps(to_dict(self), indent=1)
+        data = to_dict(self)
+        for host in data["cluster"]["hosts"]:
+            if host.get("ssh") is None:
+                del host["ssh"]  # hosts started by hand: plan.json as before ssh settings existed
+        return json.dumps(data, indent=1)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
@@ -230,6 +235,9 @@ def check_plan(plan: Plan, where: str = "plan.json") -> None:
     if not nodes or len(plan.graph.edges) != len(nodes) - 1:
         raise bad(f"graph has {len(nodes)} nodes and {len(plan.graph.edges)} cuts between them")
     devices = {d.name: (h.name, d) for h in plan.cluster.hosts for d in h.devices}
+    for i, h in enumerate(plan.cluster.hosts):
+        if h.ssh is not None:  # may be added by hand (outside the hash): the fleet file's rules
+            check_ssh(h.ssh, f"{where}: cluster.hosts[{i}].ssh", PlanError)
     if not plan.stages:
         raise bad("no stages")
     _check_replicas(plan, bad)
@@ -336,9 +344,12 @@ def compute_input_hash(plan: Plan) -> str:
         del planner["recompute"]  # the default: plans from before the option keep their hash
     if planner.get("replicas", 0) is None:
         del planner["replicas"]  # likewise
+    cluster = canonical(ClusterSpec, plan.cluster)
+    for host in cluster["hosts"]:
+        del host["ssh"]  # how `hetero run` reaches a host is not placement (and may be added to plan.json)
     payload = {
         "model": canonical(ModelSpec, plan.model),
-        "cluster": canonical(ClusterSpec, plan.cluster),
+        "cluster": cluster,
         "planner": planner,
         "train": train,
         "graph_version": plan.graph.version,

@@ -78,11 +78,43 @@ class DeviceSpec:
 
 
 @dataclass
+class SshSpec:
+    """How `hetero run` starts a host's `hetero worker` over ssh (docs/fleet.md). How to reach a host,
+    not placement: outside the plan's input hash and the profile's fleet hash."""
+
+    target: str  # [user@]host as `ssh` takes it (or a Host alias of ~/.ssh/config)
+    port: int | None = None  # ssh -p
+    identity: str | None = None  # ssh -i: a private key file on this host
+    options: list[str] = field(default_factory=list)  # ssh -o KEY=VALUE, each
+    python: str = "python3"  # the interpreter on that host that has hetero installed
+    plan_dir: str | None = None  # that host's copy of the plan's directory (None: the same path as here)
+
+
+def check_ssh(ssh: SshSpec, where: str, error: type[Exception]) -> None:
+    """Raise ``error`` naming the first ssh setting ssh would misread (an option where a name belongs)."""
+    if not ssh.target or ssh.target.startswith("-") or any(c.isspace() for c in ssh.target):
+        raise error(f"{where}.target must be [user@]host (no spaces, not starting with '-'), "
+                    f"got {short_repr(ssh.target)}")
+    if ssh.port is not None and not (isinstance(ssh.port, int) and 1 <= ssh.port <= 65535):
+        raise error(f"{where}.port must be a port number (1-65535), got {short_repr(ssh.port)}")
+    for key in ("identity", "python", "plan_dir"):
+        value = getattr(ssh, key)
+        if value is not None and (not value or value.startswith("-") or "\n" in value or "\0" in value):
+            raise error(f"{where}.{key} must be a path (not empty, not starting with '-'), got {short_repr(value)}")
+    for i, option in enumerate(ssh.options):
+        key, sep, _ = option.partition("=")
+        if not sep or not key.isalnum():
+            raise error(f"{where}.options[{i}] must be KEY=VALUE as for `ssh -o` (e.g. ConnectTimeout=5), "
+                        f"got {short_repr(option)}")
+
+
+@dataclass
 class HostSpec:
     name: str
     address: str = "127.0.0.1"  # where the other hosts reach this one
     port: int = 29500  # first port; stage k on this host listens on port + k
     devices: list[DeviceSpec] = field(default_factory=list)
+    ssh: SshSpec | None = None  # `hetero run` starts this host's worker over ssh (None: by hand)
 
 
 @dataclass

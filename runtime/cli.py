@@ -186,16 +186,23 @@ def main_run(argv: list[str]) -> int:
         run_dir = checkpoint.parent.parent  # --resume RUN_DIR goes on in RUN_DIR
     # Whatever can fail before a stage starts fails now, as one line, before the run directory exists.
     checked = preflight(plan, run_dir, args.host, args.port, checkpoint)
+    from hetero.runtime.ssh import check_ssh_hosts, ssh_hosts
+
+    remote = ssh_hosts(plan, args.plan, args.host or plan.stages[0].host)
+    check_ssh_hosts(plan, remote, args.host or plan.stages[0].host)  # each has hetero and this plan
     config = dict(plan.config) if plan.config else {}
     config["train"] = to_dict(train)
     config["eval"] = to_dict(evaluation)
     # plan.json has the overrides in it; the input hash is unchanged (they are not placement).
     plan_path = prepare_run_dir(plan, run_dir, yaml.safe_dump(config, sort_keys=False))
+    from hetero import warnings_log
+
+    warnings_log.log_to(run_dir / "logs" / "warnings.log")  # library warnings: the run's logs, not the terminal
 
     options = RunOptions(run_dir=run_dir, host=args.host, port=args.port,
                          handshake_timeout_s=args.handshake_timeout, progress=not args.no_progress,
                          resume=checked.resume, checkpoint=checked.checkpoint, batches=checked.batches,
-                         key_dirs=key_dirs(args.plan, args.host or plan.stages[0].host),
+                         key_dirs=key_dirs(args.plan, args.host or plan.stages[0].host), ssh_hosts=remote,
                          **run_options)
     result = Coordinator(plan, plan_path, options).run()
     if result.interrupted_after is not None:

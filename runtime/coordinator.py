@@ -1,5 +1,7 @@
 """`hetero run`: the coordinator. Starts this host's stages, waits for remote ones, feeds data, clips, records.
 
+Hosts with ssh settings in the fleet file are started (and stopped) over ssh: runtime/ssh.py.
+
 Per optimizer step it sends the step's input ids to stage 0 and labels to the last stage, gathers
 every stage's squared gradient norm, answers with the global clip coefficient (the math of
 ``clip_grad_norm_`` on one GPU), and writes one metrics.jsonl line from the stages' ``stepdone``.
@@ -73,6 +75,7 @@ class RunOptions:
     checkpoint: tuple[dict[str, Any], dict[str, Any]] | None = None  # its (tensors, meta), if already read
     batches: Any = None  # the run's StepBatches, if already built (`hetero run` checks the data first)
     key_dirs: list[Path] = field(default_factory=list)  # where this host's key files are (hetero/security.py)
+    ssh_hosts: list[Any] = field(default_factory=list)  # runtime/ssh.py SshHost: hosts this run starts over ssh
 
 
 @dataclass
@@ -121,6 +124,7 @@ class Coordinator:
         self.stop_signal: str | None = None  # the first SIGINT/SIGTERM received while training
         self.hung: set[int] = set()  # stages to kill rather than ask to stop
         self.evaluator: Any = None  # runtime/evaluator.py EvalClient when eval.every > 0
+        self.ssh: Any = None  # runtime/ssh.py SshWorkers: the workers of the hosts started over ssh
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -135,12 +139,21 @@ class Coordinator:
 
             device = eval_device_name(self.plan, self.plan.eval, self.host)
             self.evaluator = EvalClient(self.plan_path, self.plan, device, self.run_dir)
+        if self.options.ssh_hosts:
+            from hetero.runtime.ssh import SshWorkers
+
+            self.ssh = SshWorkers(self.options.ssh_hosts, self.run_dir)
+            remote = [h for h in remote if h not in self.ssh.hosts]
         if remote:
             print(f"hetero run: waiting for hosts {', '.join(remote)}: on each, run "
                   f"`hetero worker plan.json --host NAME --coordinator {self.endpoint}`", flush=True)
         self.heartbeat.start()
         restore_signals = self._catch_signals()
         try:
+            if self.ssh is not None:
+                self.ssh.start(self.endpoint)
+                print(f"hetero run: started hosts {', '.join(self.ssh.hosts)} over ssh (their output: "
+                      f"{self.run_dir / 'logs'}/host-NAME.log)", flush=True)
             # Tokenize while the stages import and build (before anyone watches for silence).
             batches = self.options.batches if self.options.batches is not None else self._batches()
             self._handshake()
@@ -151,6 +164,8 @@ class Coordinator:
             self._broadcast("stop", {"reason": f"{self.stop_signal}: checkpoint saved" if interrupted
                                      else "training finished"})
             stop_processes(self.procs)
+            if self.ssh is not None:
+                self.ssh.wait(5.0)  # told to stop, the remote workers end on their own
         except BaseException as exc:
             self.heartbeat.stopped.set()
             error = self._explain(exc)
@@ -167,6 +182,8 @@ class Coordinator:
         finally:
             if self.evaluator is not None:
                 self.evaluator.close()
+            if self.ssh is not None:
+                self.ssh.stop()  # after the stop broadcast: each remote worker ends, or is ended
             restore_signals()
             self.heartbeat.finish()
             self.mailbox.close()  # its connection monitors first: the transport's context waits for them
@@ -219,6 +236,8 @@ class Coordinator:
         host = self.plan.stages[k].host
         pid = f" (pid {self.pids[k]})" if k in self.pids else ""
         log = str(self.run_dir / "logs" / f"stage{k}.log") if k in self.procs else f"on {host}, under `hetero worker`"
+        if self.ssh is not None and host in self.ssh.hosts:
+            log = f"on {host}, {self.ssh.remote_run_dir(host)}/logs/stage{k}.log"
         hint = f"; {self._resume_hint()}" if self.trained else ""
         return f"stage {k} {what} on host {host}{pid}: {cause}{hint} (log: {log})"
 
@@ -259,6 +278,11 @@ class Coordinator:
                 if code > 0 and (line := last_error_line(self.run_dir / "logs" / f"stage{k}.log")):
                     cause += f": {line}"
                 raise StageFailedError(self._failure_line(k, "exited", cause))
+        if self.ssh is not None and (ended := self.ssh.ended()) is not None:
+            host, cause = ended
+            hint = f"; {self._resume_hint()}" if self.trained else ""
+            raise StageFailedError(f"host {host}'s `hetero worker`, started over ssh, ended: {cause}{hint} "
+                                   f"(log: {self.ssh.log(host)})")
 
     def _gather(self, kind: str, step: int, timeout_s: float) -> dict[int, Any]:
         """One ``kind`` message for ``step`` from every stage, keyed by stage index."""
@@ -289,6 +313,8 @@ class Coordinator:
         if kind == "hello" and remote:
             hint = (f"is `hetero worker plan.json --host {remote[0]} --coordinator {self.endpoint}` running there, "
                     "and can it reach this host?")
+            if self.ssh is not None and remote[0] in self.ssh.hosts:
+                hint = f"can {remote[0]} reach this host? (its `hetero worker` output: {self.ssh.log(remote[0])})"
         dropped = next((why for k in missing if (why := self.transport.last_rejection(self.names[k]))), None)
         if dropped:
             hint = f"a message claiming to be from it was dropped: {dropped}"

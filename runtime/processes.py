@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -78,8 +79,10 @@ def stop_processes(procs: dict[int, subprocess.Popen], grace_s: float = 10.0, ki
             p.wait()
 
 
-def supervise(procs: dict[int, subprocess.Popen], poll_s: float = 0.5) -> dict[int, int]:
-    """Wait for every stage of this host and return their exit codes (`hetero worker`).
+def supervise(procs: dict[int, subprocess.Popen], poll_s: float = 0.5,
+              until: threading.Event | None = None) -> dict[int, int]:
+    """Wait for every stage of this host and return their exit codes (`hetero worker`); only those that
+    exited so far once ``until`` is set.
 
     A remote host has no coordinator next to it to clean up: once one of its stages has exited, the
     others get STRAGGLER_S to follow (they do, on the coordinator's ``stop`` or its silence) before
@@ -89,7 +92,7 @@ def supervise(procs: dict[int, subprocess.Popen], poll_s: float = 0.5) -> dict[i
     codes: dict[int, int] = {}
     first_exit: float | None = None
     stopped_since: dict[int, float] = {}
-    while len(codes) < len(procs):
+    while len(codes) < len(procs) and not (until is not None and until.is_set()):
         now = time.monotonic()
         for k, p in procs.items():
             if k in codes:

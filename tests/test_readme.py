@@ -52,7 +52,7 @@ def test_ci_runs_the_readme_test_command(tmp_path: Path) -> None:
     shutil.copy(ROOT / "README.md", tmp_path / "README.md")
     log = tmp_path / "calls.log"
     _fake_tools(tmp_path / "bin", log)
-    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "HETERO_CI_NO_INSTALL": "1"}
     result = subprocess.run(
         ["bash", str(tmp_path / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60
     )
@@ -71,7 +71,8 @@ def test_ci_follows_an_edited_readme(tmp_path: Path) -> None:
     edited = README.replace(_between("test-command"), "echo ran > marker && false")
     (tmp_path / "README.md").write_text(edited)
     result = subprocess.run(
-        ["bash", str(tmp_path / ".ci" / "run")], capture_output=True, text=True, timeout=60
+        ["bash", str(tmp_path / ".ci" / "run")], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "HETERO_CI_NO_INSTALL": "1"},
     )
     assert result.returncode != 0
     assert (tmp_path / "marker").read_text().strip() == "ran"

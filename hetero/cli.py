@@ -22,6 +22,9 @@ RUNTIME_COMMANDS = {
     "run": ("main_run", "train a compiled plan: hetero run plan.json [key=value ...]"),
     "worker": ("main_worker", "serve this host's stages of a plan (started by `hetero run` or by hand)"),
     "generate": ("main_generate", "generate text with the base model plus a trained adapter"),
+    # "module:function" for a command that lives in its own hetero.runtime module.
+    "export": ("export:main_export", "merge a run's adapter into its base model: a standalone model for serving "
+               "(hetero export RUN_DIR --out DIR)"),
 }
 
 _OVERRIDES_HELP = (
@@ -381,8 +384,8 @@ def cmd_simulate(plan_path: Path, width: int = 72, replan: bool = True, picture:
 
 
 def _run_runtime(command: str, argv: list[str]) -> int:
-    func_name = RUNTIME_COMMANDS[command][0]
-    func = _lazy("hetero.runtime.cli", func_name)
+    module, _, func_name = RUNTIME_COMMANDS[command][0].rpartition(":")
+    func = _lazy(f"hetero.runtime.{module or 'cli'}", func_name)
     code = func(argv)
     return int(code or 0)
 

@@ -63,7 +63,12 @@ def route_to_log() -> None:
     if _state["original"] is None:
         _state["original"] = warnings.showwarning
         warnings.showwarning = _show
-        atexit.register(lambda: _state["pending"] and _append(default_log(), _state["pending"]))
+        atexit.register(_flush_at_exit)
+
+
+def _flush_at_exit() -> None:
+    if _state["pending"]:
+        _append(default_log(), _state["pending"])
 
 
 def log_to(path: Path) -> None:

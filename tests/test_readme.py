@@ -76,3 +76,17 @@ def test_ci_follows_an_edited_readme(tmp_path: Path) -> None:
     )
     assert result.returncode != 0
     assert (tmp_path / "marker").read_text().strip() == "ran"
+
+
+def test_every_relative_link_in_the_docs_resolves() -> None:
+    """A link from README.md or docs/ to a file of this repository (not a web page) names one that exists."""
+    dead = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            path = target.split("#", 1)[0]
+            if not path or re.match(r"[a-z]+:", path):
+                continue
+            resolved = (doc.parent / path).resolve()
+            if not resolved.exists() or ROOT.resolve() not in resolved.parents:
+                dead.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert not dead, dead

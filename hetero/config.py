@@ -126,7 +126,7 @@ def choices_help(commands: bool = True) -> str:
         f"  model.*    {_defaults_line(tiny.get('model') or {}, skip=('name',))}  (model=tiny's; each model "
         "file sets its own)",
         f"  lora.*     {_defaults_line(tiny.get('lora') or {})}",
-        f"  data.*     {_defaults_line(root.get('data') or {})}  (docs/quickstart.md: formats)",
+        f"  data.*     {_defaults_line(root.get('data') or {})}  (docs/data.md: formats)",
         f"  eval.*     {_defaults_line(root.get('eval') or {})}  (docs/running.md)",
         f"  profile={root.get('profile') or 'null'} (a `hetero profile` file)  security={root.get('security')} "
         f"(auto|curve|token|none)  output={root.get('output')}",

@@ -33,6 +33,16 @@ SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Names for the special tokens of the tiny tokenizer (Llama convention).
 _SPECIAL_NAMES = {"pad_token_id": "<pad>", "bos_token_id": "<s>", "eos_token_id": "</s>", "unk_token_id": "<unk>"}
+# The tiny tokenizer's chat template (data.format=chat): a user turn and the assistant's reply render as the
+# alpaca prompt and response (runtime/data.py), so the demo model reads both formats the same way; a system
+# message is plain text before them. Each reply ends with EOS.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
+    "{% elif message['role'] == 'user' %}### Instruction:\n{{ message['content'] }}\n\n"
+    "{% else %}### Response:\n{{ message['content'] }}{{ eos_token }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}### Response:\n{% endif %}"
+)
 
 
 def cache_root() -> Path:
@@ -90,7 +100,7 @@ def _hub_cache_dir(repo_id: str) -> Path:
 
 
 def tiny_key(architecture: dict[str, Any]) -> str:
-    """Cache key of a tiny model: hash of the architecture, recipe version, demo data and prompt template."""
+    """Cache key of a tiny model: hash of the architecture, recipe version, demo data and prompt templates."""
     from hetero.runtime.data import PROMPT_NO_INPUT, PROMPT_WITH_INPUT
 
     # The tokenizer is trained on rendered prompts: the template is part of the recipe.
@@ -99,6 +109,7 @@ def tiny_key(architecture: dict[str, Any]) -> str:
         "recipe": TINY_RECIPE_VERSION,
         "data": hashlib.sha256(demo_data_text().encode()).hexdigest(),
         "template": [PROMPT_WITH_INPUT, PROMPT_NO_INPUT],
+        "chat_template": TINY_CHAT_TEMPLATE,
     }
     blob = json.dumps(recipe, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -187,6 +198,7 @@ def build_tokenizer(architecture: dict[str, Any], out_dir: Path) -> None:
         unk_token=names.get("unk_token_id"),
         model_max_length=int(architecture.get("max_position_embeddings", 2048)),
     )
+    fast.chat_template = TINY_CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
 
 

@@ -221,10 +221,10 @@ RUNTIME_OVERRIDABLE = frozenset(
 
 @dataclass
 class DataSpec:
-    path: str | None = None  # JSONL / JSON / Parquet file; None = the bundled demo set
-    format: Literal["text", "alpaca", "tokens"] = "alpaca"
-    text_field: str = "text"
-    train_on_prompt: bool = False  # alpaca: also compute loss on the prompt tokens
+    path: str | None = None  # JSONL / JSON / Parquet file; None = the bundled demo set (alpaca)
+    format: Literal["text", "alpaca", "tokens", "chat"] = "alpaca"  # docs/data.md
+    text_field: str = "text"  # text: the field holding the text (chat reads 'messages')
+    train_on_prompt: bool = False  # alpaca, chat: also compute loss on the prompt (non-assistant) tokens
 
 
 @dataclass

@@ -114,6 +114,9 @@ def parse_overrides(pairs: list[str], train: TrainSpec) -> TrainSpec:
             except yaml.YAMLError:
                 raise ConfigError(f"override '{pair}': cannot parse the value {raw!r}") from None
             continue
+        if section == "data":  # not placement, but read from plan.json (docs/data.md)
+            raise ConfigError(f"{key} is fixed in plan.json: recompile with `hetero compile ... {key}={raw}` "
+                              "(same placement and plan hash, so other hosts' copies still match)")
         if section in PLACEMENT_SECTIONS or (section == "train" and name in train_keys) or name in train_keys:
             shown = key if "." in key else f"train.{key}"
             raise ConfigError(f"{shown} changes the placement: recompile with `hetero compile ... {shown}={raw}`")

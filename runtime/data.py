@@ -7,6 +7,9 @@ sharing state.
 
 Labels follow the Hugging Face causal-LM convention: ``labels`` is aligned with ``input_ids`` and
 the loss compares ``logits[:, :-1]`` with ``labels[:, 1:]``; ``-100`` marks "no loss here".
+
+Formats (docs/data.md): ``text`` and ``alpaca`` get the tokenizer's BOS and EOS around them, ``tokens``
+is used as given, and ``chat`` is exactly what the tokenizer's chat template renders.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from typing import Any
 import torch
 
 from hetero.errors import ConfigError
+from hetero.serde import short_repr
 from hetero.specs import DataSpec
 
 IGNORE_INDEX = -100
-FORMATS = ("text", "alpaca", "tokens")
+FORMATS = ("text", "alpaca", "tokens", "chat")
+CHAT_ROLES = ("system", "user", "assistant")
 DEMO_NAME = "<bundled demo_alpaca.jsonl>"
 
 # Alpaca-style prompt. Loss is on the response (and EOS) only unless data.train_on_prompt.
@@ -53,6 +58,9 @@ class StepBatch:
 def load_records(data: DataSpec) -> tuple[list[dict[str, Any]], str]:
     """The raw records of ``data`` and a display name for error messages."""
     if data.path is None:
+        if data.format != "alpaca":
+            raise ConfigError(f"data.format={data.format} needs data.path=FILE: the bundled demo set "
+                              "(used when data.path is unset) is in the alpaca format")
         from hetero.pretrained import demo_data_text
 
         return _parse_jsonl(demo_data_text(), DEMO_NAME), DEMO_NAME
@@ -127,6 +135,8 @@ def _validate(records: list[dict[str, Any]], data: DataSpec, name: str) -> None:
                     raise ConfigError(f"{where}: alpaca format needs string fields 'instruction' and 'output' (missing '{key}')")
             if r.get("input") is not None and not isinstance(r["input"], str):
                 raise ConfigError(f"{where}: alpaca field 'input' must be a string")
+        elif data.format == "chat":
+            _validate_chat(r.get("messages"), where)
         else:
             ids = r.get("input_ids")
             if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
@@ -136,6 +146,64 @@ def _validate(records: list[dict[str, Any]], data: DataSpec, name: str) -> None:
                 not isinstance(labels, list) or len(labels) != len(ids) or not all(isinstance(t, int) for t in labels)
             ):
                 raise ConfigError(f"{where}: 'labels' must be a list of ints as long as 'input_ids' (-100 = no loss)")
+
+
+def _validate_chat(messages: Any, where: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"{where}: chat format needs a non-empty list 'messages' of {{role, content}} "
+                          f"objects, got {short_repr(messages)}")
+    for j, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ConfigError(f"{where}: messages[{j}] must be an object with 'role' and 'content', "
+                              f"got {short_repr(message)}")
+        if message.get("role") not in CHAT_ROLES:
+            raise ConfigError(f"{where}: messages[{j}].role must be one of {', '.join(CHAT_ROLES)}, "
+                              f"got {short_repr(message.get('role'))}")
+        if not isinstance(message.get("content"), str):
+            raise ConfigError(f"{where}: messages[{j}].content must be a string, "
+                              f"got {short_repr(message.get('content'))}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ConfigError(f"{where}: 'messages' has no assistant turn; the chat format learns the "
+                          "assistant's replies")
+
+
+def chat_spans(tokenizer: Any, messages: list[dict[str, Any]], where: str,
+               locate: bool = True) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation as the tokenizer's chat template renders it, and (with ``locate``) the character
+    span of each assistant turn: from the end of the generation prompt before it to the end of the turn as
+    the template writes it (its end-of-turn marker and anything the template puts after it included)."""
+    # Only role and content reach the template: a Parquet struct column adds null keys of other rows.
+    turns = [{"role": m["role"], "content": m["content"]} for m in messages]
+
+    def render(upto: int, generation_prompt: bool) -> str:
+        try:
+            text = tokenizer.apply_chat_template(turns[:upto], tokenize=False,
+                                                 add_generation_prompt=generation_prompt)
+        except Exception as exc:  # jinja errors and the template's own raise_exception(...)
+            raise ConfigError(f"{where}: the tokenizer's chat template refuses this conversation: "
+                              f"{_first_line(exc)}") from None
+        if not isinstance(text, str):
+            raise ConfigError(f"{where}: the tokenizer's chat template did not render a string")
+        return text
+
+    full = render(len(turns), False)
+    found: list[tuple[int, int]] = []
+    for i, turn in enumerate(turns):
+        if not locate or turn["role"] != "assistant":
+            continue
+        if i == 0:  # nothing before it to tell where the template's assistant header ends
+            raise ConfigError(f"{where}: messages[0] is an assistant turn: start the conversation with a "
+                              "system or user message (or set data.train_on_prompt=true)")
+        # The template must write the conversation so far the same way whatever follows it, or the
+        # assistant turns cannot be located in the whole: refuse rather than mask the wrong tokens.
+        before, through = render(i, True), render(i + 1, False)
+        if not (through.startswith(before) and full.startswith(through)):
+            raise ConfigError(f"{where}: the chat template renders the conversation up to messages[{i}] "
+                              "differently once later turns follow, so its assistant turns cannot be "
+                              "located; set data.train_on_prompt=true (loss on every token) or pre-tokenize "
+                              "(data.format=tokens)")
+        found.append((len(before), len(through)))
+    return full, found
 
 
 class StepBatches:
@@ -174,6 +242,9 @@ class StepBatches:
         except Exception as exc:
             raise ConfigError(f"tokenizer in '{tokenizer_dir}' cannot be loaded: {_first_line(exc)}") from None
         tok = self.tokenizer
+        if data.format == "chat" and not getattr(tok, "chat_template", None):
+            raise ConfigError(f"data.format=chat: the tokenizer in {tokenizer_dir} has no chat template; use "
+                              "data.format=alpaca or text, or a model whose tokenizer has a chat template")
         self.bos_id: int | None = tok.bos_token_id
         self.eos_id: int | None = tok.eos_token_id
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -214,7 +285,9 @@ class StepBatches:
     def encode(self, index: int) -> tuple[list[int], list[int]]:
         """Token ids and labels of record ``index``, before truncation and padding."""
         if index not in self._encoded:
-            self._encoded[index] = self._encode(self.records[index])
+            record = self.records[index]
+            self._encoded[index] = self._encode_chat(record, index) if self.data.format == "chat" else \
+                self._encode(record)
         return self._encoded[index]
 
     def _ids(self, text: str) -> list[int]:
@@ -237,9 +310,36 @@ class StepBatches:
         prompt_labels = list(prompt) if self.data.train_on_prompt else [IGNORE_INDEX] * len(prompt)
         return prompt + response, prompt_labels + response
 
+    def _encode_chat(self, record: dict[str, Any], index: int) -> tuple[list[int], list[int]]:
+        # One tokenization of the whole rendering (as apply_chat_template(tokenize=True) gives it); a token
+        # gets a label when its characters overlap an assistant turn. Tokenizing the pieces apart would
+        # split tokens that straddle a boundary, e.g. "Assistant: " + "Hi" -> " Hi".
+        text, spans = chat_spans(self.tokenizer, record["messages"], f"{self.source}: record {index}",
+                                 locate=not self.data.train_on_prompt)
+        if self.data.train_on_prompt:
+            ids = self._ids(text)
+            return ids, list(ids)
+        try:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except (NotImplementedError, ValueError, TypeError):  # tokenizers without character offsets
+            raise ConfigError(f"data.format=chat: the tokenizer in {self.tokenizer.name_or_path} gives no "
+                              "character offsets (a slow tokenizer?); use a model with a tokenizer.json, or "
+                              "set data.train_on_prompt=true") from None
+        ids = list(enc["input_ids"])
+        labels = [IGNORE_INDEX] * len(ids)
+        for k, (start, end) in enumerate(enc["offset_mapping"]):
+            if any(start < span_end and end > span_start for span_start, span_end in spans):
+                labels[k] = ids[k]
+        return ids, labels
+
     def check(self, first_step: int, end_step: int, vocab_size: int | None) -> None:
         """Fail before the run starts, not mid-run: token ids fit the model, and every step in
-        ``[first_step, end_step)`` has a label token (a step without one would divide its loss by zero)."""
+        ``[first_step, end_step)`` has a label token (a step without one would divide its loss by zero), and
+        the chat template renders every conversation with findable assistant turns."""
+        if self.data.format == "chat":
+            for i, r in enumerate(self.records):  # renders text only; tokenizing waits for the record's step
+                chat_spans(self.tokenizer, r["messages"], f"{self.source}: record {i}",
+                           locate=not self.data.train_on_prompt)
         if vocab_size is not None and self.data.format == "tokens":
             for i, r in enumerate(self.records):
                 bad = next((t for t in r["input_ids"] if t >= vocab_size), None)

@@ -28,7 +28,7 @@ import torch
 
 from hetero.errors import ConfigError, HeteroError, PlanError
 from hetero.plan import Plan
-from hetero.specs import DataSpec, EvalSpec
+from hetero.specs import EvalSpec
 
 
 def eval_device_name(plan: Plan, evaluation: EvalSpec, host: str) -> str:
@@ -62,8 +62,7 @@ def held_out_batches(plan: Plan, evaluation: EvalSpec) -> Any:
 
     if not evaluation.path:
         raise ConfigError("eval.path is not set: held-out evaluation needs a file (eval.path=FILE)")
-    data = DataSpec(path=evaluation.path, format=plan.data.format, text_field=plan.data.text_field,
-                    train_on_prompt=plan.data.train_on_prompt)
+    data = replace(plan.data, path=evaluation.path)  # the training data's format and options
     train = plan.train
     args = (data, resolve_dir(plan.model), plan.model.seq_len, train.micro_batch_size)
     batches = StepBatches(*args, evaluation.max_batches, train.seed, False)

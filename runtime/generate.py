@@ -1,8 +1,9 @@
 """`hetero generate RUN_DIR --prompt "..."`: sample from the base model plus the run's trained adapter.
 
 Runs in this process with transformers + peft (the whole model must fit on this host: fine for
-trying out an adapter; pipelined generation across hosts is not built yet). The prompt is wrapped
-in the same Alpaca template the demo data trains with unless --raw.
+trying out an adapter; pipelined generation across hosts is not built yet). Unless --raw, the prompt
+is wrapped the way the run's training data was: as a user turn of the tokenizer's chat template for
+data.format=chat, else in the Alpaca template the demo data trains with.
 """
 
 from __future__ import annotations
@@ -37,9 +38,14 @@ def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 64, tempera
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device)
     model = PeftModel.from_pretrained(base, str(adapter)).eval()
-    text = prompt if raw else render_alpaca({"instruction": prompt})
+    chat = not raw and plan.data.format == "chat" and bool(getattr(tokenizer, "chat_template", None))
+    if chat:  # the template writes its own BOS, if any
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    else:
+        text = prompt if raw else render_alpaca({"instruction": prompt})
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    if tokenizer.bos_token_id is not None:
+    if tokenizer.bos_token_id is not None and not chat:
         ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids], dim=1)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -58,7 +64,8 @@ def main_generate(argv: list[str]) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--raw", action="store_true", help="do not wrap the prompt in the instruction template")
+    ap.add_argument("--raw", action="store_true",
+                    help="do not wrap the prompt in the training template (alpaca, or the chat template)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps")
     args = ap.parse_args(argv)
     text = generate(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.seed, args.raw, args.device)

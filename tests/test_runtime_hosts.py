@@ -186,6 +186,8 @@ def test_run_refuses_placement_keys_and_edited_plans(tiny_model_dir: Path, tiny_
         ("model.seq_len=64", "model.seq_len changes the placement: recompile with `hetero compile ... model.seq_len=64`"),
         ("train.micro_batch_size=8", "train.micro_batch_size changes the placement"),
         ("num_micro_batches=2", "train.num_micro_batches changes the placement"),
+        ("data.path=other.jsonl", "data.path is fixed in plan.json: recompile with `hetero compile ... "
+                                  "data.path=other.jsonl` (same placement and plan hash"),
         ("lr=fast", "train.lr must be a number"),
         ("colour=red", "unknown override 'colour'"),
     ]:

@@ -79,7 +79,9 @@ def test_tiny_layer_keeps_what_the_graph_predicts(dtype: str, quant: str, recomp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("dtype", "quant", "recompute"), CASES)
+# Quantizing a real llama8b layer to NF4 takes ~20 s here: that case runs once (the tiny layer covers
+# NF4 with recomputation; recomputation's bytes are the layer input's, the same for every dtype).
+@pytest.mark.parametrize(("dtype", "quant", "recompute"), [c for c in CASES if c != ("bfloat16", "nf4", True)])
 def test_llama8b_layer_keeps_what_the_graph_predicts(dtype: str, quant: str, recompute: bool) -> None:
     arch = dict(LLAMA8B, vocab_size=256)
     stage = build(arch, dtype, quant, layers=1, recompute=recompute)

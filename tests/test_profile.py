@@ -175,35 +175,6 @@ def test_real_decoder_layer_measurement(tiny_spec: ModelSpec, monkeypatch: pytes
     assert node.recompute_bytes_per_token == 4 * h  # its fp32 input
 
 
-def test_one_device_profile_over_the_transport(tiny_spec: ModelSpec, tmp_path: Path) -> None:
-    """The measuring side end to end: two worker processes, each profiled, and their link measured."""
-    from hetero.runtime import profiler
-    from hetero.runtime.profile_worker import measure_fleet
-
-    cluster = local_fleet([1, 1])
-    small = ModelSpec(**{**tiny_spec.__dict__, "seq_len": 32})
-    events: list[str] = []
-    assert profiler.MIN_REPEATS >= 1
-    devices, links = measure_fleet(cluster, small, 1, "test-token", log_dir=tmp_path, on_event=events.append,
-                                   timeout_s=240, link_sizes=(1024, 1 << 18), link_repeats=2)
-    assert [d.device for d in devices] == [d.name for d in cluster.devices]
-    assert all(set(d.layers) == {"embedding", "decoder", "norm", "head"} for d in devices)
-    assert all(d.threads == 1 and d.environment["torch_threads"] == 1 for d in devices)
-    assert len(links) == 1 and links[0].a == links[0].b == "localhost"
-    assert links[0].bandwidth_gbps > 0 and links[0].latency_us > 0
-    assert any("decoder layer measured" in e for e in events)
-    assert any("optimizer measured" in e for e in events) and any("messages measured" in e for e in events)
-    for d in devices:  # what a stage pays outside its layers was measured too
-        assert d.optimizer is not None and all(t > 0 for _, t in d.optimizer.samples)
-        assert d.message_send is not None and d.message_recv is not None
-        assert all(t > 0 for _, t in d.message_send.samples + d.message_recv.samples)
-    # One CPU stage of a host at a time, the other running a load meanwhile: the two measurements
-    # do not overlap in time (measuring both at once shares the cores only by chance).
-    first, second = sorted(devices, key=lambda d: d.started_unix_s)
-    assert first.started_unix_s > 0 and first.started_unix_s + first.seconds <= second.started_unix_s
-    assert devices[0].measured_with == [devices[1].device] and devices[1].measured_with == [devices[0].device]
-
-
 def test_load_runs_until_a_message_arrives(tiny_spec: ModelSpec) -> None:
     """A loading worker repeats a real decoder step between polls and hands over the message that ends it."""
     import torch
@@ -336,6 +307,26 @@ def test_stage_overheads_come_from_the_profile_or_the_roofline(tiny_spec: ModelS
     assert cm.sources[f"optimizer {dev.name}"] == "roofline (not measured)"
 
 
+def check_measured_fleet(profile: Profile) -> None:
+    """What `hetero profile hardware=local` (two CPU worker processes) measured: every part of each device,
+    one at a time while the other ran a load, and the loopback link."""
+    devices, links = profile.devices, profile.links
+    assert [d.device for d in devices] == ["localhost.cpu0", "localhost.cpu1"]
+    assert all(set(d.layers) == {"embedding", "decoder", "norm", "head"} for d in devices)
+    assert all(d.threads == 1 and d.environment["torch_threads"] == 1 for d in devices)
+    assert len(links) == 1 and links[0].a == links[0].b == "localhost"
+    assert links[0].bandwidth_gbps > 0 and links[0].latency_us > 0
+    for d in devices:  # what a stage pays outside its layers was measured too
+        assert d.optimizer is not None and all(t > 0 for _, t in d.optimizer.samples)
+        assert d.message_send is not None and d.message_recv is not None
+        assert all(t > 0 for _, t in d.message_send.samples + d.message_recv.samples)
+    # One CPU stage of a host at a time, the other running a load meanwhile: the two measurements
+    # do not overlap in time (measuring both at once shares the cores only by chance).
+    first, second = sorted(devices, key=lambda d: d.started_unix_s)
+    assert first.started_unix_s > 0 and first.started_unix_s + first.seconds <= second.started_unix_s
+    assert devices[0].measured_with == [devices[1].device] and devices[1].measured_with == [devices[0].device]
+
+
 def test_profile_compile_run_predicts_the_step(tmp_path: Path, capsys, monkeypatch) -> None:
     """The whole loop on this machine, as a user follows the hints: a datasheet plan's "measure the fleet"
     hints, run as printed (they keep the user's overrides), profile hardware=local and compile with it; run,
@@ -365,6 +356,7 @@ def test_profile_compile_run_predicts_the_step(tmp_path: Path, capsys, monkeypat
     measure, again = re.findall(r"`([^`]+)`", hint)
     assert measure == "hetero profile model=tiny hardware=local lora.r=4 output=profile.json", hint
     assert main(shlex.split(measure)[1:]) == 0
+    check_measured_fleet(Profile.load(tmp_path / "profile.json"))
     follow = capsys.readouterr().out.splitlines()[-1]
     assert follow == "next: hetero compile model=tiny hardware=local lora.r=4 profile=profile.json", follow
     assert again == "hetero compile model=tiny hardware=local lora.r=4 output=plan profile=profile.json", hint

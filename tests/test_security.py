@@ -22,14 +22,18 @@ import psutil
 import pytest
 import torch
 import zmq
+from reference import assert_close_to_scale, reference_run
 from test_runtime_plans import make_plan
 
 from hetero.errors import ConfigError, PlanError, WireError
 from hetero.plan import Plan
+from hetero.runtime.adapter import load_adapter_state
 from hetero.runtime.messages import coordinator_rules, max_message_bytes, stage_rules
 from hetero.runtime.transport import Transport
 from hetero.security import Identity, generate, key_dirs, load_identity, resolve_mode
 from hetero.specs import ModelSpec, TrainSpec
+
+SEQ_LEN = 32
 
 M = 4  # micro-batches per step
 
@@ -287,9 +291,12 @@ with Transport("stage0", None, plan.input_hash, identity=keyed, peer_keys=plan.s
 def test_an_attacked_run_trains_exactly_like_an_unattacked_one(tmp_path: Path, tiny_model_dir: Path,
                                                                 tiny_spec: ModelSpec) -> None:
     """CurveZMQ end to end: spoofed NaN activations from a keyed-but-wrong peer, a keyless peer and
-    raw garbage hit stage 1 during a real 3-stage run; the run's losses equal an unattacked run's."""
-    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2],
-                     train=TrainSpec(micro_batch_size=1, num_micro_batches=4, steps=3))
+    raw garbage hit stage 1 during a real 3-stage run; the run trains exactly like the unattacked plain
+    transformers + peft reference (losses and every LoRA tensor)."""
+    train = TrainSpec(micro_batch_size=1, num_micro_batches=4, steps=3)
+    reference = reference_run(tiny_model_dir, tmp_path / "reference", train, SEQ_LEN)
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=train, lora=reference["lora"],
+                     seq_len=SEQ_LEN)
     plan.security = generate("curve", [s.host for s in plan.stages], tmp_path)
     plan.save(tmp_path / "plan.json")
     hetero = [sys.executable, "-m", "hetero.cli", "run", "plan.json", "--no-progress"]
@@ -299,7 +306,6 @@ def test_an_attacked_run_trains_exactly_like_an_unattacked_one(tmp_path: Path, t
         assert done.returncode == 0, done.stderr[-2000:]
         return [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
-    reference = run("ref")
     stop_file = tmp_path / "stop-attacking"
     attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, str(tmp_path / "plan.json"), str(stop_file)])
     try:
@@ -310,7 +316,11 @@ def test_an_attacked_run_trains_exactly_like_an_unattacked_one(tmp_path: Path, t
             attacker.wait(timeout=30)
         except subprocess.TimeoutExpired:
             attacker.kill()
-    assert attacked == reference and all(math.isfinite(x) for x in attacked)
+    assert attacked == pytest.approx(reference["losses"], rel=1e-4) and all(math.isfinite(x) for x in attacked)
+    adapter = load_adapter_state(tmp_path / "attacked" / "adapter")
+    assert adapter.keys() == reference["state"].keys()
+    for key, want in reference["state"].items():
+        assert_close_to_scale(key, adapter[key], want, 1e-4)
     log = (tmp_path / "attacked" / "logs" / "stage1.log").read_text()
     assert "authenticated as 'stage2', not 'stage0'" in log  # the keyed liar: dropped after decoding
     assert "refused a connection" in log  # the keyless peer and the raw bytes: refused at the handshake

@@ -62,32 +62,50 @@ def _check_state(state: dict[str, torch.Tensor], r: int, target_modules: Iterabl
             )
 
 
+def adapter_config(lora: LoraSpec, base_model: str) -> dict[str, Any]:
+    """The adapter_config.json of a plain LoRA adapter, as peft's LoraConfig reads it (a key it does not
+    find takes peft's default). Written without importing peft: that import costs seconds of CPU at the
+    end of every run."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.r,
+        # peft types alpha as int and standard adapters store 16, not 16.0; a fractional alpha still works.
+        "lora_alpha": int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": sorted(lora.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "revision": None,
+    }
+
+
 def save_adapter(state: dict[str, torch.Tensor], lora: LoraSpec, base_model: str, out_dir: Path) -> None:
     """Write ``state`` (whole-model PEFT keys) as a standard PEFT LoRA adapter directory, whole or not at all.
 
     The files go to a hidden sibling that is flushed and renamed onto ``out_dir``; a full or read-only
     disk raises RunDirError (one line) and leaves no partial adapter behind.
     """
-    from peft import LoraConfig
     from safetensors.torch import save
 
     out_dir = Path(out_dir)
     _check_state(state, lora.r, lora.target_modules, f"adapter for {out_dir}")
-    config = LoraConfig(
-        r=lora.r,
-        # peft types alpha as int and standard adapters store 16, not 16.0; a fractional alpha still works.
-        lora_alpha=int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha,  # type: ignore[arg-type]
-        lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
-        bias="none",
-        task_type="CAUSAL_LM",
-        base_model_name_or_path=base_model,
-    )
     # Contiguous CPU copies: stage tensors may be views on an accelerator, safetensors wants neither.
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in sorted(state.items())}
+    config = json.dumps(adapter_config(lora, base_model), indent=2, sort_keys=True) + "\n"
     try:
         with staging_dir(out_dir) as tmp:
-            config.save_pretrained(str(tmp))
+            write_bytes(tmp / ADAPTER_CONFIG, config.encode())
             write_bytes(tmp / ADAPTER_WEIGHTS, save(tensors, metadata={"format": "pt"}))
     except OSError as exc:
         raise _adapter_write_failure(exc, out_dir) from None

@@ -13,9 +13,9 @@ STARTED: list[subprocess.Popen] = []
 PIDS: list[int] = []  # stage processes a test learned of (killed too: a SIGSTOPped one ignores its parent)
 
 
-def start(args: list[str], cwd: Path) -> subprocess.Popen:
+def start(args: list[str], cwd: Path, **env: str) -> subprocess.Popen:
     proc = subprocess.Popen(HETERO + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
     STARTED.append(proc)
     return proc
 

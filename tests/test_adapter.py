@@ -56,6 +56,17 @@ def test_stage_pieces_make_one_standard_adapter(
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == tiny_spec.lora.r and config["task_type"] == "CAUSAL_LM"
     assert config["base_model_name_or_path"] == str(tiny_model_dir)
+    # Written without peft, read by peft as the LoraConfig peft itself would write for these settings.
+    from peft import LoraConfig, PeftConfig
+
+    read = PeftConfig.from_pretrained(str(out))
+    lora = tiny_spec.lora
+    want = LoraConfig(r=lora.r, lora_alpha=int(lora.alpha), lora_dropout=lora.dropout, bias="none",
+                      target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
+                      base_model_name_or_path=str(tiny_model_dir))
+    assert isinstance(read, LoraConfig)
+    assert {k: v for k, v in read.to_dict().items() if k not in ("inference_mode", "peft_version")} == \
+        {k: v for k, v in want.to_dict().items() if k not in ("inference_mode", "peft_version")}
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     plain = _logits(base)

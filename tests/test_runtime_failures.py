@@ -31,7 +31,7 @@ from hetero.runtime.transport import Transport
 from hetero.specs import ModelSpec, TrainSpec
 
 FAILURE_TIMEOUT_S = 5.0
-STEPS = 16
+STEPS = 10
 TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=STEPS, lr=1e-3)
 # Given to the interrupted runs only: `--resume` must take them from the checkpoint.
 SETTINGS = ["lr=2e-3", "scheduler=cosine", "warmup_steps=2", "max_grad_norm=0.5"]
@@ -238,8 +238,15 @@ def root(tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path_factory: pytest.Te
 def reference(root: Path) -> dict:
     """One uninterrupted run with SETTINGS: its per-step (loss, lr) and final adapter."""
     run_dir = root / "reference"
-    code, _, err = finish(_run(root / "plan.json", run_dir, *SETTINGS))
+    # With every warning switched on, as the README's main command's `hetero run`: library warnings go to
+    # the run's logs/warnings.log, and the terminal shows hetero's own lines only.
+    run = start(["run", str(root / "plan.json"), "--run-dir", str(run_dir), "--port", str(free_ports(1)[0]),
+                 *RUNTIME, *SETTINGS], root.parent, PYTHONWARNINGS="always")
+    code, out, err = finish(run)
     assert code == 0, err[-3000:]
+    assert "Warning" not in out + err and "adapter:" in out, err[-3000:]
+    # The stages' library warnings (transformers deprecations) are in their logs, where stage output goes.
+    assert "Warning" in (run_dir / "logs" / "stage1.log").read_text()
     metrics = _metrics(run_dir)
     assert len({round(m["lr"], 12) for m in metrics}) > 3  # the cosine schedule really acts
     return {"losses": [(m["loss"], m["lr"]) for m in metrics], "adapter": _adapter(run_dir)}

@@ -99,13 +99,20 @@ def test_a_worker_of_another_plan_is_refused(tiny_model_dir: Path, tiny_spec: Mo
     port = free_ports(1)[0]
     worker = start(["worker", "other.json", "--host", "beta", "--coordinator", f"tcp://127.0.0.1:{port}",
                      "--run-dir", str(tmp_path / "beta")], tmp_path)
+    # Both foreign stages have queued their hello: the coordinator gets them as soon as it listens, so a
+    # short handshake timeout is enough to see them dropped.
+    logs = [tmp_path / "beta" / "logs" / f"stage{k}.log" for k in (1, 2)]
+    deadline = time.monotonic() + 180
+    while not all(log.is_file() and "hello sent" in log.read_text() for log in logs):
+        assert worker.poll() is None and time.monotonic() < deadline, "the foreign worker never said hello"
+        time.sleep(0.2)
     # The coordinator drops the foreign hellos (logged at once) and keeps waiting for the real stages.
     run = start(["run", "plan.json", "--run-dir", str(tmp_path / "run"), "--port", str(port),
-                  "--handshake-timeout", "20"], tmp_path)
+                  "--handshake-timeout", "8"], tmp_path)
     code, _, err = finish(run)
     assert code == 2
     line = err.strip().splitlines()[-1]
-    assert line.startswith("hetero: error:") and "sent no 'hello' within 20 s" in line, err
+    assert line.startswith("hetero: error:") and "sent no 'hello' within 8 s" in line, err
     assert plan.input_hash[:12] in line and other.input_hash[:12] in line, line
     wcode, _, werr = finish(worker, 120)
     assert wcode != 0 and "error" in werr  # the foreign worker does not linger either

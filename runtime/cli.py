@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import sys
 import time
@@ -198,6 +199,10 @@ def main_run(argv: list[str]) -> int:
     config["eval"] = to_dict(evaluation)
     # plan.json has the overrides in it; the input hash is unchanged (they are not placement).
     plan_path = prepare_run_dir(plan, run_dir, yaml.safe_dump(config, sort_keys=False))
+    from hetero.runtime.rundir import RUN_OPTIONS_ENV
+
+    os.environ[RUN_OPTIONS_ENV] = shlex.join((["--host", args.host] if args.host else []) + (
+        ["--port", str(args.port)] if args.port is not None else []))
     from hetero import warnings_log
 
     warnings_log.log_to(run_dir / "logs" / "warnings.log")  # library warnings: the run's logs, not the terminal

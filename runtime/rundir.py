@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shlex
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,6 +60,17 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+# `hetero run`'s own --host/--port, shell-quoted (set by runtime.cli.main_run, inherited by the stages it
+# starts, which write checkpoints too): a resume hint repeats them, so it works as printed.
+RUN_OPTIONS_ENV = "HETERO_RUN_OPTIONS"
+
+
+def resume_command(run_dir: Path, checkpoint: Path) -> str:
+    """The `hetero run ... --resume CHECKPOINT` command that continues this run where it stopped."""
+    options = shlex.split(os.environ.get(RUN_OPTIONS_ENV, ""))
+    return shlex.join(["hetero", "run", str(Path(run_dir) / "plan.json"), *options, "--resume", str(checkpoint)])
+
+
 def write_failure(exc: OSError, what: str, where: Path, run_dir: Path) -> RunDirError:
     """The one-line error for a failed write, with how to continue from the last complete checkpoint."""
     reason = exc.strerror or type(exc).__name__
@@ -72,7 +84,7 @@ def write_failure(exc: OSError, what: str, where: Path, run_dir: Path) -> RunDir
     if last is None:
         then = "run again (no checkpoint was complete yet)"
     else:
-        then = f"resume with `hetero run {Path(run_dir) / 'plan.json'} --resume {last}`"
+        then = f"resume with `{resume_command(run_dir, last)}`"
     return RunDirError(f"cannot write {what} to {where} ({reason}): {fix} and {then}")
 
 

@@ -8,6 +8,7 @@ import errno
 import hashlib
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -438,8 +439,9 @@ def test_a_run_whose_disk_fills_up_stops_cleanly_and_resumes(tiny_model_dir: Pat
     disk = tmpfs("64m")
     run_dir = disk / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([*HETERO, "run", "plan.json", "--run-dir", str(run_dir), "--no-progress"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    port = str(free_ports(1)[0])
+    proc = subprocess.Popen([*HETERO, "run", "plan.json", "--run-dir", str(run_dir), "--port", port, "--no-progress"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         first = checkpoint_dir(run_dir, 4)
         deadline = time.monotonic() + 240
@@ -460,17 +462,21 @@ def test_a_run_whose_disk_fills_up_stops_cleanly_and_resumes(tiny_model_dir: Pat
     assert proc.returncode == 2, err
     assert _one_line(err) == (
         f"hetero: error: cannot write checkpoint step-000008 to {run_dir / 'checkpoints'} (No space left on device): "
-        f"free space and resume with `hetero run {run_dir / 'plan.json'} --resume {first}`")
+        f"free space and resume with `hetero run {run_dir / 'plan.json'} --port {port} --resume {first}`")
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000004"]
     assert _digest(first) == before and not (run_dir / "adapter").exists()
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(8))
 
-    filler.unlink()  # space freed: the command from the message continues the run
-    resumed = tmp_path / "resumed"
-    done = subprocess.run([*HETERO, "run", str(run_dir / "plan.json"), "--resume", str(run_dir), "--run-dir",
-                           str(resumed), "--no-progress"], cwd=tmp_path, capture_output=True, text=True, env=env,
-                          timeout=240)
+    filler.unlink()  # space freed: the command from the message, run as printed, continues the run
+    printed = shlex.split(_one_line(err).rsplit("`", 2)[1])
+    assert printed[:2] == ["hetero", "run"]
+    done = subprocess.run([*HETERO, *printed[1:], "--no-progress"], cwd=tmp_path, capture_output=True, text=True,
+                          env=env, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [json.loads(x)["step"] for x in (resumed / "metrics.jsonl").read_text().splitlines()] == [4, 5, 6, 7]
-    assert (resumed / "adapter" / "adapter_model.safetensors").is_file()
+    # --resume CHECKPOINT starts a new run directory (--resume RUN_DIR would go on in RUN_DIR).
+    adapter = Path(done.stdout.split("adapter: ", 1)[1].split()[0])
+    if not adapter.is_absolute():
+        adapter = tmp_path / adapter
+    assert (adapter / "adapter_model.safetensors").is_file()
+    assert [json.loads(x)["step"] for x in (adapter.parent / "metrics.jsonl").read_text().splitlines()] == [4, 5, 6, 7]

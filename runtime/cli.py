@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import sys
 import time
@@ -199,10 +198,10 @@ def main_run(argv: list[str]) -> int:
     config["eval"] = to_dict(evaluation)
     # plan.json has the overrides in it; the input hash is unchanged (they are not placement).
     plan_path = prepare_run_dir(plan, run_dir, yaml.safe_dump(config, sort_keys=False))
-    from hetero.runtime.rundir import RUN_OPTIONS_ENV
+    from hetero.runtime import rundir
 
-    os.environ[RUN_OPTIONS_ENV] = shlex.join((["--host", args.host] if args.host else []) + (
-        ["--port", str(args.port)] if args.port is not None else []))
+    rundir.RUN_OPTIONS[:] = (["--host", args.host] if args.host else []) + (
+        ["--port", str(args.port)] if args.port is not None else [])
     from hetero import warnings_log
 
     warnings_log.log_to(run_dir / "logs" / "warnings.log")  # library warnings: the run's logs, not the terminal
@@ -214,8 +213,7 @@ def main_run(argv: list[str]) -> int:
                          **run_options)
     result = Coordinator(plan, plan_path, options).run()
     if result.interrupted_after is not None:
-        again = ["hetero", "run", str(plan_path)] + (["--host", args.host] if args.host else []) + (
-            ["--port", str(args.port)] if args.port is not None else [])
+        again = rundir.run_command(plan_path)
         if result.checkpoint is None:
             print(f"hetero: interrupted before the first step finished: nothing to keep; start again with "
                   f"`{shlex.join(again + ['--run-dir', str(run_dir)])}`", file=sys.stderr)

@@ -51,7 +51,7 @@ from hetero.runtime.control import (
 )
 from hetero.runtime.executor import COORDINATOR, stage_name
 from hetero.runtime.processes import exit_cause, is_stopped, last_error_line, spawn_stages, stop_processes
-from hetero.runtime.rundir import append_run_line, write_run_file
+from hetero.runtime.rundir import append_run_line, run_command, write_run_file
 from hetero.runtime.worker import coordinator_endpoint, payload_due
 from hetero.serde import to_dict
 from hetero.specs import RUNTIME_OVERRIDABLE
@@ -243,12 +243,7 @@ class Coordinator:
 
     def _command(self) -> str:
         """The `hetero run` command line that runs this plan again, in this run directory's copy."""
-        parts = ["hetero", "run", str(self.plan_path)]
-        if self.options.host:
-            parts += ["--host", self.options.host]
-        if self.options.port is not None:
-            parts += ["--port", str(self.options.port)]
-        return shlex.join(parts)
+        return shlex.join(run_command(self.plan_path))
 
     def _resume_hint(self) -> str:
         from hetero.runtime.rundir import checkpoint_step, latest_checkpoint

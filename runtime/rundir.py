@@ -60,15 +60,19 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-# `hetero run`'s own --host/--port, shell-quoted (set by runtime.cli.main_run, inherited by the stages it
-# starts, which write checkpoints too): a resume hint repeats them, so it works as printed.
-RUN_OPTIONS_ENV = "HETERO_RUN_OPTIONS"
+# `hetero run`'s own --host/--port, set by runtime.cli.main_run: every command this run suggests repeats
+# them, so it works as printed.
+RUN_OPTIONS: list[str] = []
+
+
+def run_command(plan_path: Path) -> list[str]:
+    """``hetero run PLAN [--host H] [--port P]``: this run's command, for the hints that continue it."""
+    return ["hetero", "run", str(plan_path), *RUN_OPTIONS]
 
 
 def resume_command(run_dir: Path, checkpoint: Path) -> str:
     """The `hetero run ... --resume CHECKPOINT` command that continues this run where it stopped."""
-    options = shlex.split(os.environ.get(RUN_OPTIONS_ENV, ""))
-    return shlex.join(["hetero", "run", str(Path(run_dir) / "plan.json"), *options, "--resume", str(checkpoint)])
+    return shlex.join([*run_command(Path(run_dir) / "plan.json"), "--resume", str(checkpoint)])
 
 
 def write_failure(exc: OSError, what: str, where: Path, run_dir: Path) -> RunDirError:

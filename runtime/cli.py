@@ -32,16 +32,24 @@ RUN_OPTIONS = {
 }
 
 
-def split_run_options(pairs: list[str]) -> tuple[list[str], dict[str, float]]:
-    """Take the ``runtime.KEY=SECONDS`` pairs out of ``pairs``; returns the rest and their values."""
+def _take_prefixed(pairs: list[str], prefix: str) -> tuple[list[str], list[tuple[str, str, str, str]]]:
+    """Split ``pairs`` into the rest and the ``PREFIX.NAME=VALUE`` ones, as (key, name, sep, raw) each."""
     rest: list[str] = []
-    values: dict[str, float] = {}
+    taken: list[tuple[str, str, str, str]] = []
     for pair in pairs:
         key, sep, raw = pair.partition("=")
-        if not key.startswith("runtime."):
+        if key.startswith(prefix):
+            taken.append((key, key[len(prefix):], sep, raw))
+        else:
             rest.append(pair)
-            continue
-        name = key[len("runtime."):]
+    return rest, taken
+
+
+def split_run_options(pairs: list[str]) -> tuple[list[str], dict[str, float]]:
+    """Take the ``runtime.KEY=SECONDS`` pairs out of ``pairs``; returns the rest and their values."""
+    rest, taken = _take_prefixed(pairs, "runtime.")
+    values: dict[str, float] = {}
+    for key, name, sep, raw in taken:
         if name not in RUN_OPTIONS:
             raise ConfigError(f"unknown run option '{key}'; `hetero run` accepts "
                               f"{', '.join('runtime.' + n for n in sorted(RUN_OPTIONS))}")
@@ -58,22 +66,18 @@ def split_run_options(pairs: list[str]) -> tuple[list[str], dict[str, float]]:
 def split_eval_options(pairs: list[str], evaluation: EvalSpec) -> tuple[list[str], EvalSpec]:
     """Take the ``eval.KEY=VALUE`` pairs out of ``pairs``; returns the rest and the plan's eval settings
     with them applied (held-out evaluation may change at every run)."""
-    rest: list[str] = []
+    rest, taken = _take_prefixed(pairs, "eval.")
+    known = to_dict(evaluation)
     values: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not key.startswith("eval."):
-            rest.append(pair)
-            continue
-        name = key[len("eval."):]
-        if not sep or name not in to_dict(evaluation):
-            raise ConfigError(f"unknown eval option '{pair}'; `hetero run` accepts "
-                              f"{', '.join('eval.' + n + '=...' for n in to_dict(evaluation))}")
+    for key, name, sep, raw in taken:
+        if not sep or name not in known:
+            raise ConfigError(f"unknown eval option '{key}{sep}{raw}'; `hetero run` accepts "
+                              f"{', '.join('eval.' + n + '=...' for n in known)}")
         try:
             values[name] = yaml.safe_load(raw)
         except yaml.YAMLError:
-            raise ConfigError(f"override '{pair}': cannot parse the value {raw!r}") from None
-    out = from_dict(EvalSpec, {**to_dict(evaluation), **values}, "eval", ConfigError)
+            raise ConfigError(f"override '{key}{sep}{raw}': cannot parse the value {raw!r}") from None
+    out = from_dict(EvalSpec, {**known, **values}, "eval", ConfigError)
     check_eval(out)
     return rest, out
 

@@ -49,7 +49,7 @@ def replayed_ratio(plan_dir: Path, run_dir: Path) -> float:
     """measured / (the plan's programs replayed with the run's own per-action times): the schedule model alone."""
     from hetero.plan import Plan
     from hetero.planner.simulator import replay_run
-    from hetero.runtime.run_compare import median_step_s, stage_timings_from_metrics
+    from hetero.runtime.tools.run_compare import median_step_s, stage_timings_from_metrics
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     measured = median_step_s(metrics)

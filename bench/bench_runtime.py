@@ -98,7 +98,7 @@ def prepare(work: Path, steps: int, num_micro: int | None = None) -> tuple[Path,
 
 def step_batches(model_dir: Path, data: Path, num_micro: int | None = None) -> Any:
     """The StepBatches every baseline reads (the hetero run reads the same file the same way)."""
-    from hetero.runtime.data import StepBatches
+    from hetero.runtime.run.data import StepBatches
     from hetero.specs import DataSpec
 
     return StepBatches(DataSpec(path=str(data), format="tokens"), model_dir, SEQ_LEN, MICRO_BATCH,
@@ -151,8 +151,8 @@ def run_one_process(model_dir: Path, data: Path, steps: int, threads: int, num_m
 def node_times(model_dir: Path, reps: int = 6) -> tuple[list[float], float]:
     """Forward + backward seconds per micro-batch of each layer-graph node (embedding, each decoder
     layer, norm + head + loss), measured alone in this process with 1 thread and hetero's LoRA kernels
-    (runtime/lora.py), median of ``reps``; and the optimizer step (global clip + AdamW) over all LoRA."""
-    from hetero.runtime.lora import share_lora_inputs
+    (runtime/stage/lora.py), median of ``reps``; and the optimizer step (global clip + AdamW) over all LoRA."""
+    from hetero.runtime.stage.lora import share_lora_inputs
 
     torch.set_num_threads(1)
     model = peft_model(model_dir)

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from hetero.runtime.transport import Transport
+from hetero.runtime.wire.transport import Transport
 
 PLAN = "bench"
 RAW_SOCKET_BUFFER = 4194304  # 0: kernel autotuning (measured fastest on Linux loopback); else bytes

@@ -575,7 +575,7 @@ def run_hetero(link: LinkPair, plan_dir: Path, steps: int, work: Path, tag: str,
             "link": sampler.window(steps), "note": note, "timeline": timeline(trace_dir, sampler, steps) if trace else None}
 
 
-# Put first on a hetero process's PYTHONPATH (with W3_TRACE=DIR): when hetero.runtime.executor is
+# Put first on a hetero process's PYTHONPATH (with W3_TRACE=DIR): when hetero.runtime.stage.executor is
 # imported, wraps each Executor's action handlers so every action appends [op, step, mb, t0, t1]
 # (wall clock) to DIR/stage<k>.jsonl. Nothing else changes; without W3_TRACE it does nothing.
 _TRACE_HOOK = '''"""bench_w3 --trace: time each runtime action of a hetero stage (W3_TRACE=DIR)."""
@@ -586,7 +586,7 @@ import os
 import sys
 import time
 
-TARGET = "hetero.runtime.executor"
+TARGET = "hetero.runtime.stage.executor"
 
 
 def _patch(module):

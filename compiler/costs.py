@@ -65,7 +65,7 @@ def attention_flops_per_token(config: Any, seq_len: int, causal: bool = True) ->
 
 
 # Which Linears read the same input tensor: a LoRA on any of them keeps that input once (the runtime's
-# LoRA path saves the input at the compute dtype, shared; see runtime/lora.py).
+# LoRA path saves the input at the compute dtype, shared; see runtime/stage/lora.py).
 _INPUT_GROUPS = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "attn_out",
                  "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "mlp_mid"}
 
@@ -107,7 +107,7 @@ def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: int, 
 def decoder_recompute_bytes(config: Any, dtype_bytes: int) -> float:
     """Bytes per token a recomputed decoder layer keeps between its forward and backward: its input.
 
-    The layer re-runs its forward during backward (runtime/stage.py); while it does, one layer's
+    The layer re-runs its forward during backward (runtime/stage/model.py); while it does, one layer's
     full activations exist again, which the planner adds once per stage (planner/objective.py).
     """
     return float(dtype_bytes * config.hidden_size)

@@ -16,14 +16,13 @@ from typing import Any
 from hetero import __version__
 from hetero.errors import HeteroError
 
-# Subcommands whose argv goes untouched to hetero.runtime.cli (written alongside; imported lazily so
-# `hetero compile` never loads the runtime, and the runtime never loads Hydra or the compiler).
+# Subcommands whose argv goes untouched to "package.module:function" under hetero.runtime (imported lazily
+# so `hetero compile` never loads the runtime, and the runtime never loads Hydra or the compiler).
 RUNTIME_COMMANDS = {
-    "run": ("main_run", "train a compiled plan: hetero run plan.json [key=value ...]"),
-    "worker": ("main_worker", "serve this host's stages of a plan (started by `hetero run` or by hand)"),
-    "generate": ("main_generate", "generate text with the base model plus a trained adapter"),
-    # "module:function" for a command that lives in its own hetero.runtime module.
-    "export": ("export:main_export", "merge a run's adapter into its base model: a standalone model for serving "
+    "run": ("run.cli:main_run", "train a compiled plan: hetero run plan.json [key=value ...]"),
+    "worker": ("run.cli:main_worker", "serve this host's stages of a plan (started by `hetero run` or by hand)"),
+    "generate": ("run.cli:main_generate", "generate text with the base model plus a trained adapter"),
+    "export": ("tools.export:main_export", "merge a run's adapter into its base model: a standalone model for serving "
                "(hetero export RUN_DIR --out DIR)"),
 }
 
@@ -245,9 +244,9 @@ def cmd_profile(config_dir: str | None, overrides: list[str]) -> int:
     from hetero import warnings_log
 
     warnings_log.log_to(out_path.parent / "profile-logs" / "warnings.log")
-    measure = _lazy("hetero.runtime.profile_worker", "measure_fleet")
+    measure = _lazy("hetero.runtime.tools.profile_worker", "measure_fleet")
     fhash, mhash = fleet_hash(cfg.cluster), model_hash(cfg.model)
-    num_pairs = len(_lazy("hetero.runtime.profile_worker", "_link_pairs")(cfg.cluster))
+    num_pairs = len(_lazy("hetero.runtime.tools.profile_worker", "_link_pairs")(cfg.cluster))
     err = _console(stderr=True)
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task(f"profiling {cfg.model.name} on {cfg.cluster.name}",
@@ -296,7 +295,7 @@ def run_versus_plan(plan: Any, run_dir: Path) -> list[str]:
     from hetero.errors import ConfigError
     from hetero.plan import Plan
     from hetero.planner.simulator import replay_run
-    from hetero.runtime.run_compare import median_step_s, stage_timings_from_metrics
+    from hetero.runtime.tools.run_compare import median_step_s, stage_timings_from_metrics
 
     metrics_path = run_dir / "metrics.jsonl"
     try:
@@ -385,7 +384,7 @@ def cmd_simulate(plan_path: Path, width: int = 72, replan: bool = True, picture:
 
 def _run_runtime(command: str, argv: list[str]) -> int:
     module, _, func_name = RUNTIME_COMMANDS[command][0].rpartition(":")
-    func = _lazy(f"hetero.runtime.{module or 'cli'}", func_name)
+    func = _lazy(f"hetero.runtime.{module}", func_name)
     code = func(argv)
     return int(code or 0)
 

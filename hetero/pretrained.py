@@ -34,7 +34,7 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Names for the special tokens of the tiny tokenizer (Llama convention).
 _SPECIAL_NAMES = {"pad_token_id": "<pad>", "bos_token_id": "<s>", "eos_token_id": "</s>", "unk_token_id": "<unk>"}
 # The tiny tokenizer's chat template (data.format=chat): a user turn and the assistant's reply render as the
-# alpaca prompt and response (runtime/data.py), so the demo model reads both formats the same way; a system
+# alpaca prompt and response (runtime/run/data.py), so the demo model reads both formats the same way; a system
 # message is plain text before them. Each reply ends with EOS.
 TINY_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -101,7 +101,7 @@ def _hub_cache_dir(repo_id: str) -> Path:
 
 def tiny_key(architecture: dict[str, Any]) -> str:
     """Cache key of a tiny model: hash of the architecture, recipe version, demo data and prompt templates."""
-    from hetero.runtime.data import PROMPT_NO_INPUT, PROMPT_WITH_INPUT
+    from hetero.runtime.run.data import PROMPT_NO_INPUT, PROMPT_WITH_INPUT
 
     # The tokenizer is trained on rendered prompts: the template is part of the recipe.
     recipe = {
@@ -204,7 +204,7 @@ def build_tokenizer(architecture: dict[str, Any], out_dir: Path) -> None:
 
 def _tokenizer_corpus() -> list[str]:
     """Demo records as the data pipeline renders them, so template words become single tokens."""
-    from hetero.runtime.data import render_alpaca
+    from hetero.runtime.run.data import render_alpaca
 
     lines = []
     for raw in demo_data_text().splitlines():

@@ -77,7 +77,7 @@ class LayerProfile:
     lora_params: int
     activation_bytes_per_token: float  # saved for backward, per token of a micro-batch
     peak_bytes_per_token: float  # peak extra memory during forward+backward, per token
-    memory_method: str  # how the two numbers above were measured (see hetero.runtime.profiler)
+    memory_method: str  # how the two numbers above were measured (see hetero.runtime.tools.profiler)
     # Decoder layers: bytes kept per token when the layer recomputes (None: not measured, older profile).
     recompute_bytes_per_token: float | None = None
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from transformers import AutoModelForCausalLM, get_scheduler
 
-from hetero.runtime.data import StepBatch, StepBatches
+from hetero.runtime.run.data import StepBatch, StepBatches
 from hetero.specs import LoraSpec, TrainSpec
 
 HF_SCHEDULER = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
@@ -107,7 +107,7 @@ def make_init_adapter(model_dir: Path, lora: LoraSpec, out_dir: Path, seed: int)
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
     out_dir = Path(out_dir)
-    model.save_pretrained(str(out_dir))  # peft's own writer, independent of hetero.runtime.adapter
+    model.save_pretrained(str(out_dir))  # peft's own writer, independent of hetero.runtime.run.adapter
     return out_dir
 
 

@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 
 from hetero.errors import ConfigError
 from hetero.pretrained import demo_data_text
-from hetero.runtime.data import IGNORE_INDEX, StepBatches, render_alpaca
-from hetero.runtime.evaluator import held_out_batches
+from hetero.runtime.run.data import IGNORE_INDEX, StepBatches, render_alpaca
+from hetero.runtime.tools.evaluator import held_out_batches
 from hetero.specs import DataSpec, EvalSpec, ModelSpec, TrainSpec
 
 REPO = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ from reference import make_init_adapter
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hetero import cli
-from hetero.runtime import export as export_mod
+from hetero.runtime.tools import export as export_mod
 from hetero.specs import ModelSpec
 
 

@@ -1,4 +1,4 @@
-"""runtime/lora.py: the fused LoRA linear computes what peft computes, and is the path fp32 stages take."""
+"""runtime/stage/lora.py: the fused LoRA linear computes what peft computes, and is the path fp32 stages take."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-import hetero.runtime.lora as lora
+import hetero.runtime.stage.lora as lora
 
 
 class _Two(nn.Module):

@@ -9,7 +9,7 @@ import torch
 from transformers import get_scheduler
 
 from hetero.errors import ConfigError
-from hetero.runtime.lr import lr_multiplier, make_scheduler
+from hetero.runtime.stage.lr import lr_multiplier, make_scheduler
 from hetero.specs import TrainSpec
 
 HF_NAME = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}

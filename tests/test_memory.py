@@ -1,7 +1,7 @@
 """The memory model against what the runtime's autograd really keeps, and the runtime's LoRA path.
 
 For the tiny model and one decoder layer of Llama-3-8B geometry, a stage built the way the runtime
-builds it (nf4 via bitsandbytes, LoRA via peft with runtime/lora.py, recompute via Stage.forward)
+builds it (nf4 via bitsandbytes, LoRA via peft with runtime/stage/lora.py, recompute via Stage.forward)
 runs a forward; runtime.memory.kept_bytes counts the storages still alive for backward. The
 per-token slope over two batch sizes (per-sequence tensors such as rotary tables cancel) must be
 within 10% of the LayerGraph's activation_bytes_per_token (no recompute) or recompute_bytes_per_token.
@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM
 
 from hetero.compiler.fxgraph import build_config
 from hetero.compiler.trace import trace
-from hetero.runtime.lora import share_lora_inputs
-from hetero.runtime.memory import kept_bytes
-from hetero.runtime.stage import Stage, StageLayout, _quantize_nf4
+from hetero.runtime.stage.lora import share_lora_inputs
+from hetero.runtime.stage.memory import kept_bytes
+from hetero.runtime.stage.model import Stage, StageLayout, _quantize_nf4
 from hetero.specs import LoraSpec, ModelSpec
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -29,7 +29,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def build(arch: dict, dtype: str, quant: str, layers: int, recompute: bool, share: bool = True,
           dropout: float = 0.0, seed: int = 0) -> Stage:
-    """A middle stage of ``layers`` decoder layers, built as runtime/stage.py builds one (random weights)."""
+    """A middle stage of ``layers`` decoder layers, built as runtime/stage/model.py builds one (random weights)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(build_config(dict(arch, num_hidden_layers=layers)),
                                              dtype=DTYPES[dtype])

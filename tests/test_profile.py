@@ -149,8 +149,8 @@ def test_real_decoder_layer_measurement(tiny_spec: ModelSpec, monkeypatch: pytes
     """One real tiny decoder layer with LoRA: time grows with tokens, saved bytes match the layer's tensors."""
     import torch
 
-    from hetero.runtime import profiler
-    from hetero.runtime.profiler import build_probe, profile_layer
+    from hetero.runtime.tools import profiler
+    from hetero.runtime.tools.profiler import build_probe, profile_layer
 
     monkeypatch.setattr(profiler, "TARGET_S", 0.05)  # fewer repeats: the test checks shape, not precision
     torch.set_num_threads(1)
@@ -180,8 +180,8 @@ def test_load_runs_until_a_message_arrives(tiny_spec: ModelSpec) -> None:
     import torch
 
     from hetero.errors import WireError
-    from hetero.runtime import profile_worker
-    from hetero.runtime.profiler import decoder_load
+    from hetero.runtime.tools import profile_worker
+    from hetero.runtime.tools.profiler import decoder_load
 
     torch.set_num_threads(1)
     small = ModelSpec(**{**tiny_spec.__dict__, "seq_len": 16})
@@ -229,7 +229,7 @@ def test_profile_cli_refuses_a_foreign_profile(tmp_path: Path, tiny_spec: ModelS
 
 def test_typical_is_a_trimmed_mean() -> None:
     """Preempted calls are part of what a run pays (the mean of both modes); rare outliers are not."""
-    from hetero.runtime.profiler import typical
+    from hetero.runtime.tools.profiler import typical
 
     bimodal = [1.0] * 12 + [3.0] * 8  # 40% of the calls lose a scheduler slice
     assert typical(bimodal) == pytest.approx(1.75)  # the median would say 1.0
@@ -241,8 +241,8 @@ def test_optimizer_and_message_costs_are_measured(tiny_spec: ModelSpec, monkeypa
     """The executor's own optimizer step grows with LoRA parameters; messages cost CPU on both sides."""
     import torch
 
-    from hetero.runtime import profiler
-    from hetero.runtime.profiler import build_probe, profile_messages, profile_optimizer
+    from hetero.runtime.tools import profiler
+    from hetero.runtime.tools.profiler import build_probe, profile_messages, profile_optimizer
 
     monkeypatch.setattr(profiler, "TARGET_S", 0.05)
     torch.set_num_threads(1)
@@ -342,7 +342,7 @@ def test_profile_compile_run_predicts_the_step(tmp_path: Path, capsys, monkeypat
 
     from hetero.cli import main
     from hetero.plan import Plan
-    from hetero.runtime.run_compare import compare_run
+    from hetero.runtime.tools.run_compare import compare_run
 
     # A user's datasheet plan with a choice of their own (lora.r=4: a profile for r=8 would be refused).
     monkeypatch.chdir(tmp_path)

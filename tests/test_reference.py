@@ -11,7 +11,7 @@ import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from reference import accumulate_step, build_reference_model, make_init_adapter, train_reference
 
-from hetero.runtime.data import StepBatches
+from hetero.runtime.run.data import StepBatches
 from hetero.specs import DataSpec, ModelSpec, TrainSpec
 
 

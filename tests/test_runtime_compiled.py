@@ -13,8 +13,8 @@ from reference import make_init_adapter, train_reference
 from test_runtime_plans import run_in_threads
 
 from hetero.plan import Plan
-from hetero.runtime.data import StepBatches
-from hetero.runtime.stage import build_stage
+from hetero.runtime.run.data import StepBatches
+from hetero.runtime.stage.model import build_stage
 from hetero.specs import LoraSpec
 
 

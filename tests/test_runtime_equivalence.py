@@ -17,8 +17,8 @@ import torch
 from reference import assert_close_to_scale, reference_run
 from test_runtime_plans import make_plan
 
-from hetero.runtime.adapter import load_adapter_state
-from hetero.runtime.cli import main_run
+from hetero.runtime.run.adapter import load_adapter_state
+from hetero.runtime.run.cli import main_run
 from hetero.specs import ModelSpec, TrainSpec
 
 pytestmark = pytest.mark.slow

@@ -24,10 +24,10 @@ from procs import PIDS, clean_up, finish, start
 from test_runtime_plans import free_ports, make_plan
 
 from hetero.errors import ConfigError
-from hetero.runtime.cli import RUN_OPTIONS, resume_train, split_run_options
-from hetero.runtime.control import Heartbeat, Mailbox, PeerLost
-from hetero.runtime.processes import exit_cause
-from hetero.runtime.transport import Transport
+from hetero.runtime.run.cli import RUN_OPTIONS, resume_train, split_run_options
+from hetero.runtime.run.processes import exit_cause
+from hetero.runtime.wire.control import Heartbeat, Mailbox, PeerLost
+from hetero.runtime.wire.transport import Transport
 from hetero.specs import ModelSpec, TrainSpec
 
 FAILURE_TIMEOUT_S = 5.0
@@ -212,7 +212,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
-    from hetero.runtime.adapter import load_adapter_state
+    from hetero.runtime.run.adapter import load_adapter_state
 
     return load_adapter_state(run_dir / "adapter")
 

@@ -57,7 +57,7 @@ def test_two_hosts_train_and_the_adapter_loads_with_peft(tiny_model_dir: Path, t
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from hetero.runtime.generate import generate
+    from hetero.runtime.tools.generate import generate
 
     plan = _two_host_plan(tiny_model_dir, tiny_spec)
     plan.save(tmp_path / "plan.json")

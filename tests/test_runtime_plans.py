@@ -160,8 +160,8 @@ def run_in_threads(stages: list, plan: Plan, batches, steps: int, on_step=None, 
     import math
     import threading
 
-    from hetero.runtime.executor import COORDINATOR, Executor, stage_name
-    from hetero.runtime.transport import Transport
+    from hetero.runtime.stage.executor import COORDINATOR, Executor, stage_name
+    from hetero.runtime.wire.transport import Transport
 
     n = len(stages)
     names = [stage_name(k) for k in range(n)]

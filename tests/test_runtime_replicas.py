@@ -19,8 +19,8 @@ from test_runtime_plans import make_plan
 
 from hetero.errors import PlanError
 from hetero.plan import Plan
-from hetero.runtime.adapter import load_adapter_state
-from hetero.runtime.cli import main_run
+from hetero.runtime.run.adapter import load_adapter_state
+from hetero.runtime.run.cli import main_run
 from hetero.specs import ModelSpec, TrainSpec
 
 pytestmark = pytest.mark.slow

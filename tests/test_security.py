@@ -27,9 +27,9 @@ from test_runtime_plans import make_plan
 
 from hetero.errors import ConfigError, PlanError, WireError
 from hetero.plan import Plan
-from hetero.runtime.adapter import load_adapter_state
-from hetero.runtime.messages import coordinator_rules, max_message_bytes, stage_rules
-from hetero.runtime.transport import Transport
+from hetero.runtime.run.adapter import load_adapter_state
+from hetero.runtime.wire.rules import coordinator_rules, max_message_bytes, stage_rules
+from hetero.runtime.wire.transport import Transport
 from hetero.security import Identity, generate, key_dirs, load_identity, resolve_mode
 from hetero.specs import ModelSpec, TrainSpec
 
@@ -185,7 +185,7 @@ def test_garbage_and_pickles_never_reach_a_keyed_stage(keyed) -> None:
 FLOOD = """
 import sys, torch
 from hetero.plan import Plan
-from hetero.runtime.transport import Transport
+from hetero.runtime.wire.transport import Transport
 from hetero.security import key_dirs, load_identity
 plan = Plan.load(sys.argv[1]); endpoint = sys.argv[2]; mode = sys.argv[3]
 ident = load_identity(plan.security, "stage0", key_dirs(sys.argv[1], plan.stages[0].host))
@@ -262,7 +262,7 @@ def test_mode_defaults_and_token_is_refused_off_one_machine() -> None:
 ATTACKER = """
 import os, pickle, socket, sys, time, torch
 from hetero.plan import Plan
-from hetero.runtime.transport import Transport
+from hetero.runtime.wire.transport import Transport
 from hetero.security import key_dirs, load_identity
 plan = Plan.load(sys.argv[1]); target = plan.stages[1].endpoint; stop_file = sys.argv[2]
 keyed = load_identity(plan.security, "stage2", key_dirs(sys.argv[1], plan.stages[2].host))  # a real key, wrong peer

@@ -27,7 +27,7 @@ from hetero.errors import ConfigError
 from hetero.hardware import build_cluster
 from hetero.plan import Plan, compute_input_hash
 from hetero.profile import fleet_hash
-from hetero.runtime.ssh import remote_word, ssh_argv
+from hetero.runtime.run.ssh import remote_word, ssh_argv
 from hetero.specs import ModelSpec, SshSpec, TrainSpec
 
 SSHD = Path("/usr/sbin/sshd")
@@ -92,7 +92,7 @@ def test_ssh_settings_change_neither_the_fleet_hash_nor_the_plan_hash(tiny_model
 
 def test_a_coordinator_on_loopback_is_refused_for_a_host_elsewhere(tiny_model_dir: Path, tiny_spec: ModelSpec,
                                                                    tmp_path: Path) -> None:
-    from hetero.runtime.ssh import RemoteHostError, check_ssh_hosts, ssh_hosts
+    from hetero.runtime.run.ssh import RemoteHostError, check_ssh_hosts, ssh_hosts
 
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN, hosts=["alpha", "beta"])
     plan.cluster.host("beta").address = "10.0.0.2"  # alpha keeps the fleet's default, 127.0.0.1
@@ -243,13 +243,13 @@ def test_one_command_trains_over_ssh_and_a_stopped_run_leaves_nothing_on_any_hos
     print(f"SIGTERM: nothing left on any host {took:.1f} s after `hetero run` exited")
 
 
-# Starts beta's worker over ssh exactly as `hetero run` does (runtime/ssh.py SshWorkers), without the seconds
+# Starts beta's worker over ssh exactly as `hetero run` does (runtime/run/ssh.py SshWorkers), without the seconds
 # a real run takes to import torch and train a step before it can be killed.
 STAND_IN = """
 import sys, time
 from pathlib import Path
 from hetero.plan import Plan
-from hetero.runtime.ssh import SshWorkers, ssh_hosts
+from hetero.runtime.run.ssh import SshWorkers, ssh_hosts
 plan_path, run_dir, coordinator = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 workers = SshWorkers(ssh_hosts(Plan.load(plan_path), plan_path, "alpha"), run_dir)
 workers.start(coordinator)

@@ -14,9 +14,9 @@ from test_runtime_plans import make_plan, run_in_threads
 from transformers import AutoModelForCausalLM
 
 from hetero.errors import CheckpointError, PlanError
-from hetero.runtime import stage as stage_module
-from hetero.runtime.data import StepBatches
-from hetero.runtime.stage import build_stage
+from hetero.runtime.run.data import StepBatches
+from hetero.runtime.stage import model as stage_module
+from hetero.runtime.stage.model import build_stage
 from hetero.specs import DataSpec, LoraSpec, ModelSpec, TrainSpec
 
 CPU = torch.device("cpu")
@@ -111,7 +111,7 @@ def test_plan_recompute_layers_reach_the_stage(tiny_model_dir: Path, tiny_spec: 
     stage = build_stage(plan, 1, CPU)
     assert stage.recompute == frozenset(stage.layout.layers) == frozenset({3, 4, 5})
     lora_layers = [m for m in stage.model.modules() if hasattr(m, "_hetero_cast_first")]
-    assert len(lora_layers) == 7 * 3  # every LoRA Linear runs through runtime/lora.py
+    assert len(lora_layers) == 7 * 3  # every LoRA Linear runs through runtime/stage/lora.py
     plan.stages[1].recompute_layers = ["layers.0"]  # a layer of another stage
     with pytest.raises(PlanError, match="recompute_layers names 'layers.0'"):
         build_stage(plan, 1, CPU)
@@ -193,7 +193,7 @@ def test_mixed_dtype_stages_cast_on_arrival(tiny_model_dir: Path, tiny_spec: Mod
 
 def test_trained_adapter_loads_with_peft(tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path) -> None:
     """The union of stage states saved by save_adapter is a standard PEFT adapter."""
-    from hetero.runtime.adapter import save_adapter
+    from hetero.runtime.run.adapter import save_adapter
 
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3])
     stages = [build_stage(plan, k, CPU) for k in range(2)]

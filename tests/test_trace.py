@@ -17,7 +17,7 @@ from hetero.compiler.costs import attention_flops_per_token
 from hetero.compiler.fxgraph import build_config, build_meta_model
 from hetero.compiler.trace import trace
 from hetero.errors import ConfigError, UnsupportedModelError
-from hetero.runtime.lora import share_lora_inputs
+from hetero.runtime.stage.lora import share_lora_inputs
 from hetero.specs import LoraSpec, ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,9 +18,9 @@ import torch
 import zmq
 
 from hetero.errors import WireError
-from hetero.runtime.env import describe_environment
-from hetero.runtime.transport import Transport, bind_address
-from hetero.runtime.wire import WIRE_VERSION, Message, encode
+from hetero.runtime.run.env import describe_environment
+from hetero.runtime.wire.frames import WIRE_VERSION, Message, encode
+from hetero.runtime.wire.transport import Transport, bind_address
 
 PLAN = "9f8e7d6c5b4a39281706"
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -218,7 +218,7 @@ def test_an_address_that_is_not_this_hosts_is_one_line() -> None:
 
 ECHO_CHILD = """
 import sys
-from hetero.runtime.transport import Transport
+from hetero.runtime.wire.transport import Transport
 parent, n = sys.argv[1], int(sys.argv[2])
 with Transport("stage1", "tcp://127.0.0.1:0", sys.argv[3], recv_timeout_s=60) as t:
     t.connect("stage0", parent)
@@ -314,7 +314,7 @@ def test_send_to_a_peer_whose_handshake_fails_errors_instead_of_hanging(monkeypa
     ZeroMQ drops the connection's queue, and a blocking send used to wait forever while holding the
     send lock (a whole run hung with it, heartbeats included). Now the send fails in one line and
     sends to other peers go on meanwhile."""
-    import hetero.runtime.transport as transport_mod
+    import hetero.runtime.wire.transport as transport_mod
 
     monkeypatch.setattr(transport_mod, "SEND_STALL_S", 1.0)
     ctx = zmq.Context()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hetero.errors import HeteroError, WireError
-from hetero.runtime.wire import DTYPES, KINDS, WIRE_VERSION, Message, decode, encode
+from hetero.runtime.wire.frames import DTYPES, KINDS, WIRE_VERSION, Message, decode, encode
 
 PLAN = "1a2b3c4d5e6f7a8b9c0d"
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from hetero.errors import CheckpointError, HeteroError
 from hetero.plan import Plan
-from hetero.runtime.rundir import check_creatable, check_free_space, create_run_dir, write_run_file
+from hetero.runtime.run.rundir import check_creatable, check_free_space, create_run_dir, write_run_file
 
 PEFT_PREFIX = "base_model.model."  # as in adapter.py (not imported: that module pulls in torch)
 # Bytes per LoRA parameter: a checkpoint holds it in fp32 with AdamW's two fp32 moments; the adapter, fp32.
@@ -57,7 +57,7 @@ def preflight(plan: Plan, run_dir: Path, host: str | None = None, port: int | No
 
 
 def _read_resume(path: Path, plan: Plan, model_dir: Path) -> tuple[Path, tuple[dict[str, Any], dict[str, Any]]]:
-    from hetero.runtime.checkpoint import load_checkpoint_union, lora_from_payload, resolve_resume
+    from hetero.runtime.run.checkpoint import load_checkpoint_union, lora_from_payload, resolve_resume
 
     directory = resolve_resume(path)
     tensors, meta = load_checkpoint_union(directory)
@@ -77,7 +77,7 @@ def check_resume(path: Path, plan: Plan, model_dir: Path) -> tuple[Path, int]:
 
 def check_init_from(plan: Plan, model_dir: Path) -> None:
     """``lora.init_from`` is a readable PEFT adapter with the plan's rank, targets and this model's modules."""
-    from hetero.runtime.adapter import load_adapter_state
+    from hetero.runtime.run.adapter import load_adapter_state
 
     lora = plan.model.lora
     assert lora.init_from is not None
@@ -153,8 +153,8 @@ def check_ports(plan: Plan, host: str | None, port: int | None) -> None:
     """Every port this host's processes will listen on (coordinator + local stages) is free now."""
     import zmq
 
-    from hetero.runtime.transport import bind_address
-    from hetero.runtime.worker import coordinator_endpoint
+    from hetero.runtime.stage.worker import coordinator_endpoint
+    from hetero.runtime.wire.transport import bind_address
 
     name = host or plan.stages[0].host
     wanted = [("the coordinator", coordinator_endpoint(plan, name, port))]
@@ -186,7 +186,7 @@ def check_data(plan: Plan, model_dir: Path, first_step: int) -> Any:
     """The data file reads, every record has the format's fields, and every step to run has a label token.
 
     Returns the checked StepBatches, which the coordinator then feeds from."""
-    from hetero.runtime.data import StepBatches
+    from hetero.runtime.run.data import StepBatches
 
     train = plan.train
     batches = StepBatches(plan.data, model_dir, plan.model.seq_len, train.micro_batch_size, train.num_micro_batches,

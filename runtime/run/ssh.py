@@ -99,7 +99,7 @@ def worker_command(host: SshHost, *args: str) -> list[str]:
 
 def check_report(plan_path: Path, host: str) -> str:
     """One line for `hetero run`'s check: this hetero's version, the plan's hash, or why this host cannot run."""
-    from hetero.runtime.worker import check_host
+    from hetero.runtime.stage.worker import check_host
 
     report: dict[str, Any] = {"hetero_version": __version__, "python": sys.executable,
                               "plan": str(plan_path.resolve()), "input_hash": None, "error": None}
@@ -250,7 +250,7 @@ class SshWorkers:
         for name, proc in self.procs.items():
             code = proc.poll()
             if code is not None and code != 0:
-                from hetero.runtime.processes import exit_cause, last_error_line
+                from hetero.runtime.run.processes import exit_cause, last_error_line
 
                 said = last_error_line(self.log(name)) or _last_line(self.log(name).read_text(errors="replace"))
                 cause = "ssh failed" if code == 255 else exit_cause(code)

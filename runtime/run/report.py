@@ -6,7 +6,7 @@ import statistics
 from typing import Any
 
 from hetero.plan import Plan
-from hetero.runtime.run_compare import compare_run
+from hetero.runtime.tools.run_compare import compare_run
 
 
 def build_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, float], run_dir: str) -> dict[str, Any]:

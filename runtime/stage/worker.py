@@ -1,4 +1,4 @@
-"""A stage process (``python -m hetero.runtime.worker plan.json --stage k``) and a host's launcher
+"""A stage process (``python -m hetero.runtime.stage.worker plan.json --stage k``) and a host's launcher
 (``hetero worker plan.json --host NAME``: one process per device of that host).
 
 Life of a stage: hello (plan hash, wire version, environment) -> welcome (run settings, incl. the
@@ -28,7 +28,8 @@ from typing import Any
 from hetero.errors import HeteroError, PlanError, WireError
 from hetero.plan import Plan
 from hetero.program import parse_program
-from hetero.runtime.control import (
+from hetero.runtime.run.processes import spawn_stages, stop_processes, supervise
+from hetero.runtime.wire.control import (
     FAILURE_TIMEOUT_S,
     Heartbeat,
     Mailbox,
@@ -38,7 +39,6 @@ from hetero.runtime.control import (
     heartbeat_interval,
     is_timeout,
 )
-from hetero.runtime.processes import spawn_stages, stop_processes, supervise
 from hetero.security import COORDINATOR, key_dirs, load_identity
 from hetero.serde import from_dict, to_dict
 from hetero.specs import TrainSpec
@@ -96,9 +96,9 @@ def await_welcome(mailbox: Mailbox, transport: Any, plan: Plan, timeout_s: float
 
 def stage_transport(plan: Plan, k: int, keys: list[Path]) -> Any:
     """Stage k's Transport: its key, the plan's public keys, its message rules and size limit."""
-    from hetero.runtime.executor import stage_name
-    from hetero.runtime.messages import max_message_bytes, stage_rules
-    from hetero.runtime.transport import Transport
+    from hetero.runtime.stage.executor import stage_name
+    from hetero.runtime.wire.rules import max_message_bytes, stage_rules
+    from hetero.runtime.wire.transport import Transport
     from hetero.security import load_identity
 
     identity = load_identity(plan.security, stage_name(k), keys)
@@ -116,11 +116,11 @@ def run_stage(plan: Plan, k: int, coordinator: str, parent_pid: int | None = Non
     import torch
     import transformers  # noqa: F401
 
-    from hetero.runtime.checkpoint import peft_key, restore_stage
-    from hetero.runtime.env import describe_environment
-    from hetero.runtime.executor import Executor, stage_name
-    from hetero.runtime.stage import build_stage
-    from hetero.runtime.wire import WIRE_VERSION
+    from hetero.runtime.run.checkpoint import peft_key, restore_stage
+    from hetero.runtime.run.env import describe_environment
+    from hetero.runtime.stage.executor import Executor, stage_name
+    from hetero.runtime.stage.model import build_stage
+    from hetero.runtime.wire.frames import WIRE_VERSION
 
     sp = plan.stages[k]
     device = device_for(plan, k)
@@ -208,7 +208,7 @@ def train_steps(executor: Any, mailbox: Mailbox, plan_hash: str, start_step: int
 
     Also answers the coordinator's checkpoint request (Ctrl-C on `hetero run`) from wherever it waits.
     """
-    from hetero.runtime.checkpoint import stage_payload
+    from hetero.runtime.run.checkpoint import stage_payload
 
     train, transport = executor.train, mailbox.transport
 
@@ -325,7 +325,7 @@ def main_worker(argv: list[str]) -> int:
     if args.check:
         if args.host is None:
             raise PlanError("--check goes with --host NAME")
-        from hetero.runtime.ssh import check_report
+        from hetero.runtime.run.ssh import check_report
 
         print(check_report(args.plan, args.host), flush=True)
         return 0

@@ -21,7 +21,7 @@ from torch import nn
 
 from hetero.errors import CheckpointError, PlanError, UnsupportedModelError
 from hetero.plan import Plan
-from hetero.runtime.lora import share_lora_inputs
+from hetero.runtime.stage.lora import share_lora_inputs
 
 # Families whose CausalLM is `model.{embed_tokens, layers, norm, rotary_emb}` + `lm_head`, whose decoder
 # layer takes (hidden, attention_mask, position_ids, position_embeddings), and whose model forward adds
@@ -342,7 +342,7 @@ def build_stage(plan: Plan, k: int, device: torch.device, *, seed: int | None = 
     stage = Stage(k, device, dtype, layout, model, peft_model, sp.quantization,
                   recompute_indices(plan, k, layout))
     if lora.init_from:
-        from hetero.runtime.adapter import load_adapter_state
+        from hetero.runtime.run.adapter import load_adapter_state
 
         stage.load_lora_state(load_adapter_state(Path(lora.init_from), lora))
     return stage

@@ -1,8 +1,8 @@
 """`hetero profile`'s measuring side: one process per device, driven over the runtime's own Transport.
 
 Like `hetero run`, the coordinator starts one process per device of each local host
-(``python -m hetero.runtime.profile_worker``; on another host, run the printed command there) and
-talks to them only through ``hetero.runtime.transport.Transport`` (msgpack header + raw tensor
+(``python -m hetero.runtime.tools.profile_worker``; on another host, run the printed command there) and
+talks to them only through ``hetero.runtime.wire.transport.Transport`` (msgpack header + raw tensor
 frames, never Python-object serialization). The protocol reuses the wire's message kinds:
 
 - worker -> coordinator ``hello`` {device, endpoint}
@@ -114,8 +114,8 @@ def _load_until_message(transport: Any, step: Callable[[], None]) -> Any:
 
 def serve(name: str, coordinator: str, token: str, bind: str) -> int:
     """A profile worker: say hello, then do what the coordinator asks until ``stop``."""
-    from hetero.runtime.profiler import decoder_load, profile_device
-    from hetero.runtime.transport import Transport
+    from hetero.runtime.tools.profiler import decoder_load, profile_device
+    from hetero.runtime.wire.transport import Transport
 
     with Transport(worker_name(name), bind, token, recv_timeout_s=None) as transport:
         connected = {COORDINATOR}
@@ -176,7 +176,7 @@ def _spawn(device: str, coordinator: str, token: str, bind: str, log_dir: Path) 
     log_dir.mkdir(parents=True, exist_ok=True)
     with open(log_dir / f"{device}.log", "ab") as logf:
         return subprocess.Popen(
-            [sys.executable, "-m", "hetero.runtime.profile_worker", "--device", device, "--coordinator",
+            [sys.executable, "-m", "hetero.runtime.tools.profile_worker", "--device", device, "--coordinator",
              coordinator, "--token", token, "--bind", bind],
             stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
@@ -188,8 +188,8 @@ def measure_fleet(
     timeout_s: float = 1800.0, link_sizes: tuple[int, ...] = LINK_SIZES, link_repeats: int = LINK_REPEATS,
 ) -> tuple[list[DeviceProfile], list[LinkProfile]]:
     """Profile every device (one process each) and every host pair; ``on_event`` gets progress lines."""
-    from hetero.runtime.transport import Transport
-    from hetero.runtime.worker import stop_processes
+    from hetero.runtime.stage.worker import stop_processes
+    from hetero.runtime.wire.transport import Transport
 
     say = on_event or (lambda _line: None)
     first = cluster.hosts[0]
@@ -204,7 +204,7 @@ def measure_fleet(
             if dev.host in local:
                 procs[i] = _spawn(dev.name, coordinator, token, bind, log_dir)
             else:
-                say(f"on host {dev.host} run: python -m hetero.runtime.profile_worker --device {dev.name} "
+                say(f"on host {dev.host} run: python -m hetero.runtime.tools.profile_worker --device {dev.name} "
                     f"--coordinator {coordinator} --token {token} --bind {bind}")
         try:
             endpoints = _gather_hellos(transport, cluster, procs, timeout_s)
@@ -310,7 +310,7 @@ def _await_state(transport: Any, device: str, say: Callable[[str], None]) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hetero.runtime.profile_worker --device NAME --coordinator tcp://.. --token T --bind tcp://..``."""
+    """``python -m hetero.runtime.tools.profile_worker --device NAME --coordinator tcp://.. --token T --bind tcp://..``."""
     ap = argparse.ArgumentParser(prog="hetero-profile-worker")
     ap.add_argument("--device", required=True)
     ap.add_argument("--coordinator", required=True)

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from hetero.errors import TrainingDivergedError, WireError
 from hetero.program import Action
-from hetero.runtime.data import IGNORE_INDEX
-from hetero.runtime.lr import make_scheduler
-from hetero.runtime.stage import Stage, peft_key
+from hetero.runtime.run.data import IGNORE_INDEX
+from hetero.runtime.stage.lr import make_scheduler
+from hetero.runtime.stage.model import Stage, peft_key
 from hetero.security import COORDINATOR, stage_name
 from hetero.specs import TrainSpec
 
@@ -61,7 +61,7 @@ def apply_step(params: list[torch.nn.Parameter], optimizer: Any, scheduler: Any,
 
 
 class Wire(Protocol):
-    """The part of hetero.runtime.transport.Transport the executor uses."""
+    """The part of hetero.runtime.wire.transport.Transport the executor uses."""
 
     def send(self, peer: str, kind: str, *, step: int = 0, mb: int = -1,
              tensors: dict[str, torch.Tensor] | None = None, meta: dict | None = None) -> None: ...
@@ -270,7 +270,7 @@ class Executor:
 
 
 def _check_finite(t: torch.Tensor, what: str, k: int, step: int, mb: int) -> None:
-    """Peers drop non-finite activations and gradients (runtime/messages.py): fail here, by name, instead."""
+    """Peers drop non-finite activations and gradients (runtime/wire/rules.py): fail here, by name, instead."""
     if not bool(torch.isfinite(t).all()):
         raise TrainingDivergedError(f"stage {k} computed NaN/inf {what} at step {step}, micro-batch {mb}: training "
                                     "diverged; lower train.lr (or raise train.warmup_steps) and resume from the "

@@ -1,6 +1,6 @@
 """What a process of a run accepts: one typed record per message kind, checked at the edge.
 
-The Transport decodes frames into a ``Message`` (runtime/wire.py: header, dtypes, byte counts); a
+The Transport decodes frames into a ``Message`` (runtime/wire/frames.py: header, dtypes, byte counts); a
 ``Rules`` object then decides whether that message can be part of this run, from this process's
 point of view:
 
@@ -26,9 +26,8 @@ from typing import Any
 import torch
 
 from hetero.errors import WireError
+from hetero.runtime.wire.frames import DTYPES, Message
 from hetero.security import COORDINATOR, stage_name
-
-from .wire import DTYPES, Message
 
 # Kinds that belong to no step (step 0 on the wire): no step window applies.
 UNSTEPPED = frozenset({"hello", "welcome", "start", "state", "stop", "error", "heartbeat"})

@@ -1,6 +1,6 @@
 """`hetero run`: the coordinator. Starts this host's stages, waits for remote ones, feeds data, clips, records.
 
-Hosts with ssh settings in the fleet file are started (and stopped) over ssh: runtime/ssh.py.
+Hosts with ssh settings in the fleet file are started (and stopped) over ssh: runtime/run/ssh.py.
 
 Per optimizer step it sends the step's input ids to stage 0 and labels to the last stage, gathers
 every stage's squared gradient norm, answers with the global clip coefficient (the math of
@@ -37,7 +37,11 @@ import torch
 
 from hetero.errors import HeteroError, WireError
 from hetero.plan import Plan
-from hetero.runtime.control import (
+from hetero.runtime.run.processes import exit_cause, is_stopped, last_error_line, spawn_stages, stop_processes
+from hetero.runtime.run.rundir import append_run_line, run_command, write_run_file
+from hetero.runtime.stage.executor import COORDINATOR, stage_name
+from hetero.runtime.stage.worker import coordinator_endpoint, payload_due
+from hetero.runtime.wire.control import (
     FAILURE_TIMEOUT_S,
     LOAD_TIMEOUT_S,
     Heartbeat,
@@ -49,10 +53,6 @@ from hetero.runtime.control import (
     heartbeat_interval,
     is_timeout,
 )
-from hetero.runtime.executor import COORDINATOR, stage_name
-from hetero.runtime.processes import exit_cause, is_stopped, last_error_line, spawn_stages, stop_processes
-from hetero.runtime.rundir import append_run_line, run_command, write_run_file
-from hetero.runtime.worker import coordinator_endpoint, payload_due
 from hetero.serde import to_dict
 from hetero.specs import RUNTIME_OVERRIDABLE
 
@@ -75,7 +75,7 @@ class RunOptions:
     checkpoint: tuple[dict[str, Any], dict[str, Any]] | None = None  # its (tensors, meta), if already read
     batches: Any = None  # the run's StepBatches, if already built (`hetero run` checks the data first)
     key_dirs: list[Path] = field(default_factory=list)  # where this host's key files are (hetero/security.py)
-    ssh_hosts: list[Any] = field(default_factory=list)  # runtime/ssh.py SshHost: hosts this run starts over ssh
+    ssh_hosts: list[Any] = field(default_factory=list)  # runtime/run/ssh.py SshHost: hosts this run starts over ssh
 
 
 @dataclass
@@ -93,14 +93,14 @@ class Coordinator:
     """Drives one training run of a plan; see the module docstring."""
 
     def __init__(self, plan: Plan, plan_path: Path, options: RunOptions) -> None:
-        from hetero.runtime.transport import Transport
+        from hetero.runtime.wire.transport import Transport
 
         self.plan, self.plan_path, self.options = plan, plan_path, options
         self.run_dir = options.run_dir
         self.num_stages = len(plan.stages)
         self.host = options.host or plan.stages[0].host
         self.endpoint = coordinator_endpoint(plan, self.host, options.port)
-        from hetero.runtime.messages import coordinator_rules, max_message_bytes
+        from hetero.runtime.wire.rules import coordinator_rules, max_message_bytes
         from hetero.security import install_keys, load_identity
 
         # This host's keys go to RUN_DIR/keys, where the local stages (started from RUN_DIR/plan.json) look.
@@ -123,8 +123,8 @@ class Coordinator:
         self.trained = False  # training has begun: a failure's message says how to continue
         self.stop_signal: str | None = None  # the first SIGINT/SIGTERM received while training
         self.hung: set[int] = set()  # stages to kill rather than ask to stop
-        self.evaluator: Any = None  # runtime/evaluator.py EvalClient when eval.every > 0
-        self.ssh: Any = None  # runtime/ssh.py SshWorkers: the workers of the hosts started over ssh
+        self.evaluator: Any = None  # runtime/tools/evaluator.py EvalClient when eval.every > 0
+        self.ssh: Any = None  # runtime/run/ssh.py SshWorkers: the workers of the hosts started over ssh
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -135,12 +135,12 @@ class Coordinator:
         self.procs = spawn_stages(self.plan_path, local, self.run_dir, self.endpoint)
         self.pids = {k: p.pid for k, p in self.procs.items()}
         if self.plan.eval.every > 0:
-            from hetero.runtime.evaluator import EvalClient, eval_device_name
+            from hetero.runtime.tools.evaluator import EvalClient, eval_device_name
 
             device = eval_device_name(self.plan, self.plan.eval, self.host)
             self.evaluator = EvalClient(self.plan_path, self.plan, device, self.run_dir)
         if self.options.ssh_hosts:
-            from hetero.runtime.ssh import SshWorkers
+            from hetero.runtime.run.ssh import SshWorkers
 
             self.ssh = SshWorkers(self.options.ssh_hosts, self.run_dir)
             remote = [h for h in remote if h not in self.ssh.hosts]
@@ -246,7 +246,7 @@ class Coordinator:
         return shlex.join(run_command(self.plan_path))
 
     def _resume_hint(self) -> str:
-        from hetero.runtime.rundir import checkpoint_step, latest_checkpoint
+        from hetero.runtime.run.rundir import checkpoint_step, latest_checkpoint
 
         last = latest_checkpoint(self.run_dir)
         if last is not None:
@@ -317,7 +317,7 @@ class Coordinator:
 
     def _handshake(self) -> None:
         """hello from every stage (same plan, same wire version), then welcome with the run settings."""
-        from hetero.runtime.wire import WIRE_VERSION
+        from hetero.runtime.wire.frames import WIRE_VERSION
 
         timeout = self.options.handshake_timeout_s
         hellos = self._gather("hello", 0, timeout)
@@ -341,7 +341,7 @@ class Coordinator:
         self.mailbox.watch_connections(self.names)
         resume = None
         if self.options.resume is not None:
-            from hetero.runtime.checkpoint import load_checkpoint_union
+            from hetero.runtime.run.checkpoint import load_checkpoint_union
 
             resume = self.options.checkpoint or load_checkpoint_union(self.options.resume)
             self.start_step = int(resume[1]["step"])
@@ -357,7 +357,7 @@ class Coordinator:
             self.evaluator.wait_ready(self.options.handshake_timeout_s)
         self.result.build_s = {k: float(m.meta.get("build_s", 0.0)) for k, m in ready.items()}
         if resume is not None:
-            from hetero.runtime.checkpoint import select_payload
+            from hetero.runtime.run.checkpoint import select_payload
 
             for k, msg in ready.items():
                 tensors, meta = select_payload(*resume, list(msg.meta["keys"]), k)
@@ -405,14 +405,14 @@ class Coordinator:
 
     def _batches(self) -> Any:
         from hetero.pretrained import resolve_dir
-        from hetero.runtime.data import StepBatches
+        from hetero.runtime.run.data import StepBatches
 
         plan, train = self.plan, self.plan.train
         return StepBatches(plan.data, resolve_dir(plan.model), plan.model.seq_len, train.micro_batch_size,
                            train.num_micro_batches, train.seed, train.shuffle)
 
     def _train(self, batches: Any) -> None:
-        from hetero.runtime.checkpoint import lora_from_payload
+        from hetero.runtime.run.checkpoint import lora_from_payload
 
         plan, train = self.plan, self.plan.train
         tokens_per_step = train.num_micro_batches * train.micro_batch_size * plan.model.seq_len
@@ -493,7 +493,7 @@ class Coordinator:
 
     def _write_checkpoint(self, done: int, payloads: dict[int, Any]) -> Path:
         """checkpoints/step-<done>/, with the training settings `--resume` continues with."""
-        from hetero.runtime.checkpoint import write_checkpoint
+        from hetero.runtime.run.checkpoint import write_checkpoint
 
         settings = {k: v for k, v in to_dict(self.plan.train).items() if k in RUNTIME_OVERRIDABLE}
         # Replicas hold identical LoRA and AdamW state (they apply the same summed gradients): the first
@@ -504,7 +504,7 @@ class Coordinator:
 
     def _checkpoint_and_stop(self, done: int) -> None:
         """After Ctrl-C: every stage's state after ``done`` steps into checkpoints/step-<done>/."""
-        from hetero.runtime.rundir import COMPLETE, checkpoint_dir
+        from hetero.runtime.run.rundir import COMPLETE, checkpoint_dir
 
         self.training = False  # from here on, Ctrl-C quits at once
         self.result.interrupted_after = done
@@ -536,7 +536,7 @@ class Coordinator:
 
     def _save_adapter(self, state: dict[str, torch.Tensor]) -> None:
         from hetero.pretrained import adapter_base
-        from hetero.runtime.adapter import save_adapter
+        from hetero.runtime.run.adapter import save_adapter
 
         base = adapter_base(self.plan.model)  # a directory AutoPeftModelForCausalLM can load, or a hub id
         save_adapter({k: v.clone() for k, v in state.items()}, self.plan.model.lora, base, self.run_dir / "adapter")

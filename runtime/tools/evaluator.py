@@ -1,7 +1,7 @@
 """Held-out evaluation on a device the plan leaves out of training, while training goes on.
 
-`hetero run` starts ``python -m hetero.runtime.evaluator PLAN --device NAME`` on the coordinator's
-host when eval.every > 0. It builds the whole model the way a stage is built (runtime/stage.py: the
+`hetero run` starts ``python -m hetero.runtime.tools.evaluator PLAN --device NAME`` on the coordinator's
+host when eval.every > 0. It builds the whole model the way a stage is built (runtime/stage/model.py: the
 same weights, dtype, quantization and forward; one stage covering every node), once, then serves
 requests over its stdin/stdout -- a local pipe, nothing on the network:
 
@@ -58,7 +58,7 @@ def held_out_batches(plan: Plan, evaluation: EvalSpec) -> Any:
     """The held-out micro-batches: eval.path in data.format, in file order, at most eval.max_batches of them
     (never repeating a record)."""
     from hetero.pretrained import resolve_dir
-    from hetero.runtime.data import StepBatches
+    from hetero.runtime.run.data import StepBatches
 
     if not evaluation.path:
         raise ConfigError("eval.path is not set: held-out evaluation needs a file (eval.path=FILE)")
@@ -76,9 +76,9 @@ def held_out_batches(plan: Plan, evaluation: EvalSpec) -> Any:
 
 
 def build_evaluator(plan: Plan, device_name: str) -> Any:
-    """The whole model as one stage on ``device_name`` (built by runtime/stage.py, LoRA untrained)."""
+    """The whole model as one stage on ``device_name`` (built by runtime/stage/model.py, LoRA untrained)."""
     from hetero.planner.cost import compute_dtype
-    from hetero.runtime.stage import build_stage
+    from hetero.runtime.stage.model import build_stage
 
     spec = plan.cluster.device(device_name)
     nodes = plan.graph.nodes
@@ -104,7 +104,7 @@ def build_evaluator(plan: Plan, device_name: str) -> Any:
 
 def held_out_loss(stage: Any, batch: Any) -> tuple[float, int]:
     """Summed token cross-entropy over every micro-batch of ``batch`` / its label tokens (fp32)."""
-    from hetero.runtime.data import IGNORE_INDEX
+    from hetero.runtime.run.data import IGNORE_INDEX
 
     total = torch.zeros((), dtype=torch.float64)
     with torch.no_grad():
@@ -167,7 +167,7 @@ class EvalClient:
         self.device = device
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hetero.runtime.evaluator", str(plan_path), "--device", device,
+                [sys.executable, "-m", "hetero.runtime.tools.evaluator", str(plan_path), "--device", device,
                  "--eval", json.dumps(to_dict(plan.eval))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, text=True, start_new_session=True)
         self.answers: Queue[dict[str, Any]] = Queue()
@@ -192,7 +192,7 @@ class EvalClient:
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the evaluator has built its model; a one-line HeteroError when it cannot."""
-        from hetero.runtime.processes import last_error_line
+        from hetero.runtime.run.processes import last_error_line
 
         deadline = time.monotonic() + timeout_s
         while not self.ready.wait(timeout=0.2):
@@ -271,7 +271,7 @@ class EvalClient:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hetero.runtime.evaluator",
+    ap = argparse.ArgumentParser(prog="python -m hetero.runtime.tools.evaluator",
                                  description="Held-out loss of a run's adapter (started by `hetero run`).")
     ap.add_argument("plan", type=Path)
     ap.add_argument("--device", required=True, help="the fleet device that evaluates")

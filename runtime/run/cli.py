@@ -147,10 +147,10 @@ def default_run_dir(plan: Plan) -> Path:
 
 def main_run(argv: list[str]) -> int:
     """`hetero run plan.json [key=value ...] [--run-dir D] [--host NAME] [--port P]`."""
-    from hetero.runtime.coordinator import Coordinator, RunOptions
-    from hetero.runtime.preflight import preflight, prepare_run_dir
-    from hetero.runtime.report import build_report, print_report
-    from hetero.runtime.rundir import write_run_file
+    from hetero.runtime.run.coordinator import Coordinator, RunOptions
+    from hetero.runtime.run.preflight import preflight, prepare_run_dir
+    from hetero.runtime.run.report import build_report, print_report
+    from hetero.runtime.run.rundir import write_run_file
 
     ap = argparse.ArgumentParser(prog="hetero run", description="Train with a compiled plan.")
     ap.add_argument("plan", type=Path)
@@ -171,7 +171,7 @@ def main_run(argv: list[str]) -> int:
     pairs, evaluation = split_eval_options(pairs, plan.eval)
     checkpoint = None
     if args.resume is not None:
-        from hetero.runtime.checkpoint import checkpoint_settings, resolve_resume
+        from hetero.runtime.run.checkpoint import checkpoint_settings, resolve_resume
 
         checkpoint = resolve_resume(args.resume)
         train, changed = resume_train(plan.train, pairs, checkpoint_settings(checkpoint))
@@ -181,11 +181,11 @@ def main_run(argv: list[str]) -> int:
         train = parse_overrides(pairs, plan.train)
     check_ranges(plan.model, train, plan.planner, ConfigError)  # lr=nan, steps=1e9, ...: one line, now
     plan = replace(plan, train=train, eval=evaluation)
-    from hetero.runtime.worker import coordinator_endpoint
+    from hetero.runtime.stage.worker import coordinator_endpoint
 
     coordinator_endpoint(plan, args.host, args.port)  # validates --host before anything is created
     if evaluation.every > 0:
-        from hetero.runtime.evaluator import eval_device_name
+        from hetero.runtime.tools.evaluator import eval_device_name
 
         eval_device_name(plan, evaluation, args.host or plan.stages[0].host)  # a spare device: one line if none
     run_dir = args.run_dir or default_run_dir(plan)
@@ -193,7 +193,7 @@ def main_run(argv: list[str]) -> int:
         run_dir = checkpoint.parent.parent  # --resume RUN_DIR goes on in RUN_DIR
     # Whatever can fail before a stage starts fails now, as one line, before the run directory exists.
     checked = preflight(plan, run_dir, args.host, args.port, checkpoint)
-    from hetero.runtime.ssh import check_ssh_hosts, ssh_hosts
+    from hetero.runtime.run.ssh import check_ssh_hosts, ssh_hosts
 
     remote = ssh_hosts(plan, args.plan, args.host or plan.stages[0].host)
     check_ssh_hosts(plan, remote, args.host or plan.stages[0].host)  # each has hetero and this plan
@@ -202,7 +202,7 @@ def main_run(argv: list[str]) -> int:
     config["eval"] = to_dict(evaluation)
     # plan.json has the overrides in it; the input hash is unchanged (they are not placement).
     plan_path = prepare_run_dir(plan, run_dir, yaml.safe_dump(config, sort_keys=False))
-    from hetero.runtime import rundir
+    from hetero.runtime.run import rundir
 
     rundir.RUN_OPTIONS[:] = (["--host", args.host] if args.host else []) + (
         ["--port", str(args.port)] if args.port is not None else [])
@@ -234,13 +234,13 @@ def main_run(argv: list[str]) -> int:
 
 def main_worker(argv: list[str]) -> int:
     """`hetero worker plan.json --host NAME [--coordinator tcp://...]`."""
-    from hetero.runtime.worker import main_worker as run
+    from hetero.runtime.stage.worker import main_worker as run
 
     return run(argv)
 
 
 def main_generate(argv: list[str]) -> int:
     """`hetero generate RUN_DIR --prompt "..." [--max-new-tokens N]`."""
-    from hetero.runtime.generate import main_generate as run
+    from hetero.runtime.tools.generate import main_generate as run
 
     return run(argv)

@@ -11,7 +11,7 @@ machine, a ZeroMQ PLAIN server with per-process tokens) whose ZAP handler admits
 processes; a connection from anyone else is refused during the ZeroMQ handshake and logged, and
 never reaches ``recv``. A message's sender is the authenticated peer: a header claiming another
 name is dropped. Every received message is then checked (wire.decode, then ``Rules`` from
-runtime/messages.py); one that fails is logged with its peer and dropped, and ``recv`` goes on
+runtime/wire/rules.py); one that fails is logged with its peer and dropped, and ``recv`` goes on
 waiting for the real peers. ``max_message_bytes`` sets ZeroMQ's MAXMSGSIZE, so an oversized
 message is cut off by ZeroMQ before it is held in memory.
 
@@ -36,9 +36,8 @@ import torch
 import zmq
 
 from hetero.errors import WireError
+from hetero.runtime.wire.frames import Message, decode, encode
 from hetero.security import Identity
-
-from .wire import Message, decode, encode
 
 log = logging.getLogger(__name__)
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)

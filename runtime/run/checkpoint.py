@@ -22,8 +22,7 @@ from typing import Any
 import torch
 
 from hetero.errors import CheckpointError
-from hetero.runtime.executor import Executor
-from hetero.runtime.rundir import (
+from hetero.runtime.run.rundir import (
     CHECKPOINTS,
     COMPLETE,
     checkpoint_dir,
@@ -33,7 +32,8 @@ from hetero.runtime.rundir import (
     write_bytes,
     write_failure,
 )
-from hetero.runtime.stage import peft_key
+from hetero.runtime.stage.executor import Executor
+from hetero.runtime.stage.model import peft_key
 
 CHECKPOINT_FORMAT = 1
 LORA, EXP_AVG, EXP_AVG_SQ = "lora/", "exp_avg/", "exp_avg_sq/"
@@ -93,7 +93,7 @@ def restore_stage(executor: Executor, tensors: dict[str, torch.Tensor], meta: di
                 }
     done = int(meta["step"])
     if executor.optimizer is not None and done > 0:
-        from hetero.runtime.lr import make_scheduler
+        from hetero.runtime.stage.lr import make_scheduler
 
         # The schedule is a pure function of the step: rebuilding it also sets each group's lr
         # (LambdaLR.load_state_dict would leave the optimizer at the initial lr).

@@ -7,7 +7,7 @@ the executor runs it (received activations require grad; the head includes the f
 several micro-batch sizes, and ``time = a + b * tokens`` is fitted by least squares.
 
 Memory: the bytes a forward leaves alive for its backward are counted exactly on every device
-with ``hetero.runtime.memory.kept_bytes`` (storages the forward created that are still alive:
+with ``hetero.runtime.stage.memory.kept_bytes`` (storages the forward created that are still alive:
 saved tensors, bitsandbytes' context tensors, a recomputing layer's input), for the decoder layer
 both as it runs and recomputing (non-reentrant checkpoint, as the runtime's Stage does). On CUDA
 the peak is ``torch.cuda.max_memory_allocated`` above the pre-call level; on CPU there is no
@@ -35,11 +35,10 @@ from torch import nn
 
 from hetero.errors import HeteroError
 from hetero.profile import DeviceProfile, LayerProfile, LinearFit, fit_line
+from hetero.runtime.stage.lora import share_lora_inputs
+from hetero.runtime.stage.memory import kept_bytes
+from hetero.runtime.stage.model import TORCH_DTYPES, StageLayout, _build_config, _quantize_nf4, _skeleton
 from hetero.specs import DeviceSpec, ModelSpec, TrainSpec
-
-from .lora import share_lora_inputs
-from .memory import kept_bytes
-from .stage import TORCH_DTYPES, StageLayout, _build_config, _quantize_nf4, _skeleton
 
 OPTIMIZER_COPIES = (1, 2, 4, 8)  # optimizer steps over this many decoder layers' LoRA parameters
 MIN_REPEATS = 3
@@ -105,7 +104,7 @@ def build_probe(model: ModelSpec, device: torch.device, dtype: str, quantization
                                         task_type="CAUSAL_LM"))
     peft.to(device)
     peft.train()
-    share_lora_inputs(peft)  # the runtime's LoRA path (runtime/lora.py), so memory is the runtime's
+    share_lora_inputs(peft)  # the runtime's LoRA path (runtime/stage/lora.py), so memory is the runtime's
     n_lora = sum(p.numel() for p in peft.parameters() if p.requires_grad)
     return Probe(m, device, torch_dtype, int(config.hidden_size), int(config.vocab_size), n_lora)
 
@@ -170,7 +169,7 @@ def _time_once(call: Callable[[], tuple[Any, Any]], device: torch.device) -> tup
 
 
 def _kept_bytes(call: Callable[[], tuple[Any, Any]]) -> int:
-    """Bytes the forward leaves alive for backward (see hetero.runtime.memory)."""
+    """Bytes the forward leaves alive for backward (see hetero.runtime.stage.memory)."""
     return kept_bytes(call)
 
 
@@ -279,7 +278,7 @@ def profile_optimizer(probe: Probe) -> LinearFit | None:
     decoder layer's LoRA tensors, so the per-tensor cost (the loop over tensors) and the
     per-element cost are both in the fit. None when the model has no LoRA in its decoder layers.
     """
-    from .executor import apply_step, build_optimizer, grad_sumsq
+    from hetero.runtime.stage.executor import apply_step, build_optimizer, grad_sumsq
 
     layer = next(iter(probe.model.model.layers.values()))
     like = [p for p in layer.parameters() if p.requires_grad]
@@ -312,8 +311,8 @@ def profile_messages(probe: Probe, token_counts: list[int]) -> tuple[LinearFit, 
     receive is timed once the message has arrived (decode and the copy onto the device), the way
     the executor receives (through the Mailbox, which also looks at control messages).
     """
-    from .transport import Transport
-    from .worker import Mailbox
+    from hetero.runtime.stage.worker import Mailbox
+    from hetero.runtime.wire.transport import Transport
 
     sizes, send_s, recv_s = [], [], []
     with Transport("probe-rx", "tcp://127.0.0.1:0", "probe", recv_timeout_s=30.0) as rx, \
@@ -441,7 +440,7 @@ def profile_device(model: ModelSpec, device_spec: DeviceSpec, torch_device: torc
     send, recv = profile_messages(probe, tokens)
     if on_layer is not None:
         on_layer("messages")
-    from .env import describe_environment
+    from hetero.runtime.run.env import describe_environment
 
     return DeviceProfile(
         device=device_spec.name, host=device_spec.host, type=device_spec.type, backend=device_spec.backend,

@@ -41,7 +41,7 @@ def is_stopped(pid: int) -> bool:
 
 
 def spawn_stages(plan_path: Path, stages: list[int], run_dir: Path, coordinator: str) -> dict[int, subprocess.Popen]:
-    """One ``python -m hetero.runtime.worker`` per stage, logging to run_dir/logs/stage<k>.log."""
+    """One ``python -m hetero.runtime.stage.worker`` per stage, logging to run_dir/logs/stage<k>.log."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     procs: dict[int, subprocess.Popen] = {}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -49,7 +49,7 @@ def spawn_stages(plan_path: Path, stages: list[int], run_dir: Path, coordinator:
         with open(run_dir / "logs" / f"stage{k}.log", "ab") as logf:
             # start_new_session: a terminal Ctrl-C reaches only the parent, which stops stages in order.
             procs[k] = subprocess.Popen(
-                [sys.executable, "-m", "hetero.runtime.worker", str(plan_path), "--stage", str(k),
+                [sys.executable, "-m", "hetero.runtime.stage.worker", str(plan_path), "--stage", str(k),
                  "--coordinator", coordinator, "--parent-pid", str(os.getpid())],
                 stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     return procs

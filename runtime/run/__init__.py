@@ -1,0 +1,1 @@
+"""A run: the coordinator, the launchers (local processes, hosts, ssh), data, checkpoints, the run directory."""

@@ -1,0 +1,1 @@
+"""A stage's step: its model shard, weights, LoRA, the executor of its program, and the stage process."""

@@ -1,0 +1,1 @@
+"""The wire: frames, the authenticated transport, what each process accepts, heartbeats and liveness."""

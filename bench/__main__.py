@@ -74,14 +74,14 @@ def bench_planner() -> dict[str, Any]:
 
 
 def bench_compile(work: Path) -> dict[str, Any]:
-    from bench_runtime import _PEAK_RSS, _hetero_cmd
+    from w1_hetero import PEAK_RSS, hetero_cmd
 
     rows = []
     for name, overrides in COMPILES:
         out = work / re.sub(r"\W+", "-", name)
-        cmd = _hetero_cmd() + ["compile", *overrides, f"output={out}"]
+        cmd = hetero_cmd() + ["compile", *overrides, f"output={out}"]
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", _PEAK_RSS, *cmd], capture_output=True, text=True, cwd=REPO,
+        proc = subprocess.run([sys.executable, "-c", PEAK_RSS, *cmd], capture_output=True, text=True, cwd=REPO,
                               timeout=600)
         wall = time.perf_counter() - t0
         row: dict[str, Any] = {"name": name, "command": "hetero compile " + " ".join(overrides), "wall_s": wall}

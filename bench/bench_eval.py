@@ -2,7 +2,7 @@
 
     python bench/bench_eval.py [--steps 8] [--rounds 3] [--every 2] [--out DIR]
 
-Workload W1's model (bench_runtime.py) trains as one 1-thread CPU stage; the fleet's second CPU
+Workload W1's model (w1_model.py) trains as one 1-thread CPU stage; the fleet's second CPU
 device is kept out of training at compile (eval.device) and, in the "eval" runs, evaluates the
 latest adapter on 8 held-out micro-batches every ``--every`` steps while training goes on (a separate
 process, 1 thread). Runs with and without evaluation alternate (``--rounds`` pairs, order swapped
@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from bench_replicas import hetero
-from bench_runtime import LR, MICRO_BATCH, NUM_MICRO, SEQ_LEN, W1_ARCH, free_ports, median_tail, prepare
+from w1_hetero import free_ports
+from w1_model import LR, MICRO_BATCH, NUM_MICRO, SEQ_LEN, W1_ARCH, median_tail, prepare
 
 FLEET = """\
 name: w1eval

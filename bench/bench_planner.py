@@ -27,7 +27,8 @@ from hetero.compiler.trace import trace
 from hetero.graph import LayerGraph
 from hetero.hardware import build_cluster, load_device_types
 from hetero.planner.baselines import baselines, candidate_placements, predict
-from hetero.planner.cost import RooflineCostModel, build_cost_table
+from hetero.planner.cost import build_cost_table
+from hetero.planner.cost_model import RooflineCostModel
 from hetero.planner.solve import solve
 from hetero.specs import ClusterSpec, ModelSpec, PlannerOptions, TrainSpec
 

@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench_runtime import LR, MICRO_BATCH, NUM_MICRO, SEQ_LEN, prepare  # the W1 definition, one place
+from w1_model import LR, MICRO_BATCH, NUM_MICRO, SEQ_LEN, prepare  # the W1 definition, one place
 
 
 def hetero(*args: str) -> None:

@@ -20,7 +20,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench_runtime import median_tail, prepare, run_hetero
+from w1_hetero import run_hetero
+from w1_model import median_tail, prepare
 
 TARGET = 1.35
 

@@ -2,7 +2,7 @@
 
     python bench/bench_replicas.py [--steps 6] [--rounds 2] [--out DIR]
 
-Workload W1's model (bench_runtime.py: hidden 256, 8 layers, seq 128, 8 micro-batches of 4, LoRA r=8
+Workload W1's model (w1_model.py: hidden 256, 8 layers, seq 128, 8 micro-batches of 4, LoRA r=8
 on every projection) on two one-thread CPU devices of this host. `hetero profile` measures them,
 then three plans are compiled from the same profile:
 
@@ -29,7 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench_runtime import LR, MICRO_BATCH, NUM_MICRO, SEQ_LEN, free_ports, median_tail, prepare
+from w1_hetero import free_ports
+from w1_model import LR, MICRO_BATCH, NUM_MICRO, SEQ_LEN, median_tail, prepare
 
 FLEET = """\
 name: w1pair

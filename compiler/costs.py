@@ -37,10 +37,10 @@ class UnitCost:
     recompute_bytes_per_token: float | None = None  # kept per token when recomputed (decoder layers only)
 
 
-def lora_targets(module: nn.Module, prefix: str, targets: Iterable[str]) -> list[tuple[str, nn.Module]]:
+def lora_targets(module: nn.Module, prefix: str, targets: Iterable[str]) -> list[tuple[str, nn.Linear | nn.Embedding]]:
     """The (full name, module) pairs peft would wrap with LoRA: names equal to or ending in a target."""
     targets = list(targets)
-    found = []
+    found: list[tuple[str, nn.Linear | nn.Embedding]] = []
     for name, sub in module.named_modules():
         full = (prefix + name).rstrip(".")
         if not isinstance(sub, (nn.Linear, nn.Embedding)):
@@ -50,7 +50,7 @@ def lora_targets(module: nn.Module, prefix: str, targets: Iterable[str]) -> list
     return found
 
 
-def _lora_shape(sub: nn.Module) -> tuple[int, int]:
+def _lora_shape(sub: nn.Linear | nn.Embedding) -> tuple[int, int]:
     if isinstance(sub, nn.Linear):
         return sub.in_features, sub.out_features
     return sub.num_embeddings, sub.embedding_dim  # nn.Embedding: A is r x num_embeddings, B is dim x r
@@ -70,7 +70,7 @@ _INPUT_GROUPS = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", 
                  "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "mlp_mid"}
 
 
-def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: int, lora_r: int,
+def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: float, lora_r: int,
                              lora_dropout: float = 0.0) -> float:
     """Bytes autograd keeps per token for one decoder layer under LoRA (no recomputation).
 
@@ -104,7 +104,7 @@ def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: int, 
     return float(norms + lora + attention + mlp)
 
 
-def decoder_recompute_bytes(config: Any, dtype_bytes: int) -> float:
+def decoder_recompute_bytes(config: Any, dtype_bytes: float) -> float:
     """Bytes per token a recomputed decoder layer keeps between its forward and backward: its input.
 
     The layer re-runs its forward during backward (runtime/stage/model.py); while it does, one layer's
@@ -131,49 +131,55 @@ def unit_cost(
     if quantization not in ("none", *QUANT_BYTES_PER_PARAM):
         raise ConfigError(f"model.quantization={quantization!r} is not one of none, nf4, int8")
     num_params = sum(int(t.numel()) for t in params.values())
-    linears = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear)]
+    linears = [m for _, m in module.named_modules() if isinstance(m, nn.Linear)]
     # Only decoder Linear weights are quantized; the head stays in the compute dtype (as bitsandbytes does).
-    linear_params = sum(m.in_features * m.out_features for _, m in linears) if kind == "decoder" else 0
+    linear_params = sum(m.in_features * m.out_features for m in linears) if kind == "decoder" else 0
     weight_bytes_q = QUANT_BYTES_PER_PARAM.get(quantization, dtype_bytes)
     param_bytes = (num_params - linear_params) * dtype_bytes + linear_params * weight_bytes_q
-
     targets = lora_targets(module, prefix, lora_target_names)
-    lora_params = sum(lora_r * sum(_lora_shape(m)) for _, m in targets)
-    lora_fwd = sum(2 * lora_r * sum(_lora_shape(m)) for _, m in targets if isinstance(m, nn.Linear))
-    matmul_fwd = sum(2 * m.in_features * m.out_features for _, m in linears)
-    h = config.hidden_size
-    recompute: float | None = None
-
-    if kind == "decoder":
-        attn = attention_flops_per_token(config, seq_len)
-        fwd = matmul_fwd + attn + lora_fwd
-        # Input grads through the frozen matmuls (~1x), attention backward, LoRA input + weight grads (2x).
-        bwd = matmul_fwd + ATTENTION_BWD_FACTOR * attn + 2 * lora_fwd
-        short = {name.rsplit(".", 1)[-1] for name, _ in targets}
-        act = decoder_activation_bytes(config, short, dtype_bytes, lora_r, lora_dropout)
-        recompute = decoder_recompute_bytes(config, dtype_bytes)
-    elif kind == "head":
-        fwd = matmul_fwd + lora_fwd
-        bwd = matmul_fwd + 2 * lora_fwd  # grad of the hidden state only: lm_head is frozen
-        # The loss upcasts logits to fp32 and log_softmax keeps its fp32 output (4V saved); the bf16
-        # logits and the fp32 copy live alongside it during the forward, so the peak per token is (b+8)V.
-        act = float((dtype_bytes + 8) * config.vocab_size)
-    elif kind == "norm":
-        fwd, bwd = 4.0 * h, 8.0 * h  # square, mean, rsqrt-scale, weight: elementwise, tiny
-        act = float(4 * h + 4)
-    else:  # embedding: a gather, nothing to differentiate (frozen, integer input)
-        fwd, bwd, act = 0.0, 0.0, 0.0
-        if targets:  # LoRA on the embedding: a gather from A plus a small matmul with B
-            fwd = 2.0 * lora_r * h
-            bwd = 2 * fwd
-            act = float(LORA_BYTES * lora_r)
+    fwd, bwd, act, recompute = _work_per_token(kind, linears, targets, config, seq_len, dtype_bytes, lora_r,
+                                               lora_dropout)
     return UnitCost(
         num_params=num_params,
         linear_params=linear_params,
         param_bytes=float(param_bytes),
-        lora_params=lora_params,
+        lora_params=sum(lora_r * sum(_lora_shape(m)) for _, m in targets),
         fwd_flops_per_token=float(fwd),
         bwd_flops_per_token=float(bwd),
         activation_bytes_per_token=act,
         recompute_bytes_per_token=recompute,
     )
+
+
+def _work_per_token(
+    kind: str,
+    linears: list[nn.Linear],
+    targets: list[tuple[str, nn.Linear | nn.Embedding]],
+    config: Any,
+    seq_len: int,
+    dtype_bytes: float,
+    lora_r: int,
+    lora_dropout: float,
+) -> tuple[float, float, float, float | None]:
+    """(forward FLOPs, backward FLOPs, activation bytes, recompute bytes) per token of a unit of ``kind``."""
+    lora_fwd = sum(2 * lora_r * sum(_lora_shape(m)) for _, m in targets if isinstance(m, nn.Linear))
+    matmul_fwd = sum(2 * m.in_features * m.out_features for m in linears)
+    h = config.hidden_size
+    if kind == "decoder":
+        attn = attention_flops_per_token(config, seq_len)
+        # Input grads through the frozen matmuls (~1x), attention backward, LoRA input + weight grads (2x).
+        bwd = matmul_fwd + ATTENTION_BWD_FACTOR * attn + 2 * lora_fwd
+        short = {name.rsplit(".", 1)[-1] for name, _ in targets}
+        act = decoder_activation_bytes(config, short, dtype_bytes, lora_r, lora_dropout)
+        return matmul_fwd + attn + lora_fwd, bwd, act, decoder_recompute_bytes(config, dtype_bytes)
+    if kind == "head":
+        # The loss upcasts logits to fp32 and log_softmax keeps its fp32 output (4V saved); the bf16
+        # logits and the fp32 copy live alongside it during the forward, so the peak per token is (b+8)V.
+        # Backward: the grad of the hidden state only (lm_head is frozen).
+        return matmul_fwd + lora_fwd, matmul_fwd + 2 * lora_fwd, float((dtype_bytes + 8) * config.vocab_size), None
+    if kind == "norm":
+        return 4.0 * h, 8.0 * h, float(4 * h + 4), None  # square, mean, rsqrt-scale, weight: elementwise, tiny
+    # embedding: a gather, nothing to differentiate (frozen, integer input)
+    if targets:  # LoRA on the embedding: a gather from A plus a small matmul with B
+        return 2.0 * lora_r * h, 4.0 * lora_r * h, float(LORA_BYTES * lora_r), None
+    return 0.0, 0.0, 0.0, None

@@ -1,4 +1,4 @@
-"""bench/bench_w3.py's link: namespaces, veth and tbf come up, and nothing is left behind (root only, ~1 s)."""
+"""bench/w3_net.py, W3's link: namespaces, veth and tbf come up, and nothing is left behind (root only, ~1 s)."""
 
 from __future__ import annotations
 
@@ -21,24 +21,24 @@ def _netns_names() -> set[str]:
 
 @needs_root
 def test_link_pair_comes_up_and_leaves_nothing_behind() -> None:
-    import bench_w3
+    import w3_net
 
     probe = subprocess.run(["ip", "netns", "add", f"w3-probe-{os.getpid()}"], capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip(f"ip netns refused: {probe.stderr.strip()}")
     subprocess.run(["ip", "netns", "del", f"w3-probe-{os.getpid()}"], check=True)
 
-    link = bench_w3.LinkPair()
+    link = w3_net.LinkPair()
     try:
         link.up()
-        assert "100 Mbit/s" in link.set_rate(bench_w3.parse_rate("100mbit"))
+        assert "100 Mbit/s" in link.set_rate(w3_net.parse_rate("100mbit"))
         qdisc = subprocess.run(["tc", "-n", link.ns[1], "qdisc", "show", "dev", link.veth[1]], capture_output=True,
                                text=True).stdout
         assert "tbf" in qdisc and "100Mbit" in qdisc
         before = link.tx_bytes()
         # The namespaces reach each other over the veth (a TCP connect both ways moves counted bytes).
         for src in (0, 1):
-            dst_ip = bench_w3.IPS[1 - src]
+            dst_ip = w3_net.IPS[1 - src]
             probe_cmd = [sys.executable, "-c", "import socket, sys; socket.create_connection((sys.argv[1], 9), 2)",
                          dst_ip]
             subprocess.run(link.exec(src, probe_cmd), capture_output=True, timeout=30)  # refused: still a SYN/RST
@@ -56,9 +56,9 @@ def test_link_pair_comes_up_and_leaves_nothing_behind() -> None:
 
 
 def test_rates_in_tc_spelling() -> None:
-    import bench_w3
+    import w3_net
 
-    assert bench_w3.parse_rate("1gbit") == 1e9
-    assert bench_w3.parse_rate("100mbit") == 1e8
+    assert w3_net.parse_rate("1gbit") == 1e9
+    assert w3_net.parse_rate("100mbit") == 1e8
     with pytest.raises(ValueError):
-        bench_w3.parse_rate("fast")
+        w3_net.parse_rate("fast")

@@ -1,0 +1,160 @@
+"""schedule.png: the Gantt chart of a simulated step, one row per stage: F/B boxes per micro-batch, the
+replicas' gradient sum, each stage's STEP, the transfers under the rows and the step time marked.
+
+The timeline is the caller's (hetero.planner.simulator.simulate_plan): nothing here simulates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import matplotlib.pyplot as plt
+from matplotlib.patches import Rectangle
+
+from hetero.compiler.picture_style import (
+    BACKWARD_COLOUR,
+    FORWARD_COLOUR,
+    IDLE_COLOUR,
+    REDUCE_COLOUR,
+    SEND_COLOUR,
+    STEP_COLOUR,
+    WARNING_COLOUR,
+    duration,
+    save_figure,
+    span_label,
+)
+from hetero.plan import Plan
+
+if TYPE_CHECKING:
+    from hetero.planner.simulator import Timeline
+
+
+@dataclass(frozen=True)
+class Block:
+    """One box of the Gantt chart: a stage's compute (F, B), the replicas' gradient sum, or its STEP."""
+
+    stage: int
+    kind: str  # F | B | reduce | STEP
+    mb: int
+    start_s: float
+    duration_s: float
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + self.duration_s
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}{self.mb}" if self.kind in ("F", "B") else self.kind
+
+
+def schedule_blocks(timeline: Timeline, reduce_s: float = 0.0) -> list[Block]:
+    """The boxes of a simulated step: F/B per micro-batch, then per stage the gradient sum across
+    replicas (``reduce_s``, when there are several) and the STEP (gradient-norm round trip + optimizer).
+
+    A STEP event starts when its stage reaches the barrier and ends after its update; the stage only
+    works from the barrier on (the latest stage to arrive, plus the reduction), so the block starts
+    there and the wait before it is idle time. The last block ends at the step time.
+    """
+    blocks = [Block(e.stage, e.op, e.mb, e.start_s, e.end_s - e.start_s)
+              for e in timeline.events if e.op in ("F", "B")]
+    steps = [e for e in timeline.events if e.op == "STEP"]
+    if not steps:
+        return blocks
+    barrier = max(e.start_s for e in steps) + reduce_s
+    for e in sorted(steps, key=lambda e: e.stage):
+        if reduce_s > 0:
+            blocks.append(Block(e.stage, "reduce", -1, barrier - reduce_s, reduce_s))
+        start = min(max(e.start_s, barrier), e.end_s)
+        blocks.append(Block(e.stage, "STEP", -1, start, e.end_s - start))
+    return blocks
+
+
+def _reduce_s(plan: Plan) -> float:
+    # As simulate_plan: one pipeline has no gradients to sum across replicas.
+    return plan.prediction.reduce_s if len(plan.pipelines) > 1 else 0.0
+
+
+def draw_schedule(plan: Plan, timeline: Timeline, path: str | Path) -> Path:
+    """Gantt chart of the simulated step: one row per stage, F/B boxes per micro-batch, STEP, step time marked."""
+    return save_figure(schedule_figure(plan, timeline), path)
+
+
+def schedule_figure(plan: Plan, timeline: Timeline) -> Any:
+    """The schedule Gantt chart of ``timeline`` (simulate_plan(plan)) as a Figure."""
+    n = len(plan.stages)
+    fig, ax = plt.subplots(figsize=(13, 1.0 + 0.75 * n + 1.2))
+    draw_gantt(ax, plan, timeline)
+    labels = []
+    for k, s in enumerate(plan.stages):
+        busy = timeline.busy_fraction[k] if k < len(timeline.busy_fraction) else 0.0
+        replica = f" (replica {plan.replica_of(k)[0]})" if plan.replicas else ""
+        labels.append(f"stage {k}{replica}: {s.device}\n{span_label(s.node_names)}  ({busy:.0%} busy)")
+    ax.set_yticks(range(n), labels, fontsize=8)
+    ax.set_xlabel("seconds into the step")
+    ax.legend(*gantt_legend(plan), loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=6, fontsize=8,
+              frameon=False)
+    replicas = f"{len(plan.replicas)} replicas, " if plan.replicas else ""
+    ax.set_title(
+        f"{plan.schedule} schedule, {replicas}{plan.train.num_micro_batches} micro-batches of "
+        f"{plan.train.micro_batch_size} x {plan.model.seq_len} tokens: step {timeline.step_time_s:.3g} s, "
+        f"bubble {timeline.bubble_fraction:.0%}",
+        fontsize=11,
+    )
+    return fig
+
+
+_BLOCK_STYLE = {  # kind: (face colour, hatch, text colour)
+    "F": (FORWARD_COLOUR, "", "white"),
+    "B": (BACKWARD_COLOUR, "", "white"),
+    "reduce": (REDUCE_COLOUR, "////", "#222222"),
+    "STEP": (STEP_COLOUR, "", "white"),
+}
+
+
+def draw_gantt(ax: Any, plan: Plan, timeline: Timeline) -> None:
+    """Rows = stages (stage 0 on top): idle background, the blocks, transfers under the rows, the step line."""
+    n = len(plan.stages)
+    step = timeline.step_time_s
+    for k in range(n):
+        ax.add_patch(Rectangle((0, k - 0.4), step, 0.8, fc=IDLE_COLOUR, ec="none"))
+    min_label_w = step / 90  # about the width of two characters at this figure size
+    for b in schedule_blocks(timeline, _reduce_s(plan)):
+        face, hatch, text = _BLOCK_STYLE[b.kind]
+        if b.kind == "STEP" and b.duration_s < min_label_w:
+            # Too short to see at this scale (ms against a step of seconds): a thin marker ending where
+            # the step does, named beside it with its duration.
+            marker = max(b.duration_s, step / 400)
+            ax.add_patch(Rectangle((b.end_s - marker, b.stage - 0.35), marker, 0.7, fc=face, ec="none"))
+            ax.text(b.end_s + step / 300, b.stage, f"STEP {duration(b.duration_s)}", ha="left",
+                    va="center", fontsize=7, color=STEP_COLOUR)
+            continue
+        ax.add_patch(Rectangle((b.start_s, b.stage - 0.35), b.duration_s, 0.7, fc=face, ec="white", lw=0.6,
+                               hatch=hatch))
+        if b.duration_s > (min_label_w if b.kind in ("F", "B") else (len(b.label) + 2) * min_label_w / 2):
+            ax.text(b.start_s + b.duration_s / 2, b.stage, b.label, ha="center", va="center", fontsize=7,
+                    color=text)
+    for e in timeline.events:
+        if e.op in ("SA", "SG") and e.end_s > e.start_s:
+            # Transfers: a thin bar under the sending stage's row, on the link while in flight.
+            ax.add_patch(Rectangle((e.start_s, e.stage + 0.37), e.end_s - e.start_s, 0.06, fc=SEND_COLOUR,
+                                   ec="none"))
+    ax.axvline(step, color=WARNING_COLOUR, ls="--", lw=1.2)
+    ax.text(step, -0.75, f" step {step:.3g} s", color=WARNING_COLOUR, fontsize=9, va="center")
+    ax.set_ylim(n - 0.4, -1.0)
+    ax.set_xlim(0, step * 1.08)
+    for spine in ("top", "right"):
+        ax.spines[spine].set_visible(False)
+
+
+def gantt_legend(plan: Plan) -> tuple[list[Any], list[str]]:
+    """Legend handles and labels of the Gantt chart's boxes (the replicas' sum only when there is one)."""
+    kinds = ["F", "B"] + (["reduce"] if _reduce_s(plan) > 0 else []) + ["STEP"]
+    names = {"F": "forward (micro-batch)", "B": "backward", "reduce": "sum gradients across replicas",
+             "STEP": "STEP: gradient-norm sync + optimizer"}
+    handles: list[Any] = [Rectangle((0, 0), 1, 1, fc=_BLOCK_STYLE[k][0], hatch=_BLOCK_STYLE[k][1], ec="white")
+                          for k in kinds]
+    handles += [Rectangle((0, 0), 1, 1, fc=c) for c in (SEND_COLOUR, IDLE_COLOUR)]
+    return handles, [names[k] for k in kinds] + ["send", "idle"]

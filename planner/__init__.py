@@ -5,21 +5,17 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from datetime import datetime, timezone
+from typing import Any
 
 from hetero.errors import ConfigError, InfeasiblePlanError
 from hetero.graph import LayerGraph
 from hetero.plan import Baseline, Plan, Prediction, ReplicaPlan, SolverReport, StagePlan, compute_input_hash
 from hetero.planner.baselines import baseline_evaluations, candidate_placements, predict
-from hetero.planner.cost import (
-    CostModel,
-    CostTable,
-    RooflineCostModel,
-    build_cost_table,
-    compute_dtype,
-    subtable,
-)
+from hetero.planner.cost import CostTable, build_cost_table, subtable
+from hetero.planner.cost_model import CostModel, RooflineCostModel, compute_dtype
 from hetero.planner.feasibility import check_single_nodes, explain_infeasible
 from hetero.planner.objective import Evaluation, Placement, evaluate, split_spans
+from hetero.planner.profile_cost import ProfileCostModel
 from hetero.planner.replicas import ReplicaSolution, solve_replicas
 from hetero.planner.schedules import gpipe, one_f_one_b, programs_for
 from hetero.planner.simulator import ScheduleError, Timeline, combine_replicas, simulate, simulate_plan
@@ -225,6 +221,100 @@ def _replica_choice(table: CostTable, solution: ReplicaSolution, prediction: Pre
         [why] if why else [])
 
 
+def _training_fleet(cluster: ClusterSpec, evaluation: EvalSpec) -> ClusterSpec:
+    """The fleet less the evaluation device, which evaluates held-out data and does not train."""
+    if evaluation.device is None:
+        return cluster
+    return replace(cluster, hosts=[replace(h, devices=[d for d in h.devices if d.name != evaluation.device])
+                                   for h in cluster.hosts])
+
+
+def _place(table: CostTable, graph: LayerGraph, model: ModelSpec, options: PlannerOptions,
+           ) -> tuple[Evaluation, SolverReport]:
+    """The manual split when planner.split/devices are given, else the solver's placement (or why none fits)."""
+    limit = min(len(table.devices), len(graph.nodes))
+    if options.num_stages is not None and not 1 <= options.num_stages <= limit:
+        raise ConfigError(f"planner.num_stages={options.num_stages}: choose 1..{limit} "
+                          f"({len(table.devices)} devices, {len(graph.nodes)} layer-graph nodes)")
+    if options.split is not None or options.devices is not None:
+        ev = _manual(table, graph, options)
+        return ev, SolverReport("manual", "Manual", "manual split", False, None, ev.step_time_s, 0.0,
+                                options.time_limit_s, message="planner.split/devices given: the solver was not run")
+    check_single_nodes(table, graph)
+    result = solve(table, options.num_stages, options.time_limit_s, starts=candidate_placements(table, graph))
+    if result.evaluation is None:
+        if result.report.status == "Infeasible" or result.report.sol_status == "No Solution Exists":
+            raise InfeasiblePlanError(explain_infeasible(table, graph, model, options.num_stages))
+        raise InfeasiblePlanError(f"the solver found no placement within planner.time_limit_s="
+                                  f"{options.time_limit_s:g}: raise it or set planner.num_stages")
+    return result.evaluation, result.report
+
+
+Chosen = list[tuple[Evaluation, int, float]]  # per pipeline replica: its placement, micro-batches, own step time
+
+
+def _choose(table: CostTable, options: PlannerOptions, ev: Evaluation, solver: SolverReport,
+            pairs: list[tuple[Baseline, Evaluation | None]]) -> tuple[Chosen, Prediction, SolverReport, list[str]]:
+    """What to plan: the placement (or a baseline that simulates faster), or data x pipeline replicas when
+    they win; with its prediction, solver report and the verdict lines that say why."""
+    prediction, _ = predict(table, ev)
+    adopted = ""
+    auto = options.split is None and options.devices is None
+    if auto:
+        ev, prediction, adopted = _simulated_best(table, ev, prediction, pairs, options.num_stages)
+    chosen: Chosen = [(ev, table.num_micro_batches, prediction.step_time_s)]
+    replica_note: list[str] = []
+    if auto and options.replicas != 1 and (options.num_stages is None or options.replicas is not None):
+        picked, prediction, solver, replica_note = _replicas(table, options, prediction, solver)
+        if picked is not None:
+            chosen, adopted = picked, ""
+    return chosen, prediction, solver, replica_note + ([adopted] if adopted else [])
+
+
+def _stage_plan(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: ClusterSpec, ev: Evaluation,
+                pos: int, k: int, program: list[str]) -> StagePlan:
+    """Stage k, position ``pos`` of its pipeline's placement: where it runs, what it holds, its predicted costs."""
+    dev = table.devices[ev.placement.devices[pos]]
+    first, last = ev.placement.spans[pos]
+    host = cluster.host(dev.host)
+    return StagePlan(
+        index=k, host=dev.host, device=dev.name, device_type=dev.type, backend=dev.backend,
+        dtype=compute_dtype(dev, model), quantization=dev.quantization(model.quantization),
+        first_node=first, last_node=last, node_names=[n.name for n in graph.nodes[first:last + 1]],
+        endpoint=f"tcp://{host.address}:{host.port + k}", threads=dev.threads,
+        fwd_time_s=ev.fwd_s[pos], bwd_time_s=ev.bwd_s[pos], send_time_s=ev.send_s[pos],
+        memory=ev.memory[pos], program=program, artifact=f"artifacts/{dev.host}/stage{k}",
+        overhead_s=dict(ev.overhead_s[pos]) if ev.overhead_s else {},
+        step_sync_s=ev.sync_s[pos] if ev.sync_s else 0.0,
+        recompute_layers=recompute_layers(table, graph, ev, pos),
+        recompute_time_s=ev.recompute_s[pos] if ev.recompute_s else 0.0,
+    )
+
+
+def _stages(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: ClusterSpec, schedule: str,
+            chosen: Chosen) -> tuple[list[StagePlan], list[ReplicaPlan]]:
+    """Every replica's stages with their programs, numbered in order, and the replicas that group them."""
+    stages: list[StagePlan] = []
+    replicas: list[ReplicaPlan] = []
+    for ev, share, own_step in chosen:
+        programs = programs_for(schedule, len(ev.placement.devices), share)
+        first_stage = len(stages)
+        for pos in range(len(ev.placement.devices)):
+            stages.append(_stage_plan(table, graph, model, cluster, ev, pos, len(stages),
+                                      format_program(programs[pos])))
+        replicas.append(ReplicaPlan(list(range(first_stage, len(stages))), share,
+                                    sum(m for _, m, _ in chosen[:len(replicas)]), own_step))
+    return stages, replicas
+
+
+def _cost_provenance(cost_model: CostModel) -> tuple[dict[str, str], list[str]]:
+    """Where a measured profile's numbers went (plan.cost_sources) and the verdict's line on it; none from
+    datasheets alone."""
+    if not isinstance(cost_model, ProfileCostModel):
+        return {}, []
+    return {"profile": cost_model.path, **cost_model.sources}, cost_model.summary()
+
+
 def plan(
     model: ModelSpec,
     graph: LayerGraph,
@@ -234,77 +324,25 @@ def plan(
     options: PlannerOptions,
     cost_model: CostModel | None = None,
     evaluation: EvalSpec | None = None,
+    config: dict[str, Any] | None = None,
 ) -> Plan:
-    """Place the graph on the fleet (planner.solve: exact DP or ILP; or the manual split), build programs
-    and predictions. ``evaluation.device`` is kept out of training (it evaluates held-out data)."""
+    """The complete, hashed Plan: the graph placed on the fleet (planner.solve: exact DP or ILP; or the manual
+    split), programs, predictions, baselines and verdict. ``evaluation.device`` is kept out of training (it
+    evaluates held-out data); ``config`` is the resolved config the plan records."""
     cost_model = cost_model or RooflineCostModel(efficiency=options.efficiency)
     evaluation = evaluation or EvalSpec()
-    training = cluster
-    if evaluation.device is not None:
-        training = replace(cluster, hosts=[replace(h, devices=[d for d in h.devices if d.name != evaluation.device])
-                                           for h in cluster.hosts])
-    table = build_cost_table(graph, model, training, train, options, cost_model)
-    limit = min(len(table.devices), len(graph.nodes))
-    if options.num_stages is not None and not 1 <= options.num_stages <= limit:
-        raise ConfigError(f"planner.num_stages={options.num_stages}: choose 1..{limit} "
-                          f"({len(table.devices)} devices, {len(graph.nodes)} layer-graph nodes)")
-    if options.split is not None or options.devices is not None:
-        ev = _manual(table, graph, options)
-        solver = SolverReport("manual", "Manual", "manual split", False, None, ev.step_time_s, 0.0,
-                              options.time_limit_s, message="planner.split/devices given: the solver was not run")
-    else:
-        check_single_nodes(table, graph)
-        result = solve(table, options.num_stages, options.time_limit_s, starts=candidate_placements(table, graph))
-        solver = result.report
-        if result.evaluation is None:
-            if solver.status == "Infeasible" or solver.sol_status == "No Solution Exists":
-                raise InfeasiblePlanError(explain_infeasible(table, graph, model, options.num_stages))
-            raise InfeasiblePlanError(f"the solver found no placement within planner.time_limit_s="
-                                      f"{options.time_limit_s:g}: raise it or set planner.num_stages")
-        ev = result.evaluation
-    prediction, _ = predict(table, ev)
-    adopted = ""
+    table = build_cost_table(graph, model, _training_fleet(cluster, evaluation), train, options, cost_model)
+    ev, solver = _place(table, graph, model, options)
     pairs = baseline_evaluations(table, graph.decoder_indices())
-    auto = options.split is None and options.devices is None
-    if auto:
-        ev, prediction, adopted = _simulated_best(table, ev, prediction, pairs, options.num_stages)
-    chosen: list[tuple[Evaluation, int, float]] = [(ev, train.num_micro_batches, prediction.step_time_s)]
-    replica_note: list[str] = []
-    if auto and options.replicas != 1 and (options.num_stages is None or options.replicas is not None):
-        picked, prediction, solver, replica_note = _replicas(table, options, prediction, solver)
-        if picked is not None:
-            chosen, adopted = picked, ""
-    stages: list[StagePlan] = []
-    replicas: list[ReplicaPlan] = []
-    for rep_ev, share, own_step in chosen:
-        programs = programs_for(train.schedule, len(rep_ev.placement.devices), share)
-        first_stage = len(stages)
-        for pos, (d, (first, last)) in enumerate(zip(rep_ev.placement.devices, rep_ev.placement.spans, strict=True)):
-            k = len(stages)
-            dev = table.devices[d]
-            host = cluster.host(dev.host)
-            stages.append(StagePlan(
-                index=k, host=dev.host, device=dev.name, device_type=dev.type, backend=dev.backend,
-                dtype=compute_dtype(dev, model), quantization=dev.quantization(model.quantization),
-                first_node=first, last_node=last, node_names=[n.name for n in graph.nodes[first:last + 1]],
-                endpoint=f"tcp://{host.address}:{host.port + k}", threads=dev.threads,
-                fwd_time_s=rep_ev.fwd_s[pos], bwd_time_s=rep_ev.bwd_s[pos], send_time_s=rep_ev.send_s[pos],
-                memory=rep_ev.memory[pos], program=format_program(programs[pos]),
-                artifact=f"artifacts/{dev.host}/stage{k}",
-                overhead_s=dict(rep_ev.overhead_s[pos]) if rep_ev.overhead_s else {},
-                step_sync_s=rep_ev.sync_s[pos] if rep_ev.sync_s else 0.0,
-                recompute_layers=recompute_layers(table, graph, rep_ev, pos),
-                recompute_time_s=rep_ev.recompute_s[pos] if rep_ev.recompute_s else 0.0,
-            ))
-        replicas.append(ReplicaPlan(list(range(first_stage, len(stages))), share,
-                                    sum(m for _, m, _ in chosen[:len(replicas)]), own_step))
+    chosen, prediction, solver, notes = _choose(table, options, ev, solver, pairs)
+    stages, replicas = _stages(table, graph, model, cluster, train.schedule, chosen)
     base = [b for b, _ in pairs]
-    verdict = _verdict(prediction, stages, base, solver) + replica_note + ([adopted] if adopted else [])
-    result_plan = Plan(
+    cost_sources, cost_notes = _cost_provenance(cost_model)
+    unhashed = Plan(
         model=model, cluster=cluster, train=train, data=data, planner=options, graph=graph, stages=stages,
-        prediction=prediction, baselines=base, solver=solver, verdict=verdict, eval=evaluation,
-        replicas=replicas if len(replicas) > 1 else [],
+        prediction=prediction, baselines=base, solver=solver,
+        verdict=_verdict(prediction, stages, base, solver) + notes + cost_notes, config=dict(config or {}),
+        cost_sources=cost_sources, eval=evaluation, replicas=replicas if len(replicas) > 1 else [],
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
-    result_plan.input_hash = compute_input_hash(result_plan)
-    return result_plan
+    return replace(unhashed, input_hash=compute_input_hash(unhashed))

@@ -1,197 +1,27 @@
-"""Cost models: per (node, device) compute time and memory, per (host, host) transfer time.
+"""The cost table: one planning problem's costs, evaluated once as dense arrays.
 
-``CostModel`` is the interface; ``RooflineCostModel`` fills it from datasheet numbers and
-``planner.profile_cost.ProfileCostModel`` from a measured profile (``hetero profile``). ``CostTable``
-evaluates a cost model once for every (node, device) and every link of a planning problem, as dense
-arrays: the exact DP, the ILP, the brute force, the baselines and the manual split all read the very
-same numbers, and none of them calls back into the fleet or the cost model.
+``build_cost_table`` evaluates a cost model (planner.cost_model: the interface and the datasheet
+roofline; planner.profile_cost: a measured profile) for every (node, device) and every link of a
+planning problem into a ``CostTable``: the exact DP, the ILP, the brute force, the baselines and the
+manual split all read the very same numbers, and none of them calls back into the fleet or the cost
+model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from hetero.errors import ConfigError
 from hetero.graph import LayerGraph
-from hetero.specs import (
-    BYTES_PER_DTYPE,
-    QUANT_BYTES_PER_PARAM,
-    ClusterSpec,
-    DeviceSpec,
-    ModelSpec,
-    PlannerOptions,
-    TrainSpec,
-)
+from hetero.planner.cost_model import CostModel, lora_tensors, wire_bytes_per_token
+from hetero.specs import ClusterSpec, DeviceSpec, ModelSpec, PlannerOptions, TrainSpec
 
-NF4_BYTES_PER_PARAM = QUANT_BYTES_PER_PARAM["nf4"]
-# LoRA parameters train in fp32: the parameter, its gradient and AdamW's two moments.
-LORA_BYTES_PER_PARAM = 16.0
 GB = 1e9
-# Rough datasheet-path figures for what a stage pays outside its layers (a profile measures them):
-# AdamW touches ~32 bytes per fp32 LoRA parameter (param, grad, two moments; the grad norm reads
-# the grad again); every LoRA tensor costs a few ops of Python/launch overhead per step, far more
-# on CPU (one tensor at a time) than on GPUs (multi-tensor kernels). A message costs its Python
-# encode/decode plus, from or to a GPU, a copy over the host link.
-OPTIMIZER_BYTES_PER_PARAM = 32.0
-OPTIMIZER_PER_TENSOR_S = {"cpu": 50e-6}
-OPTIMIZER_PER_TENSOR_DEFAULT_S = 10e-6
-MESSAGE_FIXED_S = 100e-6
-HOST_COPY_BYTES_PER_S = 12e9  # PCIe 4.0 x16 in practice
 SYNC_BYTES = 256.0  # a gradient-norm or clip message
 GRAD_WIRE_BYTES_PER_PARAM = 4.0  # replicas reduce LoRA gradients in fp32
 REDUCE_PROBE_BYTES = 64e6  # the message size at which a reduction's per-byte cost is measured
 RECOMPUTE_MODES = ("auto", "none", "full")
-
-
-def dtype_bytes(dtype: str) -> float:
-    """Bytes per element of a dtype name; "auto" graphs are costed at 2 bytes (bf16/fp16)."""
-    if dtype == "auto":
-        return 2.0
-    try:
-        return BYTES_PER_DTYPE[dtype]
-    except KeyError:
-        raise ConfigError(f"unknown dtype '{dtype}': use float32, bfloat16 or float16") from None
-
-
-@dataclass(frozen=True)
-class NodeMemory:
-    """Bytes one node needs on one device."""
-
-    weights: float  # frozen base weights, at the device's dtype and quantization
-    lora: float  # LoRA params + grads + AdamW moments (fp32)
-    activations_per_mb: float  # saved for backward, per micro-batch in flight
-    # What the node keeps per micro-batch in flight when it recomputes (its input); None: it cannot.
-    recompute_per_mb: float | None = None
-
-
-class CostModel(Protocol):
-    """What the planner asks of a cost model; a measured profile can replace the roofline."""
-
-    def node_time_s(
-        self, graph: LayerGraph, model: ModelSpec, node: int, device: DeviceSpec, tokens: int
-    ) -> tuple[float, float]:
-        """(forward, backward) seconds of node ``node`` on ``device`` for a micro-batch of ``tokens``."""
-        ...
-
-    def node_memory(
-        self, graph: LayerGraph, model: ModelSpec, node: int, device: DeviceSpec, tokens: int
-    ) -> NodeMemory:
-        """Bytes node ``node`` needs on ``device`` with micro-batches of ``tokens`` tokens."""
-        ...
-
-    def transfer_time_s(self, cluster: ClusterSpec, host_a: str, host_b: str, num_bytes: float) -> float:
-        """Seconds to move ``num_bytes`` from a device on ``host_a`` to one on ``host_b``."""
-        ...
-
-    def optimizer_step_s(self, device: DeviceSpec, model: ModelSpec, lora_params: int, lora_tensors: int) -> float:
-        """Seconds of one optimizer step (grad norm, AdamW, zero_grad) over this much LoRA on ``device``.
-
-        Must be linear in (lora_params, lora_tensors): the planner splits it into a per-stage constant
-        (the value at 0, 0) and per-node parts.
-        """
-        ...
-
-    def message_s(self, device: DeviceSpec, num_bytes: float) -> tuple[float, float]:
-        """(send, receive) seconds ``device``'s stage spends on one message of ``num_bytes``."""
-        ...
-
-
-def compute_dtype(device: DeviceSpec, model: ModelSpec) -> str:
-    """The dtype ``device`` computes (and sends) in for this model."""
-    return device.compute_dtype(model.dtype)
-
-
-def weight_bytes(graph: LayerGraph, node: int, device: DeviceSpec, model: ModelSpec) -> float:
-    """Frozen weight bytes of a node on a device: linear weights quantized, the rest at compute dtype."""
-    n = graph.nodes[node]
-    elem = dtype_bytes(compute_dtype(device, model))
-    quant = device.quantization(model.quantization)
-    per_linear = QUANT_BYTES_PER_PARAM.get(quant, elem)
-    return (n.num_params - n.linear_params) * elem + n.linear_params * per_linear
-
-
-def wire_bytes_per_token(graph: LayerGraph, node: int, device: DeviceSpec, model: ModelSpec) -> float:
-    """Bytes per token sent across the cut after ``node`` by a stage on ``device`` (its compute dtype)."""
-    if node >= len(graph.edges):
-        return 0.0
-    scale = dtype_bytes(compute_dtype(device, model)) / dtype_bytes(graph.dtype)
-    return graph.edges[node].bytes_per_token * scale
-
-
-class RooflineCostModel:
-    """time = max(FLOPs / (datasheet TFLOPS x efficiency), bytes touched / memory bandwidth)."""
-
-    def __init__(self, efficiency: float = 0.4) -> None:
-        if not 0.0 < efficiency <= 1.0:
-            raise ConfigError(f"planner.efficiency must be in (0, 1], got {efficiency}")
-        self.efficiency = efficiency
-
-    def _flops_per_s(self, device: DeviceSpec, dtype: str) -> float:
-        tflops = device.tflops.get(dtype, 0.0) or device.tflops.get("float32", 0.0)
-        if tflops <= 0:
-            raise ConfigError(f"device '{device.name}' has no TFLOPS figure for {dtype}: fix its hardware spec")
-        return tflops * 1e12 * self.efficiency
-
-    def node_time_s(
-        self, graph: LayerGraph, model: ModelSpec, node: int, device: DeviceSpec, tokens: int
-    ) -> tuple[float, float]:
-        """(forward, backward) seconds of one node for one micro-batch (roofline)."""
-        n = graph.nodes[node]
-        dtype = compute_dtype(device, model)
-        flops_per_s = self._flops_per_s(device, dtype)
-        bandwidth = device.memory_bandwidth_gbs * 1e9
-        if bandwidth <= 0:
-            raise ConfigError(f"device '{device.name}' has no memory bandwidth: fix its hardware spec")
-        weights = weight_bytes(graph, node, device, model)
-        act = n.activation_bytes_per_token * tokens * dtype_bytes(dtype) / dtype_bytes(graph.dtype)
-        # Forward reads the weights once and writes the saved activations; backward reads the
-        # weights again (input grads) and reads the saved activations while writing their grads.
-        fwd = max(n.fwd_flops_per_token * tokens / flops_per_s, (weights + act) / bandwidth)
-        bwd = max(n.bwd_flops_per_token * tokens / flops_per_s, (weights + 2 * act) / bandwidth)
-        return fwd, bwd
-
-    def node_memory(
-        self, graph: LayerGraph, model: ModelSpec, node: int, device: DeviceSpec, tokens: int
-    ) -> NodeMemory:
-        """Weights at the device's dtype/quantization, fp32 LoRA state, activations per micro-batch."""
-        n = graph.nodes[node]
-        scale = dtype_bytes(compute_dtype(device, model)) / dtype_bytes(graph.dtype)
-        rec = n.recompute_bytes_per_token
-        return NodeMemory(
-            weights=weight_bytes(graph, node, device, model),
-            lora=n.lora_params * LORA_BYTES_PER_PARAM,
-            activations_per_mb=n.activation_bytes_per_token * tokens * scale,
-            recompute_per_mb=None if rec is None else rec * tokens * scale,
-        )
-
-    def transfer_time_s(self, cluster: ClusterSpec, host_a: str, host_b: str, num_bytes: float) -> float:
-        """Bytes over the link's bandwidth plus its latency."""
-        try:
-            link = cluster.link(host_a, host_b)
-        except KeyError as exc:
-            raise ConfigError(f"fleet '{cluster.name}': {exc.args[0]}; add it under links:") from None
-        return num_bytes / link.bytes_per_s + link.latency_us * 1e-6
-
-    def optimizer_step_s(self, device: DeviceSpec, model: ModelSpec, lora_params: int, lora_tensors: int) -> float:
-        """Per-tensor overhead plus the bytes AdamW touches over the device's memory bandwidth."""
-        per_tensor = OPTIMIZER_PER_TENSOR_S.get(device.backend, OPTIMIZER_PER_TENSOR_DEFAULT_S)
-        bandwidth = max(device.memory_bandwidth_gbs, 1e-3) * 1e9
-        return lora_tensors * per_tensor + lora_params * OPTIMIZER_BYTES_PER_PARAM / bandwidth
-
-    def message_s(self, device: DeviceSpec, num_bytes: float) -> tuple[float, float]:
-        """Encode/decode overhead, plus the copy between a GPU and its host."""
-        cost = MESSAGE_FIXED_S + (num_bytes / HOST_COPY_BYTES_PER_S if device.backend != "cpu" else 0.0)
-        return cost, cost
-
-
-def lora_tensors(graph: LayerGraph, model: ModelSpec, node: int) -> int:
-    """LoRA tensors (A and B per adapted linear) of a node: every target in a decoder layer, else one linear."""
-    n = graph.nodes[node]
-    if n.lora_params <= 0:
-        return 0
-    return 2 * max(1, len(model.lora.target_modules)) if n.kind == "decoder" else 2
 
 
 def in_flight(schedule: str, position_from_end: int, num_micro_batches: int) -> int:
@@ -396,17 +226,9 @@ def subtable(table: CostTable, num_micro_batches: int, devices: list[int] | None
         _prefix={}, _classes=[])
 
 
-def build_cost_table(
-    graph: LayerGraph,
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    train: TrainSpec,
-    options: PlannerOptions,
-    cost_model: CostModel,
-) -> CostTable:
-    """Evaluate ``cost_model`` for every (node, device) of the fleet and every link the solvers may use."""
-    devices = cluster.devices
-    if not devices:
+def _check_problem(graph: LayerGraph, cluster: ClusterSpec, train: TrainSpec, options: PlannerOptions) -> None:
+    """A clear error for an empty fleet or graph and for out-of-range options."""
+    if not cluster.devices:
         raise ConfigError(f"fleet '{cluster.name}' has no devices")
     if not graph.nodes:
         raise ConfigError(f"layer graph of '{graph.model_name}' has no nodes")
@@ -416,41 +238,85 @@ def build_cost_table(
         raise ConfigError(f"planner.memory_headroom must be in [0, 1), got {options.memory_headroom}")
     if options.recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"planner.recompute={options.recompute!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
-    tokens = train.micro_batch_size * graph.seq_len
-    n_nodes = len(graph.nodes)
-    fwd, bwd, w, lo, act, rec, rec_s = ([], [], [], [], [], [], [])
-    recomputable = []
-    for i in range(n_nodes):
+
+
+@dataclass
+class _NodeCosts:
+    """The [node][device] compute and memory columns of a CostTable, and which nodes can recompute."""
+
+    fwd: list[list[float]] = field(default_factory=list)
+    bwd: list[list[float]] = field(default_factory=list)
+    weights: list[list[float]] = field(default_factory=list)
+    lora: list[list[float]] = field(default_factory=list)
+    activations: list[list[float]] = field(default_factory=list)
+    recompute_per_mb: list[list[float]] = field(default_factory=list)
+    recompute_s: list[list[float]] = field(default_factory=list)
+    recomputable: list[bool] = field(default_factory=list)
+
+
+def _node_costs(graph: LayerGraph, model: ModelSpec, devices: list[DeviceSpec], cost_model: CostModel,
+                tokens: int) -> _NodeCosts:
+    """Every node's times and memory on every device, and what recomputing it keeps and costs."""
+    out = _NodeCosts()
+    for i in range(len(graph.nodes)):
         times = [cost_model.node_time_s(graph, model, i, d, tokens) for d in devices]
         mems = [cost_model.node_memory(graph, model, i, d, tokens) for d in devices]
-        fwd.append([t[0] for t in times])
-        bwd.append([t[1] for t in times])
-        w.append([m.weights for m in mems])
-        lo.append([m.lora for m in mems])
-        act.append([m.activations_per_mb for m in mems])
+        out.fwd.append([t[0] for t in times])
+        out.bwd.append([t[1] for t in times])
+        out.weights.append([m.weights for m in mems])
+        out.lora.append([m.lora for m in mems])
+        out.activations.append([m.activations_per_mb for m in mems])
         # A layer recomputes only if the graph says what it keeps and that is less than it saves.
         can = graph.nodes[i].kind == "decoder" and all(
             m.recompute_per_mb is not None and m.recompute_per_mb < m.activations_per_mb for m in mems)
-        recomputable.append(can)
-        rec.append([m.recompute_per_mb if can and m.recompute_per_mb is not None else m.activations_per_mb
-                    for m in mems])
-        rec_s.append([t[0] if can else 0.0 for t in times])
+        out.recomputable.append(can)
+        out.recompute_per_mb.append([m.recompute_per_mb if can and m.recompute_per_mb is not None
+                                     else m.activations_per_mb for m in mems])
+        out.recompute_s.append([t[0] if can else 0.0 for t in times])
+    return out
+
+
+def _optimizer_costs(graph: LayerGraph, model: ModelSpec, devices: list[DeviceSpec],
+                     cost_model: CostModel) -> tuple[list[float], list[list[float]]]:
+    """The optimizer step's constant part per [device] and each [node][device]'s share of the rest."""
     opt_fixed = [cost_model.optimizer_step_s(d, model, 0, 0) for d in devices]
-    opt = [[cost_model.optimizer_step_s(d, model, graph.nodes[i].lora_params, lora_tensors(graph, model, i)) - opt_fixed[j]
-            for j, d in enumerate(devices)] for i in range(n_nodes)]
-    # Links: one wire kind per distinct bytes-per-cut column (a dtype), one index per host.
-    hosts = [h.name for h in cluster.hosts]
-    host_of = [hosts.index(d.host) for d in devices]
+    opt = [[cost_model.optimizer_step_s(d, model, graph.nodes[i].lora_params, lora_tensors(graph, model, i))
+            - opt_fixed[j] for j, d in enumerate(devices)] for i in range(len(graph.nodes))]
+    return opt_fixed, opt
+
+
+def _wire_kinds(graph: LayerGraph, model: ModelSpec, devices: list[DeviceSpec],
+                tokens: int) -> tuple[list[int], list[list[float]]]:
+    """One wire kind per distinct bytes-per-cut column (a dtype): the kind per device, [node][kind] bytes."""
+    n_nodes = len(graph.nodes)
     kinds: dict[tuple[float, ...], int] = {}
     wire_kind = [kinds.setdefault(tuple(wire_bytes_per_token(graph, i, d, model) * tokens for i in range(n_nodes)),
                                   len(kinds)) for d in devices]
-    kind_bytes = [[k[i] for k in kinds] for i in range(n_nodes)]  # [node][kind]
+    return wire_kind, [[k[i] for k in kinds] for i in range(n_nodes)]
+
+
+@dataclass
+class _LinkCosts:
+    """A CostTable's link, message, sync and reduction arrays (see its fields)."""
+
+    link_s: list[list[list[list[float]]]]
+    message_send_s: list[list[list[float]]]
+    message_recv_s: list[list[list[float]]]
+    sync_round_trip_s: list[list[float]]
+    reduce_s_per_byte: list[list[float]]
+
+
+def _link_costs(cluster: ClusterSpec, cost_model: CostModel, hosts: list[str],
+                kind_bytes: list[list[float]]) -> _LinkCosts:
+    """Every cut's transfer per wire kind and host pair, its messages' CPU cost per device, the step's
+    sync round trips and the replicas' gradient reduction per byte."""
+    devices, n_nodes, n_kinds = cluster.devices, len(kind_bytes), len(kind_bytes[0])
     link = [[[[float(cost_model.transfer_time_s(cluster, a, b, kind_bytes[i][k])) for b in hosts] for a in hosts]
-             for k in range(len(kinds))] for i in range(n_nodes)]
+             for k in range(n_kinds)] for i in range(n_nodes)]
     sends: list[list[list[float]]] = []
     recvs: list[list[list[float]]] = []
     for i in range(n_nodes):
-        per_kind = [[cost_model.message_s(d, kind_bytes[i][k]) for d in devices] for k in range(len(kinds))]
+        per_kind = [[cost_model.message_s(d, kind_bytes[i][k]) for d in devices] for k in range(n_kinds)]
         sends.append([[float(s) for s, _ in row] for row in per_kind])
         recvs.append([[float(r) for _, r in row] for row in per_kind])
     sync = [[2.0 * float(cost_model.transfer_time_s(cluster, a, b, SYNC_BYTES)) for b in hosts] for a in hosts]
@@ -461,32 +327,49 @@ def build_cost_table(
                         default=0.0) / REDUCE_PROBE_BYTES for h in hosts]
     reduce = [[2.0 * float(cost_model.transfer_time_s(cluster, a, b, REDUCE_PROBE_BYTES)) / REDUCE_PROBE_BYTES
                + 2.0 * cpu_per_byte[i] for b in hosts] for i, a in enumerate(hosts)]
+    return _LinkCosts(link, sends, recvs, sync, reduce)
+
+
+def build_cost_table(
+    graph: LayerGraph,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    options: PlannerOptions,
+    cost_model: CostModel,
+) -> CostTable:
+    """Evaluate ``cost_model`` for every (node, device) of the fleet and every link the solvers may use."""
+    _check_problem(graph, cluster, train, options)
+    devices = cluster.devices
+    tokens = train.micro_batch_size * graph.seq_len
+    nodes = _node_costs(graph, model, devices, cost_model, tokens)
+    opt_fixed, opt = _optimizer_costs(graph, model, devices, cost_model)
+    hosts = [h.name for h in cluster.hosts]
+    wire_kind, kind_bytes = _wire_kinds(graph, model, devices, tokens)
+    links = _link_costs(cluster, cost_model, hosts, kind_bytes)
     return CostTable(
-        fwd_s=fwd,
-        bwd_s=bwd,
-        weights=w,
-        lora=lo,
-        activations_per_mb=act,
+        fwd_s=nodes.fwd, bwd_s=nodes.bwd, weights=nodes.weights, lora=nodes.lora,
+        activations_per_mb=nodes.activations,
         usable_bytes=[d.memory_gb * (1.0 - options.memory_headroom) * GB for d in devices],
         workspace_bytes=options.workspace_gb * GB,
         schedule=train.schedule,
         num_micro_batches=train.num_micro_batches,
         tokens=tokens,
         model_dtype=model.dtype,
-        host_of=host_of,
+        host_of=[hosts.index(d.host) for d in devices],
         wire_kind=wire_kind,
         wire_bytes=kind_bytes,
-        link_s=link,
-        message_send_s=sends,
-        message_recv_s=recvs,
-        sync_round_trip_s=sync,
+        link_s=links.link_s,
+        message_send_s=links.message_send_s,
+        message_recv_s=links.message_recv_s,
+        sync_round_trip_s=links.sync_round_trip_s,
         opt_s=opt,
         opt_fixed_s=opt_fixed,
-        recompute_per_mb=rec,
-        recompute_s=rec_s,
-        recomputable=recomputable,
+        recompute_per_mb=nodes.recompute_per_mb,
+        recompute_s=nodes.recompute_s,
+        recomputable=nodes.recomputable,
         recompute_mode=options.recompute,
         grad_bytes=[GRAD_WIRE_BYTES_PER_PARAM * n.lora_params for n in graph.nodes],
-        reduce_s_per_byte=reduce,
+        reduce_s_per_byte=links.reduce_s_per_byte,
         devices=devices,
     )

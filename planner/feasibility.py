@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from hetero.errors import InfeasiblePlanError
 from hetero.graph import LayerGraph
-from hetero.planner.cost import GB, NF4_BYTES_PER_PARAM, CostTable, dtype_bytes
+from hetero.planner.cost import GB, CostTable
+from hetero.planner.cost_model import NF4_BYTES_PER_PARAM, dtype_bytes
 from hetero.specs import ModelSpec
 
 

@@ -28,6 +28,7 @@ import tempfile
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pulp
@@ -84,14 +85,26 @@ class _Model:
     """The PuLP problem over a Network, and how to read a placement back out of it."""
 
     def __init__(self, table: CostTable, net: Network, num_stages: int | None) -> None:
-        n, m = table.num_nodes, table.num_micro_batches
-        gpipe = table.schedule == "gpipe"
         self.table, self.net = table, net
         prob = pulp.LpProblem("hetero_placement", pulp.LpMinimize)
         self.y = {a: pulp.LpVariable(f"y{k}", cat="Binary") for k, a in enumerate(net.stages)}
         # Links and the leave-the-cap arcs are integral once the stages are: continuous suffices.
         self.z = {a: pulp.LpVariable(f"z{k}", 0, 1) for k, a in enumerate(net.links)}
         self.down: dict[tuple[int, int], pulp.LpVariable] = {}
+        self._flow_rows(prob)
+        by_device = self._device_rows(prob, num_stages)
+        self.after: dict[int, pulp.LpVariable] = {}
+        if net.flat:
+            self._in_flight_rows(prob)
+        self._period_rows(prob, by_device)
+        prob += (_expr((v, a.fwd + a.bwd) for a, v in self.y.items())
+                 + _expr((v, 2.0 * a.time) for a, v in self.z.items())
+                 + (table.num_micro_batches - 1) * pulp.lpSum(self.periods))
+        self.prob = prob
+
+    def _flow_rows(self, prob: pulp.LpProblem) -> None:
+        """One unit of flow from the source (a stage starting at node 0), conserved at every state."""
+        table, net = self.table, self.net
         inflow: dict = defaultdict(list)  # type: ignore[type-arg]
         outflow: dict = defaultdict(list)  # type: ignore[type-arg]
         first = []
@@ -116,68 +129,73 @@ class _Model:
         prob += pulp.lpSum(first) == 1, "source"
         for state in set(inflow) | set(outflow):
             prob += pulp.lpSum(inflow[state]) == pulp.lpSum(outflow[state])
+
+    def _device_rows(self, prob: pulp.LpProblem, num_stages: int | None) -> dict[int, list[StageArc]]:
+        """Each device runs at most one stage (twins in index order), and the stage count if forced;
+        returns the stage arcs per device."""
         by_device: dict[int, list[StageArc]] = defaultdict(list)
-        for a in net.stages:
+        for a in self.net.stages:
             by_device[a.device].append(a)
         used = {d: pulp.lpSum(self.y[a] for a in arcs) for d, arcs in by_device.items()}
         for u in used.values():
             prob += u <= 1
         if num_stages:
             prob += pulp.lpSum(self.y.values()) == num_stages
-        for a, b in net.twins:  # b only after a, and only if a is used
+        for a, b in self.net.twins:  # b only after a, and only if a is used
             if b not in used:
                 continue  # no arc left for b: nothing to order
             ua, ub = used.get(a, 0), used[b]
             prob += ub <= ua
             pos_a = pulp.lpSum(arc.first * self.y[arc] for arc in by_device.get(a, []))
             pos_b = pulp.lpSum(arc.first * self.y[arc] for arc in by_device.get(b, []))
-            prob += pos_a + ub <= pos_b + n * (1 - ub)
+            prob += pos_a + ub <= pos_b + self.table.num_nodes * (1 - ub)
+        return by_device
 
-        self.after: dict[int, pulp.LpVariable] = {}
-        if net.flat:
-            self._in_flight_rows(prob)
+    def _period_weights(self) -> tuple[list[Callable[[StageArc], float]], float]:
+        """Make the period variables (GPipe: forward and backward apart); the arc time each one bounds
+        and how many times a link counts in it."""
+        if self.table.schedule == "gpipe":
+            self.periods = [pulp.LpVariable("period_fwd", 0), pulp.LpVariable("period_bwd", 0)]
+            return [lambda a: a.fwd, lambda a: a.bwd], 1.0
+        self.periods = [pulp.LpVariable("period", 0)]
+        return [lambda a: a.fwd + a.bwd], 2.0
 
-        # The max terms, bounded by every set of arcs of which at most one (unit) is used: the
-        # arcs of one device, the links at one cut, and the arcs covering one node. The last is
-        # written as a running sum (plus arcs starting at node k, minus arcs ending at k-1) so each
-        # arc appears twice, not once per node it covers.
+    def _period_rows(self, prob: pulp.LpProblem, by_device: dict[int, list[StageArc]]) -> None:
+        """The max terms, bounded by every set of arcs of which at most one (unit) is used: the arcs of
+        one device, the links at one cut, and the arcs covering one node."""
         starting: dict[int, list[StageArc]] = defaultdict(list)
         ending: dict[int, list[StageArc]] = defaultdict(list)
-        for a in net.stages:
+        for a in self.net.stages:
             starting[a.first].append(a)
             ending[a.last].append(a)
         links_at: dict[int, list[LinkArc]] = defaultdict(list)
-        for a in net.links:
+        for a in self.net.links:
             links_at[a.cut].append(a)
-        if gpipe:
-            self.periods = [pulp.LpVariable("period_fwd", 0), pulp.LpVariable("period_bwd", 0)]
-            weights = [lambda a: a.fwd, lambda a: a.bwd]
-            link_factor = 1.0
-        else:
-            self.periods = [pulp.LpVariable("period", 0)]
-            weights = [lambda a: a.fwd + a.bwd]
-            link_factor = 2.0
+        weights, link_factor = self._period_weights()
         self.covers: list[tuple[list[pulp.LpVariable], object]] = []
         for p, (period, weight) in enumerate(zip(self.periods, weights, strict=True)):
             for arcs in by_device.values():
                 prob += _expr((self.y[a], weight(a)) for a in arcs) <= period
             for arcs in links_at.values():
-                prob += _expr((self.z[a], link_factor * a.time) for a in arcs) <= period
-            prev: pulp.LpVariable | None = None
-            self.covers.append(([], weight))
-            for k in range(n):
-                cover = pulp.LpVariable(f"cover{p}_{k}", 0)
-                terms = [(self.y[a], weight(a)) for a in starting[k]]
-                terms += [(self.y[a], -weight(a)) for a in ending[k - 1]] if k else []
-                terms += [(prev, 1.0)] if prev is not None else []
-                prob += _expr(terms) == cover
-                prob += cover <= period
-                self.covers[-1][0].append(cover)
-                prev = cover
-        prob += (_expr((v, a.fwd + a.bwd) for a, v in self.y.items())
-                 + _expr((v, 2.0 * a.time) for a, v in self.z.items())
-                 + (m - 1) * pulp.lpSum(self.periods))
-        self.prob = prob
+                prob += _expr((self.z[link], link_factor * link.time) for link in arcs) <= period
+            self._cover_rows(prob, p, period, weight, starting, ending)
+
+    def _cover_rows(self, prob: pulp.LpProblem, p: int, period: pulp.LpVariable,
+                    weight: Callable[[StageArc], float], starting: dict[int, list[StageArc]],
+                    ending: dict[int, list[StageArc]]) -> None:
+        """The arcs covering each node bound the period, as a running sum (plus arcs starting at node
+        k, minus arcs ending at k-1) so each arc appears twice, not once per node it covers."""
+        prev: pulp.LpVariable | None = None
+        self.covers.append(([], weight))
+        for k in range(self.table.num_nodes):
+            cover = pulp.LpVariable(f"cover{p}_{k}", 0)
+            terms = [(self.y[a], weight(a)) for a in starting[k]]
+            terms += [(self.y[a], -weight(a)) for a in ending[k - 1]] if k else []
+            terms += [(prev, 1.0)] if prev is not None else []
+            prob += _expr(terms) == cover
+            prob += cover <= period
+            self.covers[-1][0].append(cover)
+            prev = cover
 
     def _in_flight_rows(self, prob: pulp.LpProblem) -> None:
         """Flat network: a stage that fits holding h micro-batches has at most h - 1 stages after it."""

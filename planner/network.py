@@ -118,6 +118,167 @@ def _recompute_by_held(table: CostTable, d: int, i: int, j: int, w: float, lo: f
     return [stage_recompute(table, d, i, j, h, w, lo, working=working) for h in range(1, most + 1)]
 
 
+@dataclass(frozen=True)
+class _Scale:
+    """The problem's time unit, per-node lower bounds in it, and the pruning bound."""
+
+    unit: float  # seconds: every node on its fastest device, a lower bound on any step time
+    fastest: list[float]  # per node, its fastest device's f+b, in units
+    all_fastest: float  # sum(fastest)
+    bound: float  # upper bound on the objective, in units (inf: none known)
+    most_stages: int
+    most_held: int  # micro-batches in flight a stage may hold at most
+
+
+def _scale(table: CostTable, num_stages: int | None, upper_s: float | None) -> _Scale:
+    """The unit, the fastest time of every node and the bound a known placement gives."""
+    n, nd, m = table.num_nodes, table.num_devices, table.num_micro_batches
+    # The unit: every node on its fastest device, a lower bound on any step time. So the objective is
+    # >= 1 and CBC's absolute tolerances (its cutoff increment) are relative ones (not 1e-5 of a slow
+    # device's whole-model time, which let it call a placement 0.015% from the optimum optimal).
+    fastest_s = [min(table.fwd_s[i][d] + table.bwd_s[i][d] for d in range(nd)) for i in range(n)]
+    unit = sum(fastest_s) or 1.0
+    most_stages = num_stages or min(n, nd)
+    fastest = [t / unit for t in fastest_s]
+    bound = float("inf") if upper_s is None else upper_s / unit * (1 + PRUNE_TOL) + 1e-12
+    return _Scale(unit, fastest, sum(fastest), bound, most_stages,
+                  m if table.schedule == "gpipe" else min(m, most_stages))
+
+
+# A stage candidate: (device, first, last, fwd s, bwd s, [fewest recomputing layers holding 1..most_held]).
+_Candidate = tuple[int, int, int, float, float, list[int | None]]
+
+
+def _stage_candidates(table: CostTable, scale: _Scale, deadline: float | None) -> list[_Candidate]:
+    """Every span on every device that fits holding one micro-batch and can beat the bound.
+
+    Running sums add in evaluate's order. Recomputation is chosen per arc, not by a variable: for a
+    given stage and micro-batches in flight the fewest layers that fit is also the fastest choice."""
+    n, nd, m = table.num_nodes, table.num_devices, table.num_micro_batches
+    gpipe = table.schedule == "gpipe"
+    cands = []
+    for d in range(nd):
+        for i in range(n):
+            check(deadline)
+            f = b = w = lo = rest = 0.0
+            working = 0.0
+            for j in range(i, n):
+                f += table.fwd_s[j][d]
+                b += table.bwd_s[j][d]
+                w += table.weights[j][d]
+                lo += table.lora[j][d]
+                if table.recomputable and table.recomputable[j]:
+                    working = max(working, table.activations_per_mb[j][d])
+                rest += scale.fastest[j]
+                choices = table.recompute_choices(i, j)
+                least = min(stage_activations(table, d, i, j, 1, r, working) for r in {choices[0], choices[-1]})
+                if not stage_fits(table, d, w, lo, least):
+                    break  # longer spans only need more memory
+                t = (f + b) / scale.unit
+                if m * t + (scale.all_fastest - rest) > scale.bound:
+                    break  # longer spans only take longer
+                by_held = _recompute_by_held(table, d, i, j, w, lo, scale.most_held, working)
+                if not gpipe or by_held[m - 1] is not None:
+                    cands.append((d, i, j, f, b, by_held))
+    return cands
+
+
+def _capped_state(cands: list[_Candidate], most_held: int, gpipe: bool) -> int:
+    """The smallest Q past which no arc's recomputation (or fitting at all) changes any more."""
+    if gpipe:
+        return 1
+    cap = 1
+    for *_, by_held in cands:
+        h = most_held
+        while h > 1 and by_held[h - 2] == by_held[most_held - 1]:
+            h -= 1
+        cap = max(cap, h)
+    return cap
+
+
+def _variants(by_held: list[int | None], table: CostTable, cap: int, flat: bool,
+              most_held: int) -> list[tuple[int, int, int | None]]:
+    """The (state, held, recompute) arcs of one candidate."""
+    m = table.num_micro_batches
+    if table.schedule == "gpipe":
+        return [(1, m, by_held[m - 1])]
+    if flat:
+        # One arc per recomputation that is the fewest for some micro-batch count, holding the
+        # most micro-batches it fits; the rows bound the stages after it.
+        variants: list[tuple[int, int, int | None]] = []
+        for h in range(most_held, 0, -1):
+            r = by_held[h - 1]
+            if r is not None and all(r != v[2] for v in variants):
+                variants.append((1, h, r))
+        return variants
+    # State q < cap holds q micro-batches; the capped state holds cap..most_held, alike by construction.
+    return [(q, q if q < cap else most_held, by_held[(q if q < cap else most_held) - 1])
+            for q in range(1, cap + 1)]
+
+
+def _stage_arcs(table: CostTable, scale: _Scale, cands: list[_Candidate], cap: int, flat: bool,
+                deadline: float | None) -> list[StageArc]:
+    """The stage arcs of every candidate and state that can beat the bound."""
+    n, m, unit = table.num_nodes, table.num_micro_batches, scale.unit
+    # after[j]: the fastest possible time of nodes j.. (for the states' lower bounds below).
+    after = [0.0] * (n + 1)
+    for k in range(n - 1, -1, -1):
+        after[k] = after[k + 1] + scale.fastest[k]
+    stage_arcs = []
+    for count, (d, i, j, f, b, by_held) in enumerate(cands):
+        if count % 256 == 0:
+            check(deadline)
+        for q, held, r in _variants(by_held, table, cap, flat, scale.most_held):
+            if r is None:
+                continue
+            # A stage ending the model has exactly one stage remaining (itself).
+            if j == n - 1 and q != 1:
+                continue
+            if j < n - 1 and q == 1 and cap > 1:
+                continue
+            extra = recompute_time_s(table, d, i, j, r)
+            t = (f + b + extra) / unit
+            base = scale.all_fastest - (after[i] - after[j + 1]) + t
+            # Below the cap exactly q-1 stages follow: one of them takes at least their average.
+            tail = after[j + 1] / (q - 1) if 1 < q < cap else 0.0
+            if base + (m - 1) * max(t, tail) > scale.bound:
+                continue
+            stage_arcs.append(StageArc(d, i, j, q, f / unit, (b + extra) / unit, held, r))
+    return stage_arcs
+
+
+def _sender_groups(table: CostTable) -> tuple[list[int], list[int]]:
+    """(group per device, a representative device per group): devices of one host and wire kind."""
+    groups: dict[tuple[int, int], int] = {}
+    group_of, group_rep = [], []
+    for d in range(table.num_devices):
+        key = (table.host_of[d], table.wire_kind[d])
+        if key not in groups:
+            groups[key] = len(groups)
+            group_rep.append(d)
+        group_of.append(groups[key])
+    return group_of, group_rep
+
+
+def _link_arcs(table: CostTable, scale: _Scale, group_rep: list[int], cap: int,
+               deadline: float | None) -> list[LinkArc]:
+    """Every (cut, state, sender group, receiving host) link that can beat the bound."""
+    host_rep: dict[int, int] = {}
+    for d in range(table.num_devices):
+        host_rep.setdefault(table.host_of[d], d)
+    link_arcs = []
+    for i in range(1, table.num_nodes):
+        check(deadline)
+        for g, sender in enumerate(group_rep):
+            for h, receiver in host_rep.items():
+                c = table.transfer_s(i - 1, sender, receiver) / scale.unit
+                if scale.all_fastest + 2 * table.num_micro_batches * c > scale.bound:
+                    continue
+                for q in range(1, cap + 1):
+                    link_arcs.append(LinkArc(i, q, g, h, c))
+    return link_arcs
+
+
 def build_network(
     table: CostTable, num_stages: int | None, upper_s: float | None, layered: bool | None = None,
     deadline: float | None = None,
@@ -133,126 +294,18 @@ def build_network(
         if len(net.stages) <= LAYERED_ARCS or net.cap == 1:
             return net
         return build_network(table, num_stages, upper_s, False, deadline)
-    n, nd, m = table.num_nodes, table.num_devices, table.num_micro_batches
-    gpipe = table.schedule == "gpipe"
-    # The unit: every node on its fastest device, a lower bound on any step time. So the objective is
-    # >= 1 and CBC's absolute tolerances (its cutoff increment) are relative ones (not 1e-5 of a slow
-    # device's whole-model time, which let it call a placement 0.015% from the optimum optimal).
-    fastest_s = [min(table.fwd_s[i][d] + table.bwd_s[i][d] for d in range(nd)) for i in range(n)]
-    unit = sum(fastest_s) or 1.0
-    most_stages = num_stages or min(n, nd)
-    most_held = m if gpipe else min(m, most_stages)
-    fastest = [t / unit for t in fastest_s]
-    all_fastest = sum(fastest)
-    bound = float("inf") if upper_s is None else upper_s / unit * (1 + PRUNE_TOL) + 1e-12
-
-    # Stage candidates (d, i, j, f, b, [fewest recomputing layers holding 1..most_held]); running
-    # sums add in evaluate's order. Recomputation is chosen per arc, not by a variable: for a given
-    # stage and micro-batches in flight the fewest layers that fit is also the fastest choice.
-    cands = []
-    for d in range(nd):
-        for i in range(n):
-            check(deadline)
-            f = b = w = lo = rest = 0.0
-            working = 0.0
-            for j in range(i, n):
-                f += table.fwd_s[j][d]
-                b += table.bwd_s[j][d]
-                w += table.weights[j][d]
-                lo += table.lora[j][d]
-                if table.recomputable and table.recomputable[j]:
-                    working = max(working, table.activations_per_mb[j][d])
-                rest += fastest[j]
-                choices = table.recompute_choices(i, j)
-                least = min(stage_activations(table, d, i, j, 1, r, working) for r in {choices[0], choices[-1]})
-                if not stage_fits(table, d, w, lo, least):
-                    break  # longer spans only need more memory
-                t = (f + b) / unit
-                if m * t + (all_fastest - rest) > bound:
-                    break  # longer spans only take longer
-                by_held = _recompute_by_held(table, d, i, j, w, lo, most_held, working)
-                if not gpipe or by_held[m - 1] is not None:
-                    cands.append((d, i, j, f, b, by_held))
-    if gpipe:
-        cap = 1
-    else:
-        # The smallest Q past which no arc's recomputation (or fitting at all) changes any more.
-        cap = 1
-        for *_, by_held in cands:
-            h = most_held
-            while h > 1 and by_held[h - 2] == by_held[most_held - 1]:
-                h -= 1
-            cap = max(cap, h)
+    scale = _scale(table, num_stages, upper_s)
+    cands = _stage_candidates(table, scale, deadline)
+    cap = _capped_state(cands, scale.most_held, table.schedule == "gpipe")
     flat = not layered and cap > 1
     if flat:
         cap = 1
-    # after[j]: the fastest possible time of nodes j.. (for the states' lower bounds below).
-    after = [0.0] * (n + 1)
-    for k in range(n - 1, -1, -1):
-        after[k] = after[k + 1] + fastest[k]
-    stage_arcs = []
-    for count, (d, i, j, f, b, by_held) in enumerate(cands):
-        if count % 256 == 0:
-            check(deadline)
-        if gpipe:
-            variants = [(1, m, by_held[m - 1])]  # (state, held, recompute)
-        elif flat:
-            # One arc per recomputation that is the fewest for some micro-batch count, holding the
-            # most micro-batches it fits; the rows bound the stages after it.
-            variants = []
-            for h in range(most_held, 0, -1):
-                r = by_held[h - 1]
-                if r is not None and all(r != v[2] for v in variants):
-                    variants.append((1, h, r))
-        else:
-            # State q < cap holds q micro-batches; the capped state holds cap..most_held, alike by construction.
-            variants = [(q, q if q < cap else most_held, by_held[(q if q < cap else most_held) - 1])
-                        for q in range(1, cap + 1)]
-        for q, held, r in variants:
-            if r is None:
-                continue
-            # A stage ending the model has exactly one stage remaining (itself).
-            if j == n - 1 and q != 1:
-                continue
-            if j < n - 1 and q == 1 and cap > 1:
-                continue
-            extra = recompute_time_s(table, d, i, j, r)
-            t = (f + b + extra) / unit
-            base = all_fastest - (after[i] - after[j + 1]) + t
-            # Below the cap exactly q-1 stages follow: one of them takes at least their average.
-            tail = after[j + 1] / (q - 1) if 1 < q < cap else 0.0
-            if base + (m - 1) * max(t, tail) > bound:
-                continue
-            stage_arcs.append(StageArc(d, i, j, q, f / unit, (b + extra) / unit, held, r))
-
-    groups: dict[tuple[int, int], int] = {}
-    group_of, group_rep = [], []
-    for d in range(nd):
-        key = (table.host_of[d], table.wire_kind[d])
-        if key not in groups:
-            groups[key] = len(groups)
-            group_rep.append(d)
-        group_of.append(groups[key])
-    host_rep: dict[int, int] = {}
-    for d in range(nd):
-        host_rep.setdefault(table.host_of[d], d)
-    link_arcs = []
-    for i in range(1, n):
-        check(deadline)
-        for g, sender in enumerate(group_rep):
-            for h, receiver in host_rep.items():
-                c = table.transfer_s(i - 1, sender, receiver) / unit
-                if all_fastest + 2 * m * c > bound:
-                    continue
-                for q in range(1, cap + 1):
-                    link_arcs.append(LinkArc(i, q, g, h, c))
-
-    if num_stages:
-        start_states = [min(num_stages, cap)]
-    else:
-        start_states = list(range(1, cap + 1))
-    net = Network(unit, cap, start_states, stage_arcs, link_arcs, group_of, _twins(table), flat, most_held,
-                  most_stages)
+    stage_arcs = _stage_arcs(table, scale, cands, cap, flat, deadline)
+    group_of, group_rep = _sender_groups(table)
+    link_arcs = _link_arcs(table, scale, group_rep, cap, deadline)
+    start_states = [min(num_stages, cap)] if num_stages else list(range(1, cap + 1))
+    net = Network(scale.unit, cap, start_states, stage_arcs, link_arcs, group_of, _twins(table), flat,
+                  scale.most_held, scale.most_stages)
     _prune_unreachable(table, net)
     return net
 

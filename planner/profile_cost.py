@@ -10,7 +10,7 @@ which numbers came from where.
 from __future__ import annotations
 
 from hetero.graph import LayerGraph
-from hetero.planner.cost import CostModel, NodeMemory, RooflineCostModel, compute_dtype
+from hetero.planner.cost_model import CostModel, NodeMemory, RooflineCostModel, compute_dtype
 from hetero.profile import LayerProfile, Profile, check_profile
 from hetero.specs import ClusterSpec, DeviceSpec, ModelSpec
 

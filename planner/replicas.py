@@ -29,22 +29,32 @@ c[host][coordinator] whatever its split. One over several hosts trades T against
 placements are enumerated (every device order and split, T and reduction per coordinator, their
 Pareto fronts) when they are few (ENUMERATE_ROWS); otherwise its reduction is bounded by its
 cheapest host, and the result is proven only where that bound does not decide it.
+
+This module holds the model and the search; the packing DP is planner/replica_packing.py and the
+enumerated fronts planner/replica_fronts.py.
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from hetero.planner.cost import CostTable, subtable
 from hetero.planner.deadline import OutOfTime, check
-from hetero.planner.exact import solve_exact, stage_costs
+from hetero.planner.exact import solve_exact
 from hetero.planner.objective import Evaluation, Placement, evaluate
+from hetero.planner.replica_fronts import (
+    INF,
+    REL_TOL,
+    ClassPipeline,
+    FrontEnumerator,
+    Frontier,
+    enumeration_rows,
+)
+from hetero.planner.replica_packing import ClassMultisets, Entry, Options, Picked, front_entry, pack
 from hetero.planner.solve import solve
 
 # Past this many (device order, split) rows per share, a replica over several hosts is not
@@ -52,8 +62,6 @@ from hetero.planner.solve import solve
 ENUMERATE_ROWS = 200_000
 # Of the time limit, the single-pipeline solve may use this share (it is usually done in a second).
 SINGLE_SHARE = 0.5
-REL_TOL = 1e-9
-INF = math.inf
 
 
 @dataclass
@@ -108,41 +116,9 @@ def evaluate_replicas(table: CostTable, placements: list[Placement], shares: lis
     return evaluations, reduce_s, max(e.step_time_s for e in evaluations) + reduce_s
 
 
-@dataclass
-class _Pipeline:
-    """A replica's pipeline in device classes (stage classes in order, spans) and its T at its share."""
-
-    time_s: float
-    classes: tuple[int, ...]
-    spans: tuple[tuple[int, int], ...]
-    reduce_s: tuple[float, ...]  # its reduction, per coordinator candidate (_Search.coordinators)
-
-
-@dataclass
-class _Frontier:
-    """An enumerated replica's placements with T <= tau_max: per (coordinator, starts on its host?),
-    the Pareto front of (T, reduction), T rising and the reduction strictly falling."""
-
-    least_s: float  # the least T
-    fronts: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray, list[_Pipeline]]] = field(default_factory=dict)
-
-    def at(self, tau: float, hi: int, leads: bool) -> tuple[float, _Pipeline | None]:
-        """The least reduction among placements with T <= tau."""
-        times, reds, pipes = self.fronts[(hi, leads)]
-        i = int(np.searchsorted(times, tau, side="right")) - 1
-        return (float(reds[i]), pipes[i]) if i >= 0 else (INF, None)
-
-
-# A replica option at one share: (share, reduction, reduction as the coordinator's replica, pipeline,
-# pipeline as the coordinator's (None: not solved yet, its T only bounded), their T (or bound)).
-Entry = tuple[int, float, float, "_Pipeline | None", "_Pipeline | None", float, float]
-Options = dict[int, tuple[bool, list[Entry]]]  # per multiset: (reduction the same at every share, entries)
-Picked = list[tuple[int, int, "_Pipeline | None", bool]]  # (multiset, share, pipeline, is the coordinator's)
-
-
 class _Search:
     """Replicas as multisets of device classes: bounds and solves of T(U, m), enumerated multi-host
-    replicas, the packing DP and the search over thresholds (see the module docstring)."""
+    replicas, the packing DP's options and the search over thresholds (see the module docstring)."""
 
     def __init__(self, table: CostTable, deadline: float, max_replicas: int | None, num_stages: int | None = None,
                  exact_count: bool = False) -> None:
@@ -150,83 +126,50 @@ class _Search:
         # planner.num_stages: every replica has that many stages; exact_count: exactly max_replicas replicas.
         self.num_stages, self.exact_count = num_stages, exact_count
         self.n, self.total_mb = table.num_nodes, table.num_micro_batches
-        self.classes = table.device_classes()
-        self.members = [[d for d, c in enumerate(self.classes) if c == k] for k in range(max(self.classes) + 1)]
-        self.host = [table.host_of[mem[0]] for mem in self.members]
-        self.avail = tuple(len(mem) for mem in self.members)
-        self.stride = [math.prod(a + 1 for a in self.avail[:k]) for k in range(len(self.avail))]
-        self.multisets = sorted(itertools.product(*(range(a + 1) for a in self.avail)), key=self.index)
-        self.full = len(self.multisets) - 1
-        self.size = [sum(u) for u in self.multisets]
-        self.hosts_of = [{self.host[k] for k, x in enumerate(u) if x} for u in self.multisets]
+        self.sets = sets = ClassMultisets.of(table)
         self.grad_total = sum(table.grad_bytes)
-        cost, hosts = table.reduce_s_per_byte, sorted(set(self.host))
+        cost, hosts = table.reduce_s_per_byte, sorted(set(sets.host))
         # One cost everywhere: the coordinator's host does not matter (one candidate, any replica leads).
         self.flat = self.grad_total == 0 or len({cost[a][b] for a in hosts for b in hosts}) == 1
         self.coordinators = hosts[:1] if self.flat else hosts
         self.two = 2.0 * self.grad_total * min(cost[a][b] for a in hosts for b in self.coordinators)
         # "one": the reduction does not depend on the placement; "enum": enumerated; "bound": bounded.
-        self.kind = ["one" if self.flat or len(h) <= 1 else "enum" if self._rows(u) <= ENUMERATE_ROWS else "bound"
-                     for u, h in enumerate(self.hosts_of)]
-        self.solved: dict[tuple[int, int], _Pipeline | None] = {}  # None: nothing fits under tau_max
-        self.frontiers: dict[tuple[int, int], _Frontier] = {}
+        self.kind = ["one" if self.flat or len(h) <= 1
+                     else "enum" if enumeration_rows(sets.multisets[u], self.n) <= ENUMERATE_ROWS else "bound"
+                     for u, h in enumerate(sets.hosts_of)]
+        self.enumerator = FrontEnumerator(table, sets.members, self.coordinators, num_stages, deadline)
+        self.solved: dict[tuple[int, int], ClassPipeline | None] = {}  # None: nothing fits under tau_max
+        self.frontiers: dict[tuple[int, int], Frontier] = {}
         self.solves = self.enumerations = self.thresholds = 0
         self.unproven: list[str] = []
         self.best: float = INF  # the best R >= 2 packing found (or the bar it must beat)
         self.picked: Picked = []
-        self._tables: dict[int, CostTable] = {}
-        self._costs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._bounds()
-        self.lowest = [next((k for k, x in enumerate(s) if x), 0) for s in self.multisets]
-        # Per multiset S: the replicas U <= S holding a device of S's lowest class (the others are
-        # packed later, or left idle: no packing is counted twice per order of its replicas).
-        self.subs = [[u for u in self.subsets[s] if u != self.full and self.multisets[u][self.lowest[s]]]
-                     for s in range(self.full + 1)]
-
-    def index(self, counts: tuple[int, ...]) -> int:
-        return sum(x * s for x, s in zip(counts, self.stride, strict=True))
-
-    def _rows(self, u: int) -> int:
-        """(device order, split) rows to enumerate a replica on U: per length s, the distinct orders of
-        s of its devices (s! x the x^s coefficient of prod_k sum_{j <= count_k} x^j / j!) x the splits."""
-        poly = [1.0]
-        for count in self.multisets[u]:
-            poly = [sum(poly[s - j] / math.factorial(j) for j in range(min(count, s) + 1) if s - j < len(poly))
-                    for s in range(len(poly) + count)]
-        return int(sum(math.factorial(s) * poly[s] * math.comb(self.n - 1, s - 1)
-                       for s in range(1, min(len(poly) - 1, self.n) + 1)))
-
-    def sequences(self, u: int, length: int) -> list[tuple[int, ...]]:
-        """Every order of ``length`` classes from U: the stage classes of a pipeline on it."""
-        items = [k for k, x in enumerate(self.multisets[u]) for _ in range(x)]
-        return sorted(set(itertools.permutations(items, length)))
 
     def _bounds(self) -> None:
         """lb[u][m] <= T(U, m): the layers' least work W and least period P, W + (m - 1) P; inf where
         U cannot hold the weights. P >= W / |U| (the slowest of at most |U| stages) and >= any node."""
-        t = self.table
-        reps = [mem[0] for mem in self.members]
+        t, sets = self.table, self.sets
+        reps = [mem[0] for mem in sets.members]
         work = np.array([[t.fwd_s[i][d] + t.bwd_s[i][d] for d in reps] for i in range(self.n)])
         need = np.array([[t.weights[i][d] + t.lora[i][d] for d in reps] for i in range(self.n)])
         room = np.array([max(0.0, t.usable_bytes[d] - t.workspace_bytes) for d in reps])
-        self.lb = np.full((len(self.multisets), self.total_mb + 1), INF)
-        self.period = np.full(len(self.multisets), INF)
+        self.lb = np.full((len(sets.multisets), self.total_mb + 1), INF)
+        self.period = np.full(len(sets.multisets), INF)
         shares = np.arange(self.total_mb + 1)
-        for u in range(1, self.full + 1):
-            mask = np.array(self.multisets[u]) > 0
+        for u in range(1, sets.full + 1):
+            mask = np.array(sets.multisets[u]) > 0
             least = work[:, mask].min(axis=1)
-            period = max(least.sum() / self.size[u], least.max())
+            period = max(least.sum() / sets.size[u], least.max())
             self.period[u] = period
-            if need[:, mask].min(axis=1).sum() <= float(np.dot(self.multisets[u], room)):
+            if need[:, mask].min(axis=1).sum() <= float(np.dot(sets.multisets[u], room)):
                 self.lb[u, 1:] = least.sum() + (shares[1:] - 1) * period
-        counts = np.array(self.multisets)
-        self.subsets = [np.flatnonzero((counts <= counts[u]).all(axis=1))[1:].tolist() for u in range(self.full + 1)]
 
-    def record(self, u: int, m: int, pipe: _Pipeline | None) -> None:
+    def record(self, u: int, m: int, pipe: ClassPipeline | None) -> None:
         """A solve's answer, and what it implies for every V <= U at shares >= m: T(V, m') >= T(U, m) +
         (m' - m) P(V) (the same placement at m costs no more), and past tau_max where U is."""
         self.solved[(u, m)] = pipe
-        subs = self.subsets[u]
+        subs = self.sets.subsets[u]
         if pipe is None:
             self.lb[np.ix_(subs, range(m, self.total_mb + 1))] = INF
             return
@@ -241,21 +184,17 @@ class _Search:
             return INF if pipe is None else pipe.time_s
         return float(self.lb[u, m])
 
-    def table_for(self, m: int) -> CostTable:
-        if m not in self._tables:
-            self._tables[m] = subtable(self.table, m)
-        return self._tables[m]
-
     def reductions(self, classes: tuple[int, ...], spans: tuple[tuple[int, int], ...]) -> tuple[float, ...]:
-        cost, grad = self.table.reduce_s_per_byte, self.table.grad_bytes
-        return tuple(sum(sum(grad[a:b + 1]) * cost[self.host[c]][h] for c, (a, b) in zip(classes, spans, strict=True))
+        """A pipeline's gradient reduction, per coordinator candidate."""
+        cost, grad, host = self.table.reduce_s_per_byte, self.table.grad_bytes, self.sets.host
+        return tuple(sum(sum(grad[a:b + 1]) * cost[host[c]][h] for c, (a, b) in zip(classes, spans, strict=True))
                      for h in self.coordinators)
 
     # --- T(U, m): solved or enumerated -------------------------------------------------------------------
     def solve_one(self, u: int, m: int) -> None:
         """The best pipeline on U's devices with m micro-batches, if its T can matter (solve_exact)."""
         tau_max = self.best - self.two
-        devices = [d for k, x in enumerate(self.multisets[u]) for d in self.members[k][:x]]
+        devices = [d for k, x in enumerate(self.sets.multisets[u]) for d in self.sets.members[k][:x]]
         upper = tau_max * (1 + REL_TOL) if tau_max < INF else None
         result = solve_exact(subtable(self.table, m, devices), self.num_stages, deadline=self.deadline, upper_s=upper)
         self.solves += 1
@@ -266,193 +205,69 @@ class _Search:
             self.record(u, m, None)
             return
         p = result.placement
-        classes = tuple(self.classes[devices[i]] for i in p.devices)
-        self.record(u, m, _Pipeline(result.value_s, classes, p.spans, self.reductions(classes, p.spans)))
-
-    def stage_arrays(self, k: int, m: int) -> tuple[np.ndarray, np.ndarray]:
-        """Class k's [first][last][held - 1] forward and backward seconds at share m (gpipe: held = m only)."""
-        if (k, m) not in self._costs:
-            table = self.table_for(m)
-            helds = [m] if table.schedule == "gpipe" else list(range(1, min(m, table.num_devices) + 1))
-            fwd, bwd, _ = stage_costs(table, self.members[k][0], helds)
-            self._costs[(k, m)] = (fwd, bwd)
-        return self._costs[(k, m)]
-
-    def enumerate_one(self, u: int, m: int, tau_max: float) -> _Frontier | None:
-        """Every placement on U's devices at share m with T <= tau_max, as (T, reduction) fronts."""
-        table, n, gpipe = self.table_for(m), self.n, self.table.schedule == "gpipe"
-        grad = np.concatenate([[0.0], np.cumsum(table.grad_bytes)])
-        per_class = np.array([[table.reduce_s_per_byte[h][c] for c in self.coordinators] for h in self.host])
-        times, reds, parts = [], [], []
-        lengths = [self.num_stages] if self.num_stages else range(1, min(self.size[u], self.n) + 1)
-        for seq in (q for s in lengths if s <= min(self.size[u], self.n) for q in self.sequences(u, s)):
-            check(self.deadline)
-            s = len(seq)
-            combos = list(itertools.combinations(range(1, n), s - 1))
-            cuts = np.array(combos, dtype=np.int64).reshape(len(combos), s - 1)
-            bounds = np.concatenate([np.zeros((len(cuts), 1), np.int64), cuts, np.full((len(cuts), 1), n)], axis=1)
-            total, period, pf, pb = (np.zeros(len(cuts)) for _ in range(4))
-            red = np.zeros((len(cuts), len(self.coordinators)))
-            for k, c in enumerate(seq):
-                first, last = bounds[:, k], bounds[:, k + 1] - 1
-                fwd, bwd = self.stage_arrays(c, m)
-                f, b = (x[first, last, 0 if gpipe else min(s - k, m) - 1] for x in (fwd, bwd))
-                total += f + b
-                period, pf, pb = np.maximum(period, f + b), np.maximum(pf, f), np.maximum(pb, b)
-                red += (grad[last + 1] - grad[first])[:, None] * per_class[c][None, :]
-                if k < s - 1:
-                    a, z = self.members[c][0], self.members[seq[k + 1]][0]
-                    link = np.array([table.transfer_s(e, a, z) for e in range(n)])[last]
-                    total += 2.0 * link
-                    period, pf, pb = np.maximum(period, 2.0 * link), np.maximum(pf, link), np.maximum(pb, link)
-            ok = np.isfinite(total)
-            step = np.where(ok, total + (m - 1) * np.where(ok, pf + pb if gpipe else period, 0.0), INF)
-            keep = step <= tau_max * (1 + REL_TOL)
-            times.append(step[keep])
-            reds.append(red[keep])
-            parts.append((seq, bounds[keep]))
-        time_s = np.concatenate(times)
-        if not len(time_s):
-            return None
-        return self._fronts(time_s, np.concatenate(reds), parts)
-
-    def _fronts(self, time_s: np.ndarray, reds: np.ndarray,
-                parts: list[tuple[tuple[int, ...], np.ndarray]]) -> _Frontier:
-        """Per coordinator candidate, with and without leading: the Pareto front of (T, reduction)."""
-        part = np.concatenate([np.full(len(b), j) for j, (_, b) in enumerate(parts)])
-        row = np.concatenate([np.arange(len(b)) for _, b in parts])
-        leads = np.array([self.host[parts[j][0][0]] for j in part])
-        order = np.argsort(time_s, kind="stable")
-        frontier = _Frontier(float(time_s[order[0]]))
-        for hi, h in enumerate(self.coordinators):
-            for lead in (False, True):
-                idx = order[leads[order] == h] if lead else order
-                red = reds[idx, hi]
-                before = np.concatenate([[INF], np.minimum.accumulate(red)[:-1]])
-                idx = idx[red < before]  # strictly below every faster placement's
-                pipes = []
-                for i in idx:
-                    seq, bounds = parts[part[i]]
-                    r = bounds[row[i]]
-                    spans = tuple((int(r[k]), int(r[k + 1]) - 1) for k in range(len(seq)))
-                    pipes.append(_Pipeline(float(time_s[i]), seq, spans, tuple(float(x) for x in reds[i])))
-                frontier.fronts[(hi, lead)] = (time_s[idx], reds[idx, hi], pipes)
-        return frontier
+        classes = tuple(self.sets.classes[devices[i]] for i in p.devices)
+        self.record(u, m, ClassPipeline(result.value_s, classes, p.spans, self.reductions(classes, p.spans)))
 
     def enumerate_pair(self, u: int, m: int) -> None:
         """Enumerate a multi-host replica at share m; its least T bounds smaller replicas as a solve does."""
-        front = self.enumerate_one(u, m, self.best - self.two)
+        front = self.enumerator.enumerate(self.sets.multisets[u], m, self.best - self.two)
         self.enumerations += 1
         if front is None:
             self.record(u, m, None)
             return
         self.frontiers[(u, m)] = front
-        self.record(u, m, _Pipeline(front.least_s, (), (), ()))
+        self.record(u, m, ClassPipeline(front.least_s, (), (), ()))
 
     # --- packing -----------------------------------------------------------------------------------------
     def options(self, tau: float, hi: int, lower: bool) -> Options:
         """Every replica with T <= tau at some share. ``lower``: T where solved, else its bound, and a
         bounded replica's reduction at its bound (a relaxation); else solved pipelines only (achievable:
         a share may run a pipeline solved for a larger one, no slower)."""
-        h, out = self.coordinators[hi], {}
-        for u in range(1, self.full):
-            kind, entries = self.kind[u], []
-            if lower:
-                red = (self.grad_total * self.table.reduce_s_per_byte[min(self.hosts_of[u])][h] if kind == "one"
-                       else self.grad_total * min(self.table.reduce_s_per_byte[x][h] for x in self.hosts_of[u]))
-                leads = self.flat or h in self.hosts_of[u]
-                for m in range(1, self.total_mb):
-                    if (t := self.value(u, m)) > tau:
-                        break
-                    if (u, m) in self.frontiers:
-                        entries.append(self.front_entry(self.frontiers[(u, m)], m, tau, hi))
-                        continue
-                    pipe = None if kind == "enum" else self.solved.get((u, m))
-                    entries.append((m, red, red if leads else INF, pipe, pipe, t, t))
-            else:
-                pipe, front = None, None
-                for m in range(self.total_mb - 1, 0, -1):
-                    found = self.solved.get((u, m))
-                    if found is not None and found.time_s <= tau:
-                        pipe, front = found, self.frontiers.get((u, m))
-                    if front is not None:
-                        entries.append(self.front_entry(front, m, tau, hi))
-                    elif pipe is not None:
-                        red = pipe.reduce_s[hi]
-                        leads = self.flat or self.host[pipe.classes[0]] == h
-                        entries.append((m, red, red if leads else INF, pipe, pipe, pipe.time_s, pipe.time_s))
-                entries.reverse()
+        out = {}
+        for u in range(1, self.sets.full):
+            entries = self._lower_entries(u, tau, hi) if lower else self._solved_entries(u, tau, hi)
             if entries:
-                out[u] = (kind == "one" or (kind == "bound" and lower), entries)
+                out[u] = (self.kind[u] == "one" or (self.kind[u] == "bound" and lower), entries)
         return out
 
-    @staticmethod
-    def front_entry(front: _Frontier, m: int, tau: float, hi: int) -> Entry:
-        """An enumerated replica's option at share m (its fronts may come from a larger share: no slower)."""
-        (red, pipe), (red_c, pipe_c) = (front.at(tau, hi, lead) for lead in (False, True))
-        return (m, red, red_c, pipe, pipe_c, pipe.time_s if pipe else INF, pipe_c.time_s if pipe_c else INF)
+    def _lower_entries(self, u: int, tau: float, hi: int) -> list[Entry]:
+        """U's options at every share whose T (or its bound) is <= tau, reductions at their bound."""
+        h, kind, hosts = self.coordinators[hi], self.kind[u], self.sets.hosts_of[u]
+        red = (self.grad_total * self.table.reduce_s_per_byte[min(hosts)][h] if kind == "one"
+               else self.grad_total * min(self.table.reduce_s_per_byte[x][h] for x in hosts))
+        leads = self.flat or h in hosts
+        entries: list[Entry] = []
+        for m in range(1, self.total_mb):
+            if (t := self.value(u, m)) > tau:
+                break
+            if (u, m) in self.frontiers:
+                entries.append(front_entry(self.frontiers[(u, m)], m, tau, hi))
+                continue
+            pipe = None if kind == "enum" else self.solved.get((u, m))
+            entries.append((m, red, red if leads else INF, pipe, pipe, t, t))
+        return entries
+
+    def _solved_entries(self, u: int, tau: float, hi: int) -> list[Entry]:
+        """U's options from solved pipelines with T <= tau (a share may run one solved for a larger share)."""
+        h, entries = self.coordinators[hi], []
+        pipe, front = None, None
+        for m in range(self.total_mb - 1, 0, -1):
+            found = self.solved.get((u, m))
+            if found is not None and found.time_s <= tau:
+                pipe, front = found, self.frontiers.get((u, m))
+            if front is not None:
+                entries.append(front_entry(front, m, tau, hi))
+            elif pipe is not None:
+                red = pipe.reduce_s[hi]
+                leads = self.flat or self.sets.host[pipe.classes[0]] == h
+                entries.append((m, red, red if leads else INF, pipe, pipe, pipe.time_s, pipe.time_s))
+        entries.reverse()
+        return entries
 
     def pack(self, opts: Options) -> tuple[float, float, Picked]:
         """The least total reduction of disjoint replicas whose shares sum to M, one of them the
         coordinator's: (reduction, the largest T among them, the replicas); inf, inf, [] when none do."""
-        memo: dict[tuple[int, int, bool, int | None], tuple[float, tuple | None]] = {}
-        useful: dict[tuple[int, int], list[Entry]] = {}
-
-        def shares(u: int, mu: int) -> list[Entry]:
-            """U's entries with share <= mu that no larger share beats on both reductions (a larger
-            share leaves fewer micro-batches to the rest)."""
-            if (u, mu) not in useful:
-                fixed, entries = opts[u]
-                keep, least, least_c = [], INF, INF
-                for e in reversed(entries[:mu]):
-                    if e[1] < least or e[2] < least_c:
-                        keep.append(e)
-                        least, least_c = min(least, e[1]), min(least_c, e[2])
-                    if fixed:
-                        break
-                useful[(u, mu)] = keep
-            return useful[(u, mu)]
-
-        def g(s: int, mu: int, need: bool, left: int | None) -> float:
-            if mu == 0:
-                return INF if need or (self.exact_count and left) else 0.0
-            if s == 0 or left == 0:
-                return INF
-            key = (s, mu, need, left)
-            if key in memo:
-                return memo[key][0]
-            check(self.deadline)
-            nxt = None if left is None else left - 1
-            best, choice = g(s - self.stride[self.lowest[s]], mu, need, left), None  # that device idles
-            for u in self.subs[s]:
-                if u not in opts:
-                    continue
-                for m, red, red_c, pipe, pipe_c, t, t_c in shares(u, mu):
-                    if need and red_c < best:
-                        v = red_c + g(s - u, mu - m, False, nxt)
-                        if v < best:
-                            best, choice = v, (u, m, pipe_c, True, t_c)
-                    if red < best:
-                        v = red + g(s - u, mu - m, need, nxt)
-                        if v < best:
-                            best, choice = v, (u, m, pipe, False, t)
-            memo[key] = (best, choice)
-            return best
-
-        state = (self.full, self.total_mb, not self.flat, self.max_replicas)
-        value, slowest = g(*state), 0.0
-        picked: Picked = []
-        s, mu, need, left = state
-        while value < INF and mu > 0:
-            choice = memo[(s, mu, need, left)][1]
-            if choice is None:
-                s -= self.stride[self.lowest[s]]
-                continue
-            u, m, pipe, lead, t = choice
-            picked.append((u, m, pipe, lead))
-            slowest = max(slowest, t)
-            s, mu, need, left = s - u, mu - m, need and not lead, None if left is None else left - 1
-        return value, (slowest if picked else INF), picked
+        return pack(self.sets, opts, self.total_mb, not self.flat, self.max_replicas, self.exact_count, self.deadline)
 
     def exact(self, picked: Picked) -> bool:
         """Every replica of a relaxed packing is a solved pipeline at its true reduction."""
@@ -464,7 +279,7 @@ class _Search:
         reduction is the same for every threshold in [t, tau] (it can only grow as tau falls), so the
         next threshold is the largest below t: one DP per distinct reduction, not per threshold."""
         limit = (self.best - self.two) * (1 + REL_TOL)
-        taus = sorted({v for u in range(1, self.full) for m in range(1, self.total_mb)
+        taus = sorted({v for u in range(1, self.sets.full) for m in range(1, self.total_mb)
                        if (v := self.value(u, m)) <= limit and v < INF}
                       | {float(t) for f in self.frontiers.values() for times, _, _ in f.fronts.values()
                          for t in times if t <= limit})
@@ -503,7 +318,7 @@ class _Search:
                 self.unproven.append("a replica over several hosts had its reduction only bounded")
                 return False
             # Larger replicas and smaller shares first: what they rule out is not solved again.
-            for u, m in sorted(todo, key=lambda x: (-self.size[x[0]], x[1])):
+            for u, m in sorted(todo, key=lambda x: (-self.sets.size[x[0]], x[1])):
                 if (u, m) in self.solved or self.value(u, m) > (self.best - self.two) * (1 + REL_TOL):
                     continue
                 if self.kind[u] == "enum":
@@ -513,7 +328,7 @@ class _Search:
 
     def assign(self, picked: Picked) -> tuple[list[Placement], list[int]]:
         """Concrete disjoint devices for the replicas, the coordinator's first."""
-        pools = [iter(mem) for mem in self.members]
+        pools = [iter(mem) for mem in self.sets.members]
         order = sorted(picked, key=lambda x: not x[3])
         placements = [Placement(tuple(next(pools[c]) for c in pipe.classes), pipe.spans)
                       for _, _, pipe, _ in order if pipe is not None]

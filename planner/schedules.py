@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hetero.errors import ConfigError
-from hetero.program import Action
+from hetero.program import Action, Op
 
 SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
 
@@ -19,20 +19,20 @@ SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
 def _forward(stage: int, num_stages: int, mb: int) -> list[Action]:
     out = []
     if stage > 0:
-        out.append(Action("RA", mb))
-    out.append(Action("F", mb))
+        out.append(Action(Op.RA, mb))
+    out.append(Action(Op.F, mb))
     if stage < num_stages - 1:
-        out.append(Action("SA", mb))
+        out.append(Action(Op.SA, mb))
     return out
 
 
 def _backward(stage: int, num_stages: int, mb: int) -> list[Action]:
     out = []
     if stage < num_stages - 1:
-        out.append(Action("RG", mb))
-    out.append(Action("B", mb))
+        out.append(Action(Op.RG, mb))
+    out.append(Action(Op.B, mb))
     if stage > 0:
-        out.append(Action("SG", mb))
+        out.append(Action(Op.SG, mb))
     return out
 
 
@@ -65,7 +65,7 @@ def one_f_one_b(num_stages: int, num_micro_batches: int) -> list[list[Action]]:
             prog += _backward(k, num_stages, i)
         for mb in range(m - warmup, m):
             prog += _backward(k, num_stages, mb)
-        prog.append(Action("STEP"))
+        prog.append(Action(Op.STEP))
         programs.append(prog)
     return programs
 
@@ -80,7 +80,7 @@ def gpipe(num_stages: int, num_micro_batches: int) -> list[list[Action]]:
             prog += _forward(k, num_stages, mb)
         for mb in range(num_micro_batches):
             prog += _backward(k, num_stages, mb)
-        prog.append(Action("STEP"))
+        prog.append(Action(Op.STEP))
         programs.append(prog)
     return programs
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from hetero.errors import PlanError
 from hetero.plan import Plan
-from hetero.program import Action, parse_program
+from hetero.program import Action
 
 
 class ScheduleError(PlanError):
@@ -104,12 +104,10 @@ def _validate_static(programs: list[list[Action]]) -> int:
     return m
 
 
-def simulate(
-    programs: list[list[Action]], fwd_s: list[float], bwd_s: list[float], send_s: list[float], *,
-    overhead_s: list[dict[str, float]] | None = None, sync_s: list[float] | None = None,
-) -> Timeline:
-    """Run the programs on a model of the pipeline; raise ScheduleError if they are invalid."""
-    num_stages = len(programs)
+def _check_times(num_stages: int, fwd_s: list[float], bwd_s: list[float], send_s: list[float],
+                 overhead_s: list[dict[str, float]] | None, sync_s: list[float] | None,
+                 ) -> tuple[list[dict[str, float]], list[float]]:
+    """One time per stage (one send per link); the overheads and syncs, zero where not given."""
     if not (len(fwd_s) == len(bwd_s) == num_stages and len(send_s) >= num_stages - 1):
         raise ScheduleError(
             f"{num_stages} programs need {num_stages} fwd/bwd times and {num_stages - 1} send times, "
@@ -120,103 +118,154 @@ def simulate(
     if len(over) != num_stages or len(sync) != num_stages:
         raise ScheduleError(f"{num_stages} programs need {num_stages} overhead and sync entries, "
                             f"got {len(over)} and {len(sync)}")
-    _validate_static(programs)
-    last = num_stages - 1
+    return over, sync
 
-    pc = [0] * num_stages
-    clock = [0.0] * num_stages
-    # Arrival time of tensors at their receiver: act[(k, mb)] arrives at stage k, grad[(k, mb)] too.
-    act_arrival: dict[tuple[int, int], float] = {}
-    grad_arrival: dict[tuple[int, int], float] = {}
-    fwd_link_free = [0.0] * num_stages  # link k -> k+1
-    bwd_link_free = [0.0] * num_stages  # link k -> k-1
-    received_act: list[set[int]] = [set() for _ in range(num_stages)]
-    received_grad: list[set[int]] = [set() for _ in range(num_stages)]
-    forwarded: list[set[int]] = [set() for _ in range(num_stages)]
-    backwarded: list[set[int]] = [set() for _ in range(num_stages)]
-    peak = [0] * num_stages
-    busy = [0.0] * num_stages
-    events: list[Event] = []
-    barrier: list[float] = []  # when every stage has reached its STEP (set once all have)
 
-    def step(k: int) -> bool:
-        """Execute stage k's next action if it can; False when blocked on a receive."""
-        a = programs[k][pc[k]]
-        t = clock[k]
+class _Simulation:
+    """The pipeline being simulated: each stage's program counter and clock, what it has received,
+    forwarded and backwarded, when each link is free, and the events so far."""
+
+    def __init__(self, programs: list[list[Action]], fwd_s: list[float], bwd_s: list[float], send_s: list[float],
+                 over: list[dict[str, float]], sync: list[float]) -> None:
+        num_stages = len(programs)
+        self.programs, self.fwd_s, self.bwd_s, self.send_s = programs, fwd_s, bwd_s, send_s
+        self.over, self.sync, self.last = over, sync, num_stages - 1
+        self.pc = [0] * num_stages
+        self.clock = [0.0] * num_stages
+        # Arrival time of tensors at their receiver: act[(k, mb)] arrives at stage k, grad[(k, mb)] too.
+        self.act_arrival: dict[tuple[int, int], float] = {}
+        self.grad_arrival: dict[tuple[int, int], float] = {}
+        self.fwd_link_free = [0.0] * num_stages  # link k -> k+1
+        self.bwd_link_free = [0.0] * num_stages  # link k -> k-1
+        self.received_act: list[set[int]] = [set() for _ in range(num_stages)]
+        self.received_grad: list[set[int]] = [set() for _ in range(num_stages)]
+        self.forwarded: list[set[int]] = [set() for _ in range(num_stages)]
+        self.backwarded: list[set[int]] = [set() for _ in range(num_stages)]
+        self.peak = [0] * num_stages
+        self.busy = [0.0] * num_stages
+        self.events: list[Event] = []
+        self.barrier: list[float] = []  # when every stage has reached its STEP (set once all have)
+
+    def run(self) -> None:
+        """Advance every stage as far as it can, repeatedly, until all finish; raise on a deadlock."""
+        programs, pc = self.programs, self.pc
+        while True:
+            moved = False
+            for k in range(len(programs)):
+                while pc[k] < len(programs[k]) and self.step(k):
+                    moved = True
+            if all(pc[k] == len(programs[k]) for k in range(len(programs))):
+                break
+            if not moved:
+                stuck = [f"stage {k} waits at {programs[k][pc[k]]}" for k in range(len(programs))
+                         if pc[k] < len(programs[k])]
+                raise ScheduleError("the programs deadlock: " + "; ".join(stuck))
+
+    def step(self, k: int) -> bool:
+        """Execute stage k's next action if it can; False when blocked on a receive or the barrier."""
+        a = self.programs[k][self.pc[k]]
+        t = self.clock[k]
         if a.op == "RA":
-            if (k, a.mb) not in act_arrival:
+            if not self._receive(k, a, t, self.act_arrival, self.received_act, "RA"):
                 return False
-            clock[k] = max(t, act_arrival[(k, a.mb)]) + over[k].get("RA", 0.0)
-            received_act[k].add(a.mb)
         elif a.op == "RG":
-            if (k, a.mb) not in grad_arrival:
+            if not self._receive(k, a, t, self.grad_arrival, self.received_grad, "RG"):
                 return False
-            clock[k] = max(t, grad_arrival[(k, a.mb)]) + over[k].get("RG", 0.0)
-            received_grad[k].add(a.mb)
         elif a.op == "F":
-            if k > 0 and a.mb not in received_act[k]:
-                raise ScheduleError(f"{_name(k, a)} runs before its activation is received (RA{a.mb})")
-            clock[k] = t + fwd_s[k]
-            busy[k] += fwd_s[k]
-            forwarded[k].add(a.mb)
-            peak[k] = max(peak[k], len(forwarded[k] - backwarded[k]))
+            self._forward(k, a, t)
         elif a.op == "B":
-            if a.mb not in forwarded[k]:
-                raise ScheduleError(f"{_name(k, a)} runs before F{a.mb}")
-            if k < last and a.mb not in received_grad[k]:
-                raise ScheduleError(f"{_name(k, a)} runs before its gradient is received (RG{a.mb})")
-            clock[k] = t + bwd_s[k]
-            busy[k] += bwd_s[k]
-            backwarded[k].add(a.mb)
+            self._backward(k, a, t)
         elif a.op == "SA":
-            if a.mb not in forwarded[k]:
-                raise ScheduleError(f"{_name(k, a)} sends an activation before F{a.mb}")
-            clock[k] = t + over[k].get("SA", 0.0)
-            start = max(clock[k], fwd_link_free[k])
-            fwd_link_free[k] = start + send_s[k]
-            act_arrival[(k + 1, a.mb)] = start + send_s[k]
-            events.append(Event(k, "SA", a.mb, start, start + send_s[k]))
-            return _advance(k)
+            self._send_activation(k, a, t)
         elif a.op == "SG":
-            if a.mb not in backwarded[k]:
-                raise ScheduleError(f"{_name(k, a)} sends a gradient before B{a.mb}")
-            clock[k] = t + over[k].get("SG", 0.0)
-            start = max(clock[k], bwd_link_free[k])
-            bwd_link_free[k] = start + send_s[k - 1]
-            grad_arrival[(k - 1, a.mb)] = start + send_s[k - 1]
-            events.append(Event(k, "SG", a.mb, start, start + send_s[k - 1]))
-            return _advance(k)
+            self._send_gradient(k, a, t)
         elif a.op == "STEP":
-            if not barrier:
-                at_step = [pc[j] >= len(programs[j]) or programs[j][pc[j]].op == "STEP" for j in range(num_stages)]
-                if not all(at_step):
-                    return False
-                barrier.append(max(clock))
-            clock[k] = max(t, barrier[0]) + sync[k] + over[k].get("STEP", 0.0)
+            if not self._optimizer_step(k, t):
+                return False
         else:
             raise ScheduleError(f"{_name(k, a)}: unknown action")
-        events.append(Event(k, a.op, a.mb, t, clock[k]))
-        return _advance(k)
-
-    def _advance(k: int) -> bool:
-        pc[k] += 1
+        if a.op not in ("SA", "SG"):  # a send's event is its time on the link, recorded by the send
+            self.events.append(Event(k, a.op, a.mb, t, self.clock[k]))
+        self.pc[k] += 1
         return True
 
-    while True:
-        moved = False
-        for k in range(num_stages):
-            while pc[k] < len(programs[k]) and step(k):
-                moved = True
-        if all(pc[k] == len(programs[k]) for k in range(num_stages)):
-            break
-        if not moved:
-            stuck = [f"stage {k} waits at {programs[k][pc[k]]}" for k in range(num_stages) if pc[k] < len(programs[k])]
-            raise ScheduleError("the programs deadlock: " + "; ".join(stuck))
+    def _receive(self, k: int, a: Action, t: float, arrival: dict[tuple[int, int], float],
+                 received: list[set[int]], op: str) -> bool:
+        """Wait for the tensor, then decode it; False if it has not been sent yet."""
+        if (k, a.mb) not in arrival:
+            return False
+        self.clock[k] = max(t, arrival[(k, a.mb)]) + self.over[k].get(op, 0.0)
+        received[k].add(a.mb)
+        return True
 
-    step_time = max(clock) if clock else 0.0
-    busy_fraction = [b / step_time if step_time > 0 else 0.0 for b in busy]
-    bubble = 1.0 - sum(busy_fraction) / num_stages if step_time > 0 else 0.0
-    return Timeline(events, step_time, busy_fraction, bubble, peak)
+    def _forward(self, k: int, a: Action, t: float) -> None:
+        """Run a forward: its activation must have been received (but on stage 0)."""
+        if k > 0 and a.mb not in self.received_act[k]:
+            raise ScheduleError(f"{_name(k, a)} runs before its activation is received (RA{a.mb})")
+        self.clock[k] = t + self.fwd_s[k]
+        self.busy[k] += self.fwd_s[k]
+        self.forwarded[k].add(a.mb)
+        self.peak[k] = max(self.peak[k], len(self.forwarded[k] - self.backwarded[k]))
+
+    def _backward(self, k: int, a: Action, t: float) -> None:
+        """Run a backward: after its forward and (but on the last stage) its received gradient."""
+        if a.mb not in self.forwarded[k]:
+            raise ScheduleError(f"{_name(k, a)} runs before F{a.mb}")
+        if k < self.last and a.mb not in self.received_grad[k]:
+            raise ScheduleError(f"{_name(k, a)} runs before its gradient is received (RG{a.mb})")
+        self.clock[k] = t + self.bwd_s[k]
+        self.busy[k] += self.bwd_s[k]
+        self.backwarded[k].add(a.mb)
+
+    def _send_activation(self, k: int, a: Action, t: float) -> None:
+        """Encode, then queue on the link to stage k+1 (one tensor at a time, in program order)."""
+        if a.mb not in self.forwarded[k]:
+            raise ScheduleError(f"{_name(k, a)} sends an activation before F{a.mb}")
+        self.clock[k] = t + self.over[k].get("SA", 0.0)
+        start = max(self.clock[k], self.fwd_link_free[k])
+        self.fwd_link_free[k] = start + self.send_s[k]
+        self.act_arrival[(k + 1, a.mb)] = start + self.send_s[k]
+        self.events.append(Event(k, "SA", a.mb, start, start + self.send_s[k]))
+
+    def _send_gradient(self, k: int, a: Action, t: float) -> None:
+        """Encode, then queue on the link to stage k-1 (one tensor at a time, in program order)."""
+        if a.mb not in self.backwarded[k]:
+            raise ScheduleError(f"{_name(k, a)} sends a gradient before B{a.mb}")
+        self.clock[k] = t + self.over[k].get("SG", 0.0)
+        start = max(self.clock[k], self.bwd_link_free[k])
+        self.bwd_link_free[k] = start + self.send_s[k - 1]
+        self.grad_arrival[(k - 1, a.mb)] = start + self.send_s[k - 1]
+        self.events.append(Event(k, "SG", a.mb, start, start + self.send_s[k - 1]))
+
+    def _optimizer_step(self, k: int, t: float) -> bool:
+        """The barrier (every stage at its STEP), the clip round trip, then the step; False: not all there yet."""
+        if not self.barrier:
+            programs, pc = self.programs, self.pc
+            at_step = [pc[j] >= len(programs[j]) or programs[j][pc[j]].op == "STEP" for j in range(len(programs))]
+            if not all(at_step):
+                return False
+            self.barrier.append(max(self.clock))
+        self.clock[k] = max(t, self.barrier[0]) + self.sync[k] + self.over[k].get("STEP", 0.0)
+        return True
+
+    def timeline(self) -> Timeline:
+        """The finished run's events, step time and busy and bubble fractions."""
+        step_time = max(self.clock) if self.clock else 0.0
+        busy_fraction = [b / step_time if step_time > 0 else 0.0 for b in self.busy]
+        bubble = 1.0 - sum(busy_fraction) / len(self.programs) if step_time > 0 else 0.0
+        return Timeline(self.events, step_time, busy_fraction, bubble, self.peak)
+
+
+def simulate(
+    programs: list[list[Action]], fwd_s: list[float], bwd_s: list[float], send_s: list[float], *,
+    overhead_s: list[dict[str, float]] | None = None, sync_s: list[float] | None = None,
+) -> Timeline:
+    """Run the programs on a model of the pipeline; raise ScheduleError if they are invalid."""
+    over, sync = _check_times(len(programs), fwd_s, bwd_s, send_s, overhead_s, sync_s)
+    _validate_static(programs)
+    run = _Simulation(programs, fwd_s, bwd_s, send_s, over, sync)
+    run.run()
+    return run.timeline()
 
 
 def combine_replicas(timelines: list[Timeline], reduce_s: float = 0.0) -> Timeline:
@@ -254,7 +303,7 @@ def simulate_plan(plan: Plan) -> Timeline:
     """Simulate a plan's stored programs with its predicted per-stage times (every replica, then the
     step's barrier with the gradient reduction between them)."""
     try:
-        programs = [parse_program(s.program) for s in plan.stages]
+        programs = [s.actions() for s in plan.stages]
     except ValueError as exc:
         raise ScheduleError(f"plan has a malformed program: {exc}") from None
     timelines = []
@@ -293,7 +342,7 @@ def replay_run(plan: Plan, timings: list[dict[str, float]]) -> Timeline:
                      "RA": sp.overhead_s.get("RA", 0.0), "RG": sp.overhead_s.get("RG", 0.0)}
                     for t, sp in zip(times, stages, strict=True)]
         timelines.append(simulate(
-            [parse_program(sp.program) for sp in stages],
+            [sp.actions() for sp in stages],
             [t.get("F", 0.0) / m for t in times],
             [t.get("B", 0.0) / m for t in times],
             [sp.send_time_s for sp in stages],

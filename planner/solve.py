@@ -11,7 +11,7 @@ proved the optimum, or how far from proven the plan is (gap against the best low
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hetero.plan import SolverReport
 from hetero.planner.cost import CostTable
@@ -72,12 +72,11 @@ def solve(table: CostTable, num_stages: int | None = None, time_limit_s: float =
     if evaluation is not None and not report.proven_optimal:
         ilp_lower = evaluation.step_time_s * (1 - report.gap) if report.gap is not None else None
         lower = max([b for b in (lower, ilp_lower) if b is not None], default=None)
-        report.gap = None if lower is None else max(0.0, (evaluation.step_time_s - lower) / evaluation.step_time_s)
-        report.objective_s = evaluation.step_time_s
+        gap = None if lower is None else max(0.0, (evaluation.step_time_s - lower) / evaluation.step_time_s)
+        report = replace(report, gap=gap, objective_s=evaluation.step_time_s)
     if dp is not None and dp.reason:
-        report.message = f"{dp.reason}, so the ILP ran" + (f": {report.message}" if report.message else "")
-    report.solve_time_s = time.perf_counter() - t0
-    return SolveResult(evaluation, report)
+        report = replace(report, message=f"{dp.reason}, so the ILP ran" + (f": {report.message}" if report.message else ""))
+    return SolveResult(evaluation, replace(report, solve_time_s=time.perf_counter() - t0))
 
 
 def _proven_by_dp(table: CostTable, dp: ExactResult, start: Evaluation | None, time_limit_s: float,

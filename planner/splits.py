@@ -59,45 +59,47 @@ class _Prefix:
         return j - 1
 
 
-def split_for_order(table: CostTable, order: tuple[int, ...], pre: _Prefix | None = None) -> list[Placement]:
-    """Candidate splits of all nodes over ``order`` (every device gets at least one node)."""
-    pre = pre or _Prefix(table)
-    n, s, m = table.num_nodes, len(order), table.num_micro_batches
-    if s > n:
-        return []
-    gpipe = table.schedule == "gpipe"
-    ends = [[pre.last_fitting(d, i, in_flight(table.schedule, s - 1 - k, m)) for i in range(n)]
-            for k, d in enumerate(order)]
-    # link[k][i]: 2x the time of the link into stage k when it starts at node i (GPipe: 1x each way).
-    factor = 1.0 if gpipe else 2.0
-    link = [[0.0] * n] + [[factor * table.transfer_s(i - 1, order[k - 1], order[k]) if i > 0 else INF
-                           for i in range(n)] for k in range(1, s)]
+class _OrderSplits:
+    """The split DPs of one device order: per stage the nodes it fits and its incoming link's time."""
 
-    def stage(k: int, i: int, j: int) -> float:
-        t = pre.t[order[k]]
+    def __init__(self, table: CostTable, order: tuple[int, ...], pre: _Prefix) -> None:
+        n, s, m = table.num_nodes, len(order), table.num_micro_batches
+        self.n, self.s, self.order, self.pre = n, s, order, pre
+        self.ends = [[pre.last_fitting(d, i, in_flight(table.schedule, s - 1 - k, m)) for i in range(n)]
+                     for k, d in enumerate(order)]
+        # link[k][i]: 2x the time of the link into stage k when it starts at node i (GPipe: 1x each way).
+        factor = 1.0 if table.schedule == "gpipe" else 2.0
+        self.link = [[0.0] * n] + [[factor * table.transfer_s(i - 1, order[k - 1], order[k]) if i > 0 else INF
+                                    for i in range(n)] for k in range(1, s)]
+
+    def stage(self, k: int, i: int, j: int) -> float:
+        """Stage k's forward + backward time over nodes i..j."""
+        t = self.pre.t[self.order[k]]
         return t[j + 1] - t[i]
 
-    # Bottleneck DP from the end: best[k][i] = smallest period of stages k.. covering nodes i..
-    best = [[INF] * (n + 1) for _ in range(s + 1)]
-    best[s][n] = 0.0
-    for k in range(s - 1, -1, -1):
-        for i in range(n - (s - k) + 1):
-            top = min(ends[k][i], n - (s - k))
-            if k == s - 1:
-                top = ends[k][i] if ends[k][i] == n - 1 else -1
-                lo = n - 1 if top == n - 1 else top + 1
-            else:
-                lo = i
-            for j in range(lo, top + 1):
-                v = max(stage(k, i, j), link[k][i] if k else 0.0, best[k + 1][j + 1])
-                if v < best[k][i]:
-                    best[k][i] = v
-    period = best[0][0]
-    if period == INF:
-        return []
-    out = []
-    for slack in SLACKS:
-        cap = period * (1 + slack) * (1 + 1e-12)
+    def least_period(self) -> float:
+        """The smallest possible period (slowest stage or link): a bottleneck DP from the end, best[k][i]
+        = smallest period of stages k.. covering nodes i.."""
+        n, s, ends, link = self.n, self.s, self.ends, self.link
+        best = [[INF] * (n + 1) for _ in range(s + 1)]
+        best[s][n] = 0.0
+        for k in range(s - 1, -1, -1):
+            for i in range(n - (s - k) + 1):
+                top = min(ends[k][i], n - (s - k))
+                if k == s - 1:
+                    top = ends[k][i] if ends[k][i] == n - 1 else -1
+                    lo = n - 1 if top == n - 1 else top + 1
+                else:
+                    lo = i
+                for j in range(lo, top + 1):
+                    v = max(self.stage(k, i, j), link[k][i] if k else 0.0, best[k + 1][j + 1])
+                    if v < best[k][i]:
+                        best[k][i] = v
+        return best[0][0]
+
+    def least_total(self, cap: float) -> tuple[tuple[int, int], ...] | None:
+        """The spans with the smallest sum of stage and link times whose period stays within ``cap``."""
+        n, s, ends, link = self.n, self.s, self.ends, self.link
         total = [[INF] * (n + 1) for _ in range(s + 1)]
         choice = [[-1] * (n + 1) for _ in range(s + 1)]
         total[s][n] = 0.0
@@ -107,20 +109,35 @@ def split_for_order(table: CostTable, order: tuple[int, ...], pre: _Prefix | Non
                     continue
                 top = min(ends[k][i], n - (s - k))
                 for j in range(i if k < s - 1 else n - 1, top + 1 if k < s - 1 else ends[k][i] + 1):
-                    t = stage(k, i, j)
+                    t = self.stage(k, i, j)
                     if t > cap:
                         break
                     v = t + (link[k][i] if k else 0.0) + total[k + 1][j + 1]
                     if v < total[k][i]:
                         total[k][i], choice[k][i] = v, j
         if total[0][0] == INF:
-            continue
+            return None
         spans, i = [], 0
         for k in range(s):
             j = choice[k][i]
             spans.append((i, j))
             i = j + 1
-        out.append(Placement(order, tuple(spans)))
+        return tuple(spans)
+
+
+def split_for_order(table: CostTable, order: tuple[int, ...], pre: _Prefix | None = None) -> list[Placement]:
+    """Candidate splits of all nodes over ``order`` (every device gets at least one node)."""
+    if len(order) > table.num_nodes:
+        return []
+    dp = _OrderSplits(table, order, pre or _Prefix(table))
+    period = dp.least_period()
+    if period == INF:
+        return []
+    out = []
+    for slack in SLACKS:
+        spans = dp.least_total(period * (1 + slack) * (1 + 1e-12))
+        if spans is not None:
+            out.append(Placement(order, spans))
     return out
 
 

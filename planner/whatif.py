@@ -7,12 +7,12 @@ with the same cost model (datasheets, or the profile the plan was compiled with)
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, replace
 
 from hetero.errors import HeteroError
 from hetero.plan import Plan
-from hetero.planner.cost import CostModel, in_flight
+from hetero.planner.cost import in_flight
+from hetero.planner.cost_model import CostModel
 from hetero.planner.schedules import SCHEDULES, programs_for
 from hetero.planner.simulator import Timeline, simulate
 
@@ -84,9 +84,8 @@ def without_device(plan: Plan, device: str, cost_model: CostModel | None = None,
     """Re-plan on the fleet minus ``device`` (same model, training keys and cost model)."""
     from hetero.planner import plan as make_plan
 
-    cluster = copy.deepcopy(plan.cluster)
-    for host in cluster.hosts:
-        host.devices = [d for d in host.devices if d.name != device]
+    cluster = replace(plan.cluster, hosts=[replace(h, devices=[d for d in h.devices if d.name != device])
+                                           for h in plan.cluster.hosts])
     name = f"without {device}"
     if not cluster.devices:
         return WhatIf(name, "re-planned", False, reason="no device left")

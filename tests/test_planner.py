@@ -11,7 +11,7 @@ from hetero.errors import ConfigError, InfeasiblePlanError
 from hetero.plan import Plan, compute_input_hash
 from hetero.planner import plan, simulate_plan
 from hetero.planner.bruteforce import brute_force
-from hetero.planner.cost import NF4_BYTES_PER_PARAM, RooflineCostModel
+from hetero.planner.cost_model import NF4_BYTES_PER_PARAM, RooflineCostModel
 from hetero.specs import DataSpec, PlannerOptions, TrainSpec
 
 

@@ -166,8 +166,10 @@ def slow_cpu_problem(seed: int):  # type: ignore[no-untyped-def]
     spec = [(f"h{rng.randrange(2)}", rng.choice(["rtx3090", "rtx4090", "v100", "m40"]), rng.choice([None, 3.0, 6.0]))
             for _ in range(rng.randint(2, 3))]
     cluster = make_cluster(spec, gbps=rng.choice([1.0, 10.0]))
-    cluster.hosts[0].devices.append(cpu_fleet(1, 64.0).devices[0])
-    cluster.hosts[0].devices[-1].host = cluster.hosts[0].name
+    first = cluster.hosts[0]
+    cpu = dataclasses.replace(cpu_fleet(1, 64.0).devices[0], host=first.name)
+    cluster = dataclasses.replace(cluster, hosts=[dataclasses.replace(first, devices=[*first.devices, cpu]),
+                                                  *cluster.hosts[1:]])
     graph = make_graph(rng.randint(2, 5), hidden=rng.choice([1024, 2048]), rng=rng)
     table, _, _ = table_for(graph, cluster, schedule=rng.choice(["1f1b", "gpipe"]), m=rng.choice([2, 4, 8]),
                             quantization="nf4")

@@ -9,7 +9,8 @@ import pytest
 from hetero.graph import CutEdge, LayerGraph, LayerNode, TensorSpec
 from hetero.planner.baselines import candidate_placements
 from hetero.planner.bruteforce import brute_force
-from hetero.planner.cost import RooflineCostModel, build_cost_table
+from hetero.planner.cost import build_cost_table
+from hetero.planner.cost_model import RooflineCostModel
 from hetero.planner.ilp import _Model, solve_ilp
 from hetero.planner.network import build_network, canonical
 from hetero.planner.objective import Placement, evaluate
@@ -55,13 +56,14 @@ def make_device(name: str, host: str, kind: str, index: int, memory_gb: float | 
 
 def make_cluster(spec: list[tuple[str, str, float | None]], gbps: float = 10.0) -> ClusterSpec:
     """Hosts from (host, type, memory override) triples; every pair of hosts linked at ``gbps``."""
-    hosts: dict[str, HostSpec] = {}
+    devices: dict[str, list[DeviceSpec]] = {}
     for host, kind, mem in spec:
-        h = hosts.setdefault(host, HostSpec(name=host, port=29500))
-        h.devices.append(make_device(f"{host}.gpu{len(h.devices)}", host, kind, len(h.devices), mem))
-    names = list(hosts)
+        on_host = devices.setdefault(host, [])
+        on_host.append(make_device(f"{host}.gpu{len(on_host)}", host, kind, len(on_host), mem))
+    names = list(devices)
     links = [LinkSpec(a, b, gbps, 200.0) for i, a in enumerate(names) for b in names[i + 1 :]]
-    return ClusterSpec(name="test", hosts=list(hosts.values()), links=links)
+    return ClusterSpec(name="test", hosts=[HostSpec(name=h, port=29500, devices=d) for h, d in devices.items()],
+                       links=links)
 
 
 def make_graph(num_decoders: int, hidden: int = 4096, scale: float = 1.0, rng: random.Random | None = None,

@@ -195,7 +195,8 @@ def test_mining_rig_llama8b_nf4_replicas() -> None:
     from hetero import config as config_mod
     from hetero.compiler.trace import trace
     from hetero.planner.baselines import candidate_placements
-    from hetero.planner.cost import RooflineCostModel, build_cost_table
+    from hetero.planner.cost import build_cost_table
+    from hetero.planner.cost_model import RooflineCostModel
 
     cfg = config_mod.load(["model=llama8b", "model.quantization=nf4", "hardware=mining_rig",
                            "train.micro_batch_size=4", "train.num_micro_batches=8", "train.schedule=1f1b"])

@@ -1,0 +1,178 @@
+"""Cost models: per (node, device) compute time and memory, per (host, host) transfer time.
+
+``CostModel`` is the interface the planner asks; ``RooflineCostModel`` answers it from datasheet
+numbers and ``planner.profile_cost.ProfileCostModel`` from a measured profile (``hetero profile``).
+planner.cost evaluates one once per planning problem into a dense ``CostTable``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from hetero.errors import ConfigError
+from hetero.graph import LayerGraph
+from hetero.specs import BYTES_PER_DTYPE, QUANT_BYTES_PER_PARAM, ClusterSpec, DeviceSpec, ModelSpec
+
+NF4_BYTES_PER_PARAM = QUANT_BYTES_PER_PARAM["nf4"]
+# LoRA parameters train in fp32: the parameter, its gradient and AdamW's two moments.
+LORA_BYTES_PER_PARAM = 16.0
+# Rough datasheet-path figures for what a stage pays outside its layers (a profile measures them):
+# AdamW touches ~32 bytes per fp32 LoRA parameter (param, grad, two moments; the grad norm reads
+# the grad again); every LoRA tensor costs a few ops of Python/launch overhead per step, far more
+# on CPU (one tensor at a time) than on GPUs (multi-tensor kernels). A message costs its Python
+# encode/decode plus, from or to a GPU, a copy over the host link.
+OPTIMIZER_BYTES_PER_PARAM = 32.0
+OPTIMIZER_PER_TENSOR_S = {"cpu": 50e-6}
+OPTIMIZER_PER_TENSOR_DEFAULT_S = 10e-6
+MESSAGE_FIXED_S = 100e-6
+HOST_COPY_BYTES_PER_S = 12e9  # PCIe 4.0 x16 in practice
+
+
+def dtype_bytes(dtype: str) -> float:
+    """Bytes per element of a dtype name; "auto" graphs are costed at 2 bytes (bf16/fp16)."""
+    if dtype == "auto":
+        return 2.0
+    try:
+        return BYTES_PER_DTYPE[dtype]
+    except KeyError:
+        raise ConfigError(f"unknown dtype '{dtype}': use float32, bfloat16 or float16") from None
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """Bytes one node needs on one device."""
+
+    weights: float  # frozen base weights, at the device's dtype and quantization
+    lora: float  # LoRA params + grads + AdamW moments (fp32)
+    activations_per_mb: float  # saved for backward, per micro-batch in flight
+    # What the node keeps per micro-batch in flight when it recomputes (its input); None: it cannot.
+    recompute_per_mb: float | None = None
+
+
+class CostModel(Protocol):
+    """What the planner asks of a cost model; a measured profile can replace the roofline."""
+
+    def node_time_s(
+        self, graph: LayerGraph, model: ModelSpec, node: int, device: DeviceSpec, tokens: int
+    ) -> tuple[float, float]:
+        """(forward, backward) seconds of node ``node`` on ``device`` for a micro-batch of ``tokens``."""
+        ...
+
+    def node_memory(
+        self, graph: LayerGraph, model: ModelSpec, node: int, device: DeviceSpec, tokens: int
+    ) -> NodeMemory:
+        """Bytes node ``node`` needs on ``device`` with micro-batches of ``tokens`` tokens."""
+        ...
+
+    def transfer_time_s(self, cluster: ClusterSpec, host_a: str, host_b: str, num_bytes: float) -> float:
+        """Seconds to move ``num_bytes`` from a device on ``host_a`` to one on ``host_b``."""
+        ...
+
+    def optimizer_step_s(self, device: DeviceSpec, model: ModelSpec, lora_params: int, lora_tensors: int) -> float:
+        """Seconds of one optimizer step (grad norm, AdamW, zero_grad) over this much LoRA on ``device``.
+
+        Must be linear in (lora_params, lora_tensors): the planner splits it into a per-stage constant
+        (the value at 0, 0) and per-node parts.
+        """
+        ...
+
+    def message_s(self, device: DeviceSpec, num_bytes: float) -> tuple[float, float]:
+        """(send, receive) seconds ``device``'s stage spends on one message of ``num_bytes``."""
+        ...
+
+
+def compute_dtype(device: DeviceSpec, model: ModelSpec) -> str:
+    """The dtype ``device`` computes (and sends) in for this model."""
+    return device.compute_dtype(model.dtype)
+
+
+def weight_bytes(graph: LayerGraph, node: int, device: DeviceSpec, model: ModelSpec) -> float:
+    """Frozen weight bytes of a node on a device: linear weights quantized, the rest at compute dtype."""
+    n = graph.nodes[node]
+    elem = dtype_bytes(compute_dtype(device, model))
+    quant = device.quantization(model.quantization)
+    per_linear = QUANT_BYTES_PER_PARAM.get(quant, elem)
+    return (n.num_params - n.linear_params) * elem + n.linear_params * per_linear
+
+
+def wire_bytes_per_token(graph: LayerGraph, node: int, device: DeviceSpec, model: ModelSpec) -> float:
+    """Bytes per token sent across the cut after ``node`` by a stage on ``device`` (its compute dtype)."""
+    if node >= len(graph.edges):
+        return 0.0
+    scale = dtype_bytes(compute_dtype(device, model)) / dtype_bytes(graph.dtype)
+    return graph.edges[node].bytes_per_token * scale
+
+
+class RooflineCostModel:
+    """time = max(FLOPs / (datasheet TFLOPS x efficiency), bytes touched / memory bandwidth)."""
+
+    def __init__(self, efficiency: float = 0.4) -> None:
+        if not 0.0 < efficiency <= 1.0:
+            raise ConfigError(f"planner.efficiency must be in (0, 1], got {efficiency}")
+        self.efficiency = efficiency
+
+    def _flops_per_s(self, device: DeviceSpec, dtype: str) -> float:
+        tflops = device.tflops.get(dtype, 0.0) or device.tflops.get("float32", 0.0)
+        if tflops <= 0:
+            raise ConfigError(f"device '{device.name}' has no TFLOPS figure for {dtype}: fix its hardware spec")
+        return tflops * 1e12 * self.efficiency
+
+    def node_time_s(
+        self, graph: LayerGraph, model: ModelSpec, node: int, device: DeviceSpec, tokens: int
+    ) -> tuple[float, float]:
+        """(forward, backward) seconds of one node for one micro-batch (roofline)."""
+        n = graph.nodes[node]
+        dtype = compute_dtype(device, model)
+        flops_per_s = self._flops_per_s(device, dtype)
+        bandwidth = device.memory_bandwidth_gbs * 1e9
+        if bandwidth <= 0:
+            raise ConfigError(f"device '{device.name}' has no memory bandwidth: fix its hardware spec")
+        weights = weight_bytes(graph, node, device, model)
+        act = n.activation_bytes_per_token * tokens * dtype_bytes(dtype) / dtype_bytes(graph.dtype)
+        # Forward reads the weights once and writes the saved activations; backward reads the
+        # weights again (input grads) and reads the saved activations while writing their grads.
+        fwd = max(n.fwd_flops_per_token * tokens / flops_per_s, (weights + act) / bandwidth)
+        bwd = max(n.bwd_flops_per_token * tokens / flops_per_s, (weights + 2 * act) / bandwidth)
+        return fwd, bwd
+
+    def node_memory(
+        self, graph: LayerGraph, model: ModelSpec, node: int, device: DeviceSpec, tokens: int
+    ) -> NodeMemory:
+        """Weights at the device's dtype/quantization, fp32 LoRA state, activations per micro-batch."""
+        n = graph.nodes[node]
+        scale = dtype_bytes(compute_dtype(device, model)) / dtype_bytes(graph.dtype)
+        rec = n.recompute_bytes_per_token
+        return NodeMemory(
+            weights=weight_bytes(graph, node, device, model),
+            lora=n.lora_params * LORA_BYTES_PER_PARAM,
+            activations_per_mb=n.activation_bytes_per_token * tokens * scale,
+            recompute_per_mb=None if rec is None else rec * tokens * scale,
+        )
+
+    def transfer_time_s(self, cluster: ClusterSpec, host_a: str, host_b: str, num_bytes: float) -> float:
+        """Bytes over the link's bandwidth plus its latency."""
+        try:
+            link = cluster.link(host_a, host_b)
+        except KeyError as exc:
+            raise ConfigError(f"fleet '{cluster.name}': {exc.args[0]}; add it under links:") from None
+        return num_bytes / link.bytes_per_s + link.latency_us * 1e-6
+
+    def optimizer_step_s(self, device: DeviceSpec, model: ModelSpec, lora_params: int, lora_tensors: int) -> float:
+        """Per-tensor overhead plus the bytes AdamW touches over the device's memory bandwidth."""
+        per_tensor = OPTIMIZER_PER_TENSOR_S.get(device.backend, OPTIMIZER_PER_TENSOR_DEFAULT_S)
+        bandwidth = max(device.memory_bandwidth_gbs, 1e-3) * 1e9
+        return lora_tensors * per_tensor + lora_params * OPTIMIZER_BYTES_PER_PARAM / bandwidth
+
+    def message_s(self, device: DeviceSpec, num_bytes: float) -> tuple[float, float]:
+        """Encode/decode overhead, plus the copy between a GPU and its host."""
+        cost = MESSAGE_FIXED_S + (num_bytes / HOST_COPY_BYTES_PER_S if device.backend != "cpu" else 0.0)
+        return cost, cost
+
+
+def lora_tensors(graph: LayerGraph, model: ModelSpec, node: int) -> int:
+    """LoRA tensors (A and B per adapted linear) of a node: every target in a decoder layer, else one linear."""
+    n = graph.nodes[node]
+    if n.lora_params <= 0:
+        return 0
+    return 2 * max(1, len(model.lora.target_modules)) if n.kind == "decoder" else 2

@@ -1,0 +1,157 @@
+"""The packing DP of data x pipeline replicas: disjoint replicas whose shares sum to the step's M.
+
+Replicas are multisets of device classes (``ClassMultisets``); for one threshold tau the search
+(planner/replicas.py) lists every replica option with T <= tau at each share, and ``pack`` finds the
+least total reduction over (devices left, micro-batches left, coordinator placed?, replicas left),
+with the packing that reaches it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetero.planner.cost import CostTable
+from hetero.planner.deadline import check
+from hetero.planner.replica_fronts import INF, ClassPipeline, Frontier
+
+# A replica option at one share: (share, reduction, reduction as the coordinator's replica, pipeline,
+# pipeline as the coordinator's (None: not solved yet, its T only bounded), their T (or bound)).
+Entry = tuple[int, float, float, "ClassPipeline | None", "ClassPipeline | None", float, float]
+Options = dict[int, tuple[bool, list[Entry]]]  # per multiset: (reduction the same at every share, entries)
+Picked = list[tuple[int, int, "ClassPipeline | None", bool]]  # (multiset, share, pipeline, is the coordinator's)
+
+
+@dataclass
+class ClassMultisets:
+    """Every sub-multiset of the fleet's device classes, numbered in mixed radix (the last, ``full``,
+    is the whole fleet), and which of them a packing DP state may take next."""
+
+    classes: list[int]  # per device, its class (CostTable.device_classes)
+    members: list[list[int]]  # per class, its devices
+    host: list[int]  # per class, its host
+    stride: list[int]  # per class, its digit's weight in a multiset's index
+    multisets: list[tuple[int, ...]]  # per index, the count of each class
+    size: list[int]  # per multiset, its number of devices
+    hosts_of: list[set[int]]  # per multiset, the hosts of its devices
+    subsets: list[list[int]]  # per multiset, its non-empty sub-multisets
+    lowest: list[int]  # per multiset, its lowest class present
+    # Per multiset S: the replicas U <= S holding a device of S's lowest class (the others are
+    # packed later, or left idle: no packing is counted twice per order of its replicas).
+    subs: list[list[int]]
+
+    @property
+    def full(self) -> int:
+        return len(self.multisets) - 1
+
+    @staticmethod
+    def of(table: CostTable) -> ClassMultisets:
+        """The multisets of ``table``'s device classes."""
+        classes = table.device_classes()
+        members = [[d for d, c in enumerate(classes) if c == k] for k in range(max(classes) + 1)]
+        host = [table.host_of[mem[0]] for mem in members]
+        avail = tuple(len(mem) for mem in members)
+        stride = [math.prod(a + 1 for a in avail[:k]) for k in range(len(avail))]
+        multisets = sorted(itertools.product(*(range(a + 1) for a in avail)),
+                           key=lambda counts: sum(x * s for x, s in zip(counts, stride, strict=True)))
+        full = len(multisets) - 1
+        counts = np.array(multisets)
+        subsets = [np.flatnonzero((counts <= counts[u]).all(axis=1))[1:].tolist() for u in range(full + 1)]
+        lowest = [next((k for k, x in enumerate(s) if x), 0) for s in multisets]
+        subs = [[u for u in subsets[s] if u != full and multisets[u][lowest[s]]] for s in range(full + 1)]
+        return ClassMultisets(classes, members, host, stride, multisets, [sum(u) for u in multisets],
+                              [{host[k] for k, x in enumerate(u) if x} for u in multisets], subsets, lowest, subs)
+
+
+def front_entry(front: Frontier, m: int, tau: float, hi: int) -> Entry:
+    """An enumerated replica's option at share m (its fronts may come from a larger share: no slower)."""
+    (red, pipe), (red_c, pipe_c) = (front.at(tau, hi, lead) for lead in (False, True))
+    return (m, red, red_c, pipe, pipe_c, pipe.time_s if pipe else INF, pipe_c.time_s if pipe_c else INF)
+
+
+# A DP state: (multiset of devices left, micro-batches left, coordinator still to place?, replicas left).
+_State = tuple[int, int, bool, "int | None"]
+
+
+class _Packing:
+    """One packing DP over the options, memoized with each state's choice."""
+
+    def __init__(self, sets: ClassMultisets, opts: Options, exact_count: bool, deadline: float) -> None:
+        self.sets, self.opts, self.exact_count, self.deadline = sets, opts, exact_count, deadline
+        self.memo: dict[_State, tuple[float, tuple | None]] = {}  # type: ignore[type-arg]
+        self.useful: dict[tuple[int, int], list[Entry]] = {}
+
+    def shares(self, u: int, mu: int) -> list[Entry]:
+        """U's entries with share <= mu that no larger share beats on both reductions (a larger
+        share leaves fewer micro-batches to the rest)."""
+        if (u, mu) not in self.useful:
+            fixed, entries = self.opts[u]
+            keep, least, least_c = [], INF, INF
+            for e in reversed(entries[:mu]):
+                if e[1] < least or e[2] < least_c:
+                    keep.append(e)
+                    least, least_c = min(least, e[1]), min(least_c, e[2])
+                if fixed:
+                    break
+            self.useful[(u, mu)] = keep
+        return self.useful[(u, mu)]
+
+    def g(self, s: int, mu: int, need: bool, left: int | None) -> float:
+        """The least total reduction from this state (inf: no packing completes it)."""
+        if mu == 0:
+            return INF if need or (self.exact_count and left) else 0.0
+        if s == 0 or left == 0:
+            return INF
+        key = (s, mu, need, left)
+        if key in self.memo:
+            return self.memo[key][0]
+        check(self.deadline)
+        nxt = None if left is None else left - 1
+        sets = self.sets
+        best, choice = self.g(s - sets.stride[sets.lowest[s]], mu, need, left), None  # that device idles
+        for u in sets.subs[s]:
+            if u not in self.opts:
+                continue
+            for m, red, red_c, pipe, pipe_c, t, t_c in self.shares(u, mu):
+                if need and red_c < best:
+                    v = red_c + self.g(s - u, mu - m, False, nxt)
+                    if v < best:
+                        best, choice = v, (u, m, pipe_c, True, t_c)
+                if red < best:
+                    v = red + self.g(s - u, mu - m, need, nxt)
+                    if v < best:
+                        best, choice = v, (u, m, pipe, False, t)
+        self.memo[key] = (best, choice)
+        return best
+
+    def walk(self, state: _State) -> tuple[float, Picked]:
+        """The replicas of the least packing from ``state`` (solved by g first), and their largest T."""
+        slowest, picked = 0.0, []
+        s, mu, need, left = state
+        while mu > 0:
+            choice = self.memo[(s, mu, need, left)][1]
+            if choice is None:
+                s -= self.sets.stride[self.sets.lowest[s]]
+                continue
+            u, m, pipe, lead, t = choice
+            picked.append((u, m, pipe, lead))
+            slowest = max(slowest, t)
+            s, mu, need, left = s - u, mu - m, need and not lead, None if left is None else left - 1
+        return slowest, picked
+
+
+def pack(sets: ClassMultisets, opts: Options, total_mb: int, need_coordinator: bool, max_replicas: int | None,
+         exact_count: bool, deadline: float) -> tuple[float, float, Picked]:
+    """The least total reduction of disjoint replicas whose shares sum to ``total_mb``, one of them the
+    coordinator's if ``need_coordinator``, at most ``max_replicas`` of them (exactly, with ``exact_count``):
+    (reduction, the largest T among them, the replicas); inf, inf, [] when none do."""
+    dp = _Packing(sets, opts, exact_count, deadline)
+    state: _State = (sets.full, total_mb, need_coordinator, max_replicas)
+    value = dp.g(*state)
+    if value == INF:
+        return value, INF, []
+    slowest, picked = dp.walk(state)
+    return value, (slowest if picked else INF), picked

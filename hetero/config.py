@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.resources
 import math
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from hetero.errors import ConfigError
 from hetero.hardware import build_cluster, load_device_types
 from hetero.hints import COMMAND_LINE
 from hetero.safe_yaml import check_interpolations, check_yaml, yaml_error_message
-from hetero.security import resolve_mode
+from hetero.security import Mode, resolve_mode
 from hetero.serde import from_dict, short_repr
 from hetero.specs import (
     ClusterSpec,
@@ -56,9 +56,11 @@ _SECTION_TYPES: dict[str, type] = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
-    """The composed configuration as typed specs, plus the resolved dict (stored in plan.json)."""
+    """The composed configuration as typed specs, plus the resolved dict (stored in plan.json).
+
+    Built and validated once, by ``load``; frozen, like the specs it holds (a sweep point is a ``replace``)."""
 
     model: ModelSpec
     cluster: ClusterSpec
@@ -68,7 +70,7 @@ class Config:
     output: Path
     raw: dict[str, Any] = field(default_factory=dict)
     profile: Path | None = None  # a measured profile (`hetero profile`) to plan with instead of datasheets
-    security: str = "curve"  # resolved: curve | token | none (hetero/security.py)
+    security: Mode = "curve"  # resolved: curve | token | none (hetero/security.py)
     eval: EvalSpec = field(default_factory=EvalSpec)
 
 
@@ -339,8 +341,7 @@ def _model_spec(model: Any, lora: Any) -> ModelSpec:
     if isinstance(positions, int) and not isinstance(positions, bool) and 0 < positions < spec.seq_len:
         raise ConfigError(f"model.seq_len={spec.seq_len} is longer than the model's max_position_embeddings="
                           f"{positions} (its config.json): set model.seq_len={positions} or less")
-    spec.lora = _convert(LoraSpec, lora, "lora")
-    return spec
+    return replace(spec, lora=_convert(LoraSpec, lora, "lora"))
 
 
 # Architecture keys the compiler sizes the model by: positive integers, a bound past any real model

@@ -13,7 +13,7 @@ NodeKind = Literal["embedding", "decoder", "norm", "head"]
 LAYER_GRAPH_VERSION = 1
 
 
-@dataclass
+@dataclass(frozen=True)
 class TensorSpec:
     """A tensor that crosses a cut. ``shape`` uses "batch" and "seq" for the symbolic dimensions."""
 
@@ -24,7 +24,7 @@ class TensorSpec:
     recomputed: bool = False  # True: cheap to rebuild on the receiving side (rotary cos/sin, mask)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayerNode:
     name: str  # "embed", "layers.0", ..., "norm", "head"
     kind: NodeKind
@@ -41,7 +41,7 @@ class LayerNode:
     recompute_bytes_per_token: float | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class CutEdge:
     """The tensors that cross the cut between node ``after`` and the next node."""
 
@@ -53,7 +53,7 @@ class CutEdge:
         return sum(t.bytes_per_token for t in self.tensors if not t.recomputed)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayerGraph:
     model_name: str
     model_type: str

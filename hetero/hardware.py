@@ -7,10 +7,12 @@ import importlib.resources
 import math
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from hetero.errors import ConfigError, UnknownDeviceError
+from hetero.protocol import BASE_PORT
 from hetero.safe_yaml import load_yaml
 from hetero.serde import from_dict, short_repr
 from hetero.specs import ClusterSpec, DeviceSpec, DeviceType, HostSpec, LinkSpec, SshSpec, check_ssh
@@ -122,6 +124,93 @@ def _device_name_stem(host: str, type_name: str) -> str:
     return f"{host}.{type_name}{sep}"
 
 
+def _device_entry(entry: Any, at: str, types: Mapping[str, DeviceType]) -> tuple[Mapping[str, Any], DeviceType]:
+    """One ``devices:`` entry as a checked mapping (``- rtx3090`` is short for ``{type: rtx3090}``) and its type."""
+    if isinstance(entry, str):
+        entry = {"type": entry}
+    if not isinstance(entry, Mapping):
+        raise ConfigError(f"{at}: expected a mapping like {{type: rtx3090, count: 1}}")
+    _check_keys(entry, _DEVICE_KEYS, at)
+    if "type" not in entry:
+        raise ConfigError(f"{at}: missing 'type' (a file name in hardware_specs/, e.g. rtx3090)")
+    type_name = entry["type"]
+    if not isinstance(type_name, str):
+        raise ConfigError(f"{at}.type must be a device type's name (a file name in hardware_specs/, "
+                          f"e.g. rtx3090), got {short_repr(type_name)}")
+    if type_name not in types:
+        raise UnknownDeviceError(_unknown_type_message(type_name, at, types))
+    return entry, types[type_name]
+
+
+def _entry_count(entry: Mapping[str, Any], at: str, room: int) -> int:
+    """How many devices the entry declares (``count``), within ``room``; ``name`` only for a single one."""
+    count = _number(entry.get("count", 1), f"{at}.count", integer=True)
+    if count > room:
+        raise ConfigError(f"{at}.count {count} makes the fleet larger than hetero plans for ({MAX_DEVICES} "
+                          "devices); lower the count")
+    if "name" in entry and count != 1:
+        raise ConfigError(f"{at}: 'name' names one device; drop it or set count: 1")
+    if "name" in entry and (not isinstance(entry["name"], str) or not entry["name"]):
+        raise ConfigError(f"{at}.name must be a device name (a string), got {short_repr(entry['name'])}")
+    return int(count)
+
+
+def _datasheet_values(entry: Mapping[str, Any], dt: DeviceType, at: str) -> tuple[dict[str, Any], list[str]]:
+    """The overridable datasheet numbers with the entry's overrides applied, and a note per changed one."""
+    overrides: list[str] = []
+    values = {k: getattr(dt, k) for k in OVERRIDABLE}
+    for key in OVERRIDABLE:
+        if key not in entry:
+            continue
+        new = entry[key]
+        if key in ("bf16", "nf4"):
+            if not isinstance(new, bool):
+                raise ConfigError(f"{at}.{key} must be true or false, got {new!r}")
+        else:
+            new = float(_number(new, f"{at}.{key}", positive=key != "tflops_bf16", minimum=0))
+        if new != values[key]:
+            overrides.append(f"{key}={new:g} (datasheet {values[key]:g})" if key not in ("bf16", "nf4")
+                             else f"{key}={new}")
+        values[key] = new
+    return values, overrides
+
+
+def _threads_and_index(entry: Mapping[str, Any], at: str) -> tuple[int | None, int | None]:
+    """The entry's ``threads`` (cpu stages) and explicit torch ``index`` of its first device, when given."""
+    threads = entry.get("threads")
+    if threads is not None:
+        _number(threads, f"{at}.threads", integer=True, maximum=4096)
+    first_index = None
+    if "index" in entry:
+        first_index = _number(entry["index"], f"{at}.index", integer=True, positive=False, minimum=0,
+                              maximum=MAX_DEVICES)
+    return threads, first_index
+
+
+def _device_spec(name: str, host: str, type_name: str, dt: DeviceType, index: int, values: Mapping[str, Any],
+                 threads: int | None, overrides: list[str]) -> DeviceSpec:
+    """One device from its datasheet type and the (overridden) numbers of its entry."""
+    return DeviceSpec(
+        name=name,
+        host=host,
+        type=type_name,
+        index=int(index),
+        backend=dt.backend,
+        display_name=dt.display_name,
+        memory_gb=float(values["memory_gb"]),
+        memory_bandwidth_gbs=float(values["memory_bandwidth_gbs"]),
+        tflops={
+            "float32": float(values["tflops_fp32"]),
+            "float16": float(values["tflops_fp16"]),
+            "bfloat16": float(values["tflops_bf16"]) if values["bf16"] else 0.0,
+        },
+        bf16=bool(values["bf16"]),
+        nf4=bool(values["nf4"]),
+        threads=threads,
+        overrides=list(overrides),
+    )
+
+
 def _expand_devices(
     host: str, entries: list[Any], types: Mapping[str, DeviceType], where: str, room: int
 ) -> list[DeviceSpec]:
@@ -129,81 +218,21 @@ def _expand_devices(
     devices: list[DeviceSpec] = []
     per_type: dict[str, int] = {}
     per_backend: dict[str, int] = {}
-    for j, entry in enumerate(entries):
+    for j, raw in enumerate(entries):
         at = f"{where}.devices[{j}]"
-        if isinstance(entry, str):  # shorthand: "- rtx3090"
-            entry = {"type": entry}
-        if not isinstance(entry, Mapping):
-            raise ConfigError(f"{at}: expected a mapping like {{type: rtx3090, count: 1}}")
-        _check_keys(entry, _DEVICE_KEYS, at)
-        if "type" not in entry:
-            raise ConfigError(f"{at}: missing 'type' (a file name in hardware_specs/, e.g. rtx3090)")
+        entry, dt = _device_entry(raw, at, types)
         type_name = entry["type"]
-        if not isinstance(type_name, str):
-            raise ConfigError(f"{at}.type must be a device type's name (a file name in hardware_specs/, "
-                              f"e.g. rtx3090), got {short_repr(type_name)}")
-        if type_name not in types:
-            raise UnknownDeviceError(_unknown_type_message(type_name, at, types))
-        dt = types[type_name]
-        count = _number(entry.get("count", 1), f"{at}.count", integer=True)
-        if len(devices) + count > room:
-            raise ConfigError(f"{at}.count {count} makes the fleet larger than hetero plans for ({MAX_DEVICES} "
-                              "devices); lower the count")
-        if "name" in entry and count != 1:
-            raise ConfigError(f"{at}: 'name' names one device; drop it or set count: 1")
-        if "name" in entry and (not isinstance(entry["name"], str) or not entry["name"]):
-            raise ConfigError(f"{at}.name must be a device name (a string), got {short_repr(entry['name'])}")
-        overrides: list[str] = []
-        values = {k: getattr(dt, k) for k in OVERRIDABLE}
-        for key in OVERRIDABLE:
-            if key in entry:
-                new = entry[key]
-                if key in ("bf16", "nf4"):
-                    if not isinstance(new, bool):
-                        raise ConfigError(f"{at}.{key} must be true or false, got {new!r}")
-                else:
-                    new = float(_number(new, f"{at}.{key}", positive=key != "tflops_bf16", minimum=0))
-                if new != values[key]:
-                    overrides.append(
-                        f"{key}={new:g} (datasheet {values[key]:g})"
-                        if key not in ("bf16", "nf4")
-                        else f"{key}={new}"
-                    )
-                values[key] = new
-        threads = entry.get("threads")
-        if threads is not None:
-            _number(threads, f"{at}.threads", integer=True, maximum=4096)
-        first_index = None
-        if "index" in entry:  # explicit torch index of the first device of this entry
-            first_index = _number(entry["index"], f"{at}.index", integer=True, positive=False, minimum=0,
-                                  maximum=MAX_DEVICES)
+        count = _entry_count(entry, at, room - len(devices))
+        values, overrides = _datasheet_values(entry, dt, at)
+        threads, first_index = _threads_and_index(entry, at)
         for k in range(count):
             ordinal = per_type.get(type_name, 0)
             per_type[type_name] = ordinal + 1
             backend_index = per_backend.get(dt.backend, 0)
             per_backend[dt.backend] = backend_index + 1
+            name = str(entry.get("name") or f"{_device_name_stem(host, type_name)}{ordinal}")
             index = backend_index if first_index is None else first_index + k
-            devices.append(
-                DeviceSpec(
-                    name=str(entry.get("name") or f"{_device_name_stem(host, type_name)}{ordinal}"),
-                    host=host,
-                    type=type_name,
-                    index=int(index),
-                    backend=dt.backend,
-                    display_name=dt.display_name,
-                    memory_gb=float(values["memory_gb"]),
-                    memory_bandwidth_gbs=float(values["memory_bandwidth_gbs"]),
-                    tflops={
-                        "float32": float(values["tflops_fp32"]),
-                        "float16": float(values["tflops_fp16"]),
-                        "bfloat16": float(values["tflops_bf16"]) if values["bf16"] else 0.0,
-                    },
-                    bf16=bool(values["bf16"]),
-                    nf4=bool(values["nf4"]),
-                    threads=threads,
-                    overrides=list(overrides),
-                )
-            )
+            devices.append(_device_spec(name, host, type_name, dt, index, values, threads, overrides))
     return devices
 
 
@@ -295,6 +324,61 @@ def _build_links(cfg: Mapping[str, Any], host_names: list[str]) -> list[LinkSpec
     return links
 
 
+def _host_spec(entry: Any, at: str, types: Mapping[str, DeviceType], earlier: list[HostSpec]) -> HostSpec:
+    """One ``hosts:`` entry: name, address, port and its devices (``earlier``: the hosts declared before it)."""
+    if not isinstance(entry, Mapping):
+        raise ConfigError(f"{at}: expected a mapping with name, address and devices")
+    _check_keys(entry, _HOST_KEYS, at)
+    name = entry.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{at}.name: every host needs a name (a string)")
+    if any(h.name == name for h in earlier):
+        raise ConfigError(f"{at}.name: host '{name}' is declared twice")
+    devices_cfg = entry.get("devices")
+    if not isinstance(devices_cfg, list) or not devices_cfg:
+        raise ConfigError(f"{at}.devices: host '{name}' lists no devices")
+    address = entry.get("address", "127.0.0.1")
+    if not isinstance(address, str) or not address:
+        raise ConfigError(f"{at}.address must be a host name or IP address, got {short_repr(address)}")
+    port = _number(entry.get("port", BASE_PORT), f"{at}.port", integer=True, minimum=2, maximum=65535)
+    devices = _expand_devices(name, list(devices_cfg), types, at, MAX_DEVICES - sum(len(h.devices) for h in earlier))
+    if port + len(devices) - 1 > 65535:  # stage k on this host listens on port + k (the coordinator on port - 1)
+        raise ConfigError(f"{at}.port {port} leaves no port for each of its {len(devices)} devices: "
+                          f"at most {65536 - len(devices)}")
+    ssh = _ssh_spec(entry["ssh"], f"{at}.ssh") if entry.get("ssh") is not None else None
+    return HostSpec(name=name, address=address, port=int(port), devices=devices, ssh=ssh)
+
+
+def _share_cpu_cores(host: HostSpec) -> HostSpec:
+    """CPU stages share their host's cores: split them so stage processes do not oversubscribe."""
+    cpus = [d for d in host.devices if d.backend == "cpu"]
+    if not cpus:
+        return host
+    devices = []
+    for d in host.devices:
+        if d.backend == "cpu":
+            threads = d.threads if d.threads is not None else max(1, (os.cpu_count() or 1) // len(cpus))
+            # A CPU stage computes with its own threads only: its datasheet TFLOPS are per core.
+            per_core = not any(o.startswith("tflops") for o in d.overrides)
+            d = replace(d, threads=threads, tflops={k: v * threads for k, v in d.tflops.items()} if per_core else d.tflops)
+        devices.append(d)
+    return replace(host, devices=devices)
+
+
+def _intra_host_path(cfg_hardware: Mapping[str, Any]) -> dict[str, float]:
+    """The fleet file's intra-host bandwidth and latency, where it sets them (else ClusterSpec's defaults)."""
+    path: dict[str, float] = {}
+    if "intra_host_bandwidth_gbps" in cfg_hardware:
+        path["intra_host_bandwidth_gbps"] = float(
+            _number(cfg_hardware["intra_host_bandwidth_gbps"], "hardware.intra_host_bandwidth_gbps")
+        )
+    if "intra_host_latency_us" in cfg_hardware:
+        path["intra_host_latency_us"] = float(
+            _number(cfg_hardware["intra_host_latency_us"], "hardware.intra_host_latency_us", positive=False)
+        )
+    return path
+
+
 def build_cluster(
     cfg_hardware: Mapping[str, Any], device_types: Mapping[str, DeviceType] | None = None
 ) -> ClusterSpec:
@@ -308,52 +392,14 @@ def build_cluster(
         raise ConfigError("hardware.hosts: declare at least one host with devices (see docs/fleet.md)")
     hosts: list[HostSpec] = []
     for i, entry in enumerate(hosts_cfg):
-        at = f"hardware.hosts[{i}]"
-        if not isinstance(entry, Mapping):
-            raise ConfigError(f"{at}: expected a mapping with name, address and devices")
-        _check_keys(entry, _HOST_KEYS, at)
-        name = entry.get("name")
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"{at}.name: every host needs a name (a string)")
-        if any(h.name == name for h in hosts):
-            raise ConfigError(f"{at}.name: host '{name}' is declared twice")
-        devices_cfg = entry.get("devices")
-        if not isinstance(devices_cfg, list) or not devices_cfg:
-            raise ConfigError(f"{at}.devices: host '{name}' lists no devices")
-        address = entry.get("address", "127.0.0.1")
-        if not isinstance(address, str) or not address:
-            raise ConfigError(f"{at}.address must be a host name or IP address, got {short_repr(address)}")
-        port = _number(entry.get("port", 29500), f"{at}.port", integer=True, minimum=2, maximum=65535)
-        devices = _expand_devices(name, list(devices_cfg), types, at, MAX_DEVICES - sum(len(h.devices) for h in hosts))
-        if port + len(devices) - 1 > 65535:  # stage k on this host listens on port + k (the coordinator on port - 1)
-            raise ConfigError(f"{at}.port {port} leaves no port for each of its {len(devices)} devices: "
-                              f"at most {65536 - len(devices)}")
-        ssh = _ssh_spec(entry["ssh"], f"{at}.ssh") if entry.get("ssh") is not None else None
-        hosts.append(HostSpec(name=name, address=address, port=int(port), devices=devices, ssh=ssh))
+        hosts.append(_host_spec(entry, f"hardware.hosts[{i}]", types, hosts))
     names = [d.name for h in hosts for d in h.devices]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"hardware: device name(s) {dupes} used twice; give each device a unique 'name'")
-    # CPU stages share their host's cores: split them so stage processes do not oversubscribe.
-    for host in hosts:
-        cpus = [d for d in host.devices if d.backend == "cpu"]
-        for d in cpus:
-            if d.threads is None:
-                d.threads = max(1, (os.cpu_count() or 1) // len(cpus))
-            # A CPU stage computes with its own threads only: its datasheet TFLOPS are per core.
-            if not any(o.startswith("tflops") for o in d.overrides):
-                d.tflops = {k: v * d.threads for k, v in d.tflops.items()}
+    hosts = [_share_cpu_cores(h) for h in hosts]
     links = _build_links(cfg_hardware, [h.name for h in hosts])
     fleet_name = cfg_hardware.get("name", "fleet")
     if not isinstance(fleet_name, str) or not fleet_name:
         raise ConfigError(f"hardware.name must be the fleet's name (a string), got {short_repr(fleet_name)}")
-    cluster = ClusterSpec(name=fleet_name, hosts=hosts, links=links)
-    if "intra_host_bandwidth_gbps" in cfg_hardware:
-        cluster.intra_host_bandwidth_gbps = float(
-            _number(cfg_hardware["intra_host_bandwidth_gbps"], "hardware.intra_host_bandwidth_gbps")
-        )
-    if "intra_host_latency_us" in cfg_hardware:
-        cluster.intra_host_latency_us = float(
-            _number(cfg_hardware["intra_host_latency_us"], "hardware.intra_host_latency_us", positive=False)
-        )
-    return cluster
+    return ClusterSpec(name=fleet_name, hosts=hosts, links=links, **_intra_host_path(cfg_hardware))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 from hetero import __version__
 from hetero.errors import PlanError
 from hetero.graph import LayerGraph
-from hetero.program import parse_program
+from hetero.program import Action, parse_program
 from hetero.security import SecuritySpec
 from hetero.serde import check_schema_version, from_dict, read_versioned_json, to_dict
 from hetero.specs import (
@@ -32,7 +33,7 @@ PLAN_SCHEMA_VERSION = 1
 _RECOMPILE = "recompile with `hetero compile`"
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemoryBreakdown:
     """Predicted peak memory of one stage on its device, in GB (1e9 bytes)."""
 
@@ -44,7 +45,7 @@ class MemoryBreakdown:
     available_gb: float  # device memory minus headroom
 
 
-@dataclass
+@dataclass(frozen=True)
 class StagePlan:
     index: int
     host: str
@@ -73,8 +74,12 @@ class StagePlan:
     recompute_layers: list[str] = field(default_factory=list)
     recompute_time_s: float = 0.0
 
+    def actions(self) -> list[Action]:
+        """This stage's program parsed (hetero.program's one parser); ValueError names a bad token."""
+        return parse_program(self.program)
 
-@dataclass
+
+@dataclass(frozen=True)
 class ReplicaPlan:
     """One pipeline replica of a data x pipeline plan: its stages and its share of the step's batch.
 
@@ -89,7 +94,7 @@ class ReplicaPlan:
     step_time_s: float = 0.0  # predicted step time of this replica alone (before the reduction)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prediction:
     step_time_s: float
     tokens_per_step: int
@@ -100,7 +105,7 @@ class Prediction:
     reduce_s: float = 0.0  # summing LoRA gradients across replicas at the optimizer step (0: one replica)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Baseline:
     name: str  # best_single_device | even_split | tflops_proportional
     description: str
@@ -111,7 +116,7 @@ class Baseline:
     prediction: Prediction | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class SolverReport:
     solver: str  # "exact DP" or "PuLP/CBC" (planner/solve.py): whose answer this is, and who proved it
     status: str  # pulp.LpStatus text (the exact DP reports in the same words)
@@ -126,7 +131,7 @@ class SolverReport:
     message: str = ""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     model: ModelSpec
     cluster: ClusterSpec
@@ -234,54 +239,63 @@ def check_plan(plan: Plan, where: str = "plan.json") -> None:
     nodes = plan.graph.nodes
     if not nodes or len(plan.graph.edges) != len(nodes) - 1:
         raise bad(f"graph has {len(nodes)} nodes and {len(plan.graph.edges)} cuts between them")
-    devices = {d.name: (h.name, d) for h in plan.cluster.hosts for d in h.devices}
     for i, h in enumerate(plan.cluster.hosts):
         if h.ssh is not None:  # may be added by hand (outside the hash): the fleet file's rules
             check_ssh(h.ssh, f"{where}: cluster.hosts[{i}].ssh", PlanError)
     if not plan.stages:
         raise bad("no stages")
     _check_replicas(plan, bad)
-    first_of = {k: rep.stages[0] == k for rep in plan.pipelines for k in rep.stages}
-    for k, s in enumerate(plan.stages):
-        at = f"stages[{k}]"
-        if s.index != k:
-            raise bad(f"{at}.index is {s.index}")
-        host, device = devices.get(s.device, (None, None))
-        if device is None or host != s.host or (device.type, device.backend) != (s.device_type, s.backend):
-            raise bad(f"{at} runs on {s.host}/{s.device} ({s.device_type}, {s.backend}), not a device of the fleet")
-        prev = plan.prev_stage(k)
-        next_node = 0 if first_of[k] else plan.stages[prev].last_node + 1  # type: ignore[index]
-        if s.first_node != next_node or not s.first_node <= s.last_node < len(nodes):
-            raise bad(f"{at} covers nodes {s.first_node}..{s.last_node}; the stages of a pipeline must cover nodes "
-                      f"0..{len(nodes) - 1} in order")
-        if plan.next_stage(k) is None and s.last_node != len(nodes) - 1:
-            raise bad(f"the pipeline ending with {at} covers nodes 0..{s.last_node} of 0..{len(nodes) - 1}")
-        if s.node_names != [n.name for n in nodes[s.first_node : s.last_node + 1]]:
-            raise bad(f"{at}.node_names do not match graph nodes {s.first_node}..{s.last_node}")
-        if not set(s.recompute_layers) <= set(s.node_names):
-            raise bad(f"{at}.recompute_layers names layers outside the stage")
-        if s.dtype not in BYTES_PER_DTYPE or s.quantization not in ("none", *QUANT_BYTES_PER_PARAM):
-            raise bad(f"{at} computes in {s.dtype!r} with quantization {s.quantization!r}")
-        scheme, _, port = s.endpoint.rpartition(":")
-        if not scheme.startswith("tcp://") or not port.isdigit() or not 0 < int(port) < 65536:
-            raise bad(f"{at}.endpoint {s.endpoint!r} is not tcp://<address>:<port>")
-        costs = [s.fwd_time_s, s.bwd_time_s, s.send_time_s, s.recompute_time_s, s.step_sync_s,
-                 *s.overhead_s.values(), *vars(s.memory).values()]
-        if min(costs) < 0:
-            raise bad(f"{at} has a negative time or memory")
-        if s.threads is not None and s.threads < 1:
-            raise bad(f"{at}.threads is {s.threads}")
-        try:
-            actions = parse_program(s.program)
-        except ValueError as exc:
-            raise bad(f"{at}.program: {exc}") from None
-        m = plan.micro_batches_of(k)
-        if any(a.mb >= m for a in actions):
-            where = "train.num_micro_batches" if not plan.replicas else "its replica's num_micro_batches"
-            raise bad(f"{at}.program names a micro-batch past {where}={m}")
+    for k in range(len(plan.stages)):
+        _check_stage_place(plan, k, bad)
+        _check_stage_run(plan, k, bad)
 
 
-def _check_replicas(plan: Plan, bad: Any) -> None:
+def _check_stage_place(plan: Plan, k: int, bad: Callable[[str], PlanError]) -> None:
+    """Stage k runs on a device of the fleet and holds the graph nodes after its predecessor's, by name."""
+    s, nodes, at = plan.stages[k], plan.graph.nodes, f"stages[{k}]"
+    if s.index != k:
+        raise bad(f"{at}.index is {s.index}")
+    host, device = {d.name: (h.name, d) for h in plan.cluster.hosts for d in h.devices}.get(s.device, (None, None))
+    if device is None or host != s.host or (device.type, device.backend) != (s.device_type, s.backend):
+        raise bad(f"{at} runs on {s.host}/{s.device} ({s.device_type}, {s.backend}), not a device of the fleet")
+    prev = plan.prev_stage(k)
+    next_node = 0 if prev is None else plan.stages[prev].last_node + 1
+    if s.first_node != next_node or not s.first_node <= s.last_node < len(nodes):
+        raise bad(f"{at} covers nodes {s.first_node}..{s.last_node}; the stages of a pipeline must cover nodes "
+                  f"0..{len(nodes) - 1} in order")
+    if plan.next_stage(k) is None and s.last_node != len(nodes) - 1:
+        raise bad(f"the pipeline ending with {at} covers nodes 0..{s.last_node} of 0..{len(nodes) - 1}")
+    if s.node_names != [n.name for n in nodes[s.first_node : s.last_node + 1]]:
+        raise bad(f"{at}.node_names do not match graph nodes {s.first_node}..{s.last_node}")
+    if not set(s.recompute_layers) <= set(s.node_names):
+        raise bad(f"{at}.recompute_layers names layers outside the stage")
+
+
+def _check_stage_run(plan: Plan, k: int, bad: Callable[[str], PlanError]) -> None:
+    """Stage k's dtype, endpoint, costs, threads and program are ones a runtime can run."""
+    s, at = plan.stages[k], f"stages[{k}]"
+    if s.dtype not in BYTES_PER_DTYPE or s.quantization not in ("none", *QUANT_BYTES_PER_PARAM):
+        raise bad(f"{at} computes in {s.dtype!r} with quantization {s.quantization!r}")
+    scheme, _, port = s.endpoint.rpartition(":")
+    if not scheme.startswith("tcp://") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise bad(f"{at}.endpoint {s.endpoint!r} is not tcp://<address>:<port>")
+    costs = [s.fwd_time_s, s.bwd_time_s, s.send_time_s, s.recompute_time_s, s.step_sync_s,
+             *s.overhead_s.values(), *vars(s.memory).values()]
+    if min(costs) < 0:
+        raise bad(f"{at} has a negative time or memory")
+    if s.threads is not None and s.threads < 1:
+        raise bad(f"{at}.threads is {s.threads}")
+    try:
+        actions = parse_program(s.program)
+    except ValueError as exc:
+        raise bad(f"{at}.program: {exc}") from None
+    m = plan.micro_batches_of(k)
+    if any(a.mb >= m for a in actions):
+        where = "train.num_micro_batches" if not plan.replicas else "its replica's num_micro_batches"
+        raise bad(f"{at}.program names a micro-batch past {where}={m}")
+
+
+def _check_replicas(plan: Plan, bad: Callable[[str], PlanError]) -> None:
     """Replicas partition the stages in order (replica r's follow replica r-1's), on distinct devices,
     and their shares partition the step's micro-batches in order."""
     if not plan.replicas:

@@ -32,7 +32,7 @@ class ProfileError(ConfigError):
     """A profile file is malformed, from another schema version, or of another fleet or model."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class LinearFit:
     """Least-squares fit ``seconds = a_s + b_s_per_token * x`` over measured samples.
 
@@ -44,7 +44,7 @@ class LinearFit:
     r2: float  # coefficient of determination of the fit (1 = perfect line)
     samples: list[list[float]] = field(default_factory=list)  # [x, seconds] pairs (trimmed means of repeats)
 
-    def at(self, tokens: int) -> float:
+    def at(self, tokens: float) -> float:
         """Predicted seconds at ``tokens`` (never negative: a noisy intercept may be)."""
         return max(0.0, self.a_s + self.b_s_per_token * tokens)
 
@@ -66,7 +66,7 @@ def fit_line(xs: list[float], ys: list[float]) -> LinearFit:
     return LinearFit(a, b, r2, [[float(x), float(y)] for x, y in zip(xs, ys, strict=True)])
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayerProfile:
     """One layer kind measured on one device."""
 
@@ -82,7 +82,7 @@ class LayerProfile:
     recompute_bytes_per_token: float | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeviceProfile:
     device: str  # DeviceSpec.name
     host: str
@@ -106,7 +106,7 @@ class DeviceProfile:
     measured_with: list[str] = field(default_factory=list)  # this host's stages running a load meanwhile
 
 
-@dataclass
+@dataclass(frozen=True)
 class LinkProfile:
     """Measured path between two hosts (a == b: between two devices of one host)."""
 
@@ -126,7 +126,7 @@ class LinkProfile:
         return self.latency_us * 1e-6 + num_bytes / self.bytes_per_s
 
 
-@dataclass
+@dataclass(frozen=True)
 class Profile:
     fleet: str
     fleet_hash: str

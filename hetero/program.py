@@ -4,6 +4,8 @@ An action is a small typed value with a text form: ``F3`` (forward micro-batch 3
 (receive activation), ``SA3`` (send activation), ``RG3`` (receive gradient), ``SG3`` (send gradient)
 and ``STEP`` (clip + optimizer step). The planner generates programs (1F1B, GPipe), its simulator
 validates them, the plan stores them as text, and the runtime executes them one by one.
+``parse_program`` is the one parser of the text form; everything that reads a stored program goes
+through it (a plan's stage: ``StagePlan.actions()``).
 
 Semantics the runtime and the simulator share:
 - Sends are asynchronous (ZeroMQ queues them); receives block until the tensor has arrived.
@@ -14,36 +16,63 @@ Semantics the runtime and the simulator share:
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from enum import Enum
 
-Op = Literal["F", "B", "RA", "SA", "RG", "SG", "STEP"]
-OPS: tuple[str, ...] = ("F", "B", "RA", "SA", "RG", "SG", "STEP")
+
+class Op(str, Enum):
+    """What an action does. A ``str`` enum: ``Op.F == "F"``, and it prints as its text form."""
+
+    F = "F"  # forward one micro-batch
+    B = "B"  # backward one micro-batch
+    RA = "RA"  # receive an activation from the previous stage
+    SA = "SA"  # send an activation to the next stage
+    RG = "RG"  # receive a gradient from the next stage
+    SG = "SG"  # send a gradient to the previous stage
+    STEP = "STEP"  # clip by the global gradient norm, optimizer step
+
+    def __str__(self) -> str:
+        return self.value
+
+
+OPS: tuple[str, ...] = tuple(op.value for op in Op)
 _ACTION_RE = re.compile(r"^(RA|SA|RG|SG|F|B)(\d+)$")
 
 
 @dataclass(frozen=True)
 class Action:
-    op: str
+    """One instruction of a stage's program: ``op`` on micro-batch ``mb`` (-1 for STEP)."""
+
+    op: Op
     mb: int = -1  # micro-batch; -1 for STEP
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.op, Op):  # Action("F", 3) reads as well as Action(Op.F, 3)
+            try:
+                object.__setattr__(self, "op", Op(self.op))
+            except ValueError:
+                raise ValueError(f"not an action op: {self.op!r} (expected one of {', '.join(OPS)})") from None
+
     def __str__(self) -> str:
-        return "STEP" if self.op == "STEP" else f"{self.op}{self.mb}"
+        return "STEP" if self.op is Op.STEP else f"{self.op.value}{self.mb}"
 
     @staticmethod
     def parse(text: str) -> Action:
         """Parse the text form; raises ValueError naming the bad token."""
         if text == "STEP":
-            return Action("STEP")
-        m = _ACTION_RE.match(text)
+            return Action(Op.STEP)
+        m = _ACTION_RE.match(text) if isinstance(text, str) else None
         if not m:
             raise ValueError(f"not an action: {text!r} (expected F3, B3, RA3, SA3, RG3, SG3 or STEP)")
-        return Action(m.group(1), int(m.group(2)))
+        return Action(Op(m.group(1)), int(m.group(2)))
 
 
-def format_program(actions: list[Action]) -> list[str]:
+def format_program(actions: Iterable[Action]) -> list[str]:
+    """The text form of a program, as plan.json stores it."""
     return [str(a) for a in actions]
 
 
-def parse_program(texts: list[str]) -> list[Action]:
+def parse_program(texts: Iterable[str]) -> list[Action]:
+    """The one parser of stored programs; raises ValueError naming the first bad token."""
     return [Action.parse(t) for t in texts]

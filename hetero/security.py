@@ -34,7 +34,7 @@ KEY_SUFFIX = ".key"
 Mode = Literal["curve", "token", "none"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class SecuritySpec:
     """plan.json's security section: the mode and every identity's public key (curve only)."""
 
@@ -64,6 +64,7 @@ def identities(num_stages: int) -> list[str]:
 
 
 def is_loopback(address: str) -> bool:
+    """Whether only this machine reaches ``address`` (localhost, 127.0.0.0/8, ::1): the one loopback check."""
     if address == "localhost":
         return True
     try:

@@ -60,57 +60,76 @@ def from_dict(cls: type[T], data: Any, where: str = "", error: type[Exception] =
 
 
 def _convert(tp: Any, value: Any, where: str, error: type[Exception]) -> Any:
+    """``value`` checked against type ``tp`` (and built, for dataclasses), or ``error`` naming ``where``."""
     origin = get_origin(tp)
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        last: Exception | None = None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(arg, value, where, error)
-            except error as exc:  # try the next alternative
-                last = exc
-        raise last or error(f"{where}: unexpected value {short_repr(value)}")
+        return _convert_union(get_args(tp), value, where, error)
     if origin is typing.Literal:
         if not isinstance(value, (str, int)) or value not in get_args(tp):
             raise error(f"{where}: expected one of {list(get_args(tp))}, got {short_repr(value)}")
         return value
     if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise error(f"{where}: expected an object, got {type(value).__name__}")
-        hints = get_type_hints(tp)
-        fields = {f.name: f for f in dataclasses.fields(tp)}
-        unknown = [str(k) for k in value if k not in fields]
-        if unknown:
-            raise error(f"{where}: unknown field(s) {short_repr(sorted(unknown), 200)}")
-        kwargs = {}
-        for name, f in fields.items():
-            if name in value:
-                kwargs[name] = _convert(hints[name], value[name], f"{where}.{name}", error)
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise error(f"{where}: missing field '{name}'")
-        return tp(**kwargs)  # type: ignore[operator]  # tp is a dataclass type here
+        return _convert_dataclass(tp, value, where, error)  # type: ignore[arg-type]  # tp is a type here
     if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise error(f"{where}: expected a list, got {type(value).__name__}")
-        args = get_args(tp)
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(args) != len(value):
-                raise error(f"{where}: expected {len(args)} items, got {len(value)}")
-            return tuple(_convert(a, v, f"{where}[{i}]", error) for i, (a, v) in enumerate(zip(args, value, strict=True)))
-        item = args[0] if args else Any
-        out = [_convert(item, v, f"{where}[{i}]", error) for i, v in enumerate(value)]
-        return tuple(out) if origin is tuple else out
+        return _convert_sequence(origin, get_args(tp), value, where, error)
     if origin is dict:
         if not isinstance(value, dict):
             raise error(f"{where}: expected an object, got {type(value).__name__}")
         kt, vt = get_args(tp) or (Any, Any)
         return {_convert(kt, k, f"{where}", error): _convert(vt, v, f"{where}.{k}", error) for k, v in value.items()}
+    return _convert_scalar(tp, value, where, error)
+
+
+def _convert_union(args: tuple[Any, ...], value: Any, where: str, error: type[Exception]) -> Any:
+    """The first alternative of ``X | Y | None`` that takes ``value``; the last one's error if none does."""
+    if value is None and type(None) in args:
+        return None
+    last: Exception | None = None
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _convert(arg, value, where, error)
+        except error as exc:  # try the next alternative
+            last = exc
+    raise last or error(f"{where}: unexpected value {short_repr(value)}")
+
+
+def _convert_dataclass(tp: type, value: Any, where: str, error: type[Exception]) -> Any:
+    """A dataclass from a dict: unknown and missing fields named, each field converted by its type hint."""
+    if not isinstance(value, dict):
+        raise error(f"{where}: expected an object, got {type(value).__name__}")
+    hints = get_type_hints(tp)
+    fields = {f.name: f for f in dataclasses.fields(tp)}
+    unknown = [str(k) for k in value if k not in fields]
+    if unknown:
+        raise error(f"{where}: unknown field(s) {short_repr(sorted(unknown), 200)}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in value:
+            kwargs[name] = _convert(hints[name], value[name], f"{where}.{name}", error)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise error(f"{where}: missing field '{name}'")
+    return tp(**kwargs)
+
+
+def _convert_sequence(origin: Any, args: tuple[Any, ...], value: Any, where: str, error: type[Exception]) -> Any:
+    """``list[X]``, ``tuple[X, ...]`` or a fixed ``tuple[X, Y]`` from a JSON list (a tuple comes back a tuple)."""
+    if not isinstance(value, (list, tuple)):
+        raise error(f"{where}: expected a list, got {type(value).__name__}")
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        if len(args) != len(value):
+            raise error(f"{where}: expected {len(args)} items, got {len(value)}")
+        return tuple(_convert(a, v, f"{where}[{i}]", error) for i, (a, v) in enumerate(zip(args, value, strict=True)))
+    item = args[0] if args else Any
+    out = [_convert(item, v, f"{where}[{i}]", error) for i, v in enumerate(value)]
+    return tuple(out) if origin is tuple else out
+
+
+def _convert_scalar(tp: Any, value: Any, where: str, error: type[Exception]) -> Any:
+    """float (an int is taken), int and str/bool exactly (a bool is no number); anything else as is."""
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise error(f"{where}: expected a number, got {short_repr(value)}")

@@ -1,7 +1,7 @@
 """Declared inputs: the model (ModelSpec), the fleet (ClusterSpec), training and planner options.
 
-These are plain frozen-ish dataclasses built from Hydra configs at the CLI edge (hetero/config.py)
-and stored verbatim in plan.json. No torch, no pulp.
+These are frozen dataclasses, built once from the Hydra config at the CLI edge (hetero/config.py) and
+stored verbatim in plan.json; a changed copy is made with ``dataclasses.replace``. No torch, no pulp.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from hetero.protocol import BASE_PORT
 from hetero.serde import short_repr
 
 Backend = Literal["cuda", "rocm", "mps", "cpu"]
@@ -24,7 +25,7 @@ BYTES_PER_DTYPE: dict[str, float] = {"float32": 4.0, "bfloat16": 2.0, "float16":
 QUANT_BYTES_PER_PARAM: dict[str, float] = {"nf4": 0.5 + 4 / 64, "int8": 1.0}
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeviceType:
     """Datasheet facts about one kind of device (one file in hardware_specs/)."""
 
@@ -42,7 +43,7 @@ class DeviceType:
     source: str = ""  # where the numbers come from
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeviceSpec:
     """One device of the fleet: datasheet numbers, possibly overridden by the fleet file."""
 
@@ -77,7 +78,7 @@ class DeviceSpec:
         return requested
 
 
-@dataclass
+@dataclass(frozen=True)
 class SshSpec:
     """How `hetero run` starts a host's `hetero worker` over ssh (docs/fleet.md). How to reach a host,
     not placement: outside the plan's input hash and the profile's fleet hash."""
@@ -108,16 +109,16 @@ def check_ssh(ssh: SshSpec, where: str, error: type[Exception]) -> None:
                         f"got {short_repr(option)}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class HostSpec:
     name: str
     address: str = "127.0.0.1"  # where the other hosts reach this one
-    port: int = 29500  # first port; stage k on this host listens on port + k
+    port: int = BASE_PORT  # first port; stage k on this host listens on port + k
     devices: list[DeviceSpec] = field(default_factory=list)
     ssh: SshSpec | None = None  # `hetero run` starts this host's worker over ssh (None: by hand)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LinkSpec:
     """A network path between two hosts (symmetric)."""
 
@@ -131,7 +132,7 @@ class LinkSpec:
         return self.bandwidth_gbps * 1e9 / 8
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClusterSpec:
     """The fleet: hosts with their devices, and the links between hosts."""
 
@@ -168,7 +169,7 @@ class ClusterSpec:
         raise KeyError(f"no link between hosts '{host_a}' and '{host_b}'")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoraSpec:
     r: int = 8
     alpha: float = 16.0
@@ -179,7 +180,7 @@ class LoraSpec:
     init_from: str | None = None  # an existing PEFT adapter directory to start from
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelSpec:
     """What to train: architecture (HF config dict), where weights live, dtype, quantization, LoRA."""
 
@@ -196,7 +197,7 @@ class ModelSpec:
         return str(self.architecture.get("model_type", ""))
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainSpec:
     """Training keys. Those in RUNTIME_OVERRIDABLE may change at `hetero run` without recompiling."""
 
@@ -219,7 +220,7 @@ RUNTIME_OVERRIDABLE = frozenset(
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataSpec:
     path: str | None = None  # JSONL / JSON / Parquet file; None = the bundled demo set (alpaca)
     format: Literal["text", "alpaca", "tokens", "chat"] = "alpaca"  # docs/data.md
@@ -227,7 +228,7 @@ class DataSpec:
     train_on_prompt: bool = False  # alpaca, chat: also compute loss on the prompt (non-assistant) tokens
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalSpec:
     """Evaluation on held-out data by a device the plan leaves out of training (docs/running.md).
 
@@ -242,7 +243,7 @@ class EvalSpec:
     max_batches: int = 8  # held-out micro-batches (of train.micro_batch_size sequences) per evaluation
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlannerOptions:
     num_stages: int | None = None  # force this many stages (None: the solver chooses)
     split: list[int] | None = None  # manual: number of decoder layers per stage, in device order

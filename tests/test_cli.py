@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from hetero import cli
+from hetero.cli.show import describe_span, gantt_lines
 from hetero.graph import CutEdge, LayerGraph, LayerNode, TensorSpec
 from hetero.hardware import build_cluster
 from hetero.plan import Baseline, MemoryBreakdown, Plan, Prediction, SolverReport, StagePlan
 from hetero.planner.simulator import Event, Timeline
-from hetero.show import describe_span, gantt_lines
 from hetero.specs import DataSpec, ModelSpec, PlannerOptions, TrainSpec
 
 ROOT = Path(__file__).parents[1]
@@ -207,6 +207,9 @@ def test_compile_end_to_end(
     assert "Warning" not in result.stdout + result.stderr, result.stderr[-3000:]
     plan = Plan.load(tmp_path / "out" / "plan.json")
     assert plan.model.name == model and plan.config["hardware"]["name"] == hardware
+    # The one change after plan(): the keys, which need the chosen stages' hosts (hetero.cli.compile_config).
+    assert plan.security.mode == ("token" if hardware == "local" else "curve")
+    assert (tmp_path / "out" / "artifacts" / plan.stages[0].host / "keys" / "stage0.key").is_file()
     assert {s.device for s in plan.stages} <= devices
     for rep in plan.pipelines:  # every node on exactly one stage of each pipeline replica, in order
         covered = [i for k in rep.stages for i in range(plan.stages[k].first_node, plan.stages[k].last_node + 1)]
@@ -244,20 +247,21 @@ def test_compile_help_lists_models_fleets_and_keys_with_defaults() -> None:
 def test_library_warnings_go_to_the_log_and_heteros_own_still_print(tmp_path: Path, monkeypatch, capsys) -> None:
     import warnings
 
-    from hetero import warnings_log
+    from hetero.cli import warnings_log
 
-    monkeypatch.setattr(warnings_log, "_state", {"pending": [], "path": None, "original": None})
-    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # restored after the test
+    # A fresh router over Python's own hook (an earlier cli.main in this process installed one); restored after.
+    monkeypatch.setattr(warnings, "showwarning", getattr(warnings.showwarning, "original", warnings.showwarning))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    warnings_log.route_to_log()
+    router = warnings_log.route_to_log()
+    assert warnings_log.route_to_log() is router  # installed once
     library = "/usr/lib/python3/site-packages/transformers/modeling_utils.py"
     ours = str(ROOT / "runtime" / "stage.py")
     warnings.showwarning("kept until the log is known", FutureWarning, library, 1)
     warnings_log.log_to(tmp_path / "run" / "logs" / "warnings.log")
     warnings.showwarning("straight to the log", DeprecationWarning, library, 2)
     with warnings.catch_warnings(record=True) as shown:  # what the original showwarning shows
-        warnings_log._show("a hetero warning", UserWarning, ours, 3)
-        warnings_log._show("another library's", UserWarning, library, 4)
+        router("a hetero warning", UserWarning, ours, 3)
+        router("another library's", UserWarning, library, 4)
     logged = (tmp_path / "run" / "logs" / "warnings.log").read_text()
     assert "FutureWarning: kept until the log is known" in logged and "DeprecationWarning: straight" in logged
     assert "another library's" in logged and "hetero warning" not in logged

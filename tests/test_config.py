@@ -315,3 +315,16 @@ def test_seq_len_past_the_models_positions_is_refused() -> None:
                                           r"\(its config.json\): set model.seq_len=256 or less"):
         config_mod.load(["model=tiny", "model.seq_len=512"])
     assert load(["model=tiny", "model.seq_len=256"]).model.seq_len == 256
+
+
+def test_the_composed_config_is_frozen_once() -> None:
+    # Built and validated once at the edge: nothing downstream may patch a spec (a change is a replace).
+    import dataclasses
+
+    cfg = load(["model=tiny", "hardware=local", "lora.r=4"])
+    assert cfg.model.lora.r == 4  # the lora section reaches the model spec through its one construction
+    for obj, name, value in [(cfg, "output", Path("x")), (cfg.model, "lora", None), (cfg.model.lora, "r", 2),
+                             (cfg.cluster, "intra_host_latency_us", 1.0), (cfg.cluster.hosts[0], "devices", []),
+                             (cfg.cluster.devices[0], "threads", 3), (cfg.train, "lr", 1.0)]:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, name, value)

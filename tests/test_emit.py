@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -118,10 +119,10 @@ def test_pictures_written_and_non_trivial(emitted):
 
 def test_emit_rejects_broken_plans(tmp_path):
     plan = tiny_plan()
-    plan.stages[1].first_node += 1
+    plan = replace(plan, stages=[s if s.index != 1 else replace(s, first_node=s.first_node + 1) for s in plan.stages])
     with pytest.raises(PlanError, match="the stages of a pipeline must cover nodes"):
         emit(plan, tmp_path)
     plan = tiny_plan()
-    plan.stages[0].host = "../evil"
+    plan = replace(plan, stages=[replace(plan.stages[0], host="../evil"), *plan.stages[1:]])
     with pytest.raises(ConfigError, match="folder name"):
         emit(plan, tmp_path)

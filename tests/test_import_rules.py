@@ -114,3 +114,35 @@ def test_importing_the_planner_does_not_load_torch() -> None:
     code = "import sys, hetero.planner, hetero.planner.simulator; assert 'torch' not in sys.modules, 'torch loaded'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def _contract_modules() -> list[str]:
+    """Every module of the hetero/ folder, found by walking it, but the CLI package (hetero.cli)."""
+    names = []
+    for path in sorted((ROOT / "hetero").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[:2] == ["hetero", "cli"]:
+            continue
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def test_every_contract_module_imports_without_torch() -> None:
+    # hetero/ holds the torch-free contracts the planner (never torch) and the CLI read; the runtime's and
+    # the compiler's torch code lives in their own folders.
+    modules = _contract_modules()
+    assert {"hetero", "hetero.plan", "hetero.specs", "hetero.config"} <= set(modules)  # the walk found them
+    assert not any(m.startswith("hetero.cli") for m in modules)
+    code = (
+        "import importlib, sys\n"
+        "sys.modules['torch'] = None  # any import of torch now raises ImportError\n"
+        "try:\n    import torch\nexcept ImportError:\n    pass\nelse:\n    sys.exit('torch is still importable')\n"
+        "failed = []\n"
+        f"for name in {modules!r}:\n"
+        "    try:\n        importlib.import_module(name)\n"
+        "    except Exception as exc:\n        failed.append(f'{name}: {type(exc).__name__}: {exc}')\n"
+        "print('\\n'.join(failed))\n"
+        "sys.exit(1 if failed else 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"cannot import without torch:\n{result.stdout}{result.stderr[-2000:]}"

@@ -12,9 +12,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import hetero.pretrained as pretrained
+import hetero.runtime.pretrained as pretrained
 from hetero.errors import CheckpointError, ConfigError
-from hetero.pretrained import build_tiny, load_tensors, resolve_dir, tiny_key, weight_index
+from hetero.runtime.pretrained import build_tiny, resolve_dir, tiny_key, weight_index
+from hetero.runtime.stage.weights import load_tensors
 from hetero.specs import ModelSpec
 
 

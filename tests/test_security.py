@@ -41,7 +41,7 @@ M = 4  # micro-batches per step
 def keyed_plan(tmp_path: Path, model_dir: Path, spec: ModelSpec, mode: str) -> Plan:
     plan = make_plan(model_dir, spec.architecture, [2, 2, 2],
                      train=TrainSpec(micro_batch_size=1, num_micro_batches=M, steps=2))
-    plan.security = generate(mode, [s.host for s in plan.stages], tmp_path)  # type: ignore[arg-type]
+    plan = replace(plan, security=generate(mode, [s.host for s in plan.stages], tmp_path))  # type: ignore[arg-type]
     plan.save(tmp_path / "plan.json")
     return Plan.load(tmp_path / "plan.json")
 
@@ -297,7 +297,7 @@ def test_an_attacked_run_trains_exactly_like_an_unattacked_one(tmp_path: Path, t
     reference = reference_run(tiny_model_dir, tmp_path / "reference", train, SEQ_LEN)
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=train, lora=reference["lora"],
                      seq_len=SEQ_LEN)
-    plan.security = generate("curve", [s.host for s in plan.stages], tmp_path)
+    plan = replace(plan, security=generate("curve", [s.host for s in plan.stages], tmp_path))
     plan.save(tmp_path / "plan.json")
     hetero = [sys.executable, "-m", "hetero.cli", "run", "plan.json", "--no-progress"]
 

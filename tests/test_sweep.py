@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from hetero import cli
+from hetero.cli.sweep import expand, refuse_sweeps
 from hetero.config import compose_raw
 from hetero.errors import ConfigError
-from hetero.sweep import expand, refuse_sweeps
 
 # --- expansion ------------------------------------------------------------------------------------------
 

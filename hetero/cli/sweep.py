@@ -25,11 +25,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from hetero.cli.show import fmt_rate, fmt_time
 from hetero.config import GROUPS, available_options, package_conf_dir
 from hetero.errors import ConfigError, HeteroError
 from hetero.plan import Plan
 from hetero.serde import short_repr
-from hetero.show import fmt_rate, fmt_time
 
 CSV_NAME = "sweep.csv"
 _MAX_NAME = 100
@@ -55,7 +55,7 @@ class Sweep:
     output: Path  # where the point directories and sweep.csv go
 
 
-@dataclass
+@dataclass(frozen=True)
 class PointResult:
     """A compiled point (its plan and plan.json) or a failed one (its one-line error)."""
 
@@ -272,7 +272,7 @@ def failure_lines(results: Sequence[PointResult]) -> list[str]:
     return [f"point {r.point.number} ({r.point.name}) failed: {r.error}" for r in results if r.plan is None]
 
 
-# Compiles one composed config (hetero.cli.compile_config): progress callback in, the plan and its paths out.
+# Compiles one composed config (config_commands.compile_config): progress in, the plan and its paths out.
 CompileFn = Callable[[Any, Callable[[str], None]], tuple[Plan, list[Path]]]
 
 
@@ -290,20 +290,19 @@ def compile_points(sweep: Sweep, config_dir: str | None, compile_config: Compile
             def say(text: str, label: str = label) -> None:
                 status.update(f"{label}: {text}")
 
-            result = PointResult(point)
             try:
                 say("composing config")
                 cfg = config_mod.load(list(point.overrides), config_dir)
                 where = sweep.output / point.name
                 cfg = replace(cfg, output=where, raw={**cfg.raw, "output": str(where)})
-                result.plan, paths = compile_config(cfg, say)
-                result.plan_json = next((Path(p) for p in paths if Path(p).name == "plan.json"),
-                                        where / "plan.json")
-                err.print(f"{label}: {fmt_time(result.plan.prediction.step_time_s)}/step", highlight=False)
+                plan, paths = compile_config(cfg, say)
+                plan_json = next((Path(p) for p in paths if Path(p).name == "plan.json"), where / "plan.json")
+                results.append(PointResult(point, plan, plan_json))
+                err.print(f"{label}: {fmt_time(plan.prediction.step_time_s)}/step", highlight=False)
             except HeteroError as exc:
-                result.error = " ".join(str(exc).split()) or type(exc).__name__
-                err.print(f"{label}: failed: {result.error}", highlight=False)
-            results.append(result)
+                error = " ".join(str(exc).split()) or type(exc).__name__
+                results.append(PointResult(point, error=error))
+                err.print(f"{label}: failed: {error}", highlight=False)
     return results
 
 

@@ -8,8 +8,9 @@
 - a local directory is used as is (it must hold ``config.json``);
 - a hub id is looked up in the local Hugging Face cache only.
 
-torch / transformers / tokenizers are imported inside the functions: ``hetero`` stays importable
-by the planner, which must not pull in torch.
+``weight_index`` is how every part of the runtime finds the file of a tensor. torch, transformers and
+tokenizers are imported inside the functions that use them: the coordinator resolves a model's
+directory without loading them.
 """
 
 from __future__ import annotations
@@ -255,22 +256,3 @@ def weight_index(model_dir: Path) -> dict[str, str]:
     raise CheckpointError(
         f"{model_dir}: no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}; hetero reads safetensors weights only"
     )
-
-
-def load_tensors(model_dir: Path, names: list[str]) -> dict[str, Any]:
-    """Read just ``names`` from the model's safetensors files, opening each needed file once."""
-    from safetensors import safe_open
-
-    index = weight_index(model_dir)
-    missing = [n for n in names if n not in index]
-    if missing:
-        raise CheckpointError(f"{model_dir}: missing tensors {missing[:3]}{' ...' if len(missing) > 3 else ''}")
-    by_file: dict[str, list[str]] = {}
-    for name in names:
-        by_file.setdefault(index[name], []).append(name)
-    out: dict[str, Any] = {}
-    for file, file_names in by_file.items():
-        with safe_open(file, framework="pt") as f:
-            for name in file_names:
-                out[name] = f.get_tensor(name)
-    return out

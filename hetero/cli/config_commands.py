@@ -1,0 +1,167 @@
+"""The commands that compose a Hydra config: `hetero compile` (and its sweep), `hetero inspect`, `hetero profile`.
+
+Each command imports what it needs inside its function: `hetero compile` never loads the runtime, and
+every `hetero run` / `hetero worker` (which import this package too) starts without the compiler, the
+planner, Hydra or rich's tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hetero.cli import warnings_log
+from hetero.cli.console import console
+
+if TYPE_CHECKING:
+    from hetero.config import Config
+    from hetero.plan import Plan
+    from hetero.planner.profile_cost import ProfileCostModel
+    from hetero.profile import DeviceProfile, LinkProfile
+
+
+def compile_config(cfg: Config, say: Callable[[str], None]) -> tuple[Plan, list[Path]]:
+    """Trace, plan and emit one composed config (a compile or a sweep's point); ``say`` gets progress.
+
+    The one place a compiled Plan is finished: the planner returns it complete but for its keys, which
+    need the chosen stages' hosts and are written next to the artifacts."""
+    from hetero.compiler.emit import emit
+    from hetero.compiler.trace import trace_with_module
+    from hetero.planner import plan as make_plan
+    from hetero.security import generate
+
+    warnings_log.log_to(Path(cfg.output) / "warnings.log")  # library warnings: the plan's dir, not the terminal
+    say(f"tracing {cfg.model.name} on the meta device")
+    graph, traced = trace_with_module(cfg.model)
+    say(f"planning {len(graph.nodes)} nodes on {len(cfg.cluster.devices)} devices "
+        f"(solver limit {cfg.planner.time_limit_s:.0f} s)")
+    planned = make_plan(cfg.model, graph, cfg.cluster, cfg.train, cfg.data, cfg.planner,
+                        cost_model=profile_cost_model(cfg), evaluation=cfg.eval, config=cfg.raw)
+    say(f"writing plan and artifacts to {cfg.output}")
+    plan = replace(planned, security=generate(cfg.security, [s.host for s in planned.stages], Path(cfg.output)))
+    return plan, emit(plan, cfg.output, traced)
+
+
+def cmd_compile(config_dir: str | None, overrides: list[str], multirun: bool = False) -> int:
+    """Config -> trace -> plan -> emit, with a progress line, then the plan summary; -m: hetero.cli.sweep."""
+    from hetero import config as config_mod
+    from hetero.cli import sweep
+    from hetero.cli.show import print_plan
+
+    out, status_console = console(), console(stderr=True)
+    if multirun:
+        return sweep.run_sweep(overrides, config_dir, compile_config, out, status_console)
+    sweep.refuse_sweeps(overrides)
+    with status_console.status("composing config") as status:
+        cfg = config_mod.load(overrides, config_dir)
+        plan, paths = compile_config(cfg, status.update)
+    print_plan(plan, out)
+    out.print("\n[bold]wrote[/]")
+    for path in paths:
+        out.print(f"  {path}", highlight=False)
+    plan_json = next((p for p in paths if Path(p).name == "plan.json"), Path(cfg.output) / "plan.json")
+    out.print(f"\nnext: hetero run {plan_json}", highlight=False)
+    return 0
+
+
+def cmd_inspect(config_dir: str | None, overrides: list[str]) -> int:
+    """Trace the model and print its LayerGraph."""
+    from hetero import config as config_mod
+    from hetero.cli.show import graph_table
+    from hetero.compiler.trace import trace
+
+    cfg = config_mod.load(overrides, config_dir)
+    with console(stderr=True).status(f"tracing {cfg.model.name} on the meta device"):
+        graph = trace(cfg.model)
+    out = console()
+    out.print(graph_table(graph))
+    for note in graph.notes:
+        out.print(f"note: {note}", highlight=False)
+    return 0
+
+
+def profile_cost_model(cfg: Config) -> ProfileCostModel | None:
+    """The ProfileCostModel for ``profile=PATH`` (checked against this fleet and model), else None."""
+    if cfg.profile is None:
+        return None
+    from hetero.hints import suggest
+    from hetero.planner.cost_model import RooflineCostModel
+    from hetero.planner.profile_cost import ProfileCostModel
+    from hetero.profile import Profile
+
+    profile = Profile.load(cfg.profile)
+    rerun = suggest("profile", cfg.raw, fallback=[f"hardware={cfg.cluster.name}", f"model={cfg.model.name}"],
+                    add=[f"output={cfg.profile}"])
+    return ProfileCostModel(profile, RooflineCostModel(cfg.planner.efficiency), path=str(cfg.profile),
+                            cluster=cfg.cluster, model=cfg.model, rerun=rerun)
+
+
+def cmd_profile(config_dir: str | None, overrides: list[str]) -> int:
+    """Measure every device and host pair of the fleet for the model; write the profile file."""
+    from hetero import config as config_mod
+    from hetero.hints import suggest
+    from hetero.profile import Profile, fleet_hash, model_hash, now_iso
+
+    cfg = config_mod.load(overrides, config_dir)
+    out_path = cfg.output if cfg.output.suffix == ".json" else cfg.output / "profile.json"
+    warnings_log.log_to(out_path.parent / "profile-logs" / "warnings.log")
+    fhash, mhash = fleet_hash(cfg.cluster), model_hash(cfg.model)
+    devices, links = _measure(cfg, fhash + mhash, out_path.parent / "profile-logs")
+    profile = Profile(fleet=cfg.cluster.name, fleet_hash=fhash, model=cfg.model.name, model_hash=mhash,
+                      devices=devices, links=links, created=now_iso(),
+                      notes=[f"micro_batch_size={cfg.train.micro_batch_size}, seq_len={cfg.model.seq_len}"])
+    profile.save(out_path)
+    out = console()
+    for d in devices:
+        for line in _device_lines(cfg, d):
+            out.print(line, highlight=False)
+    for lk in links:
+        out.print(f"link {lk.a}<->{lk.b}: {lk.bandwidth_gbps:.2f} Gbit/s, {lk.latency_us:.0f} us", highlight=False)
+    compile_next = suggest("compile", cfg.raw, fallback=[], add=[f"profile={out_path}"])
+    out.print(f"wrote {out_path}\nnext: {compile_next}", highlight=False)
+    return 0
+
+
+def _measure(cfg: Config, run_hash: str, log_dir: Path) -> tuple[list[DeviceProfile], list[LinkProfile]]:
+    """The runtime's measurements of every device and link (the runtime, and torch, load only for this
+    command), with a progress bar on stderr."""
+    from rich.progress import Progress
+
+    from hetero.profile import MEASURED_PARTS
+    from hetero.runtime.tools.profile_worker import _link_pairs, measure_fleet
+
+    err = console(stderr=True)
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task(f"profiling {cfg.model.name} on {cfg.cluster.name}",
+                            total=len(cfg.cluster.devices) * (len(MEASURED_PARTS) + 1) + len(_link_pairs(cfg.cluster)))
+
+        def on_event(line: str) -> None:
+            if line.startswith("on host"):
+                err.print(line, highlight=False)
+                return
+            bar.update(task, advance=1, description=line)
+
+        return measure_fleet(cfg.cluster, cfg.model, cfg.train.micro_batch_size, run_hash, log_dir=log_dir,
+                             on_event=on_event)
+
+
+def _device_lines(cfg: Config, d: DeviceProfile) -> list[str]:
+    """What `hetero profile` reports of one device: its decoder layer's times, optimizer step and messages."""
+    from hetero.specs import BYTES_PER_DTYPE
+
+    dec = d.layers["decoder"]
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_len
+    lines = [f"{d.device}: decoder layer fwd {dec.fwd.at(tokens) * 1e3:.2f} ms + bwd {dec.bwd.at(tokens) * 1e3:.2f} ms "
+             f"at {tokens} tokens (r2 {dec.fwd.r2:.2f}/{dec.bwd.r2:.2f}), threads {d.threads}"]
+    extra = []
+    if d.optimizer is not None:
+        extra.append(f"optimizer step {d.optimizer.at(dec.lora_params) * 1e3:.2f} ms per decoder layer's LoRA")
+    if d.message_send is not None and d.message_recv is not None:
+        size = tokens * int(cfg.model.architecture.get("hidden_size", 0)) * BYTES_PER_DTYPE.get(d.dtype, 4)
+        extra.append(f"a {size / 1e6:.2g} MB activation costs {d.message_send.at(size) * 1e3:.2f} ms to send, "
+                     f"{d.message_recv.at(size) * 1e3:.2f} ms to receive")
+    if extra:
+        lines.append(f"  {'; '.join(extra)}")
+    return lines

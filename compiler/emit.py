@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from torch import fx
 from hetero.errors import ConfigError, PlanError
 from hetero.graph import LayerGraph, TensorSpec
 from hetero.plan import Plan, StagePlan, check_plan
+from hetero.planner.simulator import simulate_plan
 from hetero.serde import to_dict
 from hetero.specs import BYTES_PER_DTYPE
 
@@ -49,9 +51,10 @@ def emit(plan: Plan, out_dir: str | Path, traced: TracedModel | None = None) -> 
             f"{len(traced.units)}: recompile with `hetero compile`"
         )
     written: list[Path] = []
+    # A plan made by hand may leave a stage's folder out: it gets the one the planner would name.
+    plan = replace(plan, stages=[s if s.artifact else replace(s, artifact=f"artifacts/{s.host}/stage{s.index}")
+                                 for s in plan.stages])
     for stage in plan.stages:
-        if not stage.artifact:
-            stage.artifact = f"artifacts/{stage.host}/stage{stage.index}"
         folder = out / stage.artifact
         folder.mkdir(parents=True, exist_ok=True)
         stage_json = folder / "stage.json"
@@ -66,7 +69,7 @@ def emit(plan: Plan, out_dir: str | Path, traced: TracedModel | None = None) -> 
 
     placement, schedule = out / "placement.png", out / "schedule.png"
     draw_placement(plan, placement)
-    draw_schedule(plan, schedule)
+    draw_schedule(plan, simulate_plan(plan), schedule)  # the one simulation of the emitted plan
     return [plan_path, *written, placement, schedule]
 
 

@@ -18,14 +18,11 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from hetero.errors import ConfigError, UnsupportedModelError
+from hetero.protocol import COMPUTE_DTYPES as COMPUTE_DTYPE_NAMES
+from hetero.protocol import MODEL_TYPES
 from hetero.specs import ModelSpec
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
-COMPUTE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+COMPUTE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in COMPUTE_DTYPE_NAMES}
 
 
 def cost_dtype(model: ModelSpec) -> str:
@@ -42,9 +39,9 @@ def build_config(architecture: dict[str, Any]) -> Any:
     if not isinstance(architecture, dict):
         raise ConfigError("model.architecture must be a mapping (an HF config.json as a dict)")
     model_type = architecture.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in MODEL_TYPES:  # hetero/protocol.py: the families the runtime can split too
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"model_type {model_type!r} is not supported; supported: {', '.join(MODEL_TYPES)}"
         )
     from transformers import AutoConfig
 

@@ -47,6 +47,6 @@ def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_spec: ModelSpec, tiny_cache: Path) -> Path:
     """Directory with the tiny model's config.json, model.safetensors and tokenizer."""
-    from hetero.pretrained import resolve_dir
+    from hetero.runtime.pretrained import resolve_dir
 
     return resolve_dir(tiny_spec)

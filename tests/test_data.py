@@ -13,7 +13,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hetero.errors import ConfigError
-from hetero.pretrained import demo_data_text
+from hetero.runtime.pretrained import demo_data_text
 from hetero.runtime.run.data import IGNORE_INDEX, StepBatches, render_alpaca
 from hetero.runtime.tools.evaluator import held_out_batches
 from hetero.specs import DataSpec, EvalSpec, ModelSpec, TrainSpec

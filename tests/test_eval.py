@@ -30,10 +30,11 @@ HELD_OUT = [{"instruction": f"Name a colour number {i}.", "input": "", "output":
 def _plan_with_spare(tiny_model_dir: Path, tiny_spec: ModelSpec, train: TrainSpec):
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [6], train=train, seq_len=64)
     host = plan.cluster.hosts[0]
-    host.devices.append(DeviceSpec("localhost.spare", host.name, "cpu", 9, "cpu", "CPU", 8.0, 50.0,
-                                   {"float32": 1.0, "float16": 1.0, "bfloat16": 1.0}, False, True, threads=1))
-    plan.input_hash = compute_input_hash(plan)
-    return plan
+    spare = DeviceSpec("localhost.spare", host.name, "cpu", 9, "cpu", "CPU", 8.0, 50.0,
+                       {"float32": 1.0, "float16": 1.0, "bfloat16": 1.0}, False, True, threads=1)
+    hosts = [replace(host, devices=[*host.devices, spare]), *plan.cluster.hosts[1:]]
+    plan = replace(plan, cluster=replace(plan.cluster, hosts=hosts))
+    return replace(plan, input_hash=compute_input_hash(plan))
 
 
 def test_spare_device_evaluates_while_training(tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path) -> None:

@@ -20,7 +20,8 @@ from hetero.compiler.fxgraph import build_config
 from hetero.compiler.trace import trace
 from hetero.runtime.stage.lora import share_lora_inputs
 from hetero.runtime.stage.memory import kept_bytes
-from hetero.runtime.stage.model import Stage, StageLayout, _quantize_nf4
+from hetero.runtime.stage.model import Stage, StageLayout
+from hetero.runtime.stage.weights import quantize_nf4
 from hetero.specs import LoraSpec, ModelSpec
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -37,7 +38,7 @@ def build(arch: dict, dtype: str, quant: str, layers: int, recompute: bool, shar
     model.model.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(model.model.layers)})
     model.requires_grad_(False)
     if quant == "nf4":
-        _quantize_nf4(model, DTYPES[dtype], torch.device("cpu"))
+        quantize_nf4(model, DTYPES[dtype], torch.device("cpu"))
     peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules=TARGETS))
     for name, p in peft.named_parameters():
         if "lora_B" in name:  # non-zero B: gradients reach every LoRA matrix and the input

@@ -58,11 +58,11 @@ def test_placement_shows_spans_memory_links_and_idle_devices(plan):
     # A third host with a device the plan leaves out, linked to both others: the far link becomes an arc.
     hosts = {h.name: h for h in plan.cluster.hosts}
     spare = build_cluster({"name": "x", "hosts": [{"name": "gamma", "devices": [{"type": "cpu"}]}]}).hosts[0]
-    plan.cluster.hosts = [hosts["alpha"], hosts["beta"], spare]
-    plan.cluster.links = plan.cluster.links + [
+    links = plan.cluster.links + [
         type(plan.cluster.links[0])("beta", "gamma", 1.0, 200.0),
         type(plan.cluster.links[0])("alpha", "gamma", 2.5, 300.0),
     ]
+    plan = replace(plan, cluster=replace(plan.cluster, hosts=[hosts["alpha"], hosts["beta"], spare], links=links))
     fig = placement_figure(plan)
     text = _texts(fig)
     plt.close(fig)
@@ -88,7 +88,7 @@ def test_schedule_draws_every_event_from_the_timeline(plan):
         events += [Event(0, "B", mb, 0.7 + mb * bwd, 0.7 + (mb + 1) * bwd)]
     events.append(Event(0, "SA", 0, 0.1, 0.12))
     timeline = Timeline(events, step_time_s=1.3, busy_fraction=[0.69, 0.69], bubble_fraction=0.31)
-    plan.stages = plan.stages[:2]
+    plan = replace(plan, stages=plan.stages[:2])
     fig = schedule_figure(plan, timeline)
     ax = fig.axes[0]
     boxes = [p for p in ax.patches if isinstance(p, Rectangle)]
@@ -108,8 +108,8 @@ def test_schedule_draws_every_event_from_the_timeline(plan):
 def test_draw_functions_write_pngs(tmp_path):
     plan = tiny_plan()  # the real simulator's timeline this time
     placement = draw_placement(plan, tmp_path / "placement.png")
-    schedule = draw_schedule(plan, tmp_path / "schedule.png")
     timeline = simulate_plan(plan)
+    schedule = draw_schedule(plan, timeline, tmp_path / "schedule.png")
     simulated = draw_simulation(plan, timeline, memory_over_time(plan, timeline), tmp_path / "sub" / "simulate.png")
     assert simulated == tmp_path / "sub" / "simulate.png"
     for path in (placement, schedule, simulated):
@@ -140,13 +140,12 @@ def test_memory_parts_have_their_own_palette_and_legend(plan):
 
 def _with_memory(plan, shares: list[float]):
     """The plan with stage k's peak at shares[k] of a 10 GB usable device."""
-    plan.stages = [replace(s, memory=replace(s.memory, total_gb=10.0 * share, available_gb=10.0))
-                   for s, share in zip(plan.stages, shares, strict=True)]
-    return plan
+    return replace(plan, stages=[replace(s, memory=replace(s.memory, total_gb=10.0 * share, available_gb=10.0))
+                                 for s, share in zip(plan.stages, shares, strict=True)])
 
 
 def test_devices_past_90_percent_of_memory_stand_out(plan):
-    _with_memory(plan, [0.9, 0.96, 0.5])  # exactly 90% is not past the line
+    plan = _with_memory(plan, [0.9, 0.96, 0.5])  # exactly 90% is not past the line
     assert crowded_stages(plan) == [1]
     fig = placement_figure(plan)
     ax = fig.axes[0]
@@ -212,9 +211,8 @@ def test_replicas_sum_gradients_before_a_zero_length_step(plan):
     assert [(b.stage, b.start_s, b.duration_s) for b in steps] == [(0, 1.25, 0.0), (1, 1.25, 0.0)]
     assert timeline.step_time_s == pytest.approx(1.25)
 
-    plan.stages = plan.stages[:2]
-    plan.prediction.reduce_s = 0.25
-    plan.replicas = [ReplicaPlan([0], 2, 0), ReplicaPlan([1], 2, 2)]
+    plan = replace(plan, stages=plan.stages[:2], prediction=replace(plan.prediction, reduce_s=0.25),
+                   replicas=[ReplicaPlan([0], 2, 0), ReplicaPlan([1], 2, 2)])
     fig = schedule_figure(plan, timeline)
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.texts].count("STEP 0 s") == 2

@@ -6,6 +6,7 @@ import json
 import random
 import re
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from hetero.errors import HeteroError
 from hetero.hardware import build_cluster, load_device_types
 from hetero.planner import plan as make_plan
-from hetero.planner.cost import RooflineCostModel
+from hetero.planner.cost_model import RooflineCostModel
 from hetero.planner.profile_cost import ProfileCostModel
 from hetero.profile import (
     DeviceProfile,
@@ -128,7 +129,7 @@ def test_profile_moves_layers_away_from_the_slow_device(tiny_spec: ModelSpec, ti
 def test_missing_numbers_fall_back_to_the_roofline_and_say_so(tiny_spec: ModelSpec, tiny_graph) -> None:
     cluster = local_fleet([1, 1])
     prof = synthetic_profile(cluster, tiny_spec, {d.name: 1e-5 for d in cluster.devices}, kinds=("decoder",))
-    prof.links = []
+    prof = replace(prof, links=[])
     cm = ProfileCostModel(prof, RooflineCostModel(), path="p.json")
     roof = RooflineCostModel()
     dev = cluster.devices[0]
@@ -215,7 +216,7 @@ def test_profile_cli_refuses_a_foreign_profile(tmp_path: Path, tiny_spec: ModelS
 
     cluster = local_fleet([1, 1])
     prof = synthetic_profile(cluster, tiny_spec, {d.name: 1e-5 for d in cluster.devices})
-    prof.fleet_hash = "0" * 16
+    prof = replace(prof, fleet_hash="0" * 16)
     path = tmp_path / "p.json"
     prof.save(path)
     from hetero import config as config_mod
@@ -260,7 +261,7 @@ def test_optimizer_and_message_costs_are_measured(tiny_spec: ModelSpec, monkeypa
 def test_stage_overheads_come_from_the_profile_or_the_roofline(tiny_spec: ModelSpec, tiny_graph) -> None:
     """Optimizer and message costs per stage, in the plan and in its prediction; roofline when absent."""
     from hetero.plan import Plan
-    from hetero.planner.cost import lora_tensors, wire_bytes_per_token
+    from hetero.planner.cost_model import lora_tensors, wire_bytes_per_token
     from hetero.planner.simulator import simulate_plan
     from hetero.serde import to_dict
 
@@ -269,9 +270,8 @@ def test_stage_overheads_come_from_the_profile_or_the_roofline(tiny_spec: ModelS
     opts = PlannerOptions(split=[3, 3])
     tokens = train.micro_batch_size * tiny_spec.seq_len
     prof = synthetic_profile(cluster, tiny_spec, {d.name: 1e-5 for d in cluster.devices})
-    for d in prof.devices:
-        d.optimizer = LinearFit(1e-3, 1e-8, 1.0)
-        d.message_send, d.message_recv = LinearFit(1e-4, 1e-10, 1.0), LinearFit(2e-4, 2e-10, 1.0)
+    prof = replace(prof, devices=[replace(d, optimizer=LinearFit(1e-3, 1e-8, 1.0), message_send=LinearFit(1e-4, 1e-10, 1.0),
+                                          message_recv=LinearFit(2e-4, 2e-10, 1.0)) for d in prof.devices])
     cm = ProfileCostModel(prof, RooflineCostModel(), cluster=cluster, model=tiny_spec)
     p = make_plan(tiny_spec, tiny_graph, cluster, train, DataSpec(), opts, cost_model=cm)
     s0, s1 = p.stages
@@ -296,8 +296,7 @@ def test_stage_overheads_come_from_the_profile_or_the_roofline(tiny_spec: ModelS
         del st["overhead_s"], st["step_sync_s"]
     assert Plan.from_dict(old).stages[0].overhead_s == {}
     # A profile without them (written by an older hetero) falls back to the roofline, and says so.
-    for d in prof.devices:
-        d.optimizer = d.message_send = d.message_recv = None
+    prof = replace(prof, devices=[replace(d, optimizer=None, message_send=None, message_recv=None) for d in prof.devices])
     cm = ProfileCostModel(prof, RooflineCostModel(), cluster=cluster, model=tiny_spec)
     p = make_plan(tiny_spec, tiny_graph, cluster, train, DataSpec(), opts, cost_model=cm)
     dev = cluster.device(p.stages[0].device)

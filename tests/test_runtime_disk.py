@@ -320,8 +320,7 @@ def test_checkpoints_and_adapters_must_fit_the_model(tiny_model_dir: Path, tiny_
 
 
 def _saved(plan: Plan, path: Path) -> Path:
-    plan.input_hash = compute_input_hash(plan)
-    plan.save(path)
+    replace(plan, input_hash=compute_input_hash(plan)).save(path)
     return path
 
 
@@ -421,7 +420,9 @@ def test_read_only_and_small_run_dirs_are_refused(tiny_model_dir: Path, tiny_spe
     assert line == (f"hetero: error: cannot create {read_only / 'run'} in {read_only} (read-only file system): "
                     "pass --run-dir on a writable disk")
     # A compiled plan knows its LoRA size: 2 MiB cannot hold a checkpoint of 10M LoRA parameters.
-    plan.graph.nodes[1].lora_params = 10_000_000
+    nodes = plan.graph.nodes
+    plan = replace(plan, graph=replace(plan.graph, nodes=[nodes[0], replace(nodes[1], lora_params=10_000_000),
+                                                          *nodes[2:]]))
     _saved(plan, tmp_path / "big.json")
     small = tmpfs("2m")
     line = refused(["big.json"], run_dir=small / "run")

@@ -92,7 +92,7 @@ def test_a_worker_of_another_plan_is_refused(tiny_model_dir: Path, tiny_spec: Mo
     plan.save(tmp_path / "plan.json")
     # Same fleet and ports, other LoRA rank: another plan hash.
     other = replace(plan, model=replace(plan.model, lora=replace(plan.model.lora, r=4)))
-    other.input_hash = compute_input_hash(other)
+    other = replace(other, input_hash=compute_input_hash(other))
     assert other.input_hash != plan.input_hash
     other.save(tmp_path / "other.json")
     port = free_ports(1)[0]
@@ -146,8 +146,9 @@ def test_a_missing_host_is_named_with_the_command_to_start_it(tiny_model_dir: Pa
 
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [6], hosts=["beta"])
     port = free_ports(1)[0]
-    plan.cluster.hosts.append(HostSpec("alpha", "127.0.0.1", port + 1))  # the coordinator's host, no devices
-    plan.input_hash = compute_input_hash(plan)
+    hosts = [*plan.cluster.hosts, HostSpec("alpha", "127.0.0.1", port + 1)]  # the coordinator's host, no devices
+    plan = replace(plan, cluster=replace(plan.cluster, hosts=hosts))
+    plan = replace(plan, input_hash=compute_input_hash(plan))
     plan.save(tmp_path / "plan.json")
     run = start(["run", "plan.json", "--host", "alpha", "--handshake-timeout", "2", "--run-dir", str(tmp_path / "r")],
                  tmp_path)

@@ -7,6 +7,7 @@ free loopback ports: the runtime is tested on exactly what it reads from a compi
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 from hetero.graph import CutEdge, LayerGraph, LayerNode, TensorSpec
@@ -97,11 +98,14 @@ def make_plan(
     num_stages = sum(counts)
     host_of = hosts or ["localhost"] * num_stages
     ports = free_ports(num_stages)
-    host_specs: dict[str, HostSpec] = {}
+    devices_of: dict[str, list[DeviceSpec]] = {}
+    first_port: dict[str, int] = {}
     for k, h in enumerate(host_of):
-        hs = host_specs.setdefault(h, HostSpec(h, "127.0.0.1", ports[k]))
-        hs.devices.append(DeviceSpec(f"{h}.cpu{k}", h, "cpu", k, "cpu", "CPU", 8.0, 50.0,
-                                     {"float32": 1.0, "float16": 1.0, "bfloat16": 1.0}, False, True, threads=1))
+        first_port.setdefault(h, ports[k])
+        devices_of.setdefault(h, []).append(DeviceSpec(f"{h}.cpu{k}", h, "cpu", k, "cpu", "CPU", 8.0, 50.0,
+                                                       {"float32": 1.0, "float16": 1.0, "bfloat16": 1.0}, False,
+                                                       True, threads=1))
+    host_specs = {h: HostSpec(h, "127.0.0.1", first_port[h], devices) for h, devices in devices_of.items()}
     names = list(host_specs)
     links = [LinkSpec(a, b, 10.0) for i, a in enumerate(names) for b in names[i + 1:]]
     cluster = ClusterSpec("test", list(host_specs.values()), links)
@@ -135,8 +139,7 @@ def make_plan(
     plan = Plan(model, cluster, train, DataSpec(), PlannerOptions(split=split if shares is None else None,
                                                                  recompute=recompute), graph, stages,
                 prediction, [], solver, ["hand-built test plan"], replicas=replicas if shares is not None else [])
-    plan.input_hash = compute_input_hash(plan)
-    return plan
+    return replace(plan, input_hash=compute_input_hash(plan))
 
 
 def test_make_plan_round_trips_through_plan_json(tmp_path: Path, tiny_model_dir: Path, tiny_spec: ModelSpec) -> None:

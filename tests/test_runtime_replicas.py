@@ -10,6 +10,7 @@ checkpoint, in whole-model keys, resumes on a one-replica plan and continues the
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -98,12 +99,12 @@ def test_plan_rejects_replicas_that_do_not_partition_the_batch(tiny_model_dir: P
                                                                tmp_path: Path) -> None:
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [[6], [3, 3]], train=TRAIN,  # type: ignore[list-item]
                      shares=[4, 4])
-    plan.replicas[1].num_micro_batches = 3
+    plan = replace(plan, replicas=[plan.replicas[0], replace(plan.replicas[1], num_micro_batches=3)])
     plan.save(tmp_path / "plan.json")
     with pytest.raises(PlanError, match="micro-batches sum to 7, train.num_micro_batches is 8"):
         Plan.from_dict(json.loads((tmp_path / "plan.json").read_text()))
-    plan.replicas[1].num_micro_batches = 4
-    plan.stages[2].first_node = 1
+    plan = replace(plan, replicas=[plan.replicas[0], replace(plan.replicas[1], num_micro_batches=4)],
+                   stages=[replace(s, first_node=1) if s.index == 2 else s for s in plan.stages])
     plan.save(tmp_path / "plan.json")
     with pytest.raises(PlanError, match=r"stages\[2\] covers nodes 1\.\."):
         Plan.from_dict(json.loads((tmp_path / "plan.json").read_text()))

@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from procs import STARTED, clean_up, finish, start
@@ -78,7 +79,7 @@ def test_ssh_settings_change_neither_the_fleet_hash_nor_the_plan_hash(tiny_model
     plan.save(tmp_path / "plan.json")
     before = (tmp_path / "plan.json").read_text()
     assert '"ssh"' not in before  # a plan without ssh settings is written as before they existed
-    plan.cluster.host("beta").ssh = SshSpec("me@strix", python="~/venv/bin/python")
+    plan = _with_host(plan, "beta", ssh=SshSpec("me@strix", python="~/venv/bin/python"))
     assert compute_input_hash(plan) == plan.input_hash
     plan.save(tmp_path / "with-ssh.json")
     assert Plan.load(tmp_path / "with-ssh.json").cluster.host("beta").ssh == plan.cluster.host("beta").ssh
@@ -95,8 +96,8 @@ def test_a_coordinator_on_loopback_is_refused_for_a_host_elsewhere(tiny_model_di
     from hetero.runtime.run.ssh import RemoteHostError, check_ssh_hosts, ssh_hosts
 
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN, hosts=["alpha", "beta"])
-    plan.cluster.host("beta").address = "10.0.0.2"  # alpha keeps the fleet's default, 127.0.0.1
-    plan.cluster.host("beta").ssh = SshSpec("me@10.0.0.2")
+    # alpha keeps the fleet's default address, 127.0.0.1
+    plan = _with_host(plan, "beta", address="10.0.0.2", ssh=SshSpec("me@10.0.0.2"))
     hosts = ssh_hosts(plan, tmp_path / "plan.json", "alpha")
     assert [(h.name, h.plan) for h in hosts] == [("beta", f"{tmp_path}/plan.json")]
     with pytest.raises(RemoteHostError, match=r"^the coordinator's host alpha has address 127.0.0.1, where host "
@@ -212,9 +213,15 @@ def _assert_nothing_left(sshd: Sshd, plan_dir: Path, within_s: float = 20.0, exc
 def _ssh_plan(tmp_path: Path, tiny_model_dir: Path, tiny_spec: ModelSpec, ssh: SshSpec,
               train: TrainSpec = TRAIN) -> Plan:
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=train, hosts=["alpha", "beta"])
-    plan.cluster.host("beta").ssh = ssh
+    plan = _with_host(plan, "beta", ssh=ssh)
     plan.save(tmp_path / "plan.json")
     return plan
+
+
+def _with_host(plan: Plan, name: str, **changes: Any) -> Plan:
+    """``plan`` with host ``name``'s settings changed (ssh, address)."""
+    hosts = [replace(h, **changes) if h.name == name else h for h in plan.cluster.hosts]
+    return replace(plan, cluster=replace(plan.cluster, hosts=hosts))
 
 
 @pytest.mark.slow
@@ -326,7 +333,7 @@ def test_preflight_refuses_a_host_with_another_plan_in_one_line(
     there.mkdir()
     plan = _ssh_plan(tmp_path, tiny_model_dir, tiny_spec, replace(sshd.ssh, plan_dir=str(there)))
     other = replace(plan, model=replace(plan.model, lora=replace(plan.model.lora, r=4)))
-    other.input_hash = compute_input_hash(other)
+    other = replace(other, input_hash=compute_input_hash(other))
     other.save(there / "plan.json")
     line = _refusal(tmp_path, capsys, monkeypatch)
     assert (f"host beta ({sshd.ssh.target}) has another plan.json at {there / 'plan.json'} "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,7 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from hetero.errors import CheckpointError, PlanError
 from hetero.runtime.run.data import StepBatches
-from hetero.runtime.stage import model as stage_module
+from hetero.runtime.stage import weights as weights_module
+from hetero.runtime.stage.lora import LoraLinear
 from hetero.runtime.stage.model import build_stage
 from hetero.specs import DataSpec, LoraSpec, ModelSpec, TrainSpec
 
@@ -49,7 +52,7 @@ def test_chained_stages_equal_the_whole_peft_model(sharded_dir: Path, adapter: P
     lora = LoraSpec(r=4, alpha=8.0, init_from=str(adapter))
     plan = make_plan(sharded_dir, tiny_spec.architecture, [1, 3, 2], lora=lora)
     opened: list[list[str]] = []
-    real_open = stage_module.__dict__.get("safe_open")
+    real_open = weights_module.__dict__.get("safe_open")
     import safetensors
 
     original = safetensors.safe_open
@@ -110,9 +113,10 @@ def test_plan_recompute_layers_reach_the_stage(tiny_model_dir: Path, tiny_spec: 
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], recompute="full")
     stage = build_stage(plan, 1, CPU)
     assert stage.recompute == frozenset(stage.layout.layers) == frozenset({3, 4, 5})
-    lora_layers = [m for m in stage.model.modules() if hasattr(m, "_hetero_cast_first")]
+    lora_layers = [m for m in stage.model.modules() if isinstance(m, LoraLinear)]
     assert len(lora_layers) == 7 * 3  # every LoRA Linear runs through runtime/stage/lora.py
-    plan.stages[1].recompute_layers = ["layers.0"]  # a layer of another stage
+    other = replace(plan.stages[1], recompute_layers=["layers.0"])  # a layer of another stage
+    plan = replace(plan, stages=[plan.stages[0], other, *plan.stages[2:]])
     with pytest.raises(PlanError, match="recompute_layers names 'layers.0'"):
         build_stage(plan, 1, CPU)
 
@@ -164,10 +168,10 @@ def test_nf4_eval_forward_does_not_break_training_on_avx512bf16_cpus(tiny_model_
     def input_grad(eval_first: bool) -> torch.Tensor:
         st = build_stage(plan, 1, CPU)
         if eval_first:  # e.g. a validation or generation pass between training steps
-            st.peft_model.eval()
+            st.lora_model.eval()
             with torch.no_grad():
                 st.forward(hidden)
-            st.peft_model.train()
+            st.lora_model.train()
         x = hidden.clone().requires_grad_(True)
         st.forward(x).pow(2).sum().backward()
         return x.grad
@@ -214,6 +218,36 @@ def test_trained_adapter_loads_with_peft(tiny_model_dir: Path, tiny_spec: ModelS
         for st in stages:
             h = st.forward(h)
     assert torch.allclose(h, want, atol=1e-5)
+
+
+
+_STAGE_IMPORTS = """
+import json, sys
+import torch, transformers
+import hetero.runtime.stage.process  # what a stage process imports before building
+from hetero.plan import Plan
+from hetero.runtime.stage.model import build_stage
+seen = {}
+for name in sys.argv[1:]:
+    build_stage(Plan.load(name), 0, torch.device("cpu"))
+    seen[name] = [m for m in ("peft", "bitsandbytes") if m in sys.modules]
+print(json.dumps(seen))
+"""
+
+
+def test_a_stage_process_imports_neither_peft_nor_unused_bitsandbytes(tiny_model_dir: Path, tiny_spec: ModelSpec,
+                                                                       tmp_path: Path) -> None:
+    """peft costs seconds of CPU at every stage's start: a stage builds LoRA without it, and imports
+    bitsandbytes only to quantize (the nf4 build shows the check sees an import when there is one)."""
+    paths = []
+    for quantization in ("none", "nf4"):
+        paths.append(str(tmp_path / f"{quantization}.json"))
+        make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], quantization=quantization).save(paths[-1])
+    done = subprocess.run([sys.executable, "-c", _STAGE_IMPORTS, *paths], capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {paths[0]: [], paths[1]: ["bitsandbytes"]}
 
 
 @pytest.mark.gpu

@@ -33,7 +33,7 @@ from hetero.runtime.run.rundir import (
     write_failure,
 )
 from hetero.runtime.stage.executor import Executor
-from hetero.runtime.stage.model import peft_key
+from hetero.runtime.stage.lora import peft_key
 
 CHECKPOINT_FORMAT = 1
 LORA, EXP_AVG, EXP_AVG_SQ = "lora/", "exp_avg/", "exp_avg_sq/"

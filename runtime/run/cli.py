@@ -1,6 +1,6 @@
 """Entry points behind `hetero run`, `hetero worker` and `hetero generate` (argv lists in, exit codes out).
 
-HeteroErrors propagate: hetero/cli.py prints them as one line and exits with code 2.
+HeteroErrors propagate: hetero.cli prints them as one line and exits with code 2.
 """
 
 from __future__ import annotations
@@ -13,22 +13,26 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from hetero.config import check_eval
 from hetero.errors import CheckpointError, ConfigError
 from hetero.plan import Plan
+from hetero.protocol import FAILURE_TIMEOUT_S, LOAD_TIMEOUT_S
 from hetero.security import key_dirs
 from hetero.serde import from_dict, to_dict
 from hetero.specs import RUNTIME_OVERRIDABLE, EvalSpec, TrainSpec, check_ranges
 
+if TYPE_CHECKING:
+    from hetero.runtime.run.coordinator import RunOptions, RunResult
+
 PLACEMENT_SECTIONS = ("model", "lora", "hardware", "cluster", "planner", "data")
 # `hetero run runtime.KEY=SECONDS`: how the run watches its processes (not training settings).
 RUN_OPTIONS = {
-    "failure_timeout_s": "a working stage or coordinator silent this long is dead (default 10)",
-    "load_timeout_s": "the same while a stage loads its weights (default 120)",
+    "failure_timeout_s": f"a working stage or coordinator silent this long is dead (default {FAILURE_TIMEOUT_S:g})",
+    "load_timeout_s": f"the same while a stage loads its weights (default {LOAD_TIMEOUT_S:g})",
 }
 
 
@@ -147,11 +151,20 @@ def default_run_dir(plan: Plan) -> Path:
 
 def main_run(argv: list[str]) -> int:
     """`hetero run plan.json [key=value ...] [--run-dir D] [--host NAME] [--port P]`."""
-    from hetero.runtime.run.coordinator import Coordinator, RunOptions
-    from hetero.runtime.run.preflight import preflight, prepare_run_dir
-    from hetero.runtime.run.report import build_report, print_report
-    from hetero.runtime.run.rundir import write_run_file
+    from hetero.runtime.run.coordinator import Coordinator
+    from hetero.runtime.run.rundir import RunDirWriteError
 
+    args = _run_parser().parse_intermixed_args(argv)  # overrides may come before or after the options
+    plan, checkpoint, timeouts = _run_settings(Plan.load(args.plan), args)
+    plan_path, options = _prepare_run(plan, args, checkpoint, timeouts)
+    result = Coordinator(plan, plan_path, options).run()
+    try:
+        return _finish_run(plan, plan_path, options, result)
+    except RunDirWriteError as exc:  # its resume command repeats this run's --host/--port
+        raise exc.for_run(options.rerun) from None
+
+
+def _run_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hetero run", description="Train with a compiled plan.")
     ap.add_argument("plan", type=Path)
     ap.add_argument("overrides", nargs="*", help=f"run-time keys: {', '.join(sorted(RUNTIME_OVERRIDABLE))}; "
@@ -164,10 +177,13 @@ def main_run(argv: list[str]) -> int:
                     help="continue a run from its newest complete checkpoint (or from RUN_DIR/checkpoints/step-N, "
                          "any split of the same model), with its training settings; the run directory defaults to RUN_DIR")
     ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_intermixed_args(argv)  # overrides may come before or after the options
+    return ap
 
-    plan = Plan.load(args.plan)
-    pairs, run_options = split_run_options(args.overrides)
+
+def _run_settings(plan: Plan, args: argparse.Namespace) -> tuple[Plan, Path | None, dict[str, float]]:
+    """The plan with the command line's training and eval settings (or a resumed checkpoint's), the
+    checkpoint to resume from, and the ``runtime.KEY=SECONDS`` run options."""
+    pairs, timeouts = split_run_options(args.overrides)
     pairs, evaluation = split_eval_options(pairs, plan.eval)
     checkpoint = None
     if args.resume is not None:
@@ -180,44 +196,51 @@ def main_run(argv: list[str]) -> int:
     else:
         train = parse_overrides(pairs, plan.train)
     check_ranges(plan.model, train, plan.planner, ConfigError)  # lr=nan, steps=1e9, ...: one line, now
-    plan = replace(plan, train=train, eval=evaluation)
-    from hetero.runtime.stage.worker import coordinator_endpoint
+    return replace(plan, train=train, eval=evaluation), checkpoint, timeouts
 
+
+def _prepare_run(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
+                 timeouts: dict[str, float]) -> tuple[Path, RunOptions]:
+    """Every check that can fail before a stage starts (one line, before the run directory exists), then
+    the run directory with plan.json and config.yaml; returns that plan.json and the RunOptions."""
+    from hetero.runtime.run.coordinator import RunOptions, coordinator_endpoint
+    from hetero.runtime.run.preflight import preflight, prepare_run_dir
+    from hetero.runtime.run.ssh import check_ssh_hosts, ssh_hosts
+
+    host = args.host or plan.stages[0].host
     coordinator_endpoint(plan, args.host, args.port)  # validates --host before anything is created
-    if evaluation.every > 0:
+    if plan.eval.every > 0:
         from hetero.runtime.tools.evaluator import eval_device_name
 
-        eval_device_name(plan, evaluation, args.host or plan.stages[0].host)  # a spare device: one line if none
+        eval_device_name(plan, plan.eval, host)  # a spare device: one line if none
     run_dir = args.run_dir or default_run_dir(plan)
     if args.run_dir is None and checkpoint is not None and checkpoint != args.resume:
         run_dir = checkpoint.parent.parent  # --resume RUN_DIR goes on in RUN_DIR
-    # Whatever can fail before a stage starts fails now, as one line, before the run directory exists.
     checked = preflight(plan, run_dir, args.host, args.port, checkpoint)
-    from hetero.runtime.run.ssh import check_ssh_hosts, ssh_hosts
-
-    remote = ssh_hosts(plan, args.plan, args.host or plan.stages[0].host)
-    check_ssh_hosts(plan, remote, args.host or plan.stages[0].host)  # each has hetero and this plan
+    remote = ssh_hosts(plan, args.plan, host)
+    check_ssh_hosts(plan, remote, host)  # each has hetero and this plan
     config = dict(plan.config) if plan.config else {}
-    config["train"] = to_dict(train)
-    config["eval"] = to_dict(evaluation)
+    config["train"] = to_dict(plan.train)
+    config["eval"] = to_dict(plan.eval)
     # plan.json has the overrides in it; the input hash is unchanged (they are not placement).
     plan_path = prepare_run_dir(plan, run_dir, yaml.safe_dump(config, sort_keys=False))
-    from hetero.runtime.run import rundir
-
-    rundir.RUN_OPTIONS[:] = (["--host", args.host] if args.host else []) + (
-        ["--port", str(args.port)] if args.port is not None else [])
-    from hetero import warnings_log
+    from hetero.cli import warnings_log
 
     warnings_log.log_to(run_dir / "logs" / "warnings.log")  # library warnings: the run's logs, not the terminal
+    return plan_path, RunOptions(run_dir=run_dir, host=args.host, port=args.port,
+                                 handshake_timeout_s=args.handshake_timeout, progress=not args.no_progress,
+                                 resume=checked.resume, checkpoint=checked.checkpoint, batches=checked.batches,
+                                 key_dirs=key_dirs(args.plan, host), ssh_hosts=remote, **timeouts)
 
-    options = RunOptions(run_dir=run_dir, host=args.host, port=args.port,
-                         handshake_timeout_s=args.handshake_timeout, progress=not args.no_progress,
-                         resume=checked.resume, checkpoint=checked.checkpoint, batches=checked.batches,
-                         key_dirs=key_dirs(args.plan, args.host or plan.stages[0].host), ssh_hosts=remote,
-                         **run_options)
-    result = Coordinator(plan, plan_path, options).run()
+
+def _finish_run(plan: Plan, plan_path: Path, options: RunOptions, result: RunResult) -> int:
+    """After the run: how to continue an interrupted one (exit 130), else the report (exit 0)."""
+    from hetero.runtime.run.report import build_report, print_report
+    from hetero.runtime.run.rundir import run_command, write_run_file
+
+    run_dir = options.run_dir
     if result.interrupted_after is not None:
-        again = rundir.run_command(plan_path)
+        again = run_command(plan_path, options.rerun)
         if result.checkpoint is None:
             print(f"hetero: interrupted before the first step finished: nothing to keep; start again with "
                   f"`{shlex.join(again + ['--run-dir', str(run_dir)])}`", file=sys.stderr)
@@ -234,7 +257,7 @@ def main_run(argv: list[str]) -> int:
 
 def main_worker(argv: list[str]) -> int:
     """`hetero worker plan.json --host NAME [--coordinator tcp://...]`."""
-    from hetero.runtime.stage.worker import main_worker as run
+    from hetero.runtime.run.host import main_worker as run
 
     return run(argv)
 

@@ -4,8 +4,9 @@ Hosts with ssh settings in the fleet file are started (and stopped) over ssh: ru
 
 Per optimizer step it sends the step's input ids to stage 0 and labels to the last stage, gathers
 every stage's squared gradient norm, answers with the global clip coefficient (the math of
-``clip_grad_norm_`` on one GPU), and writes one metrics.jsonl line from the stages' ``stepdone``.
-Checkpoint messages become checkpoints/step-N/ files; the last one also becomes adapter/.
+``clip_grad_norm_`` on one GPU: runtime/run/reduce.py), and writes one metrics.jsonl line from the
+stages' ``stepdone``. Checkpoint messages become checkpoints/step-N/ files; the last one also becomes
+adapter/ (runtime/run/records.py).
 
 Failures end the run within ``failure_timeout_s``: a local stage that exits is seen at once (its exit
 code or signal), a stage whose connection drops for good within LOST_GRACE_S, a silent one (hung,
@@ -22,7 +23,6 @@ payload from wherever it is blocked, the coordinator writes checkpoints/step-N a
 from __future__ import annotations
 
 import json
-import math
 import shlex
 import signal
 import sys
@@ -33,17 +33,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from hetero.errors import HeteroError, WireError
+from hetero.errors import HeteroError, PlanError, WireError
 from hetero.plan import Plan
-from hetero.runtime.run.processes import exit_cause, is_stopped, last_error_line, spawn_stages, stop_processes
-from hetero.runtime.run.rundir import append_run_line, run_command, write_run_file
-from hetero.runtime.stage.executor import COORDINATOR, stage_name
-from hetero.runtime.stage.worker import coordinator_endpoint, payload_due
-from hetero.runtime.wire.control import (
+from hetero.protocol import (
     FAILURE_TIMEOUT_S,
     LOAD_TIMEOUT_S,
+    WIRE_VERSION,
+    Clip,
+    Labels,
+    Record,
+    Reduced,
+    Stop,
+    Welcome,
+)
+from hetero.runtime.run.processes import (
+    StageFailedError,
+    exit_cause,
+    is_stopped,
+    last_error_line,
+    spawn_stages,
+    stop_processes,
+)
+from hetero.runtime.run.records import ProgressBar, RunRecords, RunResult, metrics_line, payload_due
+from hetero.runtime.run.reduce import clip_coef, norm_from_sumsq, norm_of, sum_replica_grads
+from hetero.runtime.run.rundir import RunDirWriteError, rerun_options, run_command, write_run_file
+from hetero.runtime.wire.control import (
     Heartbeat,
     Mailbox,
     PeerError,
@@ -53,15 +67,23 @@ from hetero.runtime.wire.control import (
     heartbeat_interval,
     is_timeout,
 )
+from hetero.security import COORDINATOR, stage_name
 from hetero.serde import to_dict
-from hetero.specs import RUNTIME_OVERRIDABLE
+
+__all__ = ["Coordinator", "RunOptions", "RunResult", "StageFailedError", "coordinator_endpoint"]
 
 
-class StageFailedError(HeteroError):
-    """A stage process reported an error, exited, or went silent."""
+def coordinator_endpoint(plan: Plan, host: str | None = None, port: int | None = None) -> str:
+    """Where the coordinator listens: stage 0's host (or ``host``), on its base port - 1 unless given."""
+    name = host or plan.stages[0].host
+    try:
+        spec = plan.cluster.host(name)
+    except KeyError:
+        raise PlanError(f"host '{name}' is not in the plan; hosts: {', '.join(h.name for h in plan.cluster.hosts)}") from None
+    return f"tcp://{spec.address}:{port if port is not None else spec.port - 1}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunOptions:
     run_dir: Path
     host: str | None = None  # the host this coordinator runs on (default: stage 0's)
@@ -77,16 +99,10 @@ class RunOptions:
     key_dirs: list[Path] = field(default_factory=list)  # where this host's key files are (hetero/security.py)
     ssh_hosts: list[Any] = field(default_factory=list)  # runtime/run/ssh.py SshHost: hosts this run starts over ssh
 
-
-@dataclass
-class RunResult:
-    steps: list[dict[str, Any]] = field(default_factory=list)  # the metrics.jsonl lines
-    environments: dict[str, Any] = field(default_factory=dict)
-    build_s: dict[int, float] = field(default_factory=dict)
-    interrupted_after: int | None = None  # Ctrl-C / SIGTERM: the steps done when training stopped
-    checkpoint: Path | None = None  # ... and the checkpoint that holds them (None: no step was done)
-    evals: list[dict[str, Any]] = field(default_factory=list)  # the evaluator's eval_loss lines
-    eval_errors: list[str] = field(default_factory=list)
+    @property
+    def rerun(self) -> tuple[str, ...]:
+        """This run's own --host/--port: every command it suggests repeats them (rundir.run_command)."""
+        return rerun_options(self.host, self.port)
 
 
 class Coordinator:
@@ -117,28 +133,40 @@ class Coordinator:
         self.pids: dict[int, int] = {}  # stage -> pid (local: started here; remote: from its hello)
         self.mailbox = Mailbox(self.transport, silence_s=options.failure_timeout_s, on_idle=self._check_children)
         self.heartbeat = Heartbeat(self.transport, self.names, interval_s=heartbeat_interval(options.failure_timeout_s))
-        self.result = RunResult()
+        self.records = RunRecords(plan, self.run_dir)  # metrics, evaluations, checkpoints, adapter
+        self.result = self.records.result
         self.start_step = 0  # > 0 when resuming from a checkpoint
         self.training = False  # between the first data sent and the last step: Ctrl-C means "checkpoint, then stop"
         self.trained = False  # training has begun: a failure's message says how to continue
         self.stop_signal: str | None = None  # the first SIGINT/SIGTERM received while training
         self.hung: set[int] = set()  # stages to kill rather than ask to stop
-        self.evaluator: Any = None  # runtime/tools/evaluator.py EvalClient when eval.every > 0
         self.ssh: Any = None  # runtime/run/ssh.py SshWorkers: the workers of the hosts started over ssh
 
     # -- lifecycle --------------------------------------------------------------------------------
 
     def run(self) -> RunResult:
         """Train for plan.train.steps steps; raises HeteroError (one line) when anything fails."""
+        self._start_processes()
+        self.heartbeat.start()
+        restore_signals = self._catch_signals()
+        try:
+            self._run()
+        except BaseException as exc:
+            error = self._abort(exc)
+            if error is not None:
+                raise error from None
+            raise
+        finally:
+            self._close(restore_signals)
+        return self.result
+
+    def _start_processes(self) -> None:
+        """This host's stages, the evaluator, and which remote hosts to wait for (or start over ssh)."""
         local = [s.index for s in self.plan.stages if s.host == self.host]
         remote = sorted({s.host for s in self.plan.stages if s.host != self.host})
         self.procs = spawn_stages(self.plan_path, local, self.run_dir, self.endpoint)
         self.pids = {k: p.pid for k, p in self.procs.items()}
-        if self.plan.eval.every > 0:
-            from hetero.runtime.tools.evaluator import EvalClient, eval_device_name
-
-            device = eval_device_name(self.plan, self.plan.eval, self.host)
-            self.evaluator = EvalClient(self.plan_path, self.plan, device, self.run_dir)
+        self.records.open_evaluator(self.plan_path, self.host)
         if self.options.ssh_hosts:
             from hetero.runtime.run.ssh import SshWorkers
 
@@ -147,48 +175,48 @@ class Coordinator:
         if remote:
             print(f"hetero run: waiting for hosts {', '.join(remote)}: on each, run "
                   f"`hetero worker plan.json --host NAME --coordinator {self.endpoint}`", flush=True)
-        self.heartbeat.start()
-        restore_signals = self._catch_signals()
-        try:
-            if self.ssh is not None:
-                self.ssh.start(self.endpoint)
-                print(f"hetero run: started hosts {', '.join(self.ssh.hosts)} over ssh (their output: "
-                      f"{self.run_dir / 'logs'}/host-NAME.log)", flush=True)
-            # Tokenize while the stages import and build (before anyone watches for silence).
-            batches = self.options.batches if self.options.batches is not None else self._batches()
-            self._handshake()
-            self._train(batches)
-            self._finish_eval()
-            self.heartbeat.stopped.set()  # nothing may queue behind the stop for stages about to exit
-            interrupted = self.result.interrupted_after is not None
-            self._broadcast("stop", {"reason": f"{self.stop_signal}: checkpoint saved" if interrupted
-                                     else "training finished"})
-            stop_processes(self.procs)
-            if self.ssh is not None:
-                self.ssh.wait(5.0)  # told to stop, the remote workers end on their own
-        except BaseException as exc:
-            self.heartbeat.stopped.set()
-            error = self._explain(exc)
-            reason = "interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else f"run failed: {error or exc}"
-            self._broadcast("stop", {"reason": reason})
-            stop_processes(self.procs, grace_s=3.0, kill_now=self.hung)
-            # Dead stages never take what is queued for them: give live remote ones a second, not 10,
-            # and the local ones (all gone now) nothing.
-            drop_unsent(self.transport, linger_ms=1000)
-            drop_unsent(self.transport, 0, [self.names[k] for k in self.procs])
-            if error is not None:
-                raise error from None
-            raise
-        finally:
-            if self.evaluator is not None:
-                self.evaluator.close()
-            if self.ssh is not None:
-                self.ssh.stop()  # after the stop broadcast: each remote worker ends, or is ended
-            restore_signals()
-            self.heartbeat.finish()
-            self.mailbox.close()  # its connection monitors first: the transport's context waits for them
-            self.transport.close()
-        return self.result
+
+    def _run(self) -> None:
+        """Remote hosts started, handshake, training, last evaluation, and the final stop."""
+        if self.ssh is not None:
+            self.ssh.start(self.endpoint)
+            print(f"hetero run: started hosts {', '.join(self.ssh.hosts)} over ssh (their output: "
+                  f"{self.run_dir / 'logs'}/host-NAME.log)", flush=True)
+        # Tokenize while the stages import and build (before anyone watches for silence).
+        batches = self.options.batches if self.options.batches is not None else self._batches()
+        self._handshake()
+        self._train(batches)
+        self.records.finish_eval()
+        self.heartbeat.stopped.set()  # nothing may queue behind the stop for stages about to exit
+        interrupted = self.result.interrupted_after is not None
+        self._broadcast(Stop(reason=f"{self.stop_signal}: checkpoint saved" if interrupted
+                             else "training finished"))
+        stop_processes(self.procs)
+        if self.ssh is not None:
+            self.ssh.wait(5.0)  # told to stop, the remote workers end on their own
+
+    def _abort(self, exc: BaseException) -> HeteroError | None:
+        """Stop every stage after ``exc``; returns the one-line error to raise instead (None: ``exc`` itself)."""
+        self.heartbeat.stopped.set()
+        error = self._explain(exc)
+        reason = "interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else f"run failed: {error or exc}"
+        self._broadcast(Stop(reason=reason))
+        stop_processes(self.procs, grace_s=3.0, kill_now=self.hung)
+        # Dead stages never take what is queued for them: give live remote ones a second, not 10,
+        # and the local ones (all gone now) nothing.
+        drop_unsent(self.transport, linger_ms=1000)
+        drop_unsent(self.transport, 0, [self.names[k] for k in self.procs])
+        return error
+
+    def _close(self, restore_signals: Callable[[], None]) -> None:
+        """Whatever happened: the evaluator, the ssh workers, signal handlers, heartbeats, sockets."""
+        self.records.close()
+        if self.ssh is not None:
+            self.ssh.stop()  # after the stop broadcast: each remote worker ends, or is ended
+        restore_signals()
+        self.heartbeat.finish()
+        self.mailbox.close()  # its connection monitors first: the transport's context waits for them
+        self.transport.close()
 
     def _catch_signals(self) -> Callable[[], None]:
         """SIGINT/SIGTERM while training: checkpoint at the next step boundary; returns the undo."""
@@ -213,6 +241,8 @@ class Coordinator:
 
     def _explain(self, exc: BaseException) -> HeteroError | None:
         """The one-line error for a failed run; None: re-raise ``exc`` as it is."""
+        if isinstance(exc, RunDirWriteError):
+            return exc.for_run(self.options.rerun)  # its resume command repeats this run's --host/--port
         if not isinstance(exc, (PeerError, PeerLost, StopRequested)):
             return None  # StageFailedError and the like are explained already; Ctrl-C and bugs pass
         try:
@@ -243,7 +273,7 @@ class Coordinator:
 
     def _command(self) -> str:
         """The `hetero run` command line that runs this plan again, in this run directory's copy."""
-        return shlex.join(run_command(self.plan_path))
+        return shlex.join(run_command(self.plan_path, self.options.rerun))
 
     def _resume_hint(self) -> str:
         from hetero.runtime.run.rundir import checkpoint_step, latest_checkpoint
@@ -258,10 +288,10 @@ class Coordinator:
         return (f"no checkpoint yet (train.checkpoint_every=N writes them): start again with "
                 f"`{self._command()} --run-dir {shlex.quote(str(self.run_dir))}`")
 
-    def _broadcast(self, kind: str, meta: dict[str, Any]) -> None:
+    def _broadcast(self, record: Record) -> None:
         for name in self.names:
             try:
-                self.transport.send(name, kind, meta=meta)
+                self.transport.send(name, record)
             except Exception:  # best effort while shutting down
                 pass
 
@@ -317,8 +347,6 @@ class Coordinator:
 
     def _handshake(self) -> None:
         """hello from every stage (same plan, same wire version), then welcome with the run settings."""
-        from hetero.runtime.wire.frames import WIRE_VERSION
-
         timeout = self.options.handshake_timeout_s
         hellos = self._gather("hello", 0, timeout)
         for k, msg in sorted(hellos.items()):
@@ -348,13 +376,13 @@ class Coordinator:
             if self.start_step >= self.plan.train.steps:
                 raise StageFailedError(f"{self.options.resume} is after step {self.start_step}, train.steps is "
                                        f"{self.plan.train.steps}: raise it (hetero run ... steps=N) to train on")
-        welcome = {"train": to_dict(self.plan.train), "failure_timeout_s": self.options.failure_timeout_s,
-                   "start_step": self.start_step, "resume": resume is not None, "eval_every": self.plan.eval.every}
+        welcome = Welcome(train=to_dict(self.plan.train), failure_timeout_s=self.options.failure_timeout_s,
+                          start_step=self.start_step, resume=resume is not None, eval_every=self.plan.eval.every)
         for name in self.names:
-            self.transport.send(name, "welcome", meta=welcome)
+            self.transport.send(name, welcome)
         ready = self._gather("start", 0, timeout)
-        if self.evaluator is not None:  # it built its model meanwhile
-            self.evaluator.wait_ready(self.options.handshake_timeout_s)
+        if self.records.evaluator is not None:  # it built its model meanwhile
+            self.records.evaluator.wait_ready(self.options.handshake_timeout_s)
         self.result.build_s = {k: float(m.meta.get("build_s", 0.0)) for k, m in ready.items()}
         if resume is not None:
             from hetero.runtime.run.checkpoint import select_payload
@@ -373,38 +401,32 @@ class Coordinator:
             share = slice(rep.first_micro_batch, rep.first_micro_batch + rep.num_micro_batches)
             self.transport.send(self.names[rep.stages[0]], "batch", step=step,
                                 tensors={"input_ids": batch.input_ids[share].contiguous()})
-            self.transport.send(self.names[rep.stages[-1]], "labels", step=step,
-                                tensors={"labels": batch.labels[share].contiguous()},
-                                meta={"num_label_tokens": batch.num_label_tokens})
+            self.transport.send(self.names[rep.stages[-1]], Labels(num_label_tokens=batch.num_label_tokens),
+                                step=step, tensors={"labels": batch.labels[share].contiguous()})
         return int(batch.num_label_tokens)
-
-    def _clip_coef(self, grad_norm: float) -> float:
-        """clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6), never above 1."""
-        max_norm = self.plan.train.max_grad_norm
-        return min(1.0, max_norm / (grad_norm + 1e-6)) if max_norm > 0 else 1.0
 
     def _end_step(self, step: int, timeout: float) -> tuple[float, float]:
         """The optimizer step's synchronisation: the global gradient norm and clip coefficient to every
         stage; with replicas, each stage's LoRA gradients summed with the other replicas' first."""
+        max_norm = self.plan.train.max_grad_norm
         if len(self.plan.pipelines) == 1:
             norms = self._gather("gradnorm", step, timeout)
-            # Summed in stage order, not arrival order: the same run gives the same bits.
-            grad_norm = math.sqrt(sum(float(norms[k].meta["sumsq"]) for k in sorted(norms)))
-            coef = self._clip_coef(grad_norm)
+            grad_norm = norm_from_sumsq({k: float(msg.meta["sumsq"]) for k, msg in norms.items()})
+            coef = clip_coef(max_norm, grad_norm)
             for name in self.names:
-                self.transport.send(name, "clip", step=step, meta={"coef": coef, "grad_norm": grad_norm})
+                self.transport.send(name, Clip(coef=coef, grad_norm=grad_norm), step=step)
             return grad_norm, coef
         grads = self._gather("grads", step, timeout)
         totals = sum_replica_grads(self.plan, {k: msg.tensors for k, msg in grads.items()}, step)
-        grad_norm = math.sqrt(sum(float(totals[key].double().pow(2).sum()) for key in sorted(totals)))
-        coef = self._clip_coef(grad_norm)
+        grad_norm = norm_of(totals)
+        coef = clip_coef(max_norm, grad_norm)
         for k in sorted(grads):
-            self.transport.send(self.names[k], "reduced", step=step, meta={"coef": coef, "grad_norm": grad_norm},
+            self.transport.send(self.names[k], Reduced(coef=coef, grad_norm=grad_norm), step=step,
                                 tensors={key: totals[key] for key in grads[k].tensors})
         return grad_norm, coef
 
     def _batches(self) -> Any:
-        from hetero.pretrained import resolve_dir
+        from hetero.runtime.pretrained import resolve_dir
         from hetero.runtime.run.data import StepBatches
 
         plan, train = self.plan, self.plan.train
@@ -412,19 +434,15 @@ class Coordinator:
                            train.num_micro_batches, train.seed, train.shuffle)
 
     def _train(self, batches: Any) -> None:
-        from hetero.runtime.run.checkpoint import lora_from_payload
-
-        plan, train = self.plan, self.plan.train
-        tokens_per_step = train.num_micro_batches * train.micro_batch_size * plan.model.seq_len
-        self._start_metrics()
-        timeout = self.options.step_timeout_s
-        progress = _Progress(train.steps, self.options.progress)
-        first = self.start_step
+        """Steps start_step.. : data out, the step's reduction, ``stepdone`` in, the records; Ctrl-C stops
+        at the next step boundary with a checkpoint."""
+        train, timeout = self.plan.train, self.options.step_timeout_s
+        self.records.start_metrics(self.start_step)
         self.training = self.trained = True
-        label_tokens = {first: self._send_data(batches, first)}
+        label_tokens = {self.start_step: self._send_data(batches, self.start_step)}
         last = time.perf_counter()
-        with progress:
-            for step in range(first, train.steps):
+        with ProgressBar(train.steps, self.options.progress) as progress:
+            for step in range(self.start_step, train.steps):
                 if self.stop_signal is not None:  # Ctrl-C / SIGTERM: `step` steps are done
                     self._checkpoint_and_stop(step)
                     return
@@ -434,73 +452,13 @@ class Coordinator:
                     label_tokens[step + 1] = self._send_data(batches, step + 1)
                 done = self._gather("stepdone", step, timeout)
                 now = time.perf_counter()
-                step_time, last = now - last, now
-                lasts = [done[rep.stages[-1]].meta for rep in plan.pipelines]
-                last_meta = lasts[0]
-                loss = sum(float(m["loss_sum"]) for m in lasts) / label_tokens.pop(step)
-                line = {
-                    "step": step, "loss": loss, "lr": float(done[0].meta["lr"]), "grad_norm": grad_norm,
-                    "clip_coef": coef, "tokens": tokens_per_step, "label_tokens": int(last_meta["num_label_tokens"]),
-                    "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
-                    "stage_busy": [float(done[k].meta["busy_s"]) for k in range(self.num_stages)],
-                    "stage_ops": [done[k].meta["op_time_s"] for k in range(self.num_stages)],
-                }
-                self.result.steps.append(line)
-                append_run_line(self.run_dir, "metrics.jsonl", json.dumps(line))
-                progress.update(step, loss, line["tokens_per_s"])
-                final = step + 1 == train.steps
-                self._record_eval()
-                if payload_due(train, plan.eval.every, step):
-                    payloads = self._gather("checkpoint", step, timeout)
-                    state: dict[str, torch.Tensor] = {}
-                    for k in plan.pipelines[0].stages:  # every replica holds the same adapter
-                        state.update(lora_from_payload(payloads[k].tensors))
-                    every = plan.eval.every
-                    if self.evaluator is not None and (final or (step + 1) % every == 0):
-                        # The last step's evaluation waits for the one before (training is over).
-                        self._record_eval(self.evaluator.request(step, state, wait_s=self._eval_wait_s() if final
-                                                                 else 0.0))
-                    if final or (train.checkpoint_every > 0 and (step + 1) % train.checkpoint_every == 0):
-                        self._write_checkpoint(step + 1, payloads)
-                    if final:
-                        self._save_adapter(state)
-
-    def _record_eval(self, answers: list[dict[str, Any]] | None = None) -> None:
-        """The evaluator's answers so far (or ``answers``) as metrics.jsonl lines: ``{"step", "eval_loss", ...}``."""
-        if self.evaluator is None:
-            return
-        for answer in self.evaluator.poll() if answers is None else answers:
-            if "eval_loss" in answer:
-                self.result.evals.append(answer)
-                append_run_line(self.run_dir, "metrics.jsonl", json.dumps(answer))
-            else:
-                self.result.eval_errors.append(str(answer.get("error", answer)))
-                print(f"hetero run: evaluation: {answer.get('error', answer)}", file=sys.stderr, flush=True)
-
-    def _eval_wait_s(self) -> float:
-        slowest = max((float(a.get("eval_s", 0.0)) for a in self.result.evals), default=0.0)
-        return max(300.0, 3 * slowest)
-
-    def _finish_eval(self) -> None:
-        """Wait for the last evaluation (the final step's) and record what is left."""
-        if self.evaluator is None:
-            return
-        self._record_eval(self.evaluator.finish(timeout_s=self._eval_wait_s()))
-        if self.evaluator.skipped:
-            print(f"hetero run: evaluation skipped after step(s) {', '.join(str(s + 1) for s in self.evaluator.skipped)}"
-                  f": the evaluation before was still running on {self.evaluator.device} (raise eval.every)",
-                  file=sys.stderr, flush=True)
-
-    def _write_checkpoint(self, done: int, payloads: dict[int, Any]) -> Path:
-        """checkpoints/step-<done>/, with the training settings `--resume` continues with."""
-        from hetero.runtime.run.checkpoint import write_checkpoint
-
-        settings = {k: v for k, v in to_dict(self.plan.train).items() if k in RUNTIME_OVERRIDABLE}
-        # Replicas hold identical LoRA and AdamW state (they apply the same summed gradients): the first
-        # replica's stages (0..S-1) are the whole model, in the same key space as any other split.
-        first = self.plan.pipelines[0].stages
-        return write_checkpoint(self.run_dir, done, [(payloads[k].tensors, payloads[k].meta) for k in first],
-                                len(first), train=settings)
+                line = metrics_line(self.plan, step, done, grad_norm, coef, label_tokens.pop(step), now - last)
+                last = now
+                self.records.step(line)
+                progress.update(step, line["loss"], line["tokens_per_s"])
+                self.records.record_eval()
+                if payload_due(train, self.plan.eval.every, step):
+                    self.records.save_payloads(step, self._gather("checkpoint", step, timeout))
 
     def _checkpoint_and_stop(self, done: int) -> None:
         """After Ctrl-C: every stage's state after ``done`` steps into checkpoints/step-<done>/."""
@@ -515,85 +473,6 @@ class Coordinator:
         if done == 0:
             return  # nothing trained yet: nothing to keep
         for name in self.names:
-            self.transport.send(name, "stop", meta={"reason": f"{self.stop_signal}: send a checkpoint",
-                                                    "checkpoint": done})
+            self.transport.send(name, Stop(reason=f"{self.stop_signal}: send a checkpoint", checkpoint=done))
         payloads = self._gather("checkpoint", done - 1, self.options.step_timeout_s)
-        self.result.checkpoint = self._write_checkpoint(done, payloads)
-
-    def _start_metrics(self) -> None:
-        """metrics.jsonl: empty for a new run; a resumed one keeps the lines of the steps before it."""
-        path = self.run_dir / "metrics.jsonl"
-        kept: list[str] = []
-        if self.start_step > 0 and path.is_file():
-            for line in path.read_text(errors="replace").splitlines():
-                try:
-                    step = json.loads(line)["step"]
-                except (ValueError, KeyError, TypeError):
-                    continue  # a line cut short by a crash
-                if isinstance(step, int) and step < self.start_step:
-                    kept.append(line)
-        write_run_file(self.run_dir, "metrics.jsonl", "".join(f"{line}\n" for line in kept))
-
-    def _save_adapter(self, state: dict[str, torch.Tensor]) -> None:
-        from hetero.pretrained import adapter_base
-        from hetero.runtime.run.adapter import save_adapter
-
-        base = adapter_base(self.plan.model)  # a directory AutoPeftModelForCausalLM can load, or a hub id
-        save_adapter({k: v.clone() for k, v in state.items()}, self.plan.model.lora, base, self.run_dir / "adapter")
-
-
-def sum_replica_grads(plan: Plan, grads: dict[int, dict[str, torch.Tensor]], step: int) -> dict[str, torch.Tensor]:
-    """Per LoRA key, the sum of every replica's gradient, added in replica order (the same bits every run).
-
-    Every replica holds the whole model, so each key arrives once from each replica, with one shape;
-    anything else is a stage that trains something else (a one-line error, nothing is applied)."""
-    totals: dict[str, torch.Tensor] = {}
-    for r, rep in enumerate(plan.pipelines):
-        seen: set[str] = set()
-        for k in rep.stages:
-            for key, t in grads[k].items():
-                if key in seen:
-                    raise StageFailedError(f"step {step}: two stages of replica {r} sent gradients for {key}")
-                seen.add(key)
-                if r == 0:
-                    totals[key] = t.clone()
-                elif key not in totals or totals[key].shape != t.shape:
-                    raise StageFailedError(f"step {step}: stage {k} (replica {r}) sent gradient {key} "
-                                           f"{tuple(t.shape)}, which replica 0 does not train with that shape: "
-                                           "the hosts run different plans or models")
-                else:
-                    totals[key] += t
-        if seen != set(totals):
-            missing = sorted(set(totals) - seen)
-            raise StageFailedError(f"step {step}: replica {r} sent no gradient for {missing[0]}: the hosts run "
-                                   "different plans or models")
-    return totals
-
-
-class _Progress:
-    """A rich live bar (step, loss, tokens/s, ETA) when stdout is a terminal; silent otherwise."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.enabled = enabled and sys.stdout.isatty()
-        self.total = total
-        if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                                TextColumn("ETA"), TimeRemainingColumn())
-            self.task = self.bar.add_task("train", total=total, loss="-", tps="-")
-
-    def __enter__(self) -> _Progress:
-        if self.enabled:
-            self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.enabled:
-            self.bar.__exit__(*exc)
-
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        if self.enabled:
-            self.bar.update(self.task, completed=step + 1, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")
-
+        self.result.checkpoint = self.records.write_checkpoint(done, payloads)

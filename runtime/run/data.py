@@ -61,7 +61,7 @@ def load_records(data: DataSpec) -> tuple[list[dict[str, Any]], str]:
         if data.format != "alpaca":
             raise ConfigError(f"data.format={data.format} needs data.path=FILE: the bundled demo set "
                               "(used when data.path is unset) is in the alpaca format")
-        from hetero.pretrained import demo_data_text
+        from hetero.runtime.pretrained import demo_data_text
 
         return _parse_jsonl(demo_data_text(), DEMO_NAME), DEMO_NAME
     path = Path(data.path).expanduser()

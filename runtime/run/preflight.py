@@ -41,7 +41,7 @@ class Checked:
 def preflight(plan: Plan, run_dir: Path, host: str | None = None, port: int | None = None,
               resume: Path | None = None) -> Checked:
     """Check everything that can fail before a stage starts; returns what was read on the way."""
-    from hetero.pretrained import resolve_dir
+    from hetero.runtime.pretrained import resolve_dir
 
     model_dir = resolve_dir(plan.model)
     checked = Checked()
@@ -110,7 +110,7 @@ def _header_shapes(model_dir: Path, names: list[str]) -> dict[str, tuple[int, ..
     """Shapes of ``names`` in the model's safetensors files (headers only: no tensor is read)."""
     from safetensors import SafetensorError, safe_open
 
-    from hetero.pretrained import weight_index
+    from hetero.runtime.pretrained import weight_index
 
     index = weight_index(model_dir)
     by_file: dict[str, list[str]] = defaultdict(list)
@@ -153,7 +153,7 @@ def check_ports(plan: Plan, host: str | None, port: int | None) -> None:
     """Every port this host's processes will listen on (coordinator + local stages) is free now."""
     import zmq
 
-    from hetero.runtime.stage.worker import coordinator_endpoint
+    from hetero.runtime.run.coordinator import coordinator_endpoint
     from hetero.runtime.wire.transport import bind_address
 
     name = host or plan.stages[0].host

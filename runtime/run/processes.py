@@ -16,9 +16,15 @@ import threading
 import time
 from pathlib import Path
 
+from hetero.errors import HeteroError
+
 STRAGGLER_S = 30.0  # `hetero worker`: how long its other stages may outlive one that exited
 STOPPED_KILL_S = 30.0  # `hetero worker`: a stage stopped (SIGSTOP) this long is killed
 log = logging.getLogger("hetero.processes")
+
+
+class StageFailedError(HeteroError):
+    """A stage process reported an error, exited, or went silent."""
 
 
 def exit_cause(code: int) -> str:
@@ -41,7 +47,7 @@ def is_stopped(pid: int) -> bool:
 
 
 def spawn_stages(plan_path: Path, stages: list[int], run_dir: Path, coordinator: str) -> dict[int, subprocess.Popen]:
-    """One ``python -m hetero.runtime.stage.worker`` per stage, logging to run_dir/logs/stage<k>.log."""
+    """One ``python -m hetero.runtime.stage.process`` per stage, logging to run_dir/logs/stage<k>.log."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     procs: dict[int, subprocess.Popen] = {}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -49,7 +55,7 @@ def spawn_stages(plan_path: Path, stages: list[int], run_dir: Path, coordinator:
         with open(run_dir / "logs" / f"stage{k}.log", "ab") as logf:
             # start_new_session: a terminal Ctrl-C reaches only the parent, which stops stages in order.
             procs[k] = subprocess.Popen(
-                [sys.executable, "-m", "hetero.runtime.stage.worker", str(plan_path), "--stage", str(k),
+                [sys.executable, "-m", "hetero.runtime.stage.process", str(plan_path), "--stage", str(k),
                  "--coordinator", coordinator, "--parent-pid", str(os.getpid())],
                 stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     return procs
@@ -115,6 +121,12 @@ def supervise(procs: dict[int, subprocess.Popen], poll_s: float = 0.5,
         if len(codes) < len(procs):
             time.sleep(poll_s)
     return codes
+
+
+def last_line(text: str, limit: int | None = 300) -> str:
+    """The last non-blank line of a log or a command's output, stripped and clipped to ``limit`` ("" if none)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:limit] if lines else ""
 
 
 def last_error_line(log: Path) -> str | None:

@@ -16,7 +16,7 @@ import os
 import re
 import shlex
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -60,19 +60,33 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-# `hetero run`'s own --host/--port, set by runtime.cli.main_run: every command this run suggests repeats
-# them, so it works as printed.
-RUN_OPTIONS: list[str] = []
+def rerun_options(host: str | None, port: int | None) -> tuple[str, ...]:
+    """`hetero run`'s own ``--host H --port P``: every command a run suggests repeats them, so it works as printed."""
+    return (*(("--host", host) if host else ()), *(("--port", str(port)) if port is not None else ()))
 
 
-def run_command(plan_path: Path) -> list[str]:
+def run_command(plan_path: Path, options: Sequence[str] = ()) -> list[str]:
     """``hetero run PLAN [--host H] [--port P]``: this run's command, for the hints that continue it."""
-    return ["hetero", "run", str(plan_path), *RUN_OPTIONS]
+    return ["hetero", "run", str(plan_path), *options]
 
 
-def resume_command(run_dir: Path, checkpoint: Path) -> str:
+def resume_command(run_dir: Path, checkpoint: Path, options: Sequence[str] = ()) -> str:
     """The `hetero run ... --resume CHECKPOINT` command that continues this run where it stopped."""
-    return shlex.join([*run_command(Path(run_dir) / "plan.json"), "--resume", str(checkpoint)])
+    return shlex.join([*run_command(Path(run_dir) / "plan.json", options), "--resume", str(checkpoint)])
+
+
+class RunDirWriteError(RunDirError):
+    """A write to the run directory failed; the message ends with how to continue the run."""
+
+    def __init__(self, failed: str, run_dir: Path, last: Path | None, options: Sequence[str] = ()) -> None:
+        then = ("run again (no checkpoint was complete yet)" if last is None
+                else f"resume with `{resume_command(run_dir, last, options)}`")
+        super().__init__(f"{failed} and {then}")
+        self.failed, self.run_dir, self.last = failed, run_dir, last
+
+    def for_run(self, options: Sequence[str]) -> RunDirWriteError:
+        """The same failure, its resume command with the run's own ``--host/--port`` (``rerun_options``)."""
+        return RunDirWriteError(self.failed, self.run_dir, self.last, options)
 
 
 def write_failure(exc: OSError, what: str, where: Path, run_dir: Path) -> RunDirError:
@@ -84,12 +98,7 @@ def write_failure(exc: OSError, what: str, where: Path, run_dir: Path) -> RunDir
         fix = f"make {where} writable"
     else:
         fix = "fix that"
-    last = latest_checkpoint(run_dir)
-    if last is None:
-        then = "run again (no checkpoint was complete yet)"
-    else:
-        then = f"resume with `{resume_command(run_dir, last)}`"
-    return RunDirError(f"cannot write {what} to {where} ({reason}): {fix} and {then}")
+    return RunDirWriteError(f"cannot write {what} to {where} ({reason}): {fix}", run_dir, latest_checkpoint(run_dir))
 
 
 def fsync_dir(path: Path) -> None:

@@ -27,6 +27,8 @@ from typing import Any
 from hetero import __version__
 from hetero.errors import HeteroError
 from hetero.plan import Plan
+from hetero.runtime.run.processes import last_line
+from hetero.security import is_loopback
 from hetero.specs import SshSpec
 
 CHECK_PREFIX = "hetero-check: "  # the line `hetero worker --check` answers with (a login banner may precede it)
@@ -99,7 +101,7 @@ def worker_command(host: SshHost, *args: str) -> list[str]:
 
 def check_report(plan_path: Path, host: str) -> str:
     """One line for `hetero run`'s check: this hetero's version, the plan's hash, or why this host cannot run."""
-    from hetero.runtime.stage.worker import check_host
+    from hetero.runtime.run.host import check_host
 
     report: dict[str, Any] = {"hetero_version": __version__, "python": sys.executable,
                               "plan": str(plan_path.resolve()), "input_hash": None, "error": None}
@@ -114,11 +116,6 @@ def check_report(plan_path: Path, host: str) -> str:
 
 
 # -- on this host: checking and starting the remote workers --------------------------------------------------
-
-
-def _last_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else ""
 
 
 def _copy_hint(host: SshHost) -> str:
@@ -146,7 +143,7 @@ def _problem(plan: Plan, host: SshHost, done: subprocess.CompletedProcess | str)
     out, err = done.stdout or "", done.stderr or ""
     lines = [ln for ln in out.splitlines() if ln.startswith(CHECK_PREFIX)]
     if not lines:
-        said = _last_line(err) or _last_line(out) or f"exit code {done.returncode}"
+        said = last_line(err) or last_line(out) or f"exit code {done.returncode}"
         if done.returncode == 255:
             fix = "fix its ssh settings in the fleet file (ssh runs with BatchMode=yes: no password prompt)"
             if "Host key verification failed" in said:
@@ -184,10 +181,6 @@ def _problem(plan: Plan, host: SshHost, done: subprocess.CompletedProcess | str)
     return None, warning
 
 
-def _loopback(address: str) -> bool:
-    return address in ("localhost", "::1") or address.startswith("127.")
-
-
 def check_ssh_hosts(plan: Plan, hosts: list[SshHost], local_host: str) -> None:
     """Ask every ssh host, in parallel, whether it can run its part; raise RemoteHostError if one cannot.
 
@@ -195,8 +188,8 @@ def check_ssh_hosts(plan: Plan, hosts: list[SshHost], local_host: str) -> None:
     if not hosts:
         return
     here = plan.cluster.host(local_host).address
-    far = [h for h in hosts if not _loopback(plan.cluster.host(h.name).address)]
-    if _loopback(here) and far:
+    far = [h for h in hosts if not is_loopback(plan.cluster.host(h.name).address)]
+    if is_loopback(here) and far:
         other = plan.cluster.host(far[0].name)
         raise RemoteHostError(f"the coordinator's host {local_host} has address {here}, where host {other.name} "
                               f"({other.address}) cannot reach it: give {local_host} an address {other.name} "
@@ -252,7 +245,7 @@ class SshWorkers:
             if code is not None and code != 0:
                 from hetero.runtime.run.processes import exit_cause, last_error_line
 
-                said = last_error_line(self.log(name)) or _last_line(self.log(name).read_text(errors="replace"))
+                said = last_error_line(self.log(name)) or last_line(self.log(name).read_text(errors="replace"))
                 cause = "ssh failed" if code == 255 else exit_cause(code)
                 return name, f"{cause}: {said}" if said else cause
         return None

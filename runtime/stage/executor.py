@@ -13,16 +13,18 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from hetero.errors import TrainingDivergedError, WireError
 from hetero.program import Action
+from hetero.protocol import GradNorm, Record
 from hetero.runtime.run.data import IGNORE_INDEX
+from hetero.runtime.stage.lora import peft_key
 from hetero.runtime.stage.lr import make_scheduler
-from hetero.runtime.stage.model import Stage, peft_key
+from hetero.runtime.stage.model import Stage
 from hetero.security import COORDINATOR, stage_name
 from hetero.specs import TrainSpec
 
@@ -63,7 +65,7 @@ def apply_step(params: list[torch.nn.Parameter], optimizer: Any, scheduler: Any,
 class Wire(Protocol):
     """The part of hetero.runtime.wire.transport.Transport the executor uses."""
 
-    def send(self, peer: str, kind: str, *, step: int = 0, mb: int = -1,
+    def send(self, peer: str, kind: str | Record, *, step: int = 0, mb: int = -1,
              tensors: dict[str, torch.Tensor] | None = None, meta: dict | None = None) -> None: ...
 
     def recv(self, kind: str | None = None, *, step: int | None = None, mb: int | None = None,
@@ -91,6 +93,11 @@ class StepStats:
 
 class Executor:
     """Executes a stage's program step after step; owns the stage's optimizer and LR schedule."""
+
+    # A profiler's seam, empty in hetero itself: each callable is told (stage index, op, step, mb, start,
+    # end) after every action of every executor in this process, on time.perf_counter's clock.
+    # bench/w3_timeline.py registers one in the stage processes to time W3's actions.
+    action_observers: ClassVar[list[Callable[[int, str, int, int, float, float], None]]] = []
 
     def __init__(self, stage: Stage, program: list[Action], wire: Wire, train: TrainSpec,
                  neighbours: tuple[int | None, int | None] | None = None, replicated: bool = False) -> None:
@@ -140,7 +147,10 @@ class Executor:
         for action in self.program:
             t0 = time.perf_counter()
             self._handlers[action.op](step, action.mb)
-            times[action.op] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            times[action.op] += t1 - t0
+            for observe in self.action_observers:
+                observe(self.stage.index, action.op, step, action.mb, t0, t1)
         wall = time.perf_counter() - start
         times["clip_wait"] = self._clip_wait  # inside STEP, but waiting for the other stages
         leftover = len(self._inputs) + len(self._outputs) + len(self._grads)
@@ -237,7 +247,7 @@ class Executor:
             coef = self._reduce_grads(step)
         else:
             self._grad_sumsq = grad_sumsq(self.params)
-            self.wire.send(COORDINATOR, "gradnorm", step=step, meta={"sumsq": self._grad_sumsq})
+            self.wire.send(COORDINATOR, GradNorm(sumsq=self._grad_sumsq), step=step)
             t0 = time.perf_counter()
             msg = self.wire.recv("clip", step=step, sender=COORDINATOR)
             self._clip_wait = time.perf_counter() - t0

@@ -1,4 +1,12 @@
-"""LoRA's forward without peft's per-projection fp32 input copies.
+"""LoRA for a stage, built without peft, and its forward without peft's per-projection fp32 input copies.
+
+``add_lora`` wraps each target Linear of a stage in ``LoraLinear``, which is peft's ``lora.Linear`` for
+one plain adapter: the same module and parameter names (``base_model.model.<module>.lora_A.default.weight``
+under ``LoraModel``), the same initialisation and draws from the global RNG, the same dtypes (fp32
+adapters on the base layer's device), scaling alpha / r, dropout on the adapter's input. Its state is
+peft's (``lora_state`` has ``get_peft_model_state_dict``'s keys). A stage process so never imports peft
+(seconds of CPU at start); ``share_lora_inputs`` gives a real peft model the same forward (the profiler
+and the tests build one with peft).
 
 peft casts each LoRA'd Linear's input to the adapter's dtype (fp32) before ``lora_A``, and autograd
 keeps that copy for A's weight gradient: under bf16 q, k and v each keep their own fp32 copy of the
@@ -21,12 +29,25 @@ orders it.
 
 from __future__ import annotations
 
+import hashlib
+import math
 import types
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hetero.errors import CheckpointError, PlanError
+from hetero.specs import LoraSpec
+
+ADAPTER = "default"  # peft's adapter name: part of every LoRA parameter name, dropped from the PEFT keys
+
+
+def peft_key(param_name: str, adapter: str = ADAPTER) -> str:
+    """The PEFT state-dict key of a LoRA parameter name (peft drops the adapter name)."""
+    return param_name.replace(f".{adapter}.", ".")
 
 
 class _LoraDelta(torch.autograd.Function):
@@ -109,28 +130,156 @@ class _LoraLinear(torch.autograd.Function):
         return grad_x, None, grad_bias, grad_a, grad_b.contiguous(), None, None
 
 
-def _fusable(module: Any, x: torch.Tensor) -> bool:
+def _fusable(base: nn.Module, a_weight: torch.Tensor, x: torch.Tensor) -> bool:
     """A frozen plain nn.Linear base, no hooks, the input's and the adapter's dtype on its weight."""
-    base = module.base_layer
     return (type(base) is nn.Linear and not base.weight.requires_grad and not base._forward_hooks
-            and not base._forward_pre_hooks and x.dtype == base.weight.dtype == module._hetero_a_dtype
+            and not base._forward_pre_hooks and x.dtype == base.weight.dtype == a_weight.dtype
             and x.device == base.weight.device and x.dim() >= 2)
 
 
-def _forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """peft's vanilla single-adapter LoRA forward, through _LoraLinear or _LoraDelta."""
-    name = self.active_adapters[0]
-    dropout = self.lora_dropout[name]
+def lora_linear(base: nn.Module, x: torch.Tensor, a_weight: torch.Tensor, b_weight: torch.Tensor, scaling: float,
+                dropout: nn.Module, cast_first: bool, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """peft's vanilla single-adapter LoRA forward, through _LoraLinear or _LoraDelta.
+
+    ``cast_first``: add the delta cast to the base output's dtype (peft's bitsandbytes layers), rather than
+    add in the delta's dtype and cast the sum (peft's ``lora.Linear``)."""
     p = float(dropout.p) if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
-    if not args and not kwargs and _fusable(self, x):
-        base = self.base_layer
-        return _LoraLinear.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
-                                 self.scaling[name], p)
-    result = self.base_layer(x, *args, **kwargs)
-    delta = _LoraDelta.apply(x, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name], p)
-    if self._hetero_cast_first:  # peft's bitsandbytes layers cast the LoRA output before adding it
+    if not args and not kwargs and _fusable(base, a_weight, x):
+        return _LoraLinear.apply(x, base.weight, base.bias, a_weight, b_weight, scaling, p)
+    result = base(x, *args, **kwargs)
+    delta = _LoraDelta.apply(x, a_weight, b_weight, scaling, p)
+    if cast_first:
         return result + delta.to(result.dtype)
     return (result + delta).to(result.dtype)
+
+
+class LoraLinear(nn.Module):
+    """A frozen Linear (nn.Linear or bitsandbytes Linear4bit) with one LoRA adapter: peft's ``lora.Linear``.
+
+    Children are registered in peft's order and under peft's names (``base_layer``, ``lora_dropout.default``,
+    ``lora_A.default``, ``lora_B.default``), so parameter names, their order and the PEFT keys are peft's.
+    peft wraps a Linear4bit it did not load itself (the stage quantizes its own weights) in this same class,
+    so the sum is formed in the adapter's dtype and then cast (``cast_first`` False) for both bases.
+    """
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.lora_dropout = nn.ModuleDict({ADAPTER: nn.Dropout(p=dropout) if dropout > 0.0 else nn.Identity()})
+        # Created and initialised as peft does (nn.Linear's own init, then kaiming A and zero B): the same
+        # draws from the global RNG, which later draws the dropout masks.
+        self.lora_A = nn.ModuleDict({ADAPTER: nn.Linear(base.in_features, r, bias=False)})
+        self.lora_B = nn.ModuleDict({ADAPTER: nn.Linear(r, base.out_features, bias=False)})
+        nn.init.kaiming_uniform_(self.lora_A[ADAPTER].weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B[ADAPTER].weight)
+        # peft moves the adapter to the base's device and upcasts a half-precision one: fp32 there.
+        self.lora_A.to(base.weight.device)
+        self.lora_B.to(base.weight.device)
+        self.scaling = alpha / r
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The base layer's output plus the scaled adapter's."""
+        return lora_linear(self.base_layer, x, self.lora_A[ADAPTER].weight, self.lora_B[ADAPTER].weight,
+                           self.scaling, self.lora_dropout[ADAPTER], False, *args, **kwargs)
+
+
+class _Tuner(nn.Module):
+    """peft's ``LoraModel`` level: holds the model as ``.model``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+
+class LoraModel(nn.Module):
+    """The stage's model under peft's prefix (``base_model.model.``): parameter names equal a PeftModel's."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.base_model = _Tuner(model)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's forward, as a PeftModel's (a stage runs its parts through Stage.forward)."""
+        return self.base_model.model(*args, **kwargs)
+
+
+def _is_target(name: str, targets: Iterable[str]) -> bool:
+    """peft's rule for a list of target_modules: the module's full name, or its name ends with '.<target>'."""
+    return any(name == t or name.endswith(f".{t}") for t in targets)
+
+
+def add_lora(model: nn.Module, lora: LoraSpec, seed: int) -> LoraModel | None:
+    """Wrap every target Linear of ``model`` in LoraLinear, as peft's get_peft_model does; None if none is here."""
+    targets = [(name, m) for name, m in model.named_modules() if name and _is_target(name, lora.target_modules)]
+    if not targets:
+        return None
+    model.requires_grad_(False)  # peft trains the adapters only (bias "none")
+    for name, module in targets:
+        if not isinstance(module, nn.Linear):
+            raise PlanError(f"lora.target_modules matches '{name}', a {type(module).__name__}; the runtime adds "
+                            "LoRA to Linear layers only (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, ...)")
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, LoraLinear(module, lora.r, lora.alpha, lora.dropout))
+    root = LoraModel(model)
+    _init_lora_a(root, seed)
+    return root
+
+
+def _init_lora_a(root: nn.Module, seed: int) -> None:
+    """Initialise each lora_A from a generator keyed by (seed, parameter name), like peft's kaiming init.
+
+    The initial adapter then does not depend on how the model is split into stages.
+    """
+    for name, p in root.named_parameters():
+        if "lora_A" in name and p.requires_grad:
+            key = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+            gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(key[:8], "little"))
+            w = torch.empty(p.shape, dtype=torch.float32)
+            nn.init.kaiming_uniform_(w, a=math.sqrt(5), generator=gen)
+            with torch.no_grad():
+                p.copy_(w.to(p.dtype))
+
+
+def _lora_tensors(root: nn.Module) -> dict[str, torch.Tensor]:
+    """Each LoRA layer's A and B weights under their PEFT keys, in module order (peft selects them the same way)."""
+    out = {}
+    for name, module in root.named_modules():
+        if hasattr(module, "lora_A") and hasattr(module, "base_layer"):  # ours, or a peft model's
+            for part in ("lora_A", "lora_B"):
+                out[f"{name}.{part}.weight"] = getattr(module, part)[ADAPTER].weight
+    return out
+
+
+def lora_state(root: nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA weights in PEFT key space (``get_peft_model_state_dict``'s), as CPU float32 copies."""
+    return {k: v.detach().to("cpu", torch.float32).clone() for k, v in _lora_tensors(root).items()}
+
+
+def load_lora_state(root: nn.Module, state: dict[str, torch.Tensor], where: str, *, strict: bool = True) -> list[str]:
+    """Copy the entries of ``state`` (PEFT keys) that are ``root``'s LoRA weights into it; returns the keys taken."""
+    mine = _lora_tensors(root)
+    taken = sorted(k for k in state if k in mine)
+    missing = sorted(set(mine) - set(taken))
+    if strict and missing:
+        raise CheckpointError(
+            f"{where}: the adapter lacks {len(missing)} LoRA tensor(s) of this stage "
+            f"(first: {missing[0]}); it was trained with other lora.target_modules or another model"
+        )
+    bad = [k for k in taken if tuple(state[k].shape) != tuple(mine[k].shape)]
+    if bad:
+        raise CheckpointError(f"{where}: adapter tensor {bad[0]} has shape {tuple(state[bad[0]].shape)}, this "
+                              f"stage's {tuple(mine[bad[0]].shape)}: it was trained with another model or lora.r")
+    with torch.no_grad():
+        for k in taken:
+            mine[k].copy_(state[k])
+    return taken
+
+
+def _peft_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """A peft LoRA layer's forward through lora_linear (installed by share_lora_inputs)."""
+    name = self.active_adapters[0]
+    return lora_linear(self.base_layer, x, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name],
+                       self.lora_dropout[name], self._hetero_cast_first, *args, **kwargs)
 
 
 def _plain(module: Any) -> bool:
@@ -141,19 +290,18 @@ def _plain(module: Any) -> bool:
 
 
 def share_lora_inputs(model: nn.Module) -> int:
-    """Route every plain LoRA Linear of ``model`` through _LoraDelta; returns how many."""
-    from peft.tuners.lora.layer import Linear as LoraLinear
+    """Route every plain LoRA Linear of a peft ``model`` through lora_linear; returns how many."""
+    from peft.tuners.lora.layer import Linear as PeftLinear
 
     count = 0
     for module in model.modules():
         if not hasattr(module, "lora_A") or not hasattr(module, "base_layer"):
             continue
-        is_linear = isinstance(module, LoraLinear)
+        is_linear = isinstance(module, PeftLinear)
         is_4bit = type(module).__name__ == "Linear4bit" and type(module).__module__.startswith("peft.")
         if not (is_linear or is_4bit) or not _plain(module):
             continue
         module._hetero_cast_first = is_4bit
-        module._hetero_a_dtype = module.lora_A[module.active_adapters[0]].weight.dtype
-        module.forward = types.MethodType(_forward, module)
+        module.forward = types.MethodType(_peft_forward, module)
         count += 1
     return count

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from hetero.errors import ConfigError, HeteroError, PlanError
+from hetero.errors import ConfigError, HeteroError
 from hetero.plan import Plan
 from hetero.specs import EvalSpec
 
@@ -57,7 +57,7 @@ def eval_device_name(plan: Plan, evaluation: EvalSpec, host: str) -> str:
 def held_out_batches(plan: Plan, evaluation: EvalSpec) -> Any:
     """The held-out micro-batches: eval.path in data.format, in file order, at most eval.max_batches of them
     (never repeating a record)."""
-    from hetero.pretrained import resolve_dir
+    from hetero.runtime.pretrained import resolve_dir
     from hetero.runtime.run.data import StepBatches
 
     if not evaluation.path:
@@ -77,7 +77,8 @@ def held_out_batches(plan: Plan, evaluation: EvalSpec) -> Any:
 
 def build_evaluator(plan: Plan, device_name: str) -> Any:
     """The whole model as one stage on ``device_name`` (built by runtime/stage/model.py, LoRA untrained)."""
-    from hetero.planner.cost import compute_dtype
+    from hetero.planner.cost_model import compute_dtype
+    from hetero.runtime.stage.device import torch_device
     from hetero.runtime.stage.model import build_stage
 
     spec = plan.cluster.device(device_name)
@@ -87,18 +88,12 @@ def build_evaluator(plan: Plan, device_name: str) -> Any:
                     quantization=spec.quantization(plan.model.quantization), first_node=0,
                     last_node=len(nodes) - 1, node_names=[n.name for n in nodes], recompute_layers=[])
     one = replace(plan, stages=[whole], replicas=[])
-    if spec.backend == "cpu":
-        device = torch.device("cpu")
+    device = torch_device(spec.backend, spec.index, f"eval.device {spec.name}")
+    if device.type == "cpu":
         torch.set_num_threads(max(1, spec.threads or 1))
-    elif spec.backend in ("cuda", "rocm"):
-        if not torch.cuda.is_available():
-            raise PlanError(f"eval.device {spec.name} ({spec.backend}): this torch sees no GPU here")
-        device = torch.device("cuda", spec.index)
-    else:
-        device = torch.device(spec.backend)
     stage = build_stage(one, 0, device)
-    if stage.peft_model is not None:
-        stage.peft_model.eval()  # no LoRA dropout when evaluating
+    if stage.lora_model is not None:
+        stage.lora_model.eval()  # no LoRA dropout when evaluating
     return stage
 
 

@@ -109,7 +109,7 @@ def find_adapter(source: Path) -> Path:
 def resolve_base(base: str) -> Path:
     """The local directory of an adapter's ``base_model_name_or_path`` (a directory or a cached hub id)."""
     from hetero.errors import ConfigError
-    from hetero.pretrained import resolve_dir
+    from hetero.runtime.pretrained import resolve_dir
     from hetero.specs import ModelSpec
 
     try:

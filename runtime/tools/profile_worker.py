@@ -43,10 +43,11 @@ import torch
 
 from hetero.errors import HeteroError, WireError
 from hetero.profile import LAYER_KINDS, DeviceProfile, LinkProfile, fit_line
+from hetero.runtime.stage.device import torch_device
+from hetero.security import COORDINATOR, is_loopback
 from hetero.serde import from_dict, to_dict
 from hetero.specs import ClusterSpec, DeviceSpec, ModelSpec
 
-COORDINATOR = "coordinator"
 LINK_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 22)  # bytes per message: latency- to bandwidth-dominated
 LINK_REPEATS = 5
 log = logging.getLogger("hetero.profile")
@@ -57,13 +58,7 @@ def worker_name(device: str) -> str:
 
 
 def _device_for(spec: DeviceSpec) -> torch.device:
-    if spec.backend == "cpu":
-        return torch.device("cpu")
-    if spec.backend in ("cuda", "rocm"):
-        if not torch.cuda.is_available():
-            raise HeteroError(f"{spec.name} is a {spec.backend} device but this torch sees no GPU on this host")
-        return torch.device("cuda", spec.index)
-    return torch.device("mps")
+    return torch_device(spec.backend, spec.index, f"`hetero profile` measures {spec.name}")
 
 
 def _echo_peer(transport: Any, msg: Any, connected: set[str]) -> None:
@@ -188,52 +183,19 @@ def measure_fleet(
     timeout_s: float = 1800.0, link_sizes: tuple[int, ...] = LINK_SIZES, link_repeats: int = LINK_REPEATS,
 ) -> tuple[list[DeviceProfile], list[LinkProfile]]:
     """Profile every device (one process each) and every host pair; ``on_event`` gets progress lines."""
-    from hetero.runtime.stage.worker import stop_processes
+    from hetero.runtime.run.processes import stop_processes
     from hetero.runtime.wire.transport import Transport
 
     say = on_event or (lambda _line: None)
     first = cluster.hosts[0]
-    local = local_hosts if local_hosts is not None else {h.name for h in cluster.hosts
-                                                         if h.address in ("127.0.0.1", "localhost", "::1")}
-    procs: dict[int, subprocess.Popen] = {}
+    local = local_hosts if local_hosts is not None else {h.name for h in cluster.hosts if is_loopback(h.address)}
     with Transport(COORDINATOR, f"tcp://{first.address}:0", token, recv_timeout_s=timeout_s) as transport:
-        coordinator = transport.endpoint or ""
-        for i, dev in enumerate(cluster.devices):
-            host = cluster.host(dev.host)
-            bind = f"tcp://{host.address}:0"
-            if dev.host in local:
-                procs[i] = _spawn(dev.name, coordinator, token, bind, log_dir)
-            else:
-                say(f"on host {dev.host} run: python -m hetero.runtime.tools.profile_worker --device {dev.name} "
-                    f"--coordinator {coordinator} --token {token} --bind {bind}")
+        procs = _start_workers(cluster, transport.endpoint or "", token, log_dir, local, say)
         try:
             endpoints = _gather_hellos(transport, cluster, procs, timeout_s)
             for dev in cluster.devices:
                 transport.connect(worker_name(dev.name), endpoints[dev.name])
-            by_name = {}
-            for group in _profile_groups(cluster):
-                for dev in group:
-                    # The host's other CPU stages repeat a decoder layer meanwhile: the cores are shared
-                    # steadily, as in the run, not by whichever neighbour happens to be measuring what.
-                    others = [d for d in group if d.name != dev.name]
-                    for other in others:
-                        transport.send(worker_name(other.name), "welcome", meta={
-                            "op": "load", "device": to_dict(other), "model": to_dict(model),
-                            "micro_batch_size": micro_batch_size})
-                    for other in others:
-                        _await_state(transport, other.name, say)
-                    share = sum(1 for d in cluster.devices if d.host == dev.host and d.backend == "cpu") or 1
-                    transport.send(worker_name(dev.name), "welcome", meta={
-                        "op": "profile", "device": to_dict(dev), "model": to_dict(model),
-                        "micro_batch_size": micro_batch_size, "share": share if dev.backend == "cpu" else 1,
-                        "measured_with": [d.name for d in others]})
-                    reply = _await_state(transport, dev.name, say)
-                    by_name[dev.name] = from_dict(DeviceProfile, reply["profile"], f"profile of {dev.name}")
-                    say(f"profiled {dev.name}")
-                if len(group) > 1:  # end the last loads before anything else is measured
-                    for dev in group:
-                        transport.send(worker_name(dev.name), "welcome", meta={"op": "idle"})
-            profiles = [by_name[d.name] for d in cluster.devices]
+            profiles = _profile_devices(transport, cluster, model, micro_batch_size, say)
             links = []
             for a, b, sender, receiver in _link_pairs(cluster):
                 transport.send(worker_name(sender), "welcome", meta={
@@ -250,6 +212,49 @@ def measure_fleet(
                 except WireError:
                     pass
             stop_processes({k: p for k, p in procs.items()}, grace_s=10.0)
+
+
+def _start_workers(cluster: ClusterSpec, coordinator: str, token: str, log_dir: Path, local: set[str],
+                   say: Callable[[str], None]) -> dict[int, subprocess.Popen]:
+    """A profile worker per device of the ``local`` hosts; for the others, the command to run there."""
+    procs: dict[int, subprocess.Popen] = {}
+    for i, dev in enumerate(cluster.devices):
+        bind = f"tcp://{cluster.host(dev.host).address}:0"
+        if dev.host in local:
+            procs[i] = _spawn(dev.name, coordinator, token, bind, log_dir)
+        else:
+            say(f"on host {dev.host} run: python -m hetero.runtime.tools.profile_worker --device {dev.name} "
+                f"--coordinator {coordinator} --token {token} --bind {bind}")
+    return procs
+
+
+def _profile_devices(transport: Any, cluster: ClusterSpec, model: ModelSpec, micro_batch_size: int,
+                     say: Callable[[str], None]) -> list[DeviceProfile]:
+    """Every device's profile, in the cluster's order; a host's CPU stages each while the others run a load."""
+    by_name = {}
+    for group in _profile_groups(cluster):
+        for dev in group:
+            # The host's other CPU stages repeat a decoder layer meanwhile: the cores are shared
+            # steadily, as in the run, not by whichever neighbour happens to be measuring what.
+            others = [d for d in group if d.name != dev.name]
+            for other in others:
+                transport.send(worker_name(other.name), "welcome", meta={
+                    "op": "load", "device": to_dict(other), "model": to_dict(model),
+                    "micro_batch_size": micro_batch_size})
+            for other in others:
+                _await_state(transport, other.name, say)
+            share = sum(1 for d in cluster.devices if d.host == dev.host and d.backend == "cpu") or 1
+            transport.send(worker_name(dev.name), "welcome", meta={
+                "op": "profile", "device": to_dict(dev), "model": to_dict(model),
+                "micro_batch_size": micro_batch_size, "share": share if dev.backend == "cpu" else 1,
+                "measured_with": [d.name for d in others]})
+            reply = _await_state(transport, dev.name, say)
+            by_name[dev.name] = from_dict(DeviceProfile, reply["profile"], f"profile of {dev.name}")
+            say(f"profiled {dev.name}")
+        if len(group) > 1:  # end the last loads before anything else is measured
+            for dev in group:
+                transport.send(worker_name(dev.name), "welcome", meta={"op": "idle"})
+    return [by_name[d.name] for d in cluster.devices]
 
 
 def _profile_groups(cluster: ClusterSpec) -> list[list[DeviceSpec]]:

@@ -37,7 +37,9 @@ from hetero.errors import HeteroError
 from hetero.profile import DeviceProfile, LayerProfile, LinearFit, fit_line
 from hetero.runtime.stage.lora import share_lora_inputs
 from hetero.runtime.stage.memory import kept_bytes
-from hetero.runtime.stage.model import TORCH_DTYPES, StageLayout, _build_config, _quantize_nf4, _skeleton
+from hetero.runtime.stage.model import StageLayout, _build_config, _skeleton
+from hetero.runtime.stage.weights import quantize_nf4
+from hetero.runtime.wire.frames import TORCH_DTYPES
 from hetero.specs import DeviceSpec, ModelSpec, TrainSpec
 
 OPTIMIZER_COPIES = (1, 2, 4, 8)  # optimizer steps over this many decoder layers' LoRA parameters
@@ -96,7 +98,7 @@ def build_probe(model: ModelSpec, device: torch.device, dtype: str, quantization
     m.to(torch_dtype)
     m.requires_grad_(False)
     if quantization == "nf4":
-        _quantize_nf4(m, torch_dtype, device)
+        quantize_nf4(m, torch_dtype, device)
     m.eval()
     lora = model.lora
     peft = get_peft_model(m, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
@@ -311,7 +313,7 @@ def profile_messages(probe: Probe, token_counts: list[int]) -> tuple[LinearFit, 
     receive is timed once the message has arrived (decode and the copy onto the device), the way
     the executor receives (through the Mailbox, which also looks at control messages).
     """
-    from hetero.runtime.stage.worker import Mailbox
+    from hetero.runtime.wire.control import Mailbox
     from hetero.runtime.wire.transport import Transport
 
     sizes, send_s, recv_s = [], [], []

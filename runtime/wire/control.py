@@ -17,11 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from hetero.errors import HeteroError, WireError
+from hetero.protocol import FAILURE_TIMEOUT_S, LOST_GRACE_S, SLICE_S, Record
 
-SLICE_S = 0.5  # a blocking receive wakes up this often to look at control messages
-FAILURE_TIMEOUT_S = 10.0  # default bound on a working peer's silence (`hetero run runtime.failure_timeout_s=`)
-LOAD_TIMEOUT_S = 120.0  # default bound while a stage builds: loading may hold the GIL (`runtime.load_timeout_s=`)
-LOST_GRACE_S = 2.0  # a dropped connection that stays down this long is a lost peer (ZeroMQ reconnects otherwise)
+# SLICE_S, FAILURE_TIMEOUT_S and LOST_GRACE_S are defined (and explained) in hetero/protocol.py.
 log = logging.getLogger("hetero.control")
 
 
@@ -137,7 +135,8 @@ class Mailbox:
             self.connections.close()
             self.connections = None
 
-    def send(self, peer: str, kind: str, **kwargs: Any) -> None:
+    def send(self, peer: str, kind: str | Record, **kwargs: Any) -> None:
+        """Transport.send: a hetero.protocol record, or a kind's name with its tensors."""
         self.transport.send(peer, kind, **kwargs)
 
     def _take(self, kind: str) -> Any:

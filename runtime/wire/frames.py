@@ -20,29 +20,16 @@ import msgpack
 import torch
 
 from hetero.errors import WireError
+from hetero.protocol import COMPUTE_DTYPES, KINDS, MAX_HEADER_BYTES, WIRE_DTYPES, WIRE_VERSION
 
-WIRE_VERSION: int = 1
-
-KINDS: frozenset[str] = frozenset({
-    "hello", "welcome", "start", "act", "grad", "batch", "labels", "loss", "gradnorm", "clip",
-    "stepdone", "state", "checkpoint", "stop", "error", "heartbeat", "generate", "logits", "grads", "reduced",
-})
-
-# Wire dtype names: stable strings, independent of the torch version on either host.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
+# KINDS (every kind hetero/protocol.py defines a record for) is all a process sends or decodes.
+# Wire dtype names (hetero/protocol.py): stable strings, independent of the torch version on either host.
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in WIRE_DTYPES}
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+# The dtypes a stage computes in: the runtime's one map from plan.json's dtype names to torch.
+TORCH_DTYPES: dict[str, torch.dtype] = {name: DTYPES[name] for name in COMPUTE_DTYPES}
 
 _HEADER_KEYS = ("v", "plan", "kind", "sender", "step", "mb", "meta", "tensors")
-# A header is small (names, shapes, a few scalars); anything bigger is not from a hetero peer.
-MAX_HEADER_BYTES = 1 << 20
 MAX_TENSOR_DIMS = 16
 MAX_DIM = 1 << 40  # bounds a zero-size tensor's other dims, which torch cannot allocate beyond int64
 

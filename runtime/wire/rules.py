@@ -6,8 +6,8 @@ point of view:
 
 - the sender may send this kind to this process (``act`` only from the previous stage, ``grad``
   only from the next, ``clip``/``welcome``/``batch``/``labels``/``stop`` only from the coordinator);
-- its metadata is the kind's record (``Clip``, ``GradNorm``, ...: every field present with its type,
-  numbers finite where a NaN can only be a bug or an attack, clip coefficients in [0, 1]);
+- its metadata is the kind's record (hetero/protocol.py ``Clip``, ``GradNorm``, ...: every field present
+  with its type, numbers finite where a NaN can only be a bug or an attack, clip coefficients in [0, 1]);
 - its tensors are the ones the plan says, with the plan's shape and dtype (activations
   [micro_batch, seq, hidden] in the sending stage's dtype; token ids within the vocabulary);
 - its step is one the program can have in flight (the current step or the next), its micro-batch
@@ -19,89 +19,22 @@ peers. Together with the pending-queue cap this bounds what a peer can make a pr
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hetero.errors import WireError
+from hetero.protocol import MESSAGE_OVERHEAD_BYTES, MESSAGE_SIZE_MARGIN, RECORDS, UNSTEPPED, Record
 from hetero.runtime.wire.frames import DTYPES, Message
 from hetero.security import COORDINATOR, stage_name
 
-# Kinds that belong to no step (step 0 on the wire): no step window applies.
-UNSTEPPED = frozenset({"hello", "welcome", "start", "state", "stop", "error", "heartbeat"})
 
-
-@dataclass(frozen=True)
-class Field:
-    types: tuple[type, ...]
-    finite: bool = False
-    low: float | None = None
-    high: float | None = None
-    optional: bool = False
-
-
-_NUM = (int, float)
-
-
-@dataclass(frozen=True)
-class Kind:
-    """One message kind's record: metadata fields and whether other keys are tolerated."""
-
-    fields: dict[str, Field] = field(default_factory=dict)
-    open: bool = False  # lifecycle messages may carry extra keys (newer fields, diagnostics)
-
-
-# The records, one per kind a run exchanges.
-KINDS: dict[str, Kind] = {
-    "hello": Kind({"stage": Field((int,), low=0), "input_hash": Field((str,)), "wire_version": Field((int,)),
-                   "env": Field((dict,), optional=True)}, open=True),
-    "welcome": Kind({"train": Field((dict,)), "start_step": Field((int,), low=0), "resume": Field((bool,))}, open=True),
-    "start": Kind({"stage": Field((int,), low=0), "keys": Field((list,))}, open=True),
-    "state": Kind({}, open=True),
-    "act": Kind({}),
-    "grad": Kind({}),
-    "batch": Kind({}),
-    "labels": Kind({"num_label_tokens": Field((int,), low=1)}),
-    "gradnorm": Kind({"sumsq": Field(_NUM, finite=True, low=0.0)}),
-    "clip": Kind({"coef": Field(_NUM, finite=True, low=0.0, high=1.0), "grad_norm": Field(_NUM, low=0.0)}),
-    # Replicas: a stage's LoRA gradients to the coordinator, and their sums across replicas back.
-    "grads": Kind({}),
-    "reduced": Kind({"coef": Field(_NUM, finite=True, low=0.0, high=1.0), "grad_norm": Field(_NUM, low=0.0)}),
-    "stepdone": Kind({"step": Field((int,), low=0), "grad_sumsq": Field(_NUM, low=0.0), "lr": Field(_NUM, finite=True),
-                      "busy_s": Field(_NUM, finite=True), "wall_s": Field(_NUM, finite=True),
-                      "loss_sum": Field((*_NUM, type(None))), "num_label_tokens": Field((int, type(None))),
-                      "op_time_s": Field((dict,))}, open=True),
-    "checkpoint": Kind({}, open=True),
-    "stop": Kind({"reason": Field((str,), optional=True)}, open=True),
-    "error": Kind({"message": Field((str,))}, open=True),
-    "heartbeat": Kind({}, open=True),
-}
-
-
-def check_meta(msg: Message) -> None:
-    """The message's metadata is its kind's record; raises WireError (one line) otherwise."""
-    kind = KINDS.get(msg.kind)
-    if kind is None:
+def check_meta(msg: Message) -> Record:
+    """The message's metadata as its kind's record (hetero/protocol.py); raises WireError (one line) otherwise."""
+    if msg.kind not in RECORDS:
         raise WireError(f"{msg.describe()}: a run never sends this kind here")
-    for name, spec in kind.fields.items():
-        if name not in msg.meta:
-            if spec.optional:
-                continue
-            raise WireError(f"{msg.describe()} lacks meta field {name!r}")
-        value = msg.meta[name]
-        if not isinstance(value, spec.types) or (isinstance(value, bool) and bool not in spec.types):
-            raise WireError(f"{msg.describe()}: meta {name!r} is a {type(value).__name__}")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if spec.finite and not math.isfinite(value):
-                raise WireError(f"{msg.describe()}: meta {name!r} is {value}, not a finite number")
-            if (spec.low is not None and value < spec.low) or (spec.high is not None and value > spec.high):
-                raise WireError(f"{msg.describe()}: meta {name!r} = {value} is out of range")
-    if not kind.open:
-        extra = sorted(set(msg.meta) - set(kind.fields))
-        if extra:
-            raise WireError(f"{msg.describe()} carries unexpected meta field {extra[0]!r}")
+    return RECORDS[msg.kind].from_wire(msg.meta, msg.describe())
 
 
 @dataclass(frozen=True)
@@ -234,4 +167,4 @@ def max_message_bytes(plan: Any, k: int | None) -> int:
         largest = max(state(s) for s in plan.stages)
     else:
         largest = max(boundary, ids, state(plan.stages[k]))
-    return int(largest * 1.25) + (4 << 20)  # headers, tensor names, metadata
+    return int(largest * MESSAGE_SIZE_MARGIN) + MESSAGE_OVERHEAD_BYTES

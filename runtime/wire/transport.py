@@ -7,13 +7,17 @@ never drops (the schedule bounds how many micro-batches are in flight, hence the
 for later calls: a 1F1B stage asks for ``act`` and ``grad`` messages in its own order.
 
 Who may talk (hetero/security.py): with an ``Identity`` the inbox is a CurveZMQ server (or, on one
-machine, a ZeroMQ PLAIN server with per-process tokens) whose ZAP handler admits only the run's own
-processes; a connection from anyone else is refused during the ZeroMQ handshake and logged, and
+machine, a ZeroMQ PLAIN server with per-process tokens) whose ZAP handler (runtime/wire/gatekeeper.py)
+admits only the run's own processes; a connection from anyone else is refused during the ZeroMQ handshake and logged, and
 never reaches ``recv``. A message's sender is the authenticated peer: a header claiming another
-name is dropped. Every received message is then checked (wire.decode, then ``Rules`` from
+name is dropped. Every received message is then checked (frames.decode, then ``Rules`` from
 runtime/wire/rules.py); one that fails is logged with its peer and dropped, and ``recv`` goes on
 waiting for the real peers. ``max_message_bytes`` sets ZeroMQ's MAXMSGSIZE, so an oversized
 message is cut off by ZeroMQ before it is held in memory.
+
+What may be sent is hetero/protocol.py: ``send`` takes a record (``Clip(coef=.., grad_norm=..)``: the
+message's kind and meta) or a kind's name (messages of tensors only), and refuses a kind the protocol
+does not define.
 
 A Transport belongs to one process; its methods may be called from several threads (a lock guards
 each socket), but the schedule executor is expected to be the only receiver.
@@ -21,7 +25,6 @@ each socket), but the schedule executor is expected to be the only receiver.
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import logging
 import re
@@ -36,19 +39,20 @@ import torch
 import zmq
 
 from hetero.errors import WireError
+from hetero.protocol import Record, record_type
 from hetero.runtime.wire.frames import Message, decode, encode
+from hetero.runtime.wire.gatekeeper import Gatekeeper
 from hetero.security import Identity
 
 log = logging.getLogger(__name__)
-ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
 
 _DEFAULT = object()  # "use the transport's recv_timeout_s"
 CLOSE_LINGER_S = 10.0  # how long close() waits for queued sends to reach a live peer
-_POLL_SLICE_MS = 1000
+_POLL_SLICE_MS = 1000  # wake up periodically so long waits stay interruptible (Ctrl-C)
 # A send finds no pipe to its peer only when ZeroMQ gave up on the connection: the handshake failed
 # (another program holds the peer's port, or it refused our key). Wait this long, then fail.
 SEND_STALL_S = 5.0
-_PART_WAIT_MS = 2000  # a message's later frames are normally there with its first  # wake up periodically so long waits stay interruptible (Ctrl-C)
+_PART_WAIT_MS = 2000  # a message's later frames are normally there with its first
 
 
 def _parse_tcp_endpoint(endpoint: str) -> tuple[str, str]:
@@ -100,95 +104,6 @@ def _join(host: str, port: str) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-class _Gatekeeper(threading.Thread):
-    """The context's ZAP handler: admits a connection only with one of the run's keys (or tokens).
-
-    Runs in its own thread (libzmq asks it synchronously during each handshake); every refusal is
-    logged with the peer's address, the first ones in full and then one line per 100.
-    """
-
-    def __init__(self, ctx: zmq.Context, owner: str, identity: Identity, peer_keys: dict[str, str]) -> None:
-        super().__init__(daemon=True, name=f"zap-{owner}")
-        import zmq.utils.z85 as z85
-
-        self.owner = owner
-        self.mode = identity.mode
-        self._by_key = {z85.decode(key.encode("ascii")): name for name, key in peer_keys.items()}
-        self._tokens = dict(identity.peer_tokens)
-        self.refused = 0
-        self._done = threading.Event()
-        self._sock = ctx.socket(zmq.REP)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(ZAP_ENDPOINT)
-        self._monitor: zmq.Socket | None = None
-
-    def watch(self, sock: zmq.Socket) -> None:
-        """Also log handshakes that fail before ZAP is asked (a peer without keys, or no ZeroMQ at all)."""
-        events = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        self._monitor = sock.get_monitor_socket(events)
-
-    def _refuse(self, address: str, why: str) -> None:
-        self.refused += 1
-        if self.refused <= 10 or self.refused % 100 == 0:
-            log.warning("%s refused a connection from %s: %s (%d refused so far)", self.owner, address or "?", why,
-                        self.refused)
-
-    def _decide(self, mechanism: bytes, credentials: list[bytes]) -> tuple[bool, str, str]:
-        if self.mode == "curve" and mechanism == b"CURVE" and len(credentials) == 1:
-            name = self._by_key.get(credentials[0])
-            return (True, name, "") if name else (False, "", "unknown CURVE key (not one of this plan's processes)")
-        if self.mode == "token" and mechanism == b"PLAIN" and len(credentials) == 2:
-            user = credentials[0].decode("utf-8", "replace")
-            token = self._tokens.get(user)
-            if token is not None and hmac.compare_digest(token.encode(), credentials[1]):
-                return True, user, ""
-            return False, "", f"wrong token for {user[:40]!r}"
-        return False, "", f"mechanism {mechanism.decode('ascii', 'replace')[:10]} without this run's keys"
-
-    def _on_event(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        event = recv_monitor_message(self._monitor)  # type: ignore[arg-type]
-        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            return  # ZAP said no: already logged with the reason
-        why = "ZeroMQ handshake failed (no key, another mechanism, or not a ZeroMQ peer)"
-        self._refuse(event.get("endpoint", b"").decode("ascii", "replace"), why)
-
-    def run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        if self._monitor is not None:
-            poller.register(self._monitor, zmq.POLLIN)
-        try:
-            while not self._done.is_set():
-                ready = dict(poller.poll(200))
-                if self._monitor is not None and ready.get(self._monitor):
-                    self._on_event()
-                if not ready.get(self._sock):
-                    continue
-                request = self._sock.recv_multipart()
-                if len(request) < 6:
-                    self._sock.send_multipart([b"1.0", request[1] if len(request) > 1 else b"", b"400",
-                                               b"malformed ZAP request", b"", b""])
-                    continue
-                _version, request_id, _domain, address, _routing, mechanism, *credentials = request
-                ok, user, why = self._decide(mechanism, credentials)
-                if ok:
-                    self._sock.send_multipart([b"1.0", request_id, b"200", b"OK", user.encode(), b""])
-                    continue
-                self._refuse(address.decode("ascii", "replace"), why)
-                self._sock.send_multipart([b"1.0", request_id, b"400", why.encode()[:200], b"", b""])
-        finally:
-            self._sock.close(linger=0)
-            if self._monitor is not None:
-                self._monitor.close(linger=0)
-
-    def stop(self) -> None:
-        self._done.set()
-        self.join(timeout=5)
-
-
 class Transport:
     """One process's inbox (PULL, bound) and outboxes (PUSH, one per peer)."""
 
@@ -201,13 +116,13 @@ class Transport:
         self.recv_timeout_s = recv_timeout_s
         self.identity = identity
         self.peer_keys = dict(peer_keys or {})
-        self.rules = rules  # runtime.messages.Rules, or None: every well-formed message is accepted
+        self.rules = rules  # runtime.wire.rules.Rules, or None: every well-formed message is accepted
         self.rejected = 0  # messages dropped by the checks (diagnostics)
         self.rejections: deque[tuple[str, str]] = deque(maxlen=20)  # (claimed sender, why), newest last
         if identity is not None and identity.mode == "curve" and set(self.peer_keys) == set():
             raise WireError(f"{name}: CURVE needs the plan's public keys")
         self._ctx = zmq.Context(io_threads=1)
-        self._gate: _Gatekeeper | None = None
+        self._gate: Gatekeeper | None = None
         self._peers: dict[str, zmq.Socket] = {}
         self._endpoints: dict[str, str] = {}  # peer -> the endpoint it was connected at (for errors)
         self._send_lock = threading.Lock()
@@ -219,40 +134,50 @@ class Transport:
         self.endpoint: str | None = None
         self._closed = False
         if bind is not None and address is not None:
-            pull = self._ctx.socket(zmq.PULL)
-            pull.setsockopt(zmq.RCVHWM, 0)  # never drop or stall on the receive side
-            pull.setsockopt(zmq.LINGER, 0)
-            pull.setsockopt(zmq.IPV6, 1)
-            if max_message_bytes is not None:
-                pull.setsockopt(zmq.MAXMSGSIZE, int(max_message_bytes))  # ZeroMQ drops the connection
-            if identity is not None:
-                self._gate = _Gatekeeper(self._ctx, name, identity, self.peer_keys)
-                self._gate.watch(pull)
-                self._gate.start()
-                pull.setsockopt(zmq.ZAP_DOMAIN, b"hetero")
-                if identity.mode == "curve":
-                    pull.curve_server = True
-                    pull.curve_secretkey = identity.secret.encode("ascii")
-                    pull.curve_publickey = identity.public.encode("ascii")
-                else:
-                    pull.plain_server = True
-            host, port = _parse_tcp_endpoint(address)
-            try:
-                if port in ("0", "*"):
-                    port = str(pull.bind_to_random_port(_join(host, "0").rsplit(":", 1)[0]))
-                else:
-                    pull.bind(address)
-                self.endpoint = _join(_parse_tcp_endpoint(bind)[0], port)
-            except zmq.ZMQError as exc:
-                pull.close(linger=0)
-                if self._gate is not None:
-                    self._gate.stop()
-                self._ctx.term()
-                hint = ("is another process using that port? stop it or recompile with another base port"
-                        if exc.errno == zmq.EADDRINUSE else
-                        "is that address one of this host's? check the host's address in the fleet file")
-                raise WireError(f"{name} cannot listen on {address} ({exc.strerror}): {hint}") from None
-            self._pull = pull
+            self._pull = self._listen(bind, address, max_message_bytes)
+
+    def _inbox(self, max_message_bytes: int | None) -> zmq.Socket:
+        """The inbox's PULL socket, behind the gatekeeper (started here) when the run has keys."""
+        pull = self._ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.RCVHWM, 0)  # never drop or stall on the receive side
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.setsockopt(zmq.IPV6, 1)
+        if max_message_bytes is not None:
+            pull.setsockopt(zmq.MAXMSGSIZE, int(max_message_bytes))  # ZeroMQ drops the connection
+        identity = self.identity
+        if identity is not None:
+            self._gate = Gatekeeper(self._ctx, self.name, identity, self.peer_keys)
+            self._gate.watch(pull)
+            self._gate.start()
+            pull.setsockopt(zmq.ZAP_DOMAIN, b"hetero")
+            if identity.mode == "curve":
+                pull.curve_server = True
+                pull.curve_secretkey = identity.secret.encode("ascii")
+                pull.curve_publickey = identity.public.encode("ascii")
+            else:
+                pull.plain_server = True
+        return pull
+
+    def _listen(self, bind: str, address: str, max_message_bytes: int | None) -> zmq.Socket:
+        """Bind the inbox at ``address`` (a free port for port 0) and set ``endpoint``; one-line WireError if not."""
+        pull = self._inbox(max_message_bytes)
+        host, port = _parse_tcp_endpoint(address)
+        try:
+            if port in ("0", "*"):
+                port = str(pull.bind_to_random_port(_join(host, "0").rsplit(":", 1)[0]))
+            else:
+                pull.bind(address)
+            self.endpoint = _join(_parse_tcp_endpoint(bind)[0], port)
+        except zmq.ZMQError as exc:
+            pull.close(linger=0)
+            if self._gate is not None:
+                self._gate.stop()
+            self._ctx.term()
+            hint = ("is another process using that port? stop it or recompile with another base port"
+                    if exc.errno == zmq.EADDRINUSE else
+                    "is that address one of this host's? check the host's address in the fleet file")
+            raise WireError(f"{self.name} cannot listen on {address} ({exc.strerror}): {hint}") from None
+        return pull
 
     # -- outbound ---------------------------------------------------------------------------------
 
@@ -294,14 +219,20 @@ class Transport:
             push.plain_username = ident.name.encode()
             push.plain_password = ident.token.encode()
 
-    def send(self, peer: str, kind: str, *, step: int = 0, mb: int = -1,
+    def send(self, peer: str, kind: str | Record, *, step: int = 0, mb: int = -1,
              tensors: dict[str, torch.Tensor] | None = None, meta: dict | None = None) -> None:
         """Queue a message to ``peer`` and return at once.
 
-        Tensors go out zero-copy from their own memory (GPU tensors are first copied to CPU here):
-        do not modify a sent tensor in place afterwards.
+        ``kind`` is a hetero.protocol record (``Clip(coef=..., grad_norm=...)``: the kind and its meta)
+        or a kind's name (a message of tensors only); a kind the protocol does not define is refused. Tensors go out zero-copy from their own memory (GPU tensors are first copied to CPU
+        here): do not modify a sent tensor in place afterwards.
         """
         self._check_open()
+        if isinstance(kind, Record):
+            if meta is not None:
+                raise WireError(f"{self.name}: a {kind.KIND!r} record is the message's meta; pass no meta= with it")
+            kind, meta = kind.KIND, kind.to_wire()
+        record_type(kind)  # refuses a kind the protocol does not define
         msg = Message(kind=kind, sender=self.name, step=step, mb=mb, meta=meta or {}, tensors=tensors or {})
         frames = encode(msg, self.plan_hash)
         deadline = time.monotonic() + SEND_STALL_S

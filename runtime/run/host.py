@@ -1,0 +1,119 @@
+"""A host's launcher: ``hetero worker plan.json --host NAME`` starts one stage process per device of that
+host (runtime/stage/process.py) and waits for them; ``--check`` answers `hetero run`'s question over ssh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from hetero.errors import PlanError
+from hetero.plan import Plan
+from hetero.runtime.run.coordinator import coordinator_endpoint
+from hetero.runtime.run.processes import spawn_stages, stop_processes, supervise
+from hetero.security import key_dirs, load_identity
+
+
+def check_host(plan_path: Path, plan: Plan, host: str) -> list[int]:
+    """The stages ``host`` runs, once its keys are found; a one-line PlanError if it cannot run them."""
+    stages = [s.index for s in plan.stages if s.host == host]
+    if not stages:
+        hosts = sorted({s.host for s in plan.stages})
+        raise PlanError(f"host '{host}' runs no stage of this plan; its stages run on: {', '.join(hosts)}")
+    for k in stages:  # every key this host needs, before any process starts
+        load_identity(plan.security, f"stage{k}", key_dirs(plan_path, host))
+    return stages
+
+
+def _wait_for_eof(closed: threading.Event) -> None:
+    """Set ``closed`` when stdin ends: `hetero run`'s ssh session is gone (or it stopped us on purpose)."""
+    try:
+        while os.read(0, 65536):
+            pass
+    except OSError:
+        pass
+    closed.set()
+
+
+def serve_host(plan_path: Path, plan: Plan, host: str, run_dir: Path, coordinator: str,
+               watch_stdin: bool = False) -> int:
+    """Start every stage of ``host`` (one process per device) and wait for them; returns an exit code.
+
+    ``watch_stdin``: also stop them when stdin closes (a worker that `hetero run` started over ssh)."""
+    stages = check_host(plan_path, plan, host)
+    procs = spawn_stages(plan_path, stages, run_dir, coordinator)
+    closed = threading.Event()
+    if watch_stdin:
+        threading.Thread(target=_wait_for_eof, args=(closed,), daemon=True, name="stdin").start()
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # SIGTERM: stop the stages in order, like Ctrl-C
+
+    signal.signal(signal.SIGTERM, on_term)
+    print(f"hetero worker: host {host} runs stages {stages} (logs in {run_dir / 'logs'}); coordinator {coordinator}",
+          flush=True)
+    try:
+        codes = supervise(procs, until=closed)
+    except KeyboardInterrupt:
+        stop_processes(procs)
+        raise
+    if len(codes) < len(procs):  # stdin closed first: the run is over or its coordinator is gone
+        try:  # the ssh session that reads this may be gone
+            print(f"hetero worker: stdin closed (`hetero run` ended or its ssh session dropped): stopping stages "
+                  f"{[k for k in stages if k not in codes]}", flush=True)
+        except OSError:
+            pass
+        stop_processes(procs, grace_s=3.0)
+        return 0
+    bad = {k: c for k, c in codes.items() if c != 0}
+    if bad:
+        k, code = next(iter(bad.items()))
+        print(f"hetero: error: stage {k} exited with code {code}; see {run_dir / 'logs' / f'stage{k}.log'}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hetero worker", description="Run this host's stages of a plan.")
+    ap.add_argument("plan", type=Path)
+    group = ap.add_mutually_exclusive_group(required=True)
+    group.add_argument("--host", help="run every stage the plan places on this host")
+    group.add_argument("--stage", type=int, help="run one stage (what --host starts per device)")
+    ap.add_argument("--coordinator", help="tcp://ADDRESS:PORT of `hetero run` (default: stage 0's host, base port - 1)")
+    ap.add_argument("--run-dir", type=Path, help="where this host writes its stage logs (default runs/worker-<host>-<time>)")
+    ap.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--check", action="store_true",
+                    help="with --host: print one line (hetero's version, the plan's hash, or what is missing) and exit; "
+                         "`hetero run` asks this of the hosts it starts over ssh")
+    ap.add_argument("--watch-stdin", action="store_true",
+                    help="with --host: stop this host's stages when stdin closes (how `hetero run` ends workers it "
+                         "started over ssh)")
+    return ap
+
+
+def main_worker(argv: list[str]) -> int:
+    """`hetero worker plan.json --host NAME` (or --stage k): serve this host's stages of a plan."""
+    args = _parser().parse_args(argv)
+    if args.check:
+        if args.host is None:
+            raise PlanError("--check goes with --host NAME")
+        from hetero.runtime.run.ssh import check_report
+
+        print(check_report(args.plan, args.host), flush=True)
+        return 0
+    plan = Plan.load(args.plan)
+    coordinator = args.coordinator or coordinator_endpoint(plan)
+    if args.stage is not None:
+        from hetero.runtime.stage.process import serve_stage
+
+        return serve_stage(args.plan, plan, args.stage, coordinator, args.parent_pid)
+    check_host(args.plan, plan, args.host)  # before the run directory exists
+    run_dir = args.run_dir or Path("runs") / f"worker-{args.host}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return serve_host(args.plan, plan, args.host, run_dir, coordinator, watch_stdin=args.watch_stdin)

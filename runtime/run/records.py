@@ -1,0 +1,186 @@
+"""What a run keeps and shows of its steps: metrics.jsonl lines, the progress bar, the evaluator's answers,
+checkpoints/step-N/ and, after the last step, adapter/.
+
+``payload_due`` is the rule both sides follow: after which steps the stages send their state (a
+checkpoint, the adapter for the evaluator, the last) and the coordinator gathers it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hetero.plan import Plan
+from hetero.runtime.run.rundir import append_run_line, write_run_file
+from hetero.serde import to_dict
+from hetero.specs import RUNTIME_OVERRIDABLE, TrainSpec
+
+if TYPE_CHECKING:
+    import torch
+
+
+def payload_due(train: TrainSpec, eval_every: int, step: int) -> bool:
+    """After ``step``, do the stages send their state (a checkpoint, the adapter for evaluation, the last)?"""
+    done = step + 1
+    return (done == train.steps or (train.checkpoint_every > 0 and done % train.checkpoint_every == 0)
+            or (eval_every > 0 and done % eval_every == 0))
+
+
+@dataclass
+class RunResult:
+    steps: list[dict[str, Any]] = field(default_factory=list)  # the metrics.jsonl lines
+    environments: dict[str, Any] = field(default_factory=dict)
+    build_s: dict[int, float] = field(default_factory=dict)
+    interrupted_after: int | None = None  # Ctrl-C / SIGTERM: the steps done when training stopped
+    checkpoint: Path | None = None  # ... and the checkpoint that holds them (None: no step was done)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # the evaluator's eval_loss lines
+    eval_errors: list[str] = field(default_factory=list)
+
+
+def metrics_line(plan: Plan, step: int, done: dict[int, Any], grad_norm: float, coef: float,
+                 label_tokens: int, step_time: float) -> dict[str, Any]:
+    """Step ``step``'s metrics.jsonl line from every stage's ``stepdone`` (loss over the step's label tokens)."""
+    train = plan.train
+    tokens_per_step = train.num_micro_batches * train.micro_batch_size * plan.model.seq_len
+    lasts = [done[rep.stages[-1]].meta for rep in plan.pipelines]
+    loss = sum(float(m["loss_sum"]) for m in lasts) / label_tokens
+    return {
+        "step": step, "loss": loss, "lr": float(done[0].meta["lr"]), "grad_norm": grad_norm,
+        "clip_coef": coef, "tokens": tokens_per_step, "label_tokens": int(lasts[0]["num_label_tokens"]),
+        "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
+        "stage_busy": [float(done[k].meta["busy_s"]) for k in range(len(plan.stages))],
+        "stage_ops": [done[k].meta["op_time_s"] for k in range(len(plan.stages))],
+    }
+
+
+class RunRecords:
+    """The run directory's record of training, and the evaluator client (runtime/tools/evaluator.py) it feeds."""
+
+    def __init__(self, plan: Plan, run_dir: Path) -> None:
+        self.plan, self.run_dir = plan, run_dir
+        self.result = RunResult()
+        self.evaluator: Any = None  # EvalClient when eval.every > 0
+
+    def open_evaluator(self, plan_path: Path, host: str) -> None:
+        """Start the evaluator on a spare device of ``host`` when the plan evaluates every N steps."""
+        if self.plan.eval.every > 0:
+            from hetero.runtime.tools.evaluator import EvalClient, eval_device_name
+
+            device = eval_device_name(self.plan, self.plan.eval, host)
+            self.evaluator = EvalClient(plan_path, self.plan, device, self.run_dir)
+
+    def close(self) -> None:
+        if self.evaluator is not None:
+            self.evaluator.close()
+
+    def start_metrics(self, start_step: int) -> None:
+        """metrics.jsonl: empty for a new run; a resumed one keeps the lines of the steps before it."""
+        path = self.run_dir / "metrics.jsonl"
+        kept: list[str] = []
+        if start_step > 0 and path.is_file():
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    step = json.loads(line)["step"]
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short by a crash
+                if isinstance(step, int) and step < start_step:
+                    kept.append(line)
+        write_run_file(self.run_dir, "metrics.jsonl", "".join(f"{line}\n" for line in kept))
+
+    def step(self, line: dict[str, Any]) -> None:
+        """One step's metrics line, kept and appended to metrics.jsonl."""
+        self.result.steps.append(line)
+        append_run_line(self.run_dir, "metrics.jsonl", json.dumps(line))
+
+    def record_eval(self, answers: list[dict[str, Any]] | None = None) -> None:
+        """The evaluator's answers so far (or ``answers``) as metrics.jsonl lines: ``{"step", "eval_loss", ...}``."""
+        if self.evaluator is None:
+            return
+        for answer in self.evaluator.poll() if answers is None else answers:
+            if "eval_loss" in answer:
+                self.result.evals.append(answer)
+                append_run_line(self.run_dir, "metrics.jsonl", json.dumps(answer))
+            else:
+                self.result.eval_errors.append(str(answer.get("error", answer)))
+                print(f"hetero run: evaluation: {answer.get('error', answer)}", file=sys.stderr, flush=True)
+
+    def _eval_wait_s(self) -> float:
+        slowest = max((float(a.get("eval_s", 0.0)) for a in self.result.evals), default=0.0)
+        return max(300.0, 3 * slowest)
+
+    def finish_eval(self) -> None:
+        """Wait for the last evaluation (the final step's) and record what is left."""
+        if self.evaluator is None:
+            return
+        self.record_eval(self.evaluator.finish(timeout_s=self._eval_wait_s()))
+        if self.evaluator.skipped:
+            print(f"hetero run: evaluation skipped after step(s) {', '.join(str(s + 1) for s in self.evaluator.skipped)}"
+                  f": the evaluation before was still running on {self.evaluator.device} (raise eval.every)",
+                  file=sys.stderr, flush=True)
+
+    def save_payloads(self, step: int, payloads: dict[int, Any]) -> None:
+        """The stages' state after ``step`` (``payload_due``): to the evaluator, into a checkpoint when one
+        is due, and after the last step into adapter/."""
+        from hetero.runtime.run.checkpoint import lora_from_payload
+
+        train, every = self.plan.train, self.plan.eval.every
+        final = step + 1 == train.steps
+        state: dict[str, torch.Tensor] = {}
+        for k in self.plan.pipelines[0].stages:  # every replica holds the same adapter
+            state.update(lora_from_payload(payloads[k].tensors))
+        if self.evaluator is not None and (final or (step + 1) % every == 0):
+            # The last step's evaluation waits for the one before (training is over).
+            self.record_eval(self.evaluator.request(step, state, wait_s=self._eval_wait_s() if final else 0.0))
+        if final or (train.checkpoint_every > 0 and (step + 1) % train.checkpoint_every == 0):
+            self.write_checkpoint(step + 1, payloads)
+        if final:
+            self._save_adapter(state)
+
+    def write_checkpoint(self, done: int, payloads: dict[int, Any]) -> Path:
+        """checkpoints/step-<done>/, with the training settings `--resume` continues with."""
+        from hetero.runtime.run.checkpoint import write_checkpoint
+
+        settings = {k: v for k, v in to_dict(self.plan.train).items() if k in RUNTIME_OVERRIDABLE}
+        # Replicas hold identical LoRA and AdamW state (they apply the same summed gradients): the first
+        # replica's stages (0..S-1) are the whole model, in the same key space as any other split.
+        first = self.plan.pipelines[0].stages
+        return write_checkpoint(self.run_dir, done, [(payloads[k].tensors, payloads[k].meta) for k in first],
+                                len(first), train=settings)
+
+    def _save_adapter(self, state: dict[str, torch.Tensor]) -> None:
+        from hetero.runtime.pretrained import adapter_base
+        from hetero.runtime.run.adapter import save_adapter
+
+        base = adapter_base(self.plan.model)  # a directory AutoPeftModelForCausalLM can load, or a hub id
+        save_adapter({k: v.clone() for k, v in state.items()}, self.plan.model.lora, base, self.run_dir / "adapter")
+
+
+class ProgressBar:
+    """A rich live bar (step, loss, tokens/s, ETA) when stdout is a terminal; silent otherwise."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.enabled = enabled and sys.stdout.isatty()
+        self.total = total
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                                TextColumn("ETA"), TimeRemainingColumn())
+            self.task = self.bar.add_task("train", total=total, loss="-", tps="-")
+
+    def __enter__(self) -> ProgressBar:
+        if self.enabled:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.enabled:
+            self.bar.__exit__(*exc)
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if self.enabled:
+            self.bar.update(self.task, completed=step + 1, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")

@@ -1,0 +1,290 @@
+"""A stage process: ``python -m hetero.runtime.stage.process plan.json --stage k --coordinator tcp://..``
+(what `hetero run` and `hetero worker --host` start, one per device).
+
+Life of a stage: hello (plan hash, wire version, environment) -> welcome (run settings, incl. the
+`hetero run` overrides) -> build the stage -> ready -> steps (the executor) with a checkpoint message
+whenever due -> final checkpoint -> wait for stop. It never outlives the run: it exits on ``stop``,
+when the coordinator is silent for ``failure_timeout_s`` (from the welcome) or its connection drops
+for good, when its parent process dies, or on any error (reported to the coordinator as one
+``error`` line; the traceback goes to the stage's log). Asked for a checkpoint before stopping
+(Ctrl-C on `hetero run`), it sends its state from wherever it waits, then waits for the final stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hetero.errors import HeteroError, PlanError, WireError
+from hetero.plan import Plan
+from hetero.protocol import FAILURE_TIMEOUT_S, Error, Hello, Start, StepDone
+from hetero.runtime.wire.control import (
+    Heartbeat,
+    Mailbox,
+    PeerLost,
+    StopRequested,
+    drop_unsent,
+    heartbeat_interval,
+    is_timeout,
+)
+from hetero.security import COORDINATOR, key_dirs, stage_name
+from hetero.serde import from_dict, to_dict
+from hetero.specs import TrainSpec
+
+log = logging.getLogger("hetero.stage")
+
+
+def device_for(plan: Plan, k: int) -> Any:
+    """The torch device of stage k on this host (runtime/stage/device.py)."""
+    from hetero.runtime.stage.device import torch_device
+
+    sp = plan.stages[k]
+    index = plan.cluster.device(sp.device).index if sp.backend != "cpu" else 0
+    return torch_device(sp.backend, index, f"stage {k} runs on {sp.device}")
+
+
+def apply_train_settings(train: TrainSpec, settings: dict[str, Any]) -> TrainSpec:
+    """The plan's TrainSpec with the coordinator's run-time values (validated like plan.json)."""
+    merged = {**to_dict(train), **settings}
+    return from_dict(TrainSpec, merged, "welcome.train", WireError)
+
+
+def await_welcome(mailbox: Mailbox, transport: Any, plan: Plan, timeout_s: float) -> Any:
+    """The coordinator's welcome. Without keys (security none) a coordinator of another plan is a
+    misconfiguration, not an attack: stop as soon as its messages show it (they are dropped)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return mailbox.recv("welcome", sender=COORDINATOR, timeout_s=min(2.0, max(0.1, deadline - time.monotonic())))
+        except WireError as exc:
+            if not is_timeout(exc) or time.monotonic() >= deadline:
+                raise
+        why = transport.last_rejection(COORDINATOR)
+        if plan.security.mode == "none" and why is not None and "runs plan" in why:
+            raise WireError(f"the coordinator runs another plan ({why})")
+
+
+def stage_transport(plan: Plan, k: int, keys: list[Path]) -> Any:
+    """Stage k's Transport: its key, the plan's public keys, its message rules and size limit."""
+    from hetero.runtime.wire.rules import max_message_bytes, stage_rules
+    from hetero.runtime.wire.transport import Transport
+    from hetero.security import load_identity
+
+    identity = load_identity(plan.security, stage_name(k), keys)
+    return Transport(stage_name(k), plan.stages[k].endpoint, plan.input_hash, recv_timeout_s=300.0,
+                     identity=identity, peer_keys=plan.security.public_keys,
+                     max_message_bytes=max_message_bytes(plan, k), rules=stage_rules(plan, k))
+
+
+def run_stage(plan: Plan, k: int, coordinator: str, parent_pid: int | None = None,
+              keys: list[Path] | None = None) -> int:
+    """Run stage k until the coordinator says stop; returns the process exit code."""
+    # Import the heavy libraries before hello: once the coordinator watches our heartbeats, a long
+    # import holding the import lock or the GIL must not look like a dead stage.
+    import torch
+    import transformers  # noqa: F401
+
+    device = device_for(plan, k)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, plan.stages[k].threads or 1))
+    transport = stage_transport(plan, k, keys or [])
+    heartbeat: Heartbeat | None = None
+    linger_ms: int | None = None  # None: close() flushes what is queued (CLOSE_LINGER_S at most per peer)
+    try:
+        neighbours = _connect(transport, plan, k, coordinator)
+        # The heartbeat thread also ends this process if the coordinator's connection drops for good,
+        # even while this thread is busy building the stage.
+        heartbeat = Heartbeat(transport, [COORDINATOR], parent_pid, watch=[COORDINATOR])
+        heartbeat.start()
+        mailbox = _say_hello(transport, plan, k, device, coordinator)
+        _serve(plan, k, device, mailbox, heartbeat, neighbours)
+        linger_ms = 0  # after a stop nothing is left to deliver: do not linger on dead peers
+    except StopRequested as stop:
+        log.info("stopping: %s", stop)
+        linger_ms = 0
+        return 0
+    except PeerLost as lost:  # the coordinator is gone: nobody is left to tell
+        log.error("stage %d: coordinator %s: exiting", k, lost.cause)
+        print(f"hetero: error: stage {k}: the coordinator stopped answering ({lost.cause})", file=sys.stderr, flush=True)
+        linger_ms = 0
+        return 2
+    except Exception as exc:  # report every failure to the coordinator as one line
+        linger_ms = 2000  # time for the error line to reach a live coordinator, not for dead neighbours
+        return _report_failure(transport, k, exc)
+    finally:
+        if heartbeat is not None:
+            heartbeat.finish()  # before close(): its connection monitor is a socket of the transport's context
+        if linger_ms is not None:
+            drop_unsent(transport, linger_ms)
+        transport.close()
+        log.info("stage %d: transport closed", k)
+    return 0
+
+
+def _connect(transport: Any, plan: Plan, k: int, coordinator: str) -> tuple[int | None, int | None]:
+    """Connect to the coordinator and to k's neighbours within its pipeline replica; returns them."""
+    transport.connect(COORDINATOR, coordinator)
+    neighbours = (plan.prev_stage(k), plan.next_stage(k))
+    for j in neighbours:
+        if j is not None:
+            transport.connect(stage_name(j), plan.stages[j].endpoint)
+    return neighbours
+
+
+def _say_hello(transport: Any, plan: Plan, k: int, device: Any, coordinator: str) -> Mailbox:
+    """Tell the coordinator who we are (plan, wire version, pid, environment); returns our Mailbox."""
+    from hetero.runtime.run.env import describe_environment
+
+    transport.send(COORDINATOR, Hello(stage=k, input_hash=plan.input_hash, pid=os.getpid(),
+                                      env=describe_environment(str(device))))
+    mailbox = Mailbox(transport)
+    log.info("stage %d on %s: hello sent to %s", k, device, coordinator)
+    return mailbox
+
+
+def _serve(plan: Plan, k: int, device: Any, mailbox: Mailbox, heartbeat: Heartbeat,
+           neighbours: tuple[int | None, int | None]) -> None:
+    """The life of a stage after hello: welcome, build, (state), its steps, stop."""
+    welcome = await_welcome(mailbox, mailbox.transport, plan, 600.0)
+    plan = _follow_welcome(plan, welcome.meta, mailbox, heartbeat)
+    executor = _build(plan, k, device, mailbox, neighbours)
+    if welcome.meta.get("resume"):
+        _restore(executor, mailbox, k)
+    train_steps(executor, mailbox, plan.input_hash, int(welcome.meta.get("start_step", 0)),
+                eval_every=int(welcome.meta.get("eval_every", 0)))
+    stop = mailbox.recv("stop", sender=COORDINATOR, timeout_s=None)
+    log.info("stopping: %s", stop.meta.get("reason", "stop requested"))
+
+
+def _follow_welcome(plan: Plan, welcome: dict[str, Any], mailbox: Mailbox, heartbeat: Heartbeat) -> Plan:
+    """Take the welcome's failure bound (for the coordinator's silence and our beats) and training settings."""
+    failure_timeout_s = float(welcome.get("failure_timeout_s", FAILURE_TIMEOUT_S))
+    mailbox.last_seen[COORDINATOR] = time.monotonic()
+    mailbox.silence_s = failure_timeout_s
+    heartbeat.interval_s = heartbeat_interval(failure_timeout_s)
+    return replace(plan, train=apply_train_settings(plan.train, welcome.get("train", {})))
+
+
+def _build(plan: Plan, k: int, device: Any, mailbox: Mailbox, neighbours: tuple[int | None, int | None]) -> Any:
+    """Build stage k (its weights, quantized, with LoRA) and its executor; tell the coordinator it started."""
+    from hetero.runtime.stage.executor import Executor
+    from hetero.runtime.stage.lora import peft_key
+    from hetero.runtime.stage.model import build_stage
+
+    t0 = time.perf_counter()
+    stage = build_stage(plan, k, device)
+    executor = Executor(stage, plan.stages[k].actions(), mailbox, plan.train, neighbours,
+                        replicated=len(plan.pipelines) > 1)
+    n_lora = sum(p.numel() for p in executor.params)
+    log.info("stage %d built in %.1f s: layers %s, %d LoRA parameters", k, time.perf_counter() - t0,
+             stage.layout.layers, n_lora)
+    keys = [peft_key(n) for n, _ in stage.lora_named_parameters()]
+    mailbox.transport.send(COORDINATOR, Start(stage=k, build_s=time.perf_counter() - t0, lora_params=n_lora,
+                                              keys=keys))
+    return executor
+
+
+def _restore(executor: Any, mailbox: Mailbox, k: int) -> None:
+    """A resumed run: the coordinator's ``state`` for this stage (LoRA, AdamW, step count)."""
+    from hetero.runtime.run.checkpoint import restore_stage
+
+    state = mailbox.recv("state", sender=COORDINATOR, timeout_s=600.0)
+    restore_stage(executor, state.tensors, state.meta)
+    log.info("stage %d resumed after step %d", k, executor.steps_done)
+
+
+def _report_failure(transport: Any, k: int, exc: Exception) -> int:
+    """Tell the coordinator (one line) and stderr why stage k failed; returns the exit code."""
+    line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if not isinstance(exc, HeteroError):
+        line = f"{type(exc).__name__}: {line}"
+    log.error("stage %d failed: %s\n%s", k, line, traceback.format_exc())
+    try:
+        transport.send(COORDINATOR, Error(stage=k, message=line))
+    except Exception:
+        pass
+    print(f"hetero: error: stage {k}: {line}", file=sys.stderr, flush=True)
+    return 2 if isinstance(exc, HeteroError) else 1
+
+
+def train_steps(executor: Any, mailbox: Mailbox, plan_hash: str, start_step: int, eval_every: int = 0) -> None:
+    """Steps ``start_step``.. of the run: ``stepdone`` after each, ``checkpoint`` when due, after the last,
+    and every ``eval_every`` steps (the coordinator hands the adapter to the evaluator).
+
+    Also answers the coordinator's checkpoint request (Ctrl-C on `hetero run`) from wherever it waits.
+    """
+    from hetero.runtime.run.checkpoint import stage_payload
+    from hetero.runtime.run.records import payload_due
+
+    train, transport = executor.train, mailbox.transport
+
+    def checkpoint_on_request(done: int) -> None:
+        # The coordinator sends no clip for step `done`: this stage's state stays the one after `done`
+        # steps until the final stop, wherever the program is blocked.
+        if executor.steps_done != done:
+            raise WireError(f"the coordinator asked for a checkpoint after step {done}, this stage has done "
+                            f"{executor.steps_done}")
+        tensors, meta = stage_payload(executor, plan_hash)
+        transport.send(COORDINATOR, "checkpoint", step=done - 1, tensors=tensors, meta=meta)
+        log.info("checkpoint after step %d sent on request; waiting for stop", done)
+
+    mailbox.on_checkpoint = checkpoint_on_request
+    for step in range(start_step, train.steps):
+        if transport.rules is not None:
+            transport.rules.step = step  # from now on, messages of other steps than this and the next are dropped
+        stats = executor.run_step(step)
+        transport.send(COORDINATOR, StepDone(**stats.to_meta()), step=step)
+        log.info("step %d: busy %.3f s of %.3f s", step, stats.busy_s, stats.wall_s)
+        if payload_due(train, eval_every, step):
+            tensors, meta = stage_payload(executor, plan_hash)
+            transport.send(COORDINATOR, "checkpoint", step=step, tensors=tensors, meta=meta)
+
+
+def serve_stage(plan_path: Path, plan: Plan, k: int, coordinator: str, parent_pid: int | None = None) -> int:
+    """Run stage k of the plan at ``plan_path`` in this process, logging to stderr; returns the exit code."""
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack to the log
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s stage{k} %(levelname)s %(message)s")
+    if not 0 <= k < len(plan.stages):
+        raise PlanError(f"--stage {k}: the plan has stages 0..{len(plan.stages) - 1}")
+    return run_stage(plan, k, coordinator, parent_pid, key_dirs(plan_path, plan.stages[k].host))
+
+
+def main_stage(argv: list[str]) -> int:
+    """``python -m hetero.runtime.stage.process PLAN --stage k --coordinator tcp://.. [--parent-pid P]``."""
+    ap = argparse.ArgumentParser(prog="hetero stage", description="Run one stage of a plan (started by "
+                                 "`hetero run` or `hetero worker --host`).")
+    ap.add_argument("plan", type=Path)
+    ap.add_argument("--stage", type=int, required=True)
+    ap.add_argument("--coordinator", required=True, help="tcp://ADDRESS:PORT of `hetero run`")
+    ap.add_argument("--parent-pid", type=int, help="exit when this process is gone")
+    args = ap.parse_args(argv)
+    return serve_stage(args.plan, Plan.load(args.plan), args.stage, args.coordinator, args.parent_pid)
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown of torch & co. (seconds on a busy host; nothing is left to save):
+    a run's failure bound counts until its stages are gone."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    try:
+        _exit_now(main_stage(sys.argv[1:]))
+    except HeteroError as exc:
+        print(f"hetero: error: {exc}", file=sys.stderr)
+        _exit_now(2)
+    except KeyboardInterrupt:
+        _exit_now(130)

@@ -123,14 +123,20 @@ class Coordinator:
         local_names = [COORDINATOR, *(stage_name(s.index) for s in plan.stages if s.host == self.host)]
         install_keys(plan.security, local_names, [*options.key_dirs, self.run_dir / "keys"], self.run_dir / "keys")
         identity = load_identity(plan.security, COORDINATOR, [self.run_dir / "keys"])
-        self.transport = Transport(COORDINATOR, self.endpoint, plan.input_hash, recv_timeout_s=300.0,
-                                   identity=identity, peer_keys=plan.security.public_keys,
-                                   max_message_bytes=max_message_bytes(plan, None), rules=coordinator_rules(plan))
+        # This host's stages first, while this process has no socket and no thread: they fork from it.
+        local = [s.index for s in plan.stages if s.host == self.host]
+        self.procs = spawn_stages(plan_path, local, self.run_dir, self.endpoint, preload=plan.model.architecture)
+        self.pids = {k: p.pid for k, p in self.procs.items()}  # stage -> pid (remote ones: from their hello)
+        try:
+            self.transport = Transport(COORDINATOR, self.endpoint, plan.input_hash, recv_timeout_s=300.0,
+                                       identity=identity, peer_keys=plan.security.public_keys,
+                                       max_message_bytes=max_message_bytes(plan, None), rules=coordinator_rules(plan))
+        except BaseException:
+            stop_processes(self.procs, grace_s=0.0)
+            raise
         self.names = [stage_name(k) for k in range(self.num_stages)]
         for k, sp in enumerate(plan.stages):
             self.transport.connect(self.names[k], sp.endpoint)
-        self.procs: dict = {}
-        self.pids: dict[int, int] = {}  # stage -> pid (local: started here; remote: from its hello)
         self.mailbox = Mailbox(self.transport, silence_s=options.failure_timeout_s, on_idle=self._check_children)
         self.heartbeat = Heartbeat(self.transport, self.names, interval_s=heartbeat_interval(options.failure_timeout_s))
         self.records = RunRecords(plan, self.run_dir)  # metrics, evaluations, checkpoints, adapter
@@ -161,11 +167,8 @@ class Coordinator:
         return self.result
 
     def _start_processes(self) -> None:
-        """This host's stages, the evaluator, and which remote hosts to wait for (or start over ssh)."""
-        local = [s.index for s in self.plan.stages if s.host == self.host]
+        """The evaluator, and which remote hosts to wait for (or start over ssh); this host's stages run already."""
         remote = sorted({s.host for s in self.plan.stages if s.host != self.host})
-        self.procs = spawn_stages(self.plan_path, local, self.run_dir, self.endpoint)
-        self.pids = {k: p.pid for k, p in self.procs.items()}
         self.records.open_evaluator(self.plan_path, self.host)
         if self.options.ssh_hosts:
             from hetero.runtime.run.ssh import SshWorkers

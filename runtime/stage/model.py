@@ -159,6 +159,14 @@ def _build_config(architecture: dict):
     return config
 
 
+def preload(architecture: dict) -> None:
+    """Import what building a stage of this model needs (its transformers model class and what that
+    pulls in: seconds of CPU), so stage processes forked afterwards start with it in memory."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(_build_config(architecture))]  # resolving the class imports its module
+
+
 def _skeleton(config, layout: StageLayout) -> nn.Module:
     """The full CausalLM on the meta device, pruned to this stage's modules (no memory, no init cost)."""
     from transformers import AutoModelForCausalLM

@@ -280,11 +280,16 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-if __name__ == "__main__":
+def exit_stage(argv: list[str]) -> None:
+    """Run ``main_stage(argv)`` as this whole process and end it with the stage's exit code (never returns)."""
     try:
-        _exit_now(main_stage(sys.argv[1:]))
+        _exit_now(main_stage(argv))
     except HeteroError as exc:
         print(f"hetero: error: {exc}", file=sys.stderr)
         _exit_now(2)
     except KeyboardInterrupt:
         _exit_now(130)
+
+
+if __name__ == "__main__":
+    exit_stage(sys.argv[1:])

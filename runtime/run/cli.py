@@ -152,16 +152,28 @@ def default_run_dir(plan: Plan) -> Path:
 def main_run(argv: list[str]) -> int:
     """`hetero run plan.json [key=value ...] [--run-dir D] [--host NAME] [--port P]`."""
     from hetero.runtime.run.coordinator import Coordinator
+    from hetero.runtime.run.launcher import StageLauncher
     from hetero.runtime.run.rundir import RunDirWriteError
 
     args = _run_parser().parse_intermixed_args(argv)  # overrides may come before or after the options
     plan, checkpoint, timeouts = _run_settings(Plan.load(args.plan), args)
-    plan_path, options = _prepare_run(plan, args, checkpoint, timeouts)
-    result = Coordinator(plan, plan_path, options).run()
+    # Stages import torch and the model's code in a forked launcher while the checks below run.
+    launcher = StageLauncher.start(plan.model.architecture) if _local_stages(plan, args.host) else None
+    try:
+        plan_path, options = _prepare_run(plan, args, checkpoint, timeouts)
+        result = Coordinator(plan, plan_path, replace(options, launcher=launcher)).run()
+    finally:
+        if launcher is not None:
+            launcher.close()
     try:
         return _finish_run(plan, plan_path, options, result)
     except RunDirWriteError as exc:  # its resume command repeats this run's --host/--port
         raise exc.for_run(options.rerun) from None
+
+
+def _local_stages(plan: Plan, host: str | None) -> bool:
+    """Whether the coordinator's host runs stages itself (otherwise nothing is worth preloading)."""
+    return any(s.host == (host or plan.stages[0].host) for s in plan.stages)
 
 
 def _run_parser() -> argparse.ArgumentParser:

@@ -98,6 +98,7 @@ class RunOptions:
     batches: Any = None  # the run's StepBatches, if already built (`hetero run` checks the data first)
     key_dirs: list[Path] = field(default_factory=list)  # where this host's key files are (hetero/security.py)
     ssh_hosts: list[Any] = field(default_factory=list)  # runtime/run/ssh.py SshHost: hosts this run starts over ssh
+    launcher: Any = None  # runtime/run/launcher.py StageLauncher: forks this host's stages (None: fresh interpreters)
 
     @property
     def rerun(self) -> tuple[str, ...]:
@@ -123,9 +124,11 @@ class Coordinator:
         local_names = [COORDINATOR, *(stage_name(s.index) for s in plan.stages if s.host == self.host)]
         install_keys(plan.security, local_names, [*options.key_dirs, self.run_dir / "keys"], self.run_dir / "keys")
         identity = load_identity(plan.security, COORDINATOR, [self.run_dir / "keys"])
-        # This host's stages first, while this process has no socket and no thread: they fork from it.
+        # This host's stages first: their keys are in place, and a failure below stops them.
         local = [s.index for s in plan.stages if s.host == self.host]
-        self.procs = spawn_stages(plan_path, local, self.run_dir, self.endpoint, preload=plan.model.architecture)
+        launcher = options.launcher
+        self.procs = (launcher.spawn(plan_path, local, self.run_dir, self.endpoint) if launcher is not None
+                      else spawn_stages(plan_path, local, self.run_dir, self.endpoint))
         self.pids = {k: p.pid for k, p in self.procs.items()}  # stage -> pid (remote ones: from their hello)
         try:
             self.transport = Transport(COORDINATOR, self.endpoint, plan.input_hash, recv_timeout_s=300.0,

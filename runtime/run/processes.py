@@ -14,8 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -49,117 +47,20 @@ def is_stopped(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[:1] in (["T"], ["t"])
 
 
-def spawn_stages(plan_path: Path, stages: list[int], run_dir: Path, coordinator: str,
-                 preload: dict[str, Any] | None = None) -> dict[int, Any]:
-    """One stage process per stage, logging to run_dir/logs/stage<k>.log.
-
-    With ``preload`` (the plan's model architecture) this process imports what a stage needs first and
-    forks the stages from itself, so they start with torch and the model's transformers code in memory
-    instead of importing them again each (seconds of CPU per stage, the largest part of a run's start).
-    Forking is safe only while this process has no other thread and no socket: otherwise, and without
-    ``preload``, each stage is a fresh ``python -m hetero.runtime.stage.process``.
-    """
+def spawn_stages(plan_path: Path, stages: list[int], run_dir: Path, coordinator: str) -> dict[int, Any]:
+    """One ``python -m hetero.runtime.stage.process`` per stage, logging to run_dir/logs/stage<k>.log
+    (`hetero run` forks its stages from a launcher instead where it can: runtime/run/launcher.py)."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    fork = preload is not None and hasattr(os, "fork") and threading.active_count() == 1
-    if fork:
-        from hetero.runtime.stage.model import preload as preload_model
-
-        preload_model(preload)  # type: ignore[arg-type]
     procs: dict[int, Any] = {}
-    for k in stages:
-        argv = [str(plan_path), "--stage", str(k), "--coordinator", coordinator, "--parent-pid", str(os.getpid())]
-        log_path = run_dir / "logs" / f"stage{k}.log"
-        procs[k] = _fork_stage(argv, log_path) if fork else _exec_stage(argv, log_path)
-    return procs
-
-
-def _exec_stage(argv: list[str], log_path: Path) -> subprocess.Popen:
-    """A fresh interpreter running the stage."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "ab") as logf:
-        # start_new_session: a terminal Ctrl-C reaches only the parent, which stops stages in order.
-        return subprocess.Popen([sys.executable, "-m", "hetero.runtime.stage.process", *argv], stdout=logf,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-
-
-class ForkedStage:
-    """A stage process forked from this one, with the part of Popen's interface the run uses."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # reaped elsewhere: its code is lost, it is gone all the same
-                self.returncode = 255
-                return self.returncode
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)  # -N when a signal ended it, as Popen
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"stage process {self.pid}", timeout or 0.0)
-            time.sleep(0.02)
-        return code
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
-def _fork_stage(argv: list[str], log_path: Path) -> ForkedStage:
-    """Fork a stage: its own session, stdin from /dev/null, stdout and stderr to its log."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()  # or the child would write this process's buffered output again
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    pid = os.fork()
-    if pid:
-        os.close(log_fd)
-        return ForkedStage(pid)
-    try:  # the child: never returns into the coordinator's code
-        _become_stage(log_fd)
-        from hetero.runtime.stage.process import exit_stage
-
-        exit_stage(argv)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        os._exit(1)
-
-
-def _become_stage(log_fd: int) -> None:
-    """Undo what the coordinator set up for itself: terminal, signal handlers, logging, warning routing."""
-    os.setsid()  # a terminal Ctrl-C reaches only the coordinator, which stops stages in order
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
-    os.close(null)
-    os.close(log_fd)
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt, as in a fresh interpreter
-    logging.root.handlers.clear()
-    original = getattr(warnings.showwarning, "original", None)  # hetero.cli's router: warnings go to the log
-    if original is not None:
-        warnings.showwarning = original
+    for k in stages:
+        with open(run_dir / "logs" / f"stage{k}.log", "ab") as logf:
+            # start_new_session: a terminal Ctrl-C reaches only the parent, which stops stages in order.
+            procs[k] = subprocess.Popen(
+                [sys.executable, "-m", "hetero.runtime.stage.process", str(plan_path), "--stage", str(k),
+                 "--coordinator", coordinator, "--parent-pid", str(os.getpid())],
+                stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    return procs
 
 
 def stop_processes(procs: dict[int, Any], grace_s: float = 10.0, kill_now: set[int] | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import pathlib
@@ -322,8 +323,13 @@ def test_send_to_a_peer_whose_handshake_fails_errors_instead_of_hanging(monkeypa
     foreign.plain_server = True  # its handshake is not ours
     port = foreign.bind_to_random_port("tcp://127.0.0.1")
     outcome: dict[str, object] = {}
+    # A failed assertion must not leave sockets that make the interpreter's exit wait for them forever.
     with Transport("coordinator", "tcp://127.0.0.1:0", "planhash", recv_timeout_s=5) as tr, \
-            Transport("stage1", "tcp://127.0.0.1:0", "planhash", recv_timeout_s=5) as good:
+            Transport("stage1", "tcp://127.0.0.1:0", "planhash", recv_timeout_s=5) as good, \
+            contextlib.ExitStack() as cleanup:  # runs first: tr's linger, then the foreign socket and context
+        cleanup.callback(ctx.term)
+        cleanup.callback(foreign.close, 0)
+        cleanup.callback(tr.set_linger, 0)
         tr.connect("stage2", f"tcp://127.0.0.1:{port}")
         tr.connect("stage1", good.endpoint)
 
@@ -344,6 +350,3 @@ def test_send_to_a_peer_whose_handshake_fails_errors_instead_of_hanging(monkeypa
         thread.join(timeout=20)
         assert not thread.is_alive(), "send to the refusing peer hung"
         assert "cannot send to stage2" in str(outcome["error"]) and "handshake failed" in str(outcome["error"])
-        tr.set_linger(0)
-    foreign.close(0)
-    ctx.term()

@@ -130,6 +130,7 @@ class Coordinator:
         self.procs = (launcher.spawn(plan_path, local, self.run_dir, self.endpoint) if launcher is not None
                       else spawn_stages(plan_path, local, self.run_dir, self.endpoint))
         self.pids = {k: p.pid for k, p in self.procs.items()}  # stage -> pid (remote ones: from their hello)
+        self.names = [stage_name(k) for k in range(self.num_stages)]
         try:
             self.transport = Transport(COORDINATOR, self.endpoint, plan.input_hash, recv_timeout_s=300.0,
                                        identity=identity, peer_keys=plan.security.public_keys,
@@ -137,12 +138,16 @@ class Coordinator:
         except BaseException:
             stop_processes(self.procs, grace_s=0.0)
             raise
-        self.names = [stage_name(k) for k in range(self.num_stages)]
-        for k, sp in enumerate(plan.stages):
-            self.transport.connect(self.names[k], sp.endpoint)
-        self.mailbox = Mailbox(self.transport, silence_s=options.failure_timeout_s, on_idle=self._check_children)
+        try:
+            for k, sp in enumerate(plan.stages):
+                self.transport.connect(self.names[k], sp.endpoint)
+            self.mailbox = Mailbox(self.transport, silence_s=options.failure_timeout_s, on_idle=self._check_children)
+            self.records = RunRecords(plan, self.run_dir)  # metrics, evaluations, checkpoints, adapter
+        except BaseException:
+            stop_processes(self.procs, grace_s=0.0)
+            self.transport.close()
+            raise
         self.heartbeat = Heartbeat(self.transport, self.names, interval_s=heartbeat_interval(options.failure_timeout_s))
-        self.records = RunRecords(plan, self.run_dir)  # metrics, evaluations, checkpoints, adapter
         self.result = self.records.result
         self.start_step = 0  # > 0 when resuming from a checkpoint
         self.training = False  # between the first data sent and the last step: Ctrl-C means "checkpoint, then stop"
@@ -155,10 +160,11 @@ class Coordinator:
 
     def run(self) -> RunResult:
         """Train for plan.train.steps steps; raises HeteroError (one line) when anything fails."""
-        self._start_processes()
-        self.heartbeat.start()
-        restore_signals = self._catch_signals()
+        restore_signals: Callable[[], None] = lambda: None  # noqa: E731
         try:
+            self._start_processes()
+            self.heartbeat.start()
+            restore_signals = self._catch_signals()
             self._run()
         except BaseException as exc:
             error = self._abort(exc)

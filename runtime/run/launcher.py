@@ -7,7 +7,7 @@ process with no thread and no socket; the launcher imports what a stage needs on
 the coordinator checks, then forks one stage per device of this host on request and exits. The
 coordinator is a child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``), so the stages become its own
 children when the launcher exits: it waits for them, signals them and reads their exit codes like
-any child, and each stage starts only once it is the coordinator's. Where any of this is not
+any child, and each stage starts only once the coordinator holds it (the "go" pipe). Where any of this is not
 available, ``StageLauncher.start`` returns None and the stages start as fresh interpreters.
 """
 
@@ -28,8 +28,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from hetero.runtime.run.processes import StageFailedError
+
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
-ADOPTION_TIMEOUT_S = 30.0  # a stage whose coordinator never adopts it (the coordinator died) gives up
 
 
 class ForkedStage:
@@ -74,74 +75,102 @@ class ForkedStage:
 
 
 class StageLauncher:
-    """The forked launcher, seen from the coordinator: ``spawn`` once, or ``close`` to end it unused."""
+    """The forked launcher, seen from the coordinator: ``spawn`` once, or ``close`` to end it unused.
 
-    def __init__(self, pid: int, requests: int, answers: int) -> None:
-        self.pid, self._requests, self._answers = pid, requests, answers
-        self.used = False
+    Three pipes: the request (which stages, where they log), the answer (their pids, or why not), and
+    "go": every stage waits for one byte of it, which the coordinator writes only once it holds the
+    stages' pids as its children. Whatever fails before that, closing "go" ends every forked stage.
+    """
+
+    def __init__(self, pid: int, requests: int, answers: int, go: int) -> None:
+        self.pid, self._requests, self._answers, self._go = pid, requests, answers, go
+        self._open = [requests, answers, go]
 
     @classmethod
     def start(cls, architecture: dict[str, Any]) -> StageLauncher | None:
         """Fork the launcher, which starts importing what a stage of this model needs; None where it cannot."""
-        if sys.platform != "linux" or threading.active_count() != 1 or not _become_subreaper():
+        if (sys.platform != "linux" or threading.active_count() != 1
+                or signal.getsignal(signal.SIGCHLD) != signal.SIG_DFL or not _set_subreaper(True)):
             return None
-        requests_r, requests_w = os.pipe()
-        answers_r, answers_w = os.pipe()
+        fds = [*os.pipe(), *os.pipe(), *os.pipe()]
+        requests_r, requests_w, answers_r, answers_w, go_r, go_w = fds
         for stream in (sys.stdout, sys.stderr):
             stream.flush()  # or the child would write this process's buffered output again
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            _set_subreaper(False)
+            return None
         if pid == 0:
             try:
-                os.close(requests_w)
-                os.close(answers_r)
-                _serve(architecture, requests_r, answers_w, os.getppid())
+                for fd in (requests_w, answers_r, go_w):
+                    os.close(fd)
+                _serve(architecture, requests_r, answers_w, go_r)
             finally:
                 os._exit(0)
-        os.close(requests_r)
-        os.close(answers_w)
-        return cls(pid, requests_w, answers_r)
+        for fd in (requests_r, answers_w, go_r):
+            os.close(fd)
+        return cls(pid, requests_w, answers_r, go_w)
 
     def spawn(self, plan_path: Path, stages: list[int], run_dir: Path, coordinator: str) -> dict[int, ForkedStage]:
-        """One stage process per stage, logging to run_dir/logs/stage<k>.log (see the module docstring)."""
+        """One stage process per stage, logging to run_dir/logs/stage<k>.log (see the class docstring)."""
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.used = True
         wanted = [[k, [str(plan_path), "--stage", str(k), "--coordinator", coordinator, "--parent-pid",
                        str(os.getpid())], str(run_dir / "logs" / f"stage{k}.log")] for k in stages]
-        with os.fdopen(self._requests, "w") as out:
-            out.write(json.dumps(wanted))
-        with os.fdopen(self._answers) as answers:
-            answer = answers.readline()  # one line: the stages hold no copy of the pipe, but do not rely on it
-        os.waitpid(self.pid, 0)  # the launcher has exited: its stages are this process's children now
         try:
-            pids = json.loads(answer)
-        except ValueError:
-            raise RuntimeError(f"the stage launcher (pid {self.pid}) ended without starting the stages") from None
-        return {int(k): ForkedStage(int(pid)) for k, pid in pids.items()}
+            requests = self._take(self._requests)
+            os.write(requests, json.dumps(wanted).encode())  # < 64 KiB: one write
+            os.close(requests)  # the launcher reads the request to its end
+            answer = _read_all(self._take(self._answers))
+            os.waitpid(self.pid, 0)  # the launcher has exited: its stages are this process's children now
+            self.pid = 0
+            pids = json.loads(answer) if answer else {"error": "it ended without an answer"}
+            if "error" in pids:
+                raise StageFailedError(f"could not start this host's stages: {pids['error']}")
+            procs = {int(k): ForkedStage(int(pid)) for k, pid in pids.items()}
+            os.write(self._go, b"g" * len(procs))
+            return procs
+        except OSError as exc:  # the launcher died (out of memory?) before it answered
+            raise StageFailedError(f"could not start this host's stages: the stage launcher failed ({exc})") from None
+        finally:
+            self.close()  # "go" closed: a stage that got no byte exits
 
     def close(self) -> None:
-        """End an unused launcher (the run stopped before its stages started)."""
-        if self.used:
-            return
-        self.used = True
-        for fd in (self._requests, self._answers):
-            os.close(fd)
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.waitpid(self.pid, 0)
+        """Close what is left of the pipes and end the launcher if it still runs (idempotent)."""
+        while self._open:
+            os.close(self._open.pop())
+        if self.pid:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(self.pid, 0)
+            self.pid = 0
+        _set_subreaper(False)  # only the launcher's stages were to be adopted
+
+    def _take(self, fd: int) -> int:
+        self._open.remove(fd)
+        return fd
 
 
-def _become_subreaper() -> bool:
-    """Orphaned descendants (the launcher's stages) become this process's children."""
+def _read_all(fd: int) -> str:
+    """Read a pipe to its end and close it."""
+    with os.fdopen(fd, "rb") as pipe:
+        return pipe.read().decode()
+
+
+def _set_subreaper(on: bool) -> bool:
+    """Whether orphaned descendants (the launcher's stages) become this process's children."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)) == 0
     except (OSError, AttributeError):
         return False
 
 
-def _serve(architecture: dict[str, Any], requests: int, answers: int, coordinator_pid: int) -> None:
+def _serve(architecture: dict[str, Any], requests: int, answers: int, go: int) -> None:
     """The launcher: import, wait for the coordinator's request, fork the stages, answer their pids."""
     os.setsid()  # a terminal Ctrl-C reaches only the coordinator, which ends this process
     _redirect(os.open(os.devnull, os.O_WRONLY))  # nothing to say: a failed import fails the stage's build
@@ -155,40 +184,44 @@ def _serve(architecture: dict[str, Any], requests: int, answers: int, coordinato
         pass
     gc.freeze()  # what the stages inherit stays out of their collections (and their pages shared)
     gc.enable()
-    with os.fdopen(requests) as inbox:
-        wanted = inbox.read()
+    wanted = _read_all(requests)
     if not wanted:
         return  # the coordinator stopped before starting stages
-    pids = {k: _fork_stage(argv, Path(log), coordinator_pid, answers) for k, argv, log in json.loads(wanted)}
+    answer: dict[str, Any] = {}
+    try:
+        for k, argv, log in json.loads(wanted):
+            answer[str(k)] = _fork_stage(argv, Path(log), answers, go)
+    except OSError as exc:  # the forked ones get no "go" byte: they exit
+        answer = {"error": f"forking a stage failed ({exc})"}
     with os.fdopen(answers, "w") as out:
-        out.write(json.dumps(pids) + "\n")
+        out.write(json.dumps(answer))
 
 
-def _fork_stage(argv: list[str], log_path: Path, coordinator_pid: int, answers: int) -> int:
-    """Fork one stage; in the child, run it once the coordinator has adopted it (never returns there)."""
+def _fork_stage(argv: list[str], log_path: Path, answers: int, go: int) -> int:
+    """Fork one stage; in the child, run it once the coordinator says go (never returns there)."""
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     pid = os.fork()
     if pid:
         os.close(log_fd)
         return pid
+    code = 1
     try:
         os.close(answers)  # the coordinator reads the launcher's answer until the launcher closes it
         os.setsid()
         _redirect(log_fd)
         _reset_process_state()
-        deadline = time.monotonic() + ADOPTION_TIMEOUT_S
-        while os.getppid() != coordinator_pid:  # the launcher is about to exit
-            if time.monotonic() > deadline:
-                print(f"hetero: error: the coordinator (pid {coordinator_pid}) is gone", file=sys.stderr)
-                os._exit(3)
-            time.sleep(0.005)
+        if os.read(go, 1) != b"g":  # end of file: the coordinator gave up on its stages, or died
+            os._exit(3)
+        os.close(go)
         from hetero.runtime.stage.process import exit_stage
 
         exit_stage(argv)
+    except SystemExit as exc:  # what a fresh interpreter would exit with (argparse: 2)
+        code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
         traceback.print_exc()
     finally:
-        os._exit(1)
+        os._exit(code)
 
 
 def _redirect(out_fd: int) -> None:

@@ -9,6 +9,7 @@ the *global* gradient norm (every stage's squared norm summed by the coordinator
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -247,6 +248,9 @@ class Executor:
             coef = self._reduce_grads(step)
         else:
             self._grad_sumsq = grad_sumsq(self.params)
+            if not math.isfinite(self._grad_sumsq):  # the record would refuse it, without the hint
+                raise TrainingDivergedError(f"stage {self.stage.index} computed NaN/inf LoRA gradients at step "
+                                            f"{step}: {DIVERGED_HINT}")
             self.wire.send(COORDINATOR, GradNorm(sumsq=self._grad_sumsq), step=step)
             t0 = time.perf_counter()
             msg = self.wire.recv("clip", step=step, sender=COORDINATOR)
@@ -279,9 +283,11 @@ class Executor:
         return float(msg.meta["coef"])
 
 
+DIVERGED_HINT = "training diverged; lower train.lr (or raise train.warmup_steps) and resume from the last checkpoint"
+
+
 def _check_finite(t: torch.Tensor, what: str, k: int, step: int, mb: int) -> None:
     """Peers drop non-finite activations and gradients (runtime/wire/rules.py): fail here, by name, instead."""
     if not bool(torch.isfinite(t).all()):
-        raise TrainingDivergedError(f"stage {k} computed NaN/inf {what} at step {step}, micro-batch {mb}: training "
-                                    "diverged; lower train.lr (or raise train.warmup_steps) and resume from the "
-                                    "last checkpoint")
+        raise TrainingDivergedError(f"stage {k} computed NaN/inf {what} at step {step}, micro-batch {mb}: "
+                                    f"{DIVERGED_HINT}")

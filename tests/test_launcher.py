@@ -62,6 +62,7 @@ def test_an_unused_launcher_is_ended_and_reaped(tiny_spec: ModelSpec, tmp_path: 
 
 def test_a_launcher_that_died_is_one_line_and_leaves_nothing(tiny_spec: ModelSpec, tmp_path: Path) -> None:
     got = _run(tiny_spec, "killed", tmp_path)
-    assert got["outcome"].startswith("could not start this host's stages: the stage launcher failed"), got
+    # It died before or after taking the request: either way the same one line.
+    assert got["outcome"].startswith("could not start this host's stages: the stage launcher "), got
     assert "\n" not in got["outcome"]
     assert got["launcher_alive"] is False and got["children"] is False

@@ -126,7 +126,7 @@ class StageLauncher:
             answer = _read_all(self._take(self._answers))
             os.waitpid(self.pid, 0)  # the launcher has exited: its stages are this process's children now
             self.pid = 0
-            pids = json.loads(answer) if answer else {"error": "it ended without an answer"}
+            pids = json.loads(answer) if answer else {"error": "the stage launcher ended without answering"}
             if "error" in pids:
                 raise StageFailedError(f"could not start this host's stages: {pids['error']}")
             procs = {int(k): ForkedStage(int(pid)) for k, pid in pids.items()}

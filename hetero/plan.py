@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -129,6 +130,17 @@ class SolverReport:
     num_variables: int = 0
     num_constraints: int = 0
     message: str = ""
+    # The questions a plan answers (SETTLED_PARTS) -> whether the search settled each (proved it, or the
+    # settings fixed it); proven_optimal only when every one is. Empty for manual splits and old plans.
+    settled: dict[str, bool] = field(default_factory=dict)
+    unsettled: dict[str, str] = field(default_factory=dict)  # per part not settled: what was searched, why it stopped
+    # When not proven: the best lower bound on the step time of any plan the search covers (None: none known).
+    lower_bound_s: float | None = None
+
+
+# What "proven optimal" covers: how many stages, the data-parallel replicas (how many, their shares),
+# which layers recompute, and which device runs which layers.
+SETTLED_PARTS = ("stages", "replicas", "recompute", "placement")
 
 
 @dataclass(frozen=True)
@@ -189,6 +201,18 @@ class Plan:
     def micro_batches_of(self, k: int) -> int:
         """Micro-batches stage k runs per optimizer step (its replica's share)."""
         return self.replica_of(k)[1].num_micro_batches
+
+    def with_spans(self, spans: list[list[int]], recompute: list[list[str]]) -> Plan:
+        """This plan with its stages holding other node spans (a rebalanced run): same devices, programs and
+        input hash; the per-stage predictions are the compile's (the move's own are in its metrics line)."""
+        if len(spans) != len(self.stages) or len(recompute) != len(self.stages):
+            raise PlanError(f"a rebalance names {len(spans)} spans for {len(self.stages)} stages")
+        stages = [dataclasses.replace(s, first_node=int(a), last_node=int(b), recompute_layers=list(r),
+                                      node_names=[n.name for n in self.graph.nodes[int(a):int(b) + 1]])
+                  for s, (a, b), r in zip(self.stages, spans, recompute, strict=True)]
+        moved = dataclasses.replace(self, stages=stages)
+        check_plan(moved, "a rebalance")
+        return moved
 
     def to_json(self) -> str:
         data = to_dict(self)

@@ -11,22 +11,29 @@ from hetero.errors import ConfigError, InfeasiblePlanError
 from hetero.graph import LayerGraph
 from hetero.plan import Baseline, Plan, Prediction, ReplicaPlan, SolverReport, StagePlan, compute_input_hash
 from hetero.planner.baselines import baseline_evaluations, candidate_placements, predict
-from hetero.planner.cost import CostTable, build_cost_table, subtable
+from hetero.planner.cost import CostTable, build_cost_table
 from hetero.planner.cost_model import CostModel, RooflineCostModel, compute_dtype
+from hetero.planner.deadline import share_of
 from hetero.planner.feasibility import check_single_nodes, explain_infeasible
 from hetero.planner.objective import Evaluation, Placement, evaluate, split_spans
 from hetero.planner.profile_cost import ProfileCostModel
-from hetero.planner.replicas import ReplicaSolution, solve_replicas
+from hetero.planner.replica_choice import Chosen, predict_replicas, searches_replicas, settle, settle_single
+from hetero.planner.replica_choice import choose_replicas as _replicas
 from hetero.planner.schedules import gpipe, one_f_one_b, programs_for
-from hetero.planner.simulator import ScheduleError, Timeline, combine_replicas, simulate, simulate_plan
-from hetero.planner.solve import EXACT, solve
+from hetero.planner.simulator import ScheduleError, Timeline, simulate, simulate_plan
+from hetero.planner.solve import PROVEN, solve_simulated
 from hetero.program import format_program
 from hetero.specs import ClusterSpec, DataSpec, EvalSpec, ModelSpec, PlannerOptions, TrainSpec
 
 __all__ = [
     "CostModel", "RooflineCostModel", "ScheduleError", "Timeline", "gpipe", "one_f_one_b", "plan",
-    "programs_for", "simulate", "simulate_plan",
+    "predict_replicas", "programs_for", "simulate", "simulate_plan",
 ]
+
+# Of what is left of planner.time_limit_s, the placement solve may use this share when replicas are
+# searched after it (the rest is theirs), and this much is kept for everything after the searches.
+PLACE_SHARE = 0.6
+RESERVE_SHARE, MAX_RESERVE_S = 0.1, 1.0
 
 
 def _manual(table: CostTable, graph: LayerGraph, options: PlannerOptions) -> Evaluation:
@@ -94,9 +101,22 @@ def _verdict(prediction: Prediction, stages: list[StagePlan], base: list[Baselin
     if len(stages) == 1:
         out.append(f"The whole model fits and runs fastest on one device ({stages[0].device}): no pipeline needed.")
     if not solver.proven_optimal and solver.solver != "manual":
-        gap = f" (gap {solver.gap:.1%})" if solver.gap is not None else ""
-        out.append(f"The solver stopped before proving optimality{gap}: {solver.message}.")
+        out.append(_unproven_line(solver))
     return out
+
+
+def _unproven_line(solver: SolverReport) -> str:
+    """What the plan's proof does not cover: each unsettled part, why, and the best lower bound."""
+    if not solver.unsettled:
+        gap = f" (gap {solver.gap:.1%})" if solver.gap is not None else ""
+        return f"The solver stopped before proving optimality{gap}: {solver.message}."
+    by_why: dict[str, list[str]] = {}
+    for part, why in solver.unsettled.items():
+        by_why.setdefault(why, []).append(part)
+    parts = "; ".join(f"{', '.join(names)}: {why}" for why, names in by_why.items())
+    bound = (f" The best lower bound on any plan's step is {solver.lower_bound_s:.4g} s/step (the solvers' step "
+             "model)." if solver.lower_bound_s is not None else "")
+    return f"Not proven optimal. Not settled: {parts}.{bound} Raise planner.time_limit_s to settle it."
 
 
 def _simulated_best(table: CostTable, ev: Evaluation, prediction: Prediction,
@@ -104,10 +124,10 @@ def _simulated_best(table: CostTable, ev: Evaluation, prediction: Prediction,
                     ) -> tuple[Evaluation, Prediction, str]:
     """The plan never recommends a placement that simulates slower than a baseline it lists.
 
-    The solver minimises the closed-form step time (objective.py); the plan reports the simulator's,
-    which can rank two placements the other way round by a few percent. A baseline that is allowed
-    under the plan's own settings (planner.recompute, planner.num_stages) and simulates faster is
-    used instead, and the verdict says so."""
+    The solver ranks by the simulated step time (planner.solve.solve_simulated) and its candidates
+    include the baselines' splits, so this only acts when its search was cut off. A baseline that is
+    allowed under the plan's own settings (planner.recompute, planner.num_stages) and simulates faster
+    is used instead, and the verdict says so."""
     best: tuple[Evaluation, Prediction, str] | None = None
     for b, bev in pairs:
         if bev is None or not b.feasible or (num_stages and len(bev.placement.devices) != num_stages):
@@ -121,104 +141,8 @@ def _simulated_best(table: CostTable, ev: Evaluation, prediction: Prediction,
     if best is None:
         return ev, prediction, ""
     own, pred, name = best
-    return own, pred, (f"The solver's optimum of the closed-form step time simulates at {prediction.step_time_s:.3g} "
-                       f"s/step; the {name} placement simulates faster ({pred.step_time_s:.3g} s) and is the "
-                       "one planned.")
-
-
-def predict_replicas(table: CostTable, evaluations: list[Evaluation], shares: list[int], reduce_s: float,
-                     ) -> tuple[Prediction, list[float]]:
-    """The simulator's prediction of data x pipeline replicas: each replica with its own share, then
-    the optimizer step's barrier with the gradient reduction (simulator.combine_replicas); and each
-    replica's own simulated step (before the reduction)."""
-    timelines = [predict(subtable(table, m), ev)[1] for ev, m in zip(evaluations, shares, strict=True)]
-    timeline = combine_replicas(timelines, reduce_s)
-    tokens = table.tokens * table.num_micro_batches
-    step = timeline.step_time_s
-    prediction = Prediction(step_time_s=step, tokens_per_step=tokens, tokens_per_s=tokens / step if step > 0 else 0.0,
-                            bubble_fraction=timeline.bubble_fraction, stage_busy=timeline.busy_fraction,
-                            stage_memory_gb=[mem.total_gb for ev in evaluations for mem in ev.memory],
-                            reduce_s=reduce_s)
-    return prediction, [t.step_time_s for t in timelines]
-
-
-# Of planner.time_limit_s, the unforced replica search (and the two-replica comparison) may use this share.
-REPLICA_SHARE = 0.2
-
-
-def _ratio(x: float) -> str:
-    """1.24x; 1.004x where two decimals would round a real difference away."""
-    return f"{x:.3f}x" if abs(x - 1) < 0.01 else f"{x:.2f}x"
-
-
-def _replicas(table: CostTable, options: PlannerOptions, single: Prediction, single_solver: SolverReport,
-              ) -> tuple[list[tuple[Evaluation, int, float]] | None, Prediction, SolverReport, list[str]]:
-    """Data x pipeline replicas when they simulate faster than the one pipeline (or planner.replicas asks
-    for them): the replicas with their shares (None: keep the one pipeline), the prediction, the solver
-    report and the verdict lines (which also say what the best replicas would have given)."""
-    t0 = time.perf_counter()
-    forced = options.replicas
-    left = max(0.5, options.time_limit_s - single_solver.solve_time_s)
-    # Unforced, replicas are an option the search may leave unproven: it gets a share of the limit, so a
-    # fleet whose replicas cannot be proven does not make every compile wait for the whole limit.
-    budget = left if forced is not None else min(left, max(2.0, REPLICA_SHARE * options.time_limit_s))
-    solution = solve_replicas(table, budget, max_replicas=forced, num_replicas=forced, num_stages=options.num_stages)
-    if forced is not None and (solution is None or solution.num_replicas != forced):
-        raise InfeasiblePlanError(f"planner.replicas={forced}: no {forced} replicas of the model fit on this fleet "
-                                  f"(each replica holds the whole model on its own devices)")
-    if (solution is not None and solution.num_replicas < 2 and solution.proven_optimal and table.num_devices >= 2
-            and table.num_micro_batches >= 2):
-        # One pipeline wins (proven): say by how much over the best two replicas, in a bounded time.
-        spare = max(0.5, min(REPLICA_SHARE * options.time_limit_s, options.time_limit_s - single_solver.solve_time_s
-                             - (time.perf_counter() - t0)))
-        pair = solve_replicas(table, spare, num_replicas=2, num_stages=options.num_stages)
-        if pair is None or pair.num_replicas != 2:
-            return None, single, single_solver, ["Two data-parallel replicas do not fit (each holds the whole model)."]
-        pred, own = predict_replicas(table, pair.evaluations, pair.shares, pair.reduce_s)
-        if pred.step_time_s >= single.step_time_s:
-            return None, single, single_solver, [
-                f"One pipeline is faster than data-parallel replicas: the best two replicas (shares "
-                f"{'+'.join(map(str, pair.shares))}) predict {pred.step_time_s:.3g} s/step, "
-                f"{_ratio(single.step_time_s / pred.step_time_s)} the throughput of this plan "
-                f"({pair.reduce_s:.3g} s of it summing their gradients)."]
-        # The closed form ranked one pipeline first, the simulator (whose numbers the plan reports) the
-        # replicas: the plan never advises the slower of two placements it names.
-        return _replica_choice(table, pair, pred, own, single, single_solver, why=(
-            f"The solver's closed form ranks one pipeline first ({pair.single.step_time_s if pair.single else 0:.3g} "
-            f"vs {pair.step_time_s:.3g} s/step for two replicas); simulated, two replicas are faster and are "
-            "planned."))
-    if solution is None or solution.num_replicas < 2:
-        unproven = solution is not None and not solution.proven_optimal and single_solver.proven_optimal
-        return None, single, single_solver, [
-            f"Data-parallel replicas were searched for {budget:.3g} s without proving whether any beat one "
-            f"pipeline ({solution.message if solution else ''}); raise planner.time_limit_s to settle it."
-        ] if unproven else []
-    prediction, own = predict_replicas(table, solution.evaluations, solution.shares, solution.reduce_s)
-    if forced is None and prediction.step_time_s >= single.step_time_s:
-        return None, single, single_solver, [
-            f"Replicas ({solution.num_replicas}, shares {'+'.join(map(str, solution.shares))}) win by the closed "
-            f"form but simulate at {prediction.step_time_s:.3g} s/step against {single.step_time_s:.3g} s: one "
-            "pipeline is planned."]
-    report = SolverReport(EXACT + " (replicas)", "Optimal" if solution.proven_optimal else "Not Solved",
-                          "Optimal Solution Found" if solution.proven_optimal else "Solution Found",
-                          solution.proven_optimal, 0.0 if solution.proven_optimal else None, solution.step_time_s,
-                          single_solver.solve_time_s + time.perf_counter() - t0, options.time_limit_s,
-                          message=solution.message)
-    return _replica_choice(table, solution, prediction, own, single, report)
-
-
-def _replica_choice(table: CostTable, solution: ReplicaSolution, prediction: Prediction, own: list[float],
-                    single: Prediction, report: SolverReport, why: str = "",
-                    ) -> tuple[list[tuple[Evaluation, int, float]], Prediction, SolverReport, list[str]]:
-    """The replicas as (evaluation, share, own simulated step) with their prediction, report and verdict lines."""
-    parts = [f"replica {r}: {len(ev.placement.devices)} stage(s), {m} of {table.num_micro_batches} micro-batches"
-             for r, (ev, m) in enumerate(zip(solution.evaluations, solution.shares, strict=True))]
-    note = [f"{solution.num_replicas} data-parallel pipeline replicas ({'; '.join(parts)}); their LoRA gradients "
-            f"are summed at every step ({solution.reduce_s:.3g} s).",
-            f"{_ratio(single.step_time_s / prediction.step_time_s)} the throughput of the best single pipeline "
-            f"({single.step_time_s:.3g} s/step vs {prediction.step_time_s:.3g} s)."]
-    return list(zip(solution.evaluations, solution.shares, own, strict=True)), prediction, report, note + (
-        [why] if why else [])
+    return own, pred, (f"The solver's placement simulates at {prediction.step_time_s:.3g} s/step; the {name} "
+                       f"placement simulates faster ({pred.step_time_s:.3g} s) and is the one planned.")
 
 
 def _training_fleet(cluster: ClusterSpec, evaluation: EvalSpec) -> ClusterSpec:
@@ -230,8 +154,9 @@ def _training_fleet(cluster: ClusterSpec, evaluation: EvalSpec) -> ClusterSpec:
 
 
 def _place(table: CostTable, graph: LayerGraph, model: ModelSpec, options: PlannerOptions,
-           ) -> tuple[Evaluation, SolverReport]:
-    """The manual split when planner.split/devices are given, else the solver's placement (or why none fits)."""
+           deadline: float | None = None) -> tuple[Evaluation, SolverReport]:
+    """The manual split when planner.split/devices are given, else the solver's placement (or why none fits),
+    found by ``deadline`` less what the replica search and the rest of the plan need."""
     limit = min(len(table.devices), len(graph.nodes))
     if options.num_stages is not None and not 1 <= options.num_stages <= limit:
         raise ConfigError(f"planner.num_stages={options.num_stages}: choose 1..{limit} "
@@ -241,20 +166,22 @@ def _place(table: CostTable, graph: LayerGraph, model: ModelSpec, options: Plann
         return ev, SolverReport("manual", "Manual", "manual split", False, None, ev.step_time_s, 0.0,
                                 options.time_limit_s, message="planner.split/devices given: the solver was not run")
     check_single_nodes(table, graph)
-    result = solve(table, options.num_stages, options.time_limit_s, starts=candidate_placements(table, graph))
+    deadline = time.perf_counter() + options.time_limit_s if deadline is None else deadline
+    end = share_of(deadline, PLACE_SHARE if searches_replicas(options, table) else 1.0,
+                min(MAX_RESERVE_S, RESERVE_SHARE * options.time_limit_s))
+    result = solve_simulated(table, options.num_stages, max(0.05, end - time.perf_counter()),
+                             starts=candidate_placements(table, graph), deadline=end)
     if result.evaluation is None:
         if result.report.status == "Infeasible" or result.report.sol_status == "No Solution Exists":
             raise InfeasiblePlanError(explain_infeasible(table, graph, model, options.num_stages))
         raise InfeasiblePlanError(f"the solver found no placement within planner.time_limit_s="
                                   f"{options.time_limit_s:g}: raise it or set planner.num_stages")
-    return result.evaluation, result.report
-
-
-Chosen = list[tuple[Evaluation, int, float]]  # per pipeline replica: its placement, micro-batches, own step time
+    return result.evaluation, settle_single(result.report, options, table)
 
 
 def _choose(table: CostTable, options: PlannerOptions, ev: Evaluation, solver: SolverReport,
-            pairs: list[tuple[Baseline, Evaluation | None]]) -> tuple[Chosen, Prediction, SolverReport, list[str]]:
+            pairs: list[tuple[Baseline, Evaluation | None]], deadline: float | None = None,
+            ) -> tuple[Chosen, Prediction, SolverReport, list[str]]:
     """What to plan: the placement (or a baseline that simulates faster), or data x pipeline replicas when
     they win; with its prediction, solver report and the verdict lines that say why."""
     prediction, _ = predict(table, ev)
@@ -262,10 +189,13 @@ def _choose(table: CostTable, options: PlannerOptions, ev: Evaluation, solver: S
     auto = options.split is None and options.devices is None
     if auto:
         ev, prediction, adopted = _simulated_best(table, ev, prediction, pairs, options.num_stages)
+        if not adopted and solver.proven_optimal and solver.message.startswith(PROVEN):
+            # What the proof covers (docs/reading-a-plan.md): the single pipeline's placement; replicas say their own.
+            adopted = f"Placement proven {solver.message}."
     chosen: Chosen = [(ev, table.num_micro_batches, prediction.step_time_s)]
     replica_note: list[str] = []
     if auto and options.replicas != 1 and (options.num_stages is None or options.replicas is not None):
-        picked, prediction, solver, replica_note = _replicas(table, options, prediction, solver)
+        picked, prediction, solver, replica_note = _replicas(table, options, prediction, solver, ev, deadline)
         if picked is not None:
             chosen, adopted = picked, ""
     return chosen, prediction, solver, replica_note + ([adopted] if adopted else [])
@@ -331,10 +261,12 @@ def plan(
     evaluates held-out data); ``config`` is the resolved config the plan records."""
     cost_model = cost_model or RooflineCostModel(efficiency=options.efficiency)
     evaluation = evaluation or EvalSpec()
+    deadline = time.perf_counter() + options.time_limit_s  # the whole plan's, once: every search ends by it
     table = build_cost_table(graph, model, _training_fleet(cluster, evaluation), train, options, cost_model)
-    ev, solver = _place(table, graph, model, options)
+    ev, solver = _place(table, graph, model, options, deadline)
     pairs = baseline_evaluations(table, graph.decoder_indices())
-    chosen, prediction, solver, notes = _choose(table, options, ev, solver, pairs)
+    chosen, prediction, solver, notes = _choose(table, options, ev, solver, pairs, deadline)
+    solver = settle(solver, options, table)
     stages, replicas = _stages(table, graph, model, cluster, train.schedule, chosen)
     base = [b for b, _ in pairs]
     cost_sources, cost_notes = _cost_provenance(cost_model)

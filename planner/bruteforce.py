@@ -1,11 +1,17 @@
-"""Exhaustive search over placements: the reference the ILP is tested against (small problems only)."""
+"""Exhaustive search over placements: the reference the solvers are tested against (small problems only).
+
+``brute_force`` ranks by the closed form (objective.pipeline_step_time), what the exact DP and the ILP
+minimise; ``brute_force_simulated`` by the simulator's step time, what the plan reports and
+planner.solve.solve_simulated minimises."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from itertools import combinations, permutations, product
 
 from hetero.planner.cost import CostTable
 from hetero.planner.objective import Evaluation, Placement, evaluate
+from hetero.planner.simsearch import simulated_step_s
 
 
 def all_placements(num_nodes: int, num_devices: int, num_stages: int | None = None):
@@ -32,4 +38,26 @@ def brute_force(table: CostTable, num_stages: int | None = None) -> Evaluation |
             ev = evaluate(table, Placement(placement.devices, placement.spans, tuple(recompute)))
             if ev.feasible and (best is None or ev.step_time_s < best.step_time_s):
                 best = ev
+    return best
+
+
+def brute_force_simulated(table: CostTable, num_stages: int | None = None, every_recompute: bool = True,
+                          placements: Iterable[Placement] | None = None) -> tuple[Evaluation, float] | None:
+    """The feasible placement with the lowest simulated step time and that time, or None when none fits.
+
+    ``every_recompute``: try every recomputation planner.recompute allows per stage (else the fewest
+    that fit, objective.evaluate's rule); ``placements``: search only these (default: all).
+    """
+    best: tuple[Evaluation, float] | None = None
+    for placement in placements if placements is not None else all_placements(table.num_nodes, table.num_devices,
+                                                                               num_stages):
+        choices = [table.recompute_choices(a, b) if every_recompute else [None] for a, b in placement.spans]
+        for recompute in product(*choices):
+            rec = None if recompute[0] is None else tuple(int(r) for r in recompute if r is not None)
+            ev = evaluate(table, Placement(placement.devices, placement.spans, rec))
+            if not ev.feasible:
+                continue
+            step = simulated_step_s(table, ev)
+            if best is None or step < best[1]:
+                best = (ev, step)
     return best

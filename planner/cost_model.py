@@ -27,6 +27,16 @@ OPTIMIZER_PER_TENSOR_S = {"cpu": 50e-6}
 OPTIMIZER_PER_TENSOR_DEFAULT_S = 10e-6
 MESSAGE_FIXED_S = 100e-6
 HOST_COPY_BYTES_PER_S = 12e9  # PCIe 4.0 x16 in practice
+# Quantized linears are not faster than dense ones in training: bitsandbytes dequantizes the weight to
+# the compute dtype on every use. MatMul4Bit's forward is `linear(A, dequantize_4bit(W))` and its
+# backward dequantizes W again for the input gradient (bitsandbytes/autograd/_functions.py);
+# MatMul8bitLt's backward likewise rebuilds the 16-bit weight (CB * SCB / 127), and its forward's
+# int8 matmul is credited no speed-up here. So a quantized linear costs the dense one (its matmul
+# reads the dequantized weight) plus, in forward and again in backward, one memory-bound pass that
+# reads the quantized bytes and writes the compute-dtype weight: DEQUANT_PASSES passes of
+# (quantized + compute-dtype bytes) per linear parameter over the datasheet memory bandwidth. A
+# profile or a run measures the quantized layer itself (dequantization included) and replaces this.
+DEQUANT_PASSES = {"fwd": 1, "bwd": 1}
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -96,6 +106,21 @@ def weight_bytes(graph: LayerGraph, node: int, device: DeviceSpec, model: ModelS
     return (n.num_params - n.linear_params) * elem + n.linear_params * per_linear
 
 
+def dense_weight_bytes(graph: LayerGraph, node: int, dtype: str) -> float:
+    """Weight bytes of a node with every parameter at ``dtype`` (what a dequantized matmul reads)."""
+    return graph.nodes[node].num_params * dtype_bytes(dtype)
+
+
+def dequant_s(graph: LayerGraph, node: int, device: DeviceSpec, model: ModelSpec) -> float:
+    """Seconds of one dequantization pass over a node's quantized linear weights on ``device`` (0: not
+    quantized there): read the quantized bytes, write the compute-dtype weight, at the datasheet bandwidth."""
+    quant = device.quantization(model.quantization)
+    if quant not in QUANT_BYTES_PER_PARAM:
+        return 0.0
+    per_param = QUANT_BYTES_PER_PARAM[quant] + dtype_bytes(compute_dtype(device, model))
+    return graph.nodes[node].linear_params * per_param / (max(device.memory_bandwidth_gbs, 1e-3) * 1e9)
+
+
 def wire_bytes_per_token(graph: LayerGraph, node: int, device: DeviceSpec, model: ModelSpec) -> float:
     """Bytes per token sent across the cut after ``node`` by a stage on ``device`` (its compute dtype)."""
     if node >= len(graph.edges):
@@ -105,7 +130,8 @@ def wire_bytes_per_token(graph: LayerGraph, node: int, device: DeviceSpec, model
 
 
 class RooflineCostModel:
-    """time = max(FLOPs / (datasheet TFLOPS x efficiency), bytes touched / memory bandwidth)."""
+    """time = max(FLOPs / (datasheet TFLOPS x efficiency), bytes touched / memory bandwidth), plus the
+    dequantization passes of NF4/int8 linears (DEQUANT_PASSES)."""
 
     def __init__(self, efficiency: float = 0.4) -> None:
         if not 0.0 < efficiency <= 1.0:
@@ -128,13 +154,15 @@ class RooflineCostModel:
         bandwidth = device.memory_bandwidth_gbs * 1e9
         if bandwidth <= 0:
             raise ConfigError(f"device '{device.name}' has no memory bandwidth: fix its hardware spec")
-        weights = weight_bytes(graph, node, device, model)
+        dequant = dequant_s(graph, node, device, model)
+        # The matmuls read the weights at the compute dtype (a quantized one dequantized first: dequant_s).
+        weights = weight_bytes(graph, node, device, model) if dequant == 0 else dense_weight_bytes(graph, node, dtype)
         act = n.activation_bytes_per_token * tokens * dtype_bytes(dtype) / dtype_bytes(graph.dtype)
         # Forward reads the weights once and writes the saved activations; backward reads the
         # weights again (input grads) and reads the saved activations while writing their grads.
         fwd = max(n.fwd_flops_per_token * tokens / flops_per_s, (weights + act) / bandwidth)
         bwd = max(n.bwd_flops_per_token * tokens / flops_per_s, (weights + 2 * act) / bandwidth)
-        return fwd, bwd
+        return fwd + DEQUANT_PASSES["fwd"] * dequant, bwd + DEQUANT_PASSES["bwd"] * dequant
 
     def node_memory(
         self, graph: LayerGraph, model: ModelSpec, node: int, device: DeviceSpec, tokens: int

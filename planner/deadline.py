@@ -18,3 +18,9 @@ def check(deadline: float | None) -> None:
 def left(deadline: float | None) -> float:
     """Seconds until ``deadline`` (inf without one)."""
     return float("inf") if deadline is None else deadline - time.perf_counter()
+
+
+def share_of(deadline: float, fraction: float, reserve: float = 0.0) -> float:
+    """The time ``fraction`` of the way from now to ``reserve`` seconds before ``deadline`` (never before now)."""
+    now = time.perf_counter()
+    return now + max(0.0, fraction * (deadline - reserve - now))

@@ -1,8 +1,11 @@
-"""The closed-form step time the ILP minimizes, and the evaluation of one placement.
+"""The closed-form step time the exact DP and the ILP minimize, and the evaluation of one placement.
 
-``pipeline_step_time`` is THE objective: the ILP encodes exactly this function, the brute force
-and the baselines call it, and the tests compare them. How it relates to the simulator
-(planner/simulator.py, whose step time the plan reports):
+``pipeline_step_time`` is the solvers' objective: the exact DP and the ILP encode exactly this
+function, ``bruteforce.brute_force`` calls it, and the tests compare them. It is a linear proxy: the
+plan's placement is then chosen by the simulator's step time (planner/simsearch.py starts from this
+optimum and proves its answer with planner/simbound.py's lower bound), because no linear objective
+follows the simulator's round trips and barrier. How the two relate (planner/simulator.py, whose step
+time the plan reports):
 
 - GPipe: sum_k (f_k + b_k) + 2 sum_k c_k + (m - 1) (max(f, c) + max(b, c)) is exactly the
   simulator's step time (forward phase then backward phase, each a classic flow line whose period
@@ -12,13 +15,14 @@ and the baselines call it, and the tests compare them. How it relates to the sim
   It equals the simulator for balanced stages with free links ((m + S - 1)(f + b), the textbook
   number). For unbalanced stages the simulator can be a little slower (1F1B caps the micro-batches
   in flight, so adjacent stages wait on each other's round trips) or faster (links are
-  full-duplex); on random instances the median gap is ~2%. The ILP optimizes this linear proxy;
-  the plan's predicted step time comes from the simulator.
+  full-duplex); on random instances the median gap is ~2%, on slow links (1 GbE, PCIe x1 risers)
+  up to ~25%, enough to rank placements the other way round.
 
 What a stage pays outside its layers -- the CPU time of each message it sends or receives and
 the optimizer step after the step's gradient-norm round trip through the coordinator -- is in
 the simulator (``Evaluation.overhead_s`` / ``sync_s``), not in this objective: it is small next
-to compute for real models and depends on where the cuts fall, which the linear ILP cannot see.
+to compute for real models and depends on where the cuts fall, which the linear ILP cannot see;
+the simulated search and its lower bound count it.
 """
 
 from __future__ import annotations

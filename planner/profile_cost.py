@@ -3,15 +3,15 @@
 Same interface as ``RooflineCostModel``. Per (device, layer kind) it uses the measured linear fit
 ``a + b * tokens``; per host pair the measured latency and bandwidth; weights and LoRA state stay
 analytic (they are exact byte counts), activations come from the measured bytes per token. Every
-number it hands out is recorded in ``sources`` ("profile" or "roofline"), so the plan can say
-which numbers came from where.
+number it hands out is recorded in ``sources`` ("profile", "run RUN_DIR, step N" for a run's
+profile, or "roofline (why)"), so the plan can say which numbers came from where.
 """
 
 from __future__ import annotations
 
 from hetero.graph import LayerGraph
 from hetero.planner.cost_model import CostModel, NodeMemory, RooflineCostModel, compute_dtype
-from hetero.profile import LayerProfile, Profile, check_profile
+from hetero.profile import LayerProfile, Profile, check_profile, source_of
 from hetero.specs import ClusterSpec, DeviceSpec, ModelSpec
 
 
@@ -34,6 +34,11 @@ class ProfileCostModel:
         self.fallback: CostModel = fallback or RooflineCostModel()
         self.path = path
         self.sources: dict[str, str] = {}  # "time cpu0/decoder" -> "profile" | "roofline (why)"
+
+    def _source(self, device: DeviceSpec, part: str) -> str:
+        """Where a measured part of a device came from: "profile" or "run RUN_DIR, step N"."""
+        dev = self.profile.device(device.name)
+        return "profile" if dev is None else source_of(self.profile, dev, part)
 
     def _layer(self, device: DeviceSpec, kind: str, model: ModelSpec) -> tuple[LayerProfile | None, str]:
         dev = self.profile.device(device.name)
@@ -58,7 +63,7 @@ class ProfileCostModel:
         if layer is None:
             self.sources[key] = f"roofline ({why})"
             return self.fallback.node_time_s(graph, model, node, device, tokens)
-        self.sources[key] = "profile"
+        self.sources[key] = self._source(device, kind)
         return layer.fwd.at(tokens), layer.bwd.at(tokens)
 
     def node_memory(
@@ -84,7 +89,7 @@ class ProfileCostModel:
         if link is None or link.bandwidth_gbps <= 0:
             self.sources[key] = "fleet file (not measured)"
             return self.fallback.transfer_time_s(cluster, host_a, host_b, num_bytes)
-        self.sources[key] = "profile"
+        self.sources[key] = "profile" if "(from " not in link.method else f"profile ({link.method})"
         return link.transfer_s(num_bytes)
 
     def optimizer_step_s(self, device: DeviceSpec, model: ModelSpec, lora_params: int, lora_tensors: int) -> float:
@@ -94,19 +99,30 @@ class ProfileCostModel:
         if dev is None or dev.optimizer is None:
             self.sources[key] = f"roofline ({'device not in the profile' if dev is None else 'not measured'})"
             return self.fallback.optimizer_step_s(device, model, lora_params, lora_tensors)
-        self.sources[key] = "profile"
+        self.sources[key] = self._source(device, "optimizer")
         # Linear, not clamped at 0: the planner splits it into a constant and per-node parts.
         return dev.optimizer.a_s + dev.optimizer.b_s_per_token * lora_params
 
     def message_s(self, device: DeviceSpec, num_bytes: float) -> tuple[float, float]:
-        """The device's measured send and receive CPU time for a message of ``num_bytes``."""
+        """The device's measured send and receive CPU time for a message of ``num_bytes`` (each direction
+        from the roofline where not measured: a run measures its sends, not its receives)."""
         dev = self.profile.device(device.name)
         key = f"messages {device.name}"
-        if dev is None or dev.message_send is None or dev.message_recv is None:
+        if dev is None or (dev.message_send is None and dev.message_recv is None):
             self.sources[key] = f"roofline ({'device not in the profile' if dev is None else 'not measured'})"
             return self.fallback.message_s(device, num_bytes)
-        self.sources[key] = "profile"
-        return dev.message_send.at(int(num_bytes)), dev.message_recv.at(int(num_bytes))
+        send, recv = self.fallback.message_s(device, num_bytes)
+        parts = []
+        if dev.message_send is not None:
+            send = dev.message_send.at(int(num_bytes))
+            parts.append(("send", self._source(device, "message_send")))
+        if dev.message_recv is not None:
+            recv = dev.message_recv.at(int(num_bytes))
+            parts.append(("receive", self._source(device, "message_recv")))
+        same = len(parts) == 2 and parts[0][1] == parts[1][1]
+        self.sources[key] = parts[0][1] if same else "; ".join(f"{what}: {src}" for what, src in parts) + (
+            "" if len(parts) == 2 else f"; {'receive' if parts[0][0] == 'send' else 'send'}: roofline (not measured)")
+        return send, recv
 
     def usable_memory_gb(self, device: DeviceSpec) -> float | None:
         """The device's measured free memory, when the profile has it."""
@@ -115,11 +131,16 @@ class ProfileCostModel:
 
     def summary(self) -> list[str]:
         """Sentences for the plan: which numbers came from the profile and which from datasheets."""
-        measured = sorted(k for k, v in self.sources.items() if v.startswith("profile"))
-        other = sorted(f"{k} ({v})" for k, v in self.sources.items() if not v.startswith("profile"))
-        where = self.path or "the profile"
+        measured = sorted(k for k, v in self.sources.items() if _measured(v))
+        other = sorted(f"{k} ({v})" for k, v in self.sources.items() if not _measured(v))
+        where = self.profile.origin or self.path or "the profile"  # "run DIR, step N [+ profile]"
         out = [f"Costs from {where} (measured {self.profile.created or 'at an unknown date'}): "
                f"{len(measured)} of {len(self.sources)} numbers measured."]
         if other:
             out.append("Not in the profile, from datasheets/fleet file: " + "; ".join(other) + ".")
         return out
+
+
+def _measured(source: str) -> bool:
+    """A source that is a measurement (a profile's, a run's), not a datasheet or the fleet file."""
+    return source.startswith(("profile", "run ", "send: profile", "send: run "))

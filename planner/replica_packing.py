@@ -48,8 +48,14 @@ class ClassMultisets:
         return len(self.multisets) - 1
 
     @staticmethod
-    def of(table: CostTable) -> ClassMultisets:
-        """The multisets of ``table``'s device classes."""
+    def count(table: CostTable) -> int:
+        """How many multisets ``of`` would number (the empty one included), without building them."""
+        classes = table.device_classes()
+        return math.prod(classes.count(k) + 1 for k in range(max(classes) + 1))
+
+    @staticmethod
+    def of(table: CostTable, deadline: float | None = None) -> ClassMultisets:
+        """The multisets of ``table``'s device classes (raises OutOfTime past ``deadline``)."""
         classes = table.device_classes()
         members = [[d for d, c in enumerate(classes) if c == k] for k in range(max(classes) + 1)]
         host = [table.host_of[mem[0]] for mem in members]
@@ -59,7 +65,10 @@ class ClassMultisets:
                            key=lambda counts: sum(x * s for x, s in zip(counts, stride, strict=True)))
         full = len(multisets) - 1
         counts = np.array(multisets)
-        subsets = [np.flatnonzero((counts <= counts[u]).all(axis=1))[1:].tolist() for u in range(full + 1)]
+        subsets = []
+        for u in range(full + 1):
+            check(deadline)
+            subsets.append(np.flatnonzero((counts <= counts[u]).all(axis=1))[1:].tolist())
         lowest = [next((k for k, x in enumerate(s) if x), 0) for s in multisets]
         subs = [[u for u in subsets[s] if u != full and multisets[u][lowest[s]]] for s in range(full + 1)]
         return ClassMultisets(classes, members, host, stride, multisets, [sum(u) for u in multisets],

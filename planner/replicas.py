@@ -30,6 +30,13 @@ placements are enumerated (every device order and split, T and reduction per coo
 Pareto fronts) when they are few (ENUMERATE_ROWS); otherwise its reduction is bounded by its
 cheapest host, and the result is proven only where that bound does not decide it.
 
+The search ends by the compile's deadline (planner/deadline.py). A fleet of many device classes has
+too many multisets to search exactly (MAX_MULTISETS: a 20-card rig of 10 kinds has 3^10): it gets
+mirrored replicas (each class's devices dealt round-robin, even shares) as candidates, and the
+result says it is not proven, with the lower bound ``M x least work / devices + two reductions``
+(every replica's busiest device does at least its share of the work; at least two replicas send
+every gradient byte). A cut-off exact search keeps its last sweep's bound instead.
+
 This module holds the model and the search; the packing DP is planner/replica_packing.py and the
 enumerated fronts planner/replica_fronts.py.
 """
@@ -38,12 +45,12 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from hetero.planner.cost import CostTable, subtable
-from hetero.planner.deadline import OutOfTime, check
+from hetero.planner.deadline import OutOfTime, check, left
 from hetero.planner.exact import solve_exact
 from hetero.planner.objective import Evaluation, Placement, evaluate
 from hetero.planner.replica_fronts import (
@@ -62,6 +69,9 @@ from hetero.planner.solve import solve
 ENUMERATE_ROWS = 200_000
 # Of the time limit, the single-pipeline solve may use this share (it is usually done in a second).
 SINGLE_SHARE = 0.5
+# Past this many sub-multisets of the fleet's device classes (prod of count + 1) the exact search is not
+# attempted (its bookkeeping grows as their square): mirrored replicas are tried instead, unproven.
+MAX_MULTISETS = 5_000
 
 
 @dataclass
@@ -77,6 +87,11 @@ class ReplicaSolution:
     message: str
     single: Evaluation | None = None  # the best single pipeline found (R = 1)
     single_proven: bool = False  # ... and whether it is proven optimal among single pipelines
+    # A lower bound on every plan of R >= 2 replicas (inf: none fits or none can beat the incumbent),
+    # when the search was cut off; None when it finished (proven) or never started.
+    replicas_lower_s: float | None = None
+    how: str = ""  # what the search did (solves, thresholds, seconds)
+    unproven: list[str] = field(default_factory=list)  # why it is not proven
 
     @property
     def num_replicas(self) -> int:
@@ -126,7 +141,7 @@ class _Search:
         # planner.num_stages: every replica has that many stages; exact_count: exactly max_replicas replicas.
         self.num_stages, self.exact_count = num_stages, exact_count
         self.n, self.total_mb = table.num_nodes, table.num_micro_batches
-        self.sets = sets = ClassMultisets.of(table)
+        self.sets = sets = ClassMultisets.of(table, deadline)
         self.grad_total = sum(table.grad_bytes)
         cost, hosts = table.reduce_s_per_byte, sorted(set(sets.host))
         # One cost everywhere: the coordinator's host does not matter (one candidate, any replica leads).
@@ -144,6 +159,7 @@ class _Search:
         self.unproven: list[str] = []
         self.best: float = INF  # the best R >= 2 packing found (or the bar it must beat)
         self.picked: Picked = []
+        self.lower: float = parallel_bound(table)  # on every R >= 2 plan; each finished sweep raises it
         self._bounds()
 
     def _bounds(self) -> None:
@@ -158,6 +174,7 @@ class _Search:
         self.period = np.full(len(sets.multisets), INF)
         shares = np.arange(self.total_mb + 1)
         for u in range(1, sets.full + 1):
+            check(self.deadline)
             mask = np.array(sets.multisets[u]) > 0
             least = work[:, mask].min(axis=1)
             period = max(least.sum() / sets.size[u], least.max())
@@ -312,6 +329,7 @@ class _Search:
         self.best = upper
         while True:
             low, todo = self.sweep()
+            self.lower = max(self.lower, min(low, self.best))
             if low >= self.best * (1 - REL_TOL):
                 return True
             if not todo:
@@ -335,59 +353,143 @@ class _Search:
         return placements, [m for _, m, _, _ in order]
 
 
-def _single_solution(table: CostTable, single: Evaluation | None, proven: bool, message: str) -> ReplicaSolution | None:
+def parallel_bound(table: CostTable) -> float:
+    """A lower bound on every plan of R >= 2 replicas: each replica's busiest device does at least its
+    devices' share of its micro-batches' least work, so the slowest replica takes at least M x the least
+    work / the fleet's devices; and at least two replicas send every gradient byte through the cheapest
+    path to a coordinator."""
+    least = sum(min(f + b for f, b in zip(fwd, bwd, strict=True)) for fwd, bwd in zip(table.fwd_s, table.bwd_s,
+                                                                                      strict=True))
+    hosts = sorted(set(table.host_of))
+    cheapest = min(table.reduce_s_per_byte[a][b] for a in hosts for b in hosts)
+    return table.num_micro_batches * least / table.num_devices + 2.0 * sum(table.grad_bytes) * cheapest
+
+
+def _mirrored(table: CostTable, limit: int, num_stages: int | None, deadline: float,
+              exact_count: bool) -> tuple[list[Placement], list[int]] | None:
+    """The fastest plan of R mirrored replicas (each class's devices dealt round-robin, shares as even as
+    they go) over R = 2..limit (exactly ``limit`` with ``exact_count``), each replica's pipeline solved on
+    its own devices; None when none fits in time. For fleets too large for the exact search."""
+    classes = table.device_classes()
+    order = sorted(range(table.num_devices), key=lambda d: (classes[d], d))
+    best: tuple[float, list[Placement], list[int]] | None = None
+    for r in range(limit if exact_count else 2, limit + 1):
+        groups = [order[k::r] for k in range(r)]  # devices of a class sit together: dealt round-robin
+        shares = [table.num_micro_batches // r + (k < table.num_micro_batches % r) for k in range(r)]
+        placements: list[Placement] = []
+        for devices, m in zip(groups, shares, strict=True):
+            if left(deadline) <= 0:
+                return None if best is None else (best[1], best[2])
+            found = solve(subtable(table, m, devices), num_stages, left(deadline)).evaluation
+            if found is None:
+                break
+            placements.append(Placement(tuple(devices[i] for i in found.placement.devices), found.placement.spans))
+        if len(placements) < r:
+            continue
+        evaluations, _, step = evaluate_replicas(table, placements, shares)
+        if all(e.feasible for e in evaluations) and (best is None or step < best[0]):
+            best = (step, placements, shares)
+    return None if best is None else (best[1], best[2])
+
+
+def _single_solution(table: CostTable, single: Evaluation | None, proven: bool, message: str,
+                     found: _Found | None = None) -> ReplicaSolution | None:
     if single is None:
         return None
     return ReplicaSolution([single.placement], [table.num_micro_batches], [single], 0.0, single.step_time_s,
-                           proven, message, single, proven)
+                           proven, message, single, proven, None if proven or found is None else found.lower_s,
+                           found.how if found else "", found.unproven if found else [])
+
+
+@dataclass
+class _Found:
+    """What the R >= 2 search found: its best replicas (none: nothing beats the bar) and how sure it is."""
+
+    proven: bool
+    placements: list[Placement]
+    shares: list[int]
+    lower_s: float  # a lower bound on every plan of R >= 2 replicas
+    unproven: list[str]  # why not proven
+    how: str  # what it did
+
+
+def _search(table: CostTable, upper: float, limit: int, forced: bool, num_stages: int | None,
+            deadline: float) -> _Found:
+    """The R >= 2 search by ``deadline``: exact over class multisets where they are few (MAX_MULTISETS),
+    mirrored replicas where not."""
+    t0 = time.perf_counter()
+    if (count := ClassMultisets.count(table)) > MAX_MULTISETS:
+        found = _mirrored(table, limit, num_stages, deadline, forced)
+        why = (f"the fleet's {max(table.device_classes()) + 1} device classes make {count:,} replica multisets "
+               f"(the exact replica search stops at {MAX_MULTISETS:,}): only mirrored replicas were tried")
+        placements, shares = found if found is not None else ([], [])
+        if placements and evaluate_replicas(table, placements, shares)[2] >= upper:
+            placements, shares = [], []
+        return _Found(False, placements, shares, parallel_bound(table), [why], f"{time.perf_counter() - t0:.2f} s")
+    search: _Search | None = None
+    try:
+        search = _Search(table, deadline, limit if forced or limit < min(table.num_micro_batches, table.num_devices)
+                         else None, num_stages, exact_count=forced)
+        proven = search.run(upper)
+    except OutOfTime:
+        proven = False
+    if search is None:
+        return _Found(False, [], [], parallel_bound(table), ["out of time before the search could start"], "")
+    if not proven and not search.unproven:
+        search.unproven.insert(0, "out of time")
+    how = (f"{search.solves} replica solves, {search.enumerations} enumerations, {search.thresholds} thresholds, "
+           f"{time.perf_counter() - t0:.2f} s")
+    if not search.picked or search.best >= upper:
+        return _Found(proven, [], [], search.lower, search.unproven, how)
+    placements, shares = search.assign(search.picked)
+    return _Found(proven, placements, shares, search.lower, search.unproven, how)
 
 
 def solve_replicas(table: CostTable, time_limit_s: float = 30.0, max_replicas: int | None = None,
                    starts: list[Placement] | None = None, num_replicas: int | None = None,
-                   num_stages: int | None = None) -> ReplicaSolution | None:
+                   num_stages: int | None = None, deadline: float | None = None,
+                   single: tuple[Evaluation | None, bool] | None = None) -> ReplicaSolution | None:
     """The fastest plan of R >= 1 pipeline replicas under the module's step-time model (None: none fits).
 
     ``num_replicas``: exactly that many replicas (planner.replicas; the single pipeline is still solved,
-    for comparison); ``num_stages``: every replica has that many stages (planner.num_stages)."""
+    for comparison); ``num_stages``: every replica has that many stages (planner.num_stages). Everything
+    ends by ``deadline`` (time.perf_counter(); default now + ``time_limit_s``). ``single``: the best single
+    pipeline already found and whether it is proven (else it is solved here, in SINGLE_SHARE of the time)."""
     t0 = time.perf_counter()
-    result = solve(table, num_stages, SINGLE_SHARE * time_limit_s, starts=starts)
-    single = result.evaluation
-    single_proven = result.report.proven_optimal or (single is None and result.report.status == "Infeasible")
+    deadline = t0 + time_limit_s if deadline is None else deadline
+    if single is None:
+        result = solve(table, num_stages, max(0.05, SINGLE_SHARE * left(deadline)), starts=starts)
+        single = (result.evaluation, result.report.proven_optimal
+                  or (result.evaluation is None and result.report.status == "Infeasible"))
+    best_single, single_proven = single
     if num_replicas is not None and num_replicas > min(table.num_micro_batches, table.num_devices):
         return None
     limit = num_replicas or min(table.num_micro_batches, table.num_devices, max_replicas or table.num_devices)
     if limit <= 1:
-        return _single_solution(table, single, single_proven, "one pipeline (one replica allowed)")
+        return _single_solution(table, best_single, single_proven, "one pipeline (one replica allowed)")
     forced = num_replicas is not None
-    upper = single.step_time_s if single is not None and not forced else INF
-    search = _Search(table, t0 + time_limit_s,
-                     limit if forced or limit < min(table.num_micro_batches, table.num_devices) else None,
-                     num_stages, exact_count=forced)
-    try:
-        proven = search.run(upper)
-    except OutOfTime:
-        proven = False
-        search.unproven.insert(0, f"out of time (planner.time_limit_s={time_limit_s:g})")
-    proven = proven and single_proven
+    upper = best_single.step_time_s if best_single is not None and not forced else INF
+    found = _search(table, upper, limit, forced, num_stages, deadline)
+    proven = found.proven and single_proven
     if not single_proven:
-        search.unproven.append("the single pipeline is not proven optimal")
-    how = (f"{search.solves} replica solves, {search.enumerations} enumerations, {search.thresholds} thresholds, "
-           f"{time.perf_counter() - t0:.2f} s")
-    why = "" if proven else f"; not proven optimal: {'; '.join(search.unproven)}"
-    if forced and not search.picked:
+        found.unproven.append("the single pipeline is not proven optimal")
+    lower = None if proven else found.lower_s
+    why = "" if proven else f"; not proven optimal: {'; '.join(found.unproven)}"
+    if forced and not found.placements:
         return None
-    if not search.picked or search.best >= upper:
-        return _single_solution(table, single, proven, f"one pipeline: no replicas are faster ({how}){why}")
-    placements, shares = search.assign(search.picked)
-    evaluations, reduce_s, step = evaluate_replicas(table, placements, shares)
-    if not all(e.feasible for e in evaluations) or step > search.best * (1 + 1e-6):
-        # The replicas do not check out under objective.evaluate (a bug): keep the single pipeline.
-        bad = f"replicas evaluate at {step:.6g} s/step, the search said {search.best:.6g} s"
-        return _single_solution(table, single, False, f"one pipeline ({bad})")
-    placements = [Placement(p.devices, p.spans, tuple(e.recompute)) for p, e in zip(placements, evaluations,
+    if not found.placements:
+        return _single_solution(table, best_single, proven, f"one pipeline: no replicas are faster ({found.how}){why}",
+                                found)
+    evaluations, reduce_s, step = evaluate_replicas(table, found.placements, found.shares)
+    if not all(e.feasible for e in evaluations) or step >= upper:
+        # The replicas do not check out under objective.evaluate (a bug) or lose: keep the single pipeline.
+        bad = f"replicas evaluate at {step:.6g} s/step"
+        return _single_solution(table, best_single, False, f"one pipeline ({bad}){why}", found)
+    placements = [Placement(p.devices, p.spans, tuple(e.recompute)) for p, e in zip(found.placements, evaluations,
                                                                                       strict=True)]
-    gain = (f": {single.step_time_s / step:.2f}x the throughput of the best single pipeline "
-            f"({single.step_time_s:.4g} s/step)" if single is not None else " (no single pipeline fits)")
-    message = (f"{len(placements)} replicas, shares {'+'.join(map(str, shares))}, {step:.4g} s/step "
-               f"({reduce_s:.3g} s of it the gradient reduction){gain}; {how}{why}")
-    return ReplicaSolution(placements, shares, evaluations, reduce_s, step, proven, message, single, single_proven)
+    gain = (f": {best_single.step_time_s / step:.2f}x the throughput of the best single pipeline "
+            f"({best_single.step_time_s:.4g} s/step)" if best_single is not None else " (no single pipeline fits)")
+    message = (f"{len(placements)} replicas, shares {'+'.join(map(str, found.shares))}, {step:.4g} s/step "
+               f"({reduce_s:.3g} s of it the gradient reduction){gain}; {found.how}{why}")
+    return ReplicaSolution(placements, found.shares, evaluations, reduce_s, step, proven, message, best_single,
+                           single_proven, lower, found.how, found.unproven)

@@ -1,6 +1,12 @@
-"""The placement solve: the exact DP where it applies, the ILP where it does not, in one time limit.
+"""The placement solve: the simulator's step time decides, the exact DP or the ILP finds the start.
 
-``solve`` is a pure function of a CostTable (dense arrays; no fleet, no cost model). The exact DP
+``solve_simulated`` is what planner.plan calls: the placement with the smallest simulated step time
+(the number the plan reports), found and proven by planner/simsearch.py from the closed-form optimum.
+The report says what the proof covers: "optimal by the simulated step time" when the branch and bound
+finished (no placement simulates faster), else that the search was cut off, the gap to its lower bound,
+and what the closed form's optimum simulates at.
+
+``solve`` (the closed form, objective.pipeline_step_time) is a pure function of a CostTable (dense arrays; no fleet, no cost model). The exact DP
 (planner/exact.py) proves the optimum of fleets with few device classes -- a rig of 3080s and
 3090s, hosts of identical GPUs -- in about a second; when its state space is too large (many
 distinct devices) or it runs out of its share of the time, the ILP (planner/ilp.py) gets what is
@@ -16,12 +22,18 @@ from dataclasses import dataclass, replace
 from hetero.plan import SolverReport
 from hetero.planner.cost import CostTable
 from hetero.planner.exact import ExactResult, solve_exact
-from hetero.planner.ilp import solve_ilp
 from hetero.planner.objective import Evaluation, Placement, evaluate
+from hetero.planner.simsearch import SearchResult, best_simulated, simulated_step_s
 
 # Of the time limit, the exact DP may use this share when the ILP may still need the rest.
 DP_SHARE = 0.6
 EXACT = "exact DP"
+# Of the time limit, solve_simulated gives the closed-form solve this share and ends its search by
+# SEARCH_SHARE of it (the rest is the replica search's, planner._replicas).
+CLOSED_SHARE = 0.4
+SEARCH_SHARE = 0.7
+SEARCH = "simulated search"
+PROVEN = "optimal by the simulated step time"
 
 
 @dataclass
@@ -61,6 +73,10 @@ def solve(table: CostTable, num_stages: int | None = None, time_limit_s: float =
             if found.feasible and (start is None or found.step_time_s < start.step_time_s):
                 start = found
     seeds = ([start.placement] if start is not None else []) + list(starts or [])
+    from hetero.planner.ilp import (
+        solve_ilp,  # PuLP: only when the ILP runs (the coordinator's replanner never does)
+    )
+
     ilp = solve_ilp(table, num_stages, time_limit_s, starts=seeds, deadline=deadline)
     report = ilp.report
     evaluation = ilp.evaluation
@@ -97,3 +113,50 @@ def _proven_by_dp(table: CostTable, dp: ExactResult, start: Evaluation | None, t
     report = SolverReport(EXACT, "Optimal", "Optimal Solution Found", True, 0.0, evaluation.step_time_s,
                           time.perf_counter() - t0, time_limit_s, message=message)
     return SolveResult(evaluation, report)
+
+
+def solve_simulated(table: CostTable, num_stages: int | None = None, time_limit_s: float = 30.0,
+                    starts: list[Placement] | None = None, deadline: float | None = None) -> SolveResult:
+    """The placement minimizing the simulated step time (planner/simsearch.py), from the closed form's
+    optimum (``solve``) and ``starts``; ends by ``deadline`` (default: SEARCH_SHARE of the limit from now)."""
+    t0 = time.perf_counter()
+    end = t0 + SEARCH_SHARE * time_limit_s if deadline is None else deadline
+    closed = solve(table, num_stages, max(0.05, min(CLOSED_SHARE * time_limit_s, end - t0)), starts=starts)
+    if closed.evaluation is None and (closed.report.status == "Infeasible"
+                                      or closed.report.sol_status == "No Solution Exists"):
+        return closed  # proven: nothing fits (planner.feasibility explains why)
+    candidates = [closed.evaluation] if closed.evaluation is not None else []
+    candidates += [evaluate(table, p) for p in starts or []]
+    found = best_simulated(table, candidates, num_stages, end)
+    if found.best is None:
+        return closed
+    closed_s = simulated_step_s(table, closed.evaluation) if closed.evaluation is not None else None
+    report = _search_report(closed.report, found, closed_s, time_limit_s, time.perf_counter() - t0)
+    return SolveResult(found.best.evaluation, report)
+
+
+def _search_report(closed: SolverReport, found: SearchResult, closed_s: float | None, time_limit_s: float,
+                   elapsed: float) -> SolverReport:
+    """What the simulated search proved (or how far it got), and how the closed form's optimum compares."""
+    assert found.best is not None
+    step = found.best.step_s
+    work = f"{found.simulated} placements simulated, {found.nodes:,} partial pipelines bounded"
+    if closed_s is None:
+        versus = f"the closed-form solve ({closed.solver}) found no placement in its share of the time"
+    elif closed_s > step * (1 + 1e-9):
+        versus = (f"the closed-form optimum ({closed.solver}) simulates at {closed_s:.4g} s/step: this placement "
+                  f"simulates faster, {step:.4g} s")
+    else:
+        versus = f"the closed-form optimum ({closed.solver}) is this placement"
+    solver = f"{closed.solver} + {SEARCH}"
+    if found.proven:
+        return SolverReport(solver, "Optimal", "Optimal Solution Found", True, 0.0, step, elapsed, time_limit_s,
+                            closed.num_variables, closed.num_constraints,
+                            message=f"{PROVEN}: the branch and bound finished ({work}); {versus}")
+    lower = found.lower_bound_s
+    gap = None if lower is None else max(0.0, (step - lower) / step)
+    bound = f"; best lower bound {lower:.4g} s/step" if lower is not None else ""
+    return SolverReport(solver, "Not Solved", "Solution Found", False, gap, step, elapsed, time_limit_s,
+                        closed.num_variables, closed.num_constraints,
+                        message=f"the search by simulated step time was cut off by the time limit ({work}{bound}); "
+                                f"{versus}", lower_bound_s=lower)

@@ -190,6 +190,19 @@ def solver_line(plan: Plan) -> str:
     )
 
 
+def settled_lines(plan: Plan) -> list[str]:
+    """What the proof covers: each question the search settled or not (and why), and the best lower bound."""
+    r = plan.solver
+    if not r.settled:
+        return []
+    done = [part for part, ok in r.settled.items() if ok]
+    out = [f"settled: {', '.join(done) if done else 'nothing'}"]
+    out += [f"not settled: {part}: {r.unsettled.get(part, 'cut off')}" for part, ok in r.settled.items() if not ok]
+    if r.lower_bound_s is not None:
+        out.append(f"best lower bound: {r.lower_bound_s:.4g} s/step (the solvers' step model)")
+    return out
+
+
 def prediction_lines(plan: Plan) -> list[str]:
     p: Prediction = plan.prediction
     t = plan.train
@@ -258,6 +271,7 @@ def plan_renderables(
     out: list[RenderableType] = [Text(line) for line in prediction_lines(plan)]
     out += [Text(""), stage_table(plan), memory_table(plan), baseline_table(plan)]
     out.append(Text("solver  " + solver_line(plan)))
+    out += [Text(f"        {line}") for line in settled_lines(plan)]
     if plan.verdict:
         out.append(Text("\nverdict", style="bold"))
         out += [Text(f"  - {v}") for v in plan.verdict]

@@ -9,6 +9,10 @@ Runs, in this order (each section measures its own baseline in the same run):
   w3         the same over a rate-limited veth between two network namespaces (bench_w3.py; root only)
   replicas   2 replicas x 1 stage vs 1 replica x 2 stages on W1's model: predicted vs measured (bench_replicas.py)
   eval       held-out evaluation on a spare CPU device: training step with vs without it (bench_eval.py)
+  prediction run -> compile profile=RUN_DIR -> run, 2 and 3 tiny stages: measured / predicted (bench_prediction.py)
+
+`python -m bench rebalance` runs W5 alone (a stage slowed mid-run by a cgroup quota, with and without
+runtime.rebalance, and a plan compiled for the slowed fleet; bench_rebalance.py, root only) and prints it.
 
 then prints every table and the ratios last, and rewrites the generated part of docs/benchmarks.md
 (between its `bench:begin` / `bench:end` markers: tables, machine, date, commands) and
@@ -36,7 +40,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-SECTIONS = ("planner", "compile", "transport", "w1", "w3", "replicas", "eval")
+SECTIONS = ("planner", "compile", "transport", "w1", "w3", "replicas", "eval", "prediction")
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 DOC, PLOT = REPO / "docs" / "benchmarks.md", REPO / "docs" / "bench.png"
 
@@ -306,6 +310,10 @@ def ratios(results: dict[str, Any]) -> list[str]:
         faster = r["rows"][r["faster"]]["shape"]
         out.append(f"  replicas: faster measured {faster}, planner chose {r['auto']}"
                    f" ({'the faster' if faster == r['auto'] else 'NOT the faster'})")
+    for loop in results.get("prediction", {}).get("loops", []):
+        per_round = " ".join(f"{r['ratio']:.2f}" for r in loop["rows"])
+        out.append(f"  prediction: {loop['stages']} stages planned from the previous run, measured / predicted median "
+                   f"{loop['median']:.2f} (rounds {per_round})")
     if "ratio" in results.get("eval", {}):
         out.append(f"  eval: training step with / without evaluation on a spare device {results['eval']['ratio']:.3f}x")
     for row in results.get("transport", {}).get("rows", []):
@@ -328,11 +336,20 @@ def run_section(name: str, work: Path) -> dict[str, Any]:
         return bench_planner()
     if name == "transport":
         return bench_transport()
+    if name == "prediction":
+        import bench_prediction
+
+        return bench_prediction.run_loop(work, rounds=3, steps=12)
     return {"compile": bench_compile, "w1": bench_w1, "w3": bench_w3, "replicas": bench_replicas,
             "eval": bench_eval}[name](work)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["rebalance"]:  # W5: its own script (root: it slows a stage with a cgroup), printed only
+        import bench_rebalance
+
+        return bench_rebalance.main()
     ap = argparse.ArgumentParser(prog="python -m bench", description="Every hetero benchmark, ratios last.")
     ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md and docs/bench.png")

@@ -17,6 +17,11 @@ slower, the profiled plan must give it fewer decoder layers than the even split 
 plans are each run `--repeats` times, interleaved, to beat run-to-run noise. When the planner does
 not move layers the bench says so and compares nothing. Why not fewer threads: see slowed_stage.
 Takes about 6 minutes on 2 cores; never part of the test suite. Linux only (os.sched_setaffinity).
+
+Part 3, the run is a profile (issue 22): for 2 and 3 local stages of the tiny model, a datasheet plan
+is run once; then, round after round, `hetero compile profile=RUN_DIR` plans from the previous run's
+measurements (RUN_DIR/profile.json) and that plan is run: measured / predicted per round and the
+median (the target: 0.90-1.10). `python -m bench --only prediction` runs this part alone.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import sys
 from pathlib import Path
 
 from w1_model import LR, MICRO_BATCH, NUM_MICRO, SEQ_LEN, prepare  # the W1 definition, one place
+
+from hetero.runtime.tools.run_compare import read_metrics, step_lines
 
 
 def hetero(*args: str) -> None:
@@ -59,7 +66,7 @@ def replayed_ratio(plan_dir: Path, run_dir: Path) -> float:
 def run_plan(plan_dir: Path, run_dir: Path, steps: int, skip: int) -> list[float]:
     """`hetero run` a compiled plan; the step times after the first ``skip`` (warm-up) steps."""
     hetero("run", str(plan_dir / "plan.json"), f"steps={steps}", "--run-dir", str(run_dir), "--no-progress")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    rows = step_lines(read_metrics(run_dir / "metrics.jsonl"))
     times = [float(r["step_time_s"]) for r in rows]
     return times[skip:] or times
 
@@ -116,6 +123,46 @@ def prediction_table(out: Path, steps: int, rounds: int) -> None:
               "cores in 1F1B's steady state). The profile measures each stage while the others run a load, so it "
               "prices that sharing; with few micro-batches the stages idle more than in the steady state and the "
               "run can beat the prediction.")
+
+
+def loop_rounds(out: Path, stages: int, rounds: int, steps: int) -> dict:
+    """Part 3 for one stage count: a datasheet run, then ``rounds`` of (compile profile=previous run, run)."""
+    common = ["model=tiny", "hardware=local", f"hardware.num_devices={stages}", f"planner.num_stages={stages}",
+              "planner.time_limit_s=10"]
+    first = out / f"loop{stages}-plan0"
+    hetero("compile", *common, f"output={first}")
+    previous = out / f"loop{stages}-run0"
+    before = statistics.median(run_plan(first, previous, steps, 1))
+    rows = []
+    for r in range(1, rounds + 1):
+        plan_dir, run_dir = out / f"loop{stages}-plan{r}", out / f"loop{stages}-run{r}"
+        hetero("compile", *common, f"profile={previous}", f"output={plan_dir}")
+        plan = json.loads((plan_dir / "plan.json").read_text())
+        times = run_plan(plan_dir, run_dir, steps, 1)
+        measured, predicted = statistics.median(times), plan["prediction"]["step_time_s"]
+        rows.append({"round": r, "split": ",".join(map(str, layers_per_stage(plan))), "predicted_s": predicted,
+                     "measured_s": measured, "ratio": measured / predicted, "previous_s": before,
+                     "replayed": replayed_ratio(plan_dir, run_dir)})
+        # previous/predicted: how well the plan reproduces the run it was planned from (the machine's drift
+        # between the two runs is the rest of measured/predicted).
+        print(f"  {stages} stages, round {r}: planned from {previous.name} (measured {before:.4f} s), split "
+              f"{rows[-1]['split']}: predicted {predicted:.4f} s, measured {measured:.4f} s, measured/predicted "
+              f"{measured / predicted:.2f}, previous run/predicted {before / predicted:.2f}, measured/replayed "
+              f"{rows[-1]['replayed']:.2f}", flush=True)
+        previous, before = run_dir, measured
+    return {"stages": stages, "rows": rows, "median": statistics.median(r["ratio"] for r in rows)}
+
+
+def run_loop(out: Path, rounds: int = 3, steps: int = 12) -> dict:
+    """Part 3: the run is a profile; 2 and 3 stages; prints each round and the medians."""
+    print(f"tiny model: run, then {rounds} rounds of (hetero compile profile=PREVIOUS_RUN_DIR, hetero run {steps} "
+          "steps); measured = median step after the first")
+    result = {"steps": steps, "loops": [loop_rounds(out, stages, rounds, steps) for stages in (2, 3)]}
+    for loop in result["loops"]:
+        med, per_round = loop["median"], " ".join(f"{r['ratio']:.2f}" for r in loop["rows"])
+        print(f"  {loop['stages']} stages: measured/predicted per round {per_round}, median {med:.2f} "
+              f"({'within' if 0.90 <= med <= 1.10 else 'NOT within'} 0.90-1.10)")
+    return result
 
 
 FLEET = """\
@@ -177,7 +224,7 @@ def run_two_hosts(plan_dir: Path, run_dir: Path, steps: int, port_a: int) -> lis
                         "--run-dir", str(run_dir / "host-b")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     finish(run, f"hetero run {plan}")
     finish(worker, f"hetero worker {plan} --host b", timeout=60)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    rows = step_lines(read_metrics(run_dir / "metrics.jsonl"))
     times = [float(r["step_time_s"]) for r in rows]
     return times[2:] or times  # the first two steps warm up allocators and caches
 
@@ -259,9 +306,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/hetero-bench-prediction"))
     ap.add_argument("--skip-table", action="store_true")
     ap.add_argument("--skip-slow-stage", action="store_true")
+    ap.add_argument("--skip-loop", action="store_true", help="part 3: run -> compile profile=RUN_DIR -> run")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    if not args.skip_loop:
+        run_loop(args.out, args.rounds, args.table_steps)
     if not args.skip_table:
         prediction_table(args.out, args.table_steps, args.rounds)
     if not args.skip_slow_stage:

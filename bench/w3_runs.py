@@ -20,6 +20,7 @@ from w3_net import IPS, LinkPair, Sampler
 from w3_timeline import hetero_trace_env, timeline
 
 from hetero.runtime.run.processes import last_line
+from hetero.runtime.tools.run_compare import read_metrics, step_lines
 
 HOSTS = ("a", "b")  # plan host names: stage 0 (and the coordinator) on a, stage 1 on b
 BASE_PORT = 29500  # fresh namespaces: nothing else can hold it
@@ -161,7 +162,7 @@ def run_hetero(link: LinkPair, plan_dir: Path, steps: int, work: Path, tag: str,
             if proc.poll() is None:
                 proc.kill()
     metrics = run_dir / "metrics.jsonl"
-    rows = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()] if metrics.is_file() else []
+    rows = step_lines(read_metrics(metrics)) if metrics.is_file() else []
     if code != 0 or len(rows) < steps:
         why = note or f"hetero run: {_last_line(work / f'{tag}-run.log')}"
         return {"available": False, "note": f"{why} ({len(rows)} of {steps} steps in metrics.jsonl)"}

@@ -70,6 +70,7 @@ class Config:
     output: Path
     raw: dict[str, Any] = field(default_factory=dict)
     profile: Path | None = None  # a measured profile (`hetero profile`) to plan with instead of datasheets
+    profiles: tuple[Path, ...] = ()  # every profile=[...] entry (a file or a run directory), merged; [0] is profile
     security: Mode = "curve"  # resolved: curve | token | none (hetero/security.py)
     eval: EvalSpec = field(default_factory=EvalSpec)
 
@@ -130,7 +131,7 @@ def choices_help(commands: bool = True) -> str:
         f"  lora.*     {_defaults_line(tiny.get('lora') or {})}",
         f"  data.*     {_defaults_line(root.get('data') or {})}  (docs/data.md: formats)",
         f"  eval.*     {_defaults_line(root.get('eval') or {})}  (docs/running.md)",
-        f"  profile={root.get('profile') or 'null'} (a `hetero profile` file)  security={root.get('security')} "
+        f"  profile={root.get('profile') or 'null'} (a `hetero profile` file or a run dir)  security={root.get('security')} "
         f"(auto|curve|token|none)  output={root.get('output')}",
     ]
     return "\n".join(lines)
@@ -227,8 +228,10 @@ def load(overrides: list[str], config_dir: str | None = None) -> Config:
     if not isinstance(output, str) or not output:
         raise ConfigError(f"output must be a directory path, got {output!r}")
     profile = raw.get("profile")
-    if profile is not None and (not isinstance(profile, str) or not profile):
-        raise ConfigError(f"profile must be the path of a `hetero profile` file, got {profile!r}")
+    profiles = [profile] if isinstance(profile, str) else profile if isinstance(profile, list) else [profile]
+    if profile is not None and (not profiles or not all(isinstance(p, str) and p for p in profiles)):
+        raise ConfigError(f"profile must be the path of a `hetero profile` file or of a run directory (or a list "
+                          f"of them: profile=[RUN_DIR,profile.json]), got {profile!r}")
     requested = raw.get("security", "auto")
     if not isinstance(requested, str):
         raise ConfigError(f"security must be one of auto, curve, token, none, got {requested!r}")
@@ -245,7 +248,8 @@ def load(overrides: list[str], config_dir: str | None = None) -> Config:
         planner=planner,
         output=Path(output).expanduser(),
         raw=raw,
-        profile=Path(profile).expanduser() if profile else None,
+        profile=Path(str(profiles[0])).expanduser() if profile else None,
+        profiles=tuple(Path(str(p)).expanduser() for p in profiles) if profile else (),
         eval=evaluation,
     )
 

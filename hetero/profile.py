@@ -6,13 +6,17 @@ dtype, quantization and LoRA; the memory that layer needed (fixed and per token)
 usable memory; and, per host pair, the bandwidth and latency measured over the runtime's own
 transport. It is tied to one fleet and one model by hashes: a profile of another fleet, model or
 schema version is refused with one line, because its numbers would silently mislead the planner.
+
+Every `hetero run` writes one too (RUN_DIR/profile.json, hetero.runtime.run.run_profile): what the run
+measured, in this schema, with ``origin`` saying which run and step. ``load_profile`` reads a file or a
+run directory; ``merge_profiles`` lays a run's measurements over a `hetero profile` file's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -22,7 +26,9 @@ from hetero.errors import ConfigError
 from hetero.serde import check_schema_version, from_dict, read_versioned_json, to_dict
 from hetero.specs import ClusterSpec, ModelSpec
 
-PROFILE_SCHEMA_VERSION = 1
+# v2 added what a run records (Profile.origin, DeviceProfile.sources); v1 files load unchanged.
+PROFILE_SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 _REPROFILE = "re-run `hetero profile`"
 LAYER_KINDS = ("embedding", "decoder", "norm", "head")
 MEASURED_PARTS = (*LAYER_KINDS, "optimizer", "messages")  # what a device's profile reports progress on
@@ -104,6 +110,9 @@ class DeviceProfile:
     seconds: float = 0.0  # how long profiling this device took
     started_unix_s: float = 0.0  # wall clock when it began (0: not recorded)
     measured_with: list[str] = field(default_factory=list)  # this host's stages running a load meanwhile
+    # Where each part came from when not measured by `hetero profile` (a run: "run", "run, scaled"; see
+    # hetero.runtime.run.run_profile); a part absent here was measured as the profile's origin says.
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -138,6 +147,7 @@ class Profile:
     created: str = ""
     hetero_version: str = __version__
     schema_version: int = PROFILE_SCHEMA_VERSION
+    origin: str = ""  # "" : `hetero profile`; a run's profile: "run <dir>, step N" (what plans cite)
 
     def device(self, name: str) -> DeviceProfile | None:
         return next((d for d in self.devices if d.device == name), None)
@@ -153,17 +163,109 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "profile") -> Profile:
+        data = _upgraded(data)
         check_schema_version(data, where=where, what="profile", version=PROFILE_SCHEMA_VERSION,
                              error=ProfileError, fix=_REPROFILE)
         return from_dict(cls, data, where, ProfileError)
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        """Read and validate a profile file; every defect is a one-line ProfileError."""
+        """Read and validate a profile file (or a run directory's profile.json); every defect is one line."""
         p = Path(path)
-        data = read_versioned_json(p, what="profile", version=PROFILE_SCHEMA_VERSION, error=ProfileError,
-                                   fix=_REPROFILE, missing_fix="run `hetero profile hardware=... model=...`")
+        if p.is_dir():
+            if not (p / "profile.json").is_file():
+                raise ProfileError(f"{p}: a directory without profile.json: give a `hetero profile` file or the "
+                                   "directory of a `hetero run` (it writes profile.json at each checkpoint and at the end)")
+            p = p / "profile.json"
+        data: Any = None
+        errors: list[ProfileError] = []
+        for version in reversed(READABLE_VERSIONS):  # the error to show is the current version's
+            try:
+                data = read_versioned_json(p, what="profile", version=version, error=ProfileError, fix=_REPROFILE,
+                                           missing_fix="run `hetero profile hardware=... model=...`")
+                break
+            except ProfileError as exc:
+                errors.append(exc)
+        if data is None:
+            raise errors[0]
         return cls.from_dict(data, str(p))
+
+
+def load_merged(paths: str) -> Profile:
+    """The profile a plan's ``cost_sources["profile"]`` names: one path, or several joined by " + ", merged."""
+    return merge_profiles([Profile.load(p) for p in paths.split(" + ") if p])
+
+
+def _upgraded(data: Any) -> Any:
+    """A v1 profile as v2: the fields v2 added have defaults, so only the version number changes."""
+    if isinstance(data, dict) and data.get("schema_version") == 1:
+        return {**data, "schema_version": PROFILE_SCHEMA_VERSION}
+    return data
+
+
+def typical(samples: list[float], trim: float = 0.1) -> float:
+    """The trimmed mean (``trim`` cut at each end): what many repetitions cost on average, without outliers.
+
+    Not the median: where stages share cores, a call either runs through or is preempted for a
+    scheduler time slice, and the median picks one of the two modes, while a run pays their mix.
+    """
+    ordered = sorted(samples)
+    cut = int(len(ordered) * trim)
+    kept = ordered[cut : len(ordered) - cut] or ordered
+    return sum(kept) / len(kept)
+
+
+def source_of(profile: Profile, device: DeviceProfile, part: str) -> str:
+    """What a plan's cost_sources says for one part of a device's profile: "profile" or "run <dir>, step N"."""
+    return device.sources.get(part) or profile.origin or "profile"
+
+
+def merge_profiles(profiles: list[Profile]) -> Profile:
+    """One profile from several of the same fleet and model: per device, a run's measurements win over a
+    `hetero profile` file's (the run is newer and measured the real program: whole stages, as scheduled,
+    beside their neighbours), the newest run first; what the winner lacks (a layer kind, the receive
+    cost, a link) comes from the others, each part labelled with where it came from."""
+    if len(profiles) == 1:
+        return profiles[0]
+    newest = sorted(profiles, key=lambda p: p.created, reverse=True)
+    ranked = [p for p in newest if p.origin.startswith("run")] + [p for p in newest if not p.origin.startswith("run")]
+    head = ranked[0]
+    devices: list[DeviceProfile] = []
+    notes = list(head.notes)
+    for name in dict.fromkeys(d.device for p in ranked for d in p.devices):
+        holders = [(p, d) for p in ranked if (d := p.device(name)) is not None]
+        devices.append(_merge_device(holders))
+        winner = holders[0][0]
+        if len(holders) > 1:
+            notes.append(f"{name}: {winner.origin or 'the profile file'} wins over "
+                         f"{', '.join(p.origin or 'the profile file' for p, _ in holders[1:])} "
+                         f"({'the run measured the real program, and is newer' if winner.origin else 'the newer'})")
+    links = list(head.links)
+    for p in ranked[1:]:
+        links += [lk for lk in p.links if not any({x.a, x.b} == {lk.a, lk.b} for x in links)]
+    return replace(head, devices=devices, links=links, notes=notes,
+                   origin=" + ".join(p.origin or "profile" for p in ranked))
+
+
+def _merge_device(holders: list[tuple[Profile, DeviceProfile]]) -> DeviceProfile:
+    """The first holder's device profile, its missing parts filled from the next holders (labelled)."""
+    (top, first), rest = holders[0], holders[1:]
+    layers = dict(first.layers)
+    sources = {part: source_of(top, first, part) for part in [*first.layers, *_OTHER_PARTS]}
+    fill: dict[str, Any] = {}
+    for prof, dev in rest:
+        for kind, layer in dev.layers.items():
+            if kind not in layers and (dev.dtype, dev.quantization) == (first.dtype, first.quantization):
+                layers[kind] = layer
+                sources[kind] = source_of(prof, dev, kind)
+        for part in _OTHER_PARTS:
+            if getattr(first, part) is None and part not in fill and getattr(dev, part) is not None:
+                fill[part] = getattr(dev, part)
+                sources[part] = source_of(prof, dev, part)
+    return replace(first, layers=layers, sources=sources, **fill)
+
+
+_OTHER_PARTS = ("optimizer", "message_send", "message_recv")
 
 
 def fleet_hash(cluster: ClusterSpec) -> str:
@@ -200,6 +302,14 @@ def check_profile(profile: Profile, cluster: ClusterSpec, model: ModelSpec, wher
     naming only the fleet and the model.
     """
     rerun = rerun or f"hetero profile hardware={cluster.name} model={model.name}"
+    if profile.origin.startswith("run"):  # a run directory: another run, not a profile, is the fix
+        if profile.fleet_hash != fleet_hash(cluster) or profile.model_hash != model_hash(model):
+            what = ("another fleet" if profile.fleet_hash != fleet_hash(cluster)
+                    else "another model (architecture, dtype, quantization, LoRA or seq_len)")
+            raise ProfileError(f"{where} is a run of {what} (fleet '{profile.fleet}', model '{profile.model}') than "
+                               f"this compile's (fleet '{cluster.name}', model '{model.name}'): give the directory "
+                               "of a run of this fleet and model, or leave out profile=")
+        return
     if profile.fleet_hash != fleet_hash(cluster):
         what = "another fleet" if profile.fleet != cluster.name else "this fleet with other devices/threads"
         raise ProfileError(

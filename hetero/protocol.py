@@ -26,7 +26,7 @@ from hetero.errors import WireError
 
 # -- constants: defined here once, imported wherever they are used ------------------------------------
 
-WIRE_VERSION: int = 1  # bump on any change of the header or of a record below
+WIRE_VERSION: int = 2  # bump on any change of the header or of a record below
 
 # Liveness (runtime/wire/control.py; `hetero run runtime.failure_timeout_s=` / `runtime.load_timeout_s=`).
 SLICE_S = 0.5  # a blocking receive wakes up this often to look at control messages
@@ -328,6 +328,9 @@ class StepDone(Record):
     busy_s: float = check(finite=True)
     wall_s: float = check(finite=True)
     op_time_s: dict[str, float]
+    # The device's SM clock, temperature, power, throttle reasons after the step (runtime/stage/telemetry.py);
+    # absent where there is no NVML/amdsmi (a CPU stage).
+    telemetry: dict[str, Any] | None = check(optional=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -336,6 +339,18 @@ class Checkpoint(Record):
 
     KIND: ClassVar[str] = "checkpoint"
     OPEN: ClassVar[bool] = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rebalance(Record):
+    """Coordinator to every stage, before the step's clip: after this step, hold the node spans ``spans`` (one
+    [first, last] per stage) with ``recompute`` (per stage, its recomputing layers' node names); send the state,
+    rebuild, take the new state (runtime.rebalance; runtime/run/moves.py)."""
+
+    KIND: ClassVar[str] = "rebalance"
+    spans: list[list[int]]
+    recompute: list[list[str]]
+    reason: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -348,7 +363,7 @@ class Loss(Record):
 
 RECORDS: dict[str, type[Record]] = {r.KIND: r for r in (
     Hello, Welcome, Start, State, Stop, Error, Heartbeat,
-    Batch, Labels, Act, Grad, GradNorm, Clip, Grads, Reduced, StepDone, Checkpoint, Loss,
+    Batch, Labels, Act, Grad, GradNorm, Clip, Grads, Reduced, StepDone, Checkpoint, Rebalance, Loss,
 )}
 KINDS: frozenset[str] = frozenset(RECORDS)  # every kind a hetero process may send
 UNSTEPPED: frozenset[str] = frozenset(kind for kind, r in RECORDS.items() if not r.STEPPED)

@@ -116,6 +116,16 @@ def test_importing_the_planner_does_not_load_torch() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def test_the_coordinator_does_not_load_pulp() -> None:
+    # The coordinator re-plans a rebalancing run with the planner's cost table, search and simulator, and
+    # writes the run's profile with its cost model: none of that may pull in PuLP (DESIGN.md: runtime never
+    # imports pulp). The ILP module is imported only when the ILP runs.
+    code = ("import sys, hetero.runtime.run.coordinator, hetero.runtime.run.moves, hetero.runtime.run.run_profile, "
+            "hetero.planner.rebalance; assert 'pulp' not in sys.modules, 'pulp loaded'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def _contract_modules() -> list[str]:
     """Every module of the hetero/ folder, found by walking it, but the CLI package (hetero.cli)."""
     names = []

@@ -21,6 +21,7 @@ from reference import assert_close_to_scale, reference_run
 from safetensors.torch import load_file
 from test_runtime_plans import free_ports, make_plan
 
+from hetero.runtime.tools.run_compare import read_metrics, step_lines
 from hetero.specs import ModelSpec, TrainSpec
 
 pytestmark = pytest.mark.slow
@@ -61,7 +62,7 @@ def _run(tmp_path: Path, name: str, beta_python: Path) -> tuple[list[float], dic
     code, _, err = finish(run)
     assert code == 0, err[-3000:]
     assert finish(worker, 60)[0] == 0
-    losses = [json.loads(x)["loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    losses = [x["loss"] for x in step_lines(read_metrics(tmp_path / name / "metrics.jsonl"))]
     adapter = load_file(str(tmp_path / name / "adapter" / "adapter_model.safetensors"))
     envs = json.loads((tmp_path / name / "environments.json").read_text())
     return losses, adapter, envs

@@ -28,6 +28,7 @@ from hetero.profile import (
     fleet_hash,
     model_hash,
 )
+from hetero.runtime.tools.run_compare import read_metrics, step_lines
 from hetero.specs import DataSpec, ModelSpec, PlannerOptions, TrainSpec
 
 
@@ -365,7 +366,7 @@ def test_profile_compile_run_predicts_the_step(tmp_path: Path, capsys, monkeypat
     assert plan["cost_sources"]["profile"] == prof and plan["model"]["lora"]["r"] == 4
     assert all(s["overhead_s"].get("STEP", 0) > 0 for s in plan["stages"])
     assert main(["run", str(out / "plan.json"), "steps=6", "--run-dir", str(run), "--no-progress"]) == 0
-    steps = [json.loads(line)["step_time_s"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [line["step_time_s"] for line in step_lines(read_metrics(run / "metrics.jsonl"))]
     ratio = statistics.median(steps[1:]) / plan["prediction"]["step_time_s"]
     assert 0.6 < ratio < 1.7, f"measured/predicted {ratio:.2f}"
     capsys.readouterr()

@@ -51,6 +51,8 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "stepdone": {"step": 3, "loss_sum": 12.5, "num_label_tokens": 17, "grad_sumsq": 0.25, "lr": 1e-3,
                  "busy_s": 0.1, "wall_s": 0.2, "op_time_s": {"F": 0.05, "B": 0.05}},
     "checkpoint": {"stage": 0, "step": 4},
+    "rebalance": {"spans": [[0, 2], [3, 10]], "recompute": [[], ["model.layers.5"]],
+                  "reason": "stage 0 (box.gpu0) runs 3.20x slower than when its split was planned"},
     "loss": {"loss": 1.5},
 }
 

@@ -35,6 +35,7 @@ from hetero.runtime.run.checkpoint import (
 )
 from hetero.runtime.run.preflight import check_init_from, check_resume, lora_shapes
 from hetero.runtime.run.rundir import RunDirError, append_run_line, checkpoint_dir
+from hetero.runtime.tools.run_compare import read_metrics, step_lines
 from hetero.specs import DataSpec, LoraSpec, ModelSpec, TrainSpec
 
 HETERO = [sys.executable, "-m", "hetero.cli"]
@@ -466,7 +467,7 @@ def test_a_run_whose_disk_fills_up_stops_cleanly_and_resumes(tiny_model_dir: Pat
         f"free space and resume with `hetero run {run_dir / 'plan.json'} --port {port} --resume {first}`")
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000004"]
     assert _digest(first) == before and not (run_dir / "adapter").exists()
-    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [x["step"] for x in step_lines(read_metrics(run_dir / "metrics.jsonl"))]
     assert steps == list(range(8))
 
     filler.unlink()  # space freed: the command from the message, run as printed, continues the run
@@ -480,4 +481,4 @@ def test_a_run_whose_disk_fills_up_stops_cleanly_and_resumes(tiny_model_dir: Pat
     if not adapter.is_absolute():
         adapter = tmp_path / adapter
     assert (adapter / "adapter_model.safetensors").is_file()
-    assert [json.loads(x)["step"] for x in (adapter.parent / "metrics.jsonl").read_text().splitlines()] == [4, 5, 6, 7]
+    assert [x["step"] for x in step_lines(read_metrics(adapter.parent / "metrics.jsonl"))] == [4, 5, 6, 7]

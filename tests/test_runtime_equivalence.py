@@ -19,6 +19,7 @@ from test_runtime_plans import make_plan
 
 from hetero.runtime.run.adapter import load_adapter_state
 from hetero.runtime.run.cli import main_run
+from hetero.runtime.tools.run_compare import read_metrics, step_lines
 from hetero.specs import ModelSpec, TrainSpec
 
 pytestmark = pytest.mark.slow
@@ -56,7 +57,7 @@ def test_pipeline_equals_single_process_reference(schedule: str, recompute: str,
     assert main_run([str(run_dir.parent / f"plan-{name}.json"), "--run-dir", str(run_dir), "--no-progress",
                      "checkpoint_every=2"]) == 0
 
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
     assert [m["step"] for m in metrics] == list(range(TRAIN.steps))
     # The test only means something if clipping and the schedule really act.
     assert min(m["clip_coef"] for m in metrics) < 0.99
@@ -94,7 +95,7 @@ def test_resume_on_another_split_continues_the_same_run(setup: dict, tiny_model_
     ckpt = setup["run-1f1b"] / "checkpoints" / "step-000002"
     assert main_run([str(setup["root"] / "plan-resume.json"), "--run-dir", str(run_dir), "--no-progress",
                      "--resume", str(ckpt)]) == 0
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
     assert [m["step"] for m in metrics] == [2, 3]
     assert [m["loss"] for m in metrics] == pytest.approx(setup["losses"][2:], rel=RTOL)
     trained = load_adapter_state(run_dir / "adapter")

@@ -26,6 +26,7 @@ from test_runtime_plans import free_ports, make_plan
 from hetero.errors import ConfigError
 from hetero.runtime.run.cli import RUN_OPTIONS, resume_train, split_run_options
 from hetero.runtime.run.processes import exit_cause
+from hetero.runtime.tools.run_compare import read_metrics, step_lines
 from hetero.runtime.wire.control import Heartbeat, Mailbox, PeerLost
 from hetero.runtime.wire.transport import Transport
 from hetero.specs import ModelSpec, TrainSpec
@@ -98,12 +99,15 @@ def test_exit_causes_read_like_a_person_would_say_them() -> None:
 
 
 def test_runtime_options_are_checked_in_one_line() -> None:
-    rest, values = split_run_options(["lr=1e-4", "runtime.failure_timeout_s=5", "runtime.load_timeout_s=30"])
-    assert rest == ["lr=1e-4"] and values == {"failure_timeout_s": 5.0, "load_timeout_s": 30.0}
+    rest, values = split_run_options(["lr=1e-4", "runtime.failure_timeout_s=5", "runtime.load_timeout_s=30",
+                                      "runtime.rebalance=off"])
+    assert rest == ["lr=1e-4"] and values == {"failure_timeout_s": 5.0, "load_timeout_s": 30.0, "rebalance": "off"}
     assert set(values) == set(RUN_OPTIONS)
     with pytest.raises(ConfigError, match=r"unknown run option 'runtime.colour'; `hetero run` accepts "
-                                          r"runtime.failure_timeout_s, runtime.load_timeout_s"):
+                                          r"runtime.failure_timeout_s, runtime.load_timeout_s, runtime.rebalance"):
         split_run_options(["runtime.colour=red"])
+    with pytest.raises(ConfigError, match=r"runtime.rebalance must be one of auto, off, got 'sometimes'"):
+        split_run_options(["runtime.rebalance=sometimes"])
     for bad in ("runtime.failure_timeout_s=soon", "runtime.failure_timeout_s=0.2", "runtime.failure_timeout_s"):
         with pytest.raises(ConfigError, match="must be a number of seconds >= 1"):
             split_run_options([bad])
@@ -208,7 +212,7 @@ def _assert_no_process_left(run_dir: Path, pids: list[int]) -> None:
 
 def _metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return step_lines(read_metrics(path)) if path.is_file() else []
 
 
 def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ from procs import clean_up, finish, start
 from test_runtime_plans import free_ports, make_plan
 
 from hetero.plan import Plan, compute_input_hash
+from hetero.runtime.tools.run_compare import read_metrics, step_lines
 from hetero.specs import ModelSpec, TrainSpec
 
 pytestmark = pytest.mark.slow
@@ -73,7 +74,7 @@ def test_two_hosts_train_and_the_adapter_loads_with_peft(tiny_model_dir: Path, t
     assert "waiting for hosts beta" in out
     assert finish(worker, 60)[0] == 0
 
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
     assert len(metrics) == 2  # the steps=2 override reached every host
     envs = json.loads((run_dir / "environments.json").read_text())
     assert [envs[f"stage{k}"]["host"] for k in range(3)] == ["alpha", "beta", "beta"]

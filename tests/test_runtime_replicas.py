@@ -22,6 +22,7 @@ from hetero.errors import PlanError
 from hetero.plan import Plan
 from hetero.runtime.run.adapter import load_adapter_state
 from hetero.runtime.run.cli import main_run
+from hetero.runtime.tools.run_compare import read_metrics, step_lines
 from hetero.specs import ModelSpec, TrainSpec
 
 pytestmark = pytest.mark.slow
@@ -43,7 +44,7 @@ def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return step_lines(read_metrics(run_dir / "metrics.jsonl"))
 
 
 def test_two_replicas_with_uneven_shares_equal_the_reference(setup: dict, tiny_model_dir: Path,

@@ -7,7 +7,6 @@ stage must keep serving its real peers afterwards.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import pickle
@@ -28,6 +27,7 @@ from test_runtime_plans import make_plan
 from hetero.errors import ConfigError, PlanError, WireError
 from hetero.plan import Plan
 from hetero.runtime.run.adapter import load_adapter_state
+from hetero.runtime.tools.run_compare import read_metrics, step_lines
 from hetero.runtime.wire.rules import coordinator_rules, max_message_bytes, stage_rules
 from hetero.runtime.wire.transport import Transport
 from hetero.security import Identity, generate, key_dirs, load_identity, resolve_mode
@@ -304,7 +304,7 @@ def test_an_attacked_run_trains_exactly_like_an_unattacked_one(tmp_path: Path, t
     def run(name: str) -> list[float]:
         done = subprocess.run([*hetero, "--run-dir", name], cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
-        return [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [line["loss"] for line in step_lines(read_metrics(tmp_path / name / "metrics.jsonl"))]
 
     stop_file = tmp_path / "stop-attacking"
     attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, str(tmp_path / "plan.json"), str(stop_file)])

@@ -118,7 +118,7 @@ def test_wrong_plan_hash_names_both_plans_and_the_fix() -> None:
 
 
 MALFORMED = {
-    "wire version": (frames_of(good_header(v=2), FLOATS_2x3), "wire version 2"),
+    "wire version": (frames_of(good_header(v=WIRE_VERSION + 1), FLOATS_2x3), f"wire version {WIRE_VERSION + 1}"),
     "unknown kind": (frames_of(good_header(kind="exec"), FLOATS_2x3), "unknown kind 'exec'"),
     "garbage header": ([b"\xc1\xc1 not msgpack", FLOATS_2x3], "not valid msgpack"),
     "truncated header": ([msgpack.packb(good_header())[:-3], FLOATS_2x3], "not valid msgpack"),

@@ -7,6 +7,7 @@ planner, Hydra or rich's tables.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -22,12 +23,16 @@ if TYPE_CHECKING:
     from hetero.profile import DeviceProfile, LinkProfile
 
 
-def compile_config(cfg: Config, say: Callable[[str], None]) -> tuple[Plan, list[Path]]:
+def compile_config(cfg: Config, say: Callable[[str], None],
+                   started: float | None = None) -> tuple[Plan, list[Path]]:
     """Trace, plan and emit one composed config (a compile or a sweep's point); ``say`` gets progress.
 
     The one place a compiled Plan is finished: the planner returns it complete but for its keys, which
-    need the chosen stages' hosts and are written next to the artifacts."""
-    from hetero.compiler.emit import emit
+    need the chosen stages' hosts and are written next to the artifacts. ``started`` (time.perf_counter()
+    when the compile began): the pictures start only within planner.time_limit_s plus tracing plus
+    emit.PICTURES_ALLOWANCE_S of it; None draws them always."""
+    tracing = time.perf_counter()  # tracing (torch's import with it) is outside planner.time_limit_s
+    from hetero.compiler.emit import PICTURES_ALLOWANCE_S, emit
     from hetero.compiler.trace import trace_with_module
     from hetero.planner import plan as make_plan
     from hetero.security import generate
@@ -35,33 +40,40 @@ def compile_config(cfg: Config, say: Callable[[str], None]) -> tuple[Plan, list[
     warnings_log.log_to(Path(cfg.output) / "warnings.log")  # library warnings: the plan's dir, not the terminal
     say(f"tracing {cfg.model.name} on the meta device")
     graph, traced = trace_with_module(cfg.model)
+    tracing = time.perf_counter() - tracing
     say(f"planning {len(graph.nodes)} nodes on {len(cfg.cluster.devices)} devices "
         f"(solver limit {cfg.planner.time_limit_s:.0f} s)")
     planned = make_plan(cfg.model, graph, cfg.cluster, cfg.train, cfg.data, cfg.planner,
                         cost_model=profile_cost_model(cfg), evaluation=cfg.eval, config=cfg.raw)
     say(f"writing plan and artifacts to {cfg.output}")
     plan = replace(planned, security=generate(cfg.security, [s.host for s in planned.stages], Path(cfg.output)))
-    return plan, emit(plan, cfg.output, traced)
+    by = None if started is None else started + tracing + cfg.planner.time_limit_s + PICTURES_ALLOWANCE_S
+    return plan, emit(plan, cfg.output, traced, pictures_by=by)
 
 
 def cmd_compile(config_dir: str | None, overrides: list[str], multirun: bool = False) -> int:
     """Config -> trace -> plan -> emit, with a progress line, then the plan summary; -m: hetero.cli.sweep."""
     from hetero import config as config_mod
     from hetero.cli import sweep
+    from hetero.cli.plan_commands import skipped_pictures_line
     from hetero.cli.show import print_plan
 
+    started = time.perf_counter()  # the compile's clock (planner.time_limit_s bounds it, tracing aside)
     out, status_console = console(), console(stderr=True)
     if multirun:
         return sweep.run_sweep(overrides, config_dir, compile_config, out, status_console)
     sweep.refuse_sweeps(overrides)
     with status_console.status("composing config") as status:
         cfg = config_mod.load(overrides, config_dir)
-        plan, paths = compile_config(cfg, status.update)
+        plan, paths = compile_config(cfg, status.update, started)
     print_plan(plan, out)
     out.print("\n[bold]wrote[/]")
     for path in paths:
         out.print(f"  {path}", highlight=False)
     plan_json = next((p for p in paths if Path(p).name == "plan.json"), Path(cfg.output) / "plan.json")
+    skipped = skipped_pictures_line(plan_json, paths, cfg.planner.time_limit_s)
+    if skipped:
+        out.print(f"\n{skipped}", highlight=False)
     out.print(f"\nnext: hetero run {plan_json}", highlight=False)
     return 0
 
@@ -83,19 +95,23 @@ def cmd_inspect(config_dir: str | None, overrides: list[str]) -> int:
 
 
 def profile_cost_model(cfg: Config) -> ProfileCostModel | None:
-    """The ProfileCostModel for ``profile=PATH`` (checked against this fleet and model), else None."""
+    """The ProfileCostModel for ``profile=PATH`` or ``profile=[RUN_DIR,FILE]`` (each checked against this fleet
+    and model, then merged: hetero.profile.merge_profiles), else None."""
     if cfg.profile is None:
         return None
     from hetero.hints import suggest
     from hetero.planner.cost_model import RooflineCostModel
     from hetero.planner.profile_cost import ProfileCostModel
-    from hetero.profile import Profile
+    from hetero.profile import Profile, check_profile, merge_profiles
 
-    profile = Profile.load(cfg.profile)
+    paths = cfg.profiles or (cfg.profile,)
     rerun = suggest("profile", cfg.raw, fallback=[f"hardware={cfg.cluster.name}", f"model={cfg.model.name}"],
                     add=[f"output={cfg.profile}"])
-    return ProfileCostModel(profile, RooflineCostModel(cfg.planner.efficiency), path=str(cfg.profile),
-                            cluster=cfg.cluster, model=cfg.model, rerun=rerun)
+    profiles = [Profile.load(p) for p in paths]
+    for path, profile in zip(paths, profiles, strict=True):
+        check_profile(profile, cfg.cluster, cfg.model, str(path), rerun)
+    return ProfileCostModel(merge_profiles(profiles), RooflineCostModel(cfg.planner.efficiency),
+                            path=" + ".join(str(p) for p in paths))
 
 
 def cmd_profile(config_dir: str | None, overrides: list[str]) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hetero.cli.console import console
 from hetero.errors import ConfigError
@@ -57,33 +57,56 @@ def cmd_show(plan_path: Path, gantt: bool = True, width: int = 72) -> int:
 
 
 def run_versus_plan(plan: Plan, run_dir: Path) -> list[str]:
-    """Lines comparing a finished run with its plan: measured, predicted, and the replay of the run's own times."""
+    """Lines comparing a finished run with its plan: measured, predicted, and the replay of the run's own times;
+    after a rebalancing move, the steps on each split against that split's prediction, and the move itself."""
+    from hetero.runtime.tools.run_compare import event_lines, step_lines
+    from hetero.runtime.tools.run_segments import move_line, run_moves, run_segments
+
+    lines = _run_metrics(plan, run_dir)
+    steps = step_lines(lines)
+    segments = run_segments(plan, steps, event_lines(lines))
+    if not steps:
+        raise ConfigError(f"{run_dir / 'metrics.jsonl'} has no training steps: pass the --run-dir of a finished `hetero run`")
+    out = _segment_versus_plan(plan, run_dir, segments[0].steps, plan.prediction.step_time_s, None)
+    for segment, move in zip(segments[1:], run_moves(segments), strict=True):
+        out.append(move_line(move))
+        if segment.steps:
+            out += _segment_versus_plan(plan, run_dir, segment.steps, segment.predicted_step_s, move)
+    return out
+
+
+def _segment_versus_plan(plan: Plan, run_dir: Path, steps: list[dict[str, Any]], predicted: float | None,
+                         move: dict[str, Any] | None) -> list[str]:
+    """The steps on one split: measured, predicted (the plan's, or the move's for its split), replayed."""
     from hetero.planner.simulator import replay_run
     from hetero.runtime.tools.run_compare import median_step_s, stage_timings_from_metrics
+    from hetero.runtime.tools.run_segments import split_text
 
-    metrics = _run_metrics(plan, run_dir)
-    timings = stage_timings_from_metrics(metrics)
+    if not steps:
+        return ["no step ran on the plan's own split"]
+    timings = stage_timings_from_metrics(steps)
     if not timings or len(timings) != len(plan.stages):
         raise ConfigError(f"{run_dir / 'metrics.jsonl'} has no per-stage timings for this {len(plan.stages)}-stage plan")
-    measured = median_step_s(metrics)
-    predicted = plan.prediction.step_time_s
+    measured = median_step_s(steps)
     replayed = replay_run(plan, timings).step_time_s
-    lines = [f"measured {measured:.4g} s/step (median over {len(metrics)} steps, the first left out); predicted {predicted:.4g} s "
-             f"(measured/predicted {measured / predicted:.2f}); replayed with the run's own per-action times "
-             f"{replayed:.4g} s (measured/replayed {measured / replayed:.2f})"]
-    if abs(measured / replayed - 1) <= 0.10 < abs(measured / predicted - 1):
-        lines.append("The schedule model holds (the replay is within 10%): the per-stage compute estimates were off. "
-                     "Re-profile (`hetero profile`) on a quiet machine, or look for a device slower than profiled.")
+    where = "" if move is None else f"  on split {split_text(move.get('new_split'))}: "
+    versus = (f"predicted {predicted:.4g} s (measured/predicted {measured / predicted:.2f})" if predicted
+              else "no prediction for this split")
+    lines = [f"{where}measured {measured:.4g} s/step (median over {len(steps)} steps, the first left out); {versus}; "
+             f"replayed with the run's own per-action times {replayed:.4g} s (measured/replayed {measured / replayed:.2f})"]
+    if abs(measured / replayed - 1) <= 0.10 and predicted and abs(measured / predicted - 1) > 0.10:
+        lines.append(f"{where}The schedule model holds (the replay is within 10%): the per-stage compute estimates were "
+                     "off. Re-profile (`hetero profile`) on a quiet machine, or look for a device slower than profiled.")
     elif abs(measured / replayed - 1) > 0.10:
-        lines.append("Even the run's own per-action times do not add up to its step: it lost time the simulator does "
-                     "not model (transfer latency, stages sharing cores, other load on the hosts).")
-    else:
-        lines.append("The prediction held (within 10%).")
+        lines.append(f"{where}Even the run's own per-action times do not add up to its step: it lost time the simulator "
+                     "does not model (transfer latency, stages sharing cores, other load on the hosts).")
+    elif predicted:
+        lines.append(f"{where}The prediction held (within 10%).")
     return lines
 
 
-def _run_metrics(plan: Plan, run_dir: Path) -> list[dict]:  # type: ignore[type-arg]
-    """The training steps of a finished run of ``plan`` (metrics.jsonl); one line if it is not one."""
+def _run_metrics(plan: Plan, run_dir: Path) -> list[dict[str, Any]]:
+    """The lines of a finished run of ``plan`` (metrics.jsonl: steps, evaluations, moves); one line if it is not one."""
     from hetero.plan import Plan
 
     metrics_path = run_dir / "metrics.jsonl"
@@ -99,7 +122,20 @@ def _run_metrics(plan: Plan, run_dir: Path) -> list[dict]:  # type: ignore[type-
         if shape != [(s.device, s.first_node, s.last_node, s.program) for s in plan.stages]:
             raise ConfigError(f"{run_dir} ran another plan (other stages, spans or schedule) than this one: "
                               "compare a run with the plan it ran")
-    return [m for m in metrics if "step_time_s" in m]  # training steps; eval_loss lines are the evaluator's
+    return [m for m in metrics if isinstance(m, dict)]
+
+
+def _steps_picture(plan: Plan, run_dir: Path) -> str:
+    """The run's steps.png: the one `hetero run` drew, else drawn now from its metrics.jsonl."""
+    from hetero.runtime.run.steps_picture import draw_steps
+
+    path = run_dir / "steps.png"
+    if path.is_file():
+        return str(path)
+    try:
+        return str(draw_steps(plan, _run_metrics(plan, run_dir), None, path))
+    except OSError as exc:  # a run directory one may read but not write
+        return f"not drawn ({path}: {exc.strerror or exc})"
 
 
 def cmd_simulate(plan_path: Path, width: int = 72, replan: bool = True, picture: Path | None = None,
@@ -133,6 +169,7 @@ def cmd_simulate(plan_path: Path, width: int = 72, replan: bool = True, picture:
         out.print(f"\n[bold]run {run_dir}[/]")
         for line in run_versus_plan(plan, run_dir):
             out.print(f"  {line}", highlight=False)
+        out.print(f"  step times over the run: {_steps_picture(plan, run_dir)}", highlight=False)
     path = picture or plan_path.parent / "simulate.png"
     draw_simulation(plan, timeline, memory, path)
     out.print(f"\nwrote {path}", highlight=False)
@@ -160,8 +197,8 @@ def _what_if_lines(plan: Plan, replan: bool) -> list[str]:
     if replan and plan.cost_sources.get("profile"):
         from hetero.planner.cost_model import RooflineCostModel
         from hetero.planner.profile_cost import ProfileCostModel
-        from hetero.profile import Profile
+        from hetero.profile import load_merged
 
-        cost_model = ProfileCostModel(Profile.load(plan.cost_sources["profile"]),
+        cost_model = ProfileCostModel(load_merged(plan.cost_sources["profile"]),
                                       RooflineCostModel(plan.planner.efficiency), path=plan.cost_sources["profile"])
     return [w.versus(plan) for w in what_ifs(plan, cost_model, replan)]

@@ -264,18 +264,24 @@ def load_checkpoint_union(directory: Path) -> tuple[dict[str, torch.Tensor], dic
     stages = sorted(int(m.group(1)) for p in directory.iterdir() if (m := _STAGE_JSON.fullmatch(p.name)))
     if not stages:
         raise CheckpointError(f"{directory}: has {COMPLETE} but no stage<k>.json; the checkpoint is corrupt")
+    return merge_payloads([load_stage_checkpoint(directory, k) for k in stages],
+                          f"{directory}: stage files disagree on the step")
+
+
+def merge_payloads(payloads: list[tuple[dict[str, torch.Tensor], dict[str, Any]]], disagree: str,
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Stage payloads (tensors, meta) of one step as one: the union any split takes its stages' state from."""
     tensors: dict[str, torch.Tensor] = {}
     merged: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "adam_steps": {}, "keys": []}
     steps = set()
-    for k in stages:
-        part, meta = load_stage_checkpoint(directory, k)
+    for part, meta in payloads:
         tensors.update(part)
         merged["adam_steps"].update(meta["adam_steps"])
         merged["keys"] += meta["keys"]
         steps.add(int(meta["step"]))
         merged["plan_hash"] = meta.get("plan_hash")
     if len(steps) != 1:
-        raise CheckpointError(f"{directory}: stage files disagree on the step ({sorted(steps)}); it is corrupt")
+        raise CheckpointError(f"{disagree} ({sorted(steps)}); it is corrupt")
     merged["step"] = steps.pop()
     return tensors, merged
 

@@ -6,7 +6,6 @@ HeteroErrors propagate: hetero.cli prints them as one line and exits with code 2
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 import sys
@@ -29,11 +28,14 @@ if TYPE_CHECKING:
     from hetero.runtime.run.coordinator import RunOptions, RunResult
 
 PLACEMENT_SECTIONS = ("model", "lora", "hardware", "cluster", "planner", "data")
-# `hetero run runtime.KEY=SECONDS`: how the run watches its processes (not training settings).
+# `hetero run runtime.KEY=VALUE`: how the run watches its processes and devices (not training settings).
 RUN_OPTIONS = {
     "failure_timeout_s": f"a working stage or coordinator silent this long is dead (default {FAILURE_TIMEOUT_S:g})",
     "load_timeout_s": f"the same while a stage loads its weights (default {LOAD_TIMEOUT_S:g})",
+    "rebalance": "auto (default): move layers between stages when a device's speed changes for good; off: keep "
+                 "the plan's split",
 }
+REBALANCE_MODES = ("auto", "off")
 
 
 def _take_prefixed(pairs: list[str], prefix: str) -> tuple[list[str], list[tuple[str, str, str, str]]]:
@@ -49,14 +51,19 @@ def _take_prefixed(pairs: list[str], prefix: str) -> tuple[list[str], list[tuple
     return rest, taken
 
 
-def split_run_options(pairs: list[str]) -> tuple[list[str], dict[str, float]]:
-    """Take the ``runtime.KEY=SECONDS`` pairs out of ``pairs``; returns the rest and their values."""
+def split_run_options(pairs: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """Take the ``runtime.KEY=VALUE`` pairs out of ``pairs``; returns the rest and their values."""
     rest, taken = _take_prefixed(pairs, "runtime.")
-    values: dict[str, float] = {}
+    values: dict[str, Any] = {}
     for key, name, sep, raw in taken:
         if name not in RUN_OPTIONS:
             raise ConfigError(f"unknown run option '{key}'; `hetero run` accepts "
                               f"{', '.join('runtime.' + n for n in sorted(RUN_OPTIONS))}")
+        if name == "rebalance":
+            if raw not in REBALANCE_MODES:
+                raise ConfigError(f"{key} must be one of {', '.join(REBALANCE_MODES)}, got {raw!r}")
+            values[name] = raw
+            continue
         try:
             value = float(raw) if sep else math.nan
         except ValueError:
@@ -192,7 +199,7 @@ def _run_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _run_settings(plan: Plan, args: argparse.Namespace) -> tuple[Plan, Path | None, dict[str, float]]:
+def _run_settings(plan: Plan, args: argparse.Namespace) -> tuple[Plan, Path | None, dict[str, Any]]:
     """The plan with the command line's training and eval settings (or a resumed checkpoint's), the
     checkpoint to resume from, and the ``runtime.KEY=SECONDS`` run options."""
     pairs, timeouts = split_run_options(args.overrides)
@@ -212,7 +219,7 @@ def _run_settings(plan: Plan, args: argparse.Namespace) -> tuple[Plan, Path | No
 
 
 def _prepare_run(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
-                 timeouts: dict[str, float]) -> tuple[Path, RunOptions]:
+                 timeouts: dict[str, Any]) -> tuple[Path, RunOptions]:
     """Every check that can fail before a stage starts (one line, before the run directory exists), then
     the run directory with plan.json and config.yaml; returns that plan.json and the RunOptions."""
     from hetero.runtime.run.coordinator import RunOptions, coordinator_endpoint
@@ -247,8 +254,8 @@ def _prepare_run(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
 
 def _finish_run(plan: Plan, plan_path: Path, options: RunOptions, result: RunResult) -> int:
     """After the run: how to continue an interrupted one (exit 130), else the report (exit 0)."""
-    from hetero.runtime.run.report import build_report, print_report
-    from hetero.runtime.run.rundir import run_command, write_run_file
+    from hetero.runtime.run.report import print_report, write_report
+    from hetero.runtime.run.rundir import run_command
 
     run_dir = options.run_dir
     if result.interrupted_after is not None:
@@ -260,8 +267,7 @@ def _finish_run(plan: Plan, plan_path: Path, options: RunOptions, result: RunRes
             print(f"hetero: interrupted after step {result.interrupted_after}: checkpoint {result.checkpoint}; "
                   f"continue with `{shlex.join(again + ['--resume', str(run_dir)])}`", file=sys.stderr)
         return 130
-    report = build_report(plan, result.steps, result.build_s, str(run_dir))
-    write_run_file(run_dir, "report.json", json.dumps(report, indent=1))
+    report = write_report(plan, result.steps, result.build_s, run_dir, result.events)  # + steps.png
     print_report(report)
     print(f"adapter: {run_dir / 'adapter'}   metrics: {run_dir / 'metrics.jsonl'}")
     return 0

@@ -23,21 +23,19 @@ payload from wherever it is blocked, the coordinator writes checkpoints/step-N a
 from __future__ import annotations
 
 import json
+import logging
 import shlex
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hetero.errors import HeteroError, PlanError, WireError
+from hetero.errors import HeteroError, WireError
 from hetero.plan import Plan
 from hetero.protocol import (
-    FAILURE_TIMEOUT_S,
-    LOAD_TIMEOUT_S,
     WIRE_VERSION,
     Clip,
     Labels,
@@ -46,6 +44,8 @@ from hetero.protocol import (
     Stop,
     Welcome,
 )
+from hetero.runtime.run.moves import split_of
+from hetero.runtime.run.options import RunOptions, coordinator_endpoint  # noqa: F401  (re-exported)
 from hetero.runtime.run.processes import (
     StageFailedError,
     exit_cause,
@@ -56,7 +56,8 @@ from hetero.runtime.run.processes import (
 )
 from hetero.runtime.run.records import ProgressBar, RunRecords, RunResult, metrics_line, payload_due
 from hetero.runtime.run.reduce import clip_coef, norm_from_sumsq, norm_of, sum_replica_grads
-from hetero.runtime.run.rundir import RunDirWriteError, rerun_options, run_command, write_run_file
+from hetero.runtime.run.run_profile import write_run_profile
+from hetero.runtime.run.rundir import RunDirWriteError, run_command, write_run_file
 from hetero.runtime.wire.control import (
     Heartbeat,
     Mailbox,
@@ -73,38 +74,7 @@ from hetero.serde import to_dict
 __all__ = ["Coordinator", "RunOptions", "RunResult", "StageFailedError", "coordinator_endpoint"]
 
 
-def coordinator_endpoint(plan: Plan, host: str | None = None, port: int | None = None) -> str:
-    """Where the coordinator listens: stage 0's host (or ``host``), on its base port - 1 unless given."""
-    name = host or plan.stages[0].host
-    try:
-        spec = plan.cluster.host(name)
-    except KeyError:
-        raise PlanError(f"host '{name}' is not in the plan; hosts: {', '.join(h.name for h in plan.cluster.hosts)}") from None
-    return f"tcp://{spec.address}:{port if port is not None else spec.port - 1}"
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    run_dir: Path
-    host: str | None = None  # the host this coordinator runs on (default: stage 0's)
-    port: int | None = None  # coordinator port (default: that host's base port - 1)
-    handshake_timeout_s: float = 600.0  # remote hosts may still be loading or quantizing weights
-    step_timeout_s: float = 1800.0
-    failure_timeout_s: float = FAILURE_TIMEOUT_S  # a working peer without heartbeat for this long is dead
-    load_timeout_s: float = LOAD_TIMEOUT_S  # the same while a stage builds (loading may hold the GIL)
-    progress: bool = True
-    resume: Path | None = None  # a checkpoints/step-N directory (of this or another split of the model)
-    checkpoint: tuple[dict[str, Any], dict[str, Any]] | None = None  # its (tensors, meta), if already read
-    batches: Any = None  # the run's StepBatches, if already built (`hetero run` checks the data first)
-    key_dirs: list[Path] = field(default_factory=list)  # where this host's key files are (hetero/security.py)
-    ssh_hosts: list[Any] = field(default_factory=list)  # runtime/run/ssh.py SshHost: hosts this run starts over ssh
-    launcher: Any = None  # runtime/run/launcher.py StageLauncher: forks this host's stages (None: fresh interpreters)
-
-    @property
-    def rerun(self) -> tuple[str, ...]:
-        """This run's own --host/--port: every command it suggests repeats them (rundir.run_command)."""
-        return rerun_options(self.host, self.port)
-
+log = logging.getLogger("hetero.run")
 
 class Coordinator:
     """Drives one training run of a plan; see the module docstring."""
@@ -149,6 +119,9 @@ class Coordinator:
             raise
         self.heartbeat = Heartbeat(self.transport, self.names, interval_s=heartbeat_interval(options.failure_timeout_s))
         self.result = self.records.result
+        from hetero.runtime.run.moves import Mover
+
+        self.mover = Mover(plan, options.rebalance, options.moves)
         self.start_step = 0  # > 0 when resuming from a checkpoint
         self.training = False  # between the first data sent and the last step: Ctrl-C means "checkpoint, then stop"
         self.trained = False  # training has begun: a failure's message says how to continue
@@ -371,7 +344,8 @@ class Coordinator:
             if meta.get("wire_version") != WIRE_VERSION:
                 raise StageFailedError(f"stage {k} speaks wire v{meta.get('wire_version')}, this coordinator v{WIRE_VERSION}: "
                                        "install the same hetero version on every host")
-            self.result.environments[f"stage{k}"] = {"host": self.plan.stages[k].host, **meta.get("env", {})}
+            self.result.environments[f"stage{k}"] = {"host": self.plan.stages[k].host, "pid": meta.get("pid"),
+                                                     **meta.get("env", {})}
             if isinstance(meta.get("pid"), int):
                 self.pids.setdefault(k, int(meta["pid"]))
         write_run_file(self.run_dir, "environments.json", json.dumps(self.result.environments, indent=1, default=str))
@@ -396,6 +370,7 @@ class Coordinator:
         if self.records.evaluator is not None:  # it built its model meanwhile
             self.records.evaluator.wait_ready(self.options.handshake_timeout_s)
         self.result.build_s = {k: float(m.meta.get("build_s", 0.0)) for k, m in ready.items()}
+        self.mover.started(self.result.build_s)
         if resume is not None:
             from hetero.runtime.run.checkpoint import select_payload
 
@@ -425,6 +400,7 @@ class Coordinator:
             norms = self._gather("gradnorm", step, timeout)
             grad_norm = norm_from_sumsq({k: float(msg.meta["sumsq"]) for k, msg in norms.items()})
             coef = clip_coef(max_norm, grad_norm)
+            self.mover.announce(step, lambda record: [self.transport.send(n, record, step=step) for n in self.names])
             for name in self.names:
                 self.transport.send(name, Clip(coef=coef, grad_norm=grad_norm), step=step)
             return grad_norm, coef
@@ -465,12 +441,28 @@ class Coordinator:
                 done = self._gather("stepdone", step, timeout)
                 now = time.perf_counter()
                 line = metrics_line(self.plan, step, done, grad_norm, coef, label_tokens.pop(step), now - last)
+                line["split"] = split_of(self.plan)
                 last = now
                 self.records.step(line)
                 progress.update(step, line["loss"], line["tokens_per_s"])
                 self.records.record_eval()
+                payloads = None
                 if payload_due(train, self.plan.eval.every, step):
-                    self.records.save_payloads(step, self._gather("checkpoint", step, timeout))
+                    payloads = self._gather("checkpoint", step, timeout)
+                    self.records.save_payloads(step, payloads)
+                    write_run_profile(self.plan, self.run_dir, self.result)  # RUN_DIR/profile.json (issue 22)
+                self.mover.observe(step, done)
+                if self.mover.due(step):
+                    self._move(step, payloads, timeout)
+
+    def _move(self, step: int, payloads: dict[int, Any] | None, timeout: float) -> None:
+        """After step ``step``: the stages rebuilt on their new spans with their new layers' state (moves.py)."""
+        self.mailbox.bounds = {name: self.options.load_timeout_s for name in self.names}  # they rebuild
+        self.plan, event = self.mover.carry_out(
+            step, payloads, lambda kind, s: self._gather(kind, s, timeout),
+            lambda k, tensors, meta: self.transport.send(self.names[k], "state", tensors=tensors, meta=meta))
+        self.records.event(event)
+        log.info("rebalanced after step %d: %s", step, event["cause"]["reason"])
 
     def _checkpoint_and_stop(self, done: int) -> None:
         """After Ctrl-C: every stage's state after ``done`` steps into checkpoints/step-<done>/."""

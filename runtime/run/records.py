@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from hetero.plan import Plan
 from hetero.runtime.run.rundir import append_run_line, write_run_file
+from hetero.runtime.stage.telemetry import clean_telemetry
 from hetero.serde import to_dict
 from hetero.specs import RUNTIME_OVERRIDABLE, TrainSpec
 
@@ -38,6 +39,7 @@ class RunResult:
     checkpoint: Path | None = None  # ... and the checkpoint that holds them (None: no step was done)
     evals: list[dict[str, Any]] = field(default_factory=list)  # the evaluator's eval_loss lines
     eval_errors: list[str] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl's event lines (rebalance moves)
 
 
 def metrics_line(plan: Plan, step: int, done: dict[int, Any], grad_norm: float, coef: float,
@@ -53,6 +55,7 @@ def metrics_line(plan: Plan, step: int, done: dict[int, Any], grad_norm: float, 
         "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
         "stage_busy": [float(done[k].meta["busy_s"]) for k in range(len(plan.stages))],
         "stage_ops": [done[k].meta["op_time_s"] for k in range(len(plan.stages))],
+        "stage_telemetry": [clean_telemetry(done[k].meta.get("telemetry")) for k in range(len(plan.stages))],
     }
 
 
@@ -83,7 +86,8 @@ class RunRecords:
         if start_step > 0 and path.is_file():
             for line in path.read_text(errors="replace").splitlines():
                 try:
-                    step = json.loads(line)["step"]
+                    row = json.loads(line)
+                    step = row["step"] if "event" not in row else row["after_step"]
                 except (ValueError, KeyError, TypeError):
                     continue  # a line cut short by a crash
                 if isinstance(step, int) and step < start_step:
@@ -93,6 +97,11 @@ class RunRecords:
     def step(self, line: dict[str, Any]) -> None:
         """One step's metrics line, kept and appended to metrics.jsonl."""
         self.result.steps.append(line)
+        append_run_line(self.run_dir, "metrics.jsonl", json.dumps(line))
+
+    def event(self, line: dict[str, Any]) -> None:
+        """An event of the run (``{"event": "rebalance", ...}``), kept and appended to metrics.jsonl."""
+        self.result.events.append(line)
         append_run_line(self.run_dir, "metrics.jsonl", json.dumps(line))
 
     def record_eval(self, answers: list[dict[str, Any]] | None = None) -> None:

@@ -1,75 +1,167 @@
-"""The run's report: measured vs predicted step time and per-stage busy time (report.json + a terminal table)."""
+"""The run's report: measured vs predicted step time and per-stage busy time (report.json + a terminal table),
+each rebalancing move with its predicted and measured gain, and steps.png (runtime/run/steps_picture.py).
+
+A run that rebalanced ran several splits: the steps on each split are compared with the prediction for
+that split (the plan's for the first, the move's event line for the next; runtime/tools/run_segments.py).
+"""
 
 from __future__ import annotations
 
-import statistics
+import json
+import sys
+from pathlib import Path
 from typing import Any
 
 from hetero.plan import Plan
-from hetero.runtime.tools.run_compare import compare_run
+from hetero.runtime.stage.telemetry import telemetry_summary
+from hetero.runtime.tools.run_compare import compare_run, event_lines, step_lines
+from hetero.runtime.tools.run_segments import (
+    Segment,
+    move_line,
+    plan_busy_s,
+    run_moves,
+    run_segments,
+    split_text,
+)
 
 
-def build_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, float], run_dir: str) -> dict[str, Any]:
-    """Summarize metrics.jsonl lines against the plan's predictions (first step left out when possible)."""
-    measured = steps[1:] if len(steps) > 1 else steps
-    step_time = statistics.median(s["step_time_s"] for s in measured) if measured else None
+def _segment_entry(plan: Plan, segment: Segment) -> dict[str, Any]:
+    """One split's steps against its prediction, per stage too."""
+    predicted = segment.predicted_compute_s or []
+    return {
+        "first_step": segment.first_step, "last_step": segment.last_step, "split": segment.split,
+        "after_move_at_step": (segment.move or {}).get("after_step"),
+        "measured_step_s": segment.median_step_s(), "predicted_step_s": segment.predicted_step_s,
+        "stages": [{"stage": k, "device": sp.device, "measured_compute_s": segment.median_compute_s(k),
+                    "predicted_compute_s": predicted[k] if k < len(predicted) else None}
+                   for k, sp in enumerate(plan.stages)],
+    }
+
+
+def _stage_entries(plan: Plan, planned: Segment, step_time: float | None, build_s: dict[int, float]) -> list[dict[str, Any]]:
+    """Per stage of the plan: its busy time on the plan's own split, measured and predicted."""
     stages = []
-    for k, sp in enumerate(plan.stages):
-        busy = statistics.median(s["stage_busy"][k] for s in measured) if measured else None
-        predicted_busy = plan.micro_batches_of(k) * (sp.fwd_time_s + sp.bwd_time_s)  # its replica's share
+    for k, (sp, predicted) in enumerate(zip(plan.stages, plan_busy_s(plan), strict=True)):
+        busy = planned.median_busy_s(k)
         stages.append({
             "stage": k, "host": sp.host, "device": sp.device, "layers": sp.node_names,
-            "measured_busy_s": busy, "predicted_busy_s": predicted_busy,
+            "measured_busy_s": busy, "predicted_busy_s": predicted,
             "measured_busy_fraction": (busy / step_time) if busy is not None and step_time else None,
             "predicted_busy_fraction": plan.prediction.stage_busy[k] if k < len(plan.prediction.stage_busy) else None,
             "build_s": build_s.get(k),
         })
+    return stages
+
+
+def build_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, float], run_dir: str,
+                 events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Summarize metrics.jsonl lines against the predictions: the plan's for its own split (its first step left
+    out), each move's for the split it moved to (the move's own step left out). ``steps`` may hold events too."""
+    moves_in = event_lines(steps) + list(events or [])
+    steps = step_lines(steps)
+    segments = run_segments(plan, steps, moves_in)
+    planned = segments[0]
+    step_time = planned.median_step_s()
     tokens = steps[0]["tokens"] if steps else 0
+    predicted = plan.prediction.step_time_s
     return {
         "run_dir": run_dir,
         "plan_hash": plan.input_hash,
         "steps": len(steps),
         "first_loss": steps[0]["loss"] if steps else None,
         "final_loss": steps[-1]["loss"] if steps else None,
-        "measured_step_time_s": step_time,
-        "predicted_step_time_s": plan.prediction.step_time_s,
-        "measured_over_predicted": (step_time / plan.prediction.step_time_s)
-        if step_time and plan.prediction.step_time_s > 0 else None,
+        "measured_step_time_s": step_time,  # on the plan's own split, as the plan predicted it
+        "predicted_step_time_s": predicted,
+        "measured_over_predicted": (step_time / predicted) if step_time and predicted > 0 else None,
         "tokens_per_step": tokens,
         "measured_tokens_per_s": (tokens / step_time) if step_time else None,
         "predicted_tokens_per_s": plan.prediction.tokens_per_s,
-        "stages": stages,
+        "stages": _stage_entries(plan, planned, step_time, build_s),
+        "segments": [_segment_entry(plan, s) for s in segments],
+        "moves": run_moves(segments),
+        "telemetry": telemetry_summary(steps, len(plan.stages)),
         # Measured vs predicted per stage, stages >20% off flagged, and the bottleneck in words.
-        "comparison": compare_run(plan, steps) if steps else [],
+        "comparison": compare_run(plan, steps + moves_in) if steps else [],
     }
 
 
+def write_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, float], run_dir: Path,
+                 events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """build_report, then steps.png and report.json in the run directory; returns the report."""
+    from hetero.runtime.run.rundir import write_run_file
+    from hetero.runtime.run.steps_picture import draw_steps
+
+    report = build_report(plan, steps, build_s, str(run_dir), events)
+    if report["steps"]:
+        try:
+            report["picture"] = str(draw_steps(plan, steps, events or [], run_dir / "steps.png"))
+        except OSError as exc:  # a full disk costs the picture, not the report
+            print(f"hetero run: could not write {run_dir / 'steps.png'}: {exc}", file=sys.stderr)
+    write_run_file(run_dir, "report.json", json.dumps(report, indent=1))
+    return report
+
+
+def _fmt(x: float | None, unit: str = "s") -> str:
+    return "-" if x is None else f"{x:.3f} {unit}".strip()
+
+
 def print_report(report: dict[str, Any]) -> None:
-    """A short table: predicted vs measured step time and per-stage busy time."""
+    """A short table: predicted vs measured step time and per-stage busy time; then the moves, if any."""
     from rich.console import Console
     from rich.table import Table
-
-    def fmt(x: float | None, unit: str = "s") -> str:
-        return "-" if x is None else f"{x:.3f} {unit}".strip()
 
     def rate(x: float | None) -> str:
         return "-" if x is None else f"{x:,.0f}"
 
-    import sys
-
     # The compile summary's width policy: the terminal's width, 140 columns when piped.
     console = Console(width=None if sys.stdout.isatty() else 140)
     console.print(f"[bold]run[/bold] {report['run_dir']}: {report['steps']} steps, loss "
-                  f"{fmt(report['first_loss'], '')} -> {fmt(report['final_loss'], '')}", highlight=False)
-    console.print(f"step time: measured {fmt(report['measured_step_time_s'])} (median), predicted "
-                  f"{fmt(report['predicted_step_time_s'])}; tokens/s measured "
+                  f"{_fmt(report['first_loss'], '')} -> {_fmt(report['final_loss'], '')}", highlight=False)
+    moved = " on the plan's split" if report.get("moves") else ""
+    console.print(f"step time{moved}: measured {_fmt(report['measured_step_time_s'])} (median), predicted "
+                  f"{_fmt(report['predicted_step_time_s'])}; tokens/s measured "
                   f"{rate(report['measured_tokens_per_s'])} vs predicted {rate(report['predicted_tokens_per_s'])}",
                   highlight=False)
     table = Table("stage", "host", "device", "busy measured", "busy predicted", "busy share", "build")
     for s in report["stages"]:
         share = s["measured_busy_fraction"]
-        table.add_row(str(s["stage"]), s["host"], s["device"], fmt(s["measured_busy_s"]), fmt(s["predicted_busy_s"]),
-                      "-" if share is None else f"{100 * share:.0f}%", fmt(s["build_s"]))
+        table.add_row(str(s["stage"]), s["host"], s["device"], _fmt(s["measured_busy_s"]), _fmt(s["predicted_busy_s"]),
+                      "-" if share is None else f"{100 * share:.0f}%", _fmt(s["build_s"]))
     console.print(table)
-    for line in report.get("comparison", []):
+    if report.get("moves"):
+        console.print(_segments_table(report["segments"]))
+        console.print("[bold]moves[/bold]")
+        for move in report["moves"]:
+            console.print(f"  {move_line(move)}", highlight=False, markup=False)
+    for line in report.get("comparison", []) + telemetry_lines(report.get("telemetry") or []):
         console.print(line, highlight=False, markup=False)
+    if report.get("picture"):
+        console.print(f"step times over the run: {report['picture']}", highlight=False)
+
+
+def telemetry_lines(summary: list[dict[str, Any] | None]) -> list[str]:
+    """Per GPU stage that reported telemetry: its lowest clock, highest temperature, and throttled steps."""
+    lines = []
+    for k, t in enumerate(summary):
+        if t is None:
+            continue
+        clock = f"lowest SM clock {t['min_sm_clock_mhz']:.0f} MHz, " if t["min_sm_clock_mhz"] is not None else ""
+        heat = f"hottest {t['max_temperature_c']:.0f} C, " if t["max_temperature_c"] is not None else ""
+        throttled = (f"throttled in {t['throttled_steps']} of {t['samples']} steps ({', '.join(t['throttle'])})"
+                     if t["throttled_steps"] else "never throttled")
+        lines.append(f"device telemetry, stage {k}: {clock}{heat}{throttled}")
+    return lines
+
+
+def _segments_table(segments: list[dict[str, Any]]) -> Any:
+    """One row per split the run ran: its steps, step time and each stage's compute (F + B), measured / predicted."""
+    from rich.table import Table
+
+    n = len(segments[0]["stages"]) if segments else 0
+    table = Table("steps", "split", "step measured / predicted", *(f"stage {k} compute measured / predicted" for k in range(n)),
+                  title="each split against its own prediction")
+    for seg in segments:
+        steps = "-" if seg["first_step"] is None else f"{seg['first_step']}-{seg['last_step']}"
+        table.add_row(steps, split_text(seg["split"]), f"{_fmt(seg['measured_step_s'])} / {_fmt(seg['predicted_step_s'])}",
+                      *(f"{_fmt(s['measured_compute_s'])} / {_fmt(s['predicted_compute_s'])}" for s in seg["stages"]))
+    return table

@@ -26,6 +26,8 @@ from hetero.runtime.run.data import IGNORE_INDEX
 from hetero.runtime.stage.lora import peft_key
 from hetero.runtime.stage.lr import make_scheduler
 from hetero.runtime.stage.model import Stage
+from hetero.runtime.stage.telemetry import open_telemetry
+from hetero.runtime.stage.telemetry import sample as sample_telemetry
 from hetero.security import COORDINATOR, stage_name
 from hetero.specs import TrainSpec
 
@@ -85,11 +87,13 @@ class StepStats:
     busy_s: float  # F + B + optimizer time
     wall_s: float
     op_time_s: dict[str, float] = field(default_factory=dict)  # per action type
+    telemetry: dict[str, Any] | None = None  # the device's clocks/temperature after the step (GPUs with NVML/amdsmi)
 
     def to_meta(self) -> dict[str, Any]:
-        return {"step": self.step, "loss_sum": self.loss_sum, "num_label_tokens": self.num_label_tokens,
+        meta = {"step": self.step, "loss_sum": self.loss_sum, "num_label_tokens": self.num_label_tokens,
                 "grad_sumsq": self.grad_sumsq, "lr": self.lr, "busy_s": self.busy_s, "wall_s": self.wall_s,
                 "op_time_s": dict(self.op_time_s)}
+        return meta if self.telemetry is None else {**meta, "telemetry": self.telemetry}
 
 
 class Executor:
@@ -116,6 +120,7 @@ class Executor:
         # Whole-model PEFT keys of the LoRA parameters (checkpoint keys; gradients travel under them).
         self.keys = [peft_key(name) for name, _ in stage.lora_named_parameters()]
         self.optimizer, self.scheduler = build_optimizer(self.params, train)
+        self.telemetry = open_telemetry(stage.device)  # None on a CPU, or without NVML/amdsmi
         self.steps_done = 0  # optimizer steps taken (the step number of the next step)
         self._handlers: dict[str, Callable[[int, int], None]] = {
             "RA": self._recv_activation, "F": self._forward, "SA": self._send_activation,
@@ -167,6 +172,7 @@ class Executor:
             busy_s=sum(times[op] for op in COMPUTE_OPS) - self._clip_wait,
             wall_s=wall,
             op_time_s=dict(times),
+            telemetry=sample_telemetry(self.telemetry),  # after the step's timings: not part of them
         )
 
     # -- handlers ---------------------------------------------------------------------------------

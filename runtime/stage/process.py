@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -159,8 +160,15 @@ def _serve(plan: Plan, k: int, device: Any, mailbox: Mailbox, heartbeat: Heartbe
     executor = _build(plan, k, device, mailbox, neighbours)
     if welcome.meta.get("resume"):
         _restore(executor, mailbox, k)
+
+    def rebuild(record: Any) -> Any:
+        """A rebalance: this stage again, on its new node span, with its new layers' state."""
+        nonlocal plan
+        plan = plan.with_spans(record.spans, record.recompute)
+        return _build(plan, k, device, mailbox, neighbours)
+
     train_steps(executor, mailbox, plan.input_hash, int(welcome.meta.get("start_step", 0)),
-                eval_every=int(welcome.meta.get("eval_every", 0)))
+                eval_every=int(welcome.meta.get("eval_every", 0)), rebuild=rebuild)
     stop = mailbox.recv("stop", sender=COORDINATOR, timeout_s=None)
     log.info("stopping: %s", stop.meta.get("reason", "stop requested"))
 
@@ -216,9 +224,11 @@ def _report_failure(transport: Any, k: int, exc: Exception) -> int:
     return 2 if isinstance(exc, HeteroError) else 1
 
 
-def train_steps(executor: Any, mailbox: Mailbox, plan_hash: str, start_step: int, eval_every: int = 0) -> None:
+def train_steps(executor: Any, mailbox: Mailbox, plan_hash: str, start_step: int, eval_every: int = 0,
+                rebuild: Callable[[Any], Any] | None = None) -> None:
     """Steps ``start_step``.. of the run: ``stepdone`` after each, ``checkpoint`` when due, after the last,
-    and every ``eval_every`` steps (the coordinator hands the adapter to the evaluator).
+    and every ``eval_every`` steps (the coordinator hands the adapter to the evaluator); after a step whose
+    clip came with a ``rebalance``, the move (``rebuild`` builds the stage on its new span).
 
     Also answers the coordinator's checkpoint request (Ctrl-C on `hetero run`) from wherever it waits.
     """
@@ -226,14 +236,15 @@ def train_steps(executor: Any, mailbox: Mailbox, plan_hash: str, start_step: int
     from hetero.runtime.run.records import payload_due
 
     train, transport = executor.train, mailbox.transport
+    current = [executor]  # the executor of the stage's current span (a rebalance replaces it)
 
     def checkpoint_on_request(done: int) -> None:
         # The coordinator sends no clip for step `done`: this stage's state stays the one after `done`
         # steps until the final stop, wherever the program is blocked.
-        if executor.steps_done != done:
+        if current[0].steps_done != done:
             raise WireError(f"the coordinator asked for a checkpoint after step {done}, this stage has done "
-                            f"{executor.steps_done}")
-        tensors, meta = stage_payload(executor, plan_hash)
+                            f"{current[0].steps_done}")
+        tensors, meta = stage_payload(current[0], plan_hash)
         transport.send(COORDINATOR, "checkpoint", step=done - 1, tensors=tensors, meta=meta)
         log.info("checkpoint after step %d sent on request; waiting for stop", done)
 
@@ -241,12 +252,49 @@ def train_steps(executor: Any, mailbox: Mailbox, plan_hash: str, start_step: int
     for step in range(start_step, train.steps):
         if transport.rules is not None:
             transport.rules.step = step  # from now on, messages of other steps than this and the next are dropped
-        stats = executor.run_step(step)
+        stats = current[0].run_step(step)
         transport.send(COORDINATOR, StepDone(**stats.to_meta()), step=step)
         log.info("step %d: busy %.3f s of %.3f s", step, stats.busy_s, stats.wall_s)
-        if payload_due(train, eval_every, step):
-            tensors, meta = stage_payload(executor, plan_hash)
+        due = payload_due(train, eval_every, step)
+        if due:
+            tensors, meta = stage_payload(current[0], plan_hash)
             transport.send(COORDINATOR, "checkpoint", step=step, tensors=tensors, meta=meta)
+        move = _rebalance_after(transport, step)
+        if move is not None and rebuild is not None:
+            current[0] = _move(current[0], move, rebuild, mailbox, plan_hash, step, sent=due)
+
+
+def _rebalance_after(transport: Any, step: int) -> Any:
+    """The coordinator's ``rebalance`` for after ``step`` if it came (before the step's clip, so it is here now)."""
+    try:
+        msg = transport.recv("rebalance", step=step, sender=COORDINATOR, timeout_s=0)
+    except WireError as exc:
+        if is_timeout(exc):
+            return None
+        raise
+    from hetero.protocol import Rebalance
+
+    return Rebalance.from_wire(msg.meta, "rebalance")
+
+
+def _move(executor: Any, move: Any, rebuild: Callable[[Any], Any], mailbox: Mailbox, plan_hash: str, step: int,
+          sent: bool) -> Any:
+    """Send this stage's state (unless just sent), drop its layers, build the new span, take its state."""
+    import gc
+
+    from hetero.runtime.run.checkpoint import stage_payload
+
+    if not sent:
+        tensors, meta = stage_payload(executor, plan_hash)
+        mailbox.transport.send(COORDINATOR, "checkpoint", step=step, tensors=tensors, meta=meta)
+    log.info("rebalance after step %d: %s", step, move.reason)
+    k = executor.stage.index
+    executor.stage = executor.params = executor.optimizer = None  # the old layers go before the new ones load
+    del executor
+    gc.collect()
+    rebuilt = rebuild(move)
+    _restore(rebuilt, mailbox, k)
+    return rebuilt
 
 
 def serve_stage(plan_path: Path, plan: Plan, k: int, coordinator: str, parent_pid: int | None = None) -> int:

@@ -34,7 +34,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from hetero.errors import HeteroError
-from hetero.profile import DeviceProfile, LayerProfile, LinearFit, fit_line
+from hetero.profile import DeviceProfile, LayerProfile, LinearFit, fit_line, typical
 from hetero.runtime.stage.lora import share_lora_inputs
 from hetero.runtime.stage.memory import kept_bytes
 from hetero.runtime.stage.model import StageLayout, _build_config, _skeleton
@@ -47,19 +47,6 @@ MIN_REPEATS = 3
 MAX_REPEATS = 40
 TARGET_S = 0.3  # per (kind, token count): repeat until this much time is measured
 DECODER_WINDOW_S = 3.0  # the decoder layer's sizes together: long enough to average a drifting machine
-TRIM = 0.1  # share of the samples dropped at each end before averaging
-
-
-def typical(samples: list[float]) -> float:
-    """The trimmed mean: what many repetitions cost on average, without the rare outliers.
-
-    Not the median: where stages share cores, a call either runs through or is preempted for a
-    scheduler time slice, and the median picks one of the two modes, while a run pays their mix.
-    """
-    ordered = sorted(samples)
-    cut = int(len(ordered) * TRIM)
-    kept = ordered[cut : len(ordered) - cut] or ordered
-    return sum(kept) / len(kept)
 
 
 class ProfileFailedError(HeteroError):

@@ -2,22 +2,46 @@
 
 Call at the end of `hetero run` with the plan, the metrics.jsonl lines and the per-stage op timings;
 it returns lines for the report and flags any stage more than 20% off its prediction. Torch-free and
-planner-free (the runtime never imports pulp): predictions are read from the plan's own numbers.
+planner-free (the runtime never imports pulp): predictions are read from the plan's own numbers, and
+after a rebalancing move from the move's event line (runtime/tools/run_segments.py).
+
+metrics.jsonl holds three kinds of line: a step's (``step_time_s``, ``stage_busy``, ...), the
+evaluator's (``eval_loss``) and events (``{"event": "rebalance", "after_step": N, ...}``).
+``step_lines`` and ``event_lines`` are how every reader tells them apart.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 from typing import Any
 
 from hetero.hints import suggest
 from hetero.plan import Plan
+from hetero.runtime.tools.run_segments import Segment, run_segments, split_text
 
 OFF_BY = 0.20  # a stage more than 20% off its prediction is flagged
 
 
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Every JSON line of a run's metrics.jsonl (steps, evaluations and events; blank lines skipped)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def step_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The training steps among metrics.jsonl lines: not an event, not the evaluator's answer."""
+    return [m for m in lines if isinstance(m, dict) and "step_time_s" in m and "event" not in m]
+
+
+def event_lines(lines: list[dict[str, Any]], kind: str = "rebalance") -> list[dict[str, Any]]:
+    """The events of ``kind`` among metrics.jsonl lines (a rebalancing move: ``after_step``, old/new split, ...)."""
+    return [m for m in lines if isinstance(m, dict) and m.get("event") == kind]
+
+
 def stage_timings_from_metrics(metrics: list[dict[str, Any]]) -> list[dict[str, float]]:
     """Median per-op seconds per stage over the steps (the first step is left out: it warms up)."""
+    metrics = step_lines(metrics)
     steps = metrics[1:] if len(metrics) > 1 else metrics
     if not steps or "stage_ops" not in steps[0]:
         return []
@@ -30,6 +54,7 @@ def stage_timings_from_metrics(metrics: list[dict[str, Any]]) -> list[dict[str, 
 
 def median_step_s(metrics: list[dict[str, Any]]) -> float:
     """The run's measured step time: the median over its steps, the first (warm-up) left out when possible."""
+    metrics = step_lines(metrics)
     steps = metrics[1:] if len(metrics) > 1 else metrics
     return statistics.median(float(s["step_time_s"]) for s in steps)
 
@@ -39,9 +64,28 @@ def _off(measured: float, predicted: float) -> float | None:
 
 
 def compare_run(plan: Plan, metrics: list[dict[str, Any]], stage_timings: list[dict[str, float]] | None = None) -> list[str]:
-    """Lines comparing measured with predicted step, per-stage compute, transfer wait and idle; >20% flagged."""
-    if not metrics:
+    """Lines comparing measured with predicted step, per-stage compute, transfer wait and idle; >20% flagged.
+
+    After a rebalancing move, the steps on each split are compared with that split's prediction."""
+    steps = step_lines(metrics)
+    if not steps:
         return ["no steps were measured: nothing to compare"]
+    segments = run_segments(plan, steps, event_lines(metrics))
+    planned = segments[0].steps
+    lines = (plan_lines(plan, planned, stage_timings if len(segments) == 1 else None, moved=len(segments) > 1)
+             if planned else ["no step ran on the plan's own split"])
+    for segment in segments[1:]:
+        lines += segment_lines(plan, segment)
+    # The verdict is about how the run ended: the last split that ran.
+    last = next(s for s in reversed(segments) if s.steps)
+    timings = stage_timings if stage_timings and len(segments) == 1 else stage_timings_from_metrics(last.steps)
+    return lines + run_verdict(plan, median_step_s(last.steps), timings)
+
+
+def plan_lines(plan: Plan, metrics: list[dict[str, Any]], stage_timings: list[dict[str, float]] | None,
+               moved: bool = False) -> list[str]:
+    """The steps on the plan's own split against the plan: step time, then per stage compute, waits, idle.
+    ``moved``: the run rebalanced, so a device changed speed and re-profiling is not the fix."""
     timings = stage_timings or stage_timings_from_metrics(metrics)
     step = median_step_s(metrics)
     predicted_step = plan.prediction.step_time_s
@@ -49,13 +93,12 @@ def compare_run(plan: Plan, metrics: list[dict[str, Any]], stage_timings: list[d
     lines = [f"step time: measured {step:.4g} s, predicted {predicted_step:.4g} s"
              + (f" ({off:+.0%})" if off is not None else "")
              + (" <- more than 20% off" if off is not None and abs(off) > OFF_BY else "")]
-    if off is not None and abs(off) > OFF_BY and "profile" not in plan.cost_sources:
+    if off is not None and abs(off) > OFF_BY and "profile" not in plan.cost_sources and not moved:
         fallback = [f"model={plan.model.name}", f"hardware={plan.cluster.name}"]
         measure = suggest("profile", plan.config, fallback=fallback, add=["output=profile.json"])
         again = suggest("compile", plan.config, fallback=fallback, drop=("profile",), add=["profile=profile.json"])
         lines.append(f"This plan's costs come from datasheets: measure the fleet with `{measure}`, then "
                      f"compile with the measurements: `{again}`.")
-    flagged = []
     for k, sp in enumerate(plan.stages):
         m = plan.micro_batches_of(k)  # its replica's share of the step
         ops = timings[k] if k < len(timings) else {}
@@ -70,8 +113,6 @@ def compare_run(plan: Plan, metrics: list[dict[str, Any]], stage_timings: list[d
         measured_idle = max(0.0, step - compute)
         c_off = _off(compute, predicted_compute)
         flag = c_off is not None and abs(c_off) > OFF_BY
-        if flag:
-            flagged.append(k)
         lines.append(
             f"stage {k} ({sp.device}): compute {compute:.4g} s vs {predicted_compute:.4g} s predicted"
             + (f" ({c_off:+.0%})" if c_off is not None else "")
@@ -79,7 +120,31 @@ def compare_run(plan: Plan, metrics: list[dict[str, Any]], stage_timings: list[d
             + f"; idle {measured_idle:.4g} s vs {predicted_idle:.4g} s; send/optimizer overhead {other:.4g} s"
             + f" vs {predicted_other:.4g} s"
             + (" <- more than 20% off" if flag else ""))
-    lines += run_verdict(plan, step, timings)
+    return lines
+
+
+def _versus(measured: float | None, predicted: float | None) -> str:
+    """'1.2 s vs 1.0 s predicted (+20%) <- more than 20% off', or what is missing."""
+    if measured is None:
+        return "not measured"
+    if predicted is None:
+        return f"{measured:.4g} s (no prediction)"
+    off = _off(measured, predicted)
+    return (f"{measured:.4g} s vs {predicted:.4g} s predicted" + (f" ({off:+.0%})" if off is not None else "")
+            + (" <- more than 20% off" if off is not None and abs(off) > OFF_BY else ""))
+
+
+def segment_lines(plan: Plan, segment: Segment) -> list[str]:
+    """The steps after a move against the move's prediction for its split: step time, then compute per stage."""
+    move = segment.move or {}
+    if not segment.steps:
+        return [f"after the move at step {move.get('after_step')}: no step ran on split {split_text(segment.split)}"]
+    lines = [f"after the move at step {move.get('after_step')}, split {split_text(segment.split)} (steps "
+             f"{segment.first_step}-{segment.last_step}): step time {_versus(segment.median_step_s(), segment.predicted_step_s)}"]
+    predicted = segment.predicted_compute_s or []
+    for k, sp in enumerate(plan.stages):
+        compute = segment.median_compute_s(k)
+        lines.append(f"  stage {k} ({sp.device}): compute {_versus(compute, predicted[k] if k < len(predicted) else None)}")
     return lines
 
 

@@ -121,6 +121,8 @@ def stage_rules(plan: Any, k: int) -> Rules:
     senders: dict[str, frozenset[str]] = {
         kind: frozenset({COORDINATOR}) for kind in ("welcome", "state", step_end, "stop", "heartbeat", "error")
     }
+    if can_rebalance(plan):
+        senders["rebalance"] = frozenset({COORDINATOR})
     tensors: dict[str, dict[str, TensorRule]] = {}
     m = plan.micro_batches_of(k)
     ids = (m, train.micro_batch_size, model.seq_len)
@@ -150,6 +152,11 @@ def coordinator_rules(plan: Any) -> Rules:
                  max_pending=8 * len(plan.stages) + 16)
 
 
+def can_rebalance(plan: Any) -> bool:
+    """Whether layers of this plan may move between stages during the run (one pipeline of two or more stages)."""
+    return len(plan.pipelines) == 1 and len(plan.stages) > 1
+
+
 def max_message_bytes(plan: Any, k: int | None) -> int:
     """The largest message process ``k`` (None: the coordinator) can legitimately receive, with margin.
 
@@ -163,6 +170,9 @@ def max_message_bytes(plan: Any, k: int | None) -> int:
     def state(stage: Any) -> int:
         return 3 * 4 * sum(plan.graph.nodes[i].lora_params for i in range(stage.first_node, stage.last_node + 1))
 
+    if can_rebalance(plan):  # layers may move: a stage's state may grow to all but one layer per other stage
+        return int(3 * 4 * sum(n.lora_params for n in plan.graph.nodes) * MESSAGE_SIZE_MARGIN) + MESSAGE_OVERHEAD_BYTES \
+            + int(max(boundary, ids) * MESSAGE_SIZE_MARGIN)
     if k is None:
         largest = max(state(s) for s in plan.stages)
     else:

@@ -1,0 +1,191 @@
+"""Rebalancing a running pipeline (`hetero run ... runtime.rebalance=auto`, the default): the coordinator's side.
+
+Every step, the stages' measured compute (F + B seconds from ``stepdone``) goes to the watcher
+(planner/rebalance.py), which proposes a new split when a device's speed changed for good and the
+simulator says the move pays. The move happens at a step boundary, without stopping the run:
+
+1. with the clip of the next step the coordinator sends every stage ``rebalance`` (the new node spans);
+2. after that step each stage sends its state (LoRA, AdamW moments, step count: the checkpoint payload,
+   whole-model keys), drops its layers, builds the new span from the model files and says ``start``
+   with its new keys;
+3. the coordinator hands each stage the state of its new layers from the union (``state``) and training
+   goes on with the next step's data, which is already waiting.
+
+The math does not change: a layer's LoRA weights and optimizer moments move with it, the LR schedule is
+a function of the step, and the loss and the global gradient norm do not depend on the split. Each move
+is a line in metrics.jsonl (``"event": "rebalance"``). The stage processes stay: a slow device is not
+escaped by restarting it, its share of the layers shrinks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hetero.plan import Plan
+from hetero.protocol import Rebalance
+
+log = logging.getLogger("hetero.run")
+COMPUTE_OPS = ("F", "B")
+
+
+def split_of(plan: Plan) -> list[int]:
+    """Decoder layers per stage."""
+    nodes = plan.graph.nodes
+    return [sum(1 for i in range(s.first_node, s.last_node + 1) if nodes[i].kind == "decoder") for s in plan.stages]
+
+
+def stage_compute_s(done: dict[int, Any]) -> list[float]:
+    """Per stage: the step's measured forward + backward seconds (its ``stepdone`` op times)."""
+    return [sum(float(done[k].meta["op_time_s"].get(op, 0.0)) for op in COMPUTE_OPS) for k in sorted(done)]
+
+
+@dataclass
+class Move:
+    """A move sent with a step's clip: the new spans and what the watcher said about them."""
+
+    after_step: int
+    spans: list[list[int]]
+    recompute: list[list[str]]
+    event: dict[str, Any]
+    proposal: Any = None  # planner.rebalance.Proposal (None for a forced move)
+
+
+class Mover:
+    """Watches the run's stage times and carries out the moves; see the module docstring.
+
+    ``forced`` maps a step to a split (decoder layers per stage) to move to after it, whatever the times say:
+    tests of the move's math use it."""
+
+    def __init__(self, plan: Plan, mode: str, forced: dict[int, list[int]] | None = None) -> None:
+        from hetero.runtime.wire.rules import can_rebalance
+
+        self.plan, self.forced = plan, dict(forced or {})
+        self.watch: Any = None
+        self.pending: Move | None = None
+        self.telemetry: list[Any] = []  # per stage: its device's clocks, temperature, throttling (last step)
+        self.sent: Move | None = None
+        if not can_rebalance(plan):
+            self.forced = {}
+        elif mode == "auto":
+            self.watch = _watch(plan)
+
+    @property
+    def enabled(self) -> bool:
+        return self.watch is not None or bool(self.forced)
+
+    def started(self, build_s: dict[int, float]) -> None:
+        """The stages are built: a move costs about their slowest build (it rebuilds every stage)."""
+        if self.watch is not None and build_s:
+            self.watch.move_cost_s = max(build_s.values())
+
+    def observe(self, step: int, done: dict[int, Any]) -> None:
+        """Step ``step``'s reports are in: decide whether the stages move after the next step."""
+        self.telemetry = [done[k].meta.get("telemetry") for k in sorted(done)]
+        if not self.enabled or self.pending is not None or self.sent is not None:
+            return
+        if step + 1 in self.forced:
+            self.pending = self._forced(step + 1, self.forced.pop(step + 1))
+            return
+        if self.watch is None or step + 1 >= self.plan.train.steps - 1:
+            return
+        try:
+            proposal = self.watch.observe(stage_compute_s(done), self.plan.train.steps - step - 2)
+        except Exception as exc:  # never let the watcher stop a run: train on with the plan's split
+            log.warning("runtime.rebalance: off from step %d on, the watcher failed (%s: %s)", step,
+                        type(exc).__name__, exc)
+            self.watch = None
+            return
+        if proposal is not None:
+            self.pending = self._proposed(step + 1, proposal)
+
+    def announce(self, step: int, send: Callable[[Rebalance], None]) -> None:
+        """Before step ``step``'s clip: tell every stage to move after it (when a move is due)."""
+        if self.pending is not None and self.pending.after_step == step:
+            send(Rebalance(spans=self.pending.spans, recompute=self.pending.recompute,
+                           reason=str(self.pending.event["cause"]["reason"])))
+            self.sent, self.pending = self.pending, None
+
+    def due(self, step: int) -> bool:
+        """Whether the stages move after step ``step`` (it was announced with its clip)."""
+        return self.sent is not None and self.sent.after_step == step
+
+    def carry_out(self, step: int, payloads: dict[int, Any] | None, gather: Callable[[str, int], dict[int, Any]],
+                  send_state: Callable[[int, dict[str, Any], dict[str, Any]], None]) -> tuple[Plan, dict[str, Any]]:
+        """Steps 2-3 of the module docstring: the stages' states (``payloads`` if a checkpoint just brought them),
+        their ``start`` from the new spans, each its new layers' state; the plan and event line after the move."""
+        from hetero.runtime.run.checkpoint import merge_payloads, select_payload
+
+        clock = timed()
+        payloads = payloads or gather("checkpoint", step)
+        state = merge_payloads([(m.tensors, m.meta) for _, m in sorted(payloads.items())],
+                               f"the stages' states after step {step} disagree on the step")
+        for k, msg in sorted(gather("start", 0).items()):
+            send_state(k, *select_payload(*state, list(msg.meta["keys"]), k))
+        return self.moved(clock())
+
+    def moved(self, move_s: float) -> tuple[Plan, dict[str, Any]]:
+        """The move is done: the plan with its new spans and the metrics.jsonl event line."""
+        assert self.sent is not None
+        move, self.sent = self.sent, None
+        self.plan = self.plan.with_spans(move.spans, move.recompute)
+        if self.watch is not None and move.proposal is not None:
+            self.watch.moved(move.proposal)
+        elif self.watch is not None:
+            self.watch.restart(tuple((a, b) for a, b in move.spans), tuple(len(r) for r in move.recompute))
+        return self.plan, {**move.event, "move_s": round(move_s, 4), "split": split_of(self.plan)}
+
+    def _proposed(self, after_step: int, proposal: Any) -> Move:
+        """A Move from the watcher's Proposal, with the event line a person reads."""
+        from hetero.runtime.stage.telemetry import throttle_cause
+
+        cause = proposal.cause
+        throttle = throttle_cause(self.telemetry[cause]) if cause < len(self.telemetry) else None
+        event = {
+            "event": "rebalance", "after_step": after_step,
+            "cause": {"stage": cause, "device": self.plan.stages[cause].device,
+                      "slowdown": round(proposal.change[cause], 3), "throttle": throttle,
+                      "reason": proposal.reason + (f" ({throttle})" if throttle else "")},
+            "speed_factors": [round(f, 4) for f in proposal.factors],
+            "old_split": self.watch.replanner.counts(proposal.old.spans),
+            "new_split": self.watch.replanner.counts(proposal.new.spans),
+            "old_spans": [list(s) for s in proposal.old.spans], "new_spans": [list(s) for s in proposal.new.spans],
+            "predicted_step_s_before": proposal.old.step_s, "predicted_step_s_after": proposal.new.step_s,
+            "predicted_gain": round(proposal.gain, 4),
+            "predicted_stage_s_after": list(proposal.new.stage_compute_s),
+        }
+        return Move(after_step, [list(s) for s in proposal.new.spans], self.watch.replanner.recompute_names(proposal.new),
+                    event, proposal)
+
+    def _forced(self, after_step: int, split: list[int]) -> Move:
+        """A Move to ``split`` (decoder layers per stage) asked for by the caller."""
+        from hetero.planner.objective import split_spans
+
+        spans = split_spans(len(self.plan.graph.nodes), split, self.plan.graph.decoder_indices())
+        event = {"event": "rebalance", "after_step": after_step, "old_split": split_of(self.plan),
+                 "new_split": list(split), "old_spans": [[s.first_node, s.last_node] for s in self.plan.stages],
+                 "new_spans": [list(s) for s in spans],
+                 "cause": {"stage": None, "device": None, "slowdown": None, "reason": "forced by the caller"}}
+        return Move(after_step, [list(s) for s in spans], [[] for _ in spans], event)
+
+
+def _watch(plan: Plan) -> Any:
+    """The watcher of ``plan``'s stages (planner/rebalance.py), or None (logged) if its costs cannot be rebuilt."""
+    from hetero.planner.rebalance import Replanner, Watch
+
+    try:
+        replanner = Replanner(plan)
+    except Exception as exc:  # a plan the cost model cannot price again: train on, without moves
+        log.warning("runtime.rebalance: off for this run, its plan's costs cannot be rebuilt (%s)", exc)
+        return None
+    spans = tuple((s.first_node, s.last_node) for s in plan.stages)
+    return Watch(replanner, spans, tuple(len(s.recompute_layers) for s in plan.stages))
+
+
+def timed() -> Callable[[], float]:
+    """A stopwatch: call the result for the seconds since."""
+    t0 = time.perf_counter()
+    return lambda: time.perf_counter() - t0

@@ -1,0 +1,48 @@
+"""How one `hetero run` is run (RunOptions: run directory, host, timeouts, rebalancing), and where its
+coordinator listens. Torch-free: the CLI builds these before anything heavy is imported."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hetero.errors import PlanError
+from hetero.plan import Plan
+from hetero.protocol import FAILURE_TIMEOUT_S, LOAD_TIMEOUT_S
+from hetero.runtime.run.rundir import rerun_options
+
+
+def coordinator_endpoint(plan: Plan, host: str | None = None, port: int | None = None) -> str:
+    """Where the coordinator listens: stage 0's host (or ``host``), on its base port - 1 unless given."""
+    name = host or plan.stages[0].host
+    try:
+        spec = plan.cluster.host(name)
+    except KeyError:
+        raise PlanError(f"host '{name}' is not in the plan; hosts: {', '.join(h.name for h in plan.cluster.hosts)}") from None
+    return f"tcp://{spec.address}:{port if port is not None else spec.port - 1}"
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    run_dir: Path
+    host: str | None = None  # the host this coordinator runs on (default: stage 0's)
+    port: int | None = None  # coordinator port (default: that host's base port - 1)
+    handshake_timeout_s: float = 600.0  # remote hosts may still be loading or quantizing weights
+    step_timeout_s: float = 1800.0
+    failure_timeout_s: float = FAILURE_TIMEOUT_S  # a working peer without heartbeat for this long is dead
+    load_timeout_s: float = LOAD_TIMEOUT_S  # the same while a stage builds (loading may hold the GIL)
+    progress: bool = True
+    resume: Path | None = None  # a checkpoints/step-N directory (of this or another split of the model)
+    checkpoint: tuple[dict[str, Any], dict[str, Any]] | None = None  # its (tensors, meta), if already read
+    batches: Any = None  # the run's StepBatches, if already built (`hetero run` checks the data first)
+    key_dirs: list[Path] = field(default_factory=list)  # where this host's key files are (hetero/security.py)
+    ssh_hosts: list[Any] = field(default_factory=list)  # runtime/run/ssh.py SshHost: hosts this run starts over ssh
+    launcher: Any = None  # runtime/run/launcher.py StageLauncher: forks this host's stages (None: fresh interpreters)
+    rebalance: str = "auto"  # runtime.rebalance: move layers when a device's speed changes (runtime/run/moves.py)
+    moves: dict[int, list[int]] = field(default_factory=dict)  # step -> split to move to after it, whatever the times
+
+    @property
+    def rerun(self) -> tuple[str, ...]:
+        """This run's own --host/--port: every command it suggests repeats them (rundir.run_command)."""
+        return rerun_options(self.host, self.port)

@@ -1,0 +1,254 @@
+"""What a run measured, as a profile (hetero/profile.py's schema): RUN_DIR/profile.json, torch-free.
+
+Written at every checkpoint and at the end of `hetero run`; `hetero compile ... profile=RUN_DIR` plans
+with it. What a run can measure, and how each number is made:
+
+- **Layer times per device and kind.** A stage runs its span of layers as one forward and one
+  backward per micro-batch; the executor times those (metrics.jsonl ``stage_ops``: F and B per
+  step), not each layer. Timing each layer inside the stage would take hooks on every module and on
+  the autograd graph of every micro-batch; the stage totals are free and are exactly what the
+  planner's per-stage sums must reproduce. So per device the forward and backward per micro-batch
+  (trimmed mean over the steps after the first) are divided among the layers the stage ran in the
+  proportions of a prior — the profile the plan was compiled with where it covers the device (the
+  relative cost of an embedding, a decoder layer, a norm and the head was measured there), else the
+  roofline — i.e. one measured speed factor per device and direction scales the prior's per-kind
+  fits. The stage's own sum is then exact; what is assumed is only the ratio between kinds on one
+  device. A kind the device did not run is the prior scaled by the same factor, and says so.
+- **Messages.** The CPU time to send one (SA, SG: asynchronous sends, timed alone) per device. A
+  receive's time includes the wait for its sender, so its own cost, and the links' transfer times,
+  cannot be told apart from the waits in per-stage totals: they come from the prior profile when it
+  has them (else the planner's fleet file and roofline), and the file says so.
+- **The optimizer step.** STEP minus the wait for the global clip coefficient, against the stage's
+  LoRA parameters.
+
+Each part of a device is labelled (``DeviceProfile.sources``) so a plan's ``cost_sources`` says
+"run RUN_DIR, step N" for what came from this run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from hetero.plan import Plan, StagePlan
+from hetero.profile import (
+    LAYER_KINDS,
+    DeviceProfile,
+    LayerProfile,
+    LinearFit,
+    LinkProfile,
+    Profile,
+    ProfileError,
+    check_profile,
+    fleet_hash,
+    merge_profiles,
+    model_hash,
+    now_iso,
+    typical,
+)
+from hetero.runtime.run.rundir import write_run_file
+
+PROFILE_FILE = "profile.json"
+SEND_OPS = ("SA", "SG")
+
+
+def write_run_profile(plan: Plan, run_dir: Path, result: Any) -> Path | None:
+    """RUN_DIR/profile.json from the steps so far (``result``: the coordinator's RunResult); a failure is a
+    warning on stderr, never the run's end."""
+    try:
+        profile = run_profile(plan, run_dir, list(result.steps), dict(result.environments))
+        if profile is None:
+            return None
+        import json
+
+        from hetero.serde import to_dict
+
+        return write_run_file(run_dir, PROFILE_FILE, json.dumps(to_dict(profile), indent=1))
+    except Exception as exc:  # the profile is a by-product: training and its records come first
+        print(f"hetero run: could not write {run_dir / PROFILE_FILE}: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
+        return None
+
+
+def run_profile(plan: Plan, run_dir: Path, steps: list[dict[str, Any]],
+                environments: dict[str, Any] | None = None) -> Profile | None:
+    """The profile of what these metrics.jsonl lines measured (None: no step with per-stage times)."""
+    split = _split(plan)  # a rebalanced run: only the steps run with the plan's current split
+    lines = [s for s in steps if isinstance(s.get("stage_ops"), list) and len(s["stage_ops"]) == len(plan.stages)
+             and s.get("split", split) == split]
+    if not lines:
+        return None
+    done = int(lines[-1]["step"]) + 1
+    origin = f"run {Path(run_dir).resolve()}, step {done}"
+    prior = prior_profile(plan)
+    warm = lines[1:] if len(lines) > 1 else lines  # the first step warms allocators and caches up
+    devices = [_device_profile(plan, k, _stage_ops(warm, k), prior, origin, (environments or {}).get(f"stage{k}", {}))
+               for k in range(len(plan.stages))]
+    links = [replace_method(lk, prior) for lk in prior.links] if prior is not None else []
+    tokens = plan.train.micro_batch_size * plan.model.seq_len
+    return Profile(
+        fleet=plan.cluster.name, fleet_hash=fleet_hash(plan.cluster), model=plan.model.name,
+        model_hash=model_hash(plan.model), devices=devices, links=links, created=now_iso(), origin=origin,
+        notes=[f"measured by `hetero run` over steps {int(warm[0]['step']) + 1}-{done} ({len(warm)} steps), "
+               f"micro_batch_size={plan.train.micro_batch_size}, seq_len={plan.model.seq_len} ({tokens} tokens)",
+               f"kind split and links from: {prior.origin or 'a profile file' if prior else 'the roofline (no profile)'}"],
+    )
+
+
+def replace_method(link: LinkProfile, prior: Profile) -> LinkProfile:
+    """A prior profile's link, saying where it came from (a run's totals do not separate transfers from waits)."""
+    from dataclasses import replace
+
+    where = prior.origin or "the profile the plan was compiled with"
+    method = link.method if "(from " in link.method else f"{link.method} (from {where})"
+    return replace(link, method=method)
+
+
+def prior_profile(plan: Plan) -> Profile | None:
+    """The profile(s) the plan was compiled with, merged, when still readable and of this fleet and model."""
+    found: list[Profile] = []
+    for path in str(plan.cost_sources.get("profile", "")).split(" + "):
+        if not path:
+            continue
+        try:
+            profile = Profile.load(path)
+            check_profile(profile, plan.cluster, plan.model, path)
+        except ProfileError:
+            continue  # moved or of another fleet: the roofline stands in
+        found.append(profile)
+    return merge_profiles(found) if found else None
+
+
+def _split(plan: Plan) -> list[int]:
+    """Decoder layers per stage (what metrics.jsonl's ``split`` records for each step)."""
+    nodes = plan.graph.nodes
+    return [sum(1 for i in range(s.first_node, s.last_node + 1) if nodes[i].kind == "decoder") for s in plan.stages]
+
+
+def _stage_ops(lines: list[dict[str, Any]], k: int) -> dict[str, float]:
+    """Stage k's typical seconds per op per step over these metrics lines."""
+    ops = {op for line in lines for op in line["stage_ops"][k]}
+    return {op: typical([float(line["stage_ops"][k].get(op, 0.0)) for line in lines]) for op in ops}
+
+
+def _micro_batches(plan: Plan, k: int) -> int:
+    """Micro-batches stage k runs per step (its replica's share)."""
+    return max(1, plan.replica_of(k)[1].num_micro_batches)
+
+
+def scaled(prior: LinearFit | None, x: float, y: float, *, through_origin: bool) -> LinearFit:
+    """A line through the measured point (x, y): the prior's shape scaled to it when there is one, else a
+    line through the origin (compute: proportional to tokens) or a flat one (fixed costs)."""
+    if prior is not None and prior.at(x) > 0:
+        s = y / prior.at(x)
+        return LinearFit(prior.a_s * s, prior.b_s_per_token * s, prior.r2, [[float(x), float(y)]])
+    if through_origin and x > 0:
+        return LinearFit(0.0, y / x, 1.0, [[float(x), float(y)]])
+    return LinearFit(y, 0.0, 1.0, [[float(x), float(y)]])
+
+
+def _device_profile(plan: Plan, k: int, ops: dict[str, float], prior: Profile | None, origin: str,
+                    env: dict[str, Any]) -> DeviceProfile:
+    """Stage k's device as this run measured it (see the module docstring)."""
+    sp = plan.stages[k]
+    tokens = plan.train.micro_batch_size * plan.model.seq_len
+    before = prior.device(sp.device) if prior is not None else None
+    if before is not None and (before.dtype, before.quantization) != (sp.dtype, sp.quantization):
+        before = None  # measured in another dtype/quantization: its kind split is not this stage's
+    m = _micro_batches(plan, k)
+    layers, sources = _layers(plan, sp, before, ops.get("F", 0.0) / m, ops.get("B", 0.0) / m, origin)
+    optimizer, send = _stage_overheads(plan, sp, ops, before)
+    sources.update({"optimizer": origin, "message_send": origin})
+    recv = before.message_recv if before is not None else None
+    if recv is not None and prior is not None:
+        sources["message_recv"] = prior.origin or "profile"
+    return DeviceProfile(
+        device=sp.device, host=sp.host, type=sp.device_type, backend=sp.backend, dtype=sp.dtype,
+        quantization=sp.quantization, threads=sp.threads, usable_memory_gb=None, seq_len=plan.model.seq_len,
+        token_counts=[tokens], layers=layers, optimizer=optimizer, message_send=send, message_recv=recv,
+        environment=dict(env), seconds=sum(float(v) for op, v in ops.items() if op in ("F", "B", "STEP")),
+        sources=sources,
+    )
+
+
+def _node_priors(plan: Plan, sp: StagePlan, before: DeviceProfile | None) -> dict[str, tuple[LinearFit, LinearFit]]:
+    """Per layer kind, the prior's (forward, backward) fits on this stage's device: the profile's, else the
+    roofline's as a line through the origin at this micro-batch size."""
+    from hetero.planner.cost_model import RooflineCostModel
+
+    tokens = plan.train.micro_batch_size * plan.model.seq_len
+    roofline = RooflineCostModel(plan.planner.efficiency)
+    device = plan.cluster.device(sp.device)
+    out: dict[str, tuple[LinearFit, LinearFit]] = {}
+    for i, node in enumerate(plan.graph.nodes):
+        if node.kind in out:
+            continue
+        layer = before.layers.get(node.kind) if before is not None else None
+        if layer is not None:
+            out[node.kind] = (layer.fwd, layer.bwd)
+        else:
+            f, b = roofline.node_time_s(plan.graph, plan.model, i, device, tokens)
+            out[node.kind] = (LinearFit(0.0, f / tokens, 1.0), LinearFit(0.0, b / tokens, 1.0))
+    return out
+
+
+def _layers(plan: Plan, sp: StagePlan, before: DeviceProfile | None, fwd_mb: float, bwd_mb: float,
+            origin: str) -> tuple[dict[str, LayerProfile], dict[str, str]]:
+    """Per kind, the prior's fits scaled so the stage's layers sum to its measured forward and backward."""
+    tokens = plan.train.micro_batch_size * plan.model.seq_len
+    priors = _node_priors(plan, sp, before)
+    nodes = [plan.graph.nodes[i] for i in range(sp.first_node, sp.last_node + 1)]
+    prior_f = sum(priors[n.kind][0].at(tokens) for n in nodes)
+    # A recomputing layer runs its forward again inside the backward: the measured B includes it.
+    prior_b = sum(priors[n.kind][1].at(tokens) + (priors[n.kind][0].at(tokens) if n.name in sp.recompute_layers
+                                                   else 0.0) for n in nodes)
+    speed_f = fwd_mb / prior_f if prior_f > 0 and fwd_mb > 0 else 1.0
+    speed_b = bwd_mb / prior_b if prior_b > 0 and bwd_mb > 0 else 1.0
+    ran = {n.kind for n in nodes}
+    layers: dict[str, LayerProfile] = {}
+    sources: dict[str, str] = {}
+    for kind in LAYER_KINDS:
+        if kind not in priors:
+            continue
+        f, b = priors[kind]
+        fit_f = scaled(f, tokens, f.at(tokens) * speed_f, through_origin=True)
+        fit_b = scaled(b, tokens, b.at(tokens) * speed_b, through_origin=True)
+        layers[kind] = _layer_profile(plan, kind, fit_f, fit_b, before)
+        sources[kind] = origin if kind in ran else f"{origin} (scaled: no {kind} layer ran on this device)"
+    return layers, sources
+
+
+def _layer_profile(plan: Plan, kind: str, fwd: LinearFit, bwd: LinearFit, before: DeviceProfile | None) -> LayerProfile:
+    """One kind's times with the prior profile's memory numbers (a run does not measure saved bytes)."""
+    node = next(n for n in plan.graph.nodes if n.kind == kind)
+    old = before.layers.get(kind) if before is not None else None
+    if old is not None:
+        return LayerProfile(kind, fwd, bwd, old.weight_bytes, old.lora_params, old.activation_bytes_per_token,
+                            old.peak_bytes_per_token, old.memory_method, old.recompute_bytes_per_token)
+    return LayerProfile(kind, fwd, bwd, 0.0, int(node.lora_params), 0.0, 0.0, "not measured by a run")
+
+
+def _stage_overheads(plan: Plan, sp: StagePlan, ops: dict[str, float], before: DeviceProfile | None
+                     ) -> tuple[LinearFit | None, LinearFit | None]:
+    """The stage's optimizer step (against its LoRA parameters) and one send's CPU time (against its bytes)."""
+    lora = float(sum(plan.graph.nodes[i].lora_params for i in range(sp.first_node, sp.last_node + 1)))
+    step = max(0.0, ops.get("STEP", 0.0) - ops.get("clip_wait", 0.0))
+    optimizer = scaled(before.optimizer if before else None, lora, step, through_origin=True) if step > 0 else None
+    sends = sum(1 for a in sp.actions() if a.op in SEND_OPS)
+    if sends == 0:
+        return optimizer, None
+    per_send = sum(ops.get(op, 0.0) for op in SEND_OPS) / sends  # the program is one step's actions
+    num_bytes = _message_bytes(plan, sp)
+    return optimizer, scaled(before.message_send if before else None, num_bytes, per_send, through_origin=False)
+
+
+def _message_bytes(plan: Plan, sp: StagePlan) -> float:
+    """Bytes of one activation (or gradient) this stage sends: the hidden states of a micro-batch."""
+    from hetero.planner.cost_model import dtype_bytes
+
+    edge = plan.graph.edges[min(sp.last_node, len(plan.graph.edges) - 1)] if plan.graph.edges else None
+    if edge is None:
+        return 0.0
+    tokens = plan.train.micro_batch_size * plan.model.seq_len
+    return edge.bytes_per_token * tokens * dtype_bytes(sp.dtype) / dtype_bytes(plan.graph.dtype)

@@ -1,0 +1,178 @@
+"""A run cut at its rebalancing moves: each stretch of steps on one split, with the prediction for that split.
+
+The plan predicts the steps before the first move; a move's event line (metrics.jsonl, ``"event":
+"rebalance"``) carries the prediction for the split it moves to (``predicted_step_s_after``,
+``predicted_stage_s_after``: per stage compute seconds per step, forward + backward). A move is judged by the median step
+time of the few steps before it against the few after it, the move's own step left out (it also
+holds the move and the new layers' first step). Torch-free; the report, `hetero simulate --run` and
+steps.png read the same segments.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from hetero.plan import Plan
+
+GAIN_WINDOW = 4  # steps either side of a move that its measured gain is the median of
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive steps that ran on one split, and what was predicted for that split."""
+
+    steps: list[dict[str, Any]]  # metrics.jsonl step lines, in step order
+    split: list[int] | None  # decoder layers per stage
+    predicted_step_s: float | None
+    predicted_compute_s: list[float] | None  # per stage: forward + backward seconds per step
+    move: dict[str, Any] | None = None  # the event that started it; None: the plan's own split
+
+    @property
+    def measured(self) -> list[dict[str, Any]]:
+        """The steps that measure this split: the first left out (warm-up, or the move's own step)."""
+        return self.steps[1:] if len(self.steps) > 1 else self.steps
+
+    @property
+    def first_step(self) -> int | None:
+        return _step_of(self.steps[0], 0) if self.steps else None
+
+    @property
+    def last_step(self) -> int | None:
+        return _step_of(self.steps[-1], len(self.steps) - 1) if self.steps else None
+
+    def median_step_s(self) -> float | None:
+        """Measured step time on this split (median of ``measured``)."""
+        return _median([float(s["step_time_s"]) for s in self.measured])
+
+    def median_busy_s(self, k: int) -> float | None:
+        """Stage k's measured busy seconds per step (F + B + optimizer) on this split (median of ``measured``)."""
+        return _median([float(s["stage_busy"][k]) for s in self.measured
+                        if "stage_busy" in s and k < len(s["stage_busy"])])
+
+    def median_compute_s(self, k: int) -> float | None:
+        """Stage k's measured forward + backward seconds per step on this split (median of ``measured``)."""
+        return _median([float(s["stage_ops"][k].get("F", 0.0)) + float(s["stage_ops"][k].get("B", 0.0))
+                        for s in self.measured if "stage_ops" in s and k < len(s["stage_ops"])])
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _step_of(line: dict[str, Any], position: int) -> int:
+    step = line.get("step", position)
+    return step if isinstance(step, int) else position
+
+
+def plan_split(plan: Plan) -> list[int]:
+    """Decoder layers per stage as the plan placed them."""
+    return [sum(1 for n in sp.node_names if n.startswith("layers.")) for sp in plan.stages]
+
+
+def plan_compute_s(plan: Plan) -> list[float]:
+    """Per stage, the plan's forward + backward seconds per step (its replica's share of the micro-batches)."""
+    return [plan.micro_batches_of(k) * (sp.fwd_time_s + sp.bwd_time_s) for k, sp in enumerate(plan.stages)]
+
+
+def plan_busy_s(plan: Plan) -> list[float]:
+    """Per stage, the plan's busy seconds per step as a stage measures them: compute and the optimizer."""
+    return [c + sp.overhead_s.get("STEP", 0.0) for c, sp in zip(plan_compute_s(plan), plan.stages, strict=True)]
+
+
+def _float_list(value: Any) -> list[float] | None:
+    if isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return [float(v) for v in value]
+    return None
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def run_segments(plan: Plan, steps: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[Segment]:
+    """``steps`` cut after each move's ``after_step``: the first segment is the plan's split, each next one
+    the split its move went to (a move after the last step still makes a segment, with no steps)."""
+    moves = sorted((e for e in events if isinstance(e.get("after_step"), int)), key=lambda e: e["after_step"])
+    bounds = [e["after_step"] for e in moves] + [None]
+    numbered = [(_step_of(s, i), s) for i, s in enumerate(steps)]
+    segments, low = [], None
+    for i, high in enumerate(bounds):
+        inside = [s for n, s in numbered if (low is None or n > low) and (high is None or n <= high)]
+        if i == 0:
+            segments.append(Segment(inside, plan_split(plan), plan.prediction.step_time_s, plan_compute_s(plan)))
+        else:
+            move = moves[i - 1]
+            split = move.get("new_split")
+            segments.append(Segment(inside, [int(x) for x in split] if isinstance(split, list) else None,
+                                    _number(move.get("predicted_step_s_after")),
+                                    _float_list(move.get("predicted_stage_s_after")), move))
+        low = high
+    return segments
+
+
+def measured_gain(before: Segment, after: Segment) -> tuple[float | None, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Median step time of up to GAIN_WINDOW steps before a move over that of the steps after it (the
+    move's own step, the first after it, left out); with the steps each median was taken over."""
+    ahead = before.measured[-GAIN_WINDOW:]
+    behind = after.steps[1:1 + GAIN_WINDOW]
+    slow = _median([float(s["step_time_s"]) for s in ahead])
+    fast = _median([float(s["step_time_s"]) for s in behind])
+    gain = slow / fast if slow is not None and fast else None
+    return gain, ahead, behind
+
+
+def _span(lines: list[dict[str, Any]]) -> list[int] | None:
+    return [_step_of(lines[0], 0), _step_of(lines[-1], 0)] if lines else None
+
+
+def run_moves(segments: list[Segment]) -> list[dict[str, Any]]:
+    """Each move of the run: the device that changed speed and by how much, old and new split, predicted
+    and measured gain (median step time before over after, steps named)."""
+    out = []
+    for before, after in zip(segments, segments[1:], strict=False):
+        event = after.move or {}
+        cause: dict[str, Any] = event["cause"] if isinstance(event.get("cause"), dict) else {}
+        gain, ahead, behind = measured_gain(before, after)
+        out.append({
+            "after_step": event.get("after_step"), "stage": cause.get("stage"), "device": cause.get("device"),
+            "slowdown": _number(cause.get("slowdown")), "reason": cause.get("reason"),
+            "old_split": event.get("old_split", before.split), "new_split": event.get("new_split", after.split),
+            "predicted_step_s_before": _number(event.get("predicted_step_s_before")),
+            "predicted_step_s_after": _number(event.get("predicted_step_s_after")),
+            "predicted_gain": _number(event.get("predicted_gain")), "measured_gain": gain,
+            "measured_step_s_before": _median([float(s["step_time_s"]) for s in ahead]),
+            "measured_step_s_after": _median([float(s["step_time_s"]) for s in behind]),
+            "steps_before": _span(ahead), "steps_after": _span(behind), "move_s": _number(event.get("move_s")),
+        })
+    return out
+
+
+def split_text(split: Any) -> str:
+    """'4/4' for a split of decoder layers per stage; '?' when the line does not say."""
+    return "/".join(str(x) for x in split) if isinstance(split, list) and split else "?"
+
+
+def _gain_text(gain: float | None) -> str:
+    return "-" if gain is None else f"{gain:.2f}x"
+
+
+def move_line(move: dict[str, Any]) -> str:
+    """One move in words: cause, old -> new split, predicted and measured gain, what the move cost."""
+    who = move.get("device") or "a device"
+    if move.get("stage") is not None:
+        who += f" (stage {move['stage']})"
+    slower = f" {move['slowdown']:.2g}x slower" if move.get("slowdown") is not None else " changed speed"
+    reason = f" ({move['reason']})" if move.get("reason") else ""
+    measured = _gain_text(move.get("measured_gain"))
+    if move.get("measured_gain") is not None:
+        before, after = move["steps_before"], move["steps_after"]
+        measured += (f" (median step {move['measured_step_s_before']:.4g} s over steps {before[0]}-{before[1]} -> "
+                     f"{move['measured_step_s_after']:.4g} s over steps {after[0]}-{after[1]})")
+    else:
+        measured += " (too few steps on one side of the move)"
+    cost = f"; the move took {move['move_s']:.3g} s" if move.get("move_s") is not None else ""
+    return (f"after step {move.get('after_step')}: {who}{slower}{reason}; split {split_text(move.get('old_split'))}"
+            f" -> {split_text(move.get('new_split'))}; gain predicted {_gain_text(move.get('predicted_gain'))}, "
+            f"measured {measured}{cost}")

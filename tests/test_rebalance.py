@@ -1,0 +1,220 @@
+"""Rebalancing a running pipeline (runtime.rebalance): when it moves, and that a move leaves the math alone.
+
+The watcher (planner/rebalance.py) is checked on measured-time series made here: noise never moves anything,
+a device slow from the start (priced by the plan) never moves, a sustained slowdown moves layers off the
+slow device, and a move that cannot pay for itself before the run ends is not made. The move itself
+(runtime/run/moves.py) is checked on real stage processes against the plain transformers+peft reference:
+moving layers twice mid-run gives the reference's losses and LoRA weights.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from reference import assert_close_to_scale, reference_run
+from test_runtime_plans import make_plan
+
+from hetero.plan import Plan
+from hetero.planner.rebalance import Replanner, Watch
+from hetero.runtime.run.adapter import load_adapter_state
+from hetero.specs import ModelSpec, TrainSpec
+
+SEQ_LEN = 32
+TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=5, lr=2e-3, scheduler="cosine", warmup_steps=1,
+                  max_grad_norm=0.3, seed=3, shuffle=True)
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def w1_like_plan(tmp_path_factory: pytest.TempPathFactory) -> Plan:
+    """A compiled 2-stage plan of the tiny model on two local CPU devices (4 decoder layers)."""
+    from hetero.cli import main
+
+    out = tmp_path_factory.mktemp("rebalance-plan") / "plan"
+    assert main(["compile", "model=tiny", "hardware=local", "planner.num_stages=2", f"output={out}"]) == 0
+    return Plan.load(out / "plan.json")
+
+
+def _series(plan: Plan, steps: int, slow_from: int | None, factor: float, noise: float, seed: int,
+            slow_stage: int = 0) -> list[list[float]]:
+    """Per step, per stage: the device's speed against the plan's pricing, with noise (x ``factor`` on one)."""
+    rng = random.Random(seed)
+    out = []
+    for step in range(steps):
+        row = [rng.uniform(1 - noise, 1 + noise) for _ in plan.stages]
+        if slow_from is not None and step >= slow_from:
+            row[slow_stage] *= factor
+        out.append(row)
+    return out
+
+
+def _watch(plan: Plan, series: list[list[float]], move_cost_s: float = 0.0) -> list[tuple[int, object]]:
+    """Run a Watch over the series as a run would: each step's measured F + B is the priced compute of the
+    split the stages hold then, times the devices' speeds; it follows its own moves. The (step, proposal) made."""
+    spans = tuple((s.first_node, s.last_node) for s in plan.stages)
+    watch = Watch(Replanner(plan), spans, move_cost_s=move_cost_s)
+    moves = []
+    for step, speeds in enumerate(series):
+        priced = watch.replanner.compute_s(watch.spans, watch.recompute)
+        proposal = watch.observe([c * f for c, f in zip(priced, speeds, strict=True)], steps_left=len(series) - step - 2)
+        if proposal is not None:
+            moves.append((step, proposal))
+            watch.moved(proposal)
+    return moves
+
+
+def test_noise_never_moves_anything(w1_like_plan: Plan) -> None:
+    # +-25 % per stage per step, independently: far noisier than a quiet run, and nothing moves in 40 runs.
+    for seed in range(40):
+        assert _watch(w1_like_plan, _series(w1_like_plan, 36, None, 1.0, 0.25, seed)) == []
+
+
+def test_a_device_slow_from_the_start_is_priced_and_never_moves(w1_like_plan: Plan) -> None:
+    for seed in range(10):
+        assert _watch(w1_like_plan, _series(w1_like_plan, 36, 0, 3.3, 0.1, seed)) == []
+
+
+def test_a_sustained_slowdown_moves_layers_off_the_slow_device(w1_like_plan: Plan) -> None:
+    series = _series(w1_like_plan, 36, 6, 3.3, 0.1, seed=1)
+    moves = _watch(w1_like_plan, series)
+    assert len(moves) == 1
+    step, proposal = moves[0]
+    # 1 warm-up step, 3 calibrating, then 4 sustained slow steps from step 6: decided after step 9.
+    assert step == 9
+    counts = Replanner(w1_like_plan).counts
+    old, new = counts(proposal.old.spans), counts(proposal.new.spans)  # type: ignore[attr-defined]
+    assert new[0] < old[0] and sum(new) == sum(old)
+    assert proposal.cause == 0 and proposal.change[0] == pytest.approx(3.3, rel=0.15)  # type: ignore[attr-defined]
+    assert proposal.gain > 1.15  # type: ignore[attr-defined]
+    # The new split is the best one by brute force over every split, with the measured speeds.
+    replanner = Replanner(w1_like_plan)
+    factors = list(proposal.factors)  # type: ignore[attr-defined]
+    layers = len(w1_like_plan.graph.decoder_indices())
+    from hetero.planner.objective import split_spans
+
+    times = []
+    for first in range(1, layers):
+        spans = tuple(split_spans(len(w1_like_plan.graph.nodes), [first, layers - first],
+                                  w1_like_plan.graph.decoder_indices()))
+        option = replanner.option(spans, None, factors)
+        if option is not None:
+            times.append(option.step_s)
+    assert proposal.new.step_s == pytest.approx(min(times))  # type: ignore[attr-defined]
+
+
+def test_a_move_that_cannot_pay_for_itself_is_not_made(w1_like_plan: Plan) -> None:
+    series = _series(w1_like_plan, 36, 6, 3.3, 0.1, seed=1)
+    # A move that costs a minute never pays back on a step of milliseconds.
+    assert _watch(w1_like_plan, series, move_cost_s=60.0) == []
+    # Nor does one decided when no step would be left after it, however cheap.
+    assert _watch(w1_like_plan, series[:11], move_cost_s=0.01) == []
+    assert len(_watch(w1_like_plan, series[:12], move_cost_s=0.01)) == 1
+
+
+def test_a_device_that_recovers_gets_its_layers_back(w1_like_plan: Plan) -> None:
+    series = _series(w1_like_plan, 40, 6, 3.3, 0.05, seed=2)
+    for row in series[20:]:
+        row[0] /= 3.3
+    moves = _watch(w1_like_plan, series)
+    assert len(moves) == 2
+    counts = Replanner(w1_like_plan).counts
+    assert counts(moves[1][1].new.spans) == counts(moves[0][1].old.spans)  # type: ignore[attr-defined]
+
+
+# -- the move on real stage processes -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return reference_run(tiny_model_dir, tmp_path_factory.mktemp("rebalance"), TRAIN, SEQ_LEN)
+
+
+@pytest.mark.slow
+def test_moving_layers_mid_run_trains_exactly_like_one_process(setup: dict, tiny_model_dir: Path,
+                                                                tiny_spec: ModelSpec) -> None:
+    """3 stages, 1F1B, recomputation on: after step 1 the split goes [2,2,2] -> [1,3,2], after step 3 to [3,2,1]
+    (a checkpoint is due after step 3 as well: that move reuses it); losses and LoRA equal the reference."""
+    from hetero.runtime.run.coordinator import Coordinator, RunOptions
+
+    train = replace(TRAIN, checkpoint_every=4)
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=train, lora=setup["lora"],
+                     seq_len=SEQ_LEN, recompute="full")
+    run_dir = setup["root"] / "run-moves"
+    run_dir.mkdir()
+    plan_path = run_dir / "plan.json"
+    plan.save(plan_path)
+    options = RunOptions(run_dir=run_dir, progress=False, rebalance="off", moves={1: [1, 3, 2], 3: [3, 2, 1]})
+    Coordinator(plan, plan_path, options).run()
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "event" not in r]
+    events = [r for r in rows if "event" in r]
+    assert [r["step"] for r in steps] == list(range(TRAIN.steps))
+    assert [r["split"] for r in steps] == [[2, 2, 2], [2, 2, 2], [1, 3, 2], [1, 3, 2], [3, 2, 1]]
+    assert [(e["after_step"], e["old_split"], e["new_split"]) for e in events] == [
+        (1, [2, 2, 2], [1, 3, 2]), (3, [1, 3, 2], [3, 2, 1])]
+    for r, want in zip(steps, setup["losses"], strict=True):
+        assert r["loss"] == pytest.approx(want, rel=RTOL), f"step {r['step']}: loss {r['loss']} vs reference {want}"
+    trained = load_adapter_state(run_dir / "adapter", setup["lora"])
+    assert set(trained) == set(setup["state"])
+    for key, want in setup["state"].items():
+        assert_close_to_scale(key, trained[key], want, RTOL)
+    # The checkpoint written at step 4 (after the second move) resumes like any other.
+    assert (run_dir / "checkpoints" / "step-000004" / "COMPLETE").is_file()
+    assert torch.is_tensor(next(iter(trained.values())))
+
+
+@pytest.mark.slow
+def test_an_undisturbed_run_never_rebalances(tmp_path: Path) -> None:
+    """W1's model and plan (2 CPU stages x 1 thread, steps of about half a second here), rebalance on (the
+    default), three runs of 16 steps: the watcher calibrates and watches every step, and nothing moves."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from w1_hetero import compile_hetero, run_plan
+    from w1_model import prepare
+
+    steps = 16
+    model_dir, data = prepare(tmp_path, steps)
+    plan, note = compile_hetero(model_dir, data, steps, tmp_path)
+    assert plan is not None, note
+    for attempt in range(3):
+        times, note = run_plan(plan, steps, tmp_path)
+        assert times is not None, note
+        rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [r for r in rows if "event" in r] == [], f"run {attempt} rebalanced"
+        assert {tuple(r["split"]) for r in rows} == {tuple(rows[0]["split"])}
+
+
+def test_a_throttling_gpu_is_named_as_the_cause(w1_like_plan: Plan) -> None:
+    """The coordinator's side (runtime/run/moves.py) on stepdone reports as the stages send them: the move's
+    event names the device, its slowdown and, from the step's NVML telemetry, why."""
+    from types import SimpleNamespace
+
+    from hetero.runtime.run.moves import Mover
+
+    mover = Mover(w1_like_plan, "auto")
+    mover.started({0: 1e-4, 1: 1e-4})  # builds this fast: a move on the tiny model's milliseconds pays
+    priced = Replanner(w1_like_plan).compute_s(tuple((s.first_node, s.last_node) for s in w1_like_plan.stages))
+    hot = {"sm_clock_mhz": 1100, "max_sm_clock_mhz": 1980, "temperature_c": 87, "throttle": ["hw_thermal_slowdown"]}
+    for step in range(36):
+        slow = step >= 6
+        done = {k: SimpleNamespace(meta={"op_time_s": {"F": c / 3 * (3.3 if slow and k == 0 else 1),
+                                                       "B": 2 * c / 3 * (3.3 if slow and k == 0 else 1)},
+                                         "telemetry": hot if slow and k == 0 else None})
+                for k, c in enumerate(priced)}
+        mover.observe(step, done)
+        if mover.pending is not None:
+            break
+    assert mover.pending is not None and mover.pending.after_step == 10
+    cause = mover.pending.event["cause"]
+    assert cause["stage"] == 0 and cause["device"] == w1_like_plan.stages[0].device
+    assert cause["throttle"] == "thermal slowdown at 87 C, SM clock 1100 MHz of 1980"
+    assert "3.30x slower" in cause["reason"] and cause["reason"].endswith("(thermal slowdown at 87 C, SM clock "
+                                                                            "1100 MHz of 1980)")
+    assert mover.pending.event["new_split"][0] < mover.pending.event["old_split"][0]

@@ -5,7 +5,7 @@ Layout under ``out_dir``::
     plan.json
     artifacts/<host>/stage<k>/stage.json      # what stage k loads, receives, sends, runs
     artifacts/<host>/stage<k>/segment.py.txt  # stage k's slice of the traced fx graph, for a person
-    placement.png, schedule.png
+    placement.png, schedule.png               # unless the compile ran out of time (draw_pictures)
 
 stage.json is a convenience view for the host that runs the stage (and for a person): the runtime's
 source of truth stays plan.json, whose input_hash each stage.json repeats.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,14 +32,20 @@ from hetero.specs import BYTES_PER_DTYPE
 from .fxgraph import TracedModel, build_meta_model, trace_model
 
 STAGE_SCHEMA_VERSION = 1
+PICTURES = ("placement.png", "schedule.png")  # what emit draws after the artifacts, in this order
+# Of the 5 s a compile may run past planner.time_limit_s (plus tracing, issue 22), the pictures may start
+# within this many; the rest is for the last picture and the summary.
+PICTURES_ALLOWANCE_S = 3.0
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
-def emit(plan: Plan, out_dir: str | Path, traced: TracedModel | None = None) -> list[Path]:
+def emit(plan: Plan, out_dir: str | Path, traced: TracedModel | None = None,
+         pictures_by: float | None = None) -> list[Path]:
     """Write plan.json, per-stage artifacts and placement/schedule pictures; return the paths written.
 
     ``traced`` is the module `trace_with_module` returned for this plan's model; passing it spares
-    building the meta model a second time (the slowest part of a compile).
+    building the meta model a second time (the slowest part of a compile). ``pictures_by``: a
+    time.perf_counter() deadline past which no picture starts (draw_pictures).
     """
     out = Path(out_dir)
     _check_plan(plan)
@@ -64,13 +71,29 @@ def emit(plan: Plan, out_dir: str | Path, traced: TracedModel | None = None) -> 
         written += [stage_json, segment]
     plan_path = out / "plan.json"
     plan.save(plan_path)
+    return [plan_path, *written, *draw_pictures(plan, out, pictures_by)]
 
-    from .pictures import draw_placement, draw_schedule  # matplotlib only when drawing
 
-    placement, schedule = out / "placement.png", out / "schedule.png"
-    draw_placement(plan, placement)
-    draw_schedule(plan, simulate_plan(plan), schedule)  # the one simulation of the emitted plan
-    return [plan_path, *written, placement, schedule]
+def draw_pictures(plan: Plan, out_dir: str | Path, by: float | None = None) -> list[Path]:
+    """placement.png and schedule.png under ``out_dir``, each only if it would start before ``by`` (a
+    time.perf_counter() deadline; None: always); returns the ones drawn.
+
+    A picture not drawn leaves no older one behind: it would show another plan.
+    """
+    drawn: list[Path] = []
+    for name in PICTURES:
+        path = Path(out_dir) / name
+        path.unlink(missing_ok=True)
+        if by is not None and time.perf_counter() >= by:
+            continue
+        from . import pictures  # matplotlib only when drawing (its import alone takes a second)
+
+        if name == "placement.png":
+            pictures.draw_placement(plan, path)
+        else:
+            pictures.draw_schedule(plan, simulate_plan(plan), path)  # the one simulation of the emitted plan
+        drawn.append(path)
+    return drawn
 
 
 def _check_plan(plan: Plan) -> None:

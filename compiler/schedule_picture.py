@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import matplotlib.pyplot as plt
+from matplotlib.collections import PolyCollection
 from matplotlib.patches import Rectangle
 
 from hetero.compiler.picture_style import (
@@ -112,41 +113,67 @@ _BLOCK_STYLE = {  # kind: (face colour, hatch, text colour)
     "reduce": (REDUCE_COLOUR, "////", "#222222"),
     "STEP": (STEP_COLOUR, "", "white"),
 }
+_X_MARGIN = 1.08  # the x axis runs this far past the step: room for the step's label and short STEPs' names
+_LABEL_PT = 7  # font size of the names in the boxes
 
 
 def draw_gantt(ax: Any, plan: Plan, timeline: Timeline) -> None:
-    """Rows = stages (stage 0 on top): idle background, the blocks, transfers under the rows, the step line."""
+    """Rows = stages (stage 0 on top): idle background, the blocks, transfers under the rows, the step line.
+
+    Boxes of one kind go into one collection: a step of many stages and micro-batches has a thousand of
+    them, and one patch per box took seconds to draw. A box is named only where its name fits inside it.
+    """
     n = len(plan.stages)
     step = timeline.step_time_s
-    for k in range(n):
-        ax.add_patch(Rectangle((0, k - 0.4), step, 0.8, fc=IDLE_COLOUR, ec="none"))
-    min_label_w = step / 90  # about the width of two characters at this figure size
-    for b in schedule_blocks(timeline, _reduce_s(plan)):
-        face, hatch, text = _BLOCK_STYLE[b.kind]
-        if b.kind == "STEP" and b.duration_s < min_label_w:
-            # Too short to see at this scale (ms against a step of seconds): a thin marker ending where
-            # the step does, named beside it with its duration.
-            marker = max(b.duration_s, step / 400)
-            ax.add_patch(Rectangle((b.end_s - marker, b.stage - 0.35), marker, 0.7, fc=face, ec="none"))
-            ax.text(b.end_s + step / 300, b.stage, f"STEP {duration(b.duration_s)}", ha="left",
-                    va="center", fontsize=7, color=STEP_COLOUR)
-            continue
-        ax.add_patch(Rectangle((b.start_s, b.stage - 0.35), b.duration_s, 0.7, fc=face, ec="white", lw=0.6,
-                               hatch=hatch))
-        if b.duration_s > (min_label_w if b.kind in ("F", "B") else (len(b.label) + 2) * min_label_w / 2):
-            ax.text(b.start_s + b.duration_s / 2, b.stage, b.label, ha="center", va="center", fontsize=7,
-                    color=text)
-    for e in timeline.events:
-        if e.op in ("SA", "SG") and e.end_s > e.start_s:
-            # Transfers: a thin bar under the sending stage's row, on the link while in flight.
-            ax.add_patch(Rectangle((e.start_s, e.stage + 0.37), e.end_s - e.start_s, 0.06, fc=SEND_COLOUR,
-                                   ec="none"))
+    _add_boxes(ax, [(0.0, k - 0.4, step, 0.8) for k in range(n)], facecolors=IDLE_COLOUR, edgecolors="none")
+    _draw_blocks(ax, schedule_blocks(timeline, _reduce_s(plan)), step)
+    # Transfers: a thin bar under the sending stage's row, on the link while in flight.
+    _add_boxes(ax, [(e.start_s, e.stage + 0.37, e.end_s - e.start_s, 0.06) for e in timeline.events
+                   if e.op in ("SA", "SG") and e.end_s > e.start_s], facecolors=SEND_COLOUR, edgecolors="none")
     ax.axvline(step, color=WARNING_COLOUR, ls="--", lw=1.2)
     ax.text(step, -0.75, f" step {step:.3g} s", color=WARNING_COLOUR, fontsize=9, va="center")
     ax.set_ylim(n - 0.4, -1.0)
-    ax.set_xlim(0, step * 1.08)
+    ax.set_xlim(0, step * _X_MARGIN)
     for spine in ("top", "right"):
         ax.spines[spine].set_visible(False)
+
+
+def _draw_blocks(ax: Any, blocks: list[Block], step: float) -> None:
+    """The blocks, one collection per kind, each named inside when its name fits; a STEP too short for
+    its name (ms against a step of seconds) is at least a thin marker ending where the step does, named
+    beside it with its duration."""
+    points_per_s = ax.get_position().width * ax.figure.get_figwidth() * 72 / (step * _X_MARGIN)
+    boxes: dict[str, list[tuple[float, float, float, float]]] = {kind: [] for kind in _BLOCK_STYLE}
+    markers: list[tuple[float, float, float, float]] = []
+    for b in blocks:
+        named = _label_fits(b.label, b.duration_s * points_per_s)
+        if b.kind == "STEP" and not named:
+            width = max(b.duration_s, step / 400)
+            markers.append((b.end_s - width, b.stage - 0.35, width, 0.7))
+            ax.text(b.end_s + step / 300, b.stage, f"STEP {duration(b.duration_s)}", ha="left",
+                    va="center", fontsize=_LABEL_PT, color=STEP_COLOUR)
+            continue
+        boxes[b.kind].append((b.start_s, b.stage - 0.35, b.duration_s, 0.7))
+        if named:
+            ax.text(b.start_s + b.duration_s / 2, b.stage, b.label, ha="center", va="center",
+                    fontsize=_LABEL_PT, color=_BLOCK_STYLE[b.kind][2])
+    for kind, rects in boxes.items():
+        face, hatch, _ = _BLOCK_STYLE[kind]
+        _add_boxes(ax, rects, facecolors=face, edgecolors="white", linewidths=0.6, hatch=hatch or None)
+    _add_boxes(ax, markers, facecolors=STEP_COLOUR, edgecolors="none")  # no white edge to hide a thin one
+
+
+def _label_fits(label: str, width_pt: float) -> bool:
+    """Whether ``label`` at the boxes' font size fits inside a box ``width_pt`` points wide (about 0.62 em
+    a character in DejaVu Sans, a point of room each side)."""
+    return len(label) * 0.62 * _LABEL_PT + 2 <= width_pt
+
+
+def _add_boxes(ax: Any, rects: list[tuple[float, float, float, float]], **style: Any) -> None:
+    """``rects`` (x, y, width, height in data units) as one PolyCollection: one artist, one draw call."""
+    if rects:
+        verts = [((x, y), (x, y + h), (x + w, y + h), (x + w, y)) for x, y, w, h in rects]
+        ax.add_collection(PolyCollection(verts, closed=True, **style), autolim=False)
 
 
 def gantt_legend(plan: Plan) -> tuple[list[Any], list[str]]:

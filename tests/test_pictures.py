@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import colorsys
+import time
 from dataclasses import replace
 
 import matplotlib.pyplot as plt
@@ -40,6 +41,20 @@ from hetero.program import parse_program
 
 def _texts(fig) -> str:
     return "\n".join(t.get_text() for ax in fig.axes for t in ax.texts) + "\n" + fig.axes[0].get_title()
+
+
+def _boxes(ax, colour: str) -> list[tuple[float, float, float, float]]:
+    """(left, right, bottom, top) of every box drawn in ``colour``: a patch, or a rectangle of a collection
+    (the Gantt draws its boxes as one collection per kind)."""
+    boxes = [(p.get_x(), p.get_x() + p.get_width(), p.get_y(), p.get_y() + p.get_height()) for p in ax.patches
+             if isinstance(p, Rectangle) and to_hex(p.get_facecolor()) == colour.lower()]
+    for collection in ax.collections:
+        faces = collection.get_facecolor()
+        if len(faces) and to_hex(faces[0]) == colour.lower():
+            for path in collection.get_paths():
+                xs, ys = path.vertices[:, 0], path.vertices[:, 1]
+                boxes.append((xs.min(), xs.max(), ys.min(), ys.max()))
+    return boxes
 
 
 @pytest.fixture
@@ -91,11 +106,9 @@ def test_schedule_draws_every_event_from_the_timeline(plan):
     plan = replace(plan, stages=plan.stages[:2])
     fig = schedule_figure(plan, timeline)
     ax = fig.axes[0]
-    boxes = [p for p in ax.patches if isinstance(p, Rectangle)]
-    forward = [p for p in boxes if to_hex(p.get_facecolor()) == FORWARD_COLOUR.lower()]
-    backward = [p for p in boxes if to_hex(p.get_facecolor()) == BACKWARD_COLOUR.lower()]
+    forward, backward = _boxes(ax, FORWARD_COLOUR), _boxes(ax, BACKWARD_COLOUR)
     assert len(forward) == 6 and len(backward) == 6
-    assert sorted(round(p.get_x(), 6) for p in backward) == sorted(
+    assert sorted(round(b[0], 6) for b in backward) == sorted(
         round(e.start_s, 6) for e in events if e.op == "B"
     )
     labels = {t.get_text() for t in ax.texts}
@@ -114,6 +127,54 @@ def test_draw_functions_write_pngs(tmp_path):
     assert simulated == tmp_path / "sub" / "simulate.png"
     for path in (placement, schedule, simulated):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
+
+
+def test_gantt_names_a_box_only_where_the_name_fits(plan):
+    """Forward boxes ever wider, then wide backwards: the narrow ones go unnamed (a name would spill over its
+    neighbours), the wide ones are named, and every name drawn lies inside its box as rendered. However
+    many boxes, they are a few collections (one patch each took seconds on a 20-GPU plan)."""
+    events, t = [], 0.0
+    for mb in range(12):
+        events.append(Event(0, "F", mb, t, t + 0.005 * (mb + 1)))
+        t += 0.005 * (mb + 1)
+    events += [Event(0, "B", mb, 0.5 + 0.2 * mb, 0.7 + 0.2 * mb) for mb in range(4)]
+    timeline = Timeline(events, step_time_s=1.3, busy_fraction=[0.9], bubble_fraction=0.1)
+    fig = schedule_figure(replace(plan, stages=plan.stages[:1]), timeline)
+    ax = fig.axes[0]
+    named = {t.get_text(): t for t in ax.texts if t.get_text()[:1] in ("F", "B") and t.get_text()[1:].isdigit()}
+    assert {"B0", "B1", "B2", "B3", "F11"} <= set(named) and not {"F0", "F1", "F2"} & set(named)
+    renderer = fig.canvas.get_renderer()
+    boxes = {e.op + str(e.mb): (e.start_s, e.end_s) for e in events}
+    for label, text in named.items():
+        drawn = text.get_window_extent(renderer)
+        left, right = ax.transData.transform([(boxes[label][0], 0), (boxes[label][1], 0)])[:, 0]
+        assert left <= drawn.x0 and drawn.x1 <= right, f"{label} spills out of its box"
+    assert len(_boxes(ax, FORWARD_COLOUR)) == 12 and len(ax.patches) + len(ax.collections) <= 6
+    plt.close(fig)
+
+
+def test_pictures_past_their_deadline_are_left_out_and_drawn_later(tmp_path, capsys):
+    """A compile out of time draws no picture, leaves no older one behind, names them and the command that
+    draws them; `hetero show --pictures` draws them from plan.json."""
+    from hetero.cli import main
+    from hetero.cli.plan_commands import skipped_pictures_line
+    from hetero.compiler.emit import PICTURES, draw_pictures
+
+    plan = tiny_plan()
+    plan_json = tmp_path / "plan.json"
+    plan.save(plan_json)
+    for name in PICTURES:
+        (tmp_path / name).write_bytes(b"another plan's picture")
+    assert draw_pictures(plan, tmp_path, by=time.perf_counter()) == []
+    assert not any((tmp_path / name).exists() for name in PICTURES)
+    line = skipped_pictures_line(plan_json, [plan_json], 2.0)
+    assert "planner.time_limit_s=2" in line and "placement.png, schedule.png" in line
+    assert line.endswith(f"draw them with: hetero show {plan_json} --pictures")
+    assert main(["show", str(plan_json), "--no-gantt", "--pictures"]) == 0
+    out = capsys.readouterr().out
+    for name in PICTURES:
+        assert f"wrote {tmp_path / name}" in out and (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    assert skipped_pictures_line(plan_json, [plan_json, *(tmp_path / name for name in PICTURES)], 2.0) is None
 
 
 def _distance(a: str, b: str) -> float:
@@ -189,9 +250,8 @@ def test_step_blocks_follow_the_barrier_and_end_the_step(plan):
 
     fig = schedule_figure(plan, timeline)
     ax = fig.axes[0]
-    step_boxes = [p for p in ax.patches if to_hex(p.get_facecolor()) == STEP_COLOUR.lower()]
-    assert sorted(round(p.get_x() + p.get_width(), 9) for p in step_boxes) == sorted(
-        round(b.end_s, 9) for b in steps.values())
+    step_boxes = _boxes(ax, STEP_COLOUR)
+    assert sorted(round(b[1], 9) for b in step_boxes) == sorted(round(b.end_s, 9) for b in steps.values())
     assert sum(t.get_text().startswith("STEP") for t in ax.texts) == len(plan.stages)
     assert any(t.get_text() == "STEP: gradient-norm sync + optimizer" for t in ax.get_legend().get_texts())
     plt.close(fig)
@@ -216,8 +276,8 @@ def test_replicas_sum_gradients_before_a_zero_length_step(plan):
     fig = schedule_figure(plan, timeline)
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.texts].count("STEP 0 s") == 2
-    markers = [p for p in ax.patches if to_hex(p.get_facecolor()) == STEP_COLOUR.lower()]
-    assert len(markers) == 2 and all(p.get_x() + p.get_width() == pytest.approx(1.25) for p in markers)
+    markers = _boxes(ax, STEP_COLOUR)
+    assert len(markers) == 2 and all(m[1] == pytest.approx(1.25) for m in markers)
     assert "sum gradients across replicas" in [t.get_text() for t in ax.get_legend().get_texts()]
     plt.close(fig)
 

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("plan", type=Path, help="path to plan.json")
     show.add_argument("--no-gantt", action="store_true", help="skip the simulated schedule")
     show.add_argument("--width", type=int, default=72, help="Gantt width in characters (default 72)")
+    show.add_argument("--pictures", action="store_true",
+                      help="(re)draw placement.png and schedule.png next to plan.json (a compile that ran out of "
+                           "time leaves them out)")
     with_config(sub.add_parser(
         "profile", help="measure every device and link of a fleet for a model: hetero profile hardware=F model=M "
         "[output=profile.json]", epilog=choices_help(commands=False),
@@ -141,7 +144,7 @@ def _dispatch(argv: list[str]) -> int:
         return cmd_simulate(args.plan, width=args.width, replan=not args.no_replan, picture=args.picture,
                             run_dir=args.run)
     if args.command == "show":
-        return cmd_show(args.plan, gantt=not args.no_gantt, width=args.width)
+        return cmd_show(args.plan, gantt=not args.no_gantt, width=args.width, pictures=args.pictures)
     if args.command == "keys":
         return cmd_keys(args.plan, args.mode)
     raise AssertionError(args.command)  # argparse rejects anything else

@@ -31,7 +31,7 @@ def compile_config(cfg: Config, say: Callable[[str], None],
     need the chosen stages' hosts and are written next to the artifacts. ``started`` (time.perf_counter()
     when the compile began): the pictures start only within planner.time_limit_s plus tracing plus
     emit.PICTURES_ALLOWANCE_S of it; None draws them always."""
-    tracing = time.perf_counter()  # tracing (torch's import with it) is outside planner.time_limit_s
+    trace_started = time.perf_counter()  # tracing (torch's import with it) is outside planner.time_limit_s
     from hetero.compiler.emit import PICTURES_ALLOWANCE_S, emit
     from hetero.compiler.trace import trace_with_module
     from hetero.planner import plan as make_plan
@@ -40,14 +40,14 @@ def compile_config(cfg: Config, say: Callable[[str], None],
     warnings_log.log_to(Path(cfg.output) / "warnings.log")  # library warnings: the plan's dir, not the terminal
     say(f"tracing {cfg.model.name} on the meta device")
     graph, traced = trace_with_module(cfg.model)
-    tracing = time.perf_counter() - tracing
+    tracing_s = time.perf_counter() - trace_started
     say(f"planning {len(graph.nodes)} nodes on {len(cfg.cluster.devices)} devices "
         f"(solver limit {cfg.planner.time_limit_s:.0f} s)")
     planned = make_plan(cfg.model, graph, cfg.cluster, cfg.train, cfg.data, cfg.planner,
                         cost_model=profile_cost_model(cfg), evaluation=cfg.eval, config=cfg.raw)
     say(f"writing plan and artifacts to {cfg.output}")
     plan = replace(planned, security=generate(cfg.security, [s.host for s in planned.stages], Path(cfg.output)))
-    by = None if started is None else started + tracing + cfg.planner.time_limit_s + PICTURES_ALLOWANCE_S
+    by = None if started is None else started + tracing_s + cfg.planner.time_limit_s + PICTURES_ALLOWANCE_S
     return plan, emit(plan, cfg.output, traced, pictures_by=by)
 
 

@@ -41,8 +41,9 @@ def cmd_keys(plan_path: Path, mode: str | None) -> int:
     return 0
 
 
-def cmd_show(plan_path: Path, gantt: bool = True, width: int = 72) -> int:
-    """Print a plan and (unless disabled) the Gantt of its simulated schedule."""
+def cmd_show(plan_path: Path, gantt: bool = True, width: int = 72, pictures: bool = False) -> int:
+    """Print a plan and (unless disabled) the Gantt of its simulated schedule; ``pictures``: also draw
+    placement.png and schedule.png next to plan.json, as `hetero compile` does."""
     from hetero.cli.show import print_plan
     from hetero.plan import Plan
 
@@ -52,8 +53,26 @@ def cmd_show(plan_path: Path, gantt: bool = True, width: int = 72) -> int:
         from hetero.planner.simulator import simulate_plan  # the planner only when there is a Gantt to draw
 
         timeline = simulate_plan(plan)
-    print_plan(plan, console(), timeline, gantt_width=width)
+    out = console()
+    print_plan(plan, out, timeline, gantt_width=width)
+    if pictures:
+        from hetero.compiler.emit import draw_pictures
+
+        for path in draw_pictures(plan, plan_path.parent):
+            out.print(f"wrote {path}", highlight=False)
     return 0
+
+
+def skipped_pictures_line(plan_json: Path, written: list[Path], time_limit_s: float) -> str | None:
+    """The line a compile prints when it left pictures out to keep to its time limit: which, and how to
+    draw them; None when it drew them all."""
+    from hetero.compiler.emit import PICTURES, PICTURES_ALLOWANCE_S
+
+    skipped = [name for name in PICTURES if plan_json.parent / name not in written]
+    if not skipped:
+        return None
+    return (f"not drawn, to keep to planner.time_limit_s={time_limit_s:g} (+{PICTURES_ALLOWANCE_S:g} s for "
+            f"pictures, tracing aside): {', '.join(skipped)}; draw them with: hetero show {plan_json} --pictures")
 
 
 def run_versus_plan(plan: Plan, run_dir: Path) -> list[str]:

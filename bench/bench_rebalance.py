@@ -29,6 +29,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 STEPS, SLOW_AFTER, QUOTA, TAIL = 36, 6, 0.30, 8
+SLOW_DEVICE = "localhost.cpu0"  # the device that slows down: stage 0 of W1's plan (the fresh plan may order it last)
 CPU_TFLOPS, CPU_BANDWIDTH = 0.112, 51.2  # hardware_specs/cpu.yaml's datasheet numbers, scaled for `fresh`
 
 
@@ -88,10 +89,17 @@ def _stage_pid(run_dir: Path, k: int) -> int | None:
         return None
 
 
+def slow_stage(plan: Path) -> int:
+    """The stage of ``plan`` that runs on SLOW_DEVICE."""
+    return next(s["index"] for s in json.loads(plan.read_text())["stages"] if s["device"] == SLOW_DEVICE)
+
+
 def run_slowed(plan: Path, work: Path, name: str, rebalance: str) -> dict[str, Any]:
-    """`hetero run` of ``plan``, stage 0 throttled once step SLOW_AFTER is done; step times, losses, moves."""
+    """`hetero run` of ``plan``, SLOW_DEVICE's stage throttled once step SLOW_AFTER is done; step times, losses,
+    moves."""
     from w1_hetero import hetero_cmd
 
+    slow = slow_stage(plan)
     run_dir = work / f"run-{name}"
     cmd = hetero_cmd() + ["run", str(plan), "--run-dir", str(run_dir), "--no-progress", f"runtime.rebalance={rebalance}"]
     throttle = Throttle(f"hetero-w5-{os.getpid()}-{name}", QUOTA)
@@ -102,7 +110,7 @@ def run_slowed(plan: Path, work: Path, name: str, rebalance: str) -> dict[str, A
         deadline = time.monotonic() + 1800
         while proc.poll() is None and time.monotonic() < deadline:
             steps = [r for r in _rows(run_dir / "metrics.jsonl") if "event" not in r]
-            if slowed_at is None and len(steps) > SLOW_AFTER and (pid := _stage_pid(run_dir, 0)) is not None:
+            if slowed_at is None and len(steps) > SLOW_AFTER and (pid := _stage_pid(run_dir, slow)) is not None:
                 throttle.add(pid)
                 slowed_at = len(steps) - 1
             time.sleep(0.05)
@@ -120,13 +128,15 @@ def run_slowed(plan: Path, work: Path, name: str, rebalance: str) -> dict[str, A
     times = [float(r["step_time_s"]) for r in steps]
     return {"name": name, "times": times, "losses": [float(r["loss"]) for r in steps], "slowed_after": slowed_at,
             "tail_s": statistics.median(times[-TAIL:]), "moves": [r for r in rows if r.get("event") == "rebalance"],
-            "stage_ops": [r["stage_ops"] for r in steps], "split": steps[-1].get("split")}
+            "stage_ops": [r["stage_ops"] for r in steps], "split": steps[-1].get("split"), "slow_stage": slow}
 
 
 def measured_slowdown(run: dict[str, Any]) -> float:
-    """Stage 0's F + B per step at the end of a run against before its slowdown (steps 2..SLOW_AFTER)."""
+    """The slowed stage's F + B per step at the end of a run against before its slowdown (steps 2..SLOW_AFTER)."""
+    k = run["slow_stage"]
+
     def compute(ops: list[dict[str, float]]) -> float:
-        return float(ops[0].get("F", 0.0) + ops[0].get("B", 0.0))
+        return float(ops[k].get("F", 0.0) + ops[k].get("B", 0.0))
 
     before = statistics.median(compute(o) for o in run["stage_ops"][2:SLOW_AFTER + 1])
     after = statistics.median(compute(o) for o in run["stage_ops"][-TAIL:])
@@ -170,11 +180,13 @@ def run_w5(work: Path, log: Any = print) -> dict[str, Any]:
     slowdown = measured_slowdown(runs["off"])
     fresh = fresh_plan(model_dir, data, work, slowdown)
     runs["fresh"] = run_slowed(fresh, work, "fresh", "off")
-    log(f"fresh (split {plan_split(fresh)} for a {slowdown:.2f}x slower stage 0): last {TAIL} steps median "
+    log(f"fresh (split {plan_split(fresh)}, {SLOW_DEVICE} as stage {slow_stage(fresh)}, for it {slowdown:.2f}x "
+        f"slower): last {TAIL} steps median "
         f"{runs['fresh']['tail_s']:.3f} s")
     diff = max(abs(a - b) for r in ("auto", "fresh") for a, b in zip(runs["off"]["losses"], runs[r]["losses"],
                                                                       strict=True))
     return {"plan_split": plan_split(plan), "fresh_split": plan_split(fresh), "slowdown": slowdown,
+            "fresh_slow_stage": slow_stage(fresh),
             "runs": {k: {key: v for key, v in r.items() if key != "stage_ops"} for k, r in runs.items()},
             "auto_over_off": runs["off"]["tail_s"] / runs["auto"]["tail_s"],
             "auto_over_fresh": runs["fresh"]["tail_s"] / runs["auto"]["tail_s"], "max_loss_diff": diff}
@@ -183,13 +195,14 @@ def run_w5(work: Path, log: Any = print) -> dict[str, Any]:
 def lines(result: dict[str, Any]) -> list[str]:
     """The W5 table a person reads (markdown)."""
     runs = result["runs"]
-    out = [f"W5: {STEPS} steps, stage 0 limited to {QUOTA:.0%} of a core after step {SLOW_AFTER} "
-           f"(measured {result['slowdown']:.2f}x slower); plan split {result['plan_split']}", "",
+    out = [f"W5: {STEPS} steps, {SLOW_DEVICE}'s stage limited to {QUOTA:.0%} of a core after step {SLOW_AFTER} "
+           f"(measured {result['slowdown']:.2f}x slower); plan split {result['plan_split']}; the fresh plan puts "
+           f"{SLOW_DEVICE} at stage {result['fresh_slow_stage']}", "",
            "| run | split at the end | median of the last 8 steps (s) | moves |", "|---|---|---|---|"]
     for name in ("off", "auto", "fresh"):
         r = runs[name]
         moves = "; ".join(f"after step {m['after_step']}: {m['old_split']} -> {m['new_split']} (predicted "
-                          f"{m['predicted_gain']:.2f}x)" for m in r["moves"]) or "none"
+                          f"{m['predicted_gain']:.2f}x, moved in {m['move_s']:.2f} s)" for m in r["moves"]) or "none"
         out.append(f"| {name} | {r['split']} | {r['tail_s']:.3f} | {moves} |")
     out += ["", f"auto / off: **{result['auto_over_off']:.2f}x** faster (target >= 1.4); auto / fresh plan: "
             f"{result['auto_over_fresh']:.2f}x; largest per-step loss difference between the runs: "

@@ -191,7 +191,9 @@ class Watch:
     """Per step, the stages' measured compute; proposes a move when a device's speed changed for good.
 
     ``skip`` steps after the start and after each move are left out (they build and warm up), the next
-    ``calibrate`` give each stage's reference factor; a change beyond ``drift`` (either way) in each of the
+    ``calibrate`` give each stage's reference factor (after a move, once calibrated, the split is re-planned
+    on those speeds: a move decided on a few noisy steps gets one correction); a change beyond ``drift``
+    (either way) in each of the
     last ``sustain`` steps, on the same stage, asks the replanner; a split predicted ``min_gain`` faster is
     proposed, else the measured factors become the reference (re-validated: nothing to move). A move must
     also pay for itself: the predicted seconds saved per step times the steps left exceed twice
@@ -209,6 +211,7 @@ class Watch:
     move_cost_s: float = 1.0
     history: list[list[float]] = field(default_factory=list)  # factors of the steps since the last (re)start
     reference: list[float] | None = None
+    last_move: Proposal | None = None  # the move just made, checked once on the speeds measured after it
 
     def observe(self, measured_s: list[float], steps_left: int) -> Proposal | None:
         """One step's per-stage F + B seconds, and the steps the run has left after the next one (when a
@@ -218,6 +221,7 @@ class Watch:
         if self.reference is None:
             if len(seen) >= self.calibrate:
                 self.reference = _medians(seen[-self.calibrate:])
+                return self._verify(steps_left)
             return None
         if len(seen) < self.sustain:
             return None
@@ -226,11 +230,26 @@ class Watch:
         if cause is None:
             return None
         factors = _medians(recent)
-        proposal = self._propose(factors, cause)
-        if proposal is not None and (proposal.old.step_s - proposal.new.step_s) * steps_left < 2 * self.move_cost_s:
-            proposal = None  # it would not pay for itself before the run ends
+        proposal = self._paying(self._propose(factors, cause), steps_left)
+        if proposal is None:
             self.reference = factors  # the split is still the best at these speeds
             self.history = self.history[:self.skip]  # and the next verdict needs `sustain` new steps
+        return proposal
+
+    def _verify(self, steps_left: int) -> Proposal | None:
+        """Just calibrated after a move: the move was planned on a few noisy steps, so re-plan once on the
+        speeds measured on the new split; a clearly better split (min_gain, paying) corrects it."""
+        last, self.last_move = self.last_move, None
+        if last is None or self.reference is None:
+            return None
+        return self._paying(self._propose(self.reference, last.cause, base=list(last.factors),
+                                          why="measured on its new split, the last move's re-plan was off"),
+                            steps_left)
+
+    def _paying(self, proposal: Proposal | None, steps_left: int) -> Proposal | None:
+        """``proposal`` if the seconds it saves before the run ends exceed twice a move's cost, else None."""
+        if proposal is None or (proposal.old.step_s - proposal.new.step_s) * steps_left < 2 * self.move_cost_s:
+            return None
         return proposal
 
     def _drifted(self, recent: list[list[float]]) -> int | None:
@@ -245,25 +264,29 @@ class Watch:
                 worst, cause = size, k
         return cause
 
-    def _propose(self, factors: list[float], cause: int) -> Proposal | None:
+    def _propose(self, factors: list[float], cause: int, base: list[float] | None = None,
+                 why: str | None = None) -> Proposal | None:
+        """The best split at ``factors`` if it beats the current one by ``min_gain`` (``base``: the factors the
+        current split was planned for, default the reference; ``why``: the reason's first words)."""
         old = self.replanner.option(self.spans, self.recompute, factors)
         new = self.replanner.best(factors)
         if old is None or new is None or new.spans == self.spans or old.step_s < new.step_s * self.min_gain:
             return None
-        assert self.reference is not None
-        change = tuple(f / r for f, r in zip(factors, self.reference, strict=True))
+        base = base or self.reference
+        assert base is not None
+        change = tuple(f / r for f, r in zip(factors, base, strict=True))
         device = self.replanner.plan.stages[cause].device
         how = "slower" if change[cause] > 1 else "faster"
         ratio = change[cause] if change[cause] > 1 else 1 / change[cause]
-        reason = (f"stage {cause} ({device}) runs {ratio:.2f}x {how} than when its split was planned; split "
-                  f"{self.replanner.counts(self.spans)} -> {self.replanner.counts(new.spans)} decoder layers, "
-                  f"predicted {old.step_s:.3g} -> {new.step_s:.3g} s/step")
+        why = why or f"stage {cause} ({device}) runs {ratio:.2f}x {how} than when its split was planned"
+        reason = (f"{why}; split {self.replanner.counts(self.spans)} -> {self.replanner.counts(new.spans)} decoder "
+                  f"layers, predicted {old.step_s:.3g} -> {new.step_s:.3g} s/step")
         return Proposal(old, new, tuple(factors), change, cause, reason)
 
     def moved(self, proposal: Proposal) -> None:
         """The stages now hold ``proposal.new``: watch that split, calibrating afresh."""
         self.spans, self.recompute = proposal.new.spans, proposal.new.recompute
-        self.history, self.reference = [], None
+        self.history, self.reference, self.last_move = [], None, proposal
 
     def restart(self, spans: Spans, recompute: tuple[int, ...] | None) -> None:
         """The stages hold ``spans`` now (a move the watcher did not propose): watch them, calibrating afresh."""

@@ -126,6 +126,22 @@ def test_a_device_that_recovers_gets_its_layers_back(w1_like_plan: Plan) -> None
     assert counts(moves[1][1].new.spans) == counts(moves[0][1].old.spans)  # type: ignore[attr-defined]
 
 
+def test_a_move_planned_on_disturbed_steps_is_corrected_once(w1_like_plan: Plan) -> None:
+    """While stage 0's device slows down for good, stage 1's is briefly slowed too (a neighbour's burst): the
+    move planned on those steps moves too little. Calibrated on its new split, the watcher re-plans once
+    and moves on to the split that is best for the real speeds."""
+    series = _series(w1_like_plan, 40, 6, 3.3, 0.0, seed=0)
+    for row in series[6:10]:
+        row[1] *= 1.5
+    moves = _watch(w1_like_plan, series)
+    assert len(moves) == 2
+    replanner = Replanner(w1_like_plan)
+    first, second = moves[0][1], moves[1][1]
+    assert second.reason.startswith("measured on its new split")  # type: ignore[attr-defined]
+    assert second.new.spans == replanner.best([3.3, 1.0]).spans  # type: ignore[attr-defined, union-attr]
+    assert first.new.spans != second.new.spans  # type: ignore[attr-defined]
+
+
 # -- the move on real stage processes -------------------------------------------------------------------
 
 

@@ -139,7 +139,7 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
 
 def compile_without_writing(argv: list[str]) -> tuple[int, str]:
     """`hetero compile argv` up to the plan (emit stubbed: no artifacts or pictures to draw per example)."""
-    with mock.patch("hetero.compiler.emit.emit", lambda plan, out, traced=None: []):
+    with mock.patch("hetero.compiler.emit.emit", lambda plan, out, traced=None, **_: []):
         code, _, err = run_cli(["compile", *argv])
     return code, err
 

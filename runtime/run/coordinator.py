@@ -460,7 +460,8 @@ class Coordinator:
         self.mailbox.bounds = {name: self.options.load_timeout_s for name in self.names}  # they rebuild
         self.plan, event = self.mover.carry_out(
             step, payloads, lambda kind, s: self._gather(kind, s, timeout),
-            lambda k, tensors, meta: self.transport.send(self.names[k], "state", tensors=tensors, meta=meta))
+            lambda k, tensors, meta: self.transport.send(self.names[k], "state", tensors=tensors, meta=meta),
+            lambda payloads: self.records.write_checkpoint(step + 1, payloads))
         self.records.event(event)
         log.info("rebalanced after step %d: %s", step, event["cause"]["reason"])
 

@@ -114,13 +114,17 @@ class Mover:
         return self.sent is not None and self.sent.after_step == step
 
     def carry_out(self, step: int, payloads: dict[int, Any] | None, gather: Callable[[str, int], dict[int, Any]],
-                  send_state: Callable[[int, dict[str, Any], dict[str, Any]], None]) -> tuple[Plan, dict[str, Any]]:
-        """Steps 2-3 of the module docstring: the stages' states (``payloads`` if a checkpoint just brought them),
-        their ``start`` from the new spans, each its new layers' state; the plan and event line after the move."""
+                  send_state: Callable[[int, dict[str, Any], dict[str, Any]], None],
+                  save: Callable[[dict[int, Any]], Any]) -> tuple[Plan, dict[str, Any]]:
+        """Steps 2-3 of the module docstring: the stages' states (``payloads`` if a checkpoint just brought them;
+        else gathered and ``save``d as one, so a move that fails half-way loses nothing), their ``start`` from the
+        new spans, each its new layers' state; the plan and event line after the move."""
         from hetero.runtime.run.checkpoint import merge_payloads, select_payload
 
         clock = timed()
-        payloads = payloads or gather("checkpoint", step)
+        if payloads is None:
+            payloads = gather("checkpoint", step)
+            save(payloads)
         state = merge_payloads([(m.tensors, m.meta) for _, m in sorted(payloads.items())],
                                f"the stages' states after step {step} disagree on the step")
         for k, msg in sorted(gather("start", 0).items()):

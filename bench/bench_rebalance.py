@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hetero.runtime.tools.run_compare import event_lines, read_metrics, step_lines
+from hetero.runtime.tools.run_segments import compute_s
+
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
@@ -71,6 +74,7 @@ class Throttle:
 
 
 def _rows(metrics: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's lines so far (it is being written: a line cut short is left for the next look)."""
     if not metrics.is_file():
         return []
     out = []
@@ -109,7 +113,7 @@ def run_slowed(plan: Path, work: Path, name: str, rebalance: str) -> dict[str, A
     try:
         deadline = time.monotonic() + 1800
         while proc.poll() is None and time.monotonic() < deadline:
-            steps = [r for r in _rows(run_dir / "metrics.jsonl") if "event" not in r]
+            steps = step_lines(_rows(run_dir / "metrics.jsonl"))
             if slowed_at is None and len(steps) > SLOW_AFTER and (pid := _stage_pid(run_dir, slow)) is not None:
                 throttle.add(pid)
                 slowed_at = len(steps) - 1
@@ -120,14 +124,14 @@ def run_slowed(plan: Path, work: Path, name: str, rebalance: str) -> dict[str, A
     finally:
         throttle.close()
         log.close()
-    rows = _rows(run_dir / "metrics.jsonl")
-    steps = [r for r in rows if "event" not in r]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    steps = step_lines(rows)
     if proc.returncode != 0 or len(steps) != STEPS:
         tail = (work / f"{name}.log").read_text().strip().splitlines()[-1:] or ["?"]
         raise RuntimeError(f"{name}: `hetero run` exit {proc.returncode}, {len(steps)} steps: {tail[0]}")
     times = [float(r["step_time_s"]) for r in steps]
     return {"name": name, "times": times, "losses": [float(r["loss"]) for r in steps], "slowed_after": slowed_at,
-            "tail_s": statistics.median(times[-TAIL:]), "moves": [r for r in rows if r.get("event") == "rebalance"],
+            "tail_s": statistics.median(times[-TAIL:]), "moves": event_lines(rows),
             "stage_ops": [r["stage_ops"] for r in steps], "split": steps[-1].get("split"), "slow_stage": slow}
 
 
@@ -135,11 +139,8 @@ def measured_slowdown(run: dict[str, Any]) -> float:
     """The slowed stage's F + B per step at the end of a run against before its slowdown (steps 2..SLOW_AFTER)."""
     k = run["slow_stage"]
 
-    def compute(ops: list[dict[str, float]]) -> float:
-        return float(ops[k].get("F", 0.0) + ops[k].get("B", 0.0))
-
-    before = statistics.median(compute(o) for o in run["stage_ops"][2:SLOW_AFTER + 1])
-    after = statistics.median(compute(o) for o in run["stage_ops"][-TAIL:])
+    before = statistics.median(compute_s(o[k]) for o in run["stage_ops"][2:SLOW_AFTER + 1])
+    after = statistics.median(compute_s(o[k]) for o in run["stage_ops"][-TAIL:])
     return after / before
 
 

@@ -11,7 +11,7 @@ from hetero.errors import ConfigError, InfeasiblePlanError
 from hetero.graph import LayerGraph
 from hetero.plan import Baseline, Plan, Prediction, ReplicaPlan, SolverReport, StagePlan, compute_input_hash
 from hetero.planner.baselines import baseline_evaluations, candidate_placements, predict
-from hetero.planner.cost import CostTable, build_cost_table
+from hetero.planner.cost import CostTable, build_cost_table, training_fleet
 from hetero.planner.cost_model import CostModel, RooflineCostModel, compute_dtype
 from hetero.planner.deadline import share_of
 from hetero.planner.feasibility import check_single_nodes, explain_infeasible
@@ -145,14 +145,6 @@ def _simulated_best(table: CostTable, ev: Evaluation, prediction: Prediction,
                        f"placement simulates faster ({pred.step_time_s:.3g} s) and is the one planned.")
 
 
-def _training_fleet(cluster: ClusterSpec, evaluation: EvalSpec) -> ClusterSpec:
-    """The fleet less the evaluation device, which evaluates held-out data and does not train."""
-    if evaluation.device is None:
-        return cluster
-    return replace(cluster, hosts=[replace(h, devices=[d for d in h.devices if d.name != evaluation.device])
-                                   for h in cluster.hosts])
-
-
 def _place(table: CostTable, graph: LayerGraph, model: ModelSpec, options: PlannerOptions,
            deadline: float | None = None) -> tuple[Evaluation, SolverReport]:
     """The manual split when planner.split/devices are given, else the solver's placement (or why none fits),
@@ -262,7 +254,7 @@ def plan(
     cost_model = cost_model or RooflineCostModel(efficiency=options.efficiency)
     evaluation = evaluation or EvalSpec()
     deadline = time.perf_counter() + options.time_limit_s  # the whole plan's, once: every search ends by it
-    table = build_cost_table(graph, model, _training_fleet(cluster, evaluation), train, options, cost_model)
+    table = build_cost_table(graph, model, training_fleet(cluster, evaluation.device), train, options, cost_model)
     ev, solver = _place(table, graph, model, options, deadline)
     pairs = baseline_evaluations(table, graph.decoder_indices())
     chosen, prediction, solver, notes = _choose(table, options, ev, solver, pairs, deadline)

@@ -330,6 +330,14 @@ def _link_costs(cluster: ClusterSpec, cost_model: CostModel, hosts: list[str],
     return _LinkCosts(link, sends, recvs, sync, reduce)
 
 
+def training_fleet(cluster: ClusterSpec, eval_device: str | None) -> ClusterSpec:
+    """The fleet less the evaluation device, which evaluates held-out data and does not train."""
+    if eval_device is None:
+        return cluster
+    return dataclasses.replace(cluster, hosts=[dataclasses.replace(h, devices=[d for d in h.devices if d.name != eval_device])
+                                               for h in cluster.hosts])
+
+
 def build_cost_table(
     graph: LayerGraph,
     model: ModelSpec,

@@ -30,21 +30,12 @@ from math import comb
 
 from hetero.plan import Plan
 from hetero.planner.baselines import predict
-from hetero.planner.cost import CostTable, build_cost_table
+from hetero.planner.cost import CostTable, build_cost_table, training_fleet
 from hetero.planner.cost_model import CostModel, RooflineCostModel
 from hetero.planner.objective import Evaluation, Placement, evaluate, split_spans
-from hetero.specs import ClusterSpec, EvalSpec
 
 ENUMERATE_LIMIT = 3000  # splits of one device order scored one by one; above, the split DP's and neighbours
 Spans = tuple[tuple[int, int], ...]
-
-
-def _training_fleet(cluster: ClusterSpec, evaluation: EvalSpec) -> ClusterSpec:
-    """The fleet less the evaluation device (as planner.plan builds its table)."""
-    if evaluation.device is None:
-        return cluster
-    return replace(cluster, hosts=[replace(h, devices=[d for d in h.devices if d.name != evaluation.device])
-                                   for h in cluster.hosts])
 
 
 def scaled_table(table: CostTable, factors: dict[int, float]) -> CostTable:
@@ -65,6 +56,7 @@ class Option:
     recompute: tuple[int, ...]  # per stage: recomputing decoder layers (its first ones)
     step_s: float  # simulated step time
     stage_compute_s: tuple[float, ...]  # per stage: F + B seconds per step
+    evaluation: Evaluation = field(compare=False, repr=False)
 
 
 class Replanner:
@@ -73,7 +65,7 @@ class Replanner:
     def __init__(self, plan: Plan, cost_model: CostModel | None = None) -> None:
         self.plan = plan
         cost_model = cost_model or RooflineCostModel(efficiency=plan.planner.efficiency)
-        self.table = build_cost_table(plan.graph, plan.model, _training_fleet(plan.cluster, plan.eval), plan.train,
+        self.table = build_cost_table(plan.graph, plan.model, training_fleet(plan.cluster, plan.eval.device), plan.train,
                                       plan.planner, cost_model)
         names = [d.name for d in self.table.devices]
         self.devices = tuple(names.index(s.device) for s in plan.stages)
@@ -110,7 +102,7 @@ class Replanner:
         m = table.num_micro_batches
         step = predict(table, ev)[0].step_time_s
         return Option(ev.placement.spans, tuple(ev.recompute), step,
-                      tuple(m * (f + b) for f, b in zip(ev.fwd_s, ev.bwd_s, strict=True)))
+                      tuple(m * (f + b) for f, b in zip(ev.fwd_s, ev.bwd_s, strict=True)), ev)
 
     def best(self, factors: list[float]) -> Option | None:
         """The fastest split of the running stages (same devices, same order) at ``factors``, by simulation."""
@@ -157,11 +149,9 @@ class Replanner:
 
     def recompute_names(self, option: Option) -> list[list[str]]:
         """Per stage: the node names of its recomputing layers (its first recomputable ones)."""
-        names = []
-        for (first, last), count in zip(option.spans, option.recompute, strict=True):
-            nodes = [self.plan.graph.nodes[i].name for i in range(first, last + 1) if self.table.recomputable[i]]
-            names.append(nodes[:count])
-        return names
+        from hetero.planner import recompute_layers
+
+        return [recompute_layers(self.table, self.plan.graph, option.evaluation, k) for k in range(len(option.spans))]
 
 
 def _counts(cuts: tuple[int, ...], layers: int) -> list[int]:

@@ -29,7 +29,6 @@ from hetero.plan import Plan
 from hetero.protocol import Rebalance
 
 log = logging.getLogger("hetero.run")
-COMPUTE_OPS = ("F", "B")
 
 
 def split_of(plan: Plan) -> list[int]:
@@ -40,7 +39,9 @@ def split_of(plan: Plan) -> list[int]:
 
 def stage_compute_s(done: dict[int, Any]) -> list[float]:
     """Per stage: the step's measured forward + backward seconds (its ``stepdone`` op times)."""
-    return [sum(float(done[k].meta["op_time_s"].get(op, 0.0)) for op in COMPUTE_OPS) for k in sorted(done)]
+    from hetero.runtime.tools.run_segments import compute_s
+
+    return [compute_s(done[k].meta["op_time_s"]) for k in sorted(done)]
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any
 
 from hetero.errors import HeteroError, PlanError, WireError
 from hetero.plan import Plan
-from hetero.protocol import FAILURE_TIMEOUT_S, Error, Hello, Start, StepDone
+from hetero.protocol import FAILURE_TIMEOUT_S, Error, Hello, Rebalance, Start, StepDone
 from hetero.runtime.wire.control import (
     Heartbeat,
     Mailbox,
@@ -272,8 +272,6 @@ def _rebalance_after(transport: Any, step: int) -> Any:
         if is_timeout(exc):
             return None
         raise
-    from hetero.protocol import Rebalance
-
     return Rebalance.from_wire(msg.meta, "rebalance")
 
 

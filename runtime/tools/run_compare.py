@@ -19,7 +19,7 @@ from typing import Any
 
 from hetero.hints import suggest
 from hetero.plan import Plan
-from hetero.runtime.tools.run_segments import Segment, run_segments, split_text
+from hetero.runtime.tools.run_segments import Segment, compute_s, run_segments, split_text
 
 OFF_BY = 0.20  # a stage more than 20% off its prediction is flagged
 
@@ -102,7 +102,7 @@ def plan_lines(plan: Plan, metrics: list[dict[str, Any]], stage_timings: list[di
     for k, sp in enumerate(plan.stages):
         m = plan.micro_batches_of(k)  # its replica's share of the step
         ops = timings[k] if k < len(timings) else {}
-        compute = ops.get("F", 0.0) + ops.get("B", 0.0)
+        compute = compute_s(ops)
         predicted_compute = m * (sp.fwd_time_s + sp.bwd_time_s)
         # Sends are asynchronous, so a transfer shows up as the receiver's wait for its tensor.
         wait = ops.get("RA", 0.0) + ops.get("RG", 0.0)
@@ -152,7 +152,7 @@ def run_verdict(plan: Plan, step_time_s: float, timings: list[dict[str, float]])
     """The finished run's bottleneck in words, from what each stage measured."""
     if not timings or step_time_s <= 0:
         return []
-    compute = [t.get("F", 0.0) + t.get("B", 0.0) for t in timings]
+    compute = [compute_s(t) for t in timings]
     waits = [t.get("RA", 0.0) + t.get("RG", 0.0) for t in timings]
     k = max(range(len(compute)), key=lambda i: compute[i])
     busy = [c / step_time_s for c in compute]

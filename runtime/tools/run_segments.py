@@ -53,8 +53,12 @@ class Segment:
 
     def median_compute_s(self, k: int) -> float | None:
         """Stage k's measured forward + backward seconds per step on this split (median of ``measured``)."""
-        return _median([float(s["stage_ops"][k].get("F", 0.0)) + float(s["stage_ops"][k].get("B", 0.0))
-                        for s in self.measured if "stage_ops" in s and k < len(s["stage_ops"])])
+        return _median([compute_s(s["stage_ops"][k]) for s in self.measured if "stage_ops" in s and k < len(s["stage_ops"])])
+
+
+def compute_s(ops: dict[str, float]) -> float:
+    """A stage's forward + backward seconds in one step's (or a median step's) ``stage_ops``."""
+    return float(ops.get("F", 0.0)) + float(ops.get("B", 0.0))
 
 
 def _median(values: list[float]) -> float | None:

@@ -14,13 +14,14 @@ import itertools
 import random
 import time
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 
 from hetero.planner import replicas
 from hetero.planner.bruteforce import all_placements, brute_force
 from hetero.planner.cost import CostTable, subtable
-from hetero.planner.objective import Placement, evaluate
+from hetero.planner.objective import Evaluation, Placement, evaluate
 from hetero.planner.replicas import ReplicaSolution, solve_replicas
 
 
@@ -65,32 +66,47 @@ def reduction(table: CostTable, replicas: list[Placement]) -> float:
                for p in replicas for d, (a, b) in zip(p.devices, p.spans, strict=True) for i in range(a, b + 1))
 
 
-def brute_force_replicas(table: CostTable) -> float:
-    """The least step time over every replica plan (inf when nothing fits)."""
+def fastest_evaluations(table: CostTable) -> tuple[list[Placement], dict[tuple[Placement, int], Evaluation | None]]:
+    """Every placement, and per (placement, share of m micro-batches) its fastest feasible evaluation over every
+    recomputation by the closed form (None when none fits)."""
     M = table.num_micro_batches
     subs = {m: subtable(table, m) for m in range(1, M + 1)}
-    fastest: dict[tuple[Placement, int], float] = {}
+    fastest: dict[tuple[Placement, int], Evaluation | None] = {}
     placements = list(all_placements(table.num_nodes, table.num_devices))
     for p in placements:
         for m, sub in subs.items():
-            times = [ev.step_time_s for rec in itertools.product(*(sub.recompute_choices(a, b) for a, b in p.spans))
-                     if (ev := evaluate(sub, Placement(p.devices, p.spans, rec))).feasible]
-            fastest[(p, m)] = min(times, default=float("inf"))
-    best = min(fastest[(p, M)] for p in placements)
+            evs = [ev for rec in itertools.product(*(sub.recompute_choices(a, b) for a, b in p.spans))
+                   if (ev := evaluate(sub, Placement(p.devices, p.spans, rec))).feasible]
+            fastest[(p, m)] = min(evs, key=lambda e: e.step_time_s, default=None)
+    return placements, fastest
 
-    def extend(chosen: list[Placement], used: set[int]) -> None:
-        nonlocal best
+
+def replica_plans(table: CostTable, placements: list[Placement], max_replicas: int,
+                  ) -> Iterator[tuple[list[Placement], list[int], float]]:
+    """Every plan of 2..max_replicas replicas on disjoint devices: (placements, shares, gradient reduction)."""
+    M = table.num_micro_batches
+
+    def extend(chosen: list[Placement], used: set[int]) -> Iterator[tuple[list[Placement], list[int], float]]:
         if len(chosen) >= 2:
             red = reduction(table, chosen)
             for cuts in itertools.combinations(range(1, M), len(chosen) - 1):
-                shares = [b - a for a, b in zip((0, *cuts), (*cuts, M), strict=True)]
-                best = min(best, max(fastest[(p, m)] for p, m in zip(chosen, shares, strict=True)) + red)
-        if len(chosen) < M:
+                yield chosen, [b - a for a, b in zip((0, *cuts), (*cuts, M), strict=True)], red
+        if len(chosen) < max_replicas:
             for p in placements:
                 if used.isdisjoint(p.devices):
-                    extend(chosen + [p], used | set(p.devices))
+                    yield from extend(chosen + [p], used | set(p.devices))
 
-    extend([], set())
+    yield from extend([], set())
+
+
+def brute_force_replicas(table: CostTable) -> float:
+    """The least step time over every replica plan (inf when nothing fits)."""
+    M = table.num_micro_batches
+    placements, evaluations = fastest_evaluations(table)
+    fastest = {key: ev.step_time_s if ev is not None else float("inf") for key, ev in evaluations.items()}
+    best = min(fastest[(p, M)] for p in placements)
+    for chosen, shares, red in replica_plans(table, placements, M):
+        best = min(best, max(fastest[(p, m)] for p, m in zip(chosen, shares, strict=True)) + red)
     return best
 
 
@@ -252,33 +268,14 @@ def brute_force_replicas_simulated(table: CostTable) -> tuple[float, float]:
     from hetero.planner.replica_choice import predict_replicas
 
     M = table.num_micro_batches
-    subs = {m: subtable(table, m) for m in range(1, M + 1)}
-    fastest: dict[tuple[Placement, int], object] = {}
-    placements = list(all_placements(table.num_nodes, table.num_devices))
-    for p in placements:
-        for m, sub in subs.items():
-            evs = [ev for rec in itertools.product(*(sub.recompute_choices(a, b) for a, b in p.spans))
-                   if (ev := evaluate(sub, Placement(p.devices, p.spans, rec))).feasible]
-            fastest[(p, m)] = min(evs, key=lambda e: e.step_time_s, default=None)
+    placements, fastest = fastest_evaluations(table)
     single = min((predict(table, ev)[0].step_time_s for p in placements if (ev := fastest[(p, M)]) is not None),
                  default=float("inf"))
     best = single
-
-    def extend(chosen: list[Placement], used: set[int]) -> None:
-        nonlocal best
-        if len(chosen) >= 2:
-            red = reduction(table, chosen)
-            for cuts in itertools.combinations(range(1, M), len(chosen) - 1):
-                shares = [b - a for a, b in zip((0, *cuts), (*cuts, M), strict=True)]
-                evs = [fastest[(p, m)] for p, m in zip(chosen, shares, strict=True)]
-                if all(e is not None for e in evs):
-                    best = min(best, predict_replicas(table, evs, shares, red)[0].step_time_s)  # type: ignore[arg-type]
-        if len(chosen) < min(M, 3):
-            for p in placements:
-                if used.isdisjoint(p.devices):
-                    extend(chosen + [p], used | set(p.devices))
-
-    extend([], set())
+    for chosen, shares, red in replica_plans(table, placements, min(M, 3)):
+        evs = [fastest[(p, m)] for p, m in zip(chosen, shares, strict=True)]
+        if all(e is not None for e in evs):
+            best = min(best, predict_replicas(table, evs, shares, red)[0].step_time_s)  # type: ignore[arg-type]
     return best, single
 
 

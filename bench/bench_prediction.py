@@ -56,11 +56,18 @@ def replayed_ratio(plan_dir: Path, run_dir: Path) -> float:
     """measured / (the plan's programs replayed with the run's own per-action times): the schedule model alone."""
     from hetero.plan import Plan
     from hetero.planner.simulator import replay_run
+    from hetero.runtime.run.run_profile import own_ops, shared_core_stages
     from hetero.runtime.tools.run_compare import median_step_s, stage_timings_from_metrics
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     measured = median_step_s(metrics)
-    return measured / replay_run(Plan.load(plan_dir / "plan.json"), stage_timings_from_metrics(metrics)).step_time_s
+    plan = Plan.load(plan_dir / "plan.json")
+    timings = stage_timings_from_metrics(metrics)
+    shared = shared_core_stages(plan)
+    if shared:  # a host with too few cores: replay each stage's own work and let the simulator share the cores
+        steps = step_lines(metrics)[1:]
+        timings = [own_ops(steps, k, plan.stages[k].threads) if k in shared else t for k, t in enumerate(timings)]
+    return measured / replay_run(plan, timings, decontended=bool(shared)).step_time_s
 
 
 def run_plan(plan_dir: Path, run_dir: Path, steps: int, skip: int) -> list[float]:

@@ -29,7 +29,7 @@ OVERRIDABLE = (
     "nf4",
 )
 _DEVICE_KEYS = frozenset({"type", "count", "name", "index", "threads", *OVERRIDABLE})
-_HOST_KEYS = frozenset({"name", "address", "port", "devices", "ssh"})
+_HOST_KEYS = frozenset({"name", "address", "port", "devices", "ssh", "cores"})
 _SSH_KEYS = frozenset({"target", "port", "identity", "options", "python", "plan_dir"})
 _LINK_KEYS = frozenset({"a", "b", "bandwidth_gbps", "latency_us"})
 _CLUSTER_KEYS = frozenset(
@@ -346,23 +346,29 @@ def _host_spec(entry: Any, at: str, types: Mapping[str, DeviceType], earlier: li
         raise ConfigError(f"{at}.port {port} leaves no port for each of its {len(devices)} devices: "
                           f"at most {65536 - len(devices)}")
     ssh = _ssh_spec(entry["ssh"], f"{at}.ssh") if entry.get("ssh") is not None else None
-    return HostSpec(name=name, address=address, port=int(port), devices=devices, ssh=ssh)
+    cores = entry.get("cores")
+    if cores is not None:
+        cores = int(_number(cores, f"{at}.cores", integer=True, maximum=4096))
+    return HostSpec(name=name, address=address, port=int(port), devices=devices, ssh=ssh, cores=cores)
 
 
 def _share_cpu_cores(host: HostSpec) -> HostSpec:
-    """CPU stages share their host's cores: split them so stage processes do not oversubscribe."""
+    """CPU stages share their host's cores: split them so stage processes do not oversubscribe. The host's
+    ``cores`` are the fleet file's, else this machine's where a CPU stage's threads default to a share of it."""
     cpus = [d for d in host.devices if d.backend == "cpu"]
     if not cpus:
         return host
+    here = os.cpu_count() or 1
+    cores = host.cores if host.cores is not None else (here if any(d.threads is None for d in cpus) else None)
     devices = []
     for d in host.devices:
         if d.backend == "cpu":
-            threads = d.threads if d.threads is not None else max(1, (os.cpu_count() or 1) // len(cpus))
+            threads = d.threads if d.threads is not None else max(1, (cores or here) // len(cpus))
             # A CPU stage computes with its own threads only: its datasheet TFLOPS are per core.
             per_core = not any(o.startswith("tflops") for o in d.overrides)
             d = replace(d, threads=threads, tflops={k: v * threads for k, v in d.tflops.items()} if per_core else d.tflops)
         devices.append(d)
-    return replace(host, devices=devices)
+    return replace(host, devices=devices, cores=cores)
 
 
 def _intra_host_path(cfg_hardware: Mapping[str, Any]) -> dict[str, float]:

@@ -272,6 +272,8 @@ class Act(Record):
     """One micro-batch's activation to the next stage (tensor ``h``)."""
 
     KIND: ClassVar[str] = "act"
+    # The sender's wall clock (time.time()) as it handed the message to the wire: the receiver times the link.
+    sent: float | None = check(optional=True, finite=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,6 +281,7 @@ class Grad(Record):
     """One micro-batch's input gradient to the previous stage (tensor ``g``)."""
 
     KIND: ClassVar[str] = "grad"
+    sent: float | None = check(optional=True, finite=True)  # as Act's
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -328,6 +331,10 @@ class StepDone(Record):
     busy_s: float = check(finite=True)
     wall_s: float = check(finite=True)
     op_time_s: dict[str, float]
+    op_cpu_s: dict[str, float] | None = check(optional=True)  # a CPU stage's process CPU seconds per op
+    # Per received kind ("act", "grad"): the median seconds from the sender's hand-off to this stage holding the
+    # message, over the step's messages it was already waiting for (runtime/stage/executor.py).
+    link_s: dict[str, float] | None = check(optional=True)
     # The device's SM clock, temperature, power, throttle reasons after the step (runtime/stage/telemetry.py);
     # absent where there is no NVML/amdsmi (a CPU stage).
     telemetry: dict[str, Any] | None = check(optional=True)

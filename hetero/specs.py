@@ -116,6 +116,9 @@ class HostSpec:
     port: int = BASE_PORT  # first port; stage k on this host listens on port + k
     devices: list[DeviceSpec] = field(default_factory=list)
     ssh: SshSpec | None = None  # `hetero run` starts this host's worker over ssh (None: by hand)
+    # CPU cores its CPU stages share (fleet file ``cores:``; else this machine's count where a CPU stage took its
+    # threads from it; None: not known). Stages whose threads exceed it compute in turns (planner/simulator.py).
+    cores: int | None = None
 
 
 @dataclass(frozen=True)

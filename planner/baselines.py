@@ -19,7 +19,8 @@ def predict(table: CostTable, evaluation: Evaluation) -> tuple[Prediction, Timel
     num_stages = len(evaluation.placement.devices)
     programs = programs_for(table.schedule, num_stages, table.num_micro_batches)
     timeline = simulate(programs, evaluation.fwd_s, evaluation.bwd_s, evaluation.send_s,
-                        overhead_s=evaluation.overhead_s or None, sync_s=evaluation.sync_s or None)
+                        overhead_s=evaluation.overhead_s or None, sync_s=evaluation.sync_s or None,
+                        cores=evaluation.cores)
     tokens = table.tokens * table.num_micro_batches
     step = timeline.step_time_s
     prediction = Prediction(

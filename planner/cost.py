@@ -86,6 +86,10 @@ class CostTable:
     # coming back, serialization included, per [host][coordinator's host]. Unset: zeros.
     grad_bytes: list[float] = field(default_factory=list)
     reduce_s_per_byte: list[list[float]] = field(default_factory=list)
+    # Shared CPU cores: per [device] the cores its compute holds (a CPU stage's threads; 0: not a CPU), per
+    # [host] its cores (0: not known). Unset: nobody shares (planner/simulator.py's CoreShare).
+    core_need: list[int] = field(default_factory=list)
+    host_cores: list[int] = field(default_factory=list)
     # The fleet's devices, for names in plans and messages; solvers never read them (may be empty).
     devices: list[DeviceSpec] = field(default_factory=list)
     _prefix: dict[int, tuple[list[float], list[int], list[float]]] = field(
@@ -125,6 +129,10 @@ class CostTable:
         self.grad_bytes = [float(x) for x in self.grad_bytes] or [0.0] * n
         self.reduce_s_per_byte = (_rows(self.reduce_s_per_byte) if len(self.reduce_s_per_byte)
                                   else [[0.0] * hosts for _ in range(hosts)])
+        self.core_need = [int(x) for x in self.core_need] or [0] * nd
+        self.host_cores = [int(x) for x in self.host_cores] or [0] * hosts
+        if len(self.core_need) != nd or len(self.host_cores) < hosts:
+            raise ValueError("CostTable.core_need needs one entry per device and host_cores one per host")
         short = [(len(self.link_s), n), (len(self.message_send_s), n), (len(self.message_recv_s), n),
                  (len(self.recomputable), n), (len(self.sync_round_trip_s), hosts), (len(self.grad_bytes), n),
                  (len(self.reduce_s_per_byte), hosts), *((len(row), hosts) for row in self.reduce_s_per_byte),
@@ -197,7 +205,7 @@ class CostTable:
             for d in range(self.num_devices):
                 messages = tuple(r[d] for per_node in (self.message_send_s, self.message_recv_s)
                                  for kinds in per_node for r in kinds)
-                key = (self.host_of[d], self.wire_kind[d], self.usable_bytes[d],
+                key = (self.host_of[d], self.wire_kind[d], self.usable_bytes[d], self.core_need[d],
                        self.opt_fixed_s[d] if self.opt_fixed_s else 0.0,
                        *(tuple(r[d] for r in t) for t in rows), messages)
                 self._classes.append(keys.setdefault(key, len(keys)))
@@ -217,6 +225,7 @@ def subtable(table: CostTable, num_micro_batches: int, devices: list[int] | None
         fwd_s=cols(table.fwd_s), bwd_s=cols(table.bwd_s), weights=cols(table.weights), lora=cols(table.lora),
         activations_per_mb=cols(table.activations_per_mb), usable_bytes=[table.usable_bytes[d] for d in keep],
         host_of=[table.host_of[d] for d in keep], wire_kind=[table.wire_kind[d] for d in keep],
+        core_need=[table.core_need[d] for d in keep],
         message_send_s=[cols(per_kind) for per_kind in table.message_send_s],
         message_recv_s=[cols(per_kind) for per_kind in table.message_recv_s],
         opt_s=cols(table.opt_s) if table.opt_s else [],
@@ -379,5 +388,7 @@ def build_cost_table(
         recompute_mode=options.recompute,
         grad_bytes=[GRAD_WIRE_BYTES_PER_PARAM * n.lora_params for n in graph.nodes],
         reduce_s_per_byte=links.reduce_s_per_byte,
+        core_need=[(d.threads or 1) if d.backend == "cpu" else 0 for d in devices],
+        host_cores=[h.cores or 0 for h in cluster.hosts],
         devices=devices,
     )

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from hetero.plan import MemoryBreakdown
 from hetero.planner.cost import GB, CostTable, in_flight
+from hetero.planner.simulator import CoreShare, core_share
 
 
 def pipeline_step_time(
@@ -72,6 +73,7 @@ class Evaluation:
     sync_s: list[float] = field(default_factory=list)
     recompute: list[int] = field(default_factory=list)  # per stage: decoder layers that recompute
     recompute_s: list[float] = field(default_factory=list)  # per stage: of bwd_s, the extra forward
+    cores: CoreShare | None = None  # stages that compute in turns on a host with too few cores
 
 
 def check_placement(table: CostTable, placement: Placement) -> None:
@@ -200,7 +202,16 @@ def evaluate(table: CostTable, placement: Placement, mode: str | None = None) ->
     step = pipeline_step_time(table.schedule, table.num_micro_batches, fwd, bwd, send[:-1])
     overhead, sync = stage_overheads(table, placement)
     return Evaluation(placement, fwd, bwd, send, memory, step, not reasons, reasons, overhead, sync,
-                      recomputes, extras)
+                      recomputes, extras, placement_cores(table, placement.devices))
+
+
+def placement_cores(table: CostTable, devices: tuple[int, ...] | list[int]) -> CoreShare | None:
+    """The cores these stages share where their host has fewer than their threads (None: nowhere)."""
+    if not any(table.host_cores) or not any(table.core_need[d] for d in devices):
+        return None
+    hosts = [str(table.host_of[d]) for d in devices]
+    cores = {str(h): c for h, c in enumerate(table.host_cores) if c > 0}
+    return core_share(hosts, [table.core_need[d] for d in devices], cores)
 
 
 def stage_overheads(table: CostTable, placement: Placement) -> tuple[list[dict[str, float]], list[float]]:

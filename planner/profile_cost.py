@@ -89,7 +89,10 @@ class ProfileCostModel:
         if link is None or link.bandwidth_gbps <= 0:
             self.sources[key] = "fleet file (not measured)"
             return self.fallback.transfer_time_s(cluster, host_a, host_b, num_bytes)
-        self.sources[key] = "profile" if "(from " not in link.method else f"profile ({link.method})"
+        if link.method.startswith("run "):  # timed by a run: "run DIR, step N (...)"
+            self.sources[key] = link.method
+        else:
+            self.sources[key] = "profile" if "(from " not in link.method else f"profile ({link.method})"
         return link.transfer_s(num_bytes)
 
     def optimizer_step_s(self, device: DeviceSpec, model: ModelSpec, lora_params: int, lora_tensors: int) -> float:

@@ -51,7 +51,7 @@ def simulated_step_s(table: CostTable, ev: Evaluation) -> float:
     """The simulator's step time of a placement: the number the plan reports for it (baselines.predict's)."""
     programs = _programs(table.schedule, len(ev.placement.devices), table.num_micro_batches)
     return simulate(programs, ev.fwd_s, ev.bwd_s, ev.send_s, overhead_s=ev.overhead_s or None,
-                    sync_s=ev.sync_s or None).step_time_s
+                    sync_s=ev.sync_s or None, cores=ev.cores).step_time_s
 
 
 @dataclass

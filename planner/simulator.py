@@ -13,6 +13,15 @@ backward, plus its round trip ``sync_s[k]``. Without overheads all of these take
 Because sends never block and each receive names exactly one tensor, the result does not depend
 on the order in which stages are advanced, so the simulator just advances every stage as far as it
 can and repeats; if no stage can move and some are unfinished, the programs deadlock.
+
+Shared CPU cores (``cores``, a CoreShare): CPU stages on one host whose threads together exceed the
+host's cores cannot all compute at once. A compute action of such a stage then starts only when its
+threads are free on the host's core calendar (the earliest gap at or after the stage is ready), so
+the host's compute never exceeds its cores; its duration is the stage's own (uncontended) time. This
+is a reservation model of what the OS does by time slicing: the step's total and the overlap are the
+same, who waits differs. With shared cores the order of advancing does matter a little (an earlier
+stage books its cores first); the lower bound of planner/simbound.py stays a bound, since sharing
+only delays actions.
 """
 
 from __future__ import annotations
@@ -48,6 +57,52 @@ class Timeline:
     def stage_events(self, stage: int, ops: tuple[str, ...] = ("F", "B")) -> list[Event]:
         """The events of one stage (by default its compute), in time order."""
         return sorted((e for e in self.events if e.stage == stage and e.op in ops), key=lambda e: e.start_s)
+
+
+@dataclass(frozen=True)
+class CoreShare:
+    """Stages whose compute competes for a host's CPU cores (see the module docstring)."""
+
+    group: tuple[int, ...]  # per stage: its host's index in ``cores``, or -1 (competes with nobody)
+    need: tuple[int, ...]  # per stage: the cores one of its compute actions holds (its threads)
+    cores: tuple[int, ...]  # per group: the host's cores
+
+
+def core_share(hosts: list[str], need: list[int], cores: dict[str, int]) -> CoreShare | None:
+    """Which of these stages (on ``hosts``, each holding ``need`` cores; 0: not a CPU stage) share too few
+    cores: those whose host (``cores``: known core counts) has fewer cores than its stages' threads."""
+    demand: dict[str, int] = {}
+    for h, n in zip(hosts, need, strict=True):
+        demand[h] = demand.get(h, 0) + n
+    short = [h for h in dict.fromkeys(hosts) if cores.get(h, 0) > 0 and demand[h] > cores[h]]
+    if not short:
+        return None
+    group = tuple(short.index(h) if h in short and n > 0 else -1 for h, n in zip(hosts, need, strict=True))
+    return CoreShare(group, tuple(min(n, cores[h]) if h in short else n for h, n in zip(hosts, need, strict=True)),
+                     tuple(cores[h] for h in short))
+
+
+class _CoreCalendar:
+    """One host's booked compute: (start, end, cores) intervals; a booking goes in the earliest gap."""
+
+    def __init__(self, cores: int) -> None:
+        self.cores = cores
+        self.booked: list[tuple[float, float, int]] = []
+
+    def book(self, ready: float, duration: float, need: int) -> float:
+        """Book ``need`` cores for ``duration`` seconds at the earliest start >= ``ready`` with room; the start."""
+        if duration <= 0.0 or need <= 0:
+            return ready
+        for start in sorted({ready, *(e for _, e, _ in self.booked if e > ready)}):
+            if self._peak(start, start + duration) + need <= self.cores:
+                self.booked.append((start, start + duration, need))
+                return start
+        raise AssertionError("unreachable: the last booking's end always has room")
+
+    def _peak(self, a: float, b: float) -> int:
+        """The most cores booked at any instant of [a, b)."""
+        points = [a, *(s for s, _, _ in self.booked if a < s < b)]
+        return max(sum(n for s, e, n in self.booked if s <= p < e) for p in points)
 
 
 def _name(k: int, a: Action) -> str:
@@ -126,8 +181,11 @@ class _Simulation:
     forwarded and backwarded, when each link is free, and the events so far."""
 
     def __init__(self, programs: list[list[Action]], fwd_s: list[float], bwd_s: list[float], send_s: list[float],
-                 over: list[dict[str, float]], sync: list[float]) -> None:
+                 over: list[dict[str, float]], sync: list[float], cores: CoreShare | None = None) -> None:
         num_stages = len(programs)
+        self.cores = cores
+        self.calendars = [_CoreCalendar(c) for c in cores.cores] if cores is not None else []
+        self.started = 0.0  # the start of the compute action just executed (after any wait for cores)
         self.programs, self.fwd_s, self.bwd_s, self.send_s = programs, fwd_s, bwd_s, send_s
         self.over, self.sync, self.last = over, sync, num_stages - 1
         self.pc = [0] * num_stages
@@ -185,7 +243,8 @@ class _Simulation:
         else:
             raise ScheduleError(f"{_name(k, a)}: unknown action")
         if a.op not in ("SA", "SG"):  # a send's event is its time on the link, recorded by the send
-            self.events.append(Event(k, a.op, a.mb, t, self.clock[k]))
+            start = self.started if a.op in ("F", "B") else t
+            self.events.append(Event(k, a.op, a.mb, start, self.clock[k]))
         self.pc[k] += 1
         return True
 
@@ -194,7 +253,7 @@ class _Simulation:
         """Wait for the tensor, then decode it; False if it has not been sent yet."""
         if (k, a.mb) not in arrival:
             return False
-        self.clock[k] = max(t, arrival[(k, a.mb)]) + self.over[k].get(op, 0.0)
+        self.clock[k] = self._overhead(k, max(t, arrival[(k, a.mb)]), op)
         received[k].add(a.mb)
         return True
 
@@ -202,7 +261,7 @@ class _Simulation:
         """Run a forward: its activation must have been received (but on stage 0)."""
         if k > 0 and a.mb not in self.received_act[k]:
             raise ScheduleError(f"{_name(k, a)} runs before its activation is received (RA{a.mb})")
-        self.clock[k] = t + self.fwd_s[k]
+        self.clock[k] = self._compute_start(k, t, self.fwd_s[k]) + self.fwd_s[k]
         self.busy[k] += self.fwd_s[k]
         self.forwarded[k].add(a.mb)
         self.peak[k] = max(self.peak[k], len(self.forwarded[k] - self.backwarded[k]))
@@ -213,15 +272,28 @@ class _Simulation:
             raise ScheduleError(f"{_name(k, a)} runs before F{a.mb}")
         if k < self.last and a.mb not in self.received_grad[k]:
             raise ScheduleError(f"{_name(k, a)} runs before its gradient is received (RG{a.mb})")
-        self.clock[k] = t + self.bwd_s[k]
+        self.clock[k] = self._compute_start(k, t, self.bwd_s[k]) + self.bwd_s[k]
         self.busy[k] += self.bwd_s[k]
         self.backwarded[k].add(a.mb)
+
+    def _compute_start(self, k: int, t: float, duration: float) -> float:
+        """When stage k's compute ready at ``t`` starts: at once, or when its host has the cores free."""
+        g = self.cores.group[k] if self.cores is not None else -1
+        self.started = t if g < 0 else self.calendars[g].book(t, duration, self.cores.need[k])  # type: ignore[union-attr]
+        return self.started
+
+    def _overhead(self, k: int, t: float, op: str) -> float:
+        """When stage k's CPU work for ``op`` (a message's encode or decode, the optimizer) ready at ``t`` ends:
+        it holds one of the host's cores too where the stage shares them."""
+        d = self.over[k].get(op, 0.0)
+        g = self.cores.group[k] if self.cores is not None else -1
+        return (t if g < 0 else self.calendars[g].book(t, d, 1)) + d  # type: ignore[union-attr]
 
     def _send_activation(self, k: int, a: Action, t: float) -> None:
         """Encode, then queue on the link to stage k+1 (one tensor at a time, in program order)."""
         if a.mb not in self.forwarded[k]:
             raise ScheduleError(f"{_name(k, a)} sends an activation before F{a.mb}")
-        self.clock[k] = t + self.over[k].get("SA", 0.0)
+        self.clock[k] = self._overhead(k, t, "SA")
         start = max(self.clock[k], self.fwd_link_free[k])
         self.fwd_link_free[k] = start + self.send_s[k]
         self.act_arrival[(k + 1, a.mb)] = start + self.send_s[k]
@@ -231,7 +303,7 @@ class _Simulation:
         """Encode, then queue on the link to stage k-1 (one tensor at a time, in program order)."""
         if a.mb not in self.backwarded[k]:
             raise ScheduleError(f"{_name(k, a)} sends a gradient before B{a.mb}")
-        self.clock[k] = t + self.over[k].get("SG", 0.0)
+        self.clock[k] = self._overhead(k, t, "SG")
         start = max(self.clock[k], self.bwd_link_free[k])
         self.bwd_link_free[k] = start + self.send_s[k - 1]
         self.grad_arrival[(k - 1, a.mb)] = start + self.send_s[k - 1]
@@ -245,7 +317,7 @@ class _Simulation:
             if not all(at_step):
                 return False
             self.barrier.append(max(self.clock))
-        self.clock[k] = max(t, self.barrier[0]) + self.sync[k] + self.over[k].get("STEP", 0.0)
+        self.clock[k] = self._overhead(k, max(t, self.barrier[0]) + self.sync[k], "STEP")
         return True
 
     def timeline(self) -> Timeline:
@@ -259,11 +331,14 @@ class _Simulation:
 def simulate(
     programs: list[list[Action]], fwd_s: list[float], bwd_s: list[float], send_s: list[float], *,
     overhead_s: list[dict[str, float]] | None = None, sync_s: list[float] | None = None,
+    cores: CoreShare | None = None,
 ) -> Timeline:
     """Run the programs on a model of the pipeline; raise ScheduleError if they are invalid."""
     over, sync = _check_times(len(programs), fwd_s, bwd_s, send_s, overhead_s, sync_s)
     _validate_static(programs)
-    run = _Simulation(programs, fwd_s, bwd_s, send_s, over, sync)
+    if cores is not None and not (len(cores.group) == len(cores.need) == len(programs)):
+        raise ScheduleError(f"{len(programs)} programs need {len(programs)} core-share entries, got {len(cores.group)}")
+    run = _Simulation(programs, fwd_s, bwd_s, send_s, over, sync, cores)
     run.run()
     return run.timeline()
 
@@ -316,11 +391,21 @@ def simulate_plan(plan: Plan) -> Timeline:
             [s.send_time_s for s in stages],
             overhead_s=[dict(s.overhead_s) for s in stages],
             sync_s=[s.step_sync_s for s in stages],
+            cores=plan_core_share(plan, rep.stages),
         ))
     return combine_replicas(timelines, plan.prediction.reduce_s if len(timelines) > 1 else 0.0)
 
 
-def replay_run(plan: Plan, timings: list[dict[str, float]]) -> Timeline:
+def plan_core_share(plan: Plan, stages: list[int]) -> CoreShare | None:
+    """The CPU cores these stages of a plan (one replica) share, from its fleet's hosts' ``cores``."""
+    cores = {h.name: h.cores for h in plan.cluster.hosts if h.cores}
+    if not cores:
+        return None
+    sps = [plan.stages[k] for k in stages]
+    return core_share([s.host for s in sps], [(s.threads or 1) if s.backend == "cpu" else 0 for s in sps], cores)
+
+
+def replay_run(plan: Plan, timings: list[dict[str, float]], *, decontended: bool = False) -> Timeline:
     """The plan's programs run with a finished run's own per-action times instead of the predicted ones.
 
     ``timings[k]`` is stage k's seconds per op in one step (medians over the steps, as the run
@@ -328,7 +413,9 @@ def replay_run(plan: Plan, timings: list[dict[str, float]]) -> Timeline:
     the plan's (a measured receive includes its wait); the links are the plan's. If this replay
     matches the measured step but the prediction does not, the schedule model holds and the
     compute estimates were off (re-profile); if the replay is off too, the run lost time the
-    simulator does not model.
+    simulator does not model. ``decontended``: the F and B times are each stage's own (its CPU time on
+    a host with too few cores, see runtime/run/run_profile.py), so the replay shares the cores itself;
+    else they are wall times that already include the sharing.
     """
     if len(timings) != len(plan.stages):
         raise ScheduleError(f"the run has timings for {len(timings)} stages but the plan has {len(plan.stages)}")
@@ -348,5 +435,6 @@ def replay_run(plan: Plan, timings: list[dict[str, float]]) -> Timeline:
             [sp.send_time_s for sp in stages],
             overhead_s=overhead,
             sync_s=[sp.step_sync_s for sp in stages],
+            cores=plan_core_share(plan, rep.stages) if decontended else None,
         ))
     return combine_replicas(timelines, plan.prediction.reduce_s if len(timelines) > 1 else 0.0)

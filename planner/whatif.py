@@ -14,7 +14,7 @@ from hetero.plan import Plan
 from hetero.planner.cost import in_flight
 from hetero.planner.cost_model import CostModel
 from hetero.planner.schedules import SCHEDULES, programs_for
-from hetero.planner.simulator import Timeline, simulate
+from hetero.planner.simulator import Timeline, plan_core_share, simulate
 
 
 @dataclass
@@ -49,7 +49,8 @@ def _resimulated(plan: Plan, name: str, description: str, schedule: str, m: int)
     fwd, bwd, send = _stage_times(plan)
     timeline = simulate(programs_for(schedule, num_stages, m), fwd, bwd, send,
                         overhead_s=[dict(s.overhead_s) for s in plan.stages],
-                        sync_s=[s.step_sync_s for s in plan.stages])
+                        sync_s=[s.step_sync_s for s in plan.stages],
+                        cores=plan_core_share(plan, list(range(num_stages))))
     tokens = plan.prediction.tokens_per_step // max(plan.train.num_micro_batches, 1) * m
     peaks, reasons = [], []
     for k, sp in enumerate(plan.stages):

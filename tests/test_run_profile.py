@@ -80,7 +80,8 @@ def test_a_run_writes_a_profile_of_what_it_measured(loop: dict[str, Path]) -> No
 @pytest.mark.slow
 def test_compile_from_a_run_plans_with_its_measurements(loop: dict[str, Path]) -> None:
     """profile=RUN_DIR: the plan's costs cite the run; with the same split, each stage's predicted forward is
-    the forward the run measured. profile=[RUN_DIR,FILE]: the run wins, the file fills the link and receives."""
+    the forward the run measured. profile=[RUN_DIR,FILE]: the run wins (a CPU stage's receives too, by their CPU
+    time, and the link it timed)."""
     from hetero.cli import main
 
     tmp, run = loop["tmp"], loop["run"]
@@ -102,8 +103,8 @@ def test_compile_from_a_run_plans_with_its_measurements(loop: dict[str, Path]) -
     assert main(["compile", *common, f"profile=[{run},{loop['prior']}]", f"output={tmp / 'merged'}"]) == 0
     merged = Plan.load(tmp / "merged" / "plan.json")
     assert merged.cost_sources["time localhost.cpu1/head"] == cited
-    assert merged.cost_sources["link localhost<->localhost"].startswith("profile")
-    assert merged.cost_sources["messages localhost.cpu0"].startswith(f"send: {cited}; receive: profile")
+    assert merged.cost_sources["link localhost<->localhost"].startswith(f"{cited} (message hand-off times")
+    assert merged.cost_sources["messages localhost.cpu0"] == f"send: {cited}; receive: {cited} (CPU time)"
 
 
 @pytest.mark.slow
@@ -206,3 +207,41 @@ def test_a_directory_without_a_profile_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(ProfileError, match="a directory without profile.json") as exc:
         Profile.load(tmp_path)
     assert "\n" not in str(exc.value)
+
+
+def test_a_link_is_timed_by_its_messages_whatever_the_clock_offset(tmp_path: Path, tiny_spec: ModelSpec) -> None:
+    """Each direction's hand-off time less the sender's encode and the receiver's decode is the link's transfer;
+    a clock offset between the hosts adds to one direction what it takes from the other, so it cancels; the link
+    keeps the prior's shape (fleet file here) scaled through the measured point."""
+    from test_profile import local_fleet
+
+    from hetero.compiler.trace import trace
+    from hetero.planner import plan as make_plan
+    from hetero.runtime.run.run_profile import run_profile
+    from hetero.specs import DataSpec, PlannerOptions, TrainSpec
+
+    plan = make_plan(tiny_spec, trace(tiny_spec), local_fleet([1, 1]), TrainSpec(micro_batch_size=4, num_micro_batches=4),
+                     DataSpec(), PlannerOptions(num_stages=2, time_limit_s=10))
+    ops = [{"F": 0.4, "B": 0.8, "SA": 0.004, "RG": 0.3, "STEP": 0.05, "clip_wait": 0.01},
+           {"F": 0.2, "B": 0.6, "RA": 0.2, "SG": 0.008, "STEP": 0.03, "clip_wait": 0.02}]
+    cpu = [{"F": 0.4, "B": 0.8, "SA": 0.004, "RG": 0.002, "STEP": 0.04}, {"F": 0.2, "B": 0.6, "RA": 0.004, "SG": 0.008,
+                                                                           "STEP": 0.01}]
+    transfer, offset = 0.003, 0.0021  # the link's seconds per message; stage 1's clock ahead of stage 0's
+    own_fwd, own_bwd = 0.004 / 4 + 0.004 / 4, 0.008 / 4 + 0.002 / 4  # SA0 + RA1, SG1 + RG0 per message
+    found = []
+    for off in (0.0, offset, -offset):
+        links = [{"grad": own_bwd + transfer - off}, {"act": own_fwd + transfer + off}]
+        lines = [{"step": s, "stage_ops": ops, "stage_cpu_ops": cpu, "stage_links": links} for s in range(3)]
+        prof = run_profile(plan, tmp_path, lines)
+        assert prof is not None and len(prof.links) == 1
+        link = prof.links[0]
+        (num_bytes, seconds), = link.samples
+        assert seconds == pytest.approx(transfer)
+        assert link.transfer_s(num_bytes) == pytest.approx(transfer)
+        fleet = plan.cluster.link("localhost", "localhost")
+        assert link.bandwidth_gbps * link.latency_us == pytest.approx(fleet.bandwidth_gbps * fleet.latency_us)
+        assert link.method.startswith(f"run {tmp_path.resolve()}, step 3 (message hand-off times")
+        found.append(link)
+    assert all(f.bandwidth_gbps == pytest.approx(found[0].bandwidth_gbps) for f in found)
+    no_links = run_profile(plan, tmp_path, [{"step": s, "stage_ops": ops} for s in range(3)])
+    assert no_links is not None and no_links.links == []

@@ -55,6 +55,8 @@ def metrics_line(plan: Plan, step: int, done: dict[int, Any], grad_norm: float, 
         "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
         "stage_busy": [float(done[k].meta["busy_s"]) for k in range(len(plan.stages))],
         "stage_ops": [done[k].meta["op_time_s"] for k in range(len(plan.stages))],
+        "stage_cpu_ops": [done[k].meta.get("op_cpu_s") for k in range(len(plan.stages))],
+        "stage_links": [done[k].meta.get("link_s") for k in range(len(plan.stages))],
         "stage_telemetry": [clean_telemetry(done[k].meta.get("telemetry")) for k in range(len(plan.stages))],
     }
 

@@ -15,11 +15,24 @@ with it. What a run can measure, and how each number is made:
   fits. The stage's own sum is then exact; what is assumed is only the ratio between kinds on one
   device. A kind the device did not run is the prior scaled by the same factor, and says so.
 - **Messages.** The CPU time to send one (SA, SG: asynchronous sends, timed alone) per device. A
-  receive's time includes the wait for its sender, so its own cost, and the links' transfer times,
-  cannot be told apart from the waits in per-stage totals: they come from the prior profile when it
-  has them (else the planner's fleet file and roofline), and the file says so.
+  receive's wall time includes the wait for its sender; its process CPU time does not (a blocked
+  wait takes none), so on a CPU stage one receive's cost is the CPU time in RA and RG per receive.
+  Elsewhere it comes from the prior profile when it has one (else the roofline), and the file says so.
+- **Links.** Every activation and gradient carries its sender's hand-off time (``sent``, wall clock);
+  a stage that was already waiting when it came notes how long it took to arrive (metrics.jsonl
+  ``stage_links``). Less the sender's encode and the receiver's decode (charged by the simulator as
+  SA/SG and RA/RG), that is the link's transfer. Hosts' clocks differ by an unknown offset, but it
+  adds to one direction what it takes from the other: activations and gradients of one cut are the
+  same bytes over the same (symmetric) link, so the mean of the two directions is the transfer with
+  the offset gone. One message size per cut gives one point per link: the prior's (profile, else the
+  fleet file's) latency and bandwidth are scaled together to pass through it.
 - **The optimizer step.** STEP minus the wait for the global clip coefficient, against the stage's
   LoRA parameters.
+- **A host with fewer cores than its CPU stages' threads** (the plan's fleet says so: three one-thread
+  stages on two cores): the stages compute in turns, and a wall time includes the waits for a core. The
+  simulator adds those waits itself (planner/simulator.py, CoreShare), so for such a stage F, B and the
+  optimizer come from the process CPU time the stage records (``stage_cpu_ops``) divided by its threads,
+  when that is the smaller: the stage's own work, as on a host of its own. The file says so.
 
 Each part of a device is labelled (``DeviceProfile.sources``) so a plan's ``cost_sources`` says
 "run RUN_DIR, step N" for what came from this run.
@@ -51,6 +64,8 @@ from hetero.runtime.run.rundir import write_run_file
 
 PROFILE_FILE = "profile.json"
 SEND_OPS = ("SA", "SG")
+RECV_OPS = ("RA", "RG")
+MIN_TRANSFER_S = 1e-6  # a link's transfer is never taken below this (hand-off minus encode and decode can be ~0)
 
 
 def write_run_profile(plan: Plan, run_dir: Path, result: Any) -> Path | None:
@@ -83,17 +98,67 @@ def run_profile(plan: Plan, run_dir: Path, steps: list[dict[str, Any]],
     origin = f"run {Path(run_dir).resolve()}, step {done}"
     prior = prior_profile(plan)
     warm = lines[1:] if len(lines) > 1 else lines  # the first step warms allocators and caches up
-    devices = [_device_profile(plan, k, _stage_ops(warm, k), prior, origin, (environments or {}).get(f"stage{k}", {}))
+    shared = shared_core_stages(plan)
+    devices = [_device_profile(plan, k, own_ops(warm, k, plan.stages[k].threads) if k in shared else _stage_ops(warm, k),
+                               cpu_ops(warm, k), prior, origin + (SHARED_NOTE if k in shared else ""),
+                               (environments or {}).get(f"stage{k}", {}))
                for k in range(len(plan.stages))]
-    links = [replace_method(lk, prior) for lk in prior.links] if prior is not None else []
+    measured = run_links(plan, warm, prior, origin)
+    links = measured + [replace_method(lk, prior) for lk in (prior.links if prior is not None else [])
+                        if not any({lk.a, lk.b} == {m.a, m.b} for m in measured)]
     tokens = plan.train.micro_batch_size * plan.model.seq_len
     return Profile(
         fleet=plan.cluster.name, fleet_hash=fleet_hash(plan.cluster), model=plan.model.name,
         model_hash=model_hash(plan.model), devices=devices, links=links, created=now_iso(), origin=origin,
         notes=[f"measured by `hetero run` over steps {int(warm[0]['step']) + 1}-{done} ({len(warm)} steps), "
                f"micro_batch_size={plan.train.micro_batch_size}, seq_len={plan.model.seq_len} ({tokens} tokens)",
-               f"kind split and links from: {prior.origin or 'a profile file' if prior else 'the roofline (no profile)'}"],
+               f"kind split from: {prior.origin or 'a profile file' if prior else 'the roofline (no profile)'}; links the "
+               "run timed: from its messages' hand-off times"],
     )
+
+
+def run_links(plan: Plan, lines: list[dict[str, Any]], prior: Profile | None, origin: str) -> list[LinkProfile]:
+    """Per host pair whose messages the run timed, the link as measured (see the module docstring)."""
+    points: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for rep in plan.pipelines:
+        for a, b in zip(rep.stages, rep.stages[1:], strict=False):
+            both = [t for t in (_delivery(lines, b, "act"), _delivery(lines, a, "grad")) if t is not None]
+            if not both:
+                continue
+            sa, sb = plan.stages[a], plan.stages[b]
+            num_bytes = _message_bytes(plan, sa)
+            own = (_per_message(lines, a, sa, ("SA", "RG")) + _per_message(lines, b, sb, ("SG", "RA"))) / 2
+            key = (min(sa.host, sb.host), max(sa.host, sb.host))
+            points.setdefault(key, []).append((num_bytes, max(MIN_TRANSFER_S, sum(both) / len(both) - own)))
+    links = []
+    for (ha, hb), pts in points.items():
+        num_bytes, seconds = pts[0][0], typical([t for _, t in pts])
+        shape = prior.link(ha, hb) if prior is not None else None
+        bandwidth, latency_us = ((shape.bandwidth_gbps, shape.latency_us) if shape is not None and shape.bandwidth_gbps > 0
+                                 else (plan.cluster.link(ha, hb).bandwidth_gbps, plan.cluster.link(ha, hb).latency_us))
+        before = latency_us * 1e-6 + num_bytes * 8 / (bandwidth * 1e9)
+        s = seconds / before if before > 0 else 1.0
+        links.append(LinkProfile(ha, hb, bandwidth / s, latency_us * s, [[float(num_bytes), float(seconds)]],
+                                 f"{origin} (message hand-off times, both directions averaged)"))
+    return links
+
+
+def _delivery(lines: list[dict[str, Any]], k: int, kind: str) -> float | None:
+    """Stage k's typical hand-off-to-held seconds for received ``kind`` over the steps that timed one."""
+    got = [float(line["stage_links"][k][kind]) for line in lines
+           if isinstance(line.get("stage_links"), list) and len(line["stage_links"]) > k
+           and isinstance(line["stage_links"][k], dict) and kind in line["stage_links"][k]]
+    return typical(got) if got else None
+
+
+def _per_message(lines: list[dict[str, Any]], k: int, sp: StagePlan, ops: tuple[str, str]) -> float:
+    """Stage k's own seconds for one message: its send (``ops[0]``, wall: an asynchronous send is CPU) plus one
+    receive of the other direction (``ops[1]``, CPU time where recorded, else nothing)."""
+    count = {op: sum(1 for a in sp.actions() if a.op == op) for op in ops}
+    wall, cpu = _stage_ops(lines, k), cpu_ops(lines, k) or {}
+    send = wall.get(ops[0], 0.0) / count[ops[0]] if count[ops[0]] else 0.0
+    recv = cpu.get(ops[1], 0.0) / count[ops[1]] if count[ops[1]] else 0.0
+    return send + recv
 
 
 def replace_method(link: LinkProfile, prior: Profile) -> LinkProfile:
@@ -132,6 +197,60 @@ def _stage_ops(lines: list[dict[str, Any]], k: int) -> dict[str, float]:
     return {op: typical([float(line["stage_ops"][k].get(op, 0.0)) for line in lines]) for op in ops}
 
 
+SHARED_NOTE = " (CPU time: the host has fewer cores than its stages' threads)"
+
+
+def shared_core_stages(plan: Plan) -> set[int]:
+    """The stages whose host has fewer cores than its stages' threads (they compute in turns)."""
+    from hetero.planner.simulator import plan_core_share
+
+    out: set[int] = set()
+    for rep in plan.pipelines:
+        share = plan_core_share(plan, list(rep.stages))
+        if share is not None:
+            out |= {k for k, g in zip(rep.stages, share.group, strict=True) if g >= 0}
+    return out
+
+
+def cpu_ops(lines: list[dict[str, Any]], k: int) -> dict[str, float] | None:
+    """Stage k's typical process CPU seconds per op per step (None: some step has none: not a CPU stage, or an
+    older stage)."""
+    cpu = [line["stage_cpu_ops"][k] for line in lines
+           if isinstance(line.get("stage_cpu_ops"), list) and len(line["stage_cpu_ops"]) > k
+           and isinstance(line["stage_cpu_ops"][k], dict)]
+    if not cpu or len(cpu) < len(lines):
+        return None
+    return {op: typical([float(c.get(op, 0.0)) for c in cpu]) for op in {op for c in cpu for op in c}}
+
+
+def own_ops(lines: list[dict[str, Any]], k: int, threads: int | None) -> dict[str, float]:
+    """Stage k's ops with its compute, sends and optimizer as its own work: the process CPU time per thread where
+    the stage recorded it and it is below the wall time (which includes waiting for a core)."""
+    ops, cpu = _stage_ops(lines, k), cpu_ops(lines, k)
+    if cpu is None:
+        return ops  # no CPU times: the wall times stand
+    n = max(1, threads or 1)
+    for op in ("F", "B", *SEND_OPS):
+        if op in ops and op in cpu:
+            ops[op] = min(ops[op], cpu[op] / n)
+    if "STEP" in ops and "STEP" in cpu:  # the optimizer's own time: the wall minus the clip wait, or the CPU time
+        own = ops["STEP"] - ops.get("clip_wait", 0.0)
+        ops["STEP"] = ops.get("clip_wait", 0.0) + min(own, cpu["STEP"] / n)
+    return ops
+
+
+def _receive_fit(plan: Plan, sp: StagePlan, cpu: dict[str, float] | None, before: DeviceProfile | None
+                 ) -> LinearFit | None:
+    """One receive's CPU time (decode, and the socket's I/O thread) against its bytes: measured where the stage
+    recorded its CPU time in RA and RG (a blocked wait takes none), else the prior profile's."""
+    prior = before.message_recv if before is not None else None
+    ops = [a.op for a in sp.actions() if a.op in RECV_OPS]
+    if cpu is None or not ops or not any(op in cpu for op in ops):
+        return prior
+    per_recv = sum(cpu.get(op, 0.0) for op in set(ops)) / len(ops)
+    return scaled(prior, _message_bytes(plan, sp), per_recv, through_origin=False)
+
+
 def _micro_batches(plan: Plan, k: int) -> int:
     """Micro-batches stage k runs per step (its replica's share)."""
     return max(1, plan.replica_of(k)[1].num_micro_batches)
@@ -148,8 +267,8 @@ def scaled(prior: LinearFit | None, x: float, y: float, *, through_origin: bool)
     return LinearFit(y, 0.0, 1.0, [[float(x), float(y)]])
 
 
-def _device_profile(plan: Plan, k: int, ops: dict[str, float], prior: Profile | None, origin: str,
-                    env: dict[str, Any]) -> DeviceProfile:
+def _device_profile(plan: Plan, k: int, ops: dict[str, float], cpu: dict[str, float] | None, prior: Profile | None,
+                    origin: str, env: dict[str, Any]) -> DeviceProfile:
     """Stage k's device as this run measured it (see the module docstring)."""
     sp = plan.stages[k]
     tokens = plan.train.micro_batch_size * plan.model.seq_len
@@ -160,8 +279,10 @@ def _device_profile(plan: Plan, k: int, ops: dict[str, float], prior: Profile | 
     layers, sources = _layers(plan, sp, before, ops.get("F", 0.0) / m, ops.get("B", 0.0) / m, origin)
     optimizer, send = _stage_overheads(plan, sp, ops, before)
     sources.update({"optimizer": origin, "message_send": origin})
-    recv = before.message_recv if before is not None else None
-    if recv is not None and prior is not None:
+    recv = _receive_fit(plan, sp, cpu, before)
+    if recv is not None and cpu is not None and any(op in cpu for op in RECV_OPS):
+        sources["message_recv"] = origin + " (CPU time)"
+    elif recv is not None and prior is not None:
         sources["message_recv"] = prior.origin or "profile"
     return DeviceProfile(
         device=sp.device, host=sp.host, type=sp.device_type, backend=sp.backend, dtype=sp.dtype,

@@ -10,6 +10,7 @@ the *global* gradient norm (every stage's squared norm summed by the coordinator
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from hetero.errors import TrainingDivergedError, WireError
 from hetero.program import Action
-from hetero.protocol import GradNorm, Record
+from hetero.protocol import Act, Grad, GradNorm, Record
 from hetero.runtime.run.data import IGNORE_INDEX
 from hetero.runtime.stage.lora import peft_key
 from hetero.runtime.stage.lr import make_scheduler
@@ -32,6 +33,7 @@ from hetero.security import COORDINATOR, stage_name
 from hetero.specs import TrainSpec
 
 COMPUTE_OPS = ("F", "B", "STEP")  # what counts as a stage's busy time; the rest is waiting or sending
+CPU_TIMED_OPS = ("RA", "F", "SA", "RG", "B", "SG", "STEP")  # a CPU stage also records their process CPU time
 
 
 def build_optimizer(params: list[torch.nn.Parameter], train: TrainSpec) -> tuple[Any, Any]:
@@ -87,12 +89,22 @@ class StepStats:
     busy_s: float  # F + B + optimizer time
     wall_s: float
     op_time_s: dict[str, float] = field(default_factory=dict)  # per action type
+    # A CPU stage's process CPU seconds in F, B and STEP: its own work, without the waits for a core that a host
+    # with fewer cores than its stages' threads adds to the wall times (runtime/run/run_profile.py).
+    op_cpu_s: dict[str, float] = field(default_factory=dict)
+    # Per received kind ("act", "grad"): median seconds from the sender's hand-off to holding the message, over the
+    # messages this stage was already waiting for (a queued one's time on the link is unknown).
+    link_s: dict[str, float] = field(default_factory=dict)
     telemetry: dict[str, Any] | None = None  # the device's clocks/temperature after the step (GPUs with NVML/amdsmi)
 
     def to_meta(self) -> dict[str, Any]:
         meta = {"step": self.step, "loss_sum": self.loss_sum, "num_label_tokens": self.num_label_tokens,
                 "grad_sumsq": self.grad_sumsq, "lr": self.lr, "busy_s": self.busy_s, "wall_s": self.wall_s,
                 "op_time_s": dict(self.op_time_s)}
+        if self.op_cpu_s:
+            meta["op_cpu_s"] = dict(self.op_cpu_s)
+        if self.link_s:
+            meta["link_s"] = dict(self.link_s)
         return meta if self.telemetry is None else {**meta, "telemetry": self.telemetry}
 
 
@@ -139,6 +151,7 @@ class Executor:
         self._grad_sumsq = 0.0
         self._lr = 0.0
         self._clip_wait = 0.0
+        self._deliveries: dict[str, list[float]] = defaultdict(list)
 
     # -- one step ---------------------------------------------------------------------------------
 
@@ -150,11 +163,15 @@ class Executor:
         start = time.perf_counter()
         self._step_inputs(step)  # waiting for data is not compute: timed on its own
         times["data_wait"] = time.perf_counter() - start
+        cpu: dict[str, float] = defaultdict(float)
+        on_cpu = self.stage.device.type == "cpu"
         for action in self.program:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time() if on_cpu else 0.0
             self._handlers[action.op](step, action.mb)
             t1 = time.perf_counter()
             times[action.op] += t1 - t0
+            if on_cpu and action.op in CPU_TIMED_OPS:
+                cpu[action.op] += time.process_time() - c0
             for observe in self.action_observers:
                 observe(self.stage.index, action.op, step, action.mb, t0, t1)
         wall = time.perf_counter() - start
@@ -172,6 +189,8 @@ class Executor:
             busy_s=sum(times[op] for op in COMPUTE_OPS) - self._clip_wait,
             wall_s=wall,
             op_time_s=dict(times),
+            op_cpu_s=dict(cpu),
+            link_s={kind: statistics.median(v) for kind, v in self._deliveries.items() if v},
             telemetry=sample_telemetry(self.telemetry),  # after the step's timings: not part of them
         )
 
@@ -182,8 +201,19 @@ class Executor:
         if self.stage.device.type == "cuda":
             torch.cuda.synchronize(self.stage.device)
 
+    def _timed_recv(self, kind: str, step: int, mb: int, sender: str | None) -> Any:
+        """Receive an act or grad; when it was sent after this stage began waiting, note how long it took from
+        the sender's hand-off to here (encode, link, decode; on one clock across hosts only up to their offset,
+        which averaging the two directions of a link cancels: runtime/run/run_profile.py)."""
+        waiting = time.time()
+        msg = self.wire.recv(kind, step=step, mb=mb, sender=sender)
+        sent = msg.meta.get("sent")
+        if isinstance(sent, float) and sent >= waiting:
+            self._deliveries[kind].append(time.time() - sent)
+        return msg
+
     def _recv_activation(self, step: int, mb: int) -> None:
-        msg = self.wire.recv("act", step=step, mb=mb, sender=self.prev)
+        msg = self._timed_recv("act", step, mb, self.prev)
         x = msg.tensors["h"].to(self.stage.device, self.stage.dtype)  # cast: a bf16 peer can feed fp16
         self._inputs[mb] = x.requires_grad_(True)
 
@@ -222,10 +252,10 @@ class Executor:
     def _send_activation(self, step: int, mb: int) -> None:
         out = self._outputs[mb].detach()
         _check_finite(out, "activations", self.stage.index, step, mb)
-        self.wire.send(self.next, "act", step=step, mb=mb, tensors={"h": out})
+        self.wire.send(self.next, Act(sent=time.time()), step=step, mb=mb, tensors={"h": out})
 
     def _recv_grad(self, step: int, mb: int) -> None:
-        msg = self.wire.recv("grad", step=step, mb=mb, sender=self.next)
+        msg = self._timed_recv("grad", step, mb, self.next)
         out = self._outputs[mb]
         self._grads[mb] = msg.tensors["g"].to(out.device, out.dtype)
 
@@ -247,7 +277,7 @@ class Executor:
         x = self._inputs.pop(mb)
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
         _check_finite(grad, "input gradients", self.stage.index, step, mb)
-        self.wire.send(self.prev, "grad", step=step, mb=mb, tensors={"g": grad})
+        self.wire.send(self.prev, Grad(sent=time.time()), step=step, mb=mb, tensors={"g": grad})
 
     def _optimizer_step(self, step: int, mb: int) -> None:
         if self.replicated:

@@ -1,0 +1,149 @@
+"""CPU stages that share too few cores: the fleet knows a host's cores, the simulator lets no more stages compute
+at once than the host has cores, and a run's profile prices such a stage by its own CPU time, not by a wall time
+that includes its waits for a core (planner/simulator.py CoreShare, runtime/run/run_profile.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hetero.errors import ConfigError
+from hetero.planner.schedules import programs_for
+from hetero.planner.simulator import CoreShare, core_share, simulate
+from hetero.specs import ModelSpec
+
+
+def _most_at_once(events, stages: list[int]) -> int:
+    """The most compute actions of ``stages`` running at one instant of a timeline."""
+    spans = [(e.start_s, e.end_s) for e in events if e.op in ("F", "B") and e.stage in stages]
+    return max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_three_stages_on_two_cores_never_compute_three_at_once(schedule: str) -> None:
+    """The step is at least the host's work over its cores, no instant has more than 2 computing, and a host with
+    enough cores is the plain simulation."""
+    m, f, b = 8, 1.0, 2.0
+    programs = programs_for(schedule, 3, m)
+    alone = simulate(programs, [f] * 3, [b] * 3, [0.01] * 3)
+    assert _most_at_once(alone.events, [0, 1, 2]) == 3  # each stage on its own core overlaps all three
+    share = core_share(["h", "h", "h"], [1, 1, 1], {"h": 2})
+    assert share == CoreShare((0, 0, 0), (1, 1, 1), (2,))
+    shared = simulate(programs, [f] * 3, [b] * 3, [0.01] * 3, cores=share)
+    assert _most_at_once(shared.events, [0, 1, 2]) == 2
+    assert shared.step_time_s >= 3 * m * (f + b) / 2 - 1e-9  # the host's work over its 2 cores
+    assert shared.step_time_s > alone.step_time_s * 1.2
+    assert core_share(["h", "h", "h"], [1, 1, 1], {"h": 3}) is None
+    assert core_share(["h", "h", "h"], [1, 1, 1], {}) is None  # cores not known: nobody waits
+
+
+def test_only_cpu_stages_on_a_short_host_share() -> None:
+    """A GPU stage (no threads) and a stage on a roomy host compete with nobody; need is capped at the cores."""
+    share = core_share(["a", "a", "a", "b"], [0, 4, 4, 1], {"a": 6, "b": 8})
+    assert share == CoreShare((-1, 0, 0, -1), (0, 4, 4, 1), (6,))
+    programs = programs_for("1f1b", 4, 4)
+    timeline = simulate(programs, [1.0] * 4, [2.0] * 4, [0.0] * 4, cores=share)
+    assert _most_at_once(timeline.events, [1, 2]) == 1  # 4 + 4 threads on 6 cores: one at a time
+    with pytest.raises(Exception, match="core-share"):
+        simulate(programs, [1.0] * 4, [2.0] * 4, [0.0] * 4, cores=CoreShare((0,), (1,), (1,)))
+
+
+def _fleet(hosts: list[dict]):
+    from hetero.hardware import build_cluster, load_device_types
+
+    return build_cluster({"name": "f", "hosts": hosts}, load_device_types())
+
+
+def test_a_hosts_cores_come_from_the_fleet_or_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cores:`` in the fleet file is the host's; default threads split it; without it the host has this
+    machine's cores only where a stage took its threads from them; a bad value is one line."""
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    local = _fleet([{"name": "l", "devices": [{"type": "cpu", "count": 3}]}])
+    assert local.hosts[0].cores == 2 and [d.threads for d in local.devices] == [1, 1, 1]
+    declared = _fleet([{"name": "r", "address": "10.0.0.2", "cores": 16, "devices": [{"type": "cpu", "count": 2}]}])
+    assert declared.hosts[0].cores == 16 and [d.threads for d in declared.devices] == [8, 8]
+    explicit = _fleet([{"name": "r", "devices": [{"type": "cpu", "threads": 4}]}])
+    assert explicit.hosts[0].cores is None  # threads given, cores not: not known
+    with pytest.raises(ConfigError, match=r"hosts\[0\]\.cores"):
+        _fleet([{"name": "r", "cores": 0, "devices": [{"type": "cpu"}]}])
+
+
+def test_the_planner_prices_the_shared_cores(monkeypatch: pytest.MonkeyPatch, tiny_spec: ModelSpec) -> None:
+    """The same three one-thread stages on a 2-core host simulate slower than on a host said to have 3 cores, and
+    the simulator's lower bound still holds."""
+    from hetero.compiler.trace import trace
+    from hetero.planner.baselines import predict
+    from hetero.planner.cost import build_cost_table
+    from hetero.planner.cost_model import RooflineCostModel
+    from hetero.planner.objective import Placement, evaluate, split_spans
+    from hetero.planner.simbound import lower_bound_s
+    from hetero.specs import PlannerOptions, TrainSpec
+
+    graph = trace(tiny_spec)
+    train = TrainSpec(micro_batch_size=4, num_micro_batches=8)
+    steps = {}
+    for cores in (2, 3):
+        cluster = _fleet([{"name": "l", "cores": cores, "devices": [{"type": "cpu", "threads": 1, "count": 3}]}])
+        table = build_cost_table(graph, tiny_spec, cluster, train, PlannerOptions(), RooflineCostModel())
+        decoders = [i for i, n in enumerate(graph.nodes) if n.kind == "decoder"]
+        placement = Placement((0, 1, 2), tuple(split_spans(len(graph.nodes), [len(decoders) // 3, len(decoders) // 3, len(decoders) - 2 * (len(decoders) // 3)], decoders)))
+        ev = evaluate(table, placement)
+        assert (ev.cores is not None) == (cores == 2)
+        steps[cores] = predict(table, ev)[0].step_time_s
+        assert lower_bound_s(table, ev) <= steps[cores] + 1e-12
+    assert steps[2] > steps[3] * 1.2
+
+
+def _three_stage_plan(monkeypatch: pytest.MonkeyPatch, tiny_spec: ModelSpec):
+    import os
+
+    from hetero.compiler.trace import trace
+    from hetero.planner import plan as make_plan
+    from hetero.specs import DataSpec, PlannerOptions, TrainSpec
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    cluster = _fleet([{"name": "localhost", "devices": [{"type": "cpu", "count": 3}]}])
+    return make_plan(tiny_spec, trace(tiny_spec), cluster, TrainSpec(micro_batch_size=4, num_micro_batches=4),
+                     DataSpec(), PlannerOptions(num_stages=3, time_limit_s=10))
+
+
+def test_a_shared_core_stage_is_profiled_by_its_cpu_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                         tiny_spec: ModelSpec) -> None:
+    """Three one-thread stages on 2 cores: the run's profile takes F, B, sends and the optimizer from the CPU time
+    (the wall time waited for a core), a receive's cost from its CPU time, and says so; a step without CPU times
+    keeps the wall times."""
+    from hetero.runtime.run.run_profile import run_profile, shared_core_stages
+
+    plan = _three_stage_plan(monkeypatch, tiny_spec)
+    assert plan.cluster.hosts[0].cores == 2 and shared_core_stages(plan) == {0, 1, 2}
+    wall = {"F": 0.4, "B": 0.8, "SA": 0.01, "SG": 0.01, "RA": 0.3, "RG": 0.3, "STEP": 0.05, "clip_wait": 0.01}
+    cpu = {"F": 0.2, "B": 0.5, "SA": 0.004, "SG": 0.004, "RA": 0.002, "RG": 0.006, "STEP": 0.02}
+    lines = [{"step": s, "stage_ops": [wall] * 3, "stage_cpu_ops": [cpu] * 3} for s in range(3)]
+    prof = run_profile(plan, tmp_path, lines)
+    assert prof is not None
+    tokens = 4 * tiny_spec.seq_len
+    for sp in plan.stages:
+        dev = prof.device(sp.device)
+        assert dev is not None
+        kinds = [plan.graph.nodes[i].kind for i in range(sp.first_node, sp.last_node + 1)]
+        fwd = sum(dev.layers[kind].fwd.at(tokens) for kind in kinds)
+        assert fwd == pytest.approx(cpu["F"] / 4)  # per micro-batch, from the CPU time
+        lora = sum(plan.graph.nodes[i].lora_params for i in range(sp.first_node, sp.last_node + 1))
+        assert dev.optimizer is not None and dev.optimizer.at(lora) == pytest.approx(cpu["STEP"])
+        receives = sum(1 for a in sp.actions() if a.op in ("RA", "RG"))
+        if receives:
+            assert dev.message_recv is not None
+            assert dev.message_recv.at(dev.message_recv.samples[0][0]) == pytest.approx(
+                sum(cpu[op] for op in ("RA", "RG") if any(a.op == op for a in sp.actions())) / receives)
+            assert "CPU time" in dev.sources["message_recv"]
+        assert "CPU time" in dev.sources["decoder"]
+    older = [{"step": s, "stage_ops": [wall] * 3} for s in range(3)]
+    prof = run_profile(plan, tmp_path, older)
+    assert prof is not None
+    dev = prof.device(plan.stages[0].device)
+    assert dev is not None
+    kinds = [plan.graph.nodes[i].kind for i in range(plan.stages[0].first_node, plan.stages[0].last_node + 1)]
+    assert sum(dev.layers[kind].fwd.at(tokens) for kind in kinds) == pytest.approx(wall["F"] / 4)

@@ -385,6 +385,9 @@ def compute_input_hash(plan: Plan) -> str:
     cluster = canonical(ClusterSpec, plan.cluster)
     for host in cluster["hosts"]:
         del host["ssh"]  # how `hetero run` reaches a host is not placement (and may be added to plan.json)
+        for key in ("cores", "usable_cores"):  # unset: plans from before host cores keep their hash
+            if host.get(key) is None:
+                host.pop(key, None)
     payload = {
         "model": canonical(ModelSpec, plan.model),
         "cluster": cluster,

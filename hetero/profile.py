@@ -26,9 +26,10 @@ from hetero.errors import ConfigError
 from hetero.serde import check_schema_version, from_dict, read_versioned_json, to_dict
 from hetero.specs import ClusterSpec, ModelSpec
 
-# v2 added what a run records (Profile.origin, DeviceProfile.sources); v1 files load unchanged.
-PROFILE_SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# v2 added what a run records (Profile.origin, DeviceProfile.sources); v3 the cores a run's CPU stages got
+# (Profile.host_cores). Older files load unchanged.
+PROFILE_SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 _REPROFILE = "re-run `hetero profile`"
 LAYER_KINDS = ("embedding", "decoder", "norm", "head")
 MEASURED_PARTS = (*LAYER_KINDS, "optimizer", "messages")  # what a device's profile reports progress on
@@ -148,6 +149,9 @@ class Profile:
     hetero_version: str = __version__
     schema_version: int = PROFILE_SCHEMA_VERSION
     origin: str = ""  # "" : `hetero profile`; a run's profile: "run <dir>, step N" (what plans cite)
+    # v3: per host whose CPU stages had more threads than it has cores, the cores they got in the run
+    # (runtime/run/run_profile.py: the replay of the run's own work that matches its step time).
+    host_cores: dict[str, float] = field(default_factory=dict)
 
     def device(self, name: str) -> DeviceProfile | None:
         return next((d for d in self.devices if d.device == name), None)
@@ -197,8 +201,8 @@ def load_merged(paths: str) -> Profile:
 
 
 def _upgraded(data: Any) -> Any:
-    """A v1 profile as v2: the fields v2 added have defaults, so only the version number changes."""
-    if isinstance(data, dict) and data.get("schema_version") == 1:
+    """A v1 or v2 profile as v3: the fields v2 and v3 added have defaults, so only the version number changes."""
+    if isinstance(data, dict) and data.get("schema_version") in (1, 2):
         return {**data, "schema_version": PROFILE_SCHEMA_VERSION}
     return data
 
@@ -243,7 +247,8 @@ def merge_profiles(profiles: list[Profile]) -> Profile:
     links = list(head.links)
     for p in ranked[1:]:
         links += [lk for lk in p.links if not any({x.a, x.b} == {lk.a, lk.b} for x in links)]
-    return replace(head, devices=devices, links=links, notes=notes,
+    host_cores = {h: c for p in reversed(ranked) for h, c in p.host_cores.items()}  # the winner's last: it stays
+    return replace(head, devices=devices, links=links, notes=notes, host_cores=host_cores,
                    origin=" + ".join(p.origin or "profile" for p in ranked))
 
 

@@ -119,6 +119,9 @@ class HostSpec:
     # CPU cores its CPU stages share (fleet file ``cores:``; else this machine's count where a CPU stage took its
     # threads from it; None: not known). Stages whose threads exceed it compute in turns (planner/simulator.py).
     cores: int | None = None
+    # Of those, what its CPU stages got in a measured run (a profile's ``host_cores``; the rest went to the OS, the
+    # sockets' I/O threads and the coordinator). Set by the planner from a profile; None: all of them.
+    usable_cores: float | None = None
 
 
 @dataclass(frozen=True)

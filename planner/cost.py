@@ -90,6 +90,7 @@ class CostTable:
     # [host] its cores (0: not known). Unset: nobody shares (planner/simulator.py's CoreShare).
     core_need: list[int] = field(default_factory=list)
     host_cores: list[int] = field(default_factory=list)
+    host_usable_cores: list[float] = field(default_factory=list)  # per [host]: measured by a run (0: all of them)
     # The fleet's devices, for names in plans and messages; solvers never read them (may be empty).
     devices: list[DeviceSpec] = field(default_factory=list)
     _prefix: dict[int, tuple[list[float], list[int], list[float]]] = field(
@@ -131,6 +132,7 @@ class CostTable:
                                   else [[0.0] * hosts for _ in range(hosts)])
         self.core_need = [int(x) for x in self.core_need] or [0] * nd
         self.host_cores = [int(x) for x in self.host_cores] or [0] * hosts
+        self.host_usable_cores = [float(x) for x in self.host_usable_cores] or [0.0] * len(self.host_cores)
         if len(self.core_need) != nd or len(self.host_cores) < hosts:
             raise ValueError("CostTable.core_need needs one entry per device and host_cores one per host")
         short = [(len(self.link_s), n), (len(self.message_send_s), n), (len(self.message_recv_s), n),
@@ -390,5 +392,6 @@ def build_cost_table(
         reduce_s_per_byte=links.reduce_s_per_byte,
         core_need=[(d.threads or 1) if d.backend == "cpu" else 0 for d in devices],
         host_cores=[h.cores or 0 for h in cluster.hosts],
+        host_usable_cores=[h.usable_cores or 0.0 for h in cluster.hosts],
         devices=devices,
     )

@@ -211,7 +211,8 @@ def placement_cores(table: CostTable, devices: tuple[int, ...] | list[int]) -> C
         return None
     hosts = [str(table.host_of[d]) for d in devices]
     cores = {str(h): c for h, c in enumerate(table.host_cores) if c > 0}
-    return core_share(hosts, [table.core_need[d] for d in devices], cores)
+    usable = {str(h): c for h, c in enumerate(table.host_usable_cores) if c > 0}
+    return core_share(hosts, [table.core_need[d] for d in devices], cores, usable)
 
 
 def stage_overheads(table: CostTable, placement: Placement) -> tuple[list[dict[str, float]], list[float]]:

@@ -127,6 +127,22 @@ class ProfileCostModel:
             "" if len(parts) == 2 else f"; {'receive' if parts[0][0] == 'send' else 'send'}: roofline (not measured)")
         return send, recv
 
+    def with_usable_cores(self, cluster: ClusterSpec) -> ClusterSpec:
+        """The fleet with each host's ``usable_cores`` as a run measured them (hosts whose CPU stages shared too few
+        cores: docs/profiling.md), the source of each noted."""
+        if not self.profile.host_cores:
+            return cluster
+        from dataclasses import replace
+
+        hosts = []
+        for h in cluster.hosts:
+            got = self.profile.host_cores.get(h.name)
+            if got is not None and h.cores and 0 < got <= h.cores:
+                self.sources[f"cores {h.name}"] = f"{self.profile.origin or 'profile'} ({got:.2f} of {h.cores} cores)"
+                h = replace(h, usable_cores=float(got))
+            hosts.append(h)
+        return replace(cluster, hosts=hosts)
+
     def usable_memory_gb(self, device: DeviceSpec) -> float | None:
         """The device's measured free memory, when the profile has it."""
         dev = self.profile.device(device.name)

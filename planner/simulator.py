@@ -15,13 +15,9 @@ on the order in which stages are advanced, so the simulator just advances every 
 can and repeats; if no stage can move and some are unfinished, the programs deadlock.
 
 Shared CPU cores (``cores``, a CoreShare): CPU stages on one host whose threads together exceed the
-host's cores cannot all compute at once. A compute action of such a stage then starts only when its
-threads are free on the host's core calendar (the earliest gap at or after the stage is ready), so
-the host's compute never exceeds its cores; its duration is the stage's own (uncontended) time. This
-is a reservation model of what the OS does by time slicing: the step's total and the overlap are the
-same, who waits differs. With shared cores the order of advancing does matter a little (an earlier
-stage books its cores first); the lower bound of planner/simbound.py stays a bound, since sharing
-only delays actions.
+host's cores cannot all compute at once; the OS time-slices them. Stage clocks are then no longer
+independent, and planner/simshare.py replays the same programs in one global clock with processor
+sharing.
 """
 
 from __future__ import annotations
@@ -65,12 +61,14 @@ class CoreShare:
 
     group: tuple[int, ...]  # per stage: its host's index in ``cores``, or -1 (competes with nobody)
     need: tuple[int, ...]  # per stage: the cores one of its compute actions holds (its threads)
-    cores: tuple[int, ...]  # per group: the host's cores
+    cores: tuple[float, ...]  # per group: the cores the host's stages get (a run may have measured fewer)
 
 
-def core_share(hosts: list[str], need: list[int], cores: dict[str, int]) -> CoreShare | None:
+def core_share(hosts: list[str], need: list[int], cores: dict[str, int],
+               usable: dict[str, float] | None = None) -> CoreShare | None:
     """Which of these stages (on ``hosts``, each holding ``need`` cores; 0: not a CPU stage) share too few
-    cores: those whose host (``cores``: known core counts) has fewer cores than its stages' threads."""
+    cores: those whose host (``cores``: known core counts) has fewer cores than its stages' threads; they
+    share the host's ``usable`` cores where a run measured them, else all its cores."""
     demand: dict[str, int] = {}
     for h, n in zip(hosts, need, strict=True):
         demand[h] = demand.get(h, 0) + n
@@ -79,30 +77,7 @@ def core_share(hosts: list[str], need: list[int], cores: dict[str, int]) -> Core
         return None
     group = tuple(short.index(h) if h in short and n > 0 else -1 for h, n in zip(hosts, need, strict=True))
     return CoreShare(group, tuple(min(n, cores[h]) if h in short else n for h, n in zip(hosts, need, strict=True)),
-                     tuple(cores[h] for h in short))
-
-
-class _CoreCalendar:
-    """One host's booked compute: (start, end, cores) intervals; a booking goes in the earliest gap."""
-
-    def __init__(self, cores: int) -> None:
-        self.cores = cores
-        self.booked: list[tuple[float, float, int]] = []
-
-    def book(self, ready: float, duration: float, need: int) -> float:
-        """Book ``need`` cores for ``duration`` seconds at the earliest start >= ``ready`` with room; the start."""
-        if duration <= 0.0 or need <= 0:
-            return ready
-        for start in sorted({ready, *(e for _, e, _ in self.booked if e > ready)}):
-            if self._peak(start, start + duration) + need <= self.cores:
-                self.booked.append((start, start + duration, need))
-                return start
-        raise AssertionError("unreachable: the last booking's end always has room")
-
-    def _peak(self, a: float, b: float) -> int:
-        """The most cores booked at any instant of [a, b)."""
-        points = [a, *(s for s, _, _ in self.booked if a < s < b)]
-        return max(sum(n for s, e, n in self.booked if s <= p < e) for p in points)
+                     tuple(float((usable or {}).get(h) or cores[h]) for h in short))
 
 
 def _name(k: int, a: Action) -> str:
@@ -181,11 +156,8 @@ class _Simulation:
     forwarded and backwarded, when each link is free, and the events so far."""
 
     def __init__(self, programs: list[list[Action]], fwd_s: list[float], bwd_s: list[float], send_s: list[float],
-                 over: list[dict[str, float]], sync: list[float], cores: CoreShare | None = None) -> None:
+                 over: list[dict[str, float]], sync: list[float]) -> None:
         num_stages = len(programs)
-        self.cores = cores
-        self.calendars = [_CoreCalendar(c) for c in cores.cores] if cores is not None else []
-        self.started = 0.0  # the start of the compute action just executed (after any wait for cores)
         self.programs, self.fwd_s, self.bwd_s, self.send_s = programs, fwd_s, bwd_s, send_s
         self.over, self.sync, self.last = over, sync, num_stages - 1
         self.pc = [0] * num_stages
@@ -243,8 +215,7 @@ class _Simulation:
         else:
             raise ScheduleError(f"{_name(k, a)}: unknown action")
         if a.op not in ("SA", "SG"):  # a send's event is its time on the link, recorded by the send
-            start = self.started if a.op in ("F", "B") else t
-            self.events.append(Event(k, a.op, a.mb, start, self.clock[k]))
+            self.events.append(Event(k, a.op, a.mb, t, self.clock[k]))
         self.pc[k] += 1
         return True
 
@@ -261,7 +232,7 @@ class _Simulation:
         """Run a forward: its activation must have been received (but on stage 0)."""
         if k > 0 and a.mb not in self.received_act[k]:
             raise ScheduleError(f"{_name(k, a)} runs before its activation is received (RA{a.mb})")
-        self.clock[k] = self._compute_start(k, t, self.fwd_s[k]) + self.fwd_s[k]
+        self.clock[k] = t + self.fwd_s[k]
         self.busy[k] += self.fwd_s[k]
         self.forwarded[k].add(a.mb)
         self.peak[k] = max(self.peak[k], len(self.forwarded[k] - self.backwarded[k]))
@@ -272,22 +243,13 @@ class _Simulation:
             raise ScheduleError(f"{_name(k, a)} runs before F{a.mb}")
         if k < self.last and a.mb not in self.received_grad[k]:
             raise ScheduleError(f"{_name(k, a)} runs before its gradient is received (RG{a.mb})")
-        self.clock[k] = self._compute_start(k, t, self.bwd_s[k]) + self.bwd_s[k]
+        self.clock[k] = t + self.bwd_s[k]
         self.busy[k] += self.bwd_s[k]
         self.backwarded[k].add(a.mb)
 
-    def _compute_start(self, k: int, t: float, duration: float) -> float:
-        """When stage k's compute ready at ``t`` starts: at once, or when its host has the cores free."""
-        g = self.cores.group[k] if self.cores is not None else -1
-        self.started = t if g < 0 else self.calendars[g].book(t, duration, self.cores.need[k])  # type: ignore[union-attr]
-        return self.started
-
     def _overhead(self, k: int, t: float, op: str) -> float:
-        """When stage k's CPU work for ``op`` (a message's encode or decode, the optimizer) ready at ``t`` ends:
-        it holds one of the host's cores too where the stage shares them."""
-        d = self.over[k].get(op, 0.0)
-        g = self.cores.group[k] if self.cores is not None else -1
-        return (t if g < 0 else self.calendars[g].book(t, d, 1)) + d  # type: ignore[union-attr]
+        """When stage k's CPU work for ``op`` (a message's encode or decode, the optimizer) ready at ``t`` ends."""
+        return t + self.over[k].get(op, 0.0)
 
     def _send_activation(self, k: int, a: Action, t: float) -> None:
         """Encode, then queue on the link to stage k+1 (one tensor at a time, in program order)."""
@@ -338,7 +300,11 @@ def simulate(
     _validate_static(programs)
     if cores is not None and not (len(cores.group) == len(cores.need) == len(programs)):
         raise ScheduleError(f"{len(programs)} programs need {len(programs)} core-share entries, got {len(cores.group)}")
-    run = _Simulation(programs, fwd_s, bwd_s, send_s, over, sync, cores)
+    if cores is not None:
+        from hetero.planner.simshare import SharedSimulation
+
+        return SharedSimulation(programs, fwd_s, bwd_s, send_s, over, sync, cores).run()
+    run = _Simulation(programs, fwd_s, bwd_s, send_s, over, sync)
     run.run()
     return run.timeline()
 
@@ -396,16 +362,21 @@ def simulate_plan(plan: Plan) -> Timeline:
     return combine_replicas(timelines, plan.prediction.reduce_s if len(timelines) > 1 else 0.0)
 
 
-def plan_core_share(plan: Plan, stages: list[int]) -> CoreShare | None:
-    """The CPU cores these stages of a plan (one replica) share, from its fleet's hosts' ``cores``."""
+def plan_core_share(plan: Plan, stages: list[int], usable: dict[str, float] | None = None) -> CoreShare | None:
+    """The CPU cores these stages of a plan (one replica) share, from its fleet's hosts' ``cores`` and
+    ``usable_cores`` (``usable``: others instead)."""
     cores = {h.name: h.cores for h in plan.cluster.hosts if h.cores}
     if not cores:
         return None
+    if usable is None:
+        usable = {h.name: h.usable_cores for h in plan.cluster.hosts if h.usable_cores}
     sps = [plan.stages[k] for k in stages]
-    return core_share([s.host for s in sps], [(s.threads or 1) if s.backend == "cpu" else 0 for s in sps], cores)
+    return core_share([s.host for s in sps], [(s.threads or 1) if s.backend == "cpu" else 0 for s in sps], cores,
+                      usable)
 
 
-def replay_run(plan: Plan, timings: list[dict[str, float]], *, decontended: bool = False) -> Timeline:
+def replay_run(plan: Plan, timings: list[dict[str, float]], *, decontended: bool = False,
+               usable: dict[str, float] | None = None) -> Timeline:
     """The plan's programs run with a finished run's own per-action times instead of the predicted ones.
 
     ``timings[k]`` is stage k's seconds per op in one step (medians over the steps, as the run
@@ -415,7 +386,9 @@ def replay_run(plan: Plan, timings: list[dict[str, float]], *, decontended: bool
     compute estimates were off (re-profile); if the replay is off too, the run lost time the
     simulator does not model. ``decontended``: the F and B times are each stage's own (its CPU time on
     a host with too few cores, see runtime/run/run_profile.py), so the replay shares the cores itself;
-    else they are wall times that already include the sharing.
+    else they are wall times that already include the sharing (``usable``: the cores each host's stages get,
+    instead of the plan's). A timing's ``RA_own``/``RG_own`` (a receive's own CPU time per step) replace the
+    plan's decode costs.
     """
     if len(timings) != len(plan.stages):
         raise ScheduleError(f"the run has timings for {len(timings)} stages but the plan has {len(plan.stages)}")
@@ -426,7 +399,8 @@ def replay_run(plan: Plan, timings: list[dict[str, float]], *, decontended: bool
         times = [timings[k] for k in rep.stages]
         overhead = [{"SA": t.get("SA", 0.0) / m, "SG": t.get("SG", 0.0) / m,
                      "STEP": max(0.0, t.get("STEP", 0.0) - t.get("clip_wait", 0.0)),
-                     "RA": sp.overhead_s.get("RA", 0.0), "RG": sp.overhead_s.get("RG", 0.0)}
+                     "RA": t["RA_own"] / m if "RA_own" in t else sp.overhead_s.get("RA", 0.0),
+                     "RG": t["RG_own"] / m if "RG_own" in t else sp.overhead_s.get("RG", 0.0)}
                     for t, sp in zip(times, stages, strict=True)]
         timelines.append(simulate(
             [sp.actions() for sp in stages],
@@ -435,6 +409,6 @@ def replay_run(plan: Plan, timings: list[dict[str, float]], *, decontended: bool
             [sp.send_time_s for sp in stages],
             overhead_s=overhead,
             sync_s=[sp.step_sync_s for sp in stages],
-            cores=plan_core_share(plan, rep.stages) if decontended else None,
+            cores=plan_core_share(plan, rep.stages, usable) if decontended else None,
         ))
     return combine_replicas(timelines, plan.prediction.reduce_s if len(timelines) > 1 else 0.0)

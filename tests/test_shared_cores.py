@@ -14,28 +14,26 @@ from hetero.planner.simulator import CoreShare, core_share, simulate
 from hetero.specs import ModelSpec
 
 
-def _most_at_once(events, stages: list[int]) -> int:
-    """The most compute actions of ``stages`` running at one instant of a timeline."""
-    spans = [(e.start_s, e.end_s) for e in events if e.op in ("F", "B") and e.stage in stages]
-    return max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans)
-
-
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_three_stages_on_two_cores_never_compute_three_at_once(schedule: str) -> None:
-    """The step is at least the host's work over its cores, no instant has more than 2 computing, and a host with
-    enough cores is the plain simulation."""
+def test_three_stages_on_two_cores_share_them(schedule: str) -> None:
+    """Processor sharing: the step is at least the host's work over its cores and at most the unshared step
+    slowed by the oversubscription (3 threads on 2 cores: 1.5x); a host with enough cores is the plain
+    simulation; an action that overlaps nothing is not slowed."""
     m, f, b = 8, 1.0, 2.0
     programs = programs_for(schedule, 3, m)
     alone = simulate(programs, [f] * 3, [b] * 3, [0.01] * 3)
-    assert _most_at_once(alone.events, [0, 1, 2]) == 3  # each stage on its own core overlaps all three
     share = core_share(["h", "h", "h"], [1, 1, 1], {"h": 2})
     assert share == CoreShare((0, 0, 0), (1, 1, 1), (2,))
     shared = simulate(programs, [f] * 3, [b] * 3, [0.01] * 3, cores=share)
-    assert _most_at_once(shared.events, [0, 1, 2]) == 2
     assert shared.step_time_s >= 3 * m * (f + b) / 2 - 1e-9  # the host's work over its 2 cores
-    assert shared.step_time_s > alone.step_time_s * 1.2
+    assert alone.step_time_s * 1.2 < shared.step_time_s <= alone.step_time_s * 1.5 + 1e-9
+    first = min((e for e in shared.events if e.op == "F"), key=lambda e: e.start_s)
+    assert first.end_s - first.start_s == pytest.approx(f)  # stage 0's first forward runs alone, at full speed
     assert core_share(["h", "h", "h"], [1, 1, 1], {"h": 3}) is None
     assert core_share(["h", "h", "h"], [1, 1, 1], {}) is None  # cores not known: nobody waits
+    one = programs_for(schedule, 3, 1)  # one micro-batch: the stages never compute at once
+    assert simulate(one, [f] * 3, [b] * 3, [0.01] * 3, cores=share).step_time_s == pytest.approx(
+        simulate(one, [f] * 3, [b] * 3, [0.01] * 3).step_time_s)
 
 
 def test_only_cpu_stages_on_a_short_host_share() -> None:
@@ -44,7 +42,10 @@ def test_only_cpu_stages_on_a_short_host_share() -> None:
     assert share == CoreShare((-1, 0, 0, -1), (0, 4, 4, 1), (6,))
     programs = programs_for("1f1b", 4, 4)
     timeline = simulate(programs, [1.0] * 4, [2.0] * 4, [0.0] * 4, cores=share)
-    assert _most_at_once(timeline.events, [1, 2]) == 1  # 4 + 4 threads on 6 cores: one at a time
+    f1 = next(e for e in timeline.events if e.stage == 1 and e.op == "F" and e.mb == 0)
+    f2 = next(e for e in timeline.events if e.stage == 2 and e.op == "F" and e.mb == 0)
+    assert f1.end_s - f1.start_s == pytest.approx(1.0)  # stage 2 not yet computing: full speed
+    assert f2.end_s - f2.start_s > 1.0  # beside stage 1's work: 8 threads on 6 cores
     with pytest.raises(Exception, match="core-share"):
         simulate(programs, [1.0] * 4, [2.0] * 4, [0.0] * 4, cores=CoreShare((0,), (1,), (1,)))
 
@@ -147,3 +148,69 @@ def test_a_shared_core_stage_is_profiled_by_its_cpu_time(monkeypatch: pytest.Mon
     assert dev is not None
     kinds = [plan.graph.nodes[i].kind for i in range(plan.stages[0].first_node, plan.stages[0].last_node + 1)]
     assert sum(dev.layers[kind].fwd.at(tokens) for kind in kinds) == pytest.approx(wall["F"] / 4)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("seed", range(4))
+def test_with_cores_to_spare_the_global_clock_is_the_plain_simulation(schedule: str, seed: int) -> None:
+    """planner/simshare.py with every stage at full speed reproduces planner/simulator.py exactly: step, events,
+    busy and peak, with message overheads, slow links and the STEP round trip."""
+    import random
+
+    from hetero.planner.simshare import SharedSimulation
+    from hetero.planner.simulator import _check_times
+
+    rng = random.Random(seed)
+    n, m = rng.randint(2, 4), rng.randint(1, 6)
+    programs = programs_for(schedule, n, m)
+    fwd, bwd = [rng.uniform(0.1, 1) for _ in range(n)], [rng.uniform(0.2, 2) for _ in range(n)]
+    send = [rng.choice([0.0, rng.uniform(0, 1.5)]) for _ in range(n)]
+    over = [{op: rng.uniform(0, 0.05) for op in ("RA", "SA", "RG", "SG", "STEP")} for _ in range(n)]
+    sync = [rng.uniform(0, 0.1) for _ in range(n)]
+    plain = simulate(programs, fwd, bwd, send, overhead_s=over, sync_s=sync)
+    o, sy = _check_times(n, fwd, bwd, send, over, sync)
+    roomy = SharedSimulation(programs, fwd, bwd, send, o, sy, CoreShare((0,) * n, (1,) * n, (n,))).run()
+    assert roomy.step_time_s == pytest.approx(plain.step_time_s)
+    key = lambda e: (e.stage, e.op, e.mb)  # noqa: E731
+    for a, b in zip(sorted(plain.events, key=key), sorted(roomy.events, key=key), strict=True):
+        assert key(a) == key(b) and a.start_s == pytest.approx(b.start_s) and a.end_s == pytest.approx(b.end_s)
+    assert roomy.busy_fraction == pytest.approx(plain.busy_fraction)
+    assert roomy.peak_in_flight == plain.peak_in_flight
+
+
+def test_a_run_measures_the_cores_its_shared_host_gave_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                          tiny_spec: ModelSpec) -> None:
+    """Steps slower than the replay of the stages' own work on 2 cores: the profile says how many cores they got
+    (the capacity at which the replay takes as long as the steps), and a plan from that profile predicts those
+    steps for the same split, citing the run; steps no slower than the replay leave all the cores."""
+    from hetero.planner import plan as make_plan
+    from hetero.planner.cost_model import RooflineCostModel
+    from hetero.planner.profile_cost import ProfileCostModel
+    from hetero.planner.simulator import replay_run
+    from hetero.runtime.run.run_profile import own_ops, run_profile
+    from hetero.specs import DataSpec, PlannerOptions, TrainSpec
+
+    plan = _three_stage_plan(monkeypatch, tiny_spec)
+    ops = {"F": 0.3, "B": 0.6, "SA": 0.004, "SG": 0.004, "RA": 0.2, "RG": 0.2, "STEP": 0.03, "clip_wait": 0.01}
+    cpu = {"F": 0.2, "B": 0.4, "SA": 0.004, "SG": 0.004, "RA": 0.003, "RG": 0.003, "STEP": 0.02}
+    base = [{"step": s, "step_time_s": 1.0, "stage_ops": [ops] * 3, "stage_cpu_ops": [cpu] * 3} for s in range(4)]
+    timings = [own_ops(base[1:], k, 1) for k in range(3)]
+    on_two = replay_run(plan, timings, decontended=True).step_time_s
+    slow = [{**line, "step_time_s": on_two * 1.15} for line in base]
+    prof = run_profile(plan, tmp_path, slow)
+    assert prof is not None
+    got = prof.host_cores["localhost"]
+    assert 1.0 < got < 2.0
+    assert replay_run(plan, timings, decontended=True, usable={"localhost": got}).step_time_s == pytest.approx(
+        on_two * 1.15, rel=0.01)
+    fast = run_profile(plan, tmp_path, [{**line, "step_time_s": on_two * 0.9} for line in base])
+    assert fast is not None and fast.host_cores == {"localhost": 2.0}
+
+    split = [sum(1 for i in range(s.first_node, s.last_node + 1) if plan.graph.nodes[i].kind == "decoder")
+             for s in plan.stages]
+    model = ProfileCostModel(prof, RooflineCostModel(), path=str(tmp_path))
+    again = make_plan(tiny_spec, plan.graph, plan.cluster, TrainSpec(micro_batch_size=4, num_micro_batches=4),
+                      DataSpec(), PlannerOptions(split=split, devices=[s.device for s in plan.stages]), model)
+    assert again.cluster.hosts[0].usable_cores == got
+    assert again.cost_sources["cores localhost"].startswith(f"run {tmp_path.resolve()}, step 4")
+    assert again.prediction.step_time_s == pytest.approx(on_two * 1.15, rel=0.05)

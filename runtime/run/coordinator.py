@@ -435,9 +435,11 @@ class Coordinator:
                     self._checkpoint_and_stop(step)
                     return
                 self.transport.rules.step = step  # reports for other steps than this and the next are dropped
-                grad_norm, coef = self._end_step(step, timeout)
-                if step + 1 < train.steps and self.stop_signal is None:  # the next step's data travels early
+                # The next step's data travels while this step computes (every stage is in this step: the last
+                # one's stepdone came), so no stage waits for its batch or labels at the step boundary.
+                if step + 1 < train.steps and self.stop_signal is None:
                     label_tokens[step + 1] = self._send_data(batches, step + 1)
+                grad_norm, coef = self._end_step(step, timeout)
                 done = self._gather("stepdone", step, timeout)
                 now = time.perf_counter()
                 line = metrics_line(self.plan, step, done, grad_norm, coef, label_tokens.pop(step), now - last)

@@ -65,6 +65,8 @@ from hetero.runtime.run.rundir import write_run_file
 PROFILE_FILE = "profile.json"
 SEND_OPS = ("SA", "SG")
 RECV_OPS = ("RA", "RG")
+MIN_CORE_SHARE = 0.25  # a shared host's stages are never said to get less than this share of its cores
+CORE_BISECTIONS = 16
 MIN_TRANSFER_S = 1e-6  # a link's transfer is never taken below this (hand-off minus encode and decode can be ~0)
 
 
@@ -110,6 +112,7 @@ def run_profile(plan: Plan, run_dir: Path, steps: list[dict[str, Any]],
     return Profile(
         fleet=plan.cluster.name, fleet_hash=fleet_hash(plan.cluster), model=plan.model.name,
         model_hash=model_hash(plan.model), devices=devices, links=links, created=now_iso(), origin=origin,
+        host_cores=usable_cores(plan, warm, shared),
         notes=[f"measured by `hetero run` over steps {int(warm[0]['step']) + 1}-{done} ({len(warm)} steps), "
                f"micro_batch_size={plan.train.micro_batch_size}, seq_len={plan.model.seq_len} ({tokens} tokens)",
                f"kind split from: {prior.origin or 'a profile file' if prior else 'the roofline (no profile)'}; links the "
@@ -236,7 +239,38 @@ def own_ops(lines: list[dict[str, Any]], k: int, threads: int | None) -> dict[st
     if "STEP" in ops and "STEP" in cpu:  # the optimizer's own time: the wall minus the clip wait, or the CPU time
         own = ops["STEP"] - ops.get("clip_wait", 0.0)
         ops["STEP"] = ops.get("clip_wait", 0.0) + min(own, cpu["STEP"] / n)
+    ops.update({f"{op}_own": cpu[op] for op in RECV_OPS if op in cpu})  # a receive's own CPU (planner's replay_run)
     return ops
+
+
+def usable_cores(plan: Plan, lines: list[dict[str, Any]], shared: set[int]) -> dict[str, float]:
+    """Per host whose stages share too few cores, the cores they got: the capacity at which the simulator, replaying
+    each stage's own work from these steps, takes as long as the steps took (the rest of the host went to the OS,
+    the sockets' I/O threads and the coordinator). A host where the replay is not faster than the run keeps all."""
+    from hetero.planner.simulator import replay_run
+
+    steps = [float(line["step_time_s"]) for line in lines if "step_time_s" in line]
+    if not shared or not steps:
+        return {}
+    measured = typical(steps)
+    timings = [own_ops(lines, k, plan.stages[k].threads) if k in shared else _stage_ops(lines, k)
+               for k in range(len(plan.stages))]
+    out: dict[str, float] = {}
+    for host in sorted({plan.stages[k].host for k in shared}):
+        cores = float(next(h.cores for h in plan.cluster.hosts if h.name == host) or 1)
+
+        def step(c: float, host: str = host) -> float:
+            return replay_run(plan, timings, decontended=True, usable={host: c}).step_time_s
+
+        lo, hi = cores * MIN_CORE_SHARE, cores
+        if step(hi) >= measured or step(lo) <= measured:
+            out[host] = hi if step(hi) >= measured else lo
+            continue
+        for _ in range(CORE_BISECTIONS):  # the step grows as the cores shrink
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if step(mid) > measured else (lo, mid)
+        out[host] = round((lo + hi) / 2, 3)
+    return out
 
 
 def _receive_fit(plan: Plan, sp: StagePlan, cpu: dict[str, float] | None, before: DeviceProfile | None

@@ -1,6 +1,6 @@
 """Does a profiled plan predict reality, and does it move layers off a slowed stage? (this CPU)
 
-    python bench/bench_prediction.py [--steps 6] [--table-steps 20] [--repeats 2] [--out DIR]
+    python bench/bench_prediction.py [--steps 6] [--table-steps 20] [--repeats 2] [--rounds 5] [--out DIR]
 
 Part 1, the tiny model: for 2 and 3 local stages and 4 and 16 micro-batches, `hetero profile`,
 `hetero compile profile=...`, `hetero run`, then measured / predicted (median step after the
@@ -309,7 +309,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="steps per W1 run (part 2)")
     ap.add_argument("--table-steps", type=int, default=20, help="steps per tiny-model run (part 1)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each plan in the slowed-stage case")
-    ap.add_argument("--rounds", type=int, default=3, help="profile+compile+run rounds per stage count (part 1)")
+    # 5: consecutive runs on this shared 2-core machine differ by up to ~15 %; the median of 5 rides that out.
+    ap.add_argument("--rounds", type=int, default=5, help="profile+compile+run rounds per stage count (parts 1, 3)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/hetero-bench-prediction"))
     ap.add_argument("--skip-table", action="store_true")
     ap.add_argument("--skip-slow-stage", action="store_true")

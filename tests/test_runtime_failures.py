@@ -249,6 +249,8 @@ def reference(root: Path) -> dict:
     code, out, err = finish(run)
     assert code == 0, err[-3000:]
     assert "Warning" not in out + err and "adapter:" in out, err[-3000:]
+    # The run is a profile, and it says how to plan the next run from it.
+    assert "plan the next run from what this one measured: hetero compile " in out and f"profile={run_dir}" in out
     # Stage output goes to the stages' logs. (Their library warnings came from peft, which stages no longer
     # import: with every warning on, a stage now raises none.)
     assert "built in" in (run_dir / "logs" / "stage1.log").read_text()

@@ -270,6 +270,12 @@ def _finish_run(plan: Plan, plan_path: Path, options: RunOptions, result: RunRes
     report = write_report(plan, result.steps, result.build_s, run_dir, result.events)  # + steps.png
     print_report(report)
     print(f"adapter: {run_dir / 'adapter'}   metrics: {run_dir / 'metrics.jsonl'}")
+    if (run_dir / "profile.json").is_file():  # the run is a profile: plan the next one from it (docs/profiling.md)
+        from hetero.hints import suggest
+
+        hint = suggest("compile", plan.config, fallback=[f"model={plan.model.name}", f"hardware={plan.cluster.name}"],
+                       add=[f"profile={run_dir}"])
+        print(f"plan the next run from what this one measured: {hint}")
     return 0
 
 

@@ -151,8 +151,9 @@ def compose_raw(overrides: list[str], config_dir: str | Path | None = None) -> d
     from omegaconf.errors import OmegaConfBaseException
 
     from hetero import hydra_source
+    from hetero.overrides import check_overrides
 
-    overrides = list(overrides)
+    given, overrides = list(overrides), list(overrides)
     user_dir: Path | None = None
     if config_dir is not None:
         user_dir = Path(config_dir).expanduser().resolve()
@@ -165,7 +166,7 @@ def compose_raw(overrides: list[str], config_dir: str | Path | None = None) -> d
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     try:
-        _check_group_choices(overrides, user_dir)
+        check_overrides(given, user_dir)  # the user's own: the searchpath above is hetero's
         with initialize_config_dir(config_dir=str(package_conf_dir()), version_base=None):
             cfg = compose(config_name="config", overrides=overrides)
             check_interpolations(OmegaConf.to_container(cfg, resolve=False))  # before resolving them
@@ -185,23 +186,6 @@ def compose_raw(overrides: list[str], config_dir: str | Path | None = None) -> d
         raise ConfigError(_first_line(exc)) from None
     assert isinstance(raw, dict)
     return {str(k): v for k, v in raw.items()}
-
-
-def _check_group_choices(overrides: list[str], user_dir: Path | None) -> None:
-    """``model=5``: a config group takes the name of one of its files (Hydra itself fails on anything else)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    for override in OverridesParser.create().parse_overrides(overrides):
-        group = override.key_or_group
-        if group not in GROUPS or override.is_delete():
-            continue
-        options = ", ".join(available_options(group, user_dir))
-        given = (override.input_line or group)[:60]
-        if override.is_sweep_override():
-            raise ConfigError(f"{given}: one {group} per compile, not a sweep; pick one of: {options}")
-        if not isinstance(override.value(), str):
-            raise ConfigError(f"{given}: {group}= takes the name of one of its files ({options}), "
-                              f"got {short_repr(override.value())}")
 
 
 def load(overrides: list[str], config_dir: str | None = None) -> Config:

@@ -72,6 +72,7 @@ class FieldRule:
     low: float | None = None
     high: float | None = None
     optional: bool = False  # may be absent (then None); an explicit None is refused unless annotated
+    hint: Any = Any  # the annotation: a list's or a dict's elements must be what it says, too
 
     @staticmethod
     def of(f: Any, hint: Any) -> FieldRule:
@@ -81,18 +82,37 @@ class FieldRule:
         if optional:
             types = tuple(t for t in types if t is not NoneType)
         return FieldRule(f.name, types, bool(f.metadata.get("finite")), f.metadata.get("low"),
-                         f.metadata.get("high"), optional)
+                         f.metadata.get("high"), optional, hint)
 
     def problem(self, value: Any) -> str | None:
         """What is wrong with ``value`` for this field, or None."""
         if not isinstance(value, self.types) or (isinstance(value, bool) and bool not in self.types):
             return f"meta {self.name!r} is a {type(value).__name__}"
+        if isinstance(value, (list, dict)) and not _conforms(value, self.hint):
+            return f"meta {self.name!r} holds an element of the wrong type ({self.name} is {self.hint})"
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if self.finite and not math.isfinite(value):
                 return f"meta {self.name!r} is {value}, not a finite number"
             if (self.low is not None and value < self.low) or (self.high is not None and value > self.high):
                 return f"meta {self.name!r} = {value} is out of range"
         return None
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """Whether ``value`` is what ``hint`` says, elements of lists and dicts included (a bool is no number): a
+    stage's ``op_time_s`` of strings or a ``spans`` of floats would fail in the process that takes it."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, UnionType):
+        return any(_conforms(value, arg) for arg in args)
+    if hint in (int, float):
+        return isinstance(value, (int, float) if hint is float else int) and not isinstance(value, bool)
+    if origin is list:
+        return isinstance(value, list) and all(_conforms(item, args[0]) for item in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_conforms(k, args[0]) and _conforms(v, args[1]) for k, v in value.items())
+    return isinstance(value, origin or hint)
 
 
 def _types_of(hint: Any) -> tuple[type, ...]:

@@ -7,9 +7,13 @@ Every process of a run (the coordinator and each stage) has an identity (``coord
   server; peers connect with their own keypair. plan.json carries every identity's *public* key, so
   a process accepts exactly the run's keys and knows which identity sent each message. Traffic is
   encrypted. A host holds only the secret keys of the processes it runs.
-- ``token`` (default when every endpoint is loopback): ZeroMQ PLAIN with a random 256-bit token per
-  identity. Authenticates without the cost of encryption; only for one machine, where every key
-  file lies on the same disk anyway (the tokens are in each key file, never in plan.json).
+- ``token`` (default when every endpoint is loopback): ZeroMQ PLAIN, authenticated without the cost of
+  encryption; only for one machine. Each process's key file holds one random 256-bit secret, its own.
+  PLAIN hands the password to the server in the clear, so a process presents each peer's inbox a
+  password of its own (``peer_token``: HMAC-SHA256 of its secret and the peer's name): what a peer
+  learns from a connection logs in nowhere but at that peer. plan.json carries, per inbox and per
+  process that may connect to it, the SHA-256 of that password (a verifier: public, useless to log
+  in with), so no key file speaks for another process.
 - ``none``: no authentication, for a network you trust completely (documented in docs/security.md).
 
 Key files are JSON, mode 0600, in ``<out>/artifacts/<host>/keys/<identity>.key`` (the folder a host
@@ -18,9 +22,12 @@ needs is its artifacts folder); `hetero keys plan.json` makes new ones (rotation
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import json
 import os
+import re
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,16 +37,20 @@ from hetero.errors import ConfigError, PlanError
 
 COORDINATOR = "coordinator"  # the run's process names, on the wire and in key files
 KEY_SUFFIX = ".key"
+_HEX256 = re.compile(r"[0-9a-f]{64}")  # a token-mode secret, password or verifier
 
 Mode = Literal["curve", "token", "none"]
 
 
 @dataclass(frozen=True)
 class SecuritySpec:
-    """plan.json's security section: the mode and every identity's public key (curve only)."""
+    """plan.json's security section: the mode and what lets each process check its peers (nothing secret)."""
 
     mode: Mode = "none"
-    public_keys: dict[str, str] = field(default_factory=dict)  # identity -> z85 public key
+    public_keys: dict[str, str] = field(default_factory=dict)  # curve: identity -> z85 public key
+    # token: inbox owner -> identity that may connect to it -> SHA-256 hex of the password it presents there.
+    # Empty in a token plan compiled before per-process tokens (load_identity says to run `hetero keys`).
+    token_verifiers: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -50,8 +61,25 @@ class Identity:
     mode: Mode
     public: str = ""  # z85 (curve)
     secret: str = ""  # z85 (curve)
-    token: str = ""  # hex (token)
-    peer_tokens: tuple[tuple[str, str], ...] = ()  # token mode: (identity, token) of every process
+    token: str = ""  # hex (token): this process's own secret; it presents peer_token(token, peer), never this
+    verifiers: tuple[tuple[str, str], ...] = ()  # token: (identity, verifier) of each process its inbox admits
+
+    def token_for(self, peer: str) -> str:
+        """The password this process presents at ``peer``'s inbox (token mode)."""
+        return peer_token(self.token, peer)
+
+
+def peer_token(secret: str, server: str) -> str:
+    """The PLAIN password that the process holding ``secret`` presents at ``server``'s inbox: HMAC-SHA256.
+
+    The server sees it in the clear; one password per server means a process learns from its clients
+    only how to log in at itself."""
+    return hmac.new(bytes.fromhex(secret), server.encode(), hashlib.sha256).hexdigest()
+
+
+def token_verifier(password: str | bytes) -> str:
+    """What plan.json holds of a password: its SHA-256 hex (a 256-bit random password is not found from it)."""
+    return hashlib.sha256(password.encode() if isinstance(password, str) else password).hexdigest()
 
 
 def stage_name(k: int) -> str:
@@ -106,15 +134,17 @@ def generate(mode: Mode, stage_hosts: list[str], out_dir: Path) -> SecuritySpec:
     names = identities(len(stage_hosts))
     files: dict[str, dict[str, Any]] = {}
     public: dict[str, str] = {}
+    verifiers: dict[str, dict[str, str]] = {}
     if mode == "curve":
         for name in names:
             pub, sec = zmq.curve_keypair()
             public[name] = pub.decode("ascii")
             files[name] = {"identity": name, "mode": "curve", "public": public[name], "secret": sec.decode("ascii")}
     else:
-        tokens = {name: secrets.token_hex(32) for name in names}
-        for name in names:
-            files[name] = {"identity": name, "mode": "token", "token": tokens[name], "peer_tokens": tokens}
+        own = {name: secrets.token_hex(32) for name in names}
+        files = {name: {"identity": name, "mode": "token", "token": own[name]} for name in names}
+        verifiers = {server: {client: token_verifier(peer_token(own[client], server)) for client in names}
+                     for server in names}
     for host in sorted(set(stage_hosts)):
         folder = out_dir / "artifacts" / host / "keys"
         folder.mkdir(parents=True, exist_ok=True)
@@ -124,13 +154,15 @@ def generate(mode: Mode, stage_hosts: list[str], out_dir: Path) -> SecuritySpec:
     for name, content in files.items():
         _write_private(out_dir / "artifacts" / host_of(name, stage_hosts) / "keys" / f"{name}{KEY_SUFFIX}",
                        json.dumps(content, indent=1))
-    return SecuritySpec(mode=mode, public_keys=public)
+    return SecuritySpec(mode=mode, public_keys=public, token_verifiers=verifiers)
 
 
 def _write_private(path: Path, text: str) -> None:
     """Write a key file readable by its owner only (created 0600: never briefly world-readable)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
+        # O_CREAT's mode applies to a new file only: one that exists (copied, or made 0644 by hand) keeps its own.
+        os.fchmod(f.fileno(), 0o600)
         f.write(text)
 
 
@@ -148,6 +180,9 @@ def load_identity(spec: SecuritySpec, name: str, folders: list[Path]) -> Identit
     """The key file of ``name`` (None in mode none); a one-line PlanError when missing or wrong."""
     if spec.mode == "none":
         return None
+    if spec.mode == "token" and not spec.token_verifiers:
+        raise PlanError("plan.json's token keys are from before per-process tokens (each key file could log in as "
+                        "any process): run `hetero keys plan.json` and copy the new plan.json and keys to every host")
     path = _find_key(name, folders)
     if path is None:
         where = " or ".join(str(f) for f in folders)
@@ -159,19 +194,38 @@ def load_identity(spec: SecuritySpec, name: str, folders: list[Path]) -> Identit
         raise PlanError(f"key file {path} is unreadable ({exc}): recreate keys with `hetero keys plan.json`") from None
     if not isinstance(data, dict) or data.get("identity") != name or data.get("mode") != spec.mode:
         raise PlanError(f"key file {path} is not {name}'s {spec.mode} key: recreate keys with `hetero keys plan.json`")
-    if spec.mode == "curve":
-        public, secret = data.get("public"), data.get("secret")
-        if not (isinstance(public, str) and isinstance(secret, str) and len(public) == 40 and len(secret) == 40):
-            raise PlanError(f"key file {path} holds no CURVE keypair: recreate keys with `hetero keys plan.json`")
-        if spec.public_keys.get(name) != public:
-            raise PlanError(f"key file {path} does not match plan.json's public key for {name} (keys were "
-                            "rotated?): copy the new plan.json and keys to every host")
-        return Identity(name=name, mode="curve", public=public, secret=secret)
-    token, peers = data.get("token"), data.get("peer_tokens")
-    if not isinstance(token, str) or not isinstance(peers, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in peers.items()):
+    return _curve_identity(spec, name, path, data) if spec.mode == "curve" else _token_identity(spec, name, path, data)
+
+
+def _curve_identity(spec: SecuritySpec, name: str, path: Path, data: dict[str, Any]) -> Identity:
+    """``name``'s CURVE keypair from its key file, checked against plan.json's public key."""
+    public, secret = data.get("public"), data.get("secret")
+    if not (isinstance(public, str) and isinstance(secret, str) and len(public) == 40 and len(secret) == 40):
+        raise PlanError(f"key file {path} holds no CURVE keypair: recreate keys with `hetero keys plan.json`")
+    if spec.public_keys.get(name) != public:
+        raise PlanError(f"key file {path} does not match plan.json's public key for {name} (keys were "
+                        "rotated?): copy the new plan.json and keys to every host")
+    return Identity(name=name, mode="curve", public=public, secret=secret)
+
+
+def _token_identity(spec: SecuritySpec, name: str, path: Path, data: dict[str, Any]) -> Identity:
+    """``name``'s own token from its key file, checked against plan.json's verifiers, with what its inbox admits."""
+    token = data.get("token")
+    if "peer_tokens" in data:  # the old format: every process's token in every key file
+        raise PlanError(f"key file {path} holds every process's token (made before per-process tokens): run "
+                        "`hetero keys plan.json` and copy the new plan.json and keys to every host")
+    if not isinstance(token, str) or not _HEX256.fullmatch(token):
         raise PlanError(f"key file {path} holds no token: recreate keys with `hetero keys plan.json`")
-    return Identity(name=name, mode="token", token=token, peer_tokens=tuple(sorted(peers.items())))
+    bad = next((f"{server}.{client}" for server, clients in spec.token_verifiers.items()
+                for client, verifier in clients.items() if not _HEX256.fullmatch(verifier)), None)
+    if bad is not None:
+        raise PlanError(f"plan.json's security.token_verifiers.{bad[:80]} is not a SHA-256 hex digest (edited by "
+                        "hand?): run `hetero keys plan.json`")
+    admitted = spec.token_verifiers.get(name, {})
+    if admitted.get(name) != token_verifier(peer_token(token, name)):
+        raise PlanError(f"key file {path} does not match plan.json's token verifiers for {name} (keys were "
+                        "rotated?): copy the new plan.json and keys to every host")
+    return Identity(name=name, mode="token", token=token, verifiers=tuple(sorted(admitted.items())))
 
 
 def install_keys(spec: SecuritySpec, names: list[str], folders: list[Path], dest: Path) -> None:
@@ -190,3 +244,5 @@ def install_keys(spec: SecuritySpec, names: list[str], folders: list[Path], dest
         target = dest / f"{name}{KEY_SUFFIX}"
         if src is not None and src.resolve() != target.resolve():
             _write_private(target, src.read_text())
+        elif target.is_file():
+            os.chmod(target, 0o600)  # already in place (a resumed run dir): private all the same

@@ -7,6 +7,7 @@ fails with one line such as ``plan.json: stages[1].device: expected str, got int
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -97,11 +98,18 @@ def _convert_union(args: tuple[Any, ...], value: Any, where: str, error: type[Ex
     raise last or error(f"{where}: unexpected value {short_repr(value)}")
 
 
+@functools.cache
+def _type_hints(tp: type) -> dict[str, Any]:
+    """get_type_hints of a dataclass, once per class: it compiles every (string) annotation on each call, which
+    made most of a plan.json's load time (read-only: callers share the dict)."""
+    return get_type_hints(tp)
+
+
 def _convert_dataclass(tp: type, value: Any, where: str, error: type[Exception]) -> Any:
     """A dataclass from a dict: unknown and missing fields named, each field converted by its type hint."""
     if not isinstance(value, dict):
         raise error(f"{where}: expected an object, got {type(value).__name__}")
-    hints = get_type_hints(tp)
+    hints = _type_hints(tp)
     fields = {f.name: f for f in dataclasses.fields(tp)}
     unknown = [str(k) for k in value if k not in fields]
     if unknown:

@@ -226,6 +226,38 @@ def test_bad_values_are_one_line_errors(override: str, expected: str) -> None:
     assert str(_error([override])).startswith(expected)
 
 
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("~train=3", "~train=3: ~train removes the train group and takes no value (or the name of its selected "
+                     "file); to change one of its keys write train.KEY=VALUE"),
+        ("~model=[a]", "~model=[a]: ~model removes the model group"),
+        ("~model", "model must be a mapping (pick one with model=<name>), got None"),
+        ("=3", "'=3' has no key before '=': write key=value, e.g. train.lr=1e-4"),
+        ("~=1", "'~=1' has no key before '='"),
+        ("train.=", "cannot read the override 'train.='; write key=value"),
+        ("++x", "cannot read the override '++x'"),
+        ("train.lr=[", "cannot read the override 'train.lr=['"),
+        ("hydra/launcher=3", "hydra/launcher=3: hetero has no hydra settings (Hydra only composes its config); your "
+                             "own config files go in a directory passed with --config-dir DIR"),
+        ("hydra.sweeper.params={a:1}", "hydra.sweeper.params={a:1}: hetero has no hydra settings"),
+        ("model@x=tiny", "model@x=tiny: hetero's config groups have fixed places; drop '@x' and write model=..."),
+    ],
+)
+def test_malformed_overrides_are_one_line_errors(override: str, expected: str) -> None:
+    # Hydra's grammar reads most of these and its composer then fails with a bare ValueError (a traceback).
+    assert str(_error(["model=tiny", override])).startswith(expected)
+
+
+def test_a_malformed_override_on_the_command_line_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from hetero import cli
+
+    assert cli.main(["compile", "~train=3", "output=never-written"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hetero: error: ~train=3: ~train removes the train group") and err.count("\n") == 1, err
+    assert not Path("never-written").exists()
+
+
 def test_missing_link_and_unknown_fleet_key(tmp_path: Path) -> None:
     two = "hosts:\n  - name: a\n    devices: [rtx3090]\n  - name: b\n    devices: [rtx4090]\n"
     _write(tmp_path / "hardware" / "nolink.yaml", two)

@@ -7,7 +7,9 @@ of the run's adapter computed independently with transformers + peft.
 
 from __future__ import annotations
 
+import io
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +21,8 @@ from hetero.errors import ConfigError
 from hetero.plan import compute_input_hash
 from hetero.runtime.run.cli import main_run
 from hetero.runtime.run.data import IGNORE_INDEX, StepBatches
-from hetero.specs import DataSpec, DeviceSpec, ModelSpec, TrainSpec
+from hetero.runtime.tools.evaluator import serve
+from hetero.specs import DataSpec, DeviceSpec, EvalSpec, ModelSpec, TrainSpec
 
 pytestmark = pytest.mark.slow
 
@@ -96,3 +99,71 @@ def test_eval_needs_a_spare_device_and_held_out_data(tiny_model_dir: Path, tiny_
     with pytest.raises(ConfigError, match="eval.device=localhost.cpu0 trains in this plan"):
         main_run([str(tmp_path / "spare.json"), "--run-dir", str(tmp_path / "r"), "eval.every=1",
                   f"eval.path={held_out}", "eval.device=localhost.cpu0"])
+
+
+def _peft_held_out_loss(model_dir: Path, adapter: Path, held_out: Path, micro_batches: int) -> tuple[float, int]:
+    """Summed token cross-entropy / label tokens of ``adapter`` on ``held_out`` (micro-batches of 2), computed
+    with transformers + peft: HF's own shifted loss, weighted by each micro-batch's label tokens."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    batch = StepBatches(DataSpec(path=str(held_out)), model_dir, 64, 2, micro_batches, 0, False).step(0)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for mb in range(micro_batches):
+            labels = batch.labels[mb]
+            n = int((labels[:, 1:] != IGNORE_INDEX).sum())
+            total += float(model(input_ids=batch.input_ids[mb], labels=labels).loss) * n
+            tokens += n
+    return total / tokens, tokens
+
+
+def test_malformed_held_out_lines_are_left_out_and_the_rest_evaluated(tiny_model_dir: Path, tiny_spec: ModelSpec,
+                                                                      tmp_path: Path) -> None:
+    from reference import make_init_adapter
+
+    plan = _plan_with_spare(tiny_model_dir, tiny_spec, TrainSpec(micro_batch_size=2, num_micro_batches=2, steps=2))
+    good = [json.dumps(r) for r in HELD_OUT[:6]]
+    broken = ['{"instruction": "cut off", "output": ', "[1, 2]", json.dumps({"instruction": "no output"})]
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("\n".join([good[0], broken[0], good[1], good[2], "", broken[1], *good[3:], broken[2]]) + "\n")
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text("\n".join(good) + "\n")
+    adapter = make_init_adapter(tiny_model_dir, plan.model.lora, tmp_path / "adapter", seed=3)
+    request = tmp_path / "request.safetensors"
+    shutil.copy(adapter / "adapter_model.safetensors", request)
+
+    stdin = io.StringIO("not a request\n" + json.dumps({"step": 4, "adapter": str(request)}) + "\n")
+    stdout = io.StringIO()
+    threads = torch.get_num_threads()
+    try:
+        assert serve(plan, "localhost.spare", EvalSpec(every=1, path=str(held_out), max_batches=3), stdin, stdout) == 0
+    finally:
+        torch.set_num_threads(threads)  # the evaluator sets its device's thread count in this process
+    ready, *answers = [json.loads(line) for line in stdout.getvalue().splitlines()]
+    assert ready["ready"] and ready["batches"] == 3
+    assert ready["skipped"] == (f"eval.path={held_out}: left out 3 held-out record(s) that data.format=alpaca cannot "
+                                "use (line 2: invalid JSON (Expecting value); 2 more like it); evaluating the other 6")
+    assert [a["step"] for a in answers] == [4], answers  # the malformed request is ignored, not fatal
+    loss, tokens = _peft_held_out_loss(tiny_model_dir, adapter, clean, 3)
+    assert answers[0]["eval_tokens"] == tokens == ready["tokens"]
+    assert answers[0]["eval_loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def test_a_run_with_a_malformed_held_out_line_evaluates_and_reports_it(
+    tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    plan = _plan_with_spare(tiny_model_dir, tiny_spec, TrainSpec(micro_batch_size=2, num_micro_batches=2, steps=2))
+    plan.save(tmp_path / "plan.json")
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in HELD_OUT[:4]) + '{"instruction": oops}\n')
+    run_dir = tmp_path / "run"
+    assert main_run([str(tmp_path / "plan.json"), "--run-dir", str(run_dir), "--no-progress", "eval.every=1",
+                     f"eval.path={held_out}", "eval.max_batches=2"]) == 0
+    evals = [x for x in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in x]
+    assert [x["step"] for x in evals] == [0, 1]  # the evaluator kept evaluating
+    reported = [line for line in capfd.readouterr().err.splitlines() if "left out" in line]
+    assert reported == [f"hetero run: evaluation: eval.path={held_out}: left out 1 held-out record(s) that "
+                        "data.format=alpaca cannot use (line 5: invalid JSON (Expecting value)); evaluating the other 4"]

@@ -148,3 +148,28 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--out" in out and "--dtype {bfloat16,float16,float32}" in out and "--force" in out
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16", "float32"])
+def test_a_pre_quantized_base_is_refused_with_or_without_dtype(
+    adapter: Path, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], dtype: str | None
+) -> None:
+    # The base's config.json says its weights are stored quantized: a merge into them cannot be right,
+    # whichever dtype --dtype asks the merged model in.
+    base = tmp_path / "base-4bit"
+    shutil.copytree(tiny_model_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (base / "config.json").write_text(json.dumps(config))
+    quantized_adapter = tmp_path / "adapter"
+    shutil.copytree(adapter, quantized_adapter)
+    adapter_config = json.loads((quantized_adapter / "adapter_config.json").read_text())
+    (quantized_adapter / "adapter_config.json").write_text(
+        json.dumps({**adapter_config, "base_model_name_or_path": str(base)}))
+    out = tmp_path / "merged"
+    argv = ["export", str(quantized_adapter), "--out", str(out), *(["--dtype", dtype] if dtype else [])]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"hetero: error: base model {base} is stored bitsandbytes-quantized: a merge needs the "
+                   "full-precision weights; point the adapter's base_model_name_or_path at the unquantized model")
+    assert not out.exists()

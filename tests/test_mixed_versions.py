@@ -1,9 +1,13 @@
-"""Hosts that really differ: a stage under another transformers version trains like the rest.
+"""Hosts that really differ: stages under another transformers or torch version train like the rest.
 
-A second virtualenv (this Python's site-packages plus another transformers release installed over
-it) runs host beta's `hetero worker`; the run must train exactly like the same plan run with every
-stage in this environment. Only transformers differs: every other torch release the package index
-offers for this machine is a multi-GB CUDA build, too big for CI (see docs/running.md).
+A second virtualenv (this Python's site-packages plus another release installed over it) runs host beta's
+`hetero worker`; the run must train like the same plan run with every stage in this environment.
+
+- transformers 5.12.1 (small): against plain transformers + peft, as every equivalence test.
+- torch 2.14.1 (the other torch minor the package index has for this machine: a CUDA build, about 5.2 GB with
+  its nvidia wheels; it runs on the CPU here). Installed once into a cache folder,
+  ``$HETERO_TEST_CACHE`` or ``~/.cache/hetero-tests``, and reused by later runs (about 2 minutes to build
+  on the 2-core sandbox); the losses must equal the single-version run's within 1e-5.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from hetero.specs import ModelSpec, TrainSpec
 pytestmark = pytest.mark.slow
 
 OTHER_TRANSFORMERS = "5.12.1"
+OTHER_TORCH = "2.14.1"
 SEQ_LEN = 32
 TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=2, lr=1e-3, max_grad_norm=0.3)
 
@@ -48,6 +53,32 @@ def other_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return python
+
+
+def _cached_venv(name: str, requirement: str) -> Path:
+    """A venv over this Python's site-packages with ``requirement`` installed, built once in the test cache."""
+    cache = Path(os.environ.get("HETERO_TEST_CACHE") or Path.home() / ".cache" / "hetero-tests")
+    venv = cache / f"venv-{name}-py{sys.version_info.major}{sys.version_info.minor}"
+    python = venv / "bin" / "python"
+    want = requirement.split("==")[1]
+    check = [str(python), "-c", f"import {name}; print({name}.__version__.split('+')[0])"]
+    if python.exists():
+        done = subprocess.run(check, capture_output=True, text=True, timeout=300)
+        if done.returncode == 0 and done.stdout.strip() == want:
+            return python
+    subprocess.run([sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(venv)], check=True,
+                   timeout=120)
+    done = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile",
+                           requirement], capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stderr[-2000:]
+    done = subprocess.run(check, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == want, done.stdout + done.stderr[-2000:]
+    return python
+
+
+@pytest.fixture(scope="module")
+def other_torch() -> Path:
+    return _cached_venv("torch", f"torch=={OTHER_TORCH}")
 
 
 def _run(tmp_path: Path, name: str, beta_python: Path) -> tuple[list[float], dict[str, torch.Tensor], dict]:
@@ -82,4 +113,24 @@ def test_a_stage_on_another_transformers_version_trains_the_same(tiny_model_dir:
     assert mixed_losses == pytest.approx(reference["losses"], rel=1e-4)
     assert mixed_adapter.keys() == reference["state"].keys() and len(mixed_adapter) == 6 * 7 * 2
     for key, want in reference["state"].items():
+        assert_close_to_scale(key, mixed_adapter[key], want, 1e-4)
+
+
+def test_stages_on_another_torch_minor_train_the_same(tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path,
+                                                      other_torch: Path) -> None:
+    """Stage 0 under this torch, stages 1 and 2 under torch 2.14.1: the same losses as every stage under this
+    torch (1e-5), the same adapter (1e-4 of each tensor's scale), and the environments say which ran where."""
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], hosts=["alpha", "beta", "beta"],
+                     train=TRAIN, seq_len=SEQ_LEN)
+    plan.save(tmp_path / "plan.json")
+    same_losses, same_adapter, same_envs = _run(tmp_path, "same", Path(sys.executable))
+    mixed_losses, mixed_adapter, mixed_envs = _run(tmp_path, "mixed", other_torch)
+
+    here = torch.__version__.split("+")[0]
+    versions = [mixed_envs[f"stage{k}"]["packages"]["torch"].split("+")[0] for k in range(3)]
+    assert versions == [here, OTHER_TORCH, OTHER_TORCH] != [same_envs[f"stage{k}"]["packages"]["torch"].split("+")[0]
+                                                            for k in range(3)], versions
+    assert mixed_losses == pytest.approx(same_losses, rel=1e-5, abs=1e-6)
+    assert mixed_adapter.keys() == same_adapter.keys()
+    for key, want in same_adapter.items():
         assert_close_to_scale(key, mixed_adapter[key], want, 1e-4)

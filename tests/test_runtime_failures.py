@@ -100,8 +100,9 @@ def test_exit_causes_read_like_a_person_would_say_them() -> None:
 
 def test_runtime_options_are_checked_in_one_line() -> None:
     rest, values = split_run_options(["lr=1e-4", "runtime.failure_timeout_s=5", "runtime.load_timeout_s=30",
-                                      "runtime.rebalance=off"])
-    assert rest == ["lr=1e-4"] and values == {"failure_timeout_s": 5.0, "load_timeout_s": 30.0, "rebalance": "off"}
+                                      "runtime.rebalance=off", "runtime.step_timeout_s=120"])
+    assert rest == ["lr=1e-4"] and values == {"failure_timeout_s": 5.0, "load_timeout_s": 30.0, "rebalance": "off",
+                                              "step_timeout_s": 120.0}
     assert set(values) == set(RUN_OPTIONS)
     with pytest.raises(ConfigError, match=r"unknown run option 'runtime.colour'; `hetero run` accepts "
                                           r"runtime.failure_timeout_s, runtime.load_timeout_s, runtime.rebalance"):
@@ -358,3 +359,85 @@ def test_stages_whose_coordinator_vanished_exit_on_their_own(tiny_model_dir: Pat
     print(f"coordinator killed: the remote host's stages were gone {took:.2f} s later")
     assert worker_code, f"`hetero worker` still runs {took:.0f} s after its coordinator vanished"
     assert not [p for p in pids if _alive(p)], "stages outlived their coordinator"
+
+
+def _ctrl_c_twice(run: subprocess.Popen) -> tuple[int, str]:
+    """SIGINT, and once `hetero run` has taken it (its "stopping after this step" line), SIGINT again; (exit code,
+    stderr). Two signals sent back to back would reach Python's handler as one."""
+    seen: list[str] = []
+
+    def read() -> None:
+        for line in run.stderr:  # type: ignore[union-attr]
+            seen.append(line)
+            if "stopping after this step" in line:
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    run.send_signal(signal.SIGINT)
+    reader.join(60)
+    assert seen and "stopping after this step" in seen[-1], seen
+    run.send_signal(signal.SIGINT)
+    code, _, rest = finish(run, 60)
+    return code, "".join(seen) + rest
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_still_says_how_to_resume(root: Path) -> None:
+    """Two SIGINTs, the second while the first one's checkpoint is asked for or written: `hetero run` stops at once,
+    exits 130 and says how to continue from the newest complete checkpoint (checkpoint_every=2 wrote some);
+    the command it prints resumes the run."""
+    run_dir = root / "twice"
+    run = _run(root / "plan.json", run_dir, "steps=400", "checkpoint_every=2")
+    _wait_for("the step-2 checkpoint", lambda: (run_dir / "checkpoints" / "step-000002" / "COMPLETE").is_file(), run)
+    pids = _stage_pids(run_dir)
+    code, err = _ctrl_c_twice(run)
+    assert code == 130, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("hetero:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    newest = sorted((run_dir / "checkpoints").glob("step-*/COMPLETE"))[-1].parent
+    step = int(newest.name.split("-")[1])
+    assert lines[0] == (f"hetero: stopped at once; newest checkpoint {newest} (after step {step}): continue with "
+                        f"`hetero run {run_dir / 'plan.json'} --port {_port(run)} --resume {run_dir}`"), lines[0]
+    _assert_no_process_left(run_dir, pids)
+    printed = shlex.split(lines[0].split("`")[1])
+    code, out, err = finish(start([*printed[1:], "--no-progress", f"steps={step + 2}"], root.parent))
+    assert code == 0, err[-3000:]
+    assert [m["step"] for m in _metrics(run_dir)] == list(range(step + 2))
+
+
+@pytest.mark.slow
+def test_two_ctrl_c_before_any_checkpoint_say_there_is_nothing_to_keep(root: Path) -> None:
+    run_dir = root / "twice-early"
+    run = _run(root / "plan.json", run_dir, "steps=400")  # checkpoint_every=0: only the first Ctrl-C would write one
+    _wait_for("the first step", lambda: bool(_metrics(run_dir)), run)
+    code, err = _ctrl_c_twice(run)
+    assert code == 130, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("hetero:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    complete = sorted((run_dir / "checkpoints").glob("step-*/COMPLETE"))
+    if complete:  # the first Ctrl-C's checkpoint was written before the second came
+        assert lines[0].startswith(f"hetero: stopped at once; newest checkpoint {complete[-1].parent} "), lines[0]
+    else:
+        assert lines[0] == ("hetero: stopped at once, before any checkpoint was complete: nothing to keep; start again "
+                            f"with `hetero run {run_dir / 'plan.json'} --port {_port(run)} --run-dir {run_dir}`"), lines[0]
+
+
+@pytest.mark.slow
+def test_a_step_past_runtime_step_timeout_s_stops_the_run_in_one_line(root: Path) -> None:
+    """A stage that still exists but never finishes its step (stopped here, with a failure bound longer than the
+    step limit): the step limit ends the run, and its line says which limit and how to raise it."""
+    run_dir = root / "stuck"
+    run = start(["run", str(root / "plan.json"), "--run-dir", str(run_dir), "--port", str(free_ports(1)[0]),
+                 "--no-progress", "steps=400", "runtime.failure_timeout_s=60", "runtime.step_timeout_s=8"], root.parent)
+    _wait_for("the first step", lambda: bool(_metrics(run_dir)), run)
+    pids = _stage_pids(run_dir)
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGSTOP)
+    code, err, took = _exit_within(run, t0, 8 + 10)
+    line = _one_error_line(err)
+    assert code == 2
+    assert re.search(r"stage\(s\) .*1.* on localhost sent no '\w+' for step \d+ within 8 s: the step took longer "
+                     r"than runtime.step_timeout_s \(8 s; the plan predicts [\d.e-]+ s a step\)", line), line
+    assert "runtime.step_timeout_s=60 or more" in line and "no checkpoint yet" in line, line
+    _assert_no_process_left(run_dir, pids)

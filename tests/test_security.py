@@ -7,15 +7,22 @@ stage must keep serving its real peers afterwards.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import math
 import os
 import pickle
+import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -24,13 +31,26 @@ import zmq
 from reference import assert_close_to_scale, reference_run
 from test_runtime_plans import make_plan
 
+from hetero import cli
 from hetero.errors import ConfigError, PlanError, WireError
 from hetero.plan import Plan
+from hetero.protocol import Clip, Rebalance, Record, Stop
 from hetero.runtime.run.adapter import load_adapter_state
 from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.runtime.wire.frames import Message, encode
 from hetero.runtime.wire.rules import coordinator_rules, max_message_bytes, stage_rules
 from hetero.runtime.wire.transport import Transport
-from hetero.security import Identity, generate, key_dirs, load_identity, resolve_mode
+from hetero.security import (
+    COORDINATOR,
+    Identity,
+    generate,
+    install_keys,
+    key_dirs,
+    load_identity,
+    peer_token,
+    resolve_mode,
+    token_verifier,
+)
 from hetero.specs import ModelSpec, TrainSpec
 
 SEQ_LEN = 32
@@ -324,3 +344,242 @@ def test_an_attacked_run_trains_exactly_like_an_unattacked_one(tmp_path: Path, t
     log = (tmp_path / "attacked" / "logs" / "stage1.log").read_text()
     assert "authenticated as 'stage2', not 'stage0'" in log  # the keyed liar: dropped after decoding
     assert "refused a connection" in log  # the keyless peer and the raw bytes: refused at the handshake
+
+
+# -- per-process identity: a stage's key speaks for that stage only, in every mode ---------------------------
+
+FORGER = "127.0.0.2"  # the forger connects from its own loopback address, so a log naming the peer is checkable
+
+
+def only_from_the_coordinator(plan: Plan, kind: str, genuine: bool) -> Record:
+    """A well-formed ``kind`` message that only the coordinator may send a stage (forged ones differ in meta)."""
+    tag = "genuine" if genuine else "forged"
+    if kind == "stop":
+        return Stop(reason=tag)
+    if kind == "checkpoint":  # the coordinator's "send me your checkpoint after step N"
+        return Stop(reason=tag, checkpoint=1)
+    if kind == "clip":
+        return Clip(coef=1.0 if genuine else 0.0, grad_norm=1.0)
+    return Rebalance(spans=[[s.first_node, s.last_node] for s in plan.stages], recompute=[[] for _ in plan.stages],
+                     reason=tag)
+
+
+def forged_logins(plan: Plan, tmp_path: Path, mode: str, claimed: str, target: str) -> list[dict[str, bytes]]:
+    """Every way stage1's key file could try to log in at ``target`` as ``claimed``: ZeroMQ socket options."""
+    mine = ident(plan, tmp_path, "stage1")
+    victim = ident(plan, tmp_path, claimed)
+    assert mine is not None and victim is not None
+    if mode == "curve":  # the victim's public key (from plan.json) with stage1's secret
+        return [{"curve_publickey": victim.public.encode(), "curve_secretkey": mine.secret.encode(),
+                 "curve_serverkey": plan.security.public_keys[target].encode()}]
+    # Every string in stage1's key file (before per-process tokens: every process's token), stage1's own
+    # password at the target, and what stage1's inbox saw the victim present there.
+    key_file = tmp_path / "artifacts" / plan.stages[1].host / "keys" / "stage1.key"
+    held = json.loads(key_file.read_text())
+    held = [v for value in held.values() for v in (value.values() if isinstance(value, dict) else [value])]
+    harvested = peer_token(victim.token, "stage1")
+    return [{"plain_username": claimed.encode(), "plain_password": password.encode()}
+            for password in (*held, mine.token_for(target), harvested)]
+
+
+def send_from_forger(ctx: zmq.Context, endpoint: str, options: dict[str, bytes], frames: list[Any]) -> zmq.Socket:
+    """A PUSH socket with ``options`` that connects from FORGER's address and queues ``frames``."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    for name, value in options.items():
+        setattr(sock, name, value)
+    sock.connect(f"tcp://{FORGER}:0;{endpoint.removeprefix('tcp://')}")
+    sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    return sock
+
+
+def nothing_delivered_until(receiver: Transport, kind: str, done: Callable[[], bool]) -> None:
+    """Read (and drop) what arrives until ``done()``; a ``kind`` message reaching recv fails the test."""
+    deadline = time.monotonic() + 60
+    while not done():
+        assert time.monotonic() < deadline, (receiver.rejections, receiver._gate and receiver._gate.refused)
+        try:
+            msg = receiver.recv(kind, timeout_s=0.2)
+        except WireError:
+            continue
+        raise AssertionError(f"a forgery reached recv: {msg.describe()} {msg.meta}")
+
+
+def transport_logs(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "hetero.runtime.wire.transport"]
+
+
+def refused_with_the_peer(logs: list[str], receiver: str, mode: str) -> None:
+    """The forged logins were logged as refusals; in token mode (refused by ZAP) with the forger's address.
+
+    A CURVE login with another process's public key fails the handshake's cryptography before ZAP is
+    asked, and libzmq's monitor events (without its draft API) carry no peer address for it."""
+    refusals = [line for line in logs if f"{receiver} refused a connection" in line]
+    assert refusals, logs
+    if mode == "token":
+        assert all(FORGER in line for line in refusals), refusals  # (IPv4-mapped: ::ffff:127.0.0.2)
+
+
+@pytest.mark.parametrize("kind", ["stop", "clip", "checkpoint", "rebalance"])
+@pytest.mark.parametrize("mode", ["token", "curve"])
+def test_a_stage_key_cannot_send_what_only_the_coordinator_sends(
+        tmp_path: Path, tiny_model_dir: Path, tiny_spec: ModelSpec, caplog: pytest.LogCaptureFixture,
+        mode: str, kind: str) -> None:
+    """stage1's key tries a coordinator-only message on stage0 three ways: logged in as the coordinator
+    (refused at the handshake), as stage1 with a header saying coordinator, and as itself (both dropped).
+    Each is logged with the peer; stage0 then takes the real coordinator's message."""
+    caplog.set_level(logging.WARNING, logger="hetero.runtime.wire.transport")
+    plan = keyed_plan(tmp_path, tiny_model_dir, tiny_spec, mode)
+    forged = only_from_the_coordinator(plan, kind, genuine=False)
+    wire_kind = forged.KIND
+    with transport(plan, tmp_path, "stage0", bind=True) as stage0, \
+            transport(plan, tmp_path, "stage1", bind=False, rules=False) as liar, \
+            transport(plan, tmp_path, "stage1", bind=False, rules=False) as stage1, \
+            transport(plan, tmp_path, "coordinator", bind=False) as coordinator:
+        assert stage0.endpoint is not None and stage0._gate is not None and stage0.rules is not None
+        stage0.rules.step = 0
+        frames = encode(Message(kind=wire_kind, sender=COORDINATOR, step=0, mb=-1, meta=forged.to_wire()),
+                        plan.input_hash)
+        logins = forged_logins(plan, tmp_path, mode, COORDINATOR, "stage0")
+        ctx = zmq.Context()
+        socks = [send_from_forger(ctx, stage0.endpoint, options, frames) for options in logins]  # (a)
+        liar.name = COORDINATOR  # (b) the handshake says stage1, the header says coordinator
+        for t in (liar, stage1):  # (c) stage1 as itself
+            t.connect("stage0", stage0.endpoint)
+            t.send("stage0", forged, step=0)
+        try:
+            nothing_delivered_until(stage0, wire_kind,
+                                    lambda: stage0.rejected >= 2 and stage0._gate.refused >= len(logins))  # type: ignore[union-attr]
+        finally:
+            for sock in socks:
+                sock.close(linger=0)
+            ctx.term()
+        assert stage0.rejected == 2, stage0.rejections
+        coordinator.connect("stage0", stage0.endpoint)
+        genuine = only_from_the_coordinator(plan, kind, genuine=True)
+        coordinator.send("stage0", genuine, step=0)
+        msg = stage0.recv(wire_kind, timeout_s=30)
+        assert (msg.sender, msg.meta) == (COORDINATOR, genuine.to_wire())
+    logs = transport_logs(caplog)
+    refused_with_the_peer(logs, "stage0", mode)
+    assert any(f"dropped a message from stage1: {forged.KIND!r}" in line and "authenticated as 'stage1', "
+               "not 'coordinator'" in line for line in logs), logs
+    assert any(f"dropped a message from stage1: {forged.KIND!r}" in line and
+               f"takes {forged.KIND!r} only from coordinator" in line for line in logs), logs
+
+
+@pytest.mark.parametrize("mode", ["token", "curve"])
+def test_a_stage_key_cannot_send_another_stages_checkpoint(
+        tmp_path: Path, tiny_model_dir: Path, tiny_spec: ModelSpec, caplog: pytest.LogCaptureFixture,
+        mode: str) -> None:
+    """stage1's key tries to hand the coordinator a checkpoint of stage0's (zeroed LoRA state): refused as
+    stage0 at the handshake, dropped as stage1 claiming stage0; stage0's real checkpoint arrives."""
+    caplog.set_level(logging.WARNING, logger="hetero.runtime.wire.transport")
+    plan = keyed_plan(tmp_path, tiny_model_dir, tiny_spec, mode)
+    state = {"lora_A": torch.zeros(4, 4)}
+    with transport(plan, tmp_path, "coordinator", bind=True) as coordinator, \
+            transport(plan, tmp_path, "stage1", bind=False, rules=False) as liar, \
+            transport(plan, tmp_path, "stage0", bind=False) as stage0:
+        assert coordinator.endpoint is not None and coordinator._gate is not None
+        frames = encode(Message(kind="checkpoint", sender="stage0", step=0, mb=-1, meta={},
+                                tensors=state), plan.input_hash)
+        logins = forged_logins(plan, tmp_path, mode, "stage0", COORDINATOR)
+        ctx = zmq.Context()
+        socks = [send_from_forger(ctx, coordinator.endpoint, options, frames) for options in logins]
+        liar.name = "stage0"
+        liar.connect(COORDINATOR, coordinator.endpoint)
+        liar.send(COORDINATOR, "checkpoint", step=0, tensors=state)
+        try:
+            nothing_delivered_until(coordinator, "checkpoint",
+                                    lambda: coordinator.rejected >= 1 and coordinator._gate.refused >= len(logins))  # type: ignore[union-attr]
+        finally:
+            for sock in socks:
+                sock.close(linger=0)
+            ctx.term()
+        assert coordinator.rejected == 1, coordinator.rejections
+        stage0.connect(COORDINATOR, coordinator.endpoint)
+        stage0.send(COORDINATOR, "checkpoint", step=0, tensors={"lora_A": torch.ones(4, 4)})
+        msg = coordinator.recv("checkpoint", timeout_s=30)
+        assert msg.sender == "stage0" and torch.equal(msg.tensors["lora_A"], torch.ones(4, 4))
+    logs = transport_logs(caplog)
+    refused_with_the_peer(logs, "coordinator", mode)
+    assert any("dropped a message from stage1: 'checkpoint'" in line and
+               "authenticated as 'stage1', not 'stage0'" in line for line in logs), logs
+
+
+def test_a_token_key_file_holds_its_own_secret_only(tmp_path: Path) -> None:
+    """No key file nor plan.json holds a password that logs in as another process; each inbox admits every
+    process's own password and nothing else."""
+    spec = generate("token", ["alpha", "beta", "beta"], tmp_path)
+    files = {f.stem: f for f in (tmp_path / "artifacts").rglob("*.key")}
+    assert set(files) == {"coordinator", "stage0", "stage1", "stage2"}
+    own = {name: json.loads(f.read_text()) for name, f in files.items()}
+    assert all(set(data) == {"identity", "mode", "token"} for data in own.values()), own
+    section = json.dumps(dataclasses.asdict(spec))
+    for name, data in own.items():
+        assert data["token"] not in section
+        for other in set(files) - {name}:
+            assert data["token"] not in files[other].read_text()
+            assert peer_token(data["token"], other) not in files[other].read_text() + section
+    for server in files:
+        me = load_identity(spec, server, [files[server].parent])
+        assert me is not None and dict(me.verifiers) == spec.token_verifiers[server]
+        for client, data in own.items():
+            assert spec.token_verifiers[server][client] == token_verifier(peer_token(data["token"], server))
+            # what the server saw from this client opens no other inbox
+            for elsewhere in set(files) - {server}:
+                assert spec.token_verifiers[elsewhere][client] != token_verifier(peer_token(data["token"], server))
+
+
+def test_a_token_plan_from_before_per_process_tokens_says_to_run_keys(tmp_path: Path, tiny_model_dir: Path,
+                                                                     tiny_spec: ModelSpec) -> None:
+    """plan.json without verifiers and key files holding every token (the old format): it loads, and
+    running it is one line saying to run `hetero keys`, which makes a working plan again."""
+    plan = keyed_plan(tmp_path, tiny_model_dir, tiny_spec, "token")
+    folder = tmp_path / "artifacts" / plan.stages[0].host / "keys"
+    tokens = {f.stem: json.loads(f.read_text())["token"] for f in folder.glob("*.key")}
+    for name, token in tokens.items():  # what generate() wrote before this change
+        (folder / f"{name}.key").write_text(json.dumps({"identity": name, "mode": "token", "token": token,
+                                                         "peer_tokens": tokens}))
+    data = json.loads((tmp_path / "plan.json").read_text())
+    del data["security"]["token_verifiers"]
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    old = Plan.load(tmp_path / "plan.json")  # still loads (show, simulate): only running it needs new keys
+    assert old.input_hash == plan.input_hash
+    for name in ("coordinator", "stage1"):
+        with pytest.raises(PlanError, match=r"run `hetero keys plan.json`") as err:
+            ident(old, tmp_path, name)
+        assert "\n" not in str(err.value)
+    with pytest.raises(PlanError, match=r"holds every process's token .* run `hetero keys plan.json`"):
+        ident(plan, tmp_path, "stage1")  # a new plan.json beside an old key file
+    assert cli.main(["keys", str(tmp_path / "plan.json")]) == 0
+    new = Plan.load(tmp_path / "plan.json")
+    assert new.input_hash == plan.input_hash and new.security.token_verifiers
+    assert ident(new, tmp_path, "stage1") is not None
+
+
+def test_keys_are_made_private_again_on_every_write(tmp_path: Path, tiny_model_dir: Path,
+                                                    tiny_spec: ModelSpec) -> None:
+    """A key file left 0644 by hand (or a copy) is 0600 after `hetero keys` and after install_keys; folders 0700."""
+    plan = keyed_plan(tmp_path, tiny_model_dir, tiny_spec, "curve")
+    folder = tmp_path / "artifacts" / plan.stages[0].host / "keys"
+    for f in folder.glob("*.key"):
+        f.chmod(0o644)
+    folder.chmod(0o755)
+    assert cli.main(["keys", str(tmp_path / "plan.json")]) == 0
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(f.stat().st_mode) for f in folder.glob("*.key")} == {0o600}
+    plan = Plan.load(tmp_path / "plan.json")
+    run_keys = tmp_path / "run" / "keys"
+    run_keys.mkdir(parents=True)
+    names = ["coordinator", "stage0", "stage1"]
+    for name in names:  # a run dir used before, its keys since copied world-readable
+        shutil.copy(folder / f"{name}.key", run_keys / f"{name}.key")
+        (run_keys / f"{name}.key").chmod(0o644)
+    run_keys.chmod(0o755)
+    install_keys(plan.security, names[:2], [folder], run_keys)  # rewritten from the plan's folder
+    install_keys(plan.security, names[2:], [run_keys], run_keys)  # already in place
+    assert stat.S_IMODE(run_keys.stat().st_mode) == 0o700
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in run_keys.iterdir()} == {
+        f"{name}.key": 0o600 for name in names}
+    assert all(load_identity(plan.security, name, [run_keys]) is not None for name in names)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import csv
 import json
+import re
+import typing
 from pathlib import Path
 
 import pytest
 
 from hetero import cli
-from hetero.cli.sweep import expand, refuse_sweeps
+from hetero.cli.sweep import CSV_COLUMNS, SUMMARY_KEYS, TABLE_COLUMNS, PlanSummary, expand, refuse_sweeps
 from hetero.config import compose_raw
 from hetero.errors import ConfigError
 
@@ -142,3 +144,32 @@ def test_sweep_compiles_every_point_and_compares_them(tmp_path: Path,
         single = next(b for b in data["baselines"] if b["name"] == "best_single_device")
         assert float(row["single_device_step_time_s"]) == single["prediction"]["step_time_s"]
         assert Path(row["plan_json"]) == out_dir / names[number - 1] / "plan.json"
+
+    # The table and the CSV agree: each table cell is its column's text of the CSV row's values.
+    headings = next(line for line in captured.out.splitlines() if line.startswith("┃"))
+    assert [h.strip() for h in headings.strip("┃").split("┃")][4:] == [c.heading for c in TABLE_COLUMNS]
+    for number in plans:
+        summary = _summary_from_csv(records[number - 1])
+        assert rows[number - 1][4:] == [column.text(summary) for column in TABLE_COLUMNS]
+
+
+def _summary_from_csv(row: dict[str, str]) -> dict[str, object]:
+    """A sweep.csv row's PlanSummary fields, typed back (an empty cell is None)."""
+    hints = typing.get_type_hints(PlanSummary)
+    out: dict[str, object] = {}
+    for key in SUMMARY_KEYS:
+        kind = next(t for t in (int, float, str) if t is hints[key] or t in typing.get_args(hints[key]))
+        out[key] = None if row[key] == "" else kind(row[key])
+    return out
+
+
+def test_csv_table_and_docs_take_their_columns_from_one_definition() -> None:
+    assert len(set(CSV_COLUMNS)) == len(CSV_COLUMNS)
+    assert CSV_COLUMNS[4:-2] == SUMMARY_KEYS  # every PlanSummary field is a CSV column, in order
+    shown = [key for column in TABLE_COLUMNS for key in column.keys]
+    assert set(shown) <= set(SUMMARY_KEYS), set(shown) - set(SUMMARY_KEYS)
+    # docs/quickstart.md lists the CSV's columns, the swept keys between `name` and `status`.
+    text = (Path(__file__).parents[1] / "docs" / "quickstart.md").read_text()
+    listed = text.split("`output/sweep.csv` has a header", 1)[1].split("\n- ", 1)[0]
+    documented = re.findall(r"`([a-z_]+)`", re.sub(r"\([^)]*\)", "", listed))  # not (`ok`/`error`)
+    assert documented == list(CSV_COLUMNS), documented

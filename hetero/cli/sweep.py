@@ -17,7 +17,7 @@ import csv
 import itertools
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -168,7 +168,56 @@ def expand(overrides: Sequence[str], config_dir: str | Path | None = None) -> Sw
 # --- the comparison -------------------------------------------------------------------------------------
 
 
-def plan_summary(plan: Plan) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PlanSummary:
+    """What the sweep compares of a compiled point, defined once: its fields are sweep.csv's columns (in order,
+    between the point's own and plan_json/error), and every table column shows some of them."""
+
+    step_time_s: float
+    tokens_per_s: float
+    tokens_per_step: int
+    bubble_fraction: float
+    headroom_gb: float  # free memory of the tightest stage
+    headroom_fraction: float  # ... as a share of its device's
+    tightest_device: str
+    num_stages: int
+    num_replicas: int
+    devices_used: int
+    fleet_devices: int
+    single_device_step_time_s: float | None  # the fastest single device that fits, None: none does
+    speedup_vs_single_device: float | None
+    versus_single: str  # the table's text of it: "1.52x", "one device", "none fits alone"
+    proven_optimal: int
+
+
+SUMMARY_KEYS = tuple(f.name for f in fields(PlanSummary))
+CSV_COLUMNS = ("point", "name", "status", "best", *SUMMARY_KEYS, "plan_json", "error")
+
+
+@dataclass(frozen=True)
+class TableColumn:
+    """A column of the sweep table: its heading and its cell, made from the named fields of a PlanSummary."""
+
+    heading: str
+    keys: tuple[str, ...]  # of SUMMARY_KEYS, passed to ``cell`` in this order
+    cell: Callable[..., str]
+
+    def text(self, summary: dict[str, Any]) -> str:
+        """This column's cell for a point's summary (``asdict(plan_summary(plan))``)."""
+        return self.cell(*(summary[k] for k in self.keys))
+
+
+TABLE_COLUMNS = (
+    TableColumn("step", ("step_time_s",), fmt_time),
+    TableColumn("throughput", ("tokens_per_s",), fmt_rate),
+    TableColumn("headroom", ("headroom_gb", "headroom_fraction"), lambda gb, share: f"{gb:.1f} GB ({share:.0%})"),
+    TableColumn("devices", ("devices_used", "fleet_devices"), lambda used, fleet: f"{used}/{fleet}"),
+    TableColumn("replicas", ("num_replicas",), str),
+    TableColumn("vs best single", ("versus_single",), str),
+)
+
+
+def plan_summary(plan: Plan) -> PlanSummary:
     """What the sweep compares, from a plan: prediction, tightest memory, layout, versus one device."""
     free_gb, tight = min(((s.memory.available_gb - s.memory.total_gb, s) for s in plan.stages),
                          key=lambda pair: pair[0])
@@ -182,23 +231,23 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         versus = "none fits alone"
     else:
         versus = f"{speedup:.2f}x"
-    return {
-        "step_time_s": step,
-        "tokens_per_s": plan.prediction.tokens_per_s,
-        "tokens_per_step": plan.prediction.tokens_per_step,
-        "bubble_fraction": plan.prediction.bubble_fraction,
-        "headroom_gb": free_gb,
-        "headroom_fraction": free_gb / tight.memory.available_gb if tight.memory.available_gb > 0 else 0.0,
-        "tightest_device": tight.device,
-        "num_stages": len(plan.stages),
-        "num_replicas": len(plan.pipelines),
-        "devices_used": len({s.device for s in plan.stages}),
-        "fleet_devices": len(plan.cluster.devices),
-        "single_device_step_time_s": single_s,
-        "speedup_vs_single_device": speedup,
-        "versus_single": versus,
-        "proven_optimal": int(plan.solver.proven_optimal),
-    }
+    return PlanSummary(
+        step_time_s=step,
+        tokens_per_s=plan.prediction.tokens_per_s,
+        tokens_per_step=plan.prediction.tokens_per_step,
+        bubble_fraction=plan.prediction.bubble_fraction,
+        headroom_gb=free_gb,
+        headroom_fraction=free_gb / tight.memory.available_gb if tight.memory.available_gb > 0 else 0.0,
+        tightest_device=tight.device,
+        num_stages=len(plan.stages),
+        num_replicas=len(plan.pipelines),
+        devices_used=len({s.device for s in plan.stages}),
+        fleet_devices=len(plan.cluster.devices),
+        single_device_step_time_s=single_s,
+        speedup_vs_single_device=speedup,
+        versus_single=versus,
+        proven_optimal=int(plan.solver.proven_optimal),
+    )
 
 
 def best_point(results: Sequence[PointResult]) -> PointResult | None:
@@ -214,16 +263,10 @@ def csv_rows(sweep: Sweep, results: Sequence[PointResult]) -> list[dict[str, Any
     for r in results:
         row: dict[str, Any] = {"point": r.point.number, "name": r.point.name, **dict(r.point.values),
                                "status": "ok" if r.plan is not None else "error", "best": int(r is best)}
-        row.update(plan_summary(r.plan) if r.plan is not None else {})
+        row.update(asdict(plan_summary(r.plan)) if r.plan is not None else {})
         row.update({"plan_json": str(r.plan_json or ""), "error": r.error})
         rows.append(row)
     return rows
-
-
-CSV_COLUMNS = ("point", "name", "status", "best", "step_time_s", "tokens_per_s", "tokens_per_step",
-               "bubble_fraction", "headroom_gb", "headroom_fraction", "tightest_device", "num_stages",
-               "num_replicas", "devices_used", "fleet_devices", "single_device_step_time_s",
-               "speedup_vs_single_device", "versus_single", "proven_optimal", "plan_json", "error")
 
 
 def write_csv(path: Path, sweep: Sweep, results: Sequence[PointResult]) -> None:
@@ -249,21 +292,18 @@ def sweep_table(sweep: Sweep, results: Sequence[PointResult]) -> Table:
     table.add_column("", no_wrap=True)  # the best point's mark
     for key in sweep.keys:
         table.add_column(key, no_wrap=True)
-    for col in ("step", "throughput", "headroom", "devices", "replicas", "vs best single"):
-        table.add_column(col, justify="right", no_wrap=True)
+    for column in TABLE_COLUMNS:
+        table.add_column(column.heading, justify="right", no_wrap=True)
     best = best_point(results)
     for r in results:
         values = [v for _, v in r.point.values]
         if r.plan is None:  # its error goes under the table (failure_lines): a whole line, not a wrapped cell
-            table.add_row(str(r.point.number), "", *values, Text("failed", style="red"), *["-"] * 5)
+            table.add_row(str(r.point.number), "", *values, Text("failed", style="red"),
+                          *["-"] * (len(TABLE_COLUMNS) - 1))
             continue
-        s = plan_summary(r.plan)
-        table.add_row(
-            str(r.point.number), "*" if r is best else "", *values, fmt_time(s["step_time_s"]),
-            fmt_rate(s["tokens_per_s"]), f"{s['headroom_gb']:.1f} GB ({s['headroom_fraction']:.0%})",
-            f"{s['devices_used']}/{s['fleet_devices']}", str(s["num_replicas"]), s["versus_single"],
-            style="bold" if r is best else None,
-        )
+        summary = asdict(plan_summary(r.plan))
+        table.add_row(str(r.point.number), "*" if r is best else "", *values,
+                      *(column.text(summary) for column in TABLE_COLUMNS), style="bold" if r is best else None)
     return table
 
 

@@ -36,6 +36,8 @@ from hetero.runtime.stage.executor import Executor
 from hetero.runtime.stage.lora import peft_key
 
 CHECKPOINT_FORMAT = 1
+# LoRA weights and AdamW moments are float32 on every device (runtime/stage/lora.py), and so in every checkpoint.
+CHECKPOINT_DTYPE = torch.float32
 LORA, EXP_AVG, EXP_AVG_SQ = "lora/", "exp_avg/", "exp_avg_sq/"
 _STAGE_JSON = re.compile(r"stage(\d+)\.json")
 
@@ -203,6 +205,11 @@ def load_stage_checkpoint(directory: Path, k: int, plan_hash: str | None = None)
     return tensors, meta
 
 
+def _dtype_name(t: torch.Tensor | torch.dtype) -> str:
+    """``float16``, not ``torch.float16``: the name plan.json and the wire use."""
+    return str(t.dtype if isinstance(t, torch.Tensor) else t).removeprefix("torch.")
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return (text.splitlines()[0] if text else type(exc).__name__)[:200]
@@ -232,20 +239,31 @@ def _check_meta(meta: Any, path: Path, k: int) -> None:
 
 def _check_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any], path: Path) -> None:
     """Every LoRA tensor the JSON names is there; AdamW moments pair with it in shape; all are finite."""
-    for name in tensors:
+    for name, t in tensors.items():
         if not name.startswith((LORA, EXP_AVG, EXP_AVG_SQ)):
             raise CheckpointError(f"{path}: unexpected tensor '{name}' (not lora/, exp_avg/ or exp_avg_sq/)")
+        if t.dtype != CHECKPOINT_DTYPE:
+            # A stage takes its state only in float32 (the wire's rules drop anything else), so another dtype
+            # here would leave the stages waiting for a state that never comes.
+            raise CheckpointError(f"{path}: tensor {name} is {_dtype_name(t)}, expected {_dtype_name(CHECKPOINT_DTYPE)} "
+                                  "(LoRA weights and AdamW moments are float32 on every device): it was converted "
+                                  "after hetero wrote it; resume from an unconverted checkpoint, or cast its tensors "
+                                  "back to float32")
     for key in meta["keys"]:
         lora = tensors.get(LORA + key)
         if lora is None:
             raise CheckpointError(f"{path}: lacks LoRA tensor {key} that its JSON names; the checkpoint is corrupt")
-        moments = [tensors.get(EXP_AVG + key), tensors.get(EXP_AVG_SQ + key)]
-        if any(m is not None for m in moments):
-            if any(m is None or m.shape != lora.shape for m in moments) or key not in meta["adam_steps"]:
+        moments = {p + key: tensors.get(p + key) for p in (EXP_AVG, EXP_AVG_SQ)}
+        if any(m is not None for m in moments.values()):
+            shapes = {n: None if m is None else tuple(m.shape) for n, m in moments.items()}
+            bad = next((n for n, shape in shapes.items() if shape != tuple(lora.shape)), None)
+            if bad is not None or key not in meta["adam_steps"]:
+                found = "missing" if bad is None or shapes[bad] is None else f"{shapes[bad]}"
                 raise CheckpointError(f"{path}: AdamW state of {key} does not match its LoRA tensor "
-                                      f"{tuple(lora.shape)}; the checkpoint is corrupt")
-        for t in (lora, *moments):
-            if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                                      f"{tuple(lora.shape)} ({bad or 'its step count'}: {found}); the checkpoint "
+                                      "is corrupt: resume from another one")
+        for t in (lora, *(m for m in moments.values() if m is not None)):
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise CheckpointError(f"{path}: {key} holds NaN or inf (training had diverged); "
                                       "resume from an earlier checkpoint")
 
@@ -260,12 +278,21 @@ def load_checkpoint_union(directory: Path) -> tuple[dict[str, torch.Tensor], dic
 
     Keys are whole-model, so any split can resume from the union.
     """
+    tensors, meta, _ = read_checkpoint(directory)
+    return tensors, meta
+
+
+def read_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Path]]:
+    """``load_checkpoint_union``, and the stage file each tensor came from (for errors that name the file)."""
     directory = resolve_resume(Path(directory))
     stages = sorted(int(m.group(1)) for p in directory.iterdir() if (m := _STAGE_JSON.fullmatch(p.name)))
     if not stages:
         raise CheckpointError(f"{directory}: has {COMPLETE} but no stage<k>.json; the checkpoint is corrupt")
-    return merge_payloads([load_stage_checkpoint(directory, k) for k in stages],
-                          f"{directory}: stage files disagree on the step")
+    payloads = [load_stage_checkpoint(directory, k) for k in stages]
+    files = {name: directory / f"stage{k}.safetensors" for k, (part, _) in zip(stages, payloads, strict=True)
+             for name in part}
+    tensors, meta = merge_payloads(payloads, f"{directory}: stage files disagree on the step")
+    return tensors, meta, files
 
 
 def merge_payloads(payloads: list[tuple[dict[str, torch.Tensor], dict[str, Any]]], disagree: str,

@@ -20,6 +20,7 @@ from hetero.config import check_eval
 from hetero.errors import CheckpointError, ConfigError
 from hetero.plan import Plan
 from hetero.protocol import FAILURE_TIMEOUT_S, LOAD_TIMEOUT_S
+from hetero.runtime.run.options import STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_MIN_S
 from hetero.security import key_dirs
 from hetero.serde import from_dict, to_dict
 from hetero.specs import RUNTIME_OVERRIDABLE, EvalSpec, TrainSpec, check_ranges
@@ -34,6 +35,8 @@ RUN_OPTIONS = {
     "load_timeout_s": f"the same while a stage loads its weights (default {LOAD_TIMEOUT_S:g})",
     "rebalance": "auto (default): move layers between stages when a device's speed changes for good; off: keep "
                  "the plan's split",
+    "step_timeout_s": f"the longest one optimizer step may take before the run stops with an error (default "
+                      f"{STEP_TIMEOUT_FACTOR:g}x the plan's predicted step, at least {STEP_TIMEOUT_MIN_S:g})",
 }
 REBALANCE_MODES = ("auto", "off")
 
@@ -168,7 +171,11 @@ def main_run(argv: list[str]) -> int:
     launcher = StageLauncher.start(plan.model.architecture) if _local_stages(plan, args.host) else None
     try:
         plan_path, options = _prepare_run(plan, args, checkpoint, timeouts)
-        result = Coordinator(plan, plan_path, replace(options, launcher=launcher)).run()
+        try:
+            result = Coordinator(plan, plan_path, replace(options, launcher=launcher)).run()
+        except KeyboardInterrupt:  # a second Ctrl-C (or the first, before training): stopped at once
+            print(_stopped_at_once(plan_path, options), file=sys.stderr)
+            return 130
     finally:
         if launcher is not None:
             launcher.close()
@@ -250,6 +257,22 @@ def _prepare_run(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
                                  handshake_timeout_s=args.handshake_timeout, progress=not args.no_progress,
                                  resume=checked.resume, checkpoint=checked.checkpoint, batches=checked.batches,
                                  key_dirs=key_dirs(args.plan, host), ssh_hosts=remote, **timeouts)
+
+
+def _stopped_at_once(plan_path: Path, options: RunOptions) -> str:
+    """The line after a run stopped at once: how to continue from its newest complete checkpoint, if any."""
+    from hetero.runtime.run.rundir import checkpoint_step, latest_checkpoint, run_command
+
+    run_dir, again = options.run_dir, run_command(plan_path, options.rerun)
+    newest = latest_checkpoint(run_dir)  # complete ones only: one cut short by the second Ctrl-C is not there
+    if newest is not None:
+        return (f"hetero: stopped at once; newest checkpoint {newest} (after step {checkpoint_step(newest)}): continue "
+                f"with `{shlex.join(again + ['--resume', str(run_dir)])}`")
+    if options.resume is not None:
+        return (f"hetero: stopped at once, before a new checkpoint: continue with "
+                f"`{shlex.join(again + ['--resume', str(options.resume), '--run-dir', str(run_dir)])}`")
+    return (f"hetero: stopped at once, before any checkpoint was complete: nothing to keep; start again with "
+            f"`{shlex.join(again + ['--run-dir', str(run_dir)])}`")
 
 
 def _finish_run(plan: Plan, plan_path: Path, options: RunOptions, result: RunResult) -> int:

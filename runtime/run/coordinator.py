@@ -17,7 +17,7 @@ Ctrl-C or SIGTERM stops at the next step boundary with a checkpoint: the coordin
 data and no clip for the step in progress, so every stage's state stays the one after the last
 completed step; it sends ``stop`` with ``checkpoint: N`` (N steps done), each stage answers with its
 payload from wherever it is blocked, the coordinator writes checkpoints/step-N and sends the final
-``stop``. A second Ctrl-C exits at once.
+``stop``. A second Ctrl-C exits at once; `hetero run` still prints how to resume from the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -44,13 +44,15 @@ from hetero.protocol import (
     Stop,
     Welcome,
 )
+from hetero.runtime.run.handshake import HandshakeWatch
 from hetero.runtime.run.moves import split_of
-from hetero.runtime.run.options import RunOptions, coordinator_endpoint  # noqa: F401  (re-exported)
+from hetero.runtime.run.options import RunOptions, coordinator_endpoint, step_timeout_hint, step_timeout_s
 from hetero.runtime.run.processes import (
     StageFailedError,
     exit_cause,
     is_stopped,
     last_error_line,
+    raise_open_file_limit,
     spawn_stages,
     stop_processes,
 )
@@ -82,6 +84,7 @@ class Coordinator:
     def __init__(self, plan: Plan, plan_path: Path, options: RunOptions) -> None:
         from hetero.runtime.wire.transport import Transport
 
+        raise_open_file_limit()  # before the inbox listens: a flood of idle connections must not exhaust it
         self.plan, self.plan_path, self.options = plan, plan_path, options
         self.run_dir = options.run_dir
         self.num_stages = len(plan.stages)
@@ -118,6 +121,8 @@ class Coordinator:
             self.transport.close()
             raise
         self.heartbeat = Heartbeat(self.transport, self.names, interval_s=heartbeat_interval(options.failure_timeout_s))
+        self.greeting = HandshakeWatch(plan, self.transport, self.names, self.endpoint, plan_path)  # other plans
+        self.step_timeout_s = step_timeout_s(plan, options.step_timeout_s)
         self.result = self.records.result
         from hetero.runtime.run.moves import Mover
 
@@ -222,7 +227,7 @@ class Coordinator:
             raise KeyboardInterrupt  # before training, or the second time: stop at once
         self.stop_signal = signal.Signals(signum).name
         print(f"hetero run: {self.stop_signal}: stopping after this step with a checkpoint "
-              "(Ctrl-C again to quit at once, without one)", file=sys.stderr, flush=True)
+              "(Ctrl-C again to quit at once, from the newest complete one)", file=sys.stderr, flush=True)
 
     def _explain(self, exc: BaseException) -> HeteroError | None:
         """The one-line error for a failed run; None: re-raise ``exc`` as it is."""
@@ -281,6 +286,8 @@ class Coordinator:
                 pass
 
     def _check_children(self) -> None:
+        if not self.trained:
+            self.greeting.check()  # a stage of another plan: named now, not at the handshake timeout
         for k, p in self.procs.items():
             code = p.poll()
             if code is not None and code != 0:
@@ -325,9 +332,13 @@ class Coordinator:
                     "and can it reach this host?")
             if self.ssh is not None and remote[0] in self.ssh.hosts:
                 hint = f"can {remote[0]} reach this host? (its `hetero worker` output: {self.ssh.log(remote[0])})"
+        if timeout_s == self.step_timeout_s and kind not in ("hello", "start"):  # a step's wait
+            hint = step_timeout_hint(self.plan, timeout_s, hint) + (f"; {self._resume_hint()}" if self.trained else "")
         dropped = next((why for k in missing if (why := self.transport.last_rejection(self.names[k]))), None)
         if dropped:
             hint = f"a message claiming to be from it was dropped: {dropped}"
+        elif kind == "hello" and (refused := self.greeting.refused()):
+            hint += f"; {refused}"
         return f"{what} within {timeout_s:g} s: {hint}"
 
     def _handshake(self) -> None:
@@ -424,7 +435,7 @@ class Coordinator:
     def _train(self, batches: Any) -> None:
         """Steps start_step.. : data out, the step's reduction, ``stepdone`` in, the records; Ctrl-C stops
         at the next step boundary with a checkpoint."""
-        train, timeout = self.plan.train, self.options.step_timeout_s
+        train, timeout = self.plan.train, self.step_timeout_s
         self.records.start_metrics(self.start_step)
         self.training = self.trained = True
         label_tokens = {self.start_step: self._send_data(batches, self.start_step)}
@@ -455,7 +466,7 @@ class Coordinator:
                     write_run_profile(self.plan, self.run_dir, self.result)  # RUN_DIR/profile.json (issue 22)
                 self.mover.observe(step, done)
                 if self.mover.due(step):
-                    self._move(step, payloads, timeout)
+                    self._move(step, payloads, max(timeout, self.options.handshake_timeout_s))  # stages rebuild
 
     def _move(self, step: int, payloads: dict[int, Any] | None, timeout: float) -> None:
         """After step ``step``: the stages rebuilt on their new spans with their new layers' state (moves.py)."""
@@ -481,5 +492,5 @@ class Coordinator:
             return  # nothing trained yet: nothing to keep
         for name in self.names:
             self.transport.send(name, Stop(reason=f"{self.stop_signal}: send a checkpoint", checkpoint=done))
-        payloads = self._gather("checkpoint", done - 1, self.options.step_timeout_s)
+        payloads = self._gather("checkpoint", done - 1, self.step_timeout_s)
         self.result.checkpoint = self.records.write_checkpoint(done, payloads)

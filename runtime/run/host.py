@@ -16,7 +16,7 @@ from typing import Any
 from hetero.errors import PlanError
 from hetero.plan import Plan
 from hetero.runtime.run.coordinator import coordinator_endpoint
-from hetero.runtime.run.processes import spawn_stages, stop_processes, supervise
+from hetero.runtime.run.processes import raise_open_file_limit, spawn_stages, stop_processes, supervise
 from hetero.security import key_dirs, load_identity
 
 
@@ -47,6 +47,7 @@ def serve_host(plan_path: Path, plan: Plan, host: str, run_dir: Path, coordinato
 
     ``watch_stdin``: also stop them when stdin closes (a worker that `hetero run` started over ssh)."""
     stages = check_host(plan_path, plan, host)
+    raise_open_file_limit()  # the stages it starts inherit it (and raise their own)
     procs = spawn_stages(plan_path, stages, run_dir, coordinator)
     closed = threading.Event()
     if watch_stdin:

@@ -3,6 +3,7 @@ coordinator listens. Torch-free: the CLI builds these before anything heavy is i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,13 +24,35 @@ def coordinator_endpoint(plan: Plan, host: str | None = None, port: int | None =
     return f"tcp://{spec.address}:{port if port is not None else spec.port - 1}"
 
 
+# The longest one optimizer step may take before the run stops with an error (`hetero run runtime.step_timeout_s=`):
+# this many times the plan's predicted step, and never less than the floor (a first step warms caches, a
+# prediction may be rough; the heartbeats already catch a stage that is hung or gone, within failure_timeout_s).
+STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_MIN_S = 20.0, 60.0
+
+
+def step_timeout_s(plan: Plan, given: float | None = None) -> float:
+    """``given`` (runtime.step_timeout_s), else STEP_TIMEOUT_FACTOR x the plan's predicted step, at least STEP_TIMEOUT_MIN_S."""
+    if given is not None:
+        return float(given)
+    predicted = plan.prediction.step_time_s
+    return max(STEP_TIMEOUT_MIN_S, STEP_TIMEOUT_FACTOR * predicted if math.isfinite(predicted) else 0.0)
+
+
+def step_timeout_hint(plan: Plan, timeout_s: float, see: str) -> str:
+    """What to do when a step took longer than ``timeout_s``: ``see`` (the logs), or a longer bound if it is only slow."""
+    return (f"the step took longer than runtime.step_timeout_s ({timeout_s:g} s; the plan predicts "
+            f"{plan.prediction.step_time_s:.3g} s a step): a stage is stuck (waiting for a message that never came) "
+            f"or far slower than planned; {see}, and if it is only slow, run with "
+            f"runtime.step_timeout_s={max(2 * timeout_s, STEP_TIMEOUT_MIN_S):g} or more")
+
+
 @dataclass(frozen=True)
 class RunOptions:
     run_dir: Path
     host: str | None = None  # the host this coordinator runs on (default: stage 0's)
     port: int | None = None  # coordinator port (default: that host's base port - 1)
     handshake_timeout_s: float = 600.0  # remote hosts may still be loading or quantizing weights
-    step_timeout_s: float = 1800.0
+    step_timeout_s: float | None = None  # runtime.step_timeout_s; None: step_timeout_s(plan) decides
     failure_timeout_s: float = FAILURE_TIMEOUT_S  # a working peer without heartbeat for this long is dead
     load_timeout_s: float = LOAD_TIMEOUT_S  # the same while a stage builds (loading may hold the GIL)
     progress: bool = True

@@ -57,15 +57,18 @@ def preflight(plan: Plan, run_dir: Path, host: str | None = None, port: int | No
 
 
 def _read_resume(path: Path, plan: Plan, model_dir: Path) -> tuple[Path, tuple[dict[str, Any], dict[str, Any]]]:
-    from hetero.runtime.run.checkpoint import load_checkpoint_union, lora_from_payload, resolve_resume
+    from hetero.runtime.run.checkpoint import LORA, lora_from_payload, read_checkpoint, resolve_resume
 
     directory = resolve_resume(path)
-    tensors, meta = load_checkpoint_union(directory)
+    # Every file is read whole and checked (dtypes, AdamW moments against their LoRA tensor: checkpoint.py), then
+    # every LoRA tensor against this plan's model: a stage never waits for a state it would refuse.
+    tensors, meta, files = read_checkpoint(directory)
     step = int(meta["step"])
     if step >= plan.train.steps:
         raise CheckpointError(f"{directory} is after step {step}, train.steps is {plan.train.steps}: raise it "
                               f"(hetero run ... steps=N) to train on")
-    check_lora_state(lora_from_payload(tensors), plan, model_dir, f"checkpoint {directory}")
+    sources = {name[len(LORA):]: file for name, file in files.items() if name.startswith(LORA)}
+    check_lora_state(lora_from_payload(tensors), plan, model_dir, f"checkpoint {directory}", sources)
     return directory, (tensors, meta)
 
 
@@ -128,8 +131,11 @@ def _header_shapes(model_dir: Path, names: list[str]) -> dict[str, tuple[int, ..
     return shapes
 
 
-def check_lora_state(state: dict[str, Any], plan: Plan, model_dir: Path, where: str) -> None:
-    """``state`` (PEFT keys -> tensors) has a LoRA tensor of the right shape for every module the plan trains."""
+def check_lora_state(state: dict[str, Any], plan: Plan, model_dir: Path, where: str,
+                     files: dict[str, Path] | None = None) -> None:
+    """``state`` (PEFT keys -> tensors) has a LoRA tensor of the right shape for every module the plan trains.
+
+    ``files``: the file each key was read from, named by a shape error instead of ``where``."""
     expected = lora_shapes(plan, model_dir)
     if not expected:
         return  # a graph that names no weights (hand-edited plans): the stages check their own keys
@@ -145,8 +151,9 @@ def check_lora_state(state: dict[str, Any], plan: Plan, model_dir: Path, where: 
     for key, shape in expected.items():
         got = tuple(state[key].shape)
         if shape is not None and got != shape:
-            raise CheckpointError(f"{where}: {key} has shape {got}, this model's is {shape}: it was trained for "
-                                  "another model or another lora.r")
+            source = f"{files[key]}: tensor lora/{key}" if files and key in files else f"{where}: {key}"
+            raise CheckpointError(f"{source} has shape {got}, this model's is {shape}: it was trained for another "
+                                  "model or another lora.r; resume from a checkpoint of this model and lora.r")
 
 
 def check_ports(plan: Plan, host: str | None, port: int | None) -> None:

@@ -38,6 +38,23 @@ def exit_cause(code: int) -> str:
     return f"exit code {code}"
 
 
+def raise_open_file_limit() -> None:
+    """Raise this process's soft limit on open files to its hard limit (every run process, once, at start).
+
+    Each TCP connection to a listening socket holds a descriptor until ZeroMQ drops it (an unauthenticated
+    one after transport.INBOX_HANDSHAKE_S): at the common soft limit of 1024, anyone who can reach a port
+    could hold them all open and end the run with EMFILE. Never fails: where the OS refuses, the old limit stays.
+    """
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError) as exc:  # no `resource` (Windows); macOS refuses RLIM_INFINITY
+        log.debug("open-file limit left as it is: %s", exc)
+
+
 def is_stopped(pid: int) -> bool:
     """Whether a local process is stopped by a signal (Linux /proc; False where unknown)."""
     try:

@@ -205,9 +205,26 @@ def _restore(executor: Any, mailbox: Mailbox, k: int) -> None:
     """A resumed run: the coordinator's ``state`` for this stage (LoRA, AdamW, step count)."""
     from hetero.runtime.run.checkpoint import restore_stage
 
-    state = mailbox.recv("state", sender=COORDINATOR, timeout_s=600.0)
+    state = _await_state(mailbox, 600.0)
     restore_stage(executor, state.tensors, state.meta)
     log.info("stage %d resumed after step %d", k, executor.steps_done)
+
+
+def _await_state(mailbox: Mailbox, timeout_s: float) -> Any:
+    """The coordinator's ``state``. The coordinator sends it once: if this stage's rules dropped it (a tensor of
+    another dtype), say why at once rather than wait out ``timeout_s``."""
+    transport = mailbox.transport
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return mailbox.recv("state", sender=COORDINATOR, timeout_s=min(2.0, max(0.1, deadline - time.monotonic())))
+        except WireError as exc:
+            if not is_timeout(exc) or time.monotonic() >= deadline:
+                raise
+        # Only a drop of what the coordinator itself sent (a forgery from another key proves nothing).
+        for peer, why in transport.rejections:
+            if "'state'" in why and f"from {COORDINATOR}" in why and (peer == COORDINATOR or transport.identity is None):
+                raise WireError(f"the coordinator's state for this stage was refused: {why}")
 
 
 def _report_failure(transport: Any, k: int, exc: Exception) -> int:
@@ -297,6 +314,9 @@ def _move(executor: Any, move: Any, rebuild: Callable[[Any], Any], mailbox: Mail
 
 def serve_stage(plan_path: Path, plan: Plan, k: int, coordinator: str, parent_pid: int | None = None) -> int:
     """Run stage k of the plan at ``plan_path`` in this process, logging to stderr; returns the exit code."""
+    from hetero.runtime.run.processes import raise_open_file_limit
+
+    raise_open_file_limit()  # before the inbox listens: a flood of idle connections must not exhaust it
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack to the log
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s stage{k} %(levelname)s %(message)s")

@@ -11,6 +11,11 @@ requests over its stdin/stdout -- a local pipe, nothing on the network:
 - out: one JSON line per request, ``{"step": N, "eval_loss": x, "eval_tokens": n, "eval_s": t}``
   (summed token cross-entropy over the held-out micro-batches / their label tokens, the training
   loss's definition), or ``{"step": N, "error": "..."}``. End of input ends the process.
+
+A held-out record the training format cannot use (a line that is not JSON, not an object, lacks a field
+the format needs, or that the tokenizer refuses) does not stop evaluation: the evaluator leaves it out,
+says so in one line (its ready line's ``skipped``, which the run records among its eval_errors) and
+evaluates the others.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 
 from hetero.errors import ConfigError, HeteroError
 from hetero.plan import Plan
-from hetero.specs import EvalSpec
+from hetero.specs import DataSpec, EvalSpec
 
 
 def eval_device_name(plan: Plan, evaluation: EvalSpec, host: str) -> str:
@@ -54,25 +59,116 @@ def eval_device_name(plan: Plan, evaluation: EvalSpec, host: str) -> str:
     return free[0]
 
 
-def held_out_batches(plan: Plan, evaluation: EvalSpec) -> Any:
+def held_out_batches(plan: Plan, evaluation: EvalSpec, skipped: list[str] | None = None) -> Any:
     """The held-out micro-batches: eval.path in data.format, in file order, at most eval.max_batches of them
-    (never repeating a record)."""
+    (never repeating a record). Records the format cannot use are left out; ``skipped`` gets one line
+    saying which."""
+    import tempfile
+
     from hetero.runtime.pretrained import resolve_dir
     from hetero.runtime.run.data import StepBatches
 
     if not evaluation.path:
         raise ConfigError("eval.path is not set: held-out evaluation needs a file (eval.path=FILE)")
-    data = replace(plan.data, path=evaluation.path)  # the training data's format and options
-    train = plan.train
-    args = (data, resolve_dir(plan.model), plan.model.seq_len, train.micro_batch_size)
-    batches = StepBatches(*args, evaluation.max_batches, train.seed, False)
-    fit = batches.num_records // train.micro_batch_size
-    if fit < 1:
-        raise ConfigError(f"eval.path={evaluation.path} has {batches.num_records} record(s), fewer than one "
-                          f"micro-batch (train.micro_batch_size={train.micro_batch_size})")
-    if fit < evaluation.max_batches:
-        batches = StepBatches(*args, fit, train.seed, False)
+    train, tokenizer_dir = plan.train, resolve_dir(plan.model)
+
+    def build(path: Path, micro_batches: int) -> Any:
+        data = replace(plan.data, path=str(path))  # the training data's format and options
+        return StepBatches(data, tokenizer_dir, plan.model.seq_len, train.micro_batch_size, micro_batches,
+                           train.seed, False)
+
+    with tempfile.TemporaryDirectory(prefix="hetero-eval-") as scratch:
+        path, bad = screen_held_out(Path(evaluation.path).expanduser(), plan.data, Path(scratch))
+        batches = build(path, evaluation.max_batches)
+        refused = dict(_unencodable(batches, evaluation.max_batches * train.micro_batch_size))
+        if refused:
+            bad += list(refused.values())
+            kept = [r for i, r in enumerate(batches.records) if i not in refused]
+            batches = build(path := _write_records(kept, Path(scratch) / "encodable.jsonl"), evaluation.max_batches)
+        fit = batches.num_records // train.micro_batch_size
+        if fit < 1:
+            raise ConfigError(f"eval.path={evaluation.path} has {batches.num_records} usable record(s), fewer than "
+                              f"one micro-batch (train.micro_batch_size={train.micro_batch_size})"
+                              + (f"; left out: {bad[0]}" if bad else ""))
+        if fit < evaluation.max_batches:
+            batches = build(path, fit)
+    batches.source = str(evaluation.path)  # errors name the user's file, not a scratch copy
+    if bad and skipped is not None:
+        more = f"; {len(bad) - 1} more like it" if len(bad) > 1 else ""
+        skipped.append(f"eval.path={evaluation.path}: left out {len(bad)} held-out record(s) that data.format="
+                       f"{plan.data.format} cannot use ({bad[0]}{more}); evaluating the other {batches.num_records}")
     return batches
+
+
+def screen_held_out(path: Path, data: DataSpec, scratch: Path) -> tuple[Path, list[str]]:
+    """A JSON-lines (or JSON array) held-out file without the records ``data.format`` cannot use: ``path`` itself
+    when every record is usable (or it is not JSON: Parquet is read whole), else a copy of the usable ones
+    in ``scratch``; and one reason per record left out."""
+    from hetero.runtime.run.data import _validate
+
+    if path.suffix.lower() not in (".jsonl", ".json") or not path.is_file():
+        return path, []  # StepBatches reports a missing or unreadable file
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        whole = json.loads(text)
+    except ValueError:
+        whole = None
+    if isinstance(whole, (list, dict)):  # a JSON array of records (or one record), not JSON lines
+        entries: list[tuple[str, Any]] = [(f"record {i}", r) for i, r in enumerate(whole if isinstance(whole, list)
+                                                                                  else [whole])]
+    else:
+        entries = [(f"line {n}", _json_or_error(line)) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    good: list[dict[str, Any]] = []
+    bad: list[str] = []
+    for where, record in entries:
+        if isinstance(record, ValueError):
+            bad.append(f"{where}: invalid JSON ({record})")
+            continue
+        if not isinstance(record, dict):
+            bad.append(f"{where}: a JSON {type(record).__name__}, not an object")
+            continue
+        try:
+            _validate([record], data, where)
+        except ConfigError as exc:
+            bad.append(str(exc).replace(f"{where}: record 0: ", f"{where}: ", 1))
+            continue
+        good.append(record)
+    if not bad:
+        return path, []
+    if not good:
+        raise ConfigError(f"eval.path={path}: none of its {len(bad)} record(s) is usable as data.format="
+                          f"{data.format} ({bad[0]})")
+    return _write_records(good, scratch / "usable.jsonl"), bad
+
+
+def _json_or_error(line: str) -> Any:
+    """The JSON value of one line, or the ValueError that says why it is none."""
+    try:
+        return json.loads(line)
+    except ValueError as exc:
+        return ValueError(str(getattr(exc, "msg", exc)))
+
+
+def _write_records(records: list[dict[str, Any]], path: Path) -> Path:
+    """``records`` as a JSON-lines file at ``path`` (what StepBatches reads)."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def _unencodable(batches: Any, wanted: int) -> list[tuple[int, str]]:
+    """(index, reason) of the records the tokenizer refuses (a chat template that raises), in file order,
+    looked at until ``wanted`` usable ones are found."""
+    refused: list[tuple[int, str]] = []
+    usable = 0
+    for i in range(batches.num_records):
+        if usable >= wanted:
+            break
+        try:
+            batches.encode(i)
+            usable += 1
+        except ConfigError as exc:
+            refused.append((i, str(exc).split(": ", 1)[-1]))
+    return refused
 
 
 def build_evaluator(plan: Plan, device_name: str) -> Any:
@@ -116,15 +212,21 @@ def serve(plan: Plan, device_name: str, evaluation: EvalSpec, stdin: Any, stdout
     """Answer evaluation requests until stdin ends; returns the exit code."""
     from safetensors.torch import load_file
 
-    batch = held_out_batches(plan, evaluation).step(0)
+    skipped: list[str] = []
+    batch = held_out_batches(plan, evaluation, skipped).step(0)
     stage = build_evaluator(plan, device_name)
-    print(json.dumps({"ready": True, "batches": int(batch.input_ids.shape[0]),
-                      "tokens": int(batch.num_label_tokens)}), file=stdout, flush=True)
+    ready: dict[str, Any] = {"ready": True, "batches": int(batch.input_ids.shape[0]),
+                             "tokens": int(batch.num_label_tokens)}
+    print(json.dumps({**ready, **({"skipped": skipped[0]} if skipped else {})}), file=stdout, flush=True)
     for line in stdin:
         if not line.strip():
             continue
-        request = json.loads(line)
-        step, path = int(request["step"]), Path(request["adapter"])
+        try:
+            request = json.loads(line)
+            step, path = int(request["step"]), Path(request["adapter"])
+        except (ValueError, KeyError, TypeError):
+            print(f"evaluator: ignored a malformed request {line.strip()[:80]!r}", file=sys.stderr, flush=True)
+            continue
         t0 = time.perf_counter()
         try:
             state = load_file(str(path))
@@ -180,6 +282,8 @@ class EvalClient:
             except ValueError:
                 continue
             if isinstance(answer, dict) and answer.get("ready"):
+                if answer.get("skipped"):  # held-out records left out: one line among the run's eval_errors
+                    self.answers.put({"error": str(answer["skipped"])})
                 self.ready.set()
             elif isinstance(answer, dict) and isinstance(answer.get("step"), int):
                 self.answers.put(answer)
@@ -272,7 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", required=True, help="the fleet device that evaluates")
     ap.add_argument("--eval", required=True, help="the eval settings, as JSON")
     args = ap.parse_args(argv)
+    from hetero.runtime.run.processes import raise_open_file_limit
     from hetero.serde import from_dict
+
+    raise_open_file_limit()  # like every process of a run (runtime/run/processes.py)
 
     plan = Plan.load(args.plan)
     evaluation = from_dict(EvalSpec, json.loads(args.eval), "--eval", ConfigError)

@@ -302,7 +302,9 @@ def export(source: Path, out: Path, dtype: str | None = None, force: bool = Fals
         raise CheckpointError(f"{adapter / ADAPTER_CONFIG}: no base_model_name_or_path; "
                               "it names the model to merge into")
     base_dir = resolve_base(base)
-    chosen = dtype or default_dtype(_base_config(base_dir))  # _base_config refuses a pre-quantized base
+    # Read (and checked: a pre-quantized base is refused) whether or not --dtype names the merged dtype.
+    base_config = _base_config(base_dir)
+    chosen = dtype or default_dtype(base_config)
     check_out(out, force, [adapter, base_dir])
     name = _model_name(adapter, base)
     cost = merge_cost(base_dir, adapter, chosen)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +22,11 @@ from hetero.protocol import FAILURE_TIMEOUT_S, LOST_GRACE_S, SLICE_S, Record
 
 # SLICE_S, FAILURE_TIMEOUT_S and LOST_GRACE_S are defined (and explained) in hetero/protocol.py.
 log = logging.getLogger("hetero.control")
+
+
+# A connecting socket whose handshake fails this many times in a row (ZeroMQ retries every 0.1 s or so) is dialing a
+# process that is not its plan's: a wrong key fails every time, a lost packet not three times running.
+REFUSALS_IN_A_ROW = 3
 
 
 def heartbeat_interval(failure_timeout_s: float) -> float:
@@ -51,18 +57,35 @@ class PeerLost(HeteroError):
         self.silent = silent  # True: no heartbeat (the process may still exist); False: connection lost
 
 
+def handshake_failure(event: int, value: int) -> str:
+    """A ZeroMQ handshake-failure event of a connecting socket, in words."""
+    import zmq
+
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"its inbox refused this process's key (ZAP status {value})"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return f"ZeroMQ protocol error {value:#x} (a wrong key, or another program)"
+    reason = os.strerror(value) if 0 < value < 4096 else "no detail"
+    return f"the peer closed the connection during the handshake ({reason}): it refuses this process's key"
+
+
 def is_timeout(exc: WireError) -> bool:
     """Whether a transport error is a receive timeout (as opposed to a bad or foreign message)."""
     return type(exc).__name__ == "RecvTimeout" or str(exc).startswith("no ")
 
 
 class ConnectionWatch:
-    """Notices peers whose established connection dropped and stayed down for ``grace_s``.
+    """Notices peers whose established connection dropped and stayed down for ``grace_s``, and peers whose
+    inbox keeps failing the ZeroMQ handshake with this process.
 
     ZeroMQ reconnects by itself, so a drop alone is no death; one that lasts means the peer's process
-    exited (the kernel closed its socket) or its host went away. It watches the Transport's outbound
-    sockets through ZeroMQ monitors. A watch belongs to the thread that uses it, and ``close()`` must
-    run before the Transport's close (its context waits for every socket).
+    exited (the kernel closed its socket) or its host went away. A handshake that fails again and again
+    (never once succeeding in between) means the process at that address is not the one this plan.json
+    names: it refuses this process's key, or holds other keys itself (another plan.json, or older keys).
+    The connecting side is the one that knows whom it dialed, so it is the one that says so.
+
+    It watches the Transport's outbound sockets through ZeroMQ monitors. A watch belongs to the thread
+    that uses it, and ``close()`` must run before the Transport's close (its context waits for every socket).
     """
 
     def __init__(self, transport: Any, peers: list[str], grace_s: float = LOST_GRACE_S) -> None:
@@ -71,30 +94,56 @@ class ConnectionWatch:
         self.grace_s = grace_s
         self._monitors: dict[str, Any] = {}
         self._down_since: dict[str, float] = {}
+        self._refusals: dict[str, tuple[int, str, str]] = {}  # peer -> (failed handshakes in a row, endpoint, why)
+        events = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                  | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         for peer in peers:
-            monitor = transport.monitor(peer, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            monitor = transport.monitor(peer, events)
             if monitor is not None:
                 self._monitors[peer] = monitor
 
-    def lost(self) -> list[str]:
-        """Peers whose connection dropped and has stayed down for ``grace_s``."""
+    def _read_events(self, now: float) -> None:
+        """Take the monitors' queued events into ``_down_since`` and ``_refusals``."""
         import zmq
         from zmq.utils.monitor import recv_monitor_message
 
-        now = time.monotonic()
+        failures = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                    zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         for peer, monitor in self._monitors.items():
             while True:
                 try:
                     event = recv_monitor_message(monitor, zmq.NOBLOCK)
                 except (zmq.Again, zmq.ZMQError):
                     break
+                kind = event["event"]
                 # DISCONNECTED comes only from an established connection (a refused dial is
                 # CONNECT_RETRIED), so a watch started after the connection came up still works.
-                if event["event"] == zmq.EVENT_CONNECTED:
+                if kind == zmq.EVENT_CONNECTED:
                     self._down_since.pop(peer, None)
-                elif event["event"] == zmq.EVENT_DISCONNECTED:
+                elif kind == zmq.EVENT_DISCONNECTED:
                     self._down_since.setdefault(peer, now)
+                elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._refusals.pop(peer, None)
+                elif kind in failures:
+                    # A refusal by the peer's ZAP handler or a protocol error is certain at once (ZeroMQ does not retry
+                    # after a refusal); a connection closed mid-handshake (a wrong CURVE server key) after a few.
+                    certain = kind != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                    count = REFUSALS_IN_A_ROW if certain else self._refusals.get(peer, (0, "", ""))[0] + 1
+                    endpoint = event.get("endpoint", b"").decode("ascii", "replace")
+                    self._refusals[peer] = (count, endpoint, handshake_failure(kind, int(event["value"])))
+
+    def lost(self) -> list[str]:
+        """Peers whose connection dropped and has stayed down for ``grace_s``."""
+        now = time.monotonic()
+        self._read_events(now)
         return [peer for peer, since in self._down_since.items() if now - since >= self.grace_s]
+
+    def refused(self, times: int = REFUSALS_IN_A_ROW) -> tuple[str, str, str] | None:
+        """(peer, its endpoint, the last failure) of a peer whose handshake failed ``times`` times in a row, or None."""
+        self._read_events(time.monotonic())
+        return next(((peer, endpoint, why) for peer, (count, endpoint, why) in self._refusals.items()
+                     if count >= times), None)
 
     def close(self) -> None:
         for monitor in self._monitors.values():
@@ -228,6 +277,8 @@ class Heartbeat(threading.Thread):
                 log.error("the connection to %s is lost (its process exited or its host is unreachable): exiting",
                           lost[0])
                 os._exit(3)
+            if connections is not None and (refused := connections.refused()) is not None and not self.stopped.is_set():
+                self._refused(*refused)
             for peer in self.peers:
                 try:
                     self.transport.send(peer, "heartbeat")
@@ -235,6 +286,17 @@ class Heartbeat(threading.Thread):
                     if getattr(self.transport, "_closed", False):
                         return  # shutting down: nothing left to tell
                     log.warning("heartbeat to %s failed: %s", peer, exc)  # keep beating: one failure is no death
+
+    def _refused(self, peer: str, endpoint: str, why: str) -> None:
+        """A watched peer keeps failing the handshake: it is not the process this plan.json names. Say so, and exit
+        (nothing reaches it, and nothing else would end this process before the coordinator's timeouts)."""
+        name, plan_hash = getattr(self.transport, "name", "this process"), getattr(self.transport, "plan_hash", "?")
+        line = (f"{name}: the {peer} at {endpoint} fails the handshake ({why}): it runs another plan.json or other "
+                f"keys than this host's, whose plan is {plan_hash} (or another program holds that port); copy the "
+                f"{peer}'s plan.json and its artifacts/<host>/keys folder to this host and restart")
+        log.error("%s", line)
+        print(f"hetero: error: {line}", file=sys.stderr, flush=True)
+        os._exit(2)
 
     def finish(self) -> None:
         """Stop beating and release the connection monitors (before the Transport closes)."""

@@ -11,6 +11,7 @@ never half-applied.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 TORCH_DTYPES: dict[str, torch.dtype] = {name: DTYPES[name] for name in COMPUTE_DTYPES}
 
 _HEADER_KEYS = ("v", "plan", "kind", "sender", "step", "mb", "meta", "tensors")
+PLAN_HASH_SHOWN = 16  # a plan's input hash is 16 hex digits (hetero/plan.py); a peer's claim is clipped to it
+_PLAN_MISMATCH = re.compile(r"peer (\S+) runs plan (\S+), this process runs ")
 MAX_TENSOR_DIMS = 16
 MAX_DIM = 1 << 40  # bounds a zero-size tensor's other dims, which torch cannot allocate beyond int64
 
@@ -206,6 +209,12 @@ def _tensor_from_frame(spec: Any, buf: memoryview, who: str) -> tuple[str, torch
     return name, flat.view(dtype).reshape(shape)
 
 
+def plan_mismatch(why: str) -> tuple[str, str] | None:
+    """(the sender it claims, its plan hash) when ``why`` is ``decode``'s drop of a message of another plan; else None."""
+    match = _PLAN_MISMATCH.search(why)
+    return (match.group(1), match.group(2)) if match else None
+
+
 def decode(frames: Sequence[Any], expect_plan_hash: str | None) -> Message:
     """Validate and decode received frames into a Message; raises a one-line WireError when malformed."""
     if len(frames) == 0:
@@ -226,9 +235,11 @@ def decode(frames: Sequence[Any], expect_plan_hash: str | None) -> Message:
     plan = _require(header, "plan", str, "a string")
     peer = _shown(sender, quote=False)
     if expect_plan_hash is not None and plan != expect_plan_hash:
+        # Whole hashes (16 hex digits): the line must let a person tell the two plan.json files apart.
         raise WireError(
-            f"peer {peer} runs plan {_shown(plan[:12], quote=False)}..., this process runs {expect_plan_hash[:12]}...: "
-            "recompile/restart every host with the same plan.json"
+            f"peer {peer} runs plan {_shown(plan[:PLAN_HASH_SHOWN], quote=False)}, this process runs "
+            f"{expect_plan_hash[:PLAN_HASH_SHOWN]}: every host must run the same plan.json (copy it, with its keys, "
+            "to every host and restart)"
         )
     kind = _require(header, "kind", str, "a string")
     if kind not in KINDS:

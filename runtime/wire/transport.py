@@ -13,7 +13,9 @@ never reaches ``recv``. A message's sender is the authenticated peer: a header c
 name is dropped. Every received message is then checked (frames.decode, then ``Rules`` from
 runtime/wire/rules.py); one that fails is logged with its peer and dropped, and ``recv`` goes on
 waiting for the real peers. ``max_message_bytes`` sets ZeroMQ's MAXMSGSIZE, so an oversized
-message is cut off by ZeroMQ before it is held in memory.
+message is cut off by ZeroMQ before it is held in memory. A connection that never finishes the
+handshake is dropped after INBOX_HANDSHAKE_S, and an inbox that runs out of descriptors logs it once
+and goes on (``_limit_connections``, gatekeeper.InboxWatch): a flood of idle connections does not stop a run.
 
 What may be sent is hetero/protocol.py: ``send`` takes a record (``Clip(coef=.., grad_norm=..)``: the
 message's kind and meta) or a kind's name (messages of tensors only), and refuses a kind the protocol
@@ -41,7 +43,7 @@ import zmq
 from hetero.errors import WireError
 from hetero.protocol import Record, record_type
 from hetero.runtime.wire.frames import Message, decode, encode
-from hetero.runtime.wire.gatekeeper import Gatekeeper
+from hetero.runtime.wire.gatekeeper import Gatekeeper, InboxWatch
 from hetero.security import Identity
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,14 @@ _POLL_SLICE_MS = 1000  # wake up periodically so long waits stay interruptible (
 # (another program holds the peer's port, or it refused our key). Wait this long, then fail.
 SEND_STALL_S = 5.0
 _PART_WAIT_MS = 2000  # a message's later frames are normally there with its first
+# An inbox drops a connection that has not finished the ZeroMQ handshake (key or token checked) this
+# long after it was accepted: an idle connection from anyone who can reach the port holds a descriptor
+# only that long (ZeroMQ's default is 30 s). A real peer's handshake is a few small messages: far
+# less than this even over a slow link, and a peer cut off by it reconnects on its own.
+INBOX_HANDSHAKE_S = 10.0
+# TCP keepalive on an inbox's connections: one whose host vanished (power cut, pulled cable) without
+# closing it is dropped after about IDLE + COUNT x INTERVAL s instead of the kernel's 2 hours.
+INBOX_KEEPALIVE_IDLE_S, INBOX_KEEPALIVE_INTERVAL_S, INBOX_KEEPALIVE_COUNT = 60, 10, 3
 
 
 def _parse_tcp_endpoint(endpoint: str) -> tuple[str, str]:
@@ -97,6 +107,22 @@ def _peer_address(frame: Any) -> str:
         return "unauthenticated peer"
 
 
+def _limit_connections(inbox: zmq.Socket) -> None:
+    """What ZeroMQ offers against connections that hold an inbox's descriptors without ever joining the run.
+
+    With every process's open-file limit raised to the hard limit (processes.raise_open_file_limit), an
+    unauthenticated connection costs a descriptor for INBOX_HANDSHAKE_S at most, and ZAP refuses a wrong key
+    at once (gatekeeper.py). libzmq has no per-peer connection cap, and its MAX_SOCKETS counts a context's
+    sockets, not connections; TCP_ACCEPT_FILTER (deprecated) would admit by source address, which the plan
+    cannot promise (multi-homed hosts, NAT) and which a flood from a fleet host passes anyway.
+    """
+    inbox.setsockopt(zmq.HANDSHAKE_IVL, int(INBOX_HANDSHAKE_S * 1000))
+    inbox.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    inbox.setsockopt(zmq.TCP_KEEPALIVE_IDLE, INBOX_KEEPALIVE_IDLE_S)
+    inbox.setsockopt(zmq.TCP_KEEPALIVE_INTVL, INBOX_KEEPALIVE_INTERVAL_S)
+    inbox.setsockopt(zmq.TCP_KEEPALIVE_CNT, INBOX_KEEPALIVE_COUNT)
+
+
 def _join(host: str, port: str) -> str:
     """``tcp://host:port`` with IPv6 literals bracketed and localhost pinned to IPv4."""
     if host == "localhost":
@@ -122,7 +148,7 @@ class Transport:
         if identity is not None and identity.mode == "curve" and set(self.peer_keys) == set():
             raise WireError(f"{name}: CURVE needs the plan's public keys")
         self._ctx = zmq.Context(io_threads=1)
-        self._gate: Gatekeeper | None = None
+        self._gate: InboxWatch | None = None  # the inbox's watch (a Gatekeeper when the run has keys)
         self._peers: dict[str, zmq.Socket] = {}
         self._endpoints: dict[str, str] = {}  # peer -> the endpoint it was connected at (for errors)
         self._send_lock = threading.Lock()
@@ -144,11 +170,13 @@ class Transport:
         pull.setsockopt(zmq.IPV6, 1)
         if max_message_bytes is not None:
             pull.setsockopt(zmq.MAXMSGSIZE, int(max_message_bytes))  # ZeroMQ drops the connection
+        _limit_connections(pull)
         identity = self.identity
+        self._gate = (InboxWatch(self.name) if identity is None
+                      else Gatekeeper(self._ctx, self.name, identity, self.peer_keys))
+        self._gate.watch(pull)  # failed handshakes and accepts are logged, in every mode
+        self._gate.start()
         if identity is not None:
-            self._gate = Gatekeeper(self._ctx, self.name, identity, self.peer_keys)
-            self._gate.watch(pull)
-            self._gate.start()
             pull.setsockopt(zmq.ZAP_DOMAIN, b"hetero")
             if identity.mode == "curve":
                 pull.curve_server = True
@@ -217,7 +245,7 @@ class Transport:
             push.curve_serverkey = server.encode("ascii")
         else:
             push.plain_username = ident.name.encode()
-            push.plain_password = ident.token.encode()
+            push.plain_password = ident.token_for(peer).encode()  # a password per peer (hetero/security.py)
 
     def send(self, peer: str, kind: str | Record, *, step: int = 0, mb: int = -1,
              tensors: dict[str, torch.Tensor] | None = None, meta: dict | None = None) -> None:
@@ -389,6 +417,10 @@ class Transport:
             if sender is None or peer == sender or re.search(rf"\b{re.escape(sender)}\b", why):
                 return why
         return None
+
+    def refused_handshakes(self) -> int:
+        """How many connections the inbox refused at the ZeroMQ handshake so far (diagnostics)."""
+        return self._gate.refused if self._gate is not None else 0
 
     def pending(self) -> int:
         """How many received messages wait for a matching recv (diagnostics)."""

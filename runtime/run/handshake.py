@@ -1,0 +1,73 @@
+"""What the coordinator watches while its stages say hello: a host started with another plan.json is named
+within a second or two, not after the handshake timeout.
+
+A stage started from another plan.json says hello under that plan's hash; the coordinator's transport drops
+the message (runtime/wire/frames.py), and the drop is read back here from the transport's rejections: the
+run ends with one line naming the stage, its host and address, both plan hashes and what to copy where.
+Only a drop that cannot be forged is believed: from an authenticated peer (one of this plan's keys), or any
+peer when the plan has no keys (security none trusts the network).
+
+With keys, a host holding another plan.json usually holds that plan's keys too: its connections fail the
+key check before any message arrives, and ZeroMQ does not say from which address. The coordinator then
+says so once (anyone can fail a key check, so this alone stops nothing), and the stage on that host, which
+knows whom it dialed, exits with its own plan hash (runtime/wire/control.py ``ConnectionWatch``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from hetero.plan import Plan
+from hetero.runtime.run.processes import StageFailedError
+
+UNAUTHENTICATED = "unauthenticated peer "  # how the transport names a peer without keys (transport._peer_address)
+
+
+class HandshakeWatch:
+    """Checks, every time the coordinator's mailbox idles before training, for stages of another plan."""
+
+    def __init__(self, plan: Plan, transport: Any, names: list[str], endpoint: str, plan_path: Path) -> None:
+        self.plan, self.transport, self.names = plan, transport, names
+        self.endpoint, self.plan_path = endpoint, plan_path
+        self.keyed = plan.security.mode != "none"
+        self.refused_before = transport.refused_handshakes()
+        self.hinted = False
+
+    def check(self) -> None:
+        """Raise StageFailedError for a stage whose messages carry another plan's hash; hint once at key refusals."""
+        from hetero.runtime.wire.frames import plan_mismatch  # torch: not at the CLI's import
+
+        for peer, why in list(self.transport.rejections):
+            found = plan_mismatch(why)
+            if found is None:
+                continue
+            claimed, theirs = found
+            name = peer if peer in self.names else (claimed if not self.keyed else None)
+            if name in self.names:
+                raise StageFailedError(self.other_plan(self.names.index(name), theirs, peer))
+        if self.keyed and not self.hinted and (refused := self.refused()):
+            self.hinted = True
+            print(f"hetero run: {refused}", file=sys.stderr, flush=True)
+
+    def other_plan(self, k: int, theirs: str, peer: str) -> str:
+        """The one line for stage ``k``, which runs plan ``theirs``."""
+        host = self.plan.stages[k].host
+        address = self.plan.cluster.host(host).address
+        if peer.startswith(UNAUTHENTICATED):  # where its message came from (an IPv4 peer of a dual-stack inbox: ::ffff:)
+            address = peer[len(UNAUTHENTICATED):].removeprefix("::ffff:")
+        keys = f" and its artifacts/{host}/keys" if self.keyed else ""
+        return (f"stage {k} on host {host} ({address}) runs plan {theirs}, this run's plan is {self.plan.input_hash}: "
+                f"it was started with another plan.json; copy {self.plan_path}{keys} to {host} and restart "
+                f"`hetero worker plan.json --host {host} --coordinator {self.endpoint}` there")
+
+    def refused(self) -> str | None:
+        """How many connections failed the key check since the watch began, as a hint; None if none did."""
+        count = self.transport.refused_handshakes() - self.refused_before
+        if count <= 0:
+            return None
+        return (f"{count} connection(s) to this coordinator failed the key check while it waits for its stages' hello: "
+                f"is a host running another plan.json or older keys? this run's plan is {self.plan.input_hash}; "
+                f"copy {self.plan_path} and its artifacts/<host>/keys to that host and restart `hetero worker` there "
+                "(its stage's log names the plan it runs)")

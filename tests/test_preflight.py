@@ -1,0 +1,277 @@
+"""What can be checked before training is checked before it starts, and nothing waits for what cannot come.
+
+A checkpoint converted to another dtype, a host started with another plan.json, a handshake that fails:
+each is one line within seconds that names the file or the host and says what to do, where it used to be
+a wait of 600 s (the handshake timeout) or a hang of 616 s (a stage waiting for a state its rules dropped).
+The process tests run `hetero run` / `hetero worker` on the tiny model as real processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import time
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import torch
+from procs import HETERO, clean_up, finish, start
+from safetensors.torch import load_file, save_file
+from test_runtime_plans import free_ports, make_plan
+
+from hetero.errors import CheckpointError, ConfigError, WireError
+from hetero.plan import Plan, compute_input_hash
+from hetero.runtime.run.checkpoint import CHECKPOINT_FORMAT, EXP_AVG, EXP_AVG_SQ, LORA, write_checkpoint
+from hetero.runtime.run.cli import split_run_options
+from hetero.runtime.run.options import STEP_TIMEOUT_MIN_S, step_timeout_s
+from hetero.runtime.run.preflight import check_resume, lora_shapes
+from hetero.runtime.stage.process import _await_state
+from hetero.runtime.wire.control import ConnectionWatch, Mailbox
+from hetero.runtime.wire.rules import stage_rules
+from hetero.runtime.wire.transport import Transport
+from hetero.security import COORDINATOR, generate, key_dirs, load_identity
+from hetero.specs import ModelSpec, TrainSpec
+
+TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=2, steps=6)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers():
+    yield
+    clean_up()
+
+
+def _one_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.startswith("hetero: error:")]
+    assert len(lines) == 1 and "Traceback" not in text, text
+    return lines[0]
+
+
+# -- checkpoints: every tensor against the plan's LoRA and AdamW state, before any stage starts ---------------
+
+
+def _checkpoint(plan: Plan, model_dir: Path, run: Path, step: int, r: int | None = None) -> Path:
+    """A complete two-file checkpoint with LoRA weights and AdamW moments for every module the plan trains."""
+    payloads = []
+    shapes = list(lora_shapes(plan, model_dir).items())
+    for k, part in enumerate((shapes[: len(shapes) // 2], shapes[len(shapes) // 2:])):
+        tensors: dict[str, torch.Tensor] = {}
+        for key, shape in part:
+            assert shape is not None
+            if r is not None:
+                shape = (r, shape[1]) if ".lora_A." in key else (shape[0], r)
+            tensors[LORA + key] = torch.full(shape, 0.01)
+            tensors[EXP_AVG + key] = torch.zeros(shape)
+            tensors[EXP_AVG_SQ + key] = torch.full(shape, 1e-8)
+        keys = [key for key, _ in part]
+        payloads.append((tensors, {"format": CHECKPOINT_FORMAT, "plan_hash": plan.input_hash, "stage": k, "step": step,
+                                   "keys": keys, "adam_steps": {key: float(step) for key in keys}, "scheduler": None}))
+    return write_checkpoint(run, step, payloads, 2)
+
+
+def _convert(checkpoint: Path, dtype: torch.dtype, prefix: str = "") -> None:
+    """Cast a checkpoint's tensors (those whose name starts with ``prefix``) as a user's script would."""
+    for file in sorted(checkpoint.glob("stage*.safetensors")):
+        tensors = load_file(str(file))
+        save_file({n: t.to(dtype) if n.startswith(prefix) else t for n, t in tensors.items()}, str(file),
+                  metadata={"format": str(CHECKPOINT_FORMAT)})
+
+
+def test_a_converted_checkpoint_names_its_file_tensor_and_the_fix(tiny_model_dir: Path, tiny_spec: ModelSpec,
+                                                                  tmp_path: Path) -> None:
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN)
+    good = _checkpoint(plan, tiny_model_dir, tmp_path / "good", 2)
+    assert check_resume(good, plan, tiny_model_dir) == (good, 2)
+
+    for name, dtype, prefix, tensor in [("fp16", torch.float16, "", "(lora|exp_avg|exp_avg_sq)/"),
+                                        ("bf16-moment", torch.bfloat16, EXP_AVG_SQ, re.escape(EXP_AVG_SQ))]:
+        checkpoint = _checkpoint(plan, tiny_model_dir, tmp_path / name, 2)
+        _convert(checkpoint, dtype, prefix)
+        with pytest.raises(CheckpointError) as info:
+            check_resume(checkpoint, plan, tiny_model_dir)
+        line = str(info.value)
+        wanted = str(dtype).removeprefix("torch.")
+        assert re.fullmatch(rf"{re.escape(str(checkpoint))}/stage0\.safetensors: tensor {tensor}"
+                            rf"base_model\.model\.model\.layers\.0\.\S+ is {wanted}, expected float32 .*", line), line
+        assert "cast its tensors back to float32" in line and "\n" not in line
+
+    # A tensor of another shape than this plan's LoRA (another lora.r): the file that holds it, and both shapes.
+    rank4 = _checkpoint(plan, tiny_model_dir, tmp_path / "r4", 2, r=4)
+    with pytest.raises(CheckpointError) as info:
+        check_resume(rank4, plan, tiny_model_dir)
+    assert re.match(rf"{re.escape(str(rank4))}/stage0\.safetensors: tensor lora/base_model\.model\.model\.layers\.0\."
+                    r"\S+ has shape \((4, \d+|\d+, 4)\), this model's is \((8, \d+|\d+, 8)\): .*resume from a checkpoint "
+                    "of this model and lora.r", str(info.value)), info.value
+
+
+def test_a_state_the_stage_refuses_ends_its_wait_at_once(tiny_model_dir: Path, tiny_spec: ModelSpec) -> None:
+    """Behind the checks: if a stage's rules ever drop the coordinator's ``state``, the stage says so at once
+    (it used to wait 600 s while the coordinator waited for its first step)."""
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN)
+    with Transport("stage0", "tcp://127.0.0.1:0", plan.input_hash, rules=stage_rules(plan, 0)) as stage, \
+            Transport(COORDINATOR, None, plan.input_hash) as coordinator:
+        assert stage.endpoint is not None
+        coordinator.connect("stage0", stage.endpoint)
+        coordinator.send("stage0", "state", tensors={"lora/x": torch.zeros(2, 2, dtype=torch.float16)})
+        t0 = time.monotonic()
+        with pytest.raises(WireError, match=r"the coordinator's state for this stage was refused: .*'state' .*"
+                                            r"float16, expected float32"):
+            _await_state(Mailbox(stage), 600.0)
+        assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.slow
+def test_an_fp16_checkpoint_is_refused_in_seconds_before_any_stage_starts(tiny_model_dir: Path, tiny_spec: ModelSpec,
+                                                                        tmp_path: Path) -> None:
+    """The reported case, as a user meets it: a run's own checkpoint, converted to fp16 with safetensors."""
+    make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN).save(tmp_path / "plan.json")
+    code, _, err = finish(start(["run", "plan.json", "--run-dir", "run", "--port", str(free_ports(1)[0]), "--no-progress",
+                                 "steps=2", "checkpoint_every=2"], tmp_path))
+    assert code == 0, err[-3000:]
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000002"
+    _convert(checkpoint, torch.float16)
+    t0 = time.monotonic()
+    done = subprocess.run([*HETERO, "run", "plan.json", "--resume", "run", "--run-dir", "again", "steps=4"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - t0
+    line = _one_line(done.stderr)
+    assert done.returncode == 2 and elapsed < 15, (elapsed, done.stderr)  # imports included (~3 s idle)
+    assert re.search(r"run/checkpoints/step-000002/stage0\.safetensors: tensor \S+ is float16, expected float32",
+                     line), line
+    assert not (tmp_path / "again").exists()  # refused before the run directory, let alone a stage
+
+
+# -- a host started with another plan.json ------------------------------------------------------------------------
+
+
+def _two_plans(model_dir: Path, spec: ModelSpec, tmp_path: Path, mode: str) -> tuple[Path, Path]:
+    """Plan A (stage 0 on alpha, stage 1 on beta) and plan B: the same fleet and ports, another micro-batch size
+    (so another plan hash), compiled apart (so, with keys, other keys). Each in its own folder with its keys."""
+    a = make_plan(model_dir, spec.architecture, [3, 3], train=TRAIN, hosts=["alpha", "beta"])
+    b = replace(a, train=replace(a.train, micro_batch_size=1))
+    b = replace(b, input_hash=compute_input_hash(b))
+    paths = []
+    for name, plan in (("A", a), ("B", b)):
+        folder = tmp_path / name
+        folder.mkdir()
+        plan = replace(plan, security=generate(mode, [s.host for s in plan.stages], folder))  # type: ignore[arg-type]
+        plan.save(folder / "plan.json")
+        paths.append(folder / "plan.json")
+    return paths[0], paths[1]
+
+
+def _log_time(log: Path, text: str) -> float:
+    """The wall-clock time of the first line of a stage log that contains ``text``."""
+    line = next(ln for ln in log.read_text().splitlines() if text in ln)
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _wait_file(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, finish(proc, 5)
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_host_with_another_plan_is_named_within_seconds(tiny_model_dir: Path, tiny_spec: ModelSpec,
+                                                          tmp_path: Path) -> None:
+    """Without keys: the coordinator reads the plan hash of the worker's hello and names that host, its address
+    and both hashes, within seconds of the hello (the handshake timeout is 600 s)."""
+    plan_a, plan_b = _two_plans(tiny_model_dir, tiny_spec, tmp_path, "none")
+    hash_a, hash_b = Plan.load(plan_a).input_hash, Plan.load(plan_b).input_hash
+    port = free_ports(1)[0]
+    run = start(["run", "plan.json", "--run-dir", "run", "--port", str(port), "--no-progress"], plan_a.parent)
+    worker = start(["worker", "plan.json", "--host", "beta", "--coordinator", f"tcp://127.0.0.1:{port}",
+                    "--run-dir", "wrk"], plan_b.parent)
+    code, _, err = finish(run, 300)
+    ended = time.time()
+    line = _one_line(err)
+    assert code == 2
+    assert line == (f"hetero: error: stage 1 on host beta (127.0.0.1) runs plan {hash_b}, this run's plan is {hash_a}: "
+                    f"it was started with another plan.json; copy run/plan.json to beta and restart `hetero worker "
+                    f"plan.json --host beta --coordinator tcp://127.0.0.1:{port}` there"), line
+    hello = _log_time(plan_b.parent / "wrk" / "logs" / "stage1.log", "hello sent")
+    assert ended - hello < 10, f"named {ended - hello:.1f} s after the hello"
+    worker_code, _, worker_err = finish(worker, 60)  # and the worker's own stage says it too, then it ends
+    assert worker_code != 0 and f"runs plan {hash_a}, this process runs {hash_b}" in \
+        (plan_b.parent / "wrk" / "logs" / "stage1.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_host_with_another_plans_keys_says_so_within_seconds(tiny_model_dir: Path, tiny_spec: ModelSpec,
+                                                               tmp_path: Path) -> None:
+    """With keys, the other plan's host fails the key check before any message: its stage, which knows whom it
+    dialed, exits naming the coordinator's address and its own plan hash; the coordinator says what to copy."""
+    plan_a, plan_b = _two_plans(tiny_model_dir, tiny_spec, tmp_path, "token")
+    hash_a, hash_b = Plan.load(plan_a).input_hash, Plan.load(plan_b).input_hash
+    port = free_ports(1)[0]
+    run = start(["run", "plan.json", "--run-dir", "run", "--port", str(port), "--no-progress",
+                 "--handshake-timeout", "30"], plan_a.parent)
+    worker = start(["worker", "plan.json", "--host", "beta", "--coordinator", f"tcp://127.0.0.1:{port}",
+                    "--run-dir", "wrk"], plan_b.parent)
+    worker_code, _, _ = finish(worker, 300)
+    log = plan_b.parent / "wrk" / "logs" / "stage1.log"
+    assert worker_code != 0
+    line = _one_line(log.read_text())
+    assert re.search(rf"the coordinator at tcp://\S*127\.0\.0\.1\S*:{port} fails the handshake \(its inbox refused "
+                     "this process's key", line), line
+    assert f"whose plan is {hash_b}" in line and ("copy the coordinator's plan.json and its artifacts/<host>/keys "
+                                                  "folder to this host and restart") in line, line
+    said = _log_time(log, "fails the handshake")
+    assert said - _log_time(log, "hello sent") < 10
+    code, _, err = finish(run, 120)
+    assert code == 2
+    hint = [ln for ln in err.splitlines() if ln.startswith("hetero run: ") and "failed the key check" in ln]
+    assert hint and f"this run's plan is {hash_a}; copy run/plan.json and its artifacts/<host>/keys" in hint[0], err
+
+
+def test_a_failed_handshake_is_told_by_the_side_that_dialed(tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A CURVE key of another plan fails before ZAP is asked, where ZeroMQ gives the refusing inbox no peer address:
+    the inbox does not pass its own address off as the peer's, and the dialing side names the inbox it dialed."""
+    caplog.set_level(logging.WARNING, logger="hetero.runtime.wire.transport")
+    plan_a, plan_b = _two_plans(tiny_model_dir, tiny_spec, tmp_path, "curve")
+    a, b = Plan.load(plan_a), Plan.load(plan_b)
+
+    def identity(plan: Plan, path: Path, name: str):
+        return load_identity(plan.security, name, key_dirs(path, plan.stages[0].host))
+
+    with Transport("stage0", "tcp://127.0.0.1:0", a.input_hash, identity=identity(a, plan_a, "stage0"),
+                   peer_keys=a.security.public_keys) as inbox, \
+            Transport(COORDINATOR, None, b.input_hash, identity=identity(b, plan_b, COORDINATOR),
+                      peer_keys=b.security.public_keys) as dialer:
+        assert inbox.endpoint is not None
+        dialer.connect("stage0", inbox.endpoint)
+        watch = ConnectionWatch(dialer, ["stage0"])
+        deadline = time.monotonic() + 10
+        while (refused := watch.refused()) is None:
+            assert time.monotonic() < deadline, "the dialing side never saw its handshake fail"
+            time.sleep(0.1)
+        watch.close()
+        dialer.set_linger(0)
+        peer, endpoint, why = refused
+        assert peer == "stage0" and endpoint.endswith(f":{inbox.endpoint.rsplit(':', 1)[1]}") and why, refused
+        while inbox.refused_handshakes() == 0:
+            assert time.monotonic() < deadline + 5
+            time.sleep(0.1)
+    refusals = [r.getMessage() for r in caplog.records if "stage0 refused a connection" in r.getMessage()]
+    assert refusals and all("from an address ZeroMQ does not report (to its inbox" in ln for ln in refusals), refusals
+
+
+# -- the per-step limit -------------------------------------------------------------------------------------------
+
+
+def test_the_step_limit_is_settable_and_follows_the_plan(tiny_model_dir: Path, tiny_spec: ModelSpec) -> None:
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN)
+    assert split_run_options(["runtime.step_timeout_s=90", "lr=1e-4"]) == (["lr=1e-4"], {"step_timeout_s": 90.0})
+    with pytest.raises(ConfigError, match="runtime.step_timeout_s must be a number of seconds >= 1"):
+        split_run_options(["runtime.step_timeout_s=0"])
+    slow = replace(plan, prediction=replace(plan.prediction, step_time_s=12.5))
+    fast = replace(plan, prediction=replace(plan.prediction, step_time_s=0.01))
+    assert step_timeout_s(slow) == 250.0  # 20x the predicted step
+    assert step_timeout_s(fast) == STEP_TIMEOUT_MIN_S == 60.0  # never below a minute
+    assert step_timeout_s(fast, 7.0) == 7.0  # runtime.step_timeout_s wins

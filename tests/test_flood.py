@@ -24,7 +24,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from procs import STARTED, clean_up
+from procs import STARTED, clean_up, finish
 from test_runtime_plans import free_ports, make_plan
 
 import hetero.runtime.wire.transport as transport_module
@@ -242,16 +242,6 @@ def _wait_for_training(run: subprocess.Popen, run_dir: Path, timeout_s: float = 
         time.sleep(0.05)
 
 
-def _finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
-    try:
-        _, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
-        raise AssertionError(f"`hetero run` did not finish in {timeout_s} s\n{err[-3000:]}") from None
-    return proc.returncode, err
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_an_unkeyed_connection_flood_on_every_port_changes_nothing(tmp_path: Path, tiny_model_dir: Path,
@@ -265,7 +255,7 @@ def test_an_unkeyed_connection_flood_on_every_port_changes_nothing(tmp_path: Pat
         pytest.skip(f"the attacker needs {len(ports) * (IDLE + 200) + 100} open files; the hard limit is {hard}")
 
     reference = _start_run(tmp_path, "reference", ports[0])
-    code, err = _finish(reference, 600)
+    code, _, err = finish(reference, 600)
     assert code == 0, err[-3000:]
     undisturbed = _losses(tmp_path / "reference")
     assert len(undisturbed) == STEPS
@@ -287,7 +277,7 @@ def test_an_unkeyed_connection_flood_on_every_port_changes_nothing(tmp_path: Pat
     reader = threading.Thread(target=read_attacker, daemon=True)
     reader.start()
     try:
-        code, err = _finish(run, 600)
+        code, _, err = finish(run, 600)
         attacker.send_signal(signal.SIGTERM)
         attacker.wait(timeout=30)
     finally:

@@ -202,37 +202,45 @@ def test_a_host_with_another_plan_is_named_within_seconds(tiny_model_dir: Path, 
 
 
 @pytest.mark.slow
-def test_a_host_with_another_plans_keys_says_so_within_seconds(tiny_model_dir: Path, tiny_spec: ModelSpec,
-                                                               tmp_path: Path) -> None:
-    """With keys, the other plan's host fails the key check before any message: its stage, which knows whom it
-    dialed, exits naming the coordinator's address and its own plan hash; the coordinator says what to copy."""
-    plan_a, plan_b = _two_plans(tiny_model_dir, tiny_spec, tmp_path, "token")
+@pytest.mark.parametrize("mode", ["token", "curve"])
+def test_a_host_with_another_plans_keys_is_named_within_seconds(tiny_model_dir: Path, tiny_spec: ModelSpec,
+                                                                tmp_path: Path, mode: str) -> None:
+    """With keys, the other plan's host fails the key check before any message. Its stage, which knows whom it
+    dialed, exits naming the coordinator's address and its own plan hash; the coordinator, whose own connection to
+    that stage's address fails too, ends the run naming the stage, its host and address, and what to copy."""
+    plan_a, plan_b = _two_plans(tiny_model_dir, tiny_spec, tmp_path, mode)
     hash_a, hash_b = Plan.load(plan_a).input_hash, Plan.load(plan_b).input_hash
+    stage1 = Plan.load(plan_a).stages[1].endpoint
     port = free_ports(1)[0]
     run = start(["run", "plan.json", "--run-dir", "run", "--port", str(port), "--no-progress",
-                 "--handshake-timeout", "30"], plan_a.parent)
+                 "--handshake-timeout", "120"], plan_a.parent)
     worker = start(["worker", "plan.json", "--host", "beta", "--coordinator", f"tcp://127.0.0.1:{port}",
                     "--run-dir", "wrk"], plan_b.parent)
-    worker_code, _, _ = finish(worker, 300)
+    code, _, err = finish(run, 300)
+    ended = time.time()
+    worker_code, _, _ = finish(worker, 120)
     log = plan_b.parent / "wrk" / "logs" / "stage1.log"
-    assert worker_code != 0
-    line = _one_line(log.read_text())
-    assert re.search(rf"the coordinator at tcp://\S*127\.0\.0\.1\S*:{port} fails the handshake \(its inbox refused "
-                     "this process's key", line), line
-    assert f"whose plan is {hash_b}" in line and ("copy the coordinator's plan.json and its artifacts/<host>/keys "
-                                                  "folder to this host and restart") in line, line
-    said = _log_time(log, "fails the handshake")
-    assert said - _log_time(log, "hello sent") < 10
-    code, _, err = finish(run, 120)
+    line = _one_line(err)
     assert code == 2
-    hint = [ln for ln in err.splitlines() if ln.startswith("hetero run: ") and "failed the key check" in ln]
-    assert hint and f"this run's plan is {hash_a}; copy run/plan.json and its artifacts/<host>/keys" in hint[0], err
+    assert line.startswith(f"hetero: error: stage 1's address on host beta ({stage1}) refuses this run's keys ("), line
+    assert (f"the `hetero worker` there was started with another plan.json or older keys (its stage log names the "
+            f"plan it runs), or another program holds that port; this run's plan is {hash_a}: copy run/plan.json and "
+            f"its artifacts/beta/keys to beta and restart `hetero worker plan.json --host beta --coordinator "
+            f"tcp://127.0.0.1:{port}` there") in line, line
+    assert ended - _log_time(log, "hello sent") < 10, "not named within 10 s of the other plan's stage starting"
+    # The other side: that stage exits on its own, naming whom it dialed and the plan it runs.
+    assert worker_code != 0
+    told = [ln for ln in log.read_text().splitlines() if "fails the handshake" in ln]
+    assert told and re.search(rf"the coordinator at tcp://\S*127\.0\.0\.1\S*:{port} fails the handshake", told[0])
+    assert f"whose plan is {hash_b}" in told[0] and ("copy the coordinator's plan.json and its artifacts/<host>/keys "
+                                                     "folder to this host and restart") in told[0], told[0]
 
 
 def test_a_failed_handshake_is_told_by_the_side_that_dialed(tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path,
                                                             caplog: pytest.LogCaptureFixture) -> None:
     """A CURVE key of another plan fails before ZAP is asked, where ZeroMQ gives the refusing inbox no peer address:
-    the inbox does not pass its own address off as the peer's, and the dialing side names the inbox it dialed."""
+    the inbox names the peer from the kernel's closing connections (never its own address), and the dialing side
+    names the inbox it dialed."""
     caplog.set_level(logging.WARNING, logger="hetero.runtime.wire.transport")
     plan_a, plan_b = _two_plans(tiny_model_dir, tiny_spec, tmp_path, "curve")
     a, b = Plan.load(plan_a), Plan.load(plan_b)
@@ -259,7 +267,12 @@ def test_a_failed_handshake_is_told_by_the_side_that_dialed(tiny_model_dir: Path
             assert time.monotonic() < deadline + 5
             time.sleep(0.1)
     refusals = [r.getMessage() for r in caplog.records if "stage0 refused a connection" in r.getMessage()]
-    assert refusals and all("from an address ZeroMQ does not report (to its inbox" in ln for ln in refusals), refusals
+    # The refusing side names the peer (the dialer's own port, looked up in the kernel), never its own address.
+    inbox_port = inbox.endpoint.rsplit(":", 1)[1]
+    named = [re.match(r"stage0 refused a connection from 127\.0\.0\.1:(\d+): ZeroMQ handshake failed at its inbox "
+                      r"\S+: its CURVE hello is sealed for another key", ln) for ln in refusals]
+    assert refusals and all(named), refusals
+    assert all(m.group(1) != inbox_port for m in named if m), refusals
 
 
 # -- the per-step limit -------------------------------------------------------------------------------------------

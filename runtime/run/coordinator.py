@@ -205,6 +205,7 @@ class Coordinator:
             self.ssh.stop()  # after the stop broadcast: each remote worker ends, or is ended
         restore_signals()
         self.heartbeat.finish()
+        self.greeting.close()
         self.mailbox.close()  # its connection monitors first: the transport's context waits for them
         self.transport.close()
 
@@ -363,6 +364,7 @@ class Coordinator:
         now = time.monotonic()
         self.mailbox.last_seen = {name: now for name in self.names}  # from now on, silence means death
         self.mailbox.bounds = {name: self.options.load_timeout_s for name in self.names}  # ... once built
+        self.greeting.close()  # its watch on our own dials: the mailbox's watch takes them over
         self.mailbox.watch_connections(self.names)
         resume = None
         if self.options.resume is not None:

@@ -7,10 +7,14 @@ run ends with one line naming the stage, its host and address, both plan hashes 
 Only a drop that cannot be forged is believed: from an authenticated peer (one of this plan's keys), or any
 peer when the plan has no keys (security none trusts the network).
 
-With keys, a host holding another plan.json usually holds that plan's keys too: its connections fail the
-key check before any message arrives, and ZeroMQ does not say from which address. The coordinator then
-says so once (anyone can fail a key check, so this alone stops nothing), and the stage on that host, which
-knows whom it dialed, exits with its own plan hash (runtime/wire/control.py ``ConnectionWatch``).
+With keys, a host holding another plan.json usually holds that plan's keys too, and no message of it ever
+arrives: its connections fail the key check first. Then the coordinator's own connection to that stage's
+address (dialed with this plan's keys) fails its handshake too, and the side that dialed knows whom it
+dialed: the run ends with one line naming the stage, its host and address, this plan's hash and what to
+copy (the other plan's hash is in that stage's own log: nothing of it can be read before the key check).
+No anonymous host can cause this: it takes the process listening at that stage's address. Connections
+that fail the key check at the coordinator's inbox are only a hint (anyone can fail one), with the peer
+addresses the inbox found (runtime/wire/gatekeeper.py).
 """
 
 from __future__ import annotations
@@ -34,6 +38,16 @@ class HandshakeWatch:
         self.keyed = plan.security.mode != "none"
         self.refused_before = transport.refused_handshakes()
         self.hinted = False
+        from hetero.runtime.wire.control import ConnectionWatch
+
+        self.dials: ConnectionWatch | None = ConnectionWatch(transport, names) if self.keyed else None
+
+    def close(self) -> None:
+        """Stop watching the coordinator's own connections (before anything else monitors them, and before the
+        transport closes: its context waits for the monitors)."""
+        if self.dials is not None:
+            self.dials.close()
+            self.dials = None
 
     def check(self) -> None:
         """Raise StageFailedError for a stage whose messages carry another plan's hash; hint once at key refusals."""
@@ -47,6 +61,9 @@ class HandshakeWatch:
             name = peer if peer in self.names else (claimed if not self.keyed else None)
             if name in self.names:
                 raise StageFailedError(self.other_plan(self.names.index(name), theirs, peer))
+        if self.dials is not None and (refusal := self.dials.refused()) is not None:
+            peer, _, why = refusal
+            raise StageFailedError(self.refuses_us(self.names.index(peer), why))
         if self.keyed and not self.hinted and (refused := self.refused()):
             self.hinted = True
             print(f"hetero run: {refused}", file=sys.stderr, flush=True)
@@ -62,12 +79,24 @@ class HandshakeWatch:
                 f"it was started with another plan.json; copy {self.plan_path}{keys} to {host} and restart "
                 f"`hetero worker plan.json --host {host} --coordinator {self.endpoint}` there")
 
+    def refuses_us(self, k: int, why: str) -> str:
+        """The one line for stage ``k``, whose address fails the handshake with this run's keys (``why``)."""
+        host, endpoint = self.plan.stages[k].host, self.plan.stages[k].endpoint
+        return (f"stage {k}'s address on host {host} ({endpoint}) refuses this run's keys ({why}): the `hetero worker` "
+                f"there was started with another plan.json or older keys (its stage log names the plan it runs), or "
+                f"another program holds that port; this run's plan is {self.plan.input_hash}: copy {self.plan_path} "
+                f"and its artifacts/{host}/keys to {host} and restart `hetero worker plan.json --host {host} "
+                f"--coordinator {self.endpoint}` there")
+
     def refused(self) -> str | None:
         """How many connections failed the key check since the watch began, as a hint; None if none did."""
         count = self.transport.refused_handshakes() - self.refused_before
         if count <= 0:
             return None
-        return (f"{count} connection(s) to this coordinator failed the key check while it waits for its stages' hello: "
+        peers = sorted(set(self.transport.refused_peers()))
+        where = f" (from {', '.join(peers[-3:])})" if peers else ""
+        return (f"{count} connection(s) to this coordinator failed the key check{where} while it waits for its stages' "
+                "hello: "
                 f"is a host running another plan.json or older keys? this run's plan is {self.plan.input_hash}; "
                 f"copy {self.plan_path} and its artifacts/<host>/keys to that host and restart `hetero worker` there "
                 "(its stage's log names the plan it runs)")

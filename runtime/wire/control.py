@@ -92,6 +92,7 @@ class ConnectionWatch:
         import zmq
 
         self.grace_s = grace_s
+        self._transport = transport
         self._monitors: dict[str, Any] = {}
         self._down_since: dict[str, float] = {}
         self._refusals: dict[str, tuple[int, str, str]] = {}  # peer -> (failed handshakes in a row, endpoint, why)
@@ -146,7 +147,9 @@ class ConnectionWatch:
                      if count >= times), None)
 
     def close(self) -> None:
-        for monitor in self._monitors.values():
+        """Stop the monitors (a socket has one at a time: a later watch of the same peers starts its own)."""
+        for peer, monitor in self._monitors.items():
+            self._transport.unmonitor(peer)
             monitor.close(linger=0)
         self._monitors.clear()
 

@@ -3,7 +3,8 @@
 ZeroMQ asks the context's ZAP handler (RFC 27) during each handshake on a CURVE or PLAIN server
 socket; a peer that is not one of the run's processes is refused there, before any of its bytes
 reach the Transport, and the refusal is logged with its address. In every mode (keys or none) the
-inbox's ZeroMQ monitor is read too: handshakes that fail before ZAP is asked, and connections the
+inbox's ZeroMQ monitor is read too: handshakes that fail before ZAP is asked (their peer looked up in
+the kernel's table of connections just closed, runtime/wire/closed_peers.py), and connections the
 process could not accept (no descriptor left: a flood of idle connections), are logged, and the run
 goes on.
 """
@@ -23,6 +24,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message  # imported now: with no descriptor left, no import works
 
+from hetero.runtime.wire.closed_peers import ClosedPeers
 from hetero.security import Identity, token_verifier
 
 log = logging.getLogger("hetero.runtime.wire.transport")  # refusals log beside the transport's drops
@@ -36,6 +38,17 @@ _LOGGED_IN_FULL = 10  # the first refusals are each logged
 # full: each wake-up reads up to this many events before it looks at the ZAP socket and stop() again.
 _MONITOR_BATCH = 1000
 _POLL_MS = 200  # how soon stop() is seen
+
+
+def _failure(event: int, value: int) -> str:
+    """What a failed handshake on an accepted connection means."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+        return ("its CURVE hello is sealed for another key: if that is a host of this run, it holds another "
+                "plan.json's (or older) keys; copy this run's plan.json and that host's artifacts/<host>/keys to it "
+                "and restart its `hetero worker`")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return f"protocol error {value:#x} (no key, another mechanism, or not a ZeroMQ peer)"
+    return "closed during the handshake (no key, another mechanism, or not a ZeroMQ peer)"
 
 
 class InboxWatch(threading.Thread):
@@ -54,6 +67,8 @@ class InboxWatch(threading.Thread):
         self._refusal_logged_at = self._accept_logged_at = -math.inf
         self._done = threading.Event()
         self._monitor: zmq.Socket | None = None
+        self._closed: ClosedPeers | None = None  # the inbox's port, once it listens
+        self.refused_from: list[str] = []  # the peers of logged refusals, newest last (at most 20)
 
     def watch(self, sock: zmq.Socket) -> None:
         """Log handshakes that fail before ZAP is asked (a peer without keys, or no ZeroMQ at all) and failed accepts."""
@@ -61,13 +76,26 @@ class InboxWatch(threading.Thread):
                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_ACCEPT_FAILED)
         self._monitor = sock.get_monitor_socket(events)
 
-    def _refuse(self, address: str, why: str) -> None:
+    def listening(self, port: int) -> None:
+        """The inbox is bound to ``port``: connections closing there from now on are this inbox's (called at once after
+        the bind, so that connections an earlier process on the port closed are not taken for ours)."""
+        self._closed = ClosedPeers(port)
+
+    def _refuse(self, address: str | None, why: str) -> None:
+        """Count a refusal; log it (the first ones, then one per LOG_EVERY_S) with its peer: ``address``, else the
+        peer this inbox just hung up on (closed_peers.py), else that the address is unknown."""
         self.refused += 1
         now = time.monotonic()
-        if self.refused <= _LOGGED_IN_FULL or now - self._refusal_logged_at >= LOG_EVERY_S:
-            self._refusal_logged_at = now
-            log.warning("%s refused a connection from %s: %s (%d refused so far)", self.owner, address or "?", why,
-                        self.refused)
+        if self.refused > _LOGGED_IN_FULL and now - self._refusal_logged_at < LOG_EVERY_S:
+            return
+        self._refusal_logged_at = now
+        if address is None:
+            address = self._closed.new() if self._closed is not None else None
+        if address is None:
+            address = "an address neither ZeroMQ nor the kernel reports"
+        else:
+            self.refused_from = [*self.refused_from[-19:], address]
+        log.warning("%s refused a connection from %s: %s (%d refused so far)", self.owner, address, why, self.refused)
 
     def _accept_failed(self, endpoint: str, error: int) -> None:
         """libzmq could not accept a connection at ``endpoint`` (the peer is unknown: it was never accepted)."""
@@ -89,11 +117,12 @@ class InboxWatch(threading.Thread):
             return
         if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             return  # ZAP said no: already logged with the reason
-        why = "ZeroMQ handshake failed (no key, another mechanism, or not a ZeroMQ peer)"
+        why = f"ZeroMQ handshake failed at its inbox {endpoint}: {_failure(int(event['event']), int(event['value']))}"
         # The event's endpoint is this inbox's own address: libzmq (without its draft API) reports no peer address
         # before ZAP is asked, and an accepted descriptor is reused too fast to look the peer up. Never log our own
-        # address as the peer's; the connecting side logs whom it dialed (control.ConnectionWatch).
-        self._refuse(f"an address ZeroMQ does not report (to its inbox {endpoint})", why)
+        # address as the peer's: the kernel's closing connections name it (closed_peers.py), and the connecting
+        # side logs whom it dialed (control.ConnectionWatch).
+        self._refuse(None, why)
 
     def _drain(self) -> None:
         """Handle the monitor's queued events (up to _MONITOR_BATCH)."""

@@ -150,6 +150,7 @@ class Transport:
         self._ctx = zmq.Context(io_threads=1)
         self._gate: InboxWatch | None = None  # the inbox's watch (a Gatekeeper when the run has keys)
         self._peers: dict[str, zmq.Socket] = {}
+        self._monitors = 0  # monitors started so far (each gets its own inproc address)
         self._endpoints: dict[str, str] = {}  # peer -> the endpoint it was connected at (for errors)
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
@@ -196,6 +197,8 @@ class Transport:
             else:
                 pull.bind(address)
             self.endpoint = _join(_parse_tcp_endpoint(bind)[0], port)
+            if self._gate is not None:
+                self._gate.listening(int(port))
         except zmq.ZMQError as exc:
             pull.close(linger=0)
             if self._gate is not None:
@@ -298,10 +301,25 @@ class Transport:
     def monitor(self, peer: str, events: int) -> zmq.Socket | None:
         """A ZeroMQ monitor socket for ``events`` of the outbound connection to ``peer`` (None if not connected).
 
-        The caller owns it and must close it before this Transport closes."""
+        The caller owns it and must close it before this Transport closes. A socket has one monitor at a time: a new
+        one replaces the last (each at its own address: libzmq frees a stopped monitor's address only later)."""
         with self._send_lock:
             sock = self._peers.get(peer)
-            return None if sock is None else sock.get_monitor_socket(events)
+            if sock is None:
+                return None
+            self._monitors += 1
+            address = f"inproc://monitor.{id(self)}.{peer}.{self._monitors}"
+            sock.monitor(address, events)
+            watcher = self._ctx.socket(zmq.PAIR)
+            watcher.connect(address)
+            return watcher
+
+    def unmonitor(self, peer: str) -> None:
+        """Stop the monitor of the outbound connection to ``peer`` (if any), so that another may start."""
+        with self._send_lock:
+            sock = self._peers.get(peer)
+            if sock is not None and not sock.closed:
+                sock.monitor(None, 0)
 
     # -- inbound ----------------------------------------------------------------------------------
 
@@ -421,6 +439,10 @@ class Transport:
     def refused_handshakes(self) -> int:
         """How many connections the inbox refused at the ZeroMQ handshake so far (diagnostics)."""
         return self._gate.refused if self._gate is not None else 0
+
+    def refused_peers(self) -> list[str]:
+        """The peer addresses of the inbox's logged refusals that it could name, newest last (diagnostics)."""
+        return list(self._gate.refused_from) if self._gate is not None else []
 
     def pending(self) -> int:
         """How many received messages wait for a matching recv (diagnostics)."""

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from hetero.runtime.wire import closed_peers
-from hetero.runtime.wire.closed_peers import ClosedPeers, _address, closing_peers
+from hetero.runtime.wire.closed_peers import ClosedPeers, _address
 
 
 def test_kernel_addresses_are_read_in_kernel_byte_order() -> None:

@@ -167,6 +167,8 @@ def main_run(argv: list[str]) -> int:
 
     args = _run_parser().parse_intermixed_args(argv)  # overrides may come before or after the options
     plan, checkpoint, timeouts = _run_settings(Plan.load(args.plan), args)
+    if args.engine == "torch":
+        return _run_on_torch(plan, args, checkpoint, timeouts)
     # Stages import torch and the model's code in a forked launcher while the checks below run.
     launcher = StageLauncher.start(plan.model.architecture) if _local_stages(plan, args.host) else None
     try:
@@ -183,6 +185,24 @@ def main_run(argv: list[str]) -> int:
         return _finish_run(plan, plan_path, options, result)
     except RunDirWriteError as exc:  # its resume command repeats this run's --host/--port
         raise exc.for_run(options.rerun) from None
+
+
+def _run_on_torch(plan: Plan, args: argparse.Namespace, checkpoint: Path | None, timeouts: dict[str, Any]) -> int:
+    """`hetero run --engine torch`: the same checks, run directory and records, on torch.distributed.pipelining."""
+    from hetero.runtime.torch_engine.support import check_supported
+
+    backend = check_supported(plan, args.host)  # one line before anything starts
+    if timeouts.get("rebalance", "auto") == "auto":
+        print("hetero run: --engine torch keeps the plan's split (layers move between stages only on "
+              "--engine hetero)", file=sys.stderr)
+    plan_path, options = _prepare_run(plan, args, checkpoint, timeouts)
+    from hetero.runtime.run.options import step_timeout_s
+    from hetero.runtime.torch_engine.launch import run_torch
+
+    # torch.distributed has one timeout for every wait, the first (every stage built) included.
+    timeout = max(step_timeout_s(plan, options.step_timeout_s), options.load_timeout_s)
+    result = run_torch(plan, plan_path, options.run_dir, backend, options.resume, options.progress, timeout)
+    return _finish_run(plan, plan_path, options, result)
 
 
 def _local_stages(plan: Plan, host: str | None) -> bool:
@@ -202,6 +222,9 @@ def _run_parser() -> argparse.ArgumentParser:
     ap.add_argument("--resume", type=Path, metavar="RUN_DIR",
                     help="continue a run from its newest complete checkpoint (or from RUN_DIR/checkpoints/step-N, "
                          "any split of the same model), with its training settings; the run directory defaults to RUN_DIR")
+    ap.add_argument("--engine", choices=("hetero", "torch"), default="hetero",
+                    help="hetero (default): hetero's ZeroMQ runtime, any mix of devices, hosts and torch versions; "
+                         "torch: torch.distributed.pipelining on one host with one device kind (docs/running.md)")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 

@@ -1,0 +1,336 @@
+"""One process of `--engine torch`: plan stage k as a torch.distributed.pipelining PipelineStage.
+
+Rank ``r * S + p`` (a row-major (dp, pp) DeviceMesh of R replicas x S stages) runs position p of replica r,
+the plan's stage ``plan.pipelines[r].stages[p]``. Each step:
+
+- replica r's first stage feeds its share of the step's micro-batches to the schedule, its last stage the
+  labels; the loss of a micro-batch is its summed token cross-entropy over the *whole step's* label tokens
+  (every replica's too), as hetero's engine computes it, so the accumulated gradient is the one-GPU one;
+- the LoRA gradients are summed over the replicas (all-reduce on the mesh's dp dimension), the global norm
+  is summed over the stages (pp dimension), and every stage clips by it and steps AdamW and the schedule;
+- global rank 0 writes metrics.jsonl and, when due, gathers the stages' state (through files on this host,
+  never pickles) into hetero's checkpoint and adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hetero.plan import Plan
+from hetero.runtime.run.data import IGNORE_INDEX
+from hetero.runtime.torch_engine.support import SCHEDULES
+
+log = logging.getLogger("hetero.torch_engine")
+STATE_DIR = ".torch-engine-state"  # RUN_DIR/.torch-engine-state/step-N: the stages' state on its way to rank 0
+
+
+class StageModule(nn.Module):
+    """A built hetero stage as the module PipelineStage runs: its forward is the stage's (layers, recomputation).
+
+    Detour: PipelineStage takes an nn.Module; hetero's Stage is a plain object around one, so this holds the
+    Stage's model (and LoRA wrapper) as children, so that their parameters are the module's."""
+
+    def __init__(self, stage: Any) -> None:
+        super().__init__()
+        self.stage = stage
+        self.body = stage.lora_model if stage.lora_model is not None else stage.model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stage.forward(x)
+
+
+@dataclass
+class Rank:
+    """Where this process sits: its plan stage, its replica and position, and the mesh's process groups."""
+
+    plan: Plan
+    rank: int
+    replica: int
+    position: int
+    k: int  # the plan's stage index
+    pp: Any  # the process group of this replica's stages
+    dp: Any  # the process group of this stage position's replicas (None: one replica)
+
+    @property
+    def first(self) -> bool:
+        return self.position == 0
+
+    @property
+    def last(self) -> bool:
+        return self.position == len(self.plan.pipelines[0].stages) - 1
+
+
+def place(plan: Plan, backend: str, timeout_s: float) -> Rank:
+    """Join the process group and the (dp, pp) DeviceMesh; where this rank sits in the plan.
+
+    ``timeout_s`` bounds every wait of a collective or a transfer (runtime.step_timeout_s): a stage that never
+    answers ends the run with an error instead of a hang."""
+    from datetime import timedelta
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    rank = dist.get_rank()
+    replicas, stages = len(plan.pipelines), len(plan.pipelines[0].stages)
+    mesh = init_device_mesh("cpu" if backend == "gloo" else "cuda", (replicas, stages), mesh_dim_names=("dp", "pp"))
+    replica, position = divmod(rank, stages)
+    k = plan.pipelines[replica].stages[position]
+    return Rank(plan, rank, replica, position, k, mesh.get_group("pp"),
+                mesh.get_group("dp") if replicas > 1 else None)
+
+
+def stage_device(plan: Plan, k: int) -> torch.device:
+    from hetero.runtime.stage.process import device_for
+
+    return torch.device(device_for(plan, k))
+
+
+def build(where: Rank, device: torch.device) -> tuple[Any, Any]:
+    """Stage k built as hetero builds it, its optimizer (an Executor without a wire) and its PipelineStage."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from hetero.runtime.stage.executor import Executor
+    from hetero.runtime.stage.model import build_stage
+
+    plan = where.plan
+    stage = build_stage(plan, where.k, device)
+    executor = Executor(stage, [], None, plan.train, replicated=len(plan.pipelines) > 1)  # type: ignore[arg-type]
+    module = StageModule(stage)
+    mb, seq = plan.train.micro_batch_size, plan.model.seq_len
+    hidden = int(plan.model.architecture["hidden_size"])
+    vocab = int(plan.model.architecture["vocab_size"])
+    # Example inputs and outputs on the meta device: without them PipelineStage infers shapes at the first step by
+    # sending Python objects between ranks (pickles); with them only tensors cross.
+    meta = torch.device("meta")
+    # Activations and outputs carry gradients (PipelineStage takes requires_grad from the examples).
+    x = (torch.empty(mb, seq, dtype=torch.long, device=meta) if where.first
+         else torch.empty(mb, seq, hidden, dtype=stage.dtype, device=meta, requires_grad=True))
+    y = torch.empty(mb, seq, vocab if where.last else hidden, dtype=stage.dtype, device=meta, requires_grad=True)
+    pipe = PipelineStage(module, where.position, len(plan.pipelines[0].stages), device, input_args=(x,),
+                         output_args=(y,), group=where.pp)
+    return executor, pipe
+
+
+def time_ops(pipe: Any, ops: dict[str, float]) -> None:
+    """Add each forward and backward of ``pipe`` to ``ops["F"]`` / ``ops["B"]`` (the stage_ops of metrics.jsonl).
+
+    Detour: torch's schedules expose no per-action timing; these two PipelineStage methods are where its
+    schedules compute a micro-batch (receives and sends are separate operations), so they are wrapped."""
+    for name, op in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
+        method = getattr(pipe, name)
+
+        def timed(*args: Any, _method: Any = method, _op: str = op, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                ops[_op] += time.perf_counter() - t0
+
+        setattr(pipe, name, timed)
+
+
+@dataclass
+class StepLoss:
+    """The loss function the schedule calls per micro-batch, and what it summed this step."""
+
+    num_label_tokens: int = 1
+    total: float = 0.0
+    parts: list[float] = field(default_factory=list)
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # HF causal-LM convention, fp32 loss, divided by the whole step's label tokens (executor._forward/_backward).
+        shifted = logits[:, :-1].float()
+        loss_sum = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), labels[:, 1:].reshape(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        self.total += float(loss_sum.detach())
+        return loss_sum / self.num_label_tokens
+
+
+def make_schedule(plan: Plan, replica: int, pipe: Any, loss: StepLoss) -> Any:
+    from torch.distributed import pipelining
+
+    cls = getattr(pipelining, SCHEDULES[plan.train.schedule])
+    # scale_grads=False: the loss is already over the step's label tokens (torch would divide by the micro-batches).
+    return cls(pipe, n_microbatches=plan.pipelines[replica].num_micro_batches, loss_fn=loss, scale_grads=False)
+
+
+def replica_share(plan: Plan, replica: int, tensor: torch.Tensor) -> torch.Tensor:
+    """Replica ``replica``'s micro-batches of a step's [M, B, S] tensor, as the [m * B, S] batch a schedule splits."""
+    rep = plan.pipelines[replica]
+    share = tensor[rep.first_micro_batch:rep.first_micro_batch + rep.num_micro_batches]
+    return share.reshape(-1, share.shape[-1]).contiguous()
+
+
+def run_schedule(where: Rank, schedule: Any, loss: StepLoss, batch: Any, device: torch.device) -> None:
+    """One step's forward and backward passes of this stage under the plan's schedule."""
+    loss.total = 0.0
+    if batch is not None:
+        loss.num_label_tokens = int(batch.num_label_tokens)
+    args = (replica_share(where.plan, where.replica, batch.input_ids).to(device),) if where.first else ()
+    target = replica_share(where.plan, where.replica, batch.labels).to(device) if where.last else None
+    if where.last:
+        schedule.step(*args, target=target, losses=[])
+    else:
+        schedule.step(*args)
+
+
+def clip_and_step(where: Rank, executor: Any) -> tuple[float, float, float]:
+    """Sum LoRA gradients over replicas, clip by the global norm (summed over stages), step; (norm, coef, lr)."""
+    from hetero.runtime.run.reduce import clip_coef
+    from hetero.runtime.stage.executor import apply_step, grad_sumsq
+
+    params = executor.params
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if where.dp is not None:
+            dist.all_reduce(p.grad, group=where.dp)
+    sumsq = torch.tensor([grad_sumsq(params)], dtype=torch.float64)
+    dist.all_reduce(sumsq, group=where.pp)
+    grad_norm = math.sqrt(float(sumsq))
+    coef = clip_coef(where.plan.train.max_grad_norm, grad_norm)
+    lr = float(executor.scheduler.get_last_lr()[0]) if executor.scheduler is not None else 0.0
+    apply_step(params, executor.optimizer, executor.scheduler, coef)
+    executor.steps_done += 1
+    return grad_norm, coef, lr
+
+
+def step_totals(where: Rank, loss: StepLoss, lr: float, ops: dict[str, float]) -> tuple[float, float, list[dict[str, float]]]:
+    """(loss of the step, the lr, each stage's F/B/STEP seconds) as every rank knows them after an all-reduce."""
+    n = len(where.plan.stages)
+    values = torch.zeros(2 + 3 * n, dtype=torch.float64)
+    if where.last:
+        values[0] = loss.total
+    if where.k == where.plan.pipelines[0].stages[0]:
+        values[1] = lr
+    values[2 + 3 * where.k: 5 + 3 * where.k] = torch.tensor([ops["F"], ops["B"], ops["STEP"]], dtype=torch.float64)
+    dist.all_reduce(values)
+    per_stage = values[2:].view(n, 3).tolist()
+    return float(values[0]), float(values[1]), [{"F": f, "B": b, "STEP": st} for f, b, st in per_stage]
+
+
+def gather_state(where: Rank, executor: Any, run_dir: Path, done: int) -> dict[int, Any] | None:
+    """The first replica's stage payloads on rank 0 (None elsewhere): each stage writes its own files on this host."""
+    from hetero.runtime.run.checkpoint import load_stage_checkpoint, save_stage_checkpoint, stage_payload
+
+    folder = run_dir / STATE_DIR / f"step-{done}"
+    if where.rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+    dist.barrier()
+    if where.replica == 0:
+        save_stage_checkpoint(folder, *stage_payload(executor, where.plan.input_hash))
+    dist.barrier()
+    if where.rank != 0:
+        return None
+    payloads = {}
+    for k in where.plan.pipelines[0].stages:
+        tensors, meta = load_stage_checkpoint(folder, k)
+        payloads[k] = Payload(tensors, meta)
+    shutil.rmtree(run_dir / STATE_DIR, ignore_errors=True)
+    return payloads
+
+
+@dataclass
+class Payload:
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+
+
+def restore(where: Rank, executor: Any, resume: Path) -> int:
+    """Load this stage's share of a checkpoint (any split, either engine); returns the steps it had done."""
+    from hetero.runtime.run.checkpoint import load_checkpoint_union, restore_stage, select_payload
+
+    tensors, meta = load_checkpoint_union(resume)
+    tensors, meta = select_payload(tensors, meta, list(executor.keys), where.k)
+    restore_stage(executor, tensors, meta)
+    return int(executor.steps_done)
+
+
+def metrics(plan: Plan, step: int, values: tuple[float, float, float, float, list[dict[str, float]]],
+            label_tokens: int, step_time: float) -> dict[str, Any]:
+    """Step ``step``'s metrics.jsonl line, with the fields hetero's engine writes that this one measures."""
+    loss_sum, lr, grad_norm, coef, ops = values
+    tokens = plan.train.num_micro_batches * plan.train.micro_batch_size * plan.model.seq_len
+    return {"step": step, "loss": loss_sum / label_tokens, "lr": lr, "grad_norm": grad_norm, "clip_coef": coef,
+            "tokens": tokens, "label_tokens": label_tokens, "step_time_s": step_time,
+            "tokens_per_s": tokens / step_time, "stage_busy": [sum(o.values()) for o in ops],
+            "stage_wall": [step_time] * len(ops), "stage_ops": ops, "engine": "torch"}
+
+
+def train(where: Rank, executor: Any, schedule: Any, loss: StepLoss, device: torch.device, run_dir: Path,
+          start: int, progress: bool, ops: dict[str, float]) -> None:
+    """Every step from ``start``; rank 0 keeps the records (metrics, checkpoints, adapter)."""
+    from hetero.runtime.run.records import ProgressBar, RunRecords, payload_due
+
+    plan = where.plan
+    batches = _batches(plan) if where.first or where.last or where.rank == 0 else None
+    records = RunRecords(plan, run_dir) if where.rank == 0 else None
+    if records is not None:
+        records.start_metrics(start)
+    with ProgressBar(plan.train.steps - start, progress and where.rank == 0) as bar:
+        for step in range(start, plan.train.steps):
+            t0 = time.perf_counter()
+            batch = batches.step(step) if batches is not None else None
+            ops.update(F=0.0, B=0.0)
+            run_schedule(where, schedule, loss, batch, device)
+            t1 = time.perf_counter()
+            grad_norm, coef, lr = clip_and_step(where, executor)
+            ops["STEP"] = time.perf_counter() - t1
+            loss_sum, lr0, stage_ops = step_totals(where, loss, lr, ops)
+            step_time = time.perf_counter() - t0
+            due = payload_due(plan.train, 0, step)
+            payloads = gather_state(where, executor, run_dir, step + 1) if due else None
+            if records is not None and batch is not None:
+                line = metrics(plan, step, (loss_sum, lr0, grad_norm, coef, stage_ops), int(batch.num_label_tokens),
+                               step_time)
+                records.step(line)
+                bar.update(step, line["loss"], line["tokens_per_s"])
+                if payloads is not None:
+                    records.save_payloads(step, payloads)
+
+
+def _batches(plan: Plan) -> Any:
+    from hetero.runtime.pretrained import resolve_dir
+    from hetero.runtime.run.data import StepBatches
+
+    train = plan.train
+    return StepBatches(plan.data, resolve_dir(plan.model), plan.model.seq_len, train.micro_batch_size,
+                       train.num_micro_batches, train.seed, train.shuffle)
+
+
+def rank_main(plan_path: str, run_dir: str, backend: str, resume: str | None, progress: bool,
+              timeout_s: float) -> None:
+    """The entry point torch's launcher starts once per stage process."""
+    plan = Plan.load(Path(plan_path))
+    where = place(plan, backend, timeout_s)
+    logging.basicConfig(filename=Path(run_dir) / "logs" / f"stage{where.k}.log", level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(max(1, plan.stages[where.k].threads or 1))
+    device = stage_device(plan, where.k)
+    try:
+        executor, pipe = build(where, device)
+        start = restore(where, executor, Path(resume)) if resume else 0
+        loss = StepLoss()
+        schedule = make_schedule(plan, where.replica, pipe, loss)
+        ops = {"F": 0.0, "B": 0.0, "STEP": 0.0}
+        time_ops(pipe, ops)
+        dist.barrier()
+        train(where, executor, schedule, loss, device, Path(run_dir), start, progress, ops)
+        dist.barrier()
+    except Exception:
+        log.exception("stage %d (rank %d) failed", where.k, where.rank)
+        raise
+    finally:
+        dist.destroy_process_group()

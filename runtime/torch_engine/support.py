@@ -1,0 +1,59 @@
+"""What `--engine torch` cannot run yet, as one line naming the plan's option and `--engine hetero` (torch-free).
+
+The torch engine is torch.distributed: one backend for every process (gloo on CPU, NCCL on CUDA), one torch
+on every host, processes started by torch's launcher. Plans that need more are hetero's engine's reason to
+exist, and are refused before anything starts.
+"""
+
+from __future__ import annotations
+
+from hetero.errors import PlanError
+from hetero.plan import Plan
+
+# The schedules the plan may name and torch.distributed.pipelining's class for each.
+SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+class EngineUnsupportedError(PlanError):
+    """A plan (or run option) the torch engine does not run: use hetero's engine."""
+
+
+def _refuse(what: str) -> EngineUnsupportedError:
+    return EngineUnsupportedError(f"--engine torch cannot run this plan: {what}; run it with `--engine hetero` "
+                                  "(the default), which runs every plan")
+
+
+def check_supported(plan: Plan, host: str | None) -> str:
+    """The torch.distributed backend for ``plan`` (gloo or nccl); raises EngineUnsupportedError naming what is not."""
+    kinds = sorted({s.backend for s in plan.stages})
+    if len(kinds) > 1:
+        raise _refuse(f"its stages run on different device kinds ({', '.join(kinds)}), and one torch.distributed "
+                      "backend serves one kind")
+    if kinds[0] not in BACKENDS:
+        raise _refuse(f"its stages run on '{kinds[0]}' devices; torch.distributed pipelines here on "
+                      f"{' or '.join(BACKENDS)}")
+    hosts = sorted({s.host for s in plan.stages})
+    here = host or plan.stages[0].host
+    if hosts != [here]:
+        raise _refuse(f"its stages run on hosts {', '.join(hosts)}; this engine starts the processes of one host "
+                      "(multi-host launch is not built yet)")
+    if plan.train.schedule not in SCHEDULES:
+        raise _refuse(f"train.schedule={plan.train.schedule} (this engine runs {', '.join(SCHEDULES)})")
+    sizes = sorted({len(rep.stages) for rep in plan.pipelines})
+    if len(sizes) > 1:
+        raise _refuse(f"its replicas have {' and '.join(map(str, sizes))} stages, and a DeviceMesh is a grid")
+    first = [plan.stages[k].node_names for k in plan.pipelines[0].stages]
+    for r, rep in enumerate(plan.pipelines[1:], start=1):
+        if [plan.stages[k].node_names for k in rep.stages] != first:
+            raise _refuse(f"replica {r} splits the layers otherwise than replica 0, and the mesh's data-parallel "
+                          "dimension all-reduces the LoRA gradients of stage p of every replica (recompile with "
+                          "replicas of one split)")
+    short = [r for r, rep in enumerate(plan.pipelines) if rep.num_micro_batches < len(rep.stages)]
+    if plan.train.schedule == "1f1b" and short:
+        rep = plan.pipelines[short[0]]
+        raise _refuse(f"replica {short[0]} has {rep.num_micro_batches} micro-batch(es) for {len(rep.stages)} stages, "
+                      "and torch's Schedule1F1B needs at least one per stage (raise train.num_micro_batches)")
+    if plan.eval.every > 0:
+        raise _refuse(f"eval.every={plan.eval.every} (held-out evaluation during the run; pass eval.every=0)")
+    return BACKENDS[kinds[0]]

@@ -1,0 +1,150 @@
+"""`hetero run --engine torch`: the same plan on torch.distributed.pipelining trains like one process.
+
+The same reference as hetero's own engine (tests/reference.py, plain transformers+peft): tiny Llama, fp32,
+4 micro-batches, active clipping, warmup + cosine. Three CPU stages under Schedule1F1B (gloo), and two
+replicas of a 2-stage pipeline (a 2 x 2 DeviceMesh, uneven shares): losses and every LoRA tensor within 1e-4.
+A checkpoint of either engine resumes on the other and continues the same curve; the adapter loads with
+AutoPeftModelForCausalLM; plans this engine cannot run are refused in one line before a run directory exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from reference import assert_close_to_scale, reference_run
+from test_runtime_plans import make_plan
+
+from hetero.plan import Plan
+from hetero.runtime.run.adapter import load_adapter_state
+from hetero.runtime.run.cli import main_run
+from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.runtime.torch_engine.support import EngineUnsupportedError, check_supported
+from hetero.specs import ModelSpec, TrainSpec
+
+SEQ_LEN = 32
+TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=4, lr=2e-3, scheduler="cosine", warmup_steps=1,
+                  max_grad_norm=0.3, seed=3, shuffle=True)
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return reference_run(tiny_model_dir, tmp_path_factory.mktemp("torch-engine"), TRAIN, SEQ_LEN)
+
+
+def _run(plan: Plan, root: Path, name: str, *extra: str) -> Path:
+    path = root / f"plan-{name}.json"
+    plan.save(path)
+    run_dir = root / f"run-{name}"
+    assert main_run([str(path), "--run-dir", str(run_dir), "--no-progress", *extra]) == 0
+    return run_dir
+
+
+def _check_against_reference(run_dir: Path, setup: dict, steps: list[int]) -> None:
+    metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
+    assert [m["step"] for m in metrics] == steps
+    assert all(m.get("engine") == "torch" for m in metrics)
+    for m in metrics:
+        want = setup["losses"][m["step"]]
+        assert m["loss"] == pytest.approx(want, rel=RTOL), f"step {m['step']}: loss {m['loss']} vs reference {want}"
+    trained = load_adapter_state(run_dir / "adapter", setup["lora"])
+    assert set(trained) == set(setup["state"])
+    initial = load_adapter_state(Path(setup["lora"].init_from))
+    for key, want in setup["state"].items():
+        assert not torch.equal(initial[key], want)
+        assert_close_to_scale(key, trained[key], want, RTOL)
+
+
+@pytest.mark.slow
+def test_three_stages_1f1b_equal_the_reference(setup: dict, tiny_model_dir: Path, tiny_spec: ModelSpec) -> None:
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=TRAIN, lora=setup["lora"],
+                     seq_len=SEQ_LEN)
+    run_dir = _run(plan, setup["root"], "three", "--engine", "torch", "checkpoint_every=2")
+    metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
+    assert min(m["clip_coef"] for m in metrics) < 0.99 and len({round(m["lr"], 12) for m in metrics}) >= 3
+    _check_against_reference(run_dir, setup, list(range(TRAIN.steps)))
+    for step in (2, 4):  # hetero's checkpoint layout: every stage's file, then COMPLETE
+        ckpt = run_dir / "checkpoints" / f"step-{step:06d}"
+        assert (ckpt / "COMPLETE").is_file() and len(list(ckpt.glob("stage*.safetensors"))) == 3
+    assert not (run_dir / ".torch-engine-state").exists()
+    setup["three"] = run_dir
+
+
+@pytest.mark.slow
+def test_two_replicas_on_a_device_mesh_equal_the_reference(setup: dict, tiny_model_dir: Path,
+                                                           tiny_spec: ModelSpec) -> None:
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [[3, 3], [3, 3]], train=TRAIN,  # type: ignore[list-item]
+                     lora=setup["lora"], seq_len=SEQ_LEN, shares=[2, 2])
+    run_dir = _run(plan, setup["root"], "mesh", "--engine", "torch")
+    _check_against_reference(run_dir, setup, list(range(TRAIN.steps)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("first", "then"), [("torch", "hetero"), ("hetero", "torch")])
+def test_a_checkpoint_of_one_engine_resumes_on_the_other(setup: dict, tiny_model_dir: Path, tiny_spec: ModelSpec,
+                                                         first: str, then: str) -> None:
+    """2 steps on one engine, 2 more resumed on the other: the same losses and adapter as 4 steps on one."""
+    root = setup["root"]
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN, lora=setup["lora"], seq_len=SEQ_LEN)
+    before = _run(plan, root, f"{first}-before", "--engine", first, "checkpoint_every=2")
+    resumed = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 4], train=TRAIN, lora=setup["lora"],
+                        seq_len=SEQ_LEN)  # another split too
+    path = root / f"plan-{then}-after.json"
+    resumed.save(path)
+    after = root / f"run-{then}-after"
+    assert main_run([str(path), "--run-dir", str(after), "--no-progress", "--engine", then, "--resume",
+                     str(before / "checkpoints" / "step-000002")]) == 0
+    got = step_lines(read_metrics(after / "metrics.jsonl"))
+    assert [m["step"] for m in got] == [2, 3]
+    assert [m["loss"] for m in got] == pytest.approx(setup["losses"][2:], rel=RTOL)
+    trained = load_adapter_state(after / "adapter", setup["lora"])
+    for key, want in setup["state"].items():
+        assert_close_to_scale(key, trained[key], want, RTOL)
+
+
+@pytest.mark.slow
+def test_the_torch_engines_adapter_loads_with_auto_peft(setup: dict) -> None:
+    if "three" not in setup:
+        pytest.skip("needs the 3-stage run above")
+    from peft import AutoPeftModelForCausalLM
+
+    model = AutoPeftModelForCausalLM.from_pretrained(str(setup["three"] / "adapter"))
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert logits.shape[:2] == (1, 4) and torch.isfinite(logits).all()
+    loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert loaded and any(not torch.all(v == 0) for k, v in loaded.items() if "lora_B" in k)
+
+
+def test_plans_it_cannot_run_are_refused_in_one_line(tiny_model_dir: Path, tiny_spec: ModelSpec,
+                                                     tmp_path: Path) -> None:
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN, seq_len=SEQ_LEN,
+                     hosts=["alpha", "beta"])
+    with pytest.raises(EngineUnsupportedError, match=r"^--engine torch cannot run this plan: its stages run on hosts "
+                       r"alpha, beta; .* run it with `--engine hetero`"):
+        check_supported(plan, None)
+    mixed = replace(plan, stages=[plan.stages[0], replace(plan.stages[1], backend="cuda")])
+    with pytest.raises(EngineUnsupportedError, match=r"different device kinds \(cpu, cuda\)"):
+        check_supported(mixed, None)
+    one = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN, seq_len=SEQ_LEN)
+    assert check_supported(one, None) == "gloo"
+    split = make_plan(tiny_model_dir, tiny_spec.architecture, [[3, 3], [2, 4]], train=TRAIN,  # type: ignore[list-item]
+                      seq_len=SEQ_LEN, shares=[2, 2])
+    with pytest.raises(EngineUnsupportedError, match=r"replica 1 splits the layers otherwise than replica 0"):
+        check_supported(split, None)
+    few = make_plan(tiny_model_dir, tiny_spec.architecture, [[3, 3], [3, 3]], train=TRAIN,  # type: ignore[list-item]
+                    seq_len=SEQ_LEN, shares=[1, 3])
+    with pytest.raises(EngineUnsupportedError, match=r"replica 0 has 1 micro-batch\(es\) for 2 stages"):
+        check_supported(few, None)
+    evaluating = replace(one, eval=replace(one.eval, every=2))
+    with pytest.raises(EngineUnsupportedError, match=r"eval\.every=2"):
+        check_supported(evaluating, None)
+    # Through the command line: one line (HeteroError), before any run directory exists.
+    plan.save(tmp_path / "plan.json")
+    with pytest.raises(EngineUnsupportedError):
+        main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run"), "--engine", "torch"])
+    assert not (tmp_path / "run").exists()

@@ -44,7 +44,7 @@ from hetero.protocol import (
     Stop,
     Welcome,
 )
-from hetero.runtime.run.handshake import HandshakeWatch
+from hetero.runtime.run.handshake import HandshakeWatch, connect_stages
 from hetero.runtime.run.moves import split_of
 from hetero.runtime.run.options import RunOptions, coordinator_endpoint, step_timeout_hint, step_timeout_s
 from hetero.runtime.run.processes import (
@@ -112,8 +112,7 @@ class Coordinator:
             stop_processes(self.procs, grace_s=0.0)
             raise
         try:
-            for k, sp in enumerate(plan.stages):
-                self.transport.connect(self.names[k], sp.endpoint)
+            connect_stages(self.transport, plan, self.names)  # watched from the first attempt (handshake.py)
             self.mailbox = Mailbox(self.transport, silence_s=options.failure_timeout_s, on_idle=self._check_children)
             self.records = RunRecords(plan, self.run_dir)  # metrics, evaluations, checkpoints, adapter
         except BaseException:

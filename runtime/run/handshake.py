@@ -29,6 +29,17 @@ from hetero.runtime.run.processes import StageFailedError
 UNAUTHENTICATED = "unauthenticated peer "  # how the transport names a peer without keys (transport._peer_address)
 
 
+def connect_stages(transport: Any, plan: Plan, names: list[str]) -> None:
+    """Connect the coordinator to every stage, with keys watched from the first attempt: a stage holding another
+    plan's keys may refuse it only once (ZeroMQ does not retry a refused key), before any watch could start."""
+    from hetero.runtime.wire.control import ConnectionWatch
+
+    transport.watch_from_start(ConnectionWatch.events() if plan.security.mode != "none" else 0)
+    for name, sp in zip(names, plan.stages, strict=True):
+        transport.connect(name, sp.endpoint)
+    transport.watch_from_start(0)  # HandshakeWatch claims these monitors; later connects start none
+
+
 class HandshakeWatch:
     """Checks, every time the coordinator's mailbox idles before training, for stages of another plan."""
 

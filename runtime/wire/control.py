@@ -89,20 +89,25 @@ class ConnectionWatch:
     """
 
     def __init__(self, transport: Any, peers: list[str], grace_s: float = LOST_GRACE_S) -> None:
-        import zmq
 
         self.grace_s = grace_s
         self._transport = transport
         self._monitors: dict[str, Any] = {}
         self._down_since: dict[str, float] = {}
         self._refusals: dict[str, tuple[int, str, str]] = {}  # peer -> (failed handshakes in a row, endpoint, why)
-        events = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-                  | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         for peer in peers:
-            monitor = transport.monitor(peer, events)
+            monitor = transport.monitor(peer, self.events())
             if monitor is not None:
                 self._monitors[peer] = monitor
+
+    @staticmethod
+    def events() -> int:
+        """The ZeroMQ monitor events a watch reads (Transport.watch_from_start takes them too)."""
+        import zmq
+
+        return (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
     def _read_events(self, now: float) -> None:
         """Take the monitors' queued events into ``_down_since`` and ``_refusals``."""

@@ -151,6 +151,10 @@ class Transport:
         self._gate: InboxWatch | None = None  # the inbox's watch (a Gatekeeper when the run has keys)
         self._peers: dict[str, zmq.Socket] = {}
         self._monitors = 0  # monitors started so far (each gets its own inproc address)
+        # With watch_from_start(events): each connect() starts a monitor first, so that no event of the very
+        # first connection attempt is lost (ZeroMQ does not retry a connection whose key was refused).
+        self._watch_events = 0
+        self._early: dict[str, zmq.Socket] = {}
         self._endpoints: dict[str, str] = {}  # peer -> the endpoint it was connected at (for errors)
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
@@ -228,6 +232,8 @@ class Transport:
             push.setsockopt(zmq.TCP_KEEPALIVE, 1)  # notice a peer host that vanished
             push.setsockopt(zmq.IPV6, 1)  # harmless for IPv4 peers; needed for [::1]-style endpoints
             self._secure_client(push, peer)
+            if self._watch_events:
+                self._early[peer] = self._start_monitor(push, peer, self._watch_events)
             push.connect(_join(host, port))
             self._peers[peer] = push
             self._endpoints[peer] = endpoint
@@ -304,15 +310,24 @@ class Transport:
         The caller owns it and must close it before this Transport closes. A socket has one monitor at a time: a new
         one replaces the last (each at its own address: libzmq frees a stopped monitor's address only later)."""
         with self._send_lock:
+            early = self._early.pop(peer, None)
+            if early is not None:
+                return early
             sock = self._peers.get(peer)
-            if sock is None:
-                return None
-            self._monitors += 1
-            address = f"inproc://monitor.{id(self)}.{peer}.{self._monitors}"
-            sock.monitor(address, events)
-            watcher = self._ctx.socket(zmq.PAIR)
-            watcher.connect(address)
-            return watcher
+            return None if sock is None else self._start_monitor(sock, peer, events)
+
+    def watch_from_start(self, events: int) -> None:
+        """Peers connected from now on are monitored for ``events`` before their first connection attempt; the
+        first ``monitor(peer, ...)`` call returns that monitor."""
+        self._watch_events = events
+
+    def _start_monitor(self, sock: zmq.Socket, peer: str, events: int) -> zmq.Socket:
+        self._monitors += 1
+        address = f"inproc://monitor.{id(self)}.{peer}.{self._monitors}"
+        sock.monitor(address, events)
+        watcher = self._ctx.socket(zmq.PAIR)
+        watcher.connect(address)
+        return watcher
 
     def unmonitor(self, peer: str) -> None:
         """Stop the monitor of the outbound connection to ``peer`` (if any), so that another may start."""
@@ -460,6 +475,9 @@ class Transport:
             return
         self._closed = True
         with self._send_lock:
+            for watcher in self._early.values():
+                watcher.close(linger=0)
+            self._early.clear()
             for sock in self._peers.values():
                 sock.close()  # uses the socket's LINGER: queued messages still go out
             self._peers.clear()

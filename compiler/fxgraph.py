@@ -17,9 +17,9 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from hetero.errors import ConfigError, UnsupportedModelError
+from hetero.errors import ConfigError
+from hetero.families import family
 from hetero.protocol import COMPUTE_DTYPES as COMPUTE_DTYPE_NAMES
-from hetero.protocol import MODEL_TYPES
 from hetero.specs import ModelSpec
 
 COMPUTE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in COMPUTE_DTYPE_NAMES}
@@ -39,10 +39,7 @@ def build_config(architecture: dict[str, Any]) -> Any:
     if not isinstance(architecture, dict):
         raise ConfigError("model.architecture must be a mapping (an HF config.json as a dict)")
     model_type = architecture.get("model_type")
-    if model_type not in MODEL_TYPES:  # hetero/protocol.py: the families the runtime can split too
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported; supported: {', '.join(MODEL_TYPES)}"
-        )
+    family(model_type)  # hetero/families.py: the families the runtime can split too (one line if not)
     from transformers import AutoConfig
 
     kwargs = {k: v for k, v in architecture.items() if k not in ("model_type", "transformers_version")}

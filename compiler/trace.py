@@ -31,7 +31,7 @@ def trace_with_module(model: ModelSpec) -> tuple[LayerGraph, TracedModel]:
     causal_lm = build_meta_model(model, dtype)
     config = causal_lm.config
     traced = trace_model(causal_lm)
-    _check_lora_targets(causal_lm, model.lora.target_modules)
+    _check_lora_targets(causal_lm, model.lora.target_modules, model.model_type)
 
     state = causal_lm.state_dict(keep_vars=True)
     tied = causal_lm.lm_head.weight is causal_lm.model.embed_tokens.weight
@@ -121,16 +121,19 @@ def _node(
     )
 
 
-def _check_lora_targets(causal_lm: Any, targets: list[str]) -> None:
+def _check_lora_targets(causal_lm: Any, targets: list[str], model_type: str) -> None:
     """peft refuses targets that match nothing; say so at compile time instead of at run time."""
+    from hetero.families import family
+
     names = {n.rsplit(".", 1)[-1] for n, _ in causal_lm.named_modules()} | {
         n for n, _ in causal_lm.named_modules()
     }
     missing = [t for t in targets if t not in names and not any(n.endswith("." + t) for n in names)]
     if missing or not targets:
         raise ConfigError(
-            f"model.lora.target_modules {missing or targets} match no module of this model; "
-            "use names such as q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
+            f"model.lora.target_modules {missing or targets} match no module of this {model_type} model; its "
+            f"decoder layers' Linear layers are {', '.join(family(model_type).lora_targets)} (for example "
+            f"lora.target_modules=[{','.join(family(model_type).lora_targets)}])"
         )
 
 

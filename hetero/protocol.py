@@ -46,10 +46,6 @@ BASE_PORT = 29500  # a host's first port: stage k on it listens on BASE_PORT + k
 WIRE_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
 COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
-# Families the compiler traces and the runtime splits: a CausalLM of `model.{embed_tokens, layers, norm,
-# rotary_emb}` + `lm_head`, whose decoder layer takes (hidden, attention_mask, position_ids,
-# position_embeddings) and whose model forward adds nothing between them (Gemma scales embeddings).
-MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 
 
 # -- records --------------------------------------------------------------------------------------------

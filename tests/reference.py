@@ -111,7 +111,8 @@ def make_init_adapter(model_dir: Path, lora: LoraSpec, out_dir: Path, seed: int)
     return out_dir
 
 
-def reference_run(model_dir: Path, root: Path, train: TrainSpec, seq_len: int) -> dict:
+def reference_run(model_dir: Path, root: Path, train: TrainSpec, seq_len: int,
+                  targets: list[str] | None = None) -> dict:
     """A fresh adapter (non-zero lora_B, r=4, dropout 0) and the reference's losses and final LoRA state
     over ``train.steps`` steps of the demo data: what the runtime equivalence tests compare against.
     ``lora`` in the result starts from that adapter (``init_from``)."""
@@ -120,6 +121,8 @@ def reference_run(model_dir: Path, root: Path, train: TrainSpec, seq_len: int) -
     from hetero.specs import DataSpec
 
     lora = LoraSpec(r=4, alpha=8.0, dropout=0.0)
+    if targets is not None:
+        lora = replace(lora, target_modules=list(targets))
     adapter = make_init_adapter(model_dir, lora, root / "init_adapter", seed=7)
     batches = StepBatches(DataSpec(), model_dir, seq_len, train.micro_batch_size, train.num_micro_batches,
                           train.seed, train.shuffle)

@@ -3,7 +3,7 @@
 The same reference as hetero's own engine (tests/reference.py, plain transformers+peft): tiny Llama, fp32,
 4 micro-batches, active clipping, warmup + cosine. Three CPU stages under Schedule1F1B (gloo), and two
 replicas of a 2-stage pipeline (a 2 x 2 DeviceMesh, uneven shares): losses and every LoRA tensor within 1e-4.
-A checkpoint of either engine resumes on the other and continues the same curve; the adapter loads with
+A checkpoint of either engine resumes on the other (another split too) and continues the same curve; the adapter loads with
 AutoPeftModelForCausalLM; plans this engine cannot run are refused in one line before a run directory exists.
 """
 
@@ -86,23 +86,27 @@ def test_two_replicas_on_a_device_mesh_equal_the_reference(setup: dict, tiny_mod
 @pytest.mark.parametrize(("first", "then"), [("torch", "hetero"), ("hetero", "torch")])
 def test_a_checkpoint_of_one_engine_resumes_on_the_other(setup: dict, tiny_model_dir: Path, tiny_spec: ModelSpec,
                                                          first: str, then: str) -> None:
-    """2 steps on one engine, 2 more resumed on the other: the same losses and adapter as 4 steps on one."""
+    """6 steps on one engine; its step-3 checkpoint resumed for 3 more on the other engine (and another split):
+    the same losses and adapter as the 6 steps on one."""
     root = setup["root"]
-    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN, lora=setup["lora"], seq_len=SEQ_LEN)
-    before = _run(plan, root, f"{first}-before", "--engine", first, "checkpoint_every=2")
-    resumed = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 4], train=TRAIN, lora=setup["lora"],
-                        seq_len=SEQ_LEN)  # another split too
+    train = replace(TRAIN, steps=6)
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=train, lora=setup["lora"], seq_len=SEQ_LEN)
+    whole = _run(plan, root, f"{first}-whole", "--engine", first, "checkpoint_every=3")
+    resumed = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 4], train=train, lora=setup["lora"],
+                        seq_len=SEQ_LEN)
     path = root / f"plan-{then}-after.json"
     resumed.save(path)
     after = root / f"run-{then}-after"
     assert main_run([str(path), "--run-dir", str(after), "--no-progress", "--engine", then, "--resume",
-                     str(before / "checkpoints" / "step-000002")]) == 0
+                     str(whole / "checkpoints" / "step-000003")]) == 0
+    want = step_lines(read_metrics(whole / "metrics.jsonl"))
     got = step_lines(read_metrics(after / "metrics.jsonl"))
-    assert [m["step"] for m in got] == [2, 3]
-    assert [m["loss"] for m in got] == pytest.approx(setup["losses"][2:], rel=RTOL)
+    assert [m["step"] for m in got] == [3, 4, 5]
+    assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want[3:]], rel=RTOL)
+    assert [m["lr"] for m in got] == pytest.approx([m["lr"] for m in want[3:]], rel=1e-9)
     trained = load_adapter_state(after / "adapter", setup["lora"])
-    for key, want in setup["state"].items():
-        assert_close_to_scale(key, trained[key], want, RTOL)
+    for key, value in load_adapter_state(whole / "adapter", setup["lora"]).items():
+        assert_close_to_scale(key, trained[key], value, RTOL)
 
 
 @pytest.mark.slow

@@ -201,7 +201,13 @@ def _run_on_torch(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
 
     # torch.distributed has one timeout for every wait, the first (every stage built) included.
     timeout = max(step_timeout_s(plan, options.step_timeout_s), options.load_timeout_s)
-    result = run_torch(plan, plan_path, options.run_dir, backend, options.resume, options.progress, timeout)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        result = run_torch(plan, plan_path, options.run_dir, backend, options.resume, options.progress, timeout)
+    except (KeyboardInterrupt, SignalException):  # torch's launcher stops its processes at once
+        print(_stopped_at_once(plan_path, options), file=sys.stderr)
+        return 130
     return _finish_run(plan, plan_path, options, result)
 
 

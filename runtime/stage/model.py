@@ -17,9 +17,9 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from hetero.errors import PlanError, UnsupportedModelError
+from hetero.errors import PlanError
+from hetero.families import family  # the families the runtime can split (and the compiler traces)
 from hetero.plan import Plan
-from hetero.protocol import MODEL_TYPES  # the families the runtime can split (and the compiler traces)
 from hetero.runtime.stage.lora import add_lora, load_lora_state, lora_state
 from hetero.runtime.stage.weights import load_weights, quantize_nf4
 from hetero.runtime.wire.frames import TORCH_DTYPES
@@ -87,6 +87,9 @@ class Stage:
     lora_model: nn.Module | None  # LoraModel around it, named as a PeftModel (None: no LoRA target lives here)
     quantization: str
     recompute: frozenset[int] = frozenset()  # decoder layer indices that recompute in backward
+    # What the family's model forward does outside the layers (hetero/families.py): 1.0 = nothing.
+    embed_multiplier: float = 1.0
+    logits_divisor: float = 1.0
 
     # The first stage of a pipeline holds the embedding, the last the LM head (every replica has both).
     @property
@@ -101,6 +104,8 @@ class Stage:
         """Stage 0 takes input ids [B, S]; others hidden states [B, S, H]. The last stage returns logits."""
         inner = self.model.model
         h = inner.embed_tokens(x) if self.layout.embed else x
+        if self.layout.embed and self.embed_multiplier != 1.0:
+            h = h * self.embed_multiplier  # as the family's model forward does (granite's embedding_multiplier)
         seq = h.shape[1]
         # Every stage rebuilds positions and rotary cos/sin: cheaper than sending them.
         position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
@@ -122,6 +127,8 @@ class Stage:
             h = inner.norm(h)
         if self.layout.head:
             h = self.model.lm_head(h)
+            if self.logits_divisor != 1.0:
+                h = h / self.logits_divisor
         return h
 
     def lora_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -149,10 +156,7 @@ def _build_config(architecture: dict):
 
     arch = dict(architecture)
     model_type = arch.pop("model_type", None)
-    if model_type not in MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"the runtime cannot split model_type '{model_type}'; supported: {', '.join(sorted(MODEL_TYPES))}"
-        )
+    family(model_type)  # hetero/families.py: one line for a family the runtime cannot split
     config = AutoConfig.for_model(model_type, **arch)
     # SDPA with attention_mask=None is causal; eager attention without a mask would not be.
     config._attn_implementation = "sdpa"
@@ -222,7 +226,9 @@ def build_stage(plan: Plan, k: int, device: torch.device, *, seed: int | None = 
     if lora_model is not None:
         lora_model.to(device)
         lora_model.train()  # as peft's model.train(): LoRA dropout on (and any dropout of the base)
-    stage = Stage(k, device, dtype, layout, model, lora_model, sp.quantization, recompute_indices(plan, k, layout))
+    fam = family(plan.model.model_type)
+    stage = Stage(k, device, dtype, layout, model, lora_model, sp.quantization, recompute_indices(plan, k, layout),
+                  fam.embedding_multiplier(plan.model.architecture), fam.logits_scale(plan.model.architecture))
     if lora.init_from:
         from hetero.runtime.run.adapter import load_adapter_state
 

@@ -1,0 +1,72 @@
+"""The model families hetero splits, as data: one entry per Hugging Face ``model_type`` (torch-free).
+
+Every family here is a CausalLM of ``model.embed_tokens``, ``model.rotary_emb``, ``model.layers``,
+``model.norm`` and ``lm_head`` whose decoder layer takes (hidden states, attention_mask, position_ids,
+position_embeddings). What differs between families is written in the entry, and read by the compiler
+(compiler/fxgraph.py: which model_types it traces), the runtime's stage builder (runtime/stage/model.py: the
+model forward's steps outside the layers) and the LoRA checks (which Linear layers LoRA may target):
+
+- ``embed_scale``: the model forward multiplies the embeddings by a number: the config key that holds it,
+  or ``sqrt_hidden`` for sqrt(hidden_size);
+- ``logits_divisor``: the CausalLM divides the logits by this config key's value;
+- ``lora_targets``: the Linear layers of a decoder layer LoRA may target, by name (the compiler names them
+  when `lora.target_modules` matches nothing).
+
+Parameters, FLOPs and activation bytes are counted from the module structure (compiler/costs.py), so a
+family needs no formula of its own. Adding a family is one entry here plus its row in the equivalence test
+(tests/test_families.py) and docs/models.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hetero.errors import UnsupportedModelError
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    examples: str  # the checkpoints people fine-tune, for docs and errors
+    lora_targets: tuple[str, ...] = ATTENTION + MLP
+    embed_scale: str | None = None  # a config key, or "sqrt_hidden"
+    logits_divisor: str | None = None  # a config key
+
+    def embedding_multiplier(self, architecture: dict[str, Any]) -> float:
+        """What the model forward multiplies the embeddings by (1.0: nothing)."""
+        if self.embed_scale is None:
+            return 1.0
+        if self.embed_scale == "sqrt_hidden":
+            return float(architecture["hidden_size"]) ** 0.5
+        return float(architecture.get(self.embed_scale, 1.0))
+
+    def logits_scale(self, architecture: dict[str, Any]) -> float:
+        """What the CausalLM divides the logits by (1.0: nothing)."""
+        return 1.0 if self.logits_divisor is None else float(architecture.get(self.logits_divisor, 1.0))
+
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("llama", "Llama 3.x, SmolLM, TinyLlama"),
+    Family("mistral", "Mistral 7B, Mistral-Nemo"),
+    Family("qwen2", "Qwen2.5"),
+    Family("qwen3", "Qwen3 (dense)"),
+    Family("olmo2", "OLMo 2"),
+    Family("phi3", "Phi-3, Phi-4", lora_targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+    Family("granite", "Granite 3.x", embed_scale="embedding_multiplier", logits_divisor="logits_scaling"),
+)}
+MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
+
+
+def family(model_type: Any) -> Family:
+    """The family of ``model_type``; UnsupportedModelError (one line) for any other."""
+    found = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if found is None:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(MODEL_TYPES)} "
+            "(docs/models.md lists them and how to add a family)")
+    return found
+

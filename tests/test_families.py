@@ -1,0 +1,115 @@
+"""Every family of hetero/families.py trains like one transformers+peft process.
+
+For each family a tiny random-init model (made here, never downloaded) is compiled-as-a-plan onto 3 CPU stages
+and trained 3 steps (4 micro-batches, active clipping, warmup + cosine); per-step losses and every LoRA tensor
+must equal plain transformers+peft (tests/reference.py) within 1e-4. Llama is tests/test_runtime_equivalence.py.
+A model_type outside the table, and LoRA targets a family does not have, are one line at compile time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from reference import assert_close_to_scale, reference_run
+from test_runtime_plans import make_plan
+
+from hetero.errors import ConfigError, UnsupportedModelError
+from hetero.families import FAMILIES, family
+from hetero.runtime.pretrained import resolve_dir
+from hetero.runtime.run.adapter import load_adapter_state
+from hetero.runtime.run.cli import main_run
+from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.specs import ModelSpec, TrainSpec
+
+SEQ_LEN = 32
+TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=3, lr=2e-3, scheduler="cosine", warmup_steps=1,
+                  max_grad_norm=0.05, seed=3, shuffle=True)  # small enough to clip in every family
+RTOL = 1e-4
+
+COMMON = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 6,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+          "tie_word_embeddings": False, "initializer_range": 0.02, "bos_token_id": 1, "eos_token_id": 2,
+          "pad_token_id": 0}
+# The tiny config of each family: the same sizes, and what makes the family itself (values of its real configs).
+TINY = {
+    "mistral": {"model_type": "mistral", "head_dim": 16, "sliding_window": 4096},
+    "qwen2": {"model_type": "qwen2", "use_sliding_window": False},
+    "qwen3": {"model_type": "qwen3", "head_dim": 16},
+    "olmo2": {"model_type": "olmo2"},
+    "phi3": {"model_type": "phi3", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0},
+    "granite": {"model_type": "granite", "embedding_multiplier": 12.0, "logits_scaling": 8.0,
+                "residual_multiplier": 0.22, "attention_multiplier": 0.0625},
+}
+
+
+# A clip bound below each family's gradient norm, so that the global clip acts (granite's scaled logits give norms
+# near 1e-3 on the tiny model).
+CLIP = {"granite": 0.001}
+
+
+def test_every_family_but_llama_has_a_tiny_model_here() -> None:
+    assert set(TINY) | {"llama"} == set(FAMILIES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(TINY))
+def test_family_on_three_stages_equals_the_reference(model_type: str, tiny_spec: ModelSpec, tiny_cache: Path,
+                                                     tmp_path: Path) -> None:
+    architecture = {**COMMON, **TINY[model_type]}
+    model_dir = resolve_dir(replace(tiny_spec, name=f"tiny-{model_type}", architecture=architecture))
+    train = replace(TRAIN, max_grad_norm=CLIP.get(model_type, TRAIN.max_grad_norm))
+    setup = reference_run(model_dir, tmp_path, train, SEQ_LEN, targets=list(family(model_type).lora_targets))
+    plan = make_plan(model_dir, architecture, [2, 2, 2], train=train, lora=setup["lora"], seq_len=SEQ_LEN)
+    assert plan.model.model_type == model_type
+    plan.save(tmp_path / "plan.json")
+    run_dir = tmp_path / "run"
+    assert main_run([str(tmp_path / "plan.json"), "--run-dir", str(run_dir), "--no-progress"]) == 0
+    metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
+    assert min(m["clip_coef"] for m in metrics) < 0.99
+    for m, want in zip(metrics, setup["losses"], strict=True):
+        assert m["loss"] == pytest.approx(want, rel=RTOL), f"{model_type} step {m['step']}: {m['loss']} vs {want}"
+    trained = load_adapter_state(run_dir / "adapter", setup["lora"])
+    assert set(trained) == set(setup["state"]) and trained
+    initial = load_adapter_state(Path(setup["lora"].init_from))
+    for key, want in setup["state"].items():
+        assert not torch.equal(initial[key], want)
+        assert_close_to_scale(key, trained[key], want, RTOL)
+
+
+def test_a_model_type_outside_the_table_is_one_line(tiny_spec: ModelSpec) -> None:
+    from hetero.compiler.fxgraph import build_config
+
+    with pytest.raises(UnsupportedModelError, match=r"^model_type 'falcon' is not supported; supported: llama, "
+                       r"mistral, qwen2, qwen3, olmo2, phi3, granite \(docs/models\.md lists them"):
+        build_config({**COMMON, "model_type": "falcon"})
+
+
+def test_lora_targets_a_family_lacks_name_its_own(tiny_spec: ModelSpec) -> None:
+    from hetero.compiler.trace import trace
+
+    spec = replace(tiny_spec, architecture={**COMMON, **TINY["phi3"]}, seq_len=SEQ_LEN)
+    with pytest.raises(ConfigError, match=r"match no module of this phi3 model; its decoder layers' Linear layers "
+                       r"are qkv_proj, o_proj, gate_up_proj, down_proj"):
+        trace(spec)
+
+
+PRESETS = ["llama8b", "mistral7b", "qwen2_7b", "qwen3_8b", "qwen3_14b", "phi4", "mistral_nemo_12b"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_presets_cost_model_counts_the_hf_models_parameters(preset: str) -> None:
+    """The parameters the cost model places (every unit of the traced graph) are the HF model's, built on the meta
+    device from the preset's config.json (the published sizes are checked in tests/test_config.py)."""
+    from hetero.compiler.fxgraph import build_meta_model
+    from hetero.compiler.trace import trace
+    from hetero.config import load
+
+    spec = load([f"model={preset}"]).model
+    graph = trace(spec)
+    counted = sum(node.num_params for node in graph.nodes)
+    meta = sum(p.numel() for p in build_meta_model(spec).parameters())
+    assert counted == pytest.approx(meta, rel=0.005), (preset, counted, meta)
+    assert family(spec.model_type).lora_targets  # every preset is a family of the table

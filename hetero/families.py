@@ -8,7 +8,10 @@ model forward's steps outside the layers) and the LoRA checks (which Linear laye
 
 - ``embed_scale``: the model forward multiplies the embeddings by a number: the config key that holds it,
   or ``sqrt_hidden`` for sqrt(hidden_size);
-- ``logits_divisor``: the CausalLM divides the logits by this config key's value;
+- ``logits_divisor``: the CausalLM divides the logits by this config key's value; ``logits_softcap``: it
+  soft-caps them at this config key's value;
+- ``attention``: the attention implementation the family trains with; other than SDPA, each layer gets the
+  explicit causal or sliding-window mask of its kind (``config.layer_types``);
 - ``lora_targets``: the Linear layers of a decoder layer LoRA may target, by name (the compiler names them
   when `lora.target_modules` matches nothing).
 
@@ -35,6 +38,10 @@ class Family:
     lora_targets: tuple[str, ...] = ATTENTION + MLP
     embed_scale: str | None = None  # a config key, or "sqrt_hidden"
     logits_divisor: str | None = None  # a config key
+    logits_softcap: str | None = None  # a config key: logits = cap * tanh(logits / cap)
+    # The attention implementation HF trains the family with. "sdpa" runs causal without a mask tensor; any other
+    # gets the causal (and sliding-window) masks of its layers' kinds (config.layer_types) built per stage.
+    attention: str = "sdpa"
 
     def embedding_multiplier(self, architecture: dict[str, Any]) -> float:
         """What the model forward multiplies the embeddings by (1.0: nothing)."""
@@ -48,6 +55,11 @@ class Family:
         """What the CausalLM divides the logits by (1.0: nothing)."""
         return 1.0 if self.logits_divisor is None else float(architecture.get(self.logits_divisor, 1.0))
 
+    def softcap(self, config: Any) -> float | None:
+        """The final logits' soft cap (None: none), from the built HF config (its defaults included)."""
+        value = getattr(config, self.logits_softcap, None) if self.logits_softcap else None
+        return float(value) if value else None
+
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "Llama 3.x, SmolLM, TinyLlama"),
@@ -57,6 +69,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("olmo2", "OLMo 2"),
     Family("phi3", "Phi-3, Phi-4", lora_targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
     Family("granite", "Granite 3.x", embed_scale="embedding_multiplier", logits_divisor="logits_scaling"),
+    # Embeddings scaled inside its embedding module; sliding-window and global layers alternate; attention
+    # logits soft-capped inside the layer (eager attention), final logits soft-capped by the CausalLM.
+    Family("gemma2", "Gemma 2", logits_softcap="final_logit_softcapping", attention="eager"),
 )}
 MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 

@@ -42,6 +42,10 @@ TINY = {
     "phi3": {"model_type": "phi3", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0},
     "granite": {"model_type": "granite", "embedding_multiplier": 12.0, "logits_scaling": 8.0,
                 "residual_multiplier": 0.22, "attention_multiplier": 0.0625},
+    # A sliding window shorter than the sequence, so that the sliding layers' masks matter.
+    "gemma2": {"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 16,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+               "hidden_activation": "gelu_pytorch_tanh"},
 }
 
 
@@ -83,7 +87,7 @@ def test_a_model_type_outside_the_table_is_one_line(tiny_spec: ModelSpec) -> Non
     from hetero.compiler.fxgraph import build_config
 
     with pytest.raises(UnsupportedModelError, match=r"^model_type 'falcon' is not supported; supported: llama, "
-                       r"mistral, qwen2, qwen3, olmo2, phi3, granite \(docs/models\.md lists them"):
+                       r"mistral, qwen2, qwen3, olmo2, phi3, granite, gemma2 \(docs/models\.md lists them"):
         build_config({**COMMON, "model_type": "falcon"})
 
 

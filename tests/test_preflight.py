@@ -218,7 +218,7 @@ def test_a_host_with_another_plans_keys_is_named_within_seconds(tiny_model_dir: 
                     "--run-dir", "wrk"], plan_b.parent)
     code, _, err = finish(run, 300)
     ended = time.time()
-    worker_code, _, _ = finish(worker, 120)
+    worker_code, _, worker_err = finish(worker, 120)
     log = plan_b.parent / "wrk" / "logs" / "stage1.log"
     line = _one_line(err)
     assert code == 2
@@ -234,6 +234,9 @@ def test_a_host_with_another_plans_keys_is_named_within_seconds(tiny_model_dir: 
     assert told and re.search(rf"the coordinator at tcp://\S*127\.0\.0\.1\S*:{port} fails the handshake", told[0])
     assert f"whose plan is {hash_b}" in told[0] and ("copy the coordinator's plan.json and its artifacts/<host>/keys "
                                                      "folder to this host and restart") in told[0], told[0]
+    # `hetero worker` itself ends with the stage's reason, not only its exit code.
+    assert re.search(r"hetero: error: stage 1 exited with code 2: .*fails the handshake .*; see \S*stage1\.log",
+                     worker_err), worker_err
 
 
 def test_a_failed_handshake_is_told_by_the_side_that_dialed(tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path,

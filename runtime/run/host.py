@@ -16,7 +16,13 @@ from typing import Any
 from hetero.errors import PlanError
 from hetero.plan import Plan
 from hetero.runtime.run.coordinator import coordinator_endpoint
-from hetero.runtime.run.processes import raise_open_file_limit, spawn_stages, stop_processes, supervise
+from hetero.runtime.run.processes import (
+    last_error_line,
+    raise_open_file_limit,
+    spawn_stages,
+    stop_processes,
+    supervise,
+)
 from hetero.security import key_dirs, load_identity
 
 
@@ -75,7 +81,9 @@ def serve_host(plan_path: Path, plan: Plan, host: str, run_dir: Path, coordinato
     bad = {k: c for k, c in codes.items() if c != 0}
     if bad:
         k, code = next(iter(bad.items()))
-        print(f"hetero: error: stage {k} exited with code {code}; see {run_dir / 'logs' / f'stage{k}.log'}",
+        log = run_dir / "logs" / f"stage{k}.log"
+        cause = last_error_line(log)  # the stage's own one-line error, when it wrote one
+        print(f"hetero: error: stage {k} exited with code {code}{f': {cause}' if cause else ''}; see {log}",
               file=sys.stderr)
         return 1
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
@@ -90,6 +91,8 @@ class Stage:
     # What the family's model forward does outside the layers (hetero/families.py): 1.0 = nothing.
     embed_multiplier: float = 1.0
     logits_divisor: float = 1.0
+    logits_softcap: float | None = None
+    explicit_masks: bool = False  # eager attention: each layer gets its kind's mask (hetero/families.py)
 
     # The first stage of a pipeline holds the embedding, the last the LM head (every replica has both).
     @property
@@ -107,13 +110,14 @@ class Stage:
         if self.layout.embed and self.embed_multiplier != 1.0:
             h = h * self.embed_multiplier  # as the family's model forward does (granite's embedding_multiplier)
         seq = h.shape[1]
-        # Every stage rebuilds positions and rotary cos/sin: cheaper than sending them.
+        # Every stage rebuilds positions, rotary cos/sin and masks: cheaper than sending them.
         position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
         position_embeddings = inner.rotary_emb(h, position_ids)
+        masks = self._masks(h, position_ids)
         training = torch.is_grad_enabled()
         for index, layer in inner.layers.items():
-            # attention_mask=None: causal SDPA; right padding needs no mask (pads only follow real tokens).
-            kwargs = {"attention_mask": None, "position_ids": position_ids, "position_embeddings": position_embeddings}
+            kwargs = {"attention_mask": masks.get(self._layer_type(int(index))), "position_ids": position_ids,
+                      "position_embeddings": position_embeddings}
             if training and int(index) in self.recompute:
                 # Keep only the layer's input; its forward runs again in backward, with the RNG state
                 # of this forward (LoRA dropout draws the same mask). Non-reentrant: works when the
@@ -125,11 +129,31 @@ class Stage:
             h = out[0] if isinstance(out, tuple) else out
         if self.layout.norm:
             h = inner.norm(h)
-        if self.layout.head:
-            h = self.model.lm_head(h)
-            if self.logits_divisor != 1.0:
-                h = h / self.logits_divisor
+        return self._logits(h) if self.layout.head else h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head, and what the family's CausalLM does to its output (a divisor, a soft cap)."""
+        h = self.model.lm_head(h)
+        if self.logits_divisor != 1.0:
+            h = h / self.logits_divisor
+        if self.logits_softcap is not None:
+            h = torch.tanh(h / self.logits_softcap) * self.logits_softcap
         return h
+
+    def _masks(self, h: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
+        """attention_mask per layer kind. None for causal SDPA (right padding needs none: pads only follow real
+        tokens); the causal and sliding-window masks HF builds for the family's eager attention otherwise."""
+        if not self.explicit_masks:
+            return {}
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        kw = {"config": self.model.config, "inputs_embeds": h, "attention_mask": None, "cache": None,
+              "position_ids": position_ids}
+        return {"full_attention": create_causal_mask(**kw), "sliding_attention": create_sliding_window_causal_mask(**kw)}
+
+    def _layer_type(self, i: int) -> str:
+        types = getattr(self.model.config, "layer_types", None)
+        return str(types[i]) if types else "full_attention"
 
     def lora_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Trainable parameters (the LoRA matrices), in module order."""
@@ -156,10 +180,10 @@ def _build_config(architecture: dict):
 
     arch = dict(architecture)
     model_type = arch.pop("model_type", None)
-    family(model_type)  # hetero/families.py: one line for a family the runtime cannot split
+    fam = family(model_type)  # hetero/families.py: one line for a family the runtime cannot split
     config = AutoConfig.for_model(model_type, **arch)
-    # SDPA with attention_mask=None is causal; eager attention without a mask would not be.
-    config._attn_implementation = "sdpa"
+    # SDPA with attention_mask=None is causal; other implementations get explicit masks (Stage._masks).
+    config._attn_implementation = fam.attention
     return config
 
 
@@ -191,7 +215,22 @@ def _skeleton(config, layout: StageLayout) -> nn.Module:
         model.lm_head = None
     # Real rotary buffers (inv_freq is computed, not loaded): rebuild the module off the meta device.
     inner.rotary_emb = type(inner.rotary_emb)(config=config)
+    _computed_buffers(model)
     return model
+
+
+def _computed_buffers(model: nn.Module) -> None:
+    """Buffers computed at construction, not loaded (Gemma's embedding scale), made real off the meta device:
+    HF keeps the number beside such a buffer as ``scalar_<name>``."""
+    for module_name, module in model.named_modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf is None or not buf.is_meta:
+                continue
+            scalar = getattr(module, f"scalar_{name}", None)
+            if scalar is None:
+                raise PlanError(f"{module_name}.{name} is a computed buffer the runtime cannot rebuild "
+                                f"({type(module).__name__}): this model family needs support (docs/models.md)")
+            module.register_buffer(name, torch.tensor(scalar), persistent=False)
 
 
 def _base_model(plan: Plan, k: int, layout: StageLayout, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -228,7 +267,8 @@ def build_stage(plan: Plan, k: int, device: torch.device, *, seed: int | None = 
         lora_model.train()  # as peft's model.train(): LoRA dropout on (and any dropout of the base)
     fam = family(plan.model.model_type)
     stage = Stage(k, device, dtype, layout, model, lora_model, sp.quantization, recompute_indices(plan, k, layout),
-                  fam.embedding_multiplier(plan.model.architecture), fam.logits_scale(plan.model.architecture))
+                  fam.embedding_multiplier(plan.model.architecture), fam.logits_scale(plan.model.architecture),
+                  fam.softcap(model.config), fam.attention != "sdpa")
     if lora.init_from:
         from hetero.runtime.run.adapter import load_adapter_state
 

@@ -48,7 +48,8 @@ def build_config(architecture: dict[str, Any]) -> Any:
     except (TypeError, ValueError, KeyError, *_strict_config_errors()) as exc:
         reason = " ".join(str(exc).split())  # huggingface_hub's validation errors span lines
         raise ConfigError(f"model.architecture is not a valid {model_type} config: {reason}") from None
-    # sdpa is what training uses (flash / memory-efficient kernels, causal without a mask tensor).
+    # Traced with sdpa (causal without a mask tensor): shapes and costs do not depend on it. Families that train
+    # with eager attention (hetero/families.py, Gemma 2) keep more activations than priced (docs/models.md).
     config._attn_implementation = "sdpa"
     return config
 

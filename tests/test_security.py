@@ -7,6 +7,7 @@ stage must keep serving its real peers afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -19,7 +20,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -393,6 +394,19 @@ def send_from_forger(ctx: zmq.Context, endpoint: str, options: dict[str, bytes],
     return sock
 
 
+@contextlib.contextmanager
+def forgers(endpoint: str, logins: list[dict[str, bytes]], frames: list[Any]) -> Iterator[None]:
+    """One forging PUSH socket per login (send_from_forger), each with ``frames`` queued; closed on exit."""
+    ctx = zmq.Context()
+    socks = [send_from_forger(ctx, endpoint, options, frames) for options in logins]
+    try:
+        yield
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
+
+
 def nothing_delivered_until(receiver: Transport, kind: str, done: Callable[[], bool]) -> None:
     """Read (and drop) what arrives until ``done()``; a ``kind`` message reaching recv fails the test."""
     deadline = time.monotonic() + 60
@@ -441,19 +455,13 @@ def test_a_stage_key_cannot_send_what_only_the_coordinator_sends(
         frames = encode(Message(kind=wire_kind, sender=COORDINATOR, step=0, mb=-1, meta=forged.to_wire()),
                         plan.input_hash)
         logins = forged_logins(plan, tmp_path, mode, COORDINATOR, "stage0")
-        ctx = zmq.Context()
-        socks = [send_from_forger(ctx, stage0.endpoint, options, frames) for options in logins]  # (a)
-        liar.name = COORDINATOR  # (b) the handshake says stage1, the header says coordinator
-        for t in (liar, stage1):  # (c) stage1 as itself
-            t.connect("stage0", stage0.endpoint)
-            t.send("stage0", forged, step=0)
-        try:
+        with forgers(stage0.endpoint, logins, frames):  # (a)
+            liar.name = COORDINATOR  # (b) the handshake says stage1, the header says coordinator
+            for t in (liar, stage1):  # (c) stage1 as itself
+                t.connect("stage0", stage0.endpoint)
+                t.send("stage0", forged, step=0)
             nothing_delivered_until(stage0, wire_kind,
                                     lambda: stage0.rejected >= 2 and stage0._gate.refused >= len(logins))  # type: ignore[union-attr]
-        finally:
-            for sock in socks:
-                sock.close(linger=0)
-            ctx.term()
         assert stage0.rejected == 2, stage0.rejections
         coordinator.connect("stage0", stage0.endpoint)
         genuine = only_from_the_coordinator(plan, kind, genuine=True)
@@ -484,18 +492,12 @@ def test_a_stage_key_cannot_send_another_stages_checkpoint(
         frames = encode(Message(kind="checkpoint", sender="stage0", step=0, mb=-1, meta={},
                                 tensors=state), plan.input_hash)
         logins = forged_logins(plan, tmp_path, mode, "stage0", COORDINATOR)
-        ctx = zmq.Context()
-        socks = [send_from_forger(ctx, coordinator.endpoint, options, frames) for options in logins]
-        liar.name = "stage0"
-        liar.connect(COORDINATOR, coordinator.endpoint)
-        liar.send(COORDINATOR, "checkpoint", step=0, tensors=state)
-        try:
+        with forgers(coordinator.endpoint, logins, frames):
+            liar.name = "stage0"
+            liar.connect(COORDINATOR, coordinator.endpoint)
+            liar.send(COORDINATOR, "checkpoint", step=0, tensors=state)
             nothing_delivered_until(coordinator, "checkpoint",
                                     lambda: coordinator.rejected >= 1 and coordinator._gate.refused >= len(logins))  # type: ignore[union-attr]
-        finally:
-            for sock in socks:
-                sock.close(linger=0)
-            ctx.term()
         assert coordinator.rejected == 1, coordinator.rejections
         stage0.connect(COORDINATOR, coordinator.endpoint)
         stage0.send(COORDINATOR, "checkpoint", step=0, tensors={"lora_A": torch.ones(4, 4)})

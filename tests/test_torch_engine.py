@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from reference import assert_close_to_scale, reference_run
+from test_runtime_equivalence import RTOL, SEQ_LEN, TRAIN  # the default engine's settings: the same reference
 from test_runtime_plans import make_plan
 
 from hetero.plan import Plan
@@ -22,12 +23,7 @@ from hetero.runtime.run.adapter import load_adapter_state
 from hetero.runtime.run.cli import main_run
 from hetero.runtime.tools.run_compare import read_metrics, step_lines
 from hetero.runtime.torch_engine.support import EngineUnsupportedError, check_supported
-from hetero.specs import ModelSpec, TrainSpec
-
-SEQ_LEN = 32
-TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=4, lr=2e-3, scheduler="cosine", warmup_steps=1,
-                  max_grad_norm=0.3, seed=3, shuffle=True)
-RTOL = 1e-4
+from hetero.specs import ModelSpec
 
 
 @pytest.fixture(scope="module")

@@ -189,20 +189,20 @@ def main_run(argv: list[str]) -> int:
 
 def _run_on_torch(plan: Plan, args: argparse.Namespace, checkpoint: Path | None, timeouts: dict[str, Any]) -> int:
     """`hetero run --engine torch`: the same checks, run directory and records, on torch.distributed.pipelining."""
+    from hetero.runtime.run.options import step_timeout_s
     from hetero.runtime.torch_engine.support import check_supported
 
     backend = check_supported(plan, args.host)  # one line before anything starts
-    if timeouts.get("rebalance", "auto") == "auto":
+    if timeouts.get("rebalance") == "auto":  # asked for by name
         print("hetero run: --engine torch keeps the plan's split (layers move between stages only on "
               "--engine hetero)", file=sys.stderr)
     plan_path, options = _prepare_run(plan, args, checkpoint, timeouts)
-    from hetero.runtime.run.options import step_timeout_s
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from hetero.runtime.torch_engine.launch import run_torch
 
     # torch.distributed has one timeout for every wait, the first (every stage built) included.
     timeout = max(step_timeout_s(plan, options.step_timeout_s), options.load_timeout_s)
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
     try:
         result = run_torch(plan, plan_path, options.run_dir, backend, options.resume, options.progress, timeout)
     except (KeyboardInterrupt, SignalException):  # torch's launcher stops its processes at once

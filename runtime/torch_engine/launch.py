@@ -32,8 +32,8 @@ def _config(plan: Plan, run_dir: Path) -> Any:
     world = len(plan.stages)
     logs = DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "torch"), redirects={r: Std.ALL for r in range(1, world)})
     # The static rendezvous (torchrun --rdzv-backend=static): its TCP store holds plain keys and numbers. The
-    # dynamic ones (c10d, etcd) keep their state as pickles in the store, and nothing here unpickles what a
-    # socket holds.
+    # dynamic ones (c10d, etcd) keep their state as serialized Python objects in the store, and nothing here
+    # deserializes objects a socket holds.
     return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"hetero-{plan.input_hash}",
                         rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"rank": 0},
                         max_restarts=0, monitor_interval=0.1, start_method="spawn", logs_specs=logs,

@@ -9,7 +9,7 @@ the plan's stage ``plan.pipelines[r].stages[p]``. Each step:
 - the LoRA gradients are summed over the replicas (all-reduce on the mesh's dp dimension), the global norm
   is summed over the stages (pp dimension), and every stage clips by it and steps AdamW and the schedule;
 - global rank 0 writes metrics.jsonl and, when due, gathers the stages' state (through files on this host,
-  never pickles) into hetero's checkpoint and adapter.
+  never serialized Python objects) into hetero's checkpoint and adapter.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import logging
 import math
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,12 +90,6 @@ def place(plan: Plan, backend: str, timeout_s: float) -> Rank:
                 mesh.get_group("dp") if replicas > 1 else None)
 
 
-def stage_device(plan: Plan, k: int) -> torch.device:
-    from hetero.runtime.stage.process import device_for
-
-    return torch.device(device_for(plan, k))
-
-
 def build(where: Rank, device: torch.device) -> tuple[Any, Any]:
     """Stage k built as hetero builds it, its optimizer (an Executor without a wire) and its PipelineStage."""
     from torch.distributed.pipelining import PipelineStage
@@ -111,7 +105,7 @@ def build(where: Rank, device: torch.device) -> tuple[Any, Any]:
     hidden = int(plan.model.architecture["hidden_size"])
     vocab = int(plan.model.architecture["vocab_size"])
     # Example inputs and outputs on the meta device: without them PipelineStage infers shapes at the first step by
-    # sending Python objects between ranks (pickles); with them only tensors cross.
+    # sending serialized Python objects between ranks; with them only tensors cross.
     meta = torch.device("meta")
     # Activations and outputs carry gradients (PipelineStage takes requires_grad from the examples).
     x = (torch.empty(mb, seq, dtype=torch.long, device=meta) if where.first
@@ -146,7 +140,6 @@ class StepLoss:
 
     num_label_tokens: int = 1
     total: float = 0.0
-    parts: list[float] = field(default_factory=list)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # HF causal-LM convention, fp32 loss, divided by the whole step's label tokens (executor._forward/_backward).
@@ -194,8 +187,12 @@ def clip_and_step(where: Rank, executor: Any) -> tuple[float, float, float]:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        if where.dp is not None:
-            dist.all_reduce(p.grad, group=where.dp)
+    if where.dp is not None and params:  # one all-reduce of every LoRA gradient, not one per tensor
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=where.dp)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(part.view_as(g))
     sumsq = torch.tensor([grad_sumsq(params)], dtype=torch.float64)
     dist.all_reduce(sumsq, group=where.pp)
     grad_norm = math.sqrt(float(sumsq))
@@ -275,7 +272,7 @@ def train(where: Rank, executor: Any, schedule: Any, loss: StepLoss, device: tor
     from hetero.runtime.run.records import ProgressBar, RunRecords, payload_due
 
     plan = where.plan
-    batches = _batches(plan) if where.first or where.last or where.rank == 0 else None
+    batches = _batches(plan) if where.first or where.last else None  # rank 0 is a first stage
     records = RunRecords(plan, run_dir) if where.rank == 0 else None
     if records is not None:
         records.start_metrics(start)
@@ -318,7 +315,9 @@ def rank_main(plan_path: str, run_dir: str, backend: str, resume: str | None, pr
     logging.basicConfig(filename=Path(run_dir) / "logs" / f"stage{where.k}.log", level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(max(1, plan.stages[where.k].threads or 1))
-    device = stage_device(plan, where.k)
+    from hetero.runtime.stage.process import device_for
+
+    device = torch.device(device_for(plan, where.k))
     try:
         executor, pipe = build(where, device)
         start = restore(where, executor, Path(resume)) if resume else 0

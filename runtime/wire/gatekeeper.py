@@ -18,6 +18,7 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,7 +69,7 @@ class InboxWatch(threading.Thread):
         self._done = threading.Event()
         self._monitor: zmq.Socket | None = None
         self._closed: ClosedPeers | None = None  # the inbox's port, once it listens
-        self.refused_from: list[str] = []  # the peers of logged refusals, newest last (at most 20)
+        self.refused_from: deque[str] = deque(maxlen=20)  # the peers of logged refusals, newest last
 
     def watch(self, sock: zmq.Socket) -> None:
         """Log handshakes that fail before ZAP is asked (a peer without keys, or no ZeroMQ at all) and failed accepts."""
@@ -94,7 +95,7 @@ class InboxWatch(threading.Thread):
         if address is None:
             address = "an address neither ZeroMQ nor the kernel reports"
         else:
-            self.refused_from = [*self.refused_from[-19:], address]
+            self.refused_from.append(address)
         log.warning("%s refused a connection from %s: %s (%d refused so far)", self.owner, address, why, self.refused)
 
     def _accept_failed(self, endpoint: str, error: int) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from hetero.errors import ConfigError
+from hetero.families import family
 from hetero.specs import BYTES_PER_DTYPE, QUANT_BYTES_PER_PARAM
 
 # Quantized Linear weights cost hetero.specs.QUANT_BYTES_PER_PARAM; everything that is not a decoder
@@ -35,6 +36,49 @@ class UnitCost:
     bwd_flops_per_token: float
     activation_bytes_per_token: float
     recompute_bytes_per_token: float | None = None  # kept per token when recomputed (decoder layers only)
+    expert_params: int = 0  # of linear_params, the mixture-of-experts weights (every expert)
+
+
+@dataclass(frozen=True)
+class MoE:
+    """A decoder layer's mixture of experts, as its costs need it: ``top_k`` of ``experts`` gated MLPs of
+    ``intermediate`` per token, ``params`` in all (every expert: what memory holds)."""
+
+    experts: int
+    top_k: int
+    params: int
+    hidden: int
+
+    @property
+    def intermediate(self) -> int:  # gate, up [I, H] and down [H, I] per expert
+        return self.params // (self.experts * 3 * self.hidden)
+
+    def flops_per_token(self) -> float:
+        """Forward FLOPs per token: the router's logits over every expert, then the top-k experts' matmuls only."""
+        return 2.0 * self.experts * self.hidden + 2.0 * self.top_k * self.params / self.experts
+
+    def activation_bytes(self, dtype_bytes: float) -> float:
+        """What autograd keeps per token for the MoE block (frozen experts, transformers' per-expert loop), as
+        measured in tests/test_experts.py: per chosen expert its gathered input and output (2 H), the gate/up
+        output and the activation (3 I), the routing weight, and the token's row indices (int64, twice); the
+        router's input (H) and its fp32 logits and softmax over every expert, top-k values, indices and sum.
+        NF4 experts keep no input (bitsandbytes saves the weight only): an overestimate of H per chosen expert."""
+        per_expert = dtype_bytes * (3 * self.intermediate + 2 * self.hidden + 1) + 2 * 8
+        router = dtype_bytes * self.hidden + 2 * 4 * self.experts + (4 + 8) * self.top_k + 4
+        return float(self.top_k * per_expert + router)
+
+
+def layer_moe(config: Any, params: dict[str, Any]) -> MoE | None:
+    """The mixture of experts of a decoder layer with parameters ``params`` (None: a dense layer): its family's
+    experts (hetero/families.py) are the 3-D tensors [experts, out, in] under the layer's experts module."""
+    experts = family(getattr(config, "model_type", None)).experts
+    if experts is None:
+        return None
+    stacked = sum(int(t.numel()) for name, t in params.items() if f".{experts.module}." in name and t.dim() == 3)
+    if not stacked:
+        return None  # a dense layer of a MoE model (Qwen3-MoE's mlp_only_layers)
+    count, top_k = int(getattr(config, experts.count)), int(getattr(config, experts.top_k))
+    return MoE(count, top_k, stacked, int(config.hidden_size))
 
 
 def lora_targets(module: nn.Module, prefix: str, targets: Iterable[str]) -> list[tuple[str, nn.Linear | nn.Embedding]]:
@@ -71,7 +115,7 @@ _INPUT_GROUPS = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", 
 
 
 def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: float, lora_r: int,
-                             lora_dropout: float = 0.0) -> float:
+                             lora_dropout: float = 0.0, moe: MoE | None = None) -> float:
     """Bytes autograd keeps per token for one decoder layer under LoRA (no recomputation).
 
     Frozen Linears (also nf4: bitsandbytes keeps only the weight) keep no input (grad_input =
@@ -82,7 +126,8 @@ def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: float
     - RMSNorm: the fp32 upcast of its input and the per-token rsqrt (HF computes the norm in fp32);
     - sdpa (flash / memory-efficient): q, k, v (k/v at KV-head size: GQA runs without repeat_kv), the
       output and an fp32 logsumexp per head;
-    - MLP: gate output (SiLU's input), SiLU output and up output (both operands of the product).
+    - MLP: gate output (SiLU's input), SiLU output and up output (both operands of the product); a mixture of
+      experts keeps that per chosen expert, and its router's (MoE.activation_bytes).
     Rotary cos/sin are per sequence, not per token, and are left out.
     """
     h = config.hidden_size
@@ -100,7 +145,7 @@ def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: float
     else:
         lora += sum(dtype_bytes * in_features[g] for g in {_INPUT_GROUPS[t] for t in lora_linears})
     attention = dtype_bytes * (2 * q_dim + 2 * kv_dim) + 4 * heads
-    mlp = dtype_bytes * 3 * inter
+    mlp = dtype_bytes * 3 * inter if moe is None else moe.activation_bytes(dtype_bytes)
     return float(norms + lora + attention + mlp)
 
 
@@ -132,13 +177,16 @@ def unit_cost(
         raise ConfigError(f"model.quantization={quantization!r} is not one of none, nf4, int8")
     num_params = sum(int(t.numel()) for t in params.values())
     linears = [m for _, m in module.named_modules() if isinstance(m, nn.Linear)]
-    # Only decoder Linear weights are quantized; the head stays in the compute dtype (as bitsandbytes does).
+    moe = layer_moe(config, params) if kind == "decoder" else None
+    # Only decoder Linear weights (and experts: runtime/stage/weights.py quantizes them per expert) are quantized;
+    # the head stays in the compute dtype (as bitsandbytes does).
     linear_params = sum(m.in_features * m.out_features for m in linears) if kind == "decoder" else 0
+    linear_params += moe.params if moe else 0
     weight_bytes_q = QUANT_BYTES_PER_PARAM.get(quantization, dtype_bytes)
     param_bytes = (num_params - linear_params) * dtype_bytes + linear_params * weight_bytes_q
     targets = lora_targets(module, prefix, lora_target_names)
     fwd, bwd, act, recompute = _work_per_token(kind, linears, targets, config, seq_len, dtype_bytes, lora_r,
-                                               lora_dropout)
+                                               lora_dropout, moe)
     return UnitCost(
         num_params=num_params,
         linear_params=linear_params,
@@ -148,6 +196,7 @@ def unit_cost(
         bwd_flops_per_token=float(bwd),
         activation_bytes_per_token=act,
         recompute_bytes_per_token=recompute,
+        expert_params=moe.params if moe else 0,
     )
 
 
@@ -160,17 +209,19 @@ def _work_per_token(
     dtype_bytes: float,
     lora_r: int,
     lora_dropout: float,
+    moe: MoE | None = None,
 ) -> tuple[float, float, float, float | None]:
     """(forward FLOPs, backward FLOPs, activation bytes, recompute bytes) per token of a unit of ``kind``."""
     lora_fwd = sum(2 * lora_r * sum(_lora_shape(m)) for _, m in targets if isinstance(m, nn.Linear))
     matmul_fwd = sum(2 * m.in_features * m.out_features for m in linears)
+    matmul_fwd += moe.flops_per_token() if moe else 0.0  # the router, and only the experts a token uses
     h = config.hidden_size
     if kind == "decoder":
         attn = attention_flops_per_token(config, seq_len)
         # Input grads through the frozen matmuls (~1x), attention backward, LoRA input + weight grads (2x).
         bwd = matmul_fwd + ATTENTION_BWD_FACTOR * attn + 2 * lora_fwd
         short = {name.rsplit(".", 1)[-1] for name, _ in targets}
-        act = decoder_activation_bytes(config, short, dtype_bytes, lora_r, lora_dropout)
+        act = decoder_activation_bytes(config, short, dtype_bytes, lora_r, lora_dropout, moe)
         return matmul_fwd + attn + lora_fwd, bwd, act, decoder_recompute_bytes(config, dtype_bytes)
     if kind == "head":
         # The loss upcasts logits to fp32 and log_softmax keeps its fp32 output (4V saved); the bf16

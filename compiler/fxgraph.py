@@ -51,6 +51,8 @@ def build_config(architecture: dict[str, Any]) -> Any:
     # Traced with sdpa (causal without a mask tensor): shapes and costs do not depend on it. Families that train
     # with eager attention (hetero/families.py, Gemma 2) keep more activations than priced (docs/models.md).
     config._attn_implementation = "sdpa"
+    if family(model_type).experts is not None:
+        config._experts_implementation = "eager"  # as the runtime computes them (runtime/stage/model.py)
     return config
 
 
@@ -79,6 +81,10 @@ class PipelineView(nn.Module):
     def __init__(self, causal_lm: nn.Module) -> None:
         super().__init__()
         base = causal_lm.model
+        # Families whose rotary embedding gives each layer kind its own cos/sin (hetero/families.py): the kinds.
+        types = getattr(causal_lm.config, "layer_types", None) or []
+        per_kind = family(causal_lm.config.model_type).rotary_per_layer_type
+        self.layer_kinds: list[str] | None = [str(t) for t in types] if per_kind else None
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self.layers = base.layers
@@ -88,13 +94,33 @@ class PipelineView(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(input_ids)
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        rope = self.rotary(hidden, position_ids)
-        cos, sin = rope[0], rope[1]
-        for layer in self.layers:
+        if self.layer_kinds is None:
+            rope = self.rotary(hidden, position_ids)
+            ropes = [(rope[0], rope[1])] * len(self.layers)
+        else:
+            by_kind = {}
+            for kind in sorted(set(self.layer_kinds)):
+                rope = self.rotary(hidden, position_ids, kind)
+                by_kind[kind] = (rope[0], rope[1])
+            ropes = [by_kind[kind] for kind in self.layer_kinds]
+        for layer, (cos, sin) in zip(self.layers, ropes, strict=True):
             # No mask tensor: sdpa applies causality itself (is_causal), which keeps flash kernels usable.
             hidden = layer(hidden, attention_mask=None, position_embeddings=(cos, sin))
         hidden = self.norm(hidden)
         return self.head(hidden)
+
+
+class _LayerShapes(ShapeProp):
+    """ShapeProp that gives the ``given`` modules' outputs the shape and dtype of their first input, unrun."""
+
+    def __init__(self, gm: fx.GraphModule, given: set[str]) -> None:
+        super().__init__(gm)
+        self._given = given
+
+    def call_module(self, target: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        if target in self._given:
+            return torch.empty_like(args[0])
+        return super().call_module(target, args, kwargs)
 
 
 class _UnitTracer(fx.Tracer):
@@ -160,17 +186,22 @@ def trace_model(causal_lm: nn.Module) -> TracedModel:
 
     traced.batch, traced.seq = _sentinels(causal_lm.config)
     ids = torch.zeros(traced.batch, traced.seq, dtype=torch.long, device="meta")
-    ShapeProp(gm).propagate(ids)
+    # A mixture of experts picks its experts by data (nonzero, item), which the meta device cannot run: its decoder
+    # layers are given their output, a tensor like their input.
+    moe = family(causal_lm.config.model_type).experts is not None
+    _LayerShapes(gm, {f"layers.{i}" for i in range(num_layers)} if moe else set()).propagate(ids)
     return traced
 
 
 def _name_rotary_outputs(gm: fx.GraphModule) -> None:
-    """Give the rotary getitem nodes readable names (rope_cos, rope_sin) for edges and segment code."""
+    """Give the rotary getitem nodes readable names (rope_cos, rope_sin; with a rotary per layer kind, the kind
+    follows: rope_cos_sliding_attention) for edges and segment code."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is operator.getitem:
             src = node.args[0]
             if isinstance(src, fx.Node) and src.op == "call_module" and src.target == "rotary":
-                node.name = ("rope_cos", "rope_sin")[node.args[1]]
+                kind = f"_{src.args[2]}" if len(src.args) > 2 else ""
+                node.name = ("rope_cos", "rope_sin")[node.args[1]] + kind
     gm.recompile()
 
 

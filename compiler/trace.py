@@ -118,6 +118,7 @@ def _node(
         bwd_flops_per_token=cost.bwd_flops_per_token,
         activation_bytes_per_token=cost.activation_bytes_per_token,
         recompute_bytes_per_token=cost.recompute_bytes_per_token,
+        expert_params=cost.expert_params,
     )
 
 
@@ -135,6 +136,17 @@ def _check_lora_targets(causal_lm: Any, targets: list[str], model_type: str) -> 
             f"decoder layers' Linear layers are {', '.join(family(model_type).lora_targets)} (for example "
             f"lora.target_modules=[{','.join(family(model_type).lora_targets)}])"
         )
+    from torch import nn
+
+    for name, module in causal_lm.named_modules():
+        short = name.rsplit(".", 1)[-1]
+        if (short in targets or name in targets) and not isinstance(module, (nn.Linear, nn.Embedding)):
+            experts = " (a mixture of experts' router and experts get no LoRA here: docs/models.md)" if family(
+                model_type).experts else ""
+            raise ConfigError(
+                f"model.lora.target_modules names '{short}', a {type(module).__name__} in this {model_type} model, "
+                f"not a Linear layer LoRA can wrap{experts}; its decoder layers' Linear layers are "
+                f"{', '.join(family(model_type).lora_targets)}")
 
 
 def _check_partition(nodes: list[LayerNode], state: dict[str, Any], tied: bool) -> None:

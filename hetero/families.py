@@ -12,12 +12,18 @@ model forward's steps outside the layers) and the LoRA checks (which Linear laye
   soft-caps them at this config key's value;
 - ``attention``: the attention implementation the family trains with; other than SDPA, each layer gets the
   explicit causal or sliding-window mask of its kind (``config.layer_types``);
+- ``rotary_per_layer_type``: the rotary embedding is called with each layer's kind and gives each its own
+  cos/sin;
+- ``experts``: a mixture-of-experts family: the config keys of its expert count and top-k, and how checkpoints
+  store the experts that transformers fuses into 3-D tensors (read by the cost model, compiler/costs.py, the
+  weight loader and NF4, runtime/stage/weights.py and experts.py);
 - ``lora_targets``: the Linear layers of a decoder layer LoRA may target, by name (the compiler names them
   when `lora.target_modules` matches nothing).
 
 Parameters, FLOPs and activation bytes are counted from the module structure (compiler/costs.py), so a
-family needs no formula of its own. Adding a family is one entry here plus its row in the equivalence test
-(tests/test_families.py) and docs/models.md.
+family needs no formula of its own (a mixture of experts counts every expert in memory and top-k in compute).
+Adding a family is one entry here plus its row in the equivalence test (tests/test_families.py) and
+docs/models.md.
 """
 
 from __future__ import annotations
@@ -32,6 +38,20 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts decoder layer: HF keeps its experts as fused 3-D tensors [experts, out, in] under
+    ``module``; checkpoints (the hub's, and transformers' save_pretrained) store one 2-D weight per expert."""
+
+    count: str  # config key: experts per layer
+    top_k: str  # config key: experts each token uses
+    # Per fused tensor (layer-relative name): the checkpoint keys of expert {e}'s parts, concatenated along dim 0.
+    stored: tuple[tuple[str, tuple[str, ...]], ...]
+    # Other layer-relative names the checkpoint spells differently (Mixtral's router): (HF name, stored name).
+    renamed: tuple[tuple[str, str], ...] = ()
+    module: str = "mlp.experts"
+
+
+@dataclass(frozen=True)
 class Family:
     model_type: str
     examples: str  # the checkpoints people fine-tune, for docs and errors
@@ -42,6 +62,10 @@ class Family:
     # The attention implementation HF trains the family with. "sdpa" runs causal without a mask tensor; any other
     # gets the causal (and sliding-window) masks of its layers' kinds (config.layer_types) built per stage.
     attention: str = "sdpa"
+    # The rotary embedding takes the layer's kind (config.layer_types) and gives each kind its own cos/sin
+    # (Gemma 3: another base frequency for its sliding-window layers).
+    rotary_per_layer_type: bool = False
+    experts: Experts | None = None  # a mixture-of-experts family
 
     def embedding_multiplier(self, architecture: dict[str, Any]) -> float:
         """What the model forward multiplies the embeddings by (1.0: nothing)."""
@@ -72,6 +96,21 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # Embeddings scaled inside its embedding module; sliding-window and global layers alternate; attention
     # logits soft-capped inside the layer (eager attention), final logits soft-capped by the CausalLM.
     Family("gemma2", "Gemma 2", logits_softcap="final_logit_softcapping", attention="eager"),
+    # Gemma 3's text model (the language half of the 4B-27B checkpoints, and the 1B): like Gemma 2, with q/k
+    # norms and a rotary embedding per layer kind.
+    Family("gemma3_text", "Gemma 3", logits_softcap="final_logit_softcapping", attention="eager",
+           rotary_per_layer_type=True),
+    # Mixture of experts: a router picks top-k experts per token; LoRA on attention (the experts are 3-D tensors).
+    Family("qwen3_moe", "Qwen3-30B-A3B, Qwen3-235B-A22B", lora_targets=ATTENTION, experts=Experts(
+        "num_experts", "num_experts_per_tok",
+        stored=(("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
+                ("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",))))),
+    Family("mixtral", "Mixtral 8x7B, 8x22B", lora_targets=ATTENTION, experts=Experts(
+        "num_local_experts", "num_experts_per_tok",
+        stored=(("mlp.experts.gate_up_proj", ("block_sparse_moe.experts.{e}.w1.weight",
+                                              "block_sparse_moe.experts.{e}.w3.weight")),
+                ("mlp.experts.down_proj", ("block_sparse_moe.experts.{e}.w2.weight",))),
+        renamed=(("mlp.gate.weight", "block_sparse_moe.gate.weight"),))),
 )}
 MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 

@@ -39,6 +39,7 @@ class LayerNode:
     # Decoder layers: what the layer keeps per token when it recomputes its forward during backward
     # (its input). None: the node cannot recompute (graphs from before recomputation, non-decoders).
     recompute_bytes_per_token: float | None = None
+    expert_params: int = 0  # of linear_params, mixture-of-experts weights (every expert; compute counts top-k)
 
 
 @dataclass(frozen=True)

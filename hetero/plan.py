@@ -44,6 +44,7 @@ class MemoryBreakdown:
     workspace_gb: float
     total_gb: float
     available_gb: float  # device memory minus headroom
+    experts_gb: float = 0.0  # of weights_gb, a mixture of experts' weights (every expert is held)
 
 
 @dataclass(frozen=True)

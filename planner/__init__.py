@@ -11,8 +11,8 @@ from hetero.errors import ConfigError, InfeasiblePlanError
 from hetero.graph import LayerGraph
 from hetero.plan import Baseline, Plan, Prediction, ReplicaPlan, SolverReport, StagePlan, compute_input_hash
 from hetero.planner.baselines import baseline_evaluations, candidate_placements, predict
-from hetero.planner.cost import CostTable, build_cost_table, training_fleet
-from hetero.planner.cost_model import CostModel, RooflineCostModel, compute_dtype
+from hetero.planner.cost import GB, CostTable, build_cost_table, training_fleet
+from hetero.planner.cost_model import CostModel, RooflineCostModel, compute_dtype, expert_weight_bytes
 from hetero.planner.deadline import share_of
 from hetero.planner.feasibility import check_single_nodes, explain_infeasible
 from hetero.planner.objective import Evaluation, Placement, evaluate, split_spans
@@ -205,7 +205,9 @@ def _stage_plan(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: 
         first_node=first, last_node=last, node_names=[n.name for n in graph.nodes[first:last + 1]],
         endpoint=f"tcp://{host.address}:{host.port + k}", threads=dev.threads,
         fwd_time_s=ev.fwd_s[pos], bwd_time_s=ev.bwd_s[pos], send_time_s=ev.send_s[pos],
-        memory=ev.memory[pos], program=program, artifact=f"artifacts/{dev.host}/stage{k}",
+        memory=replace(ev.memory[pos], experts_gb=sum(expert_weight_bytes(graph, i, dev, model)
+                                                      for i in range(first, last + 1)) / GB),
+        program=program, artifact=f"artifacts/{dev.host}/stage{k}",
         overhead_s=dict(ev.overhead_s[pos]) if ev.overhead_s else {},
         step_sync_s=ev.sync_s[pos] if ev.sync_s else 0.0,
         recompute_layers=recompute_layers(table, graph, ev, pos),

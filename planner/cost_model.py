@@ -106,6 +106,13 @@ def weight_bytes(graph: LayerGraph, node: int, device: DeviceSpec, model: ModelS
     return (n.num_params - n.linear_params) * elem + n.linear_params * per_linear
 
 
+def expert_weight_bytes(graph: LayerGraph, node: int, device: DeviceSpec, model: ModelSpec) -> float:
+    """Of weight_bytes, a node's mixture-of-experts weights (quantized as its Linear weights are)."""
+    elem = dtype_bytes(compute_dtype(device, model))
+    quant = device.quantization(model.quantization)
+    return graph.nodes[node].expert_params * QUANT_BYTES_PER_PARAM.get(quant, elem)
+
+
 def dense_weight_bytes(graph: LayerGraph, node: int, dtype: str) -> float:
     """Weight bytes of a node with every parameter at ``dtype`` (what a dequantized matmul reads)."""
     return graph.nodes[node].num_params * dtype_bytes(dtype)

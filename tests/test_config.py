@@ -17,7 +17,7 @@ from hetero.errors import ConfigError, UnknownDeviceError
 from hetero.hardware import build_cluster, load_device_types
 
 MODELS = {"tiny": 6, "llama8b": 32, "llama70b": 80, "mistral7b": 32, "qwen2_7b": 28, "qwen3_8b": 36, "qwen3_14b": 40,
-          "phi4": 40, "mistral_nemo_12b": 40}
+          "phi4": 40, "mistral_nemo_12b": 40, "gemma3_12b": 48, "qwen3_30b_a3b": 48, "mixtral_8x7b": 32}
 FLEETS = {"local": 2, "homelab": 2, "mixed_fleet": 4, "mining_rig": 6}
 REQUIRED_TYPES = [
     "rtx3080", "rtx3090", "rtx4090", "rtx5090", "v100_16gb", "v100_32gb", "m40_24gb", "a100_40gb", "a100_80gb",
@@ -43,7 +43,8 @@ def test_every_model_and_fleet_composes(model: str, hardware: str) -> None:
 
 def test_real_model_architectures_match_their_parameter_counts() -> None:
     # An independent check of the HF configs: the published sizes (8.03B, 70.6B, 7.25B, 7.62B; Qwen3 8.2B and
-    # 14.8B, Phi-4 14.7B, Mistral-Nemo 12.2B from their model cards).
+    # 14.8B, Phi-4 14.7B, Mistral-Nemo 12.2B from their model cards; Gemma 3 12B's 12.2B less its 0.42B SigLIP
+    # vision encoder; Qwen3-30B-A3B 30.5B, Mixtral 8x7B 46.7B).
     def params(arch: dict) -> float:
         h, i, v, n = (
             arch["hidden_size"],
@@ -54,10 +55,17 @@ def test_real_model_architectures_match_their_parameter_counts() -> None:
         head = arch.get("head_dim", h // arch["num_attention_heads"])
         kv = arch["num_key_value_heads"] * head
         attn = h * arch["num_attention_heads"] * head * 2 + 2 * h * kv
-        return (n * (attn + 3 * h * i + 2 * h) + 2 * v * h + h) / 1e9
+        embeddings = (1 if arch.get("tie_word_embeddings") else 2) * v * h
+        experts = arch.get("num_experts") or arch.get("num_local_experts")
+        if experts:  # a router and every expert's gated MLP
+            mlp = experts * (h + 3 * h * arch.get("moe_intermediate_size", i))
+        else:
+            mlp = 3 * h * i
+        return (n * (attn + mlp + 2 * h) + embeddings + h) / 1e9
 
     expected = {"llama8b": 8.03, "llama70b": 70.55, "mistral7b": 7.25, "qwen2_7b": 7.62, "qwen3_8b": 8.19,
-                "qwen3_14b": 14.77, "phi4": 14.66, "mistral_nemo_12b": 12.25}
+                "qwen3_14b": 14.77, "phi4": 14.66, "mistral_nemo_12b": 12.25, "gemma3_12b": 11.77,
+                "qwen3_30b_a3b": 30.53, "mixtral_8x7b": 46.70}
     for model, billions in expected.items():
         arch = load([f"model={model}"]).model.architecture
         assert params(arch) == pytest.approx(billions, rel=0.01), model
@@ -207,8 +215,8 @@ def test_unknown_gpu_type_suggests_the_closest(tmp_path: Path) -> None:
 
 def test_unknown_group_option_lists_available() -> None:
     assert str(_error(["model=llama9b"])) == (
-        "unknown model 'llama9b'; available: hf, llama70b, llama8b, mistral7b, mistral_nemo_12b, phi4, qwen2_7b, "
-        "qwen3_14b, qwen3_8b, tiny"
+        "unknown model 'llama9b'; available: gemma3_12b, hf, llama70b, llama8b, mistral7b, mistral_nemo_12b, "
+        "mixtral_8x7b, phi4, qwen2_7b, qwen3_14b, qwen3_30b_a3b, qwen3_8b, tiny"
     )
     assert "add --config-dir" in str(_error(["hardware=myfleet"]))
 

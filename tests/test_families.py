@@ -46,6 +46,15 @@ TINY = {
     "gemma2": {"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 16,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                "hidden_activation": "gelu_pytorch_tanh"},
+    # Both layer kinds in every stage: each its own rotary base frequency (10^4 sliding, 10^6 global) and mask.
+    "gemma3_text": {"model_type": "gemma3_text", "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 16,
+                    "layer_types": ["sliding_attention", "full_attention"] * 3,
+                    "hidden_activation": "gelu_pytorch_tanh"},
+    # Mixtures of experts: top-2 routing, so that each token's output mixes two experts' weights.
+    "qwen3_moe": {"model_type": "qwen3_moe", "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
+                  "num_experts_per_tok": 2, "norm_topk_prob": True},
+    "mixtral": {"model_type": "mixtral", "head_dim": 16, "intermediate_size": 48, "num_local_experts": 4,
+                "num_experts_per_tok": 2},
 }
 
 
@@ -87,7 +96,7 @@ def test_a_model_type_outside_the_table_is_one_line(tiny_spec: ModelSpec) -> Non
     from hetero.compiler.fxgraph import build_config
 
     with pytest.raises(UnsupportedModelError, match=r"^model_type 'falcon' is not supported; supported: llama, "
-                       r"mistral, qwen2, qwen3, olmo2, phi3, granite, gemma2 \(docs/models\.md lists them"):
+                       r"mistral, qwen2, qwen3, olmo2, phi3, granite, gemma2, gemma3_text, qwen3_moe, mixtral \(docs/models\.md lists them"):
         build_config({**COMMON, "model_type": "falcon"})
 
 
@@ -100,7 +109,8 @@ def test_lora_targets_a_family_lacks_name_its_own(tiny_spec: ModelSpec) -> None:
         trace(spec)
 
 
-PRESETS = ["llama8b", "mistral7b", "qwen2_7b", "qwen3_8b", "qwen3_14b", "phi4", "mistral_nemo_12b"]
+PRESETS = ["llama8b", "mistral7b", "qwen2_7b", "qwen3_8b", "qwen3_14b", "phi4", "mistral_nemo_12b", "gemma3_12b",
+           "qwen3_30b_a3b", "mixtral_8x7b"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -114,6 +124,8 @@ def test_a_presets_cost_model_counts_the_hf_models_parameters(preset: str) -> No
     spec = load([f"model={preset}"]).model
     graph = trace(spec)
     counted = sum(node.num_params for node in graph.nodes)
+    if spec.architecture.get("tie_word_embeddings"):  # the head holds its own copy of the embedding (Gemma)
+        counted -= next(node.num_params for node in graph.nodes if node.kind == "head")
     meta = sum(p.numel() for p in build_meta_model(spec).parameters())
     assert counted == pytest.approx(meta, rel=0.005), (preset, counted, meta)
     assert family(spec.model_type).lora_targets  # every preset is a family of the table

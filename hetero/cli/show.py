@@ -114,15 +114,19 @@ def stage_table(plan: Plan) -> Table:
 
 
 def memory_table(plan: Plan) -> Table:
-    """Per-stage predicted peak memory broken into weights, LoRA state, activations, workspace."""
+    """Per-stage predicted peak memory broken into weights, LoRA state, activations, workspace; a mixture of
+    experts' weights (of the weights) in their own column."""
     table = Table(title="Memory per stage (GB)", title_justify="left", header_style="bold")
-    for col in ("#", "weights", "LoRA+optim", "activations", "workspace", "total", "available"):
+    experts = any(s.memory.experts_gb for s in plan.stages)
+    for col in ("#", "weights", *(("of which experts",) if experts else ()), "LoRA+optim", "activations",
+                "workspace", "total", "available"):
         table.add_column(col, justify="right")
     for s in plan.stages:
         m = s.memory
         table.add_row(
             str(s.index),
             f"{m.weights_gb:.2f}",
+            *((f"{m.experts_gb:.2f}",) if experts else ()),
             f"{m.lora_gb:.2f}",
             f"{m.activations_gb:.2f}",
             f"{m.workspace_gb:.2f}",

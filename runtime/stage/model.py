@@ -93,6 +93,7 @@ class Stage:
     logits_divisor: float = 1.0
     logits_softcap: float | None = None
     explicit_masks: bool = False  # eager attention: each layer gets its kind's mask (hetero/families.py)
+    rotary_per_layer_type: bool = False  # each layer kind its own cos/sin (hetero/families.py)
 
     # The first stage of a pipeline holds the embedding, the last the LM head (every replica has both).
     @property
@@ -112,12 +113,13 @@ class Stage:
         seq = h.shape[1]
         # Every stage rebuilds positions, rotary cos/sin and masks: cheaper than sending them.
         position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
-        position_embeddings = inner.rotary_emb(h, position_ids)
+        rope = self._rotary(h, position_ids)
         masks = self._masks(h, position_ids)
         training = torch.is_grad_enabled()
         for index, layer in inner.layers.items():
-            kwargs = {"attention_mask": masks.get(self._layer_type(int(index))), "position_ids": position_ids,
-                      "position_embeddings": position_embeddings}
+            kind = self._layer_type(int(index))
+            kwargs = {"attention_mask": masks.get(kind), "position_ids": position_ids,
+                      "position_embeddings": rope[kind] if self.rotary_per_layer_type else rope}
             if training and int(index) in self.recompute:
                 # Keep only the layer's input; its forward runs again in backward, with the RNG state
                 # of this forward (LoRA dropout draws the same mask). Non-reentrant: works when the
@@ -139,6 +141,14 @@ class Stage:
         if self.logits_softcap is not None:
             h = torch.tanh(h / self.logits_softcap) * self.logits_softcap
         return h
+
+    def _rotary(self, h: torch.Tensor, position_ids: torch.Tensor) -> Any:
+        """Rotary cos/sin: one pair, or one per kind of this stage's layers (hetero/families.py)."""
+        rotary = self.model.model.rotary_emb
+        if not self.rotary_per_layer_type:
+            return rotary(h, position_ids)
+        kinds = {self._layer_type(int(i)) for i in self.model.model.layers}
+        return {kind: rotary(h, position_ids, kind) for kind in sorted(kinds)}
 
     def _masks(self, h: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
         """attention_mask per layer kind. None for causal SDPA (right padding needs none: pads only follow real
@@ -184,6 +194,10 @@ def _build_config(architecture: dict):
     config = AutoConfig.for_model(model_type, **arch)
     # SDPA with attention_mask=None is causal; other implementations get explicit masks (Stage._masks).
     config._attn_implementation = fam.attention
+    if fam.experts is not None:
+        # transformers' per-expert loop, which NF4Experts (runtime/stage/experts.py) computes too: the same math
+        # whether or not the experts are quantized, and what the cost model counts.
+        config._experts_implementation = "eager"
     return config
 
 
@@ -240,11 +254,12 @@ def _base_model(plan: Plan, k: int, layout: StageLayout, dtype: torch.dtype, dev
     quantization = plan.stages[k].quantization
     config = _build_config(plan.model.architecture)
     model = _skeleton(config, layout)
-    load_weights(model, resolve_dir(plan.model), dtype, k, tied=bool(getattr(config, "tie_word_embeddings", False)))
+    load_weights(model, resolve_dir(plan.model), dtype, k, tied=bool(getattr(config, "tie_word_embeddings", False)),
+                 experts=family(plan.model.model_type).experts)
     model.requires_grad_(False)
     if quantization == "nf4":
         # Quantize layer by layer while moving to the device: the unquantized stage never sits in device memory.
-        quantize_nf4(model, dtype, device)
+        quantize_nf4(model, dtype, device, family(plan.model.model_type).experts)
     elif quantization not in ("none", ""):
         raise PlanError(f"stage {k}: quantization '{quantization}' is not supported by the runtime (none, nf4)")
     model.to(device)
@@ -268,7 +283,7 @@ def build_stage(plan: Plan, k: int, device: torch.device, *, seed: int | None = 
     fam = family(plan.model.model_type)
     stage = Stage(k, device, dtype, layout, model, lora_model, sp.quantization, recompute_indices(plan, k, layout),
                   fam.embedding_multiplier(plan.model.architecture), fam.logits_scale(plan.model.architecture),
-                  fam.softcap(model.config), fam.attention != "sdpa")
+                  fam.softcap(model.config), fam.attention != "sdpa", fam.rotary_per_layer_type)
     if lora.init_from:
         from hetero.runtime.run.adapter import load_adapter_state
 

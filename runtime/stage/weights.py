@@ -6,6 +6,7 @@ never imports bitsandbytes (seconds of CPU at start, and it pulls in torch._indu
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -13,9 +14,11 @@ import torch
 from torch import nn
 
 from hetero.errors import CheckpointError
+from hetero.families import Experts
 from hetero.runtime.pretrained import weight_index
 
 TIED_HEAD, TIED_SOURCE = "lm_head.weight", "model.embed_tokens.weight"
+_LAYER_PREFIX = re.compile(r"^(model\.layers\.\d+\.)(.+)$")
 
 
 def load_tensors(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
@@ -37,30 +40,66 @@ def load_tensors(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _sources(wanted: list[str], index: dict[str, str], model_dir: Path, k: int, tied: bool) -> dict[str, str]:
-    """Where each of the stage's tensors is stored: its own name, or the embedding for a tied head."""
-    sources = {}
-    for name in wanted:
-        source = name
-        if source not in index and tied and name == TIED_HEAD:
-            source = TIED_SOURCE  # tied head: the checkpoint stores the embedding only
-        if source not in index:
+Source = str | tuple[tuple[str, ...], ...]  # a stored name, or per expert the stored parts of a fused tensor
+
+
+def _stored_as(name: str, experts: Experts | None, num_experts: int) -> Source | None:
+    """How a checkpoint stores HF tensor ``name`` under another name: a MoE layer's fused experts as one weight
+    per expert (hetero/families.py), a renamed router; None: under its own name."""
+    match = _LAYER_PREFIX.match(name)
+    if experts is None or match is None:
+        return None
+    layer, rel = match.groups()
+    parts = dict(experts.stored).get(rel)
+    if parts is not None:
+        return tuple(tuple(layer + part.format(e=e) for part in parts) for e in range(num_experts))
+    renamed = dict(experts.renamed).get(rel)
+    return layer + renamed if renamed else None
+
+
+def _sources(wanted: dict[str, tuple[int, ...]], index: dict[str, str], model_dir: Path, k: int, tied: bool,
+             experts: Experts | None = None) -> dict[str, Source]:
+    """Where each of the stage's tensors is stored: its own name, the embedding for a tied head, or its family's
+    checkpoint names (experts stored one by one)."""
+    sources: dict[str, Source] = {}
+    for name, shape in wanted.items():
+        source: Source = name
+        if name not in index:
+            if tied and name == TIED_HEAD:
+                source = TIED_SOURCE  # tied head: the checkpoint stores the embedding only
+            else:
+                source = _stored_as(name, experts, shape[0] if shape else 0) or name
+        missing = [n for n in _flat(source) if n not in index]
+        if missing:
             raise CheckpointError(
-                f"stage {k}: tensor '{source}' is not in the weights at {model_dir}; "
+                f"stage {k}: tensor '{missing[0]}' is not in the weights at {model_dir}; "
                 "the weights do not match model.architecture"
             )
         sources[name] = source
     return sources
 
 
-def load_weights(model: nn.Module, model_dir: Path, dtype: torch.dtype, k: int, tied: bool) -> None:
+def _flat(source: Source) -> list[str]:
+    return [source] if isinstance(source, str) else [n for parts in source for n in parts]
+
+
+def _assemble(source: Source, read: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The tensor ``name`` from what was read: itself (a tied head's own copy), or its experts stacked, each the
+    concatenation of its stored parts (gate and up projections)."""
+    if isinstance(source, str):
+        return read[source] if source == name else read[source].clone()
+    return torch.stack([torch.cat([read[part] for part in parts], dim=0) for parts in source])
+
+
+def load_weights(model: nn.Module, model_dir: Path, dtype: torch.dtype, k: int, tied: bool,
+                 experts: Experts | None = None) -> None:
     """Load exactly stage k's tensors into ``model`` (on the meta device), cast to ``dtype``."""
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items() if not n.endswith("rotary_emb.inv_freq")}
-    sources = _sources(list(expected), weight_index(model_dir), model_dir, k, tied)
-    read = load_tensors(model_dir, sorted(set(sources.values())))
+    sources = _sources(expected, weight_index(model_dir), model_dir, k, tied, experts)
+    read = load_tensors(model_dir, sorted({n for source in sources.values() for n in _flat(source)}))
     state: dict[str, torch.Tensor] = {}
     for name, source in sources.items():
-        t = read[source] if source == name else read[source].clone()  # a tied head keeps its own copy, as loaded
+        t = _assemble(source, read, name)
         if tuple(t.shape) != expected[name]:
             raise CheckpointError(
                 f"stage {k}: '{name}' has shape {tuple(t.shape)} in {model_dir}, the architecture says {expected[name]}"
@@ -70,28 +109,34 @@ def load_weights(model: nn.Module, model_dir: Path, dtype: torch.dtype, k: int, 
     model.load_state_dict(state, strict=False, assign=True)
 
 
-def quantize_nf4(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
-    """Replace the decoder layers' nn.Linear with bitsandbytes NF4 Linear4bit on ``device``; returns how many."""
+def quantize_nf4(model: nn.Module, dtype: torch.dtype, device: torch.device, experts: Experts | None = None) -> int:
+    """Replace the decoder layers' nn.Linear with bitsandbytes NF4 Linear4bit on ``device``, and a mixture of
+    experts' 3-D weights with one Linear4bit per expert matrix (runtime/stage/experts.py); returns how many
+    modules were replaced."""
+    from hetero.runtime.stage.experts import quantize_experts
+
     count = 0
     for layer in model.model.layers.values():
+        if experts is not None and quantize_experts(layer, experts.module, lambda w: _nf4(w, None, dtype, device)):
+            count += 1
         for parent in list(layer.modules()):
             for child_name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
-                    setattr(parent, child_name, _nf4_linear(child, dtype, device))
+                    setattr(parent, child_name, _nf4(child.weight.data, child.bias, dtype, device))
                     count += 1
     return count
 
 
-def _nf4_linear(child: nn.Linear, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """One nn.Linear as an NF4 Linear4bit computing in ``dtype`` on ``device``."""
+def _nf4(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A Linear of ``weight`` [out, in] (and ``bias``) as an NF4 Linear4bit computing in ``dtype`` on ``device``."""
     import bitsandbytes as bnb
 
-    q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None, compute_dtype=dtype,
+    out_features, in_features = weight.shape
+    q = bnb.nn.Linear4bit(in_features, out_features, bias=bias is not None, compute_dtype=dtype,
                           compress_statistics=False, quant_type="nf4", device="meta")
-    q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4",
-                                 compress_statistics=False, module=q)
-    if child.bias is not None:
-        q.bias = nn.Parameter(child.bias.data, requires_grad=False)
+    q.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=False, module=q)
+    if bias is not None:
+        q.bias = nn.Parameter(bias.data, requires_grad=False)
     q = q.to(device)  # bitsandbytes quantizes when the weight moves to a device
     # On a CPU with AVX512-BF16, an eval-mode forward of an input without grad repacks the
     # weight into a CPU-only layout whose matmul has no input gradient: later training steps

@@ -34,6 +34,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from hetero.errors import HeteroError
+from hetero.families import family
 from hetero.profile import DeviceProfile, LayerProfile, LinearFit, fit_line, typical
 from hetero.runtime.stage.lora import share_lora_inputs
 from hetero.runtime.stage.memory import kept_bytes
@@ -85,7 +86,7 @@ def build_probe(model: ModelSpec, device: torch.device, dtype: str, quantization
     m.to(torch_dtype)
     m.requires_grad_(False)
     if quantization == "nf4":
-        quantize_nf4(m, torch_dtype, device)
+        quantize_nf4(m, torch_dtype, device, family(config.model_type).experts)
     m.eval()
     lora = model.lora
     peft = get_peft_model(m, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
@@ -101,6 +102,13 @@ def build_probe(model: ModelSpec, device: torch.device, dtype: str, quantization
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _rope(inner: Any, h: torch.Tensor, pos: torch.Tensor) -> Any:
+    """The rotary cos/sin of the probe's layer (of its kind where the family has one rotary per kind)."""
+    if family(inner.config.model_type).rotary_per_layer_type:
+        return inner.rotary_emb(h, pos, inner.config.layer_types[0])
+    return inner.rotary_emb(h, pos)
 
 
 def _layer_call(probe: Probe, kind: str, batch: int, seq: int, recompute: bool = False
@@ -122,7 +130,7 @@ def _layer_call(probe: Probe, kind: str, batch: int, seq: int, recompute: bool =
             h = hidden()
             # Positions and rotary tables are rebuilt per stage forward in the runtime: charged here.
             pos = torch.arange(seq, device=dev).unsqueeze(0)
-            emb = inner.rotary_emb(h, pos)
+            emb = _rope(inner, h, pos)
             kwargs = {"attention_mask": None, "position_ids": pos, "position_embeddings": emb}
             if recompute:
                 out = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False, **kwargs)

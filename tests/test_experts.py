@@ -1,0 +1,195 @@
+"""Mixtures of experts: what the cost model counts, and the runtime's NF4 experts.
+
+The cost model's arithmetic for one MoE layer is written out here (every expert in memory, the top-k in compute);
+its activation bytes are checked against what autograd keeps (runtime.memory.kept_bytes). NF4Experts must compute
+what transformers' experts compute with the dequantized weights, keep back-propagating after an eval forward, and
+an nf4 pipeline of a tiny Qwen3-MoE must train on three stages. Full-precision training of each MoE family against
+transformers+peft is tests/test_families.py.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from test_families import COMMON, TINY
+from test_runtime_plans import make_plan, run_in_threads
+from test_stage import _repeating_data
+from transformers import AutoModelForCausalLM
+
+from hetero.compiler.fxgraph import build_config
+from hetero.compiler.trace import trace
+from hetero.families import family
+from hetero.runtime.pretrained import resolve_dir
+from hetero.runtime.run.data import StepBatches
+from hetero.runtime.stage.experts import NF4Experts
+from hetero.runtime.stage.model import build_stage
+from hetero.runtime.stage.weights import quantize_nf4
+from hetero.specs import LoraSpec, ModelSpec
+
+CPU = torch.device("cpu")
+MOE = ["qwen3_moe", "mixtral"]
+
+
+def arch(model_type: str, **more: object) -> dict:
+    return {**COMMON, **TINY[model_type], **more}
+
+
+def spec(model_type: str, **more: object) -> ModelSpec:
+    return ModelSpec(name=f"tiny-{model_type}", architecture=arch(model_type, **more), dtype="float32", seq_len=64,
+                     lora=LoraSpec(r=8, alpha=16, target_modules=list(family(model_type).lora_targets)))
+
+
+def test_a_moe_layer_counts_every_expert_in_memory_and_the_top_k_in_compute() -> None:
+    """Qwen3-MoE, hidden 64, 8 experts of intermediate 32, top-2; attention 4 query and 2 key-value heads of 16."""
+    node = trace(spec("qwen3_moe", num_hidden_layers=1)).nodes[1]
+    h, experts, inter, top_k, seq = 64, 8, 32, 2, 64
+    per_expert = 3 * h * inter  # gate and up [32, 64], down [64, 32]
+    attention_linears = h * 64 + 2 * h * 32 + 64 * h  # q, k, v, o
+    router = experts * h
+    norms = 2 * h + 2 * 16  # input and post-attention norms, q and k norms
+    assert node.expert_params == experts * per_expert == 49_152
+    assert node.num_params == attention_linears + experts * per_expert + router + norms
+    assert node.linear_params == attention_linears + experts * per_expert  # nf4 quantizes every expert
+    attention_scores = 2 * 2 * 4 * 16 * (seq + 1) / 2  # QK^T and PV, causal
+    lora = 2 * 8 * ((h + 64) + 2 * (h + 32) + (64 + h))
+    forward = 2 * attention_linears + 2 * router + top_k * 2 * per_expert + attention_scores + lora
+    assert node.fwd_flops_per_token == pytest.approx(forward)
+    dense = trace(spec("qwen3_moe", num_hidden_layers=1, num_experts_per_tok=8)).nodes[1]
+    assert dense.fwd_flops_per_token - node.fwd_flops_per_token == pytest.approx((8 - 2) * 2 * per_expert)
+    assert dense.expert_params == node.expert_params  # memory: every expert either way
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_a_moe_layer_keeps_what_the_graph_predicts(model_type: str) -> None:
+    from test_memory import kept_per_token
+
+    from hetero.runtime.stage.model import Stage, StageLayout
+
+    architecture = arch(model_type, num_hidden_layers=2)
+    torch.manual_seed(0)
+    # bfloat16, as trained (in float32 the norms' fp32 upcast that the graph counts costs nothing)
+    model = AutoModelForCausalLM.from_config(build_config(architecture), dtype=torch.bfloat16)
+    model.model.layers = torch.nn.ModuleDict({str(i): layer for i, layer in enumerate(model.model.layers)})
+    model.requires_grad_(False)
+    from peft import LoraConfig, get_peft_model
+
+    from hetero.runtime.stage.lora import share_lora_inputs
+
+    targets = list(family(model_type).lora_targets)
+    peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    peft.train()
+    share_lora_inputs(peft)
+    stage = Stage(1, CPU, torch.bfloat16, StageLayout(False, [0, 1], False, False), model, peft, "none")
+    measured = kept_per_token(stage, architecture["hidden_size"], seq=32)
+    graph = trace(replace(spec(model_type, num_hidden_layers=1), seq_len=32, dtype="bfloat16"))
+    predicted = graph.nodes[1].activation_bytes_per_token
+    assert measured == pytest.approx(predicted, rel=0.10)
+
+
+def _dequantized(layer: torch.nn.Module, quantized: NF4Experts) -> torch.nn.Module:
+    """``layer``'s experts with the weights NF4Experts dequantizes (what they compute with)."""
+    import bitsandbytes.functional as bnbf
+
+    def weight(q: torch.nn.Module) -> torch.Tensor:
+        return bnbf.dequantize_4bit(q.weight.data, q.weight.quant_state).to(torch.float32)
+
+    ref = copy.deepcopy(layer)
+    with torch.no_grad():
+        ref.mlp.experts.gate_up_proj.copy_(torch.stack([weight(q) for q in quantized.gate_up]))
+        ref.mlp.experts.down_proj.copy_(torch.stack([weight(q) for q in quantized.down]))
+    return ref
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_nf4_experts_compute_as_transformers_with_the_dequantized_weights(model_type: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import bitsandbytes.nn.modules as bnb_modules
+
+    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)  # the repacking trap (tests/test_stage.py)
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(build_config(arch(model_type, num_hidden_layers=1)), dtype=torch.float32)
+    model.model.layers = torch.nn.ModuleDict({"0": model.model.layers[0]})
+    model.requires_grad_(False)
+    hf_layer = copy.deepcopy(model.model.layers["0"])
+    assert quantize_nf4(model, torch.float32, CPU, family(model_type).experts) == 1 + 4  # the experts, q/k/v/o
+    layer = model.model.layers["0"]
+    assert isinstance(layer.mlp.experts, NF4Experts) and len(layer.mlp.experts.gate_up) == arch(model_type)[
+        family(model_type).experts.count]
+    packed = sum(p.numel() * p.element_size() for p in layer.mlp.experts.parameters())
+    assert packed == hf_layer.mlp.experts.gate_up_proj.numel() // 2 + hf_layer.mlp.experts.down_proj.numel() // 2
+    ref = _dequantized(hf_layer, layer.mlp.experts)
+    x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(2))
+
+    def run(mlp: torch.nn.Module, eval_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        if eval_first:  # an eval pass between training steps must not cost the input gradient
+            mlp.eval()
+            with torch.no_grad():
+                mlp(x)
+            mlp.train()
+        xi = x.clone().requires_grad_(True)
+        out = mlp(xi)
+        out.pow(2).sum().backward()
+        return out.detach(), xi.grad
+
+    want, want_grad = run(ref.mlp)
+    for eval_first in (False, True):
+        got, got_grad = run(layer.mlp, eval_first)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert got_grad.abs().sum() > 0 and torch.allclose(got_grad, want_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_moe_pipeline_in_nf4_trains_on_three_stages(tiny_spec: ModelSpec, tiny_cache: Path, tmp_path: Path) -> None:
+    from hetero.specs import TrainSpec
+
+    architecture = arch("qwen3_moe")
+    model_dir = resolve_dir(replace(tiny_spec, name="tiny-qwen3_moe", architecture=architecture))
+    train = TrainSpec(micro_batch_size=2, num_micro_batches=2, steps=6, lr=1e-2, max_grad_norm=1.0, shuffle=False)
+    lora = LoraSpec(r=4, alpha=8.0, target_modules=list(family("qwen3_moe").lora_targets))
+    plan = make_plan(model_dir, architecture, [2, 2, 2], train=train, lora=lora, quantization="nf4", seq_len=24)
+    plan = replace(plan, data=_repeating_data(tmp_path, 4))
+    stages = [build_stage(plan, k, CPU) for k in range(3)]
+    for st in stages:
+        assert all(isinstance(st.model.model.layers[str(i)].mlp.experts, NF4Experts) for i in st.layout.layers)
+    losses = run_in_threads(stages, plan, StepBatches(plan.data, model_dir, 24, 2, 2, 0, False), train.steps)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+@pytest.mark.parametrize("hardware", ["homelab", "mining_rig"])
+@pytest.mark.parametrize(("preset", "layers", "experts", "hidden", "inter"),
+                         [("qwen3_30b_a3b", 48, 128, 2048, 768), ("mixtral_8x7b", 32, 8, 4096, 14336)])
+def test_moe_presets_compile_in_nf4_and_show_their_experts(preset: str, layers: int, experts: int, hidden: int,
+                                                           inter: int, hardware: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from test_cli import run_main
+
+    from hetero.plan import Plan
+    from hetero.specs import QUANT_BYTES_PER_PARAM
+
+    out = tmp_path / "out"
+    code, _, err = run_main(["compile", f"model={preset}", "model.quantization=nf4", f"hardware={hardware}",
+                             f"output={out}"], capsys)
+    assert code == 0, err
+    plan = Plan.load(out / "plan.json")
+    nf4_experts = layers * experts * 3 * hidden * inter * QUANT_BYTES_PER_PARAM["nf4"] / 1e9
+    assert sum(s.memory.experts_gb for s in plan.stages) == pytest.approx(nf4_experts, rel=1e-6)
+    assert all(s.memory.experts_gb < s.memory.weights_gb for s in plan.stages)
+    code, shown, err = run_main(["show", str(out / "plan.json"), "--no-gantt"], capsys)
+    assert code == 0, err
+    assert "of which experts" in shown
+
+
+def test_lora_on_a_router_or_the_experts_is_refused_in_one_line() -> None:
+    from hetero.errors import ConfigError
+
+    for target in ("gate", "experts"):
+        base = spec("qwen3_moe", num_hidden_layers=1)
+        bad = replace(base, lora=replace(base.lora, target_modules=["q_proj", target]))
+        with pytest.raises(ConfigError, match=rf"names '{target}', a Qwen3Moe\w+ in this qwen3_moe model, not a "
+                           r"Linear layer LoRA can wrap \(a mixture of experts' router and experts get no LoRA"):
+            trace(bad)

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from hetero.errors import ConfigError
-from hetero.families import family
+from hetero.families import family, layer_types, needs_mask
 from hetero.specs import BYTES_PER_DTYPE, QUANT_BYTES_PER_PARAM
 
 # Quantized Linear weights cost hetero.specs.QUANT_BYTES_PER_PARAM; everything that is not a decoder
@@ -37,6 +37,7 @@ class UnitCost:
     activation_bytes_per_token: float
     recompute_bytes_per_token: float | None = None  # kept per token when recomputed (decoder layers only)
     expert_params: int = 0  # of linear_params, the mixture-of-experts weights (every expert)
+    layer_type: str = ""  # a decoder layer's attention kind (hetero/families.py layer_types)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,51 @@ class MoE:
         per_expert = dtype_bytes * (3 * self.intermediate + 2 * self.hidden + 1) + 2 * 8
         router = dtype_bytes * self.hidden + 2 * 4 * self.experts + (4 + 8) * self.top_k + 4
         return float(self.top_k * per_expert + router)
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What sets one decoder layer's costs apart beyond its Linear layers (hetero/families.py): its attention
+    kind, whether its attention gets a mask tensor (then the kernel computes every key: no causal skip), whether
+    it is eager (it keeps the probabilities) with soft-capped scores, the bytes its norms keep, its experts."""
+
+    layer_type: str = "full_attention"
+    masked: bool = False
+    eager: bool = False
+    softcap: bool = False
+    norm_bytes: float | None = None  # None: two hidden-size RMSNorms
+    moe: MoE | None = None
+    fused_qkv: bool = False  # one qkv_proj (Phi-3): the v that attention keeps is a view of all of q, k and v
+
+
+def layer_traits(config: Any, index: int, seq_len: int, module: nn.Module, params: dict[str, Any]) -> Traits:
+    """The Traits of decoder layer ``index`` (``module``, parameters ``params``) at ``seq_len``."""
+    fam = family(getattr(config, "model_type", None))
+    kind = layer_types(config)[index]
+    eager = fam.attention_impl(config) != "sdpa"
+    fused = any(name.endswith("qkv_proj") for name, _ in module.named_modules())
+    return Traits(kind, needs_mask(fam, config, kind, seq_len), eager,
+                  eager and bool(getattr(config, "attn_logit_softcapping", None)), norm_bytes(config, module),
+                  layer_moe(config, params), fused)
+
+
+def norm_bytes(config: Any, module: nn.Module) -> float:
+    """Per token, what the layer's RMSNorms keep (HF computes them in fp32): the fp32 upcast of each input and
+    its per-row rsqrt. A norm of the hidden size reads the hidden state; a smaller one (Qwen3's and Gemma 3's q/k
+    norms: per head; OLMo 2's: the whole projection) reads the query or key projection, row by row."""
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    width = {"q_norm": heads * head_dim, "k_norm": config.num_key_value_heads * head_dim}
+    total = 0.0
+    for name, sub in module.named_modules():
+        weight = getattr(sub, "weight", None)
+        if not type(sub).__name__.endswith("RMSNorm") or weight is None:
+            continue
+        size = int(weight.numel())
+        elements = width.get(name.rsplit(".", 1)[-1], h) if size != h else h
+        total += 4 * elements + 4 * (elements // size)
+    return total
 
 
 def layer_moe(config: Any, params: dict[str, Any]) -> MoE | None:
@@ -101,7 +147,8 @@ def _lora_shape(sub: nn.Linear | nn.Embedding) -> tuple[int, int]:
 
 
 def attention_flops_per_token(config: Any, seq_len: int, causal: bool = True) -> float:
-    """QK^T and PV of one layer, per token; causal kernels skip the masked half (average (S+1)/2 keys)."""
+    """QK^T and PV of one layer, per token; causal kernels skip the masked half (average (S+1)/2 keys); with a
+    mask tensor (eager attention, a sliding window shorter than the sequence) every key is computed."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     keys = (seq_len + 1) / 2 if causal else seq_len
@@ -111,11 +158,12 @@ def attention_flops_per_token(config: Any, seq_len: int, causal: bool = True) ->
 # Which Linears read the same input tensor: a LoRA on any of them keeps that input once (the runtime's
 # LoRA path saves the input at the compute dtype, shared; see runtime/stage/lora.py).
 _INPUT_GROUPS = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "attn_out",
-                 "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "mlp_mid"}
+                 "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "mlp_mid",
+                 "qkv_proj": "attn_in", "gate_up_proj": "mlp_in"}  # Phi-3's fused projections
 
 
 def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: float, lora_r: int,
-                             lora_dropout: float = 0.0, moe: MoE | None = None) -> float:
+                             lora_dropout: float = 0.0, traits: Traits | None = None, seq_len: int = 0) -> float:
     """Bytes autograd keeps per token for one decoder layer under LoRA (no recomputation).
 
     Frozen Linears (also nf4: bitsandbytes keeps only the weight) keep no input (grad_input =
@@ -123,9 +171,12 @@ def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: float
     (q/k/v share the attention's normed input, gate/up the MLP's), plus its fp32 A-output (r
     values) that B's weight grad needs; with lora.dropout > 0 each LoRA'd Linear keeps its own
     fp32 dropped-out copy and a one-byte mask instead. The rest is what the ops themselves keep:
-    - RMSNorm: the fp32 upcast of its input and the per-token rsqrt (HF computes the norm in fp32);
+    - RMSNorm: the fp32 upcast of its input and the per-token rsqrt (HF computes the norm in fp32): two of the
+      hidden size, or those the layer has (norm_bytes: Gemma's four, q/k norms);
     - sdpa (flash / memory-efficient): q, k, v (k/v at KV-head size: GQA runs without repeat_kv), the
-      output and an fp32 logsumexp per head;
+      output and an fp32 logsumexp per head; eager attention (Gemma 2): q and the repeated k and v, and per
+      head a row of the score matrix over every key, fp32 from the softmax and its cast (and the tanh of
+      soft-capped scores);
     - MLP: gate output (SiLU's input), SiLU output and up output (both operands of the product); a mixture of
       experts keeps that per chosen expert, and its router's (MoE.activation_bytes).
     Rotary cos/sin are per sequence, not per token, and are left out.
@@ -138,14 +189,20 @@ def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: float
     inter = config.intermediate_size
     in_features = {"attn_in": h, "attn_out": q_dim, "mlp_in": h, "mlp_mid": inter}
     lora_linears = [t for t in targeted if t in _INPUT_GROUPS]
-    norms = 2 * (4 * h + 4)
+    traits = traits or Traits()
+    norms = 2 * (4 * h + 4) if traits.norm_bytes is None else traits.norm_bytes
     lora = LORA_BYTES * lora_r * len(lora_linears)
     if lora_dropout > 0:
         lora += sum((LORA_BYTES + 1) * in_features[_INPUT_GROUPS[t]] for t in lora_linears)
     else:
         lora += sum(dtype_bytes * in_features[g] for g in {_INPUT_GROUPS[t] for t in lora_linears})
-    attention = dtype_bytes * (2 * q_dim + 2 * kv_dim) + 4 * heads
-    mlp = dtype_bytes * 3 * inter if moe is None else moe.activation_bytes(dtype_bytes)
+    if traits.eager:
+        attention = dtype_bytes * 3 * q_dim + heads * seq_len * (4 + dtype_bytes * (2 if traits.softcap else 1))
+    else:
+        attention = dtype_bytes * (2 * q_dim + 2 * kv_dim) + 4 * heads
+    if traits.fused_qkv:
+        attention += dtype_bytes * (q_dim + kv_dim)
+    mlp = dtype_bytes * 3 * inter if traits.moe is None else traits.moe.activation_bytes(dtype_bytes)
     return float(norms + lora + attention + mlp)
 
 
@@ -170,14 +227,17 @@ def unit_cost(
     lora_r: int,
     lora_target_names: list[str],
     lora_dropout: float = 0.0,
+    layer_index: int = 0,
 ) -> UnitCost:
-    """Costs of one pipeline unit; ``params`` maps its state-dict names to (meta) tensors."""
+    """Costs of one pipeline unit; ``params`` maps its state-dict names to (meta) tensors; ``layer_index``: a
+    decoder layer's index in the model."""
     dtype_bytes = BYTES_PER_DTYPE[dtype]
     if quantization not in ("none", *QUANT_BYTES_PER_PARAM):
         raise ConfigError(f"model.quantization={quantization!r} is not one of none, nf4, int8")
     num_params = sum(int(t.numel()) for t in params.values())
     linears = [m for _, m in module.named_modules() if isinstance(m, nn.Linear)]
-    moe = layer_moe(config, params) if kind == "decoder" else None
+    traits = layer_traits(config, layer_index, seq_len, module, params) if kind == "decoder" else Traits()
+    moe = traits.moe
     # Only decoder Linear weights (and experts: runtime/stage/weights.py quantizes them per expert) are quantized;
     # the head stays in the compute dtype (as bitsandbytes does).
     linear_params = sum(m.in_features * m.out_features for m in linears) if kind == "decoder" else 0
@@ -186,7 +246,7 @@ def unit_cost(
     param_bytes = (num_params - linear_params) * dtype_bytes + linear_params * weight_bytes_q
     targets = lora_targets(module, prefix, lora_target_names)
     fwd, bwd, act, recompute = _work_per_token(kind, linears, targets, config, seq_len, dtype_bytes, lora_r,
-                                               lora_dropout, moe)
+                                               lora_dropout, traits)
     return UnitCost(
         num_params=num_params,
         linear_params=linear_params,
@@ -197,6 +257,7 @@ def unit_cost(
         activation_bytes_per_token=act,
         recompute_bytes_per_token=recompute,
         expert_params=moe.params if moe else 0,
+        layer_type=traits.layer_type if kind == "decoder" else "",
     )
 
 
@@ -209,19 +270,19 @@ def _work_per_token(
     dtype_bytes: float,
     lora_r: int,
     lora_dropout: float,
-    moe: MoE | None = None,
+    traits: Traits,
 ) -> tuple[float, float, float, float | None]:
     """(forward FLOPs, backward FLOPs, activation bytes, recompute bytes) per token of a unit of ``kind``."""
     lora_fwd = sum(2 * lora_r * sum(_lora_shape(m)) for _, m in targets if isinstance(m, nn.Linear))
     matmul_fwd = sum(2 * m.in_features * m.out_features for m in linears)
-    matmul_fwd += moe.flops_per_token() if moe else 0.0  # the router, and only the experts a token uses
+    matmul_fwd += traits.moe.flops_per_token() if traits.moe else 0.0  # the router, only the experts a token uses
     h = config.hidden_size
     if kind == "decoder":
-        attn = attention_flops_per_token(config, seq_len)
+        attn = attention_flops_per_token(config, seq_len, causal=not traits.masked)
         # Input grads through the frozen matmuls (~1x), attention backward, LoRA input + weight grads (2x).
         bwd = matmul_fwd + ATTENTION_BWD_FACTOR * attn + 2 * lora_fwd
         short = {name.rsplit(".", 1)[-1] for name, _ in targets}
-        act = decoder_activation_bytes(config, short, dtype_bytes, lora_r, lora_dropout, moe)
+        act = decoder_activation_bytes(config, short, dtype_bytes, lora_r, lora_dropout, traits, seq_len)
         return matmul_fwd + attn + lora_fwd, bwd, act, decoder_recompute_bytes(config, dtype_bytes)
     if kind == "head":
         # The loss upcasts logits to fp32 and log_softmax keeps its fp32 output (4V saved); the bf16

@@ -48,9 +48,9 @@ def build_config(architecture: dict[str, Any]) -> Any:
     except (TypeError, ValueError, KeyError, *_strict_config_errors()) as exc:
         reason = " ".join(str(exc).split())  # huggingface_hub's validation errors span lines
         raise ConfigError(f"model.architecture is not a valid {model_type} config: {reason}") from None
-    # Traced with sdpa (causal without a mask tensor): shapes and costs do not depend on it. Families that train
-    # with eager attention (hetero/families.py, Gemma 2) keep more activations than priced (docs/models.md).
-    config._attn_implementation = "sdpa"
+    # The attention the runtime trains with (runtime/stage/model.py): SDPA, or eager where the family needs it
+    # (Gemma 2, whose model class refuses SDPA). Shapes do not depend on it; costs follow it (compiler/costs.py).
+    config._attn_implementation = family(model_type).attention_impl(config)
     if family(model_type).experts is not None:
         config._experts_implementation = "eager"  # as the runtime computes them (runtime/stage/model.py)
     return config

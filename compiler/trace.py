@@ -38,37 +38,7 @@ def trace_with_module(model: ModelSpec) -> tuple[LayerGraph, TracedModel]:
     nodes = [_node(unit, causal_lm, state, tied, model, dtype) for unit in traced.units]
     _check_partition(nodes, state, tied)
 
-    notes = [
-        "Nodes: embed, layers.0..N-1, norm, head; costs per token at seq_len with sdpa attention "
-        "(causal kernels skip the masked half); activation_bytes_per_token without recomputation, "
-        "recompute_bytes_per_token (decoder layers) what a recomputed layer keeps: its input.",
-        "rope_cos/rope_sin cross every decoder cut but are recomputed=True: each stage rebuilds them from "
-        "positions (rotary embedding), so only hidden_states goes on the wire. No mask tensor exists: "
-        "attention is causal via sdpa's is_causal.",
-        "FLOPs count matmuls (2 per multiply-add); backward = input grads through frozen weights + "
-        "LoRA input/weight grads (frozen weights get no weight grads), attention backward 2.5x forward.",
-        "activation_bytes_per_token = tensors autograd keeps for backward under LoRA (fp32 adapters, inputs "
-        "shared at the compute dtype); "
-        "the head's value is its peak with fp32 logits for the loss.",
-    ]
-    if model.dtype == "auto":
-        notes.append("model.dtype is auto: costs are in bfloat16; stages on fp16/fp32 devices rescale bytes.")
-    if model.quantization != "none":
-        notes.append(
-            f"quantization {model.quantization}: only decoder Linear weights (linear_params) are quantized; "
-            "embeddings, norms and the head stay in the compute dtype."
-        )
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    if window and model.seq_len > window:
-        notes.append(
-            f"sliding_window={window} < seq_len={model.seq_len}: attention FLOPs are counted as full causal, "
-            "an upper bound (the runtime's mask-free causal sdpa does not apply the window)."
-        )
-    if tied:
-        notes.append(
-            "tie_word_embeddings: the head has no weight of its own; it loads model.embed_tokens.weight "
-            "(checkpoints carry no lm_head.weight). Two stages holding embed and head each load a copy."
-        )
+    notes = _notes(model, config, nodes, tied)
     graph = LayerGraph(
         model_name=model.name,
         model_type=model.model_type,
@@ -83,6 +53,43 @@ def trace_with_module(model: ModelSpec) -> tuple[LayerGraph, TracedModel]:
         notes=notes,
     )
     return graph, traced
+
+
+def _notes(model: ModelSpec, config: Any, nodes: list[LayerNode], tied: bool) -> list[str]:
+    """What a reader of the LayerGraph should know about how it was costed."""
+    notes = [
+        "Nodes: embed, layers.0..N-1, norm, head; costs per token at seq_len with the attention the runtime "
+        "trains with (causal SDPA kernels skip the masked half); activation_bytes_per_token without recomputation, "
+        "recompute_bytes_per_token (decoder layers) what a recomputed layer keeps: its input.",
+        "rope_cos/rope_sin cross every decoder cut but are recomputed=True: each stage rebuilds them from "
+        "positions (rotary embedding), so only hidden_states goes on the wire. Attention masks never travel: "
+        "SDPA is causal without one, and each stage builds those its layers need (docs/models.md).",
+        "FLOPs count matmuls (2 per multiply-add); backward = input grads through frozen weights + "
+        "LoRA input/weight grads (frozen weights get no weight grads), attention backward 2.5x forward.",
+        "activation_bytes_per_token = tensors autograd keeps for backward under LoRA (fp32 adapters, inputs "
+        "shared at the compute dtype); "
+        "the head's value is its peak with fp32 logits for the loss.",
+    ]
+    if model.dtype == "auto":
+        notes.append("model.dtype is auto: costs are in bfloat16; stages on fp16/fp32 devices rescale bytes.")
+    if model.quantization != "none":
+        notes.append(
+            f"quantization {model.quantization}: only decoder Linear weights and experts (linear_params) are quantized; "
+            "embeddings, norms and the head stay in the compute dtype."
+        )
+    sliding = [n.name for n in nodes if n.layer_type == "sliding_attention"]
+    window = getattr(config, "sliding_window", None)
+    if sliding and window and model.seq_len > window:
+        notes.append(
+            f"sliding_window={window} < seq_len={model.seq_len}: {len(sliding)} sliding-window layers get the "
+            "window's mask, and attention FLOPs count every key (a masked kernel does not skip the masked ones)."
+        )
+    if tied:
+        notes.append(
+            "tie_word_embeddings: the head has no weight of its own; it loads model.embed_tokens.weight "
+            "(checkpoints carry no lm_head.weight). Two stages holding embed and head each load a copy."
+        )
+    return notes
 
 
 def _node(
@@ -105,6 +112,7 @@ def _node(
         model.lora.r,
         model.lora.target_modules,
         model.lora.dropout,
+        int(unit.split(".", 1)[1]) if kind == "decoder" else 0,
     )
     return LayerNode(
         name=unit,
@@ -119,6 +127,7 @@ def _node(
         activation_bytes_per_token=cost.activation_bytes_per_token,
         recompute_bytes_per_token=cost.recompute_bytes_per_token,
         expert_params=cost.expert_params,
+        layer_type=cost.layer_type,
     )
 
 

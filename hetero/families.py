@@ -67,6 +67,11 @@ class Family:
     rotary_per_layer_type: bool = False
     experts: Experts | None = None  # a mixture-of-experts family
 
+    def attention_impl(self, config: Any) -> str:
+        """The attention implementation a model of this family trains with: the family's, or eager where the
+        config soft-caps attention logits (SDPA cannot)."""
+        return "eager" if getattr(config, "attn_logit_softcapping", None) else self.attention
+
     def embedding_multiplier(self, architecture: dict[str, Any]) -> float:
         """What the model forward multiplies the embeddings by (1.0: nothing)."""
         if self.embed_scale is None:
@@ -96,10 +101,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # Embeddings scaled inside its embedding module; sliding-window and global layers alternate; attention
     # logits soft-capped inside the layer (eager attention), final logits soft-capped by the CausalLM.
     Family("gemma2", "Gemma 2", logits_softcap="final_logit_softcapping", attention="eager"),
-    # Gemma 3's text model (the language half of the 4B-27B checkpoints, and the 1B): like Gemma 2, with q/k
-    # norms and a rotary embedding per layer kind.
-    Family("gemma3_text", "Gemma 3", logits_softcap="final_logit_softcapping", attention="eager",
-           rotary_per_layer_type=True),
+    # Gemma 3's text model (the language half of the 4B-27B checkpoints, and the 1B): like Gemma 2 without the
+    # attention soft-cap (so SDPA, with the sliding-window layers' masks), q/k norms, a rotary embedding per kind.
+    Family("gemma3_text", "Gemma 3", logits_softcap="final_logit_softcapping", rotary_per_layer_type=True),
     # Mixture of experts: a router picks top-k experts per token; LoRA on attention (the experts are 3-D tensors).
     Family("qwen3_moe", "Qwen3-30B-A3B, Qwen3-235B-A22B", lora_targets=ATTENTION, experts=Experts(
         "num_experts", "num_experts_per_tok",
@@ -113,6 +117,28 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
         renamed=(("mlp.gate.weight", "block_sparse_moe.gate.weight"),))),
 )}
 MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
+
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def layer_types(config: Any) -> list[str]:
+    """Each decoder layer's attention kind, as transformers decides it: ``config.layer_types`` where the config has
+    them; otherwise every layer slides when the config sets a sliding window (Mistral), else none does."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [str(t) for t in types]
+    window = getattr(config, "sliding_window", None)
+    return [SLIDING if window else FULL] * int(config.num_hidden_layers)
+
+
+def needs_mask(fam: Family, config: Any, kind: str, seq_len: int) -> bool:
+    """Whether a layer of ``kind`` gets an explicit mask tensor: always under eager attention; under SDPA only a
+    sliding window shorter than the sequence (otherwise causal SDPA without a mask computes the same)."""
+    if fam.attention_impl(config) != "sdpa":
+        return True
+    window = getattr(config, "sliding_window", None)
+    return kind == SLIDING and window is not None and seq_len > int(window)
 
 
 def family(model_type: Any) -> Family:

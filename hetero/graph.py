@@ -40,6 +40,7 @@ class LayerNode:
     # (its input). None: the node cannot recompute (graphs from before recomputation, non-decoders).
     recompute_bytes_per_token: float | None = None
     expert_params: int = 0  # of linear_params, mixture-of-experts weights (every expert; compute counts top-k)
+    layer_type: str = ""  # decoder layers: the attention kind ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ COMMON = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 172, "num_h
           "pad_token_id": 0}
 # The tiny config of each family: the same sizes, and what makes the family itself (values of its real configs).
 TINY = {
-    "mistral": {"model_type": "mistral", "head_dim": 16, "sliding_window": 4096},
+    # A sliding window shorter than the sequence: every Mistral layer attends to the last 16 positions only.
+    "mistral": {"model_type": "mistral", "head_dim": 16, "sliding_window": 16},
     "qwen2": {"model_type": "qwen2", "use_sliding_window": False},
     "qwen3": {"model_type": "qwen3", "head_dim": 16},
     "olmo2": {"model_type": "olmo2"},
@@ -90,6 +91,19 @@ def test_family_on_three_stages_equals_the_reference(model_type: str, tiny_spec:
     for key, want in setup["state"].items():
         assert not torch.equal(initial[key], want)
         assert_close_to_scale(key, trained[key], want, RTOL)
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY))
+def test_every_family_compiles(model_type: str) -> None:
+    """`hetero compile` traces each family (the equivalence test above starts from a plan built without tracing)."""
+    from hetero.compiler.trace import trace
+    from hetero.specs import LoraSpec
+
+    spec = ModelSpec(name=f"tiny-{model_type}", architecture={**COMMON, **TINY[model_type]}, seq_len=SEQ_LEN,
+                     lora=LoraSpec(r=4, alpha=8, target_modules=list(family(model_type).lora_targets)))
+    graph = trace(spec)
+    assert [n.kind for n in graph.nodes] == ["embedding", *["decoder"] * COMMON["num_hidden_layers"], "norm", "head"]
+    assert all(n.fwd_flops_per_token > 0 and n.lora_params > 0 for n in graph.nodes[1:-2])
 
 
 def test_a_model_type_outside_the_table_is_one_line(tiny_spec: ModelSpec) -> None:

@@ -330,7 +330,7 @@ def graph_table(graph: LayerGraph) -> Table:
         table.add_row(
             str(i),
             n.name,
-            n.kind,
+            n.kind + (f" [dim]{n.layer_type.removesuffix('_attention')}[/]" if n.layer_type else ""),
             _si(n.num_params),
             f"{n.param_bytes / 1e9:.3f} GB",
             _si(n.lora_params),

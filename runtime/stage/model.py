@@ -19,7 +19,9 @@ import torch.utils.checkpoint
 from torch import nn
 
 from hetero.errors import PlanError
-from hetero.families import family  # the families the runtime can split (and the compiler traces)
+
+# the families the runtime can split (and the compiler traces), and their layers' attention kinds
+from hetero.families import FULL, SLIDING, family, layer_types, needs_mask
 from hetero.plan import Plan
 from hetero.runtime.stage.lora import add_lora, load_lora_state, lora_state
 from hetero.runtime.stage.weights import load_weights, quantize_nf4
@@ -92,7 +94,6 @@ class Stage:
     embed_multiplier: float = 1.0
     logits_divisor: float = 1.0
     logits_softcap: float | None = None
-    explicit_masks: bool = False  # eager attention: each layer gets its kind's mask (hetero/families.py)
     rotary_per_layer_type: bool = False  # each layer kind its own cos/sin (hetero/families.py)
 
     # The first stage of a pipeline holds the embedding, the last the LM head (every replica has both).
@@ -151,19 +152,23 @@ class Stage:
         return {kind: rotary(h, position_ids, kind) for kind in sorted(kinds)}
 
     def _masks(self, h: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
-        """attention_mask per layer kind. None for causal SDPA (right padding needs none: pads only follow real
-        tokens); the causal and sliding-window masks HF builds for the family's eager attention otherwise."""
-        if not self.explicit_masks:
+        """attention_mask per layer kind of this stage: None for causal SDPA (right padding needs none: pads only
+        follow real tokens); the causal or sliding-window mask HF builds where the family's attention is eager,
+        or where a sliding window is shorter than the sequence (hetero/families.py needs_mask)."""
+        config = self.model.config
+        fam = family(config.model_type)
+        kinds = {self._layer_type(int(i)) for i in self.model.model.layers}
+        wanted = sorted(k for k in kinds if needs_mask(fam, config, k, h.shape[1]))
+        if not wanted:
             return {}
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        kw = {"config": self.model.config, "inputs_embeds": h, "attention_mask": None, "cache": None,
-              "position_ids": position_ids}
-        return {"full_attention": create_causal_mask(**kw), "sliding_attention": create_sliding_window_causal_mask(**kw)}
+        kw = {"config": config, "inputs_embeds": h, "attention_mask": None, "cache": None, "position_ids": position_ids}
+        build = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
+        return {kind: build[kind](**kw) for kind in wanted}
 
     def _layer_type(self, i: int) -> str:
-        types = getattr(self.model.config, "layer_types", None)
-        return str(types[i]) if types else "full_attention"
+        return layer_types(self.model.config)[i]
 
     def lora_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Trainable parameters (the LoRA matrices), in module order."""
@@ -193,7 +198,7 @@ def _build_config(architecture: dict):
     fam = family(model_type)  # hetero/families.py: one line for a family the runtime cannot split
     config = AutoConfig.for_model(model_type, **arch)
     # SDPA with attention_mask=None is causal; other implementations get explicit masks (Stage._masks).
-    config._attn_implementation = fam.attention
+    config._attn_implementation = fam.attention_impl(config)
     if fam.experts is not None:
         # transformers' per-expert loop, which NF4Experts (runtime/stage/experts.py) computes too: the same math
         # whether or not the experts are quantized, and what the cost model counts.
@@ -283,7 +288,7 @@ def build_stage(plan: Plan, k: int, device: torch.device, *, seed: int | None = 
     fam = family(plan.model.model_type)
     stage = Stage(k, device, dtype, layout, model, lora_model, sp.quantization, recompute_indices(plan, k, layout),
                   fam.embedding_multiplier(plan.model.architecture), fam.logits_scale(plan.model.architecture),
-                  fam.softcap(model.config), fam.attention != "sdpa", fam.rotary_per_layer_type)
+                  fam.softcap(model.config), fam.rotary_per_layer_type)
     if lora.init_from:
         from hetero.runtime.run.adapter import load_adapter_state
 

@@ -194,8 +194,9 @@ def test_a_host_with_another_plan_is_named_within_seconds(tiny_model_dir: Path, 
     assert line == (f"hetero: error: stage 1 on host beta (127.0.0.1) runs plan {hash_b}, this run's plan is {hash_a}: "
                     f"it was started with another plan.json; copy run/plan.json to beta and restart `hetero worker "
                     f"plan.json --host beta --coordinator tcp://127.0.0.1:{port}` there"), line
-    hello = _log_time(plan_b.parent / "wrk" / "logs" / "stage1.log", "hello sent")
-    assert ended - hello < 10, f"named {ended - hello:.1f} s after the hello"
+    hello = max(_log_time(plan_b.parent / "wrk" / "logs" / "stage1.log", "hello sent"),
+                _log_time(plan_a.parent / "run" / "logs" / "stage0.log", "hello sent"))  # both sides running
+    assert ended - hello < 10, f"named {ended - hello:.1f} s after both sides were running"
     worker_code, _, worker_err = finish(worker, 60)  # and the worker's own stage says it too, then it ends
     assert worker_code != 0 and f"runs plan {hash_a}, this process runs {hash_b}" in \
         (plan_b.parent / "wrk" / "logs" / "stage1.log").read_text()
@@ -227,7 +228,11 @@ def test_a_host_with_another_plans_keys_is_named_within_seconds(tiny_model_dir: 
             f"plan it runs), or another program holds that port; this run's plan is {hash_a}: copy run/plan.json and "
             f"its artifacts/beta/keys to beta and restart `hetero worker plan.json --host beta --coordinator "
             f"tcp://127.0.0.1:{port}` there") in line, line
-    assert ended - _log_time(log, "hello sent") < 10, "not named within 10 s of the other plan's stage starting"
+    # Within 10 s of both sides running (each one's stage said hello): the coordinator's own start-up, which may
+    # end after the other plan's stage is up (a loaded 2-core machine takes seconds to import torch), is not the
+    # time it takes to name that stage.
+    both_up = max(_log_time(log, "hello sent"), _log_time(plan_a.parent / "run" / "logs" / "stage0.log", "hello sent"))
+    assert ended - both_up < 10, f"named {ended - both_up:.1f} s after both sides were running"
     # The other side: that stage exits on its own, naming whom it dialed and the plan it runs.
     assert worker_code != 0
     told = [ln for ln in log.read_text().splitlines() if "fails the handshake" in ln]

@@ -89,10 +89,10 @@ def layer_traits(config: Any, index: int, seq_len: int, module: nn.Module, param
     fam = family(getattr(config, "model_type", None))
     kind = layer_types(config)[index]
     eager = fam.attention_impl(config) != "sdpa"
-    fused = any(name.endswith("qkv_proj") for name, _ in module.named_modules())
-    return Traits(kind, needs_mask(fam, config, kind, seq_len), eager,
-                  eager and bool(getattr(config, "attn_logit_softcapping", None)), norm_bytes(config, module),
-                  layer_moe(config, params), fused)
+    return Traits(layer_type=kind, masked=needs_mask(fam, config, kind, seq_len), eager=eager,
+                  softcap=eager and bool(getattr(config, "attn_logit_softcapping", None)),
+                  norm_bytes=norm_bytes(config, module), moe=layer_moe(config, params),
+                  fused_qkv=any(name.endswith("qkv_proj") for name, _ in module.named_modules()))
 
 
 def norm_bytes(config: Any, module: nn.Module) -> float:
@@ -120,7 +120,11 @@ def layer_moe(config: Any, params: dict[str, Any]) -> MoE | None:
     experts = family(getattr(config, "model_type", None)).experts
     if experts is None:
         return None
-    stacked = sum(int(t.numel()) for name, t in params.items() if f".{experts.module}." in name and t.dim() == 3)
+    inside = {name: t for name, t in params.items() if f".{experts.module}." in name}
+    stacked = sum(int(t.numel()) for t in inside.values() if t.dim() == 3)
+    if not stacked and inside:
+        raise ConfigError(f"this transformers keeps the {config.model_type} experts as separate modules; hetero "
+                          "counts and quantizes the fused 3-D experts of transformers 5: pip install 'transformers>=5'")
     if not stacked:
         return None  # a dense layer of a MoE model (Qwen3-MoE's mlp_only_layers)
     count, top_k = int(getattr(config, experts.count)), int(getattr(config, experts.top_k))

@@ -53,6 +53,9 @@ def build_config(architecture: dict[str, Any]) -> Any:
     config._attn_implementation = family(model_type).attention_impl(config)
     if family(model_type).experts is not None:
         config._experts_implementation = "eager"  # as the runtime computes them (runtime/stage/model.py)
+        if getattr(config, "output_router_logits", False):
+            raise ConfigError(f"model.architecture.output_router_logits is true: hetero trains this {model_type} "
+                              "model without the router's auxiliary load-balancing loss; set it to false")
     return config
 
 

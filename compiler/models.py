@@ -113,4 +113,21 @@ def _load(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read config.json ({exc})") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise ConfigError(f"{path}: not an HF config.json (no model_type)")
-    return data
+    return _text_part(data)
+
+
+def _text_part(data: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config.json whose text_config is a family's (Gemma 3 4B-27B): that text model, the keys that
+    matter filled from its config class's defaults; any other config.json as it is."""
+    from hetero.families import TEXT_OF
+
+    text_type = TEXT_OF.get(data["model_type"])
+    if text_type is None or not isinstance(data.get("text_config"), dict):
+        return data
+    from transformers import AutoConfig
+
+    text = {**data["text_config"], "model_type": text_type}
+    defaults = AutoConfig.for_model(text_type, **{k: v for k, v in text.items() if k != "model_type"})
+    for key in KEYS_THAT_MATTER:
+        text.setdefault(key, getattr(defaults, key, None))
+    return text

@@ -66,6 +66,11 @@ class Family:
     # (Gemma 3: another base frequency for its sliding-window layers).
     rotary_per_layer_type: bool = False
     experts: Experts | None = None  # a mixture-of-experts family
+    # Where a checkpoint keeps this family's tensors under other names: (HF prefix, stored prefix) pairs tried in
+    # order (Gemma 3's multimodal checkpoints keep the language model under language_model.).
+    stored_prefixes: tuple[tuple[str, str], ...] = ()
+    # The model_type of a multimodal config.json whose text_config is this family's (Gemma 3 4B-27B: gemma3).
+    text_of: str | None = None
 
     def attention_impl(self, config: Any) -> str:
         """The attention implementation a model of this family trains with: the family's, or eager where the
@@ -103,7 +108,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma2", "Gemma 2", logits_softcap="final_logit_softcapping", attention="eager"),
     # Gemma 3's text model (the language half of the 4B-27B checkpoints, and the 1B): like Gemma 2 without the
     # attention soft-cap (so SDPA, with the sliding-window layers' masks), q/k norms, a rotary embedding per kind.
-    Family("gemma3_text", "Gemma 3", logits_softcap="final_logit_softcapping", rotary_per_layer_type=True),
+    Family("gemma3_text", "Gemma 3", logits_softcap="final_logit_softcapping", rotary_per_layer_type=True,
+           stored_prefixes=(("model.", "language_model.model."), ("model.", "model.language_model."),
+                            ("lm_head.", "language_model.lm_head.")), text_of="gemma3"),
     # Mixture of experts: a router picks top-k experts per token; LoRA on attention (the experts are 3-D tensors).
     Family("qwen3_moe", "Qwen3-30B-A3B, Qwen3-235B-A22B", lora_targets=ATTENTION, experts=Experts(
         "num_experts", "num_experts_per_tok",
@@ -117,6 +124,13 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
         renamed=(("mlp.gate.weight", "block_sparse_moe.gate.weight"),))),
 )}
 MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
+# Multimodal model_types whose config.json holds a family's text model as text_config.
+TEXT_OF: dict[str, str] = {f.text_of: f.model_type for f in FAMILIES.values() if f.text_of}
+
+
+def stored_names(fam: Family, name: str) -> list[str]:
+    """The names a checkpoint may keep HF tensor ``name`` under besides its own (the family's stored_prefixes)."""
+    return [stored + name[len(prefix):] for prefix, stored in fam.stored_prefixes if name.startswith(prefix)]
 
 
 SLIDING, FULL = "sliding_attention", "full_attention"

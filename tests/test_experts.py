@@ -193,3 +193,13 @@ def test_lora_on_a_router_or_the_experts_is_refused_in_one_line() -> None:
         with pytest.raises(ConfigError, match=rf"names '{target}', a Qwen3Moe\w+ in this qwen3_moe model, not a "
                            r"Linear layer LoRA can wrap \(a mixture of experts' router and experts get no LoRA"):
             trace(bad)
+
+
+def test_a_router_loss_asked_for_is_refused_in_one_line() -> None:
+    """Stages never run the CausalLM forward where transformers adds the router's auxiliary loss: asking for it
+    would be silently ignored, so compile refuses it."""
+    from hetero.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model.architecture.output_router_logits is true: hetero trains this "
+                       r"mixtral model without the router's auxiliary load-balancing loss; set it to false$"):
+        trace(spec("mixtral", num_hidden_layers=1, output_router_logits=True))

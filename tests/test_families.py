@@ -8,6 +8,7 @@ A model_type outside the table, and LoRA targets a family does not have, are one
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -143,3 +144,38 @@ def test_a_presets_cost_model_counts_the_hf_models_parameters(preset: str) -> No
     meta = sum(p.numel() for p in build_meta_model(spec).parameters())
     assert counted == pytest.approx(meta, rel=0.005), (preset, counted, meta)
     assert family(spec.model_type).lora_targets  # every preset is a family of the table
+
+
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
+def test_gemma3_loads_from_a_multimodal_checkpoint(prefix: str, tiny_spec: ModelSpec, tiny_cache: Path,
+                                                   tmp_path: Path) -> None:
+    """Gemma 3 4B-27B checkpoints are multimodal: config.json is a gemma3 config whose text_config is the language
+    model, whose weights live under language_model.model. (the hub's files) or model.language_model. (saved by
+    transformers 5). hetero reads the text model from both, and its stages load the same weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hetero.compiler.models import resolve_architecture
+    from hetero.runtime.stage.model import build_stage
+
+    architecture = {**COMMON, **TINY["gemma3_text"]}
+    plain = resolve_dir(replace(tiny_spec, name="tiny-gemma3_text", architecture=architecture))
+    wrapped = tmp_path / "gemma3-mm"
+    shutil.copytree(plain, wrapped)
+    state = load_file(str(plain / "model.safetensors"))
+    head = "language_model.lm_head.weight" if prefix.startswith("language_model.") else "lm_head.weight"
+    renamed = {(prefix + k.removeprefix("model.") if k.startswith("model.") else head): v for k, v in state.items()}
+    save_file(renamed, str(wrapped / "model.safetensors"))
+    text = {k: v for k, v in json.loads((plain / "config.json").read_text()).items() if k != "vocab_size"}
+    (wrapped / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text,
+                                                     "architectures": ["Gemma3ForConditionalGeneration"]}))
+    found = resolve_architecture(None, str(wrapped))
+    assert found["model_type"] == "gemma3_text" and found["hidden_size"] == 64
+    assert found["vocab_size"] == 262208  # the text config's default where config.json leaves it out
+    for k in range(3):
+        ours = build_stage(make_plan(wrapped, architecture, [2, 2, 2], seq_len=SEQ_LEN), k, torch.device("cpu"))
+        want = build_stage(make_plan(plain, architecture, [2, 2, 2], seq_len=SEQ_LEN), k, torch.device("cpu"))
+        got, expected = ours.model.state_dict(), want.model.state_dict()
+        assert set(got) == set(expected)
+        assert all(torch.equal(got[n], expected[n]) for n in expected)

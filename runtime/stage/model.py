@@ -10,7 +10,7 @@ bitsandbytes.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,7 @@ class Stage:
     logits_divisor: float = 1.0
     logits_softcap: float | None = None
     rotary_per_layer_type: bool = False  # each layer kind its own cos/sin (hetero/families.py)
+    _layer_kinds: dict[int, str] | None = field(default=None, repr=False)
 
     # The first stage of a pipeline holds the embedding, the last the LM head (every replica has both).
     @property
@@ -145,30 +146,20 @@ class Stage:
 
     def _rotary(self, h: torch.Tensor, position_ids: torch.Tensor) -> Any:
         """Rotary cos/sin: one pair, or one per kind of this stage's layers (hetero/families.py)."""
-        rotary = self.model.model.rotary_emb
-        if not self.rotary_per_layer_type:
-            return rotary(h, position_ids)
-        kinds = {self._layer_type(int(i)) for i in self.model.model.layers}
-        return {kind: rotary(h, position_ids, kind) for kind in sorted(kinds)}
+        return rotary_tables(self.model, h, position_ids, set(self._kinds().values()), self.rotary_per_layer_type)
 
     def _masks(self, h: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
-        """attention_mask per layer kind of this stage: None for causal SDPA (right padding needs none: pads only
-        follow real tokens); the causal or sliding-window mask HF builds where the family's attention is eager,
-        or where a sliding window is shorter than the sequence (hetero/families.py needs_mask)."""
-        config = self.model.config
-        fam = family(config.model_type)
-        kinds = {self._layer_type(int(i)) for i in self.model.model.layers}
-        wanted = sorted(k for k in kinds if needs_mask(fam, config, k, h.shape[1]))
-        if not wanted:
-            return {}
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        kw = {"config": config, "inputs_embeds": h, "attention_mask": None, "cache": None, "position_ids": position_ids}
-        build = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
-        return {kind: build[kind](**kw) for kind in wanted}
+        return attention_masks(self.model, h, position_ids, set(self._kinds().values()))
 
     def _layer_type(self, i: int) -> str:
-        return layer_types(self.model.config)[i]
+        return self._kinds()[i]
+
+    def _kinds(self) -> dict[int, str]:
+        """This stage's decoder layers' attention kinds, by layer index (computed once)."""
+        if self._layer_kinds is None:
+            kinds = layer_types(self.model.config)
+            self._layer_kinds = {int(i): kinds[int(i)] for i in self.model.model.layers}
+        return self._layer_kinds
 
     def lora_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Trainable parameters (the LoRA matrices), in module order."""
@@ -188,6 +179,37 @@ class Stage:
         if self.lora_model is None:
             return []
         return load_lora_state(self.lora_model, state, f"stage {self.index}", strict=strict)
+
+
+def rotary_tables(model: nn.Module, h: torch.Tensor, position_ids: torch.Tensor, kinds: set[str],
+                  per_kind: bool) -> Any:
+    """The rotary cos/sin a CausalLM's layers take: one pair, or (``per_kind``: hetero/families.py) a pair per
+    attention kind in ``kinds``."""
+    rotary = model.model.rotary_emb
+    if not per_kind:
+        return rotary(h, position_ids)
+    return {kind: rotary(h, position_ids, kind) for kind in sorted(kinds)}
+
+
+def attention_masks(model: nn.Module, h: torch.Tensor, position_ids: torch.Tensor, kinds: set[str]
+                    ) -> dict[str, Any]:
+    """attention_mask per attention kind in ``kinds``: none for causal SDPA (right padding needs none: pads only
+    follow real tokens); the causal or sliding-window mask HF builds where the family's attention is eager, or
+    where a sliding window is shorter than the sequence (hetero/families.py needs_mask)."""
+    config = model.config
+    fam = family(config.model_type)
+    wanted = sorted(k for k in kinds if needs_mask(fam, config, k, h.shape[1]))
+    if not wanted:
+        return {}
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    build = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
+    unknown = [k for k in wanted if k not in build]
+    if unknown:
+        raise PlanError(f"layer kind '{unknown[0]}' of this {config.model_type} model is not one hetero builds masks "
+                        f"for ({FULL}, {SLIDING}): this family needs support (docs/models.md)")
+    kw = {"config": config, "inputs_embeds": h, "attention_mask": None, "cache": None, "position_ids": position_ids}
+    return {kind: build[kind](**kw) for kind in wanted}
 
 
 def _build_config(architecture: dict):
@@ -260,7 +282,7 @@ def _base_model(plan: Plan, k: int, layout: StageLayout, dtype: torch.dtype, dev
     config = _build_config(plan.model.architecture)
     model = _skeleton(config, layout)
     load_weights(model, resolve_dir(plan.model), dtype, k, tied=bool(getattr(config, "tie_word_embeddings", False)),
-                 experts=family(plan.model.model_type).experts)
+                 fam=family(plan.model.model_type))
     model.requires_grad_(False)
     if quantization == "nf4":
         # Quantize layer by layer while moving to the device: the unquantized stage never sits in device memory.

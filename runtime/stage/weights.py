@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hetero.errors import CheckpointError
-from hetero.families import Experts
+from hetero.families import Experts, Family, stored_names
 from hetero.runtime.pretrained import weight_index
 
 TIED_HEAD, TIED_SOURCE = "lm_head.weight", "model.embed_tokens.weight"
@@ -58,9 +58,9 @@ def _stored_as(name: str, experts: Experts | None, num_experts: int) -> Source |
 
 
 def _sources(wanted: dict[str, tuple[int, ...]], index: dict[str, str], model_dir: Path, k: int, tied: bool,
-             experts: Experts | None = None) -> dict[str, Source]:
+             fam: Family | None = None) -> dict[str, Source]:
     """Where each of the stage's tensors is stored: its own name, the embedding for a tied head, or its family's
-    checkpoint names (experts stored one by one)."""
+    checkpoint names (experts stored one by one, a multimodal checkpoint's language model under a prefix)."""
     sources: dict[str, Source] = {}
     for name, shape in wanted.items():
         source: Source = name
@@ -68,7 +68,9 @@ def _sources(wanted: dict[str, tuple[int, ...]], index: dict[str, str], model_di
             if tied and name == TIED_HEAD:
                 source = TIED_SOURCE  # tied head: the checkpoint stores the embedding only
             else:
-                source = _stored_as(name, experts, shape[0] if shape else 0) or name
+                source = _stored_as(name, fam.experts if fam else None, shape[0] if shape else 0) or name
+            if isinstance(source, str) and source not in index and fam is not None:
+                source = next((n for n in stored_names(fam, source) if n in index), source)
         missing = [n for n in _flat(source) if n not in index]
         if missing:
             raise CheckpointError(
@@ -88,14 +90,20 @@ def _assemble(source: Source, read: dict[str, torch.Tensor], name: str) -> torch
     concatenation of its stored parts (gate and up projections)."""
     if isinstance(source, str):
         return read[source] if source == name else read[source].clone()
-    return torch.stack([torch.cat([read[part] for part in parts], dim=0) for parts in source])
+    try:
+        return torch.stack([torch.cat([read[part] for part in parts], dim=0) for parts in source])
+    except RuntimeError:  # experts of different shapes
+        shapes = sorted({tuple(read[part].shape) for parts in source for part in parts})
+        raise CheckpointError(f"'{name}': its experts are stored with different shapes {shapes[:4]}; the weights "
+                              "do not match model.architecture") from None
 
 
 def load_weights(model: nn.Module, model_dir: Path, dtype: torch.dtype, k: int, tied: bool,
-                 experts: Experts | None = None) -> None:
-    """Load exactly stage k's tensors into ``model`` (on the meta device), cast to ``dtype``."""
+                 fam: Family | None = None) -> None:
+    """Load exactly stage k's tensors into ``model`` (on the meta device), cast to ``dtype``, where ``fam``'s
+    checkpoints keep them."""
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items() if not n.endswith("rotary_emb.inv_freq")}
-    sources = _sources(expected, weight_index(model_dir), model_dir, k, tied, experts)
+    sources = _sources(expected, weight_index(model_dir), model_dir, k, tied, fam)
     read = load_tensors(model_dir, sorted({n for source in sources.values() for n in _flat(source)}))
     state: dict[str, torch.Tensor] = {}
     for name, source in sources.items():
@@ -112,7 +120,7 @@ def load_weights(model: nn.Module, model_dir: Path, dtype: torch.dtype, k: int, 
 def quantize_nf4(model: nn.Module, dtype: torch.dtype, device: torch.device, experts: Experts | None = None) -> int:
     """Replace the decoder layers' nn.Linear with bitsandbytes NF4 Linear4bit on ``device``, and a mixture of
     experts' 3-D weights with one Linear4bit per expert matrix (runtime/stage/experts.py); returns how many
-    modules were replaced."""
+    modules were replaced (a layer's experts count once, as one NF4Experts)."""
     from hetero.runtime.stage.experts import quantize_experts
 
     count = 0

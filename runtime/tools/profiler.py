@@ -34,11 +34,11 @@ import torch.utils.checkpoint
 from torch import nn
 
 from hetero.errors import HeteroError
-from hetero.families import family
+from hetero.families import family, layer_types
 from hetero.profile import DeviceProfile, LayerProfile, LinearFit, fit_line, typical
 from hetero.runtime.stage.lora import share_lora_inputs
 from hetero.runtime.stage.memory import kept_bytes
-from hetero.runtime.stage.model import StageLayout, _build_config, _skeleton
+from hetero.runtime.stage.model import StageLayout, _build_config, _skeleton, attention_masks, rotary_tables
 from hetero.runtime.stage.weights import quantize_nf4
 from hetero.runtime.wire.frames import TORCH_DTYPES
 from hetero.specs import DeviceSpec, ModelSpec, TrainSpec
@@ -104,13 +104,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _rope(inner: Any, h: torch.Tensor, pos: torch.Tensor) -> Any:
-    """The rotary cos/sin of the probe's layer (of its kind where the family has one rotary per kind)."""
-    if family(inner.config.model_type).rotary_per_layer_type:
-        return inner.rotary_emb(h, pos, inner.config.layer_types[0])
-    return inner.rotary_emb(h, pos)
-
-
 def _layer_call(probe: Probe, kind: str, batch: int, seq: int, recompute: bool = False
                 ) -> Callable[[], tuple[Any, Any]]:
     """A closure that runs the forward of one layer kind and returns (output to backprop, its grad);
@@ -130,8 +123,12 @@ def _layer_call(probe: Probe, kind: str, batch: int, seq: int, recompute: bool =
             h = hidden()
             # Positions and rotary tables are rebuilt per stage forward in the runtime: charged here.
             pos = torch.arange(seq, device=dev).unsqueeze(0)
-            emb = _rope(inner, h, pos)
-            kwargs = {"attention_mask": None, "position_ids": pos, "position_embeddings": emb}
+            # ... and so are the masks of layers that take one: the probe's layer is the model's first (its kind).
+            kind = layer_types(probe.model.config)[0]
+            per_kind = family(probe.model.config.model_type).rotary_per_layer_type
+            emb = rotary_tables(probe.model, h, pos, {kind}, per_kind)
+            kwargs = {"attention_mask": attention_masks(probe.model, h, pos, {kind}).get(kind), "position_ids": pos,
+                      "position_embeddings": emb[kind] if per_kind else emb}
             if recompute:
                 out = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False, **kwargs)
             else:

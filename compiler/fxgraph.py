@@ -18,7 +18,7 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from hetero.errors import ConfigError
-from hetero.families import family
+from hetero.families import family, layer_types
 from hetero.protocol import COMPUTE_DTYPES as COMPUTE_DTYPE_NAMES
 from hetero.specs import ModelSpec
 
@@ -48,14 +48,13 @@ def build_config(architecture: dict[str, Any]) -> Any:
     except (TypeError, ValueError, KeyError, *_strict_config_errors()) as exc:
         reason = " ".join(str(exc).split())  # huggingface_hub's validation errors span lines
         raise ConfigError(f"model.architecture is not a valid {model_type} config: {reason}") from None
-    # The attention the runtime trains with (runtime/stage/model.py): SDPA, or eager where the family needs it
-    # (Gemma 2, whose model class refuses SDPA). Shapes do not depend on it; costs follow it (compiler/costs.py).
-    config._attn_implementation = family(model_type).attention_impl(config)
-    if family(model_type).experts is not None:
-        config._experts_implementation = "eager"  # as the runtime computes them (runtime/stage/model.py)
-        if getattr(config, "output_router_logits", False):
-            raise ConfigError(f"model.architecture.output_router_logits is true: hetero trains this {model_type} "
-                              "model without the router's auxiliary load-balancing loss; set it to false")
+    # As the runtime trains it (SDPA, or eager where the family needs it: Gemma 2's class refuses SDPA). Shapes do
+    # not depend on it; costs follow it (compiler/costs.py).
+    fam = family(model_type)
+    fam.configure(config)
+    if fam.experts is not None and getattr(config, "output_router_logits", False):
+        raise ConfigError(f"model.architecture.output_router_logits is true: hetero trains this {model_type} "
+                          "model without the router's auxiliary load-balancing loss; set it to false")
     return config
 
 
@@ -85,9 +84,8 @@ class PipelineView(nn.Module):
         super().__init__()
         base = causal_lm.model
         # Families whose rotary embedding gives each layer kind its own cos/sin (hetero/families.py): the kinds.
-        types = getattr(causal_lm.config, "layer_types", None) or []
         per_kind = family(causal_lm.config.model_type).rotary_per_layer_type
-        self.layer_kinds: list[str] | None = [str(t) for t in types] if per_kind else None
+        self.layer_kinds: list[str] | None = layer_types(causal_lm.config) if per_kind else None
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self.layers = base.layers

@@ -77,6 +77,14 @@ class Family:
         config soft-caps attention logits (SDPA cannot)."""
         return "eager" if getattr(config, "attn_logit_softcapping", None) else self.attention
 
+    def configure(self, config: Any) -> None:
+        """Set a built HF config to compute as hetero trains the family: its attention implementation, and
+        transformers' per-expert loop for a mixture of experts (what NF4Experts computes and the cost model counts,
+        quantized or not)."""
+        config._attn_implementation = self.attention_impl(config)
+        if self.experts is not None:
+            config._experts_implementation = "eager"
+
     def embedding_multiplier(self, architecture: dict[str, Any]) -> float:
         """What the model forward multiplies the embeddings by (1.0: nothing)."""
         if self.embed_scale is None:

@@ -115,13 +115,14 @@ class Stage:
         seq = h.shape[1]
         # Every stage rebuilds positions, rotary cos/sin and masks: cheaper than sending them.
         position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
-        rope = self._rotary(h, position_ids)
-        masks = self._masks(h, position_ids)
+        kinds = self._kinds()
+        rope = rotary_tables(self.model, h, position_ids, set(kinds.values()), self.rotary_per_layer_type)
+        masks = attention_masks(self.model, h, position_ids, set(kinds.values()))
         training = torch.is_grad_enabled()
         for index, layer in inner.layers.items():
-            kind = self._layer_type(int(index))
+            kind = kinds[int(index)]
             kwargs = {"attention_mask": masks.get(kind), "position_ids": position_ids,
-                      "position_embeddings": rope[kind] if self.rotary_per_layer_type else rope}
+                      "position_embeddings": rope[kind]}
             if training and int(index) in self.recompute:
                 # Keep only the layer's input; its forward runs again in backward, with the RNG state
                 # of this forward (LoRA dropout draws the same mask). Non-reentrant: works when the
@@ -143,16 +144,6 @@ class Stage:
         if self.logits_softcap is not None:
             h = torch.tanh(h / self.logits_softcap) * self.logits_softcap
         return h
-
-    def _rotary(self, h: torch.Tensor, position_ids: torch.Tensor) -> Any:
-        """Rotary cos/sin: one pair, or one per kind of this stage's layers (hetero/families.py)."""
-        return rotary_tables(self.model, h, position_ids, set(self._kinds().values()), self.rotary_per_layer_type)
-
-    def _masks(self, h: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
-        return attention_masks(self.model, h, position_ids, set(self._kinds().values()))
-
-    def _layer_type(self, i: int) -> str:
-        return self._kinds()[i]
 
     def _kinds(self) -> dict[int, str]:
         """This stage's decoder layers' attention kinds, by layer index (computed once)."""
@@ -182,12 +173,13 @@ class Stage:
 
 
 def rotary_tables(model: nn.Module, h: torch.Tensor, position_ids: torch.Tensor, kinds: set[str],
-                  per_kind: bool) -> Any:
-    """The rotary cos/sin a CausalLM's layers take: one pair, or (``per_kind``: hetero/families.py) a pair per
-    attention kind in ``kinds``."""
+                  per_kind: bool) -> dict[str, Any]:
+    """The rotary cos/sin a CausalLM's layers of each attention kind in ``kinds`` take: one pair for all, or
+    (``per_kind``: hetero/families.py) a pair per kind."""
     rotary = model.model.rotary_emb
     if not per_kind:
-        return rotary(h, position_ids)
+        shared = rotary(h, position_ids)
+        return dict.fromkeys(kinds, shared)
     return {kind: rotary(h, position_ids, kind) for kind in sorted(kinds)}
 
 
@@ -219,12 +211,7 @@ def _build_config(architecture: dict):
     model_type = arch.pop("model_type", None)
     fam = family(model_type)  # hetero/families.py: one line for a family the runtime cannot split
     config = AutoConfig.for_model(model_type, **arch)
-    # SDPA with attention_mask=None is causal; other implementations get explicit masks (Stage._masks).
-    config._attn_implementation = fam.attention_impl(config)
-    if fam.experts is not None:
-        # transformers' per-expert loop, which NF4Experts (runtime/stage/experts.py) computes too: the same math
-        # whether or not the experts are quantized, and what the cost model counts.
-        config._experts_implementation = "eager"
+    fam.configure(config)  # SDPA without a mask is causal; layers that need one get it (attention_masks)
     return config
 
 

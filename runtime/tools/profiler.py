@@ -128,7 +128,7 @@ def _layer_call(probe: Probe, kind: str, batch: int, seq: int, recompute: bool =
             per_kind = family(probe.model.config.model_type).rotary_per_layer_type
             emb = rotary_tables(probe.model, h, pos, {kind}, per_kind)
             kwargs = {"attention_mask": attention_masks(probe.model, h, pos, {kind}).get(kind), "position_ids": pos,
-                      "position_embeddings": emb[kind] if per_kind else emb}
+                      "position_embeddings": emb[kind]}
             if recompute:
                 out = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False, **kwargs)
             else:

@@ -45,6 +45,9 @@ class MemoryBreakdown:
     total_gb: float
     available_gb: float  # device memory minus headroom
     experts_gb: float = 0.0  # of weights_gb, a mixture of experts' weights (every expert is held)
+    # Frozen weights of streamed layers kept in host RAM (not in total_gb); weights_gb counts what is resident on
+    # the device: the other layers' frozen weights plus the streaming buffer.
+    host_gb: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,14 @@ class StagePlan:
     # the seconds per micro-batch that adds to bwd_time_s (which includes it).
     recompute_layers: list[str] = field(default_factory=list)
     recompute_time_s: float = 0.0
+    # Decoder layers whose frozen weights live in host RAM and are copied to the device before each use
+    # (planner.offload), the seconds per micro-batch that adds to fwd_time_s + bwd_time_s (which include it),
+    # the bytes copied host-to-device per optimizer step, and the most frozen-weight bytes resident on the
+    # device at once (the other layers' plus the streaming buffer): what the runtime must stay within.
+    stream_layers: list[str] = field(default_factory=list)
+    stream_time_s: float = 0.0
+    streamed_bytes_per_step: float = 0.0
+    frozen_resident_cap_bytes: float = 0.0
 
     def actions(self) -> list[Action]:
         """This stage's program parsed (hetero.program's one parser); ValueError names a bad token."""
@@ -294,6 +305,8 @@ def _check_stage_place(plan: Plan, k: int, bad: Callable[[str], PlanError]) -> N
         raise bad(f"{at}.node_names do not match graph nodes {s.first_node}..{s.last_node}")
     if not set(s.recompute_layers) <= set(s.node_names):
         raise bad(f"{at}.recompute_layers names layers outside the stage")
+    if not set(s.stream_layers) <= set(s.node_names):
+        raise bad(f"{at}.stream_layers names layers outside the stage")
 
 
 def _check_stage_run(plan: Plan, k: int, bad: Callable[[str], PlanError]) -> None:
@@ -304,7 +317,8 @@ def _check_stage_run(plan: Plan, k: int, bad: Callable[[str], PlanError]) -> Non
     scheme, _, port = s.endpoint.rpartition(":")
     if not scheme.startswith("tcp://") or not port.isdigit() or not 0 < int(port) < 65536:
         raise bad(f"{at}.endpoint {s.endpoint!r} is not tcp://<address>:<port>")
-    costs = [s.fwd_time_s, s.bwd_time_s, s.send_time_s, s.recompute_time_s, s.step_sync_s,
+    costs = [s.fwd_time_s, s.bwd_time_s, s.send_time_s, s.recompute_time_s, s.step_sync_s, s.stream_time_s,
+             s.streamed_bytes_per_step, s.frozen_resident_cap_bytes,
              *s.overhead_s.values(), *vars(s.memory).values()]
     if min(costs) < 0:
         raise bad(f"{at} has a negative time or memory")
@@ -383,12 +397,17 @@ def compute_input_hash(plan: Plan) -> str:
         del planner["recompute"]  # the default: plans from before the option keep their hash
     if planner.get("replicas", 0) is None:
         del planner["replicas"]  # likewise
+    if planner.get("offload") == "auto":
+        del planner["offload"]  # likewise
     cluster = canonical(ClusterSpec, plan.cluster)
     for host in cluster["hosts"]:
         del host["ssh"]  # how `hetero run` reaches a host is not placement (and may be added to plan.json)
-        for key in ("cores", "usable_cores"):  # unset: plans from before host cores keep their hash
+        for key in ("cores", "usable_cores", "ram_gb"):  # unset: plans from before these keep their hash
             if host.get(key) is None:
                 host.pop(key, None)
+        for device in host["devices"]:
+            if device.get("host_link_gbs") is None:
+                device.pop("host_link_gbs", None)
     payload = {
         "model": canonical(ModelSpec, plan.model),
         "cluster": cluster,
@@ -396,7 +415,8 @@ def compute_input_hash(plan: Plan) -> str:
         "train": train,
         "graph_version": plan.graph.version,
         "stages": [(s.device, s.first_node, s.last_node, s.dtype, s.quantization, s.program)
-                   + ((s.recompute_layers,) if s.recompute_layers else ()) for s in plan.stages],
+                   + ((s.recompute_layers,) if s.recompute_layers else ())
+                   + ((s.stream_layers,) if s.stream_layers else ()) for s in plan.stages],
         "schema_version": plan.schema_version,
     }
     if plan.replicas:  # one-pipeline plans keep the hash they had before replicas existed

@@ -41,6 +41,9 @@ class DeviceType:
     bf16: bool
     nf4: bool = True  # bitsandbytes 4-bit kernels available on this backend
     source: str = ""  # where the numbers come from
+    # Host-to-device copy bandwidth, GB/s one way (PCIe generation x lanes as the sheet states it; 0: not stated).
+    # What streaming a layer's frozen weights from host RAM costs (planner.offload, docs/memory.md).
+    host_link_gbs: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ class DeviceSpec:
     bf16: bool
     nf4: bool
     threads: int | None = None  # cpu stages: torch.set_num_threads
+    # Host-to-device GB/s one way for weight streaming (datasheet, fleet file ``host_link_gbs:``, or a profile);
+    # None: not known, and this device does not stream.
+    host_link_gbs: float | None = None
     overrides: list[str] = field(default_factory=list)  # which numbers the fleet file overrode
 
     def compute_dtype(self, requested: str = "auto") -> str:
@@ -122,6 +128,9 @@ class HostSpec:
     # Of those, what its CPU stages got in a measured run (a profile's ``host_cores``; the rest went to the OS, the
     # sockets' I/O threads and the coordinator). Set by the planner from a profile; None: all of them.
     usable_cores: float | None = None
+    # Host memory hetero may use for streamed weights, GB (fleet file ``ram_gb:``; None: none, nothing streams
+    # from this host). The frozen weights its stages keep in host RAM must fit in it.
+    ram_gb: float | None = None
 
 
 @dataclass(frozen=True)
@@ -261,6 +270,9 @@ class PlannerOptions:
     # Activation recomputation: auto (the solver chooses, per stage, how many decoder layers re-run
     # their forward in backward), none, or full (every decoder layer).
     recompute: Literal["auto", "none", "full"] = "auto"
+    # Weight streaming: auto (the solver chooses, per stage, how many decoder layers keep their frozen weights in
+    # host RAM and stream them to the device before each use), none, or full (every decoder layer of every stage).
+    offload: Literal["auto", "none", "full"] = "auto"
     # Data x pipeline: how many pipeline replicas (None: the solver chooses; 1: one pipeline). With
     # num_stages, that many stages per replica.
     replicas: int | None = None

@@ -354,6 +354,10 @@ class StepDone(Record):
     # The device's SM clock, temperature, power, throttle reasons after the step (runtime/stage/telemetry.py);
     # absent where there is no NVML/amdsmi (a CPU stage).
     telemetry: dict[str, Any] | None = check(optional=True)
+    # A stage that streams weights from host RAM (plan stream_layers): the step's bytes copied host-to-device and
+    # the most frozen-weight bytes it held on the device at once (runtime/stage/streaming.py); absent otherwise.
+    streamed_bytes: int | None = check(optional=True, low=0)
+    frozen_resident_peak_bytes: int | None = check(optional=True, low=0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -613,7 +613,8 @@ def valid_meta(kind: str, plan: Plan) -> dict[str, Any]:
         "clip": p.Clip(coef=0.5, grad_norm=2.0), "grads": p.Grads(), "reduced": p.Reduced(coef=1.0, grad_norm=0.5),
         "stepdone": p.StepDone(step=STEP, loss_sum=12.5, num_label_tokens=17, grad_sumsq=2.5, lr=1e-3, busy_s=0.2,
                                wall_s=0.3, op_time_s={"F": 0.1, "B": 0.12}, op_cpu_s={"F": 0.09, "B": 0.11},
-                               link_s={"act": 0.001, "grad": 0.002}, telemetry={"sm_clock_mhz": 1800}),
+                               link_s={"act": 0.001, "grad": 0.002}, telemetry={"sm_clock_mhz": 1800},
+                               streamed_bytes=1 << 20, frozen_resident_peak_bytes=3 << 20),
         "rebalance": p.Rebalance(spans=[[s.first_node, s.last_node] for s in plan.stages],
                                  recompute=[[] for _ in plan.stages], reason="stage 1 slowed down for good"),
     }
@@ -824,6 +825,7 @@ def test_fuzzed_frames_are_admitted_or_dropped_in_one_line(workdir: Path, compil
     ("stepdone", "op_time_s", {"F": "slow"}), ("stepdone", "op_cpu_s", {"F": None}), ("stepdone", "link_s", {"act": [1]}),
     ("rebalance", "spans", [[0.5, 3]]), ("rebalance", "recompute", [[1]]), ("start", "keys", [0.5]),
     ("act", "sent", "yesterday"), ("grad", "sent", math.nan), ("stepdone", "op_time_s", {"F": True}),
+    ("stepdone", "streamed_bytes", -1), ("stepdone", "frozen_resident_peak_bytes", 0.5),
 ])  # fmt: skip
 def test_reported_frames_are_dropped_in_one_line(pipeline_plan: Plan, kind: str, field: str, value: Any) -> None:
     # Each would pass a check of the field's outer type and fail later in the process that takes it.

@@ -49,7 +49,7 @@ def metrics_line(plan: Plan, step: int, done: dict[int, Any], grad_norm: float, 
     tokens_per_step = train.num_micro_batches * train.micro_batch_size * plan.model.seq_len
     lasts = [done[rep.stages[-1]].meta for rep in plan.pipelines]
     loss = sum(float(m["loss_sum"]) for m in lasts) / label_tokens
-    return {
+    line = {
         "step": step, "loss": loss, "lr": float(done[0].meta["lr"]), "grad_norm": grad_norm,
         "clip_coef": coef, "tokens": tokens_per_step, "label_tokens": int(lasts[0]["num_label_tokens"]),
         "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
@@ -60,6 +60,11 @@ def metrics_line(plan: Plan, step: int, done: dict[int, Any], grad_norm: float, 
         "stage_links": [done[k].meta.get("link_s") for k in range(len(plan.stages))],
         "stage_telemetry": [clean_telemetry(done[k].meta.get("telemetry")) for k in range(len(plan.stages))],
     }
+    if any(sp.stream_layers for sp in plan.stages):  # only plans that stream: the others' lines stay as they were
+        line["stage_streamed_bytes"] = [done[k].meta.get("streamed_bytes") for k in range(len(plan.stages))]
+        line["stage_frozen_resident_peak_bytes"] = [done[k].meta.get("frozen_resident_peak_bytes")
+                                                    for k in range(len(plan.stages))]
+    return line
 
 
 class RunRecords:

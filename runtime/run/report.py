@@ -8,6 +8,7 @@ that split (the plan's for the first, the move's event line for the next; runtim
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,50 @@ def build_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, flo
         "telemetry": telemetry_summary(steps, len(plan.stages)),
         # Measured vs predicted per stage, stages >20% off flagged, and the bottleneck in words.
         "comparison": compare_run(plan, steps + moves_in) if steps else [],
+        **({"streaming": streaming_summary(plan, steps)} if any(sp.stream_layers for sp in plan.stages) else {}),
     }
+
+
+def streaming_summary(plan: Plan, steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per stage that streams weights: bytes copied per step (median over the steps) against the plan's
+    streamed_bytes_per_step, and its frozen-weight peak on the device (the most over the steps) against the
+    plan's frozen_resident_cap_bytes."""
+    out = []
+    for k, sp in enumerate(plan.stages):
+        if not sp.stream_layers:
+            continue
+        streamed = [s["stage_streamed_bytes"][k] for s in steps
+                    if k < len(s.get("stage_streamed_bytes") or []) and s["stage_streamed_bytes"][k] is not None]
+        peaks = [s["stage_frozen_resident_peak_bytes"][k] for s in steps
+                 if k < len(s.get("stage_frozen_resident_peak_bytes") or [])
+                 and s["stage_frozen_resident_peak_bytes"][k] is not None]
+        peak = max(peaks) if peaks else None
+        cap = sp.frozen_resident_cap_bytes
+        out.append({
+            "stage": k, "device": sp.device, "stream_layers": len(sp.stream_layers),
+            "measured_streamed_bytes_per_step": statistics.median(streamed) if streamed else None,
+            "predicted_streamed_bytes_per_step": sp.streamed_bytes_per_step,
+            "measured_frozen_resident_peak_bytes": peak, "frozen_resident_cap_bytes": cap,
+            "within_cap": None if peak is None or cap <= 0 else peak <= cap,
+        })
+    return out
+
+
+def streaming_lines(summary: list[dict[str, Any]]) -> list[str]:
+    """Per streaming stage: measured vs predicted bytes per step, and the frozen-weight peak vs the plan's cap."""
+    lines = []
+    for s in summary:
+        streamed, peak = s["measured_streamed_bytes_per_step"], s["measured_frozen_resident_peak_bytes"]
+        over = " -- OVER THE PLAN'S CAP" if s["within_cap"] is False else ""
+        lines.append(f"weight streaming, stage {s['stage']} ({s['stream_layers']} layers): "
+                     f"{_mb(streamed)} streamed per step (predicted {_mb(s['predicted_streamed_bytes_per_step'])}), "
+                     f"frozen weights resident at most {_mb(peak)} (plan's cap {_mb(s['frozen_resident_cap_bytes'])})"
+                     f"{over}")
+    return lines
+
+
+def _mb(x: float | None) -> str:
+    return "-" if x is None else f"{x / (1 << 20):,.1f} MB"
 
 
 def write_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, float], run_dir: Path,
@@ -133,7 +177,8 @@ def print_report(report: dict[str, Any]) -> None:
         console.print("[bold]moves[/bold]")
         for move in report["moves"]:
             console.print(f"  {move_line(move)}", highlight=False, markup=False)
-    for line in report.get("comparison", []) + telemetry_lines(report.get("telemetry") or []):
+    for line in (report.get("comparison", []) + telemetry_lines(report.get("telemetry") or [])
+                 + streaming_lines(report.get("streaming") or [])):
         console.print(line, highlight=False, markup=False)
     if report.get("picture"):
         console.print(f"step times over the run: {report['picture']}", highlight=False)

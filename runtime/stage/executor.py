@@ -96,6 +96,10 @@ class StepStats:
     # messages this stage was already waiting for (a queued one's time on the link is unknown).
     link_s: dict[str, float] = field(default_factory=dict)
     telemetry: dict[str, Any] | None = None  # the device's clocks/temperature after the step (GPUs with NVML/amdsmi)
+    # A stage that streams weights (plan stream_layers): bytes copied host-to-device in the step, and the most
+    # frozen-weight bytes it held on the device at once (runtime/stage/streaming.py); None where nothing streams.
+    streamed_bytes: int | None = None
+    frozen_resident_peak_bytes: int | None = None
 
     def to_meta(self) -> dict[str, Any]:
         meta = {"step": self.step, "loss_sum": self.loss_sum, "num_label_tokens": self.num_label_tokens,
@@ -105,6 +109,9 @@ class StepStats:
             meta["op_cpu_s"] = dict(self.op_cpu_s)
         if self.link_s:
             meta["link_s"] = dict(self.link_s)
+        if self.streamed_bytes is not None:
+            meta["streamed_bytes"] = self.streamed_bytes
+            meta["frozen_resident_peak_bytes"] = self.frozen_resident_peak_bytes
         return meta if self.telemetry is None else {**meta, "telemetry": self.telemetry}
 
 
@@ -158,6 +165,9 @@ class Executor:
     def run_step(self, step: int) -> StepStats:
         """Execute the whole program once (one optimizer step) and return its measurements."""
         self._reset()
+        streamer = self.stage.streamer
+        if streamer is not None:
+            streamer.begin_step()
         self._lr = self.scheduler.get_last_lr()[0] if self.scheduler is not None else self.train.lr
         times: dict[str, float] = defaultdict(float)
         start = time.perf_counter()
@@ -192,6 +202,8 @@ class Executor:
             op_cpu_s=dict(cpu),
             link_s={kind: statistics.median(v) for kind, v in self._deliveries.items() if v},
             telemetry=sample_telemetry(self.telemetry),  # after the step's timings: not part of them
+            streamed_bytes=None if streamer is None else streamer.stats.streamed_bytes,
+            frozen_resident_peak_bytes=None if streamer is None else streamer.stats.frozen_resident_peak_bytes,
         )
 
     # -- handlers ---------------------------------------------------------------------------------

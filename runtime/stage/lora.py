@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetero.errors import CheckpointError, PlanError
+from hetero.runtime.stage.streaming import StreamedLinear
 from hetero.specs import LoraSpec
 
 ADAPTER = "default"  # peft's adapter name: part of every LoRA parameter name, dropped from the PEFT keys
@@ -154,7 +155,8 @@ def lora_linear(base: nn.Module, x: torch.Tensor, a_weight: torch.Tensor, b_weig
 
 
 class LoraLinear(nn.Module):
-    """A frozen Linear (nn.Linear or bitsandbytes Linear4bit) with one LoRA adapter: peft's ``lora.Linear``.
+    """A frozen Linear (nn.Linear, bitsandbytes Linear4bit, or either streamed from host memory: StreamedLinear)
+    with one LoRA adapter: peft's ``lora.Linear``.
 
     Children are registered in peft's order and under peft's names (``base_layer``, ``lora_dropout.default``,
     ``lora_A.default``, ``lora_B.default``), so parameter names, their order and the PEFT keys are peft's.
@@ -162,7 +164,7 @@ class LoraLinear(nn.Module):
     so the sum is formed in the adapter's dtype and then cast (``cast_first`` False) for both bases.
     """
 
-    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float) -> None:
+    def __init__(self, base: nn.Linear | StreamedLinear, r: int, alpha: float, dropout: float) -> None:
         super().__init__()
         self.base_layer = base
         self.lora_dropout = nn.ModuleDict({ADAPTER: nn.Dropout(p=dropout) if dropout > 0.0 else nn.Identity()})
@@ -173,8 +175,9 @@ class LoraLinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A[ADAPTER].weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B[ADAPTER].weight)
         # peft moves the adapter to the base's device and upcasts a half-precision one: fp32 there.
-        self.lora_A.to(base.weight.device)
-        self.lora_B.to(base.weight.device)
+        device = base.device if isinstance(base, StreamedLinear) else base.weight.device
+        self.lora_A.to(device)
+        self.lora_B.to(device)
         self.scaling = alpha / r
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -215,7 +218,7 @@ def add_lora(model: nn.Module, lora: LoraSpec, seed: int) -> LoraModel | None:
         return None
     model.requires_grad_(False)  # peft trains the adapters only (bias "none")
     for name, module in targets:
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, (nn.Linear, StreamedLinear)):
             raise PlanError(f"lora.target_modules matches '{name}', a {type(module).__name__}; the runtime adds "
                             "LoRA to Linear layers only (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, ...)")
         parent, _, child = name.rpartition(".")

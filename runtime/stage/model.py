@@ -24,6 +24,7 @@ from hetero.errors import PlanError
 from hetero.families import FULL, SLIDING, family, layer_types, needs_mask
 from hetero.plan import Plan
 from hetero.runtime.stage.lora import add_lora, load_lora_state, lora_state
+from hetero.runtime.stage.streaming import WeightStreamer, frozen_device_bytes, stream_layer
 from hetero.runtime.stage.weights import load_weights, quantize_nf4
 from hetero.runtime.wire.frames import TORCH_DTYPES
 
@@ -68,11 +69,20 @@ def stage_layout(plan: Plan, k: int) -> StageLayout:
 
 def recompute_indices(plan: Plan, k: int, layout: StageLayout) -> frozenset[int]:
     """Decoder layer indices of stage k that the plan says recompute; they must be the stage's own."""
+    return _own_layers(plan.stages[k].recompute_layers, "recompute_layers", k, layout)
+
+
+def stream_indices(plan: Plan, k: int, layout: StageLayout) -> frozenset[int]:
+    """Decoder layer indices of stage k whose frozen weights the plan streams from host RAM."""
+    return _own_layers(plan.stages[k].stream_layers, "stream_layers", k, layout)
+
+
+def _own_layers(names: list[str], what: str, k: int, layout: StageLayout) -> frozenset[int]:
     found = set()
-    for name in plan.stages[k].recompute_layers:
+    for name in names:
         m = _LAYER_RE.search(name)
         if m is None or int(m.group(1)) not in layout.layers:
-            raise PlanError(f"stage {k}: recompute_layers names '{name}', not one of this stage's decoder layers; "
+            raise PlanError(f"stage {k}: {what} names '{name}', not one of this stage's decoder layers; "
                             "recompile the plan")
         found.add(int(m.group(1)))
     return frozenset(found)
@@ -95,6 +105,7 @@ class Stage:
     logits_divisor: float = 1.0
     logits_softcap: float | None = None
     rotary_per_layer_type: bool = False  # each layer kind its own cos/sin (hetero/families.py)
+    streamer: WeightStreamer | None = None  # the streamed layers' weights (plan stream_layers), None: none stream
     _layer_kinds: dict[int, str] | None = field(default=None, repr=False)
 
     # The first stage of a pipeline holds the embedding, the last the LM head (every replica has both).
@@ -261,24 +272,39 @@ def _computed_buffers(model: nn.Module) -> None:
             module.register_buffer(name, torch.tensor(scalar), persistent=False)
 
 
-def _base_model(plan: Plan, k: int, layout: StageLayout, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Stage k's frozen part of the CausalLM on ``device``: its own weights only, cast, quantized as planned."""
+def _base_model(plan: Plan, k: int, layout: StageLayout, dtype: torch.dtype, device: torch.device
+                ) -> tuple[nn.Module, WeightStreamer | None]:
+    """Stage k's frozen part of the CausalLM on ``device``: its own weights only, cast, quantized as planned, its
+    streamed layers' Linear weights in host memory (and the streamer that holds them)."""
     from hetero.runtime.pretrained import resolve_dir
 
-    quantization = plan.stages[k].quantization
+    sp = plan.stages[k]
     config = _build_config(plan.model.architecture)
     model = _skeleton(config, layout)
     load_weights(model, resolve_dir(plan.model), dtype, k, tied=bool(getattr(config, "tie_word_embeddings", False)),
                  fam=family(plan.model.model_type))
     model.requires_grad_(False)
-    if quantization == "nf4":
+    streamed = stream_indices(plan, k, layout)
+    streamer = WeightStreamer(k, device, sp.frozen_resident_cap_bytes) if streamed else None
+
+    def offload(index: int, layer: nn.Module) -> None:
+        # Right after a layer is quantized (or before anything moves): its Linears never stay in device memory.
+        if streamer is not None and index in streamed:
+            stream_layer(layer, index, streamer)
+
+    if sp.quantization == "nf4":
         # Quantize layer by layer while moving to the device: the unquantized stage never sits in device memory.
-        quantize_nf4(model, dtype, device, family(plan.model.model_type).experts)
-    elif quantization not in ("none", ""):
-        raise PlanError(f"stage {k}: quantization '{quantization}' is not supported by the runtime (none, nf4)")
+        quantize_nf4(model, dtype, device, family(plan.model.model_type).experts, after_layer=offload)
+    elif sp.quantization not in ("none", ""):
+        raise PlanError(f"stage {k}: quantization '{sp.quantization}' is not supported by the runtime (none, nf4)")
+    else:
+        for index, layer in model.model.layers.items():
+            offload(int(index), layer)
     model.to(device)
     model.eval()  # dropout off in the frozen base; LoRA dropout follows lora.dropout via train()
-    return model
+    if streamer is not None:
+        streamer.finish(frozen_device_bytes(model))
+    return model, streamer
 
 
 def build_stage(plan: Plan, k: int, device: torch.device, *, seed: int | None = None) -> Stage:
@@ -288,7 +314,7 @@ def build_stage(plan: Plan, k: int, device: torch.device, *, seed: int | None = 
     if sp.dtype not in TORCH_DTYPES:
         raise PlanError(f"stage {k}: unknown dtype '{sp.dtype}'; expected one of {sorted(TORCH_DTYPES)}")
     dtype = TORCH_DTYPES[sp.dtype]
-    model = _base_model(plan, k, layout, dtype, device)
+    model, streamer = _base_model(plan, k, layout, dtype, device)
     lora = plan.model.lora
     lora_model = add_lora(model, lora, plan.train.seed if seed is None else seed)
     if lora_model is not None:
@@ -297,7 +323,7 @@ def build_stage(plan: Plan, k: int, device: torch.device, *, seed: int | None = 
     fam = family(plan.model.model_type)
     stage = Stage(k, device, dtype, layout, model, lora_model, sp.quantization, recompute_indices(plan, k, layout),
                   fam.embedding_multiplier(plan.model.architecture), fam.logits_scale(plan.model.architecture),
-                  fam.softcap(model.config), fam.rotary_per_layer_type)
+                  fam.softcap(model.config), fam.rotary_per_layer_type, streamer=streamer)
     if lora.init_from:
         from hetero.runtime.run.adapter import load_adapter_state
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -117,14 +118,16 @@ def load_weights(model: nn.Module, model_dir: Path, dtype: torch.dtype, k: int, 
     model.load_state_dict(state, strict=False, assign=True)
 
 
-def quantize_nf4(model: nn.Module, dtype: torch.dtype, device: torch.device, experts: Experts | None = None) -> int:
+def quantize_nf4(model: nn.Module, dtype: torch.dtype, device: torch.device, experts: Experts | None = None,
+                 after_layer: Callable[[int, nn.Module], None] | None = None) -> int:
     """Replace the decoder layers' nn.Linear with bitsandbytes NF4 Linear4bit on ``device``, and a mixture of
     experts' 3-D weights with one Linear4bit per expert matrix (runtime/stage/experts.py); returns how many
-    modules were replaced (a layer's experts count once, as one NF4Experts)."""
+    modules were replaced (a layer's experts count once, as one NF4Experts). ``after_layer`` (index, layer) is
+    called as each layer is done (weight streaming takes its Linears to host memory there)."""
     from hetero.runtime.stage.experts import quantize_experts
 
     count = 0
-    for layer in model.model.layers.values():
+    for index, layer in model.model.layers.items():
         if experts is not None and quantize_experts(layer, experts.module, lambda w: _nf4(w, None, dtype, device)):
             count += 1
         for parent in list(layer.modules()):
@@ -132,6 +135,8 @@ def quantize_nf4(model: nn.Module, dtype: torch.dtype, device: torch.device, exp
                 if type(child) is nn.Linear:
                     setattr(parent, child_name, _nf4(child.weight.data, child.bias, dtype, device))
                     count += 1
+        if after_layer is not None:
+            after_layer(int(index), layer)
     return count
 
 

@@ -153,8 +153,9 @@ def coordinator_rules(plan: Any) -> Rules:
 
 
 def can_rebalance(plan: Any) -> bool:
-    """Whether layers of this plan may move between stages during the run (one pipeline of two or more stages)."""
-    return len(plan.pipelines) == 1 and len(plan.stages) > 1
+    """Whether layers of this plan may move between stages during the run (one pipeline of two or more stages, no
+    weight streaming: which layers stream, and the resident cap, were planned for each stage's own span)."""
+    return len(plan.pipelines) == 1 and len(plan.stages) > 1 and not any(s.stream_layers for s in plan.stages)
 
 
 def max_message_bytes(plan: Any, k: int | None) -> int:

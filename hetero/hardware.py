@@ -28,8 +28,11 @@ OVERRIDABLE = (
     "bf16",
     "nf4",
 )
-_DEVICE_KEYS = frozenset({"type", "count", "name", "index", "threads", *OVERRIDABLE})
-_HOST_KEYS = frozenset({"name", "address", "port", "devices", "ssh", "cores"})
+_DEVICE_KEYS = frozenset({"type", "count", "name", "index", "threads", "host_link_gbs", "pcie", *OVERRIDABLE})
+_HOST_KEYS = frozenset({"name", "address", "port", "devices", "ssh", "cores", "ram_gb"})
+# PCIe GB/s one way per lane, theoretical (PCI-SIG: 2.5/5 GT/s with 8b/10b for gen 1/2, 8/16/32/64 GT/s with
+# 128b/130b from gen 3): a fleet file's ``pcie: {gen, lanes}`` is lanes x this (x1 risers: 1/16 of x16).
+PCIE_GBS_PER_LANE = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 _SSH_KEYS = frozenset({"target", "port", "identity", "options", "python", "plan_dir"})
 _LINK_KEYS = frozenset({"a", "b", "bandwidth_gbps", "latency_us"})
 _CLUSTER_KEYS = frozenset(
@@ -175,6 +178,25 @@ def _datasheet_values(entry: Mapping[str, Any], dt: DeviceType, at: str) -> tupl
     return values, overrides
 
 
+def _host_link(entry: Mapping[str, Any], dt: DeviceType, at: str) -> tuple[float | None, list[str]]:
+    """The device's host-to-device GB/s: ``host_link_gbs:``, else ``pcie: {gen, lanes}``, else the datasheet
+    (None where none says); and an override note when the fleet file changed it."""
+    if "host_link_gbs" in entry and "pcie" in entry:
+        raise ConfigError(f"{at}: give host_link_gbs or pcie, not both")
+    if "host_link_gbs" in entry:
+        value = float(_number(entry["host_link_gbs"], f"{at}.host_link_gbs"))
+    elif "pcie" in entry:
+        pcie = entry["pcie"]
+        if not isinstance(pcie, Mapping) or set(pcie) - {"gen", "lanes"} or "gen" not in pcie:
+            raise ConfigError(f"{at}.pcie: expected {{gen: 1..6, lanes: 1..16}}, got {short_repr(pcie)}")
+        gen = int(_number(pcie["gen"], f"{at}.pcie.gen", integer=True, minimum=1, maximum=6))
+        lanes = int(_number(pcie.get("lanes", 16), f"{at}.pcie.lanes", integer=True, minimum=1, maximum=16))
+        value = PCIE_GBS_PER_LANE[gen] * lanes
+    else:
+        return (dt.host_link_gbs or None), []
+    return value, ([f"host_link_gbs={value:g} (datasheet {dt.host_link_gbs:g})"] if value != dt.host_link_gbs else [])
+
+
 def _threads_and_index(entry: Mapping[str, Any], at: str) -> tuple[int | None, int | None]:
     """The entry's ``threads`` (cpu stages) and explicit torch ``index`` of its first device, when given."""
     threads = entry.get("threads")
@@ -188,7 +210,7 @@ def _threads_and_index(entry: Mapping[str, Any], at: str) -> tuple[int | None, i
 
 
 def _device_spec(name: str, host: str, type_name: str, dt: DeviceType, index: int, values: Mapping[str, Any],
-                 threads: int | None, overrides: list[str]) -> DeviceSpec:
+                 threads: int | None, overrides: list[str], host_link_gbs: float | None) -> DeviceSpec:
     """One device from its datasheet type and the (overridden) numbers of its entry."""
     return DeviceSpec(
         name=name,
@@ -207,6 +229,7 @@ def _device_spec(name: str, host: str, type_name: str, dt: DeviceType, index: in
         bf16=bool(values["bf16"]),
         nf4=bool(values["nf4"]),
         threads=threads,
+        host_link_gbs=host_link_gbs,
         overrides=list(overrides),
     )
 
@@ -225,6 +248,7 @@ def _expand_devices(
         count = _entry_count(entry, at, room - len(devices))
         values, overrides = _datasheet_values(entry, dt, at)
         threads, first_index = _threads_and_index(entry, at)
+        link, link_note = _host_link(entry, dt, at)
         for k in range(count):
             ordinal = per_type.get(type_name, 0)
             per_type[type_name] = ordinal + 1
@@ -232,7 +256,7 @@ def _expand_devices(
             per_backend[dt.backend] = backend_index + 1
             name = str(entry.get("name") or f"{_device_name_stem(host, type_name)}{ordinal}")
             index = backend_index if first_index is None else first_index + k
-            devices.append(_device_spec(name, host, type_name, dt, index, values, threads, overrides))
+            devices.append(_device_spec(name, host, type_name, dt, index, values, threads, overrides + link_note, link))
     return devices
 
 
@@ -349,7 +373,14 @@ def _host_spec(entry: Any, at: str, types: Mapping[str, DeviceType], earlier: li
     cores = entry.get("cores")
     if cores is not None:
         cores = int(_number(cores, f"{at}.cores", integer=True, maximum=4096))
-    return HostSpec(name=name, address=address, port=int(port), devices=devices, ssh=ssh, cores=cores)
+    ram_gb = entry.get("ram_gb")
+    if ram_gb is not None:
+        ram_gb = float(_number(ram_gb, f"{at}.ram_gb", maximum=1e6))
+    else:  # nothing streams from a host without ram_gb: a datasheet link stays out of the spec (and the plan hash)
+        devices = [d if any(o.startswith("host_link_gbs") for o in d.overrides) else replace(d, host_link_gbs=None)
+                   for d in devices]
+    return HostSpec(name=name, address=address, port=int(port), devices=devices, ssh=ssh, cores=cores,
+                    ram_gb=ram_gb)
 
 
 def _share_cpu_cores(host: HostSpec) -> HostSpec:

@@ -28,14 +28,17 @@ def all_placements(num_nodes: int, num_devices: int, num_stages: int | None = No
 def brute_force(table: CostTable, num_stages: int | None = None) -> Evaluation | None:
     """The feasible placement with the lowest closed-form step time, or None when none fits.
 
-    Every recomputation the table's planner.recompute allows is tried explicitly, per stage (not the
-    planner's rule that the fewest recomputing layers that fit are the fastest).
+    Every recomputation and streaming the table's planner.recompute and planner.offload allow is tried
+    explicitly, per stage, as (recompute, stream) pairs (not the planner's rule that the pair of least added
+    time that fits is the best), and the hosts' RAM is checked (objective.evaluate).
     """
     best: Evaluation | None = None
     for placement in all_placements(table.num_nodes, table.num_devices, num_stages):
-        choices = [table.recompute_choices(a, b) for a, b in placement.spans]
-        for recompute in product(*choices):
-            ev = evaluate(table, Placement(placement.devices, placement.spans, tuple(recompute)))
+        choices = [list(product(table.recompute_choices(a, b), table.stream_choices(d, a, b)))
+                   for d, (a, b) in zip(placement.devices, placement.spans, strict=True)]
+        for pairs in product(*choices):
+            ev = evaluate(table, Placement(placement.devices, placement.spans, tuple(r for r, _ in pairs),
+                                           tuple(s for _, s in pairs)))
             if ev.feasible and (best is None or ev.step_time_s < best.step_time_s):
                 best = ev
     return best
@@ -45,16 +48,18 @@ def brute_force_simulated(table: CostTable, num_stages: int | None = None, every
                           placements: Iterable[Placement] | None = None) -> tuple[Evaluation, float] | None:
     """The feasible placement with the lowest simulated step time and that time, or None when none fits.
 
-    ``every_recompute``: try every recomputation planner.recompute allows per stage (else the fewest
-    that fit, objective.evaluate's rule); ``placements``: search only these (default: all).
+    ``every_recompute``: try every recomputation and streaming planner.recompute and planner.offload allow per
+    stage (else objective.evaluate's rule); ``placements``: search only these (default: all).
     """
     best: tuple[Evaluation, float] | None = None
     for placement in placements if placements is not None else all_placements(table.num_nodes, table.num_devices,
                                                                                num_stages):
-        choices = [table.recompute_choices(a, b) if every_recompute else [None] for a, b in placement.spans]
-        for recompute in product(*choices):
-            rec = None if recompute[0] is None else tuple(int(r) for r in recompute if r is not None)
-            ev = evaluate(table, Placement(placement.devices, placement.spans, rec))
+        choices = [list(product(table.recompute_choices(a, b), table.stream_choices(d, a, b))) if every_recompute
+                   else [None] for d, (a, b) in zip(placement.devices, placement.spans, strict=True)]
+        for pairs in product(*choices):
+            rec = None if pairs[0] is None else tuple(int(p[0]) for p in pairs if p is not None)
+            stream = None if pairs[0] is None else tuple(int(p[1]) for p in pairs if p is not None)
+            ev = evaluate(table, Placement(placement.devices, placement.spans, rec, stream))
             if not ev.feasible:
                 continue
             step = simulated_step_s(table, ev)

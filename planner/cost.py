@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from hetero.errors import ConfigError
 from hetero.graph import LayerGraph
 from hetero.planner.cost_model import CostModel, lora_tensors, wire_bytes_per_token
+from hetero.planner.stream_costs import stream_columns
 from hetero.specs import ClusterSpec, DeviceSpec, ModelSpec, PlannerOptions, TrainSpec
 
 GB = 1e9
@@ -91,9 +92,23 @@ class CostTable:
     core_need: list[int] = field(default_factory=list)
     host_cores: list[int] = field(default_factory=list)
     host_usable_cores: list[float] = field(default_factory=list)  # per [host]: measured by a run (0: all of them)
+    # Weight streaming (planner.offload, planner/streaming.py): per [node][device] the frozen bytes a streamed
+    # decoder layer keeps in host RAM and the seconds each copy of them adds (past what compute hides); per
+    # [device] the seconds the first copy of a pass adds, one buffer slot's bytes and whether it may stream;
+    # which nodes can; per [host] the RAM bytes for streamed weights (0: none). Unset: nothing streams.
+    stream_bytes: list[list[float]] = field(default_factory=list)
+    stream_fetch_s: list[list[float]] = field(default_factory=list)
+    stream_start_s: list[float] = field(default_factory=list)
+    stream_buffer: list[float] = field(default_factory=list)
+    can_stream: list[bool] = field(default_factory=list)
+    streamable: list[bool] = field(default_factory=list)
+    stream_mode: str = "none"
+    host_ram_bytes: list[float] = field(default_factory=list)
     # The fleet's devices, for names in plans and messages; solvers never read them (may be empty).
     devices: list[DeviceSpec] = field(default_factory=list)
     _prefix: dict[int, tuple[list[float], list[int], list[float]]] = field(
+        default_factory=dict, repr=False, compare=False)
+    _stream_prefix: dict[int, tuple[list[int], list[float], list[float], list[int], list[int], list[float]]] = field(
         default_factory=dict, repr=False, compare=False)
     _classes: list[int] = field(default_factory=list, repr=False, compare=False)
 
@@ -133,6 +148,7 @@ class CostTable:
         self.core_need = [int(x) for x in self.core_need] or [0] * nd
         self.host_cores = [int(x) for x in self.host_cores] or [0] * hosts
         self.host_usable_cores = [float(x) for x in self.host_usable_cores] or [0.0] * len(self.host_cores)
+        self._stream_defaults(n, nd, hosts)
         if len(self.core_need) != nd or len(self.host_cores) < hosts:
             raise ValueError("CostTable.core_need needs one entry per device and host_cores one per host")
         short = [(len(self.link_s), n), (len(self.message_send_s), n), (len(self.message_recv_s), n),
@@ -143,6 +159,50 @@ class CostTable:
         if any(have < need for have, need in short):
             raise ValueError("CostTable link/message/sync/recompute/reduce arrays do not match the nodes, kinds "
                              "and hosts")
+
+    def _stream_defaults(self, n: int, nd: int, hosts: int) -> None:
+        """Streaming arrays as floats, zeros where unset (nothing streams)."""
+        self.stream_bytes = _rows(self.stream_bytes) if len(self.stream_bytes) else [[0.0] * nd for _ in range(n)]
+        self.stream_fetch_s = (_rows(self.stream_fetch_s) if len(self.stream_fetch_s)
+                               else [[0.0] * nd for _ in range(n)])
+        self.stream_start_s = [float(x) for x in self.stream_start_s] or [0.0] * nd
+        self.stream_buffer = [float(x) for x in self.stream_buffer] or [0.0] * nd
+        self.can_stream = [bool(x) for x in self.can_stream] or [False] * nd
+        self.streamable = [bool(x) for x in self.streamable] or [False] * n
+        self.host_ram_bytes = [float(x) for x in self.host_ram_bytes] or [0.0] * hosts
+        if (len(self.stream_bytes) != n or len(self.stream_fetch_s) != n or len(self.streamable) != n
+                or any(len(x) != nd for x in (self.stream_start_s, self.stream_buffer, self.can_stream))):
+            raise ValueError("CostTable streaming arrays do not match the nodes and devices")
+
+    def stream_prefixes(self, d: int) -> tuple[list[int], list[float], list[float], list[int], list[int], list[float]]:
+        """Device d's streaming prefix sums: streamable nodes before each node; bytes and copy seconds over the
+        streamable nodes in order; the node of each streamable and each recomputable one; and copy seconds
+        over the nodes that both stream and recompute (their re-run forward copies again)."""
+        if d not in self._stream_prefix:
+            srank, sbytes, sfetch, snode, rnode, both = [0], [0.0], [0.0], [], [], [0.0]
+            for i in range(self.num_nodes):
+                can = self.streamable[i]
+                srank.append(srank[-1] + int(can))
+                if can:
+                    sbytes.append(sbytes[-1] + self.stream_bytes[i][d])
+                    sfetch.append(sfetch[-1] + self.stream_fetch_s[i][d])
+                    snode.append(i)
+                if self.recomputable[i]:
+                    rnode.append(i)
+                both.append(both[-1] + (self.stream_fetch_s[i][d] if can and self.recomputable[i] else 0.0))
+            self._stream_prefix[d] = (srank, sbytes, sfetch, snode, rnode, both)
+        return self._stream_prefix[d]
+
+    def stream_choices(self, d: int, first: int, last: int, mode: str | None = None) -> list[int]:
+        """How many streamed layers a stage of device d over nodes first..last may have under ``mode``."""
+        mode = mode or self.stream_mode
+        srank = self.stream_prefixes(d)[0]
+        count = srank[last + 1] - srank[first]
+        if mode == "none" or count == 0 or not self.can_stream[d]:
+            return [0]
+        if mode == "full":
+            return [count]
+        return list(range(count + 1))
 
     @property
     def num_nodes(self) -> int:
@@ -203,11 +263,12 @@ class CostTable:
         if not self._classes:
             keys: dict[tuple, int] = {}  # type: ignore[type-arg]
             rows = (self.fwd_s, self.bwd_s, self.weights, self.lora, self.activations_per_mb,
-                    self.recompute_per_mb, self.recompute_s, self.opt_s)
+                    self.recompute_per_mb, self.recompute_s, self.opt_s, self.stream_bytes, self.stream_fetch_s)
             for d in range(self.num_devices):
                 messages = tuple(r[d] for per_node in (self.message_send_s, self.message_recv_s)
                                  for kinds in per_node for r in kinds)
                 key = (self.host_of[d], self.wire_kind[d], self.usable_bytes[d], self.core_need[d],
+                       self.stream_start_s[d], self.stream_buffer[d], self.can_stream[d],
                        self.opt_fixed_s[d] if self.opt_fixed_s else 0.0,
                        *(tuple(r[d] for r in t) for t in rows), messages)
                 self._classes.append(keys.setdefault(key, len(keys)))
@@ -233,8 +294,11 @@ def subtable(table: CostTable, num_micro_batches: int, devices: list[int] | None
         opt_s=cols(table.opt_s) if table.opt_s else [],
         opt_fixed_s=[table.opt_fixed_s[d] for d in keep] if table.opt_fixed_s else [],
         recompute_per_mb=cols(table.recompute_per_mb), recompute_s=cols(table.recompute_s),
+        stream_bytes=cols(table.stream_bytes), stream_fetch_s=cols(table.stream_fetch_s),
+        stream_start_s=[table.stream_start_s[d] for d in keep], stream_buffer=[table.stream_buffer[d] for d in keep],
+        can_stream=[table.can_stream[d] for d in keep],
         devices=[table.devices[d] for d in keep] if table.devices else [],
-        _prefix={}, _classes=[])
+        _prefix={}, _classes=[], _stream_prefix={})
 
 
 def _check_problem(graph: LayerGraph, cluster: ClusterSpec, train: TrainSpec, options: PlannerOptions) -> None:
@@ -249,6 +313,8 @@ def _check_problem(graph: LayerGraph, cluster: ClusterSpec, train: TrainSpec, op
         raise ConfigError(f"planner.memory_headroom must be in [0, 1), got {options.memory_headroom}")
     if options.recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"planner.recompute={options.recompute!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
+    if options.offload not in RECOMPUTE_MODES:
+        raise ConfigError(f"planner.offload={options.offload!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
 
 
 @dataclass
@@ -366,6 +432,7 @@ def build_cost_table(
     hosts = [h.name for h in cluster.hosts]
     wire_kind, kind_bytes = _wire_kinds(graph, model, devices, tokens)
     links = _link_costs(cluster, cost_model, hosts, kind_bytes)
+    stream = stream_columns(graph, model, cluster, nodes.fwd, options.offload)
     return CostTable(
         fwd_s=nodes.fwd, bwd_s=nodes.bwd, weights=nodes.weights, lora=nodes.lora,
         activations_per_mb=nodes.activations,
@@ -393,5 +460,8 @@ def build_cost_table(
         core_need=[(d.threads or 1) if d.backend == "cpu" else 0 for d in devices],
         host_cores=[h.cores or 0 for h in cluster.hosts],
         host_usable_cores=[h.usable_cores or 0.0 for h in cluster.hosts],
+        stream_bytes=stream.bytes, stream_fetch_s=stream.fetch_s, stream_start_s=stream.start_s,
+        stream_buffer=stream.buffer, can_stream=stream.can_stream, streamable=stream.streamable,
+        stream_mode=options.offload, host_ram_bytes=stream.ram_bytes,
         devices=devices,
     )

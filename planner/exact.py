@@ -16,7 +16,13 @@ number of stages after the next one, which fixes that stage's micro-batches in f
 prices the link. Classes are interchangeable devices (CostTable.device_classes), so a rig of 16
 cards of 2-4 kinds has at most a few hundred multisets, and the DP is vectorised over them. Per
 stage the fewest recomputing layers that fit is also the fastest (objective.stage_recompute): no
-state for it. Stage sums are formed in objective.evaluate's order, so memory tests agree bit for bit.
+state for it. Weight streaming likewise: per stage and micro-batches in flight, the (recompute, stream) pair
+of least added time that fits (objective.stage_choice) is the best, because the 1F1B step only grows with
+each stage's f + b. Under GPipe, whose step adds the largest f and the largest b separately, that rule is
+the planner's choice (a pair with more forward but less total time could shorten the forward period):
+exact for 1F1B and for GPipe without streaming (recomputing adds to backward only). Host RAM couples the
+stages of a host; the DP does not see it (planner/streaming.py: ram_may_bind). Stage sums are formed in
+objective.evaluate's order, so memory tests agree bit for bit.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import numpy as np
 from hetero.planner.cost import CostTable
 from hetero.planner.deadline import OutOfTime, check
 from hetero.planner.objective import Placement
+from hetero.planner.stream_costs import BUFFER_LAYERS
 
 # Past this many DP states ((nodes + 1) x multisets x classes) the DP is not attempted: the ILP runs.
 MAX_STATES = 6_000_000
@@ -85,6 +92,7 @@ class _Spans:
         self.count = np.where(self.span, rank_prefix[last + 1] - rank_prefix[first], 0)  # recomputable layers
         self.rank = np.broadcast_to(rank_prefix[:n][:, None], (n, n))
         self.fixed = weights + lora
+        self.weights, self.lora = weights, lora
         self.usable, self.workspace = table.usable_bytes[d], table.workspace_bytes
         # extra[k][r]: backward seconds the r recomputable nodes from the k-th one on add, in order.
         rs = np.array([table.recompute_s[i][d] for i in range(n) if table.recomputable[i]], dtype=float)
@@ -94,19 +102,20 @@ class _Spans:
             ks = np.arange(len(rs) - r + 1)
             self.extra[ks, r] = self.extra[ks, r - 1] + rs[ks + r - 1]
 
-    def fits(self, held: float, r: np.ndarray) -> np.ndarray:
-        """objective.stage_fits of every span holding ``held`` micro-batches with ``r`` recomputing."""
+    def fits(self, held: float, r: np.ndarray, fixed: np.ndarray | None = None) -> np.ndarray:
+        """objective.stage_fits of every span holding ``held`` micro-batches with ``r`` recomputing
+        (``fixed``: resident weights + LoRA, default the span's own)."""
         r = np.clip(r, 0, self.count)
         top = len(self.saved_prefix) - 1
         saved = self.saved_prefix[np.minimum(self.rank + r, top)] - self.saved_prefix[np.minimum(self.rank, top)]
         acts = np.where(r > 0, held * (self.total - saved) + self.working, held * self.total)
-        return self.span & (self.fixed + acts + self.workspace <= self.usable)
+        return self.span & ((self.fixed if fixed is None else fixed) + acts + self.workspace <= self.usable)
 
-    def fewest_recompute(self, held: float, mode: str) -> np.ndarray:
+    def fewest_recompute(self, held: float, mode: str, fixed: np.ndarray | None = None) -> np.ndarray:
         """objective.stage_recompute for every span: the fewest recomputing layers that fit; -1: none."""
         count = self.count
-        none_fit = self.fits(held, np.zeros_like(count))
-        all_fit = self.fits(held, count) & (count > 0)
+        none_fit = self.fits(held, np.zeros_like(count), fixed)
+        all_fit = self.fits(held, count, fixed) & (count > 0)
         if mode == "none":
             return np.where(none_fit, 0, -1)
         if mode == "full":
@@ -119,38 +128,86 @@ class _Spans:
             if not todo.any():
                 break
             mid = (lo + hi) // 2
-            ok = self.fits(held, mid)
+            ok = self.fits(held, mid, fixed)
             hi = np.where(todo & ok, mid, hi)
             lo = np.where(todo & ~ok, mid + 1, lo)
         return np.where(none_fit, 0, np.where(active, hi, -1))
 
 
-def stage_costs(table: CostTable, d: int, helds: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def stage_costs(table: CostTable, d: int, helds: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Device d running nodes first..last holding ``helds[h]`` micro-batches: [first][last][h] arrays of
-    forward seconds, backward seconds (with the extra forward of its recomputing layers) and how many
-    recompute (the fewest that fit under the table's mode; -1 and inf times where none fit).
+    forward seconds, backward seconds (with the extra forward of its recomputing layers and the copies of
+    its streamed ones), how many recompute and how many stream (objective.stage_choice: the pair of least
+    added time that fits under the table's modes; -1 and inf times where none fits).
 
     Sums run from ``first`` in node order and memory follows objective.stage_activations / stage_fits
     term by term, so every number equals what objective.evaluate computes for that stage."""
     spans = _Spans(table, d)
+    streams = _StreamSpans(table, d, spans)
     n = table.num_nodes
     shape = (n, n, len(helds))
     fwd, bwd = np.full(shape, np.inf), np.full(shape, np.inf)
-    rec = np.full(shape, -1, dtype=np.int64)
+    rec, stream = np.full(shape, -1, dtype=np.int64), np.full(shape, -1, dtype=np.int64)
     top = len(spans.extra) - 1
     for h, held in enumerate(helds):
-        r = spans.fewest_recompute(float(held), table.recompute_mode)
-        good = r >= 0
-        extra = np.where(r > 0, spans.extra[np.minimum(spans.rank, top), np.clip(r, 0, top)], 0.0)
-        fwd[..., h] = np.where(good, spans.fwd, np.inf)
-        bwd[..., h] = np.where(good, spans.bwd + extra, np.inf)
-        rec[..., h] = r
-    return fwd, bwd, rec
+        best = np.full((n, n), np.inf)
+        for s in streams.choices():
+            valid, streamed, sf = streams.terms(s)
+            fixed = np.where(s > 0, (spans.weights - streamed + min(s, BUFFER_LAYERS) * streams.buffer), spans.weights)
+            r = np.where(valid, spans.fewest_recompute(float(held), table.recompute_mode, fixed + spans.lora), -1)
+            good = r >= 0
+            extra = np.where(r > 0, spans.extra[np.minimum(spans.rank, top), np.clip(r, 0, top)], 0.0)
+            sb = sf + streams.overlap(s, r) if s > 0 else sf
+            better = good & ((extra + sf) + sb < best)
+            best = np.where(better, (extra + sf) + sb, best)
+            fwd[..., h] = np.where(better, spans.fwd + sf, fwd[..., h])
+            bwd[..., h] = np.where(better, spans.bwd + extra + sb, bwd[..., h])
+            rec[..., h] = np.where(better, r, rec[..., h])
+            stream[..., h] = np.where(better, s, stream[..., h])
+    return fwd, bwd, rec, stream
+
+
+class _StreamSpans:
+    """Device d's streaming terms for every span, as objective.stream_terms computes them."""
+
+    def __init__(self, table: CostTable, d: int, spans: _Spans) -> None:
+        srank, sbytes, sfetch, snode, rnode, both = (np.array(a) for a in table.stream_prefixes(d))
+        n = table.num_nodes
+        first, last = np.arange(n)[:, None], np.arange(n)[None, :]
+        self.end = np.broadcast_to(srank[last + 1], (n, n))
+        self.count = np.where(spans.span, srank[last + 1] - srank[first], 0)
+        self.sbytes, self.sfetch, self.both = sbytes.astype(float), sfetch.astype(float), both.astype(float)
+        self.snode, self.rnode = snode.astype(np.int64), rnode.astype(np.int64)
+        self.rank = spans.rank
+        self.start, self.buffer = table.stream_start_s[d], table.stream_buffer[d]
+        self.most = max(table.stream_choices(d, 0, n - 1))
+        self.mode = table.stream_mode if table.can_stream[d] else "none"
+
+    def choices(self) -> range:
+        return range(1) if self.mode == "none" else range(self.most + 1)
+
+    def terms(self, s: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(spans where s is allowed, bytes kept in host RAM, forward seconds) with the last s streaming."""
+        if s == 0:
+            valid = (self.count == 0) if self.mode == "full" else np.ones_like(self.count, dtype=bool)
+            return valid, np.zeros(self.count.shape), np.zeros(self.count.shape)
+        valid = (self.count == s) if self.mode == "full" else (self.count >= s)
+        e = self.end
+        lo = np.maximum(e - s, 0)
+        return valid, self.sbytes[e] - self.sbytes[lo], (self.sfetch[e] - self.sfetch[lo]) + self.start
+
+    def overlap(self, s: int, r: np.ndarray) -> np.ndarray:
+        """Copy seconds of the layers that both stream (the last s) and recompute (the first r)."""
+        if len(self.rnode) == 0 or len(self.snode) == 0:
+            return np.zeros(r.shape)
+        a = self.snode[np.clip(self.end - s, 0, len(self.snode) - 1)]
+        b = self.rnode[np.clip(self.rank + r - 1, 0, len(self.rnode) - 1)]
+        return np.where((r > 0) & (b >= a), self.both[np.maximum(b, a) + 1] - self.both[a], 0.0)
 
 
 @dataclass
 class _Path:
-    stages: list[tuple[int, int, int, int]]  # (class, first, last, recompute)
+    stages: list[tuple[int, int, int, int, int]]  # (class, first, last, recompute, stream)
     total_s: float  # sum_k (f_k + b_k) + 2 sum_k c_k
     periods: tuple[float, ...]  # 1F1B: (P,); GPipe: (P_f, P_b)
 
@@ -192,14 +249,15 @@ class ThresholdDP:
         """Stage and link cost arrays and the multiset bookkeeping (raises OutOfTime past the deadline)."""
         table, n, m, nc, avail = self.table, self.n, self.m, self.num_classes, self.avail
         self.helds = [m] if self.gpipe else list(range(1, min(m, self.most_stages) + 1))
-        fwd, bwd, rec = [], [], []
+        fwd, bwd, rec, stream = [], [], [], []
         for mem in self.members:
             check(self.deadline)
-            f, b, r = stage_costs(table, mem[0], self.helds)
+            f, b, r, s = stage_costs(table, mem[0], self.helds)
             fwd.append(f)
             bwd.append(b)
             rec.append(r)
-        self.fwd, self.bwd, self.rec = np.array(fwd), np.array(bwd), np.array(rec)
+            stream.append(s)
+        self.fwd, self.bwd, self.rec, self.stream = np.array(fwd), np.array(bwd), np.array(rec), np.array(stream)
         self.time = self.fwd + self.bwd  # f + b, inf where the stage does not fit
         reps = [mem[0] for mem in self.members]
         self.link = np.array([[[table.transfer_s(e, a, b) for b in reps] for a in reps] for e in range(n)])
@@ -282,7 +340,7 @@ class ThresholdDP:
         """Walk the DP's values forward from state (j, c, multiset), redoing its sums bit for bit."""
         n = self.n
         total = float(value[j, c, multiset])
-        stages: list[tuple[int, int, int, int]] = []
+        stages: list[tuple[int, int, int, int, int]] = []
         stage_terms: list[tuple[float, float]] = []
         link_terms: list[float] = []
         while True:
@@ -298,7 +356,7 @@ class ThresholdDP:
                 hits = np.argwhere(cand == target)
                 pick = hits[0] if len(hits) else np.unravel_index(np.abs(cand - target).argmin(), cand.shape)
                 nxt, c_next = int(ends[pick[0]]), int(pick[1])
-            stages.append((c, j, nxt - 1, int(self.rec[c, j, nxt - 1, h])))
+            stages.append((c, j, nxt - 1, int(self.rec[c, j, nxt - 1, h]), int(self.stream[c, j, nxt - 1, h])))
             stage_terms.append((float(self.fwd[c, j, nxt - 1, h]), float(self.bwd[c, j, nxt - 1, h])))
             if nxt == n:
                 break
@@ -318,8 +376,8 @@ class ThresholdDP:
         for c, *_ in path.stages:
             devices.append(self.members[c][taken[c]])
             taken[c] += 1
-        return Placement(tuple(devices), tuple((a, b) for _, a, b, _ in path.stages),
-                         tuple(r for *_, r in path.stages))
+        return Placement(tuple(devices), tuple((a, b) for _, a, b, _, _ in path.stages),
+                         tuple(r for *_, r, _ in path.stages), tuple(s for *_, s in path.stages))
 
 
 class _Search:

@@ -225,18 +225,18 @@ class _Model:
         pl = ev.placement
         num = len(pl.devices)
         gpipe = table.schedule == "gpipe"
-        chosen: set[tuple[int, int, int, int, int]] = set()
+        chosen: set[tuple[int, int, int, int, int, int]] = set()
         links: set[tuple[int, int, int, str]] = set()
         downs: set[tuple[int, int]] = set()
         for k, (d, (a, b)) in enumerate(zip(pl.devices, pl.spans, strict=True)):
             q = 1 if gpipe else min(num - k, net.cap)
-            chosen.add((d, a, b, q, ev.recompute[k] if ev.recompute else 0))
+            chosen.add((d, a, b, q, ev.recompute[k] if ev.recompute else 0, ev.stream[k] if ev.stream else 0))
             if k > 0:
                 prev = pl.devices[k - 1]
                 links.add((a, q, net.group_of[prev], table.host_of[d]))
                 if not gpipe and q < net.cap and min(num - k + 1, net.cap) == net.cap:
                     downs.add((a, net.group_of[prev]))
-        ys = {(a.device, a.first, a.last, a.state, a.recompute): v for a, v in self.y.items()}
+        ys = {(a.device, a.first, a.last, a.state, a.recompute, a.stream): v for a, v in self.y.items()}
         zs = {(a.cut, a.state, a.group, a.host): v for a, v in self.z.items()}
         if not chosen <= set(ys) or not links <= set(zs) or not downs <= set(self.down):
             return False
@@ -250,7 +250,7 @@ class _Model:
             var.setInitialValue(sum(1 for a, _ in pl.spans if a > j))
         for covers, weight in self.covers:
             for a in self.y:
-                if (a.device, a.first, a.last, a.state, a.recompute) in chosen:
+                if (a.device, a.first, a.last, a.state, a.recompute, a.stream) in chosen:
                     for k in range(a.first, a.last + 1):
                         covers[k].setInitialValue(weight(a))  # type: ignore[operator]
         link_times = [0.0] + [s / net.unit for s in ev.send_s[:-1]]
@@ -266,7 +266,7 @@ class _Model:
         """Read the placement out of the solved variables (rounded: CBC returns floats)."""
         arcs = sorted((a for a, v in self.y.items() if (v.varValue or 0.0) > 0.5), key=lambda a: a.first)
         return evaluate(self.table, Placement(tuple(a.device for a in arcs), tuple((a.first, a.last) for a in arcs),
-                                              tuple(a.recompute for a in arcs)))
+                                              tuple(a.recompute for a in arcs), tuple(a.stream for a in arcs)))
 
 
 # CBC stops itself at its time limit; past the deadline by this much it is killed (its root LP and

@@ -28,9 +28,11 @@ from hetero.planner.deadline import check
 from hetero.planner.objective import (
     Placement,
     recompute_time_s,
+    resident_weights,
     stage_activations,
+    stage_choice,
     stage_fits,
-    stage_recompute,
+    stream_terms,
 )
 
 # Pruning keeps an arc unless its lower bound exceeds the upper bound by this much (float noise).
@@ -50,7 +52,8 @@ class StageArc:
     fwd: float
     bwd: float  # including the forward its recomputing layers repeat
     held: int = 0  # micro-batches in flight that fit (flat networks check it with rows instead)
-    recompute: int = 0  # how many of its decoder layers recompute (the fewest that fit; see below)
+    recompute: int = 0  # how many of its decoder layers recompute (with stream: the pair of least time that fits)
+    stream: int = 0  # how many of its decoder layers stream their frozen weights from host RAM
 
 
 @dataclass(frozen=True)
@@ -113,9 +116,10 @@ def canonical(placement: Placement, twins: list[tuple[int, int]]) -> Placement:
 
 
 def _recompute_by_held(table: CostTable, d: int, i: int, j: int, w: float, lo: float, most: int,
-                       working: float) -> list[int | None]:
-    """[h-1] -> the fewest recomputing layers with which nodes i..j fit on d holding h micro-batches."""
-    return [stage_recompute(table, d, i, j, h, w, lo, working=working) for h in range(1, most + 1)]
+                       working: float) -> list[tuple[int, int] | None]:
+    """[h-1] -> the (recompute, stream) pair of least time with which nodes i..j fit on d holding h
+    micro-batches (objective.stage_choice)."""
+    return [stage_choice(table, d, i, j, h, w, lo, working=working) for h in range(1, most + 1)]
 
 
 @dataclass(frozen=True)
@@ -145,8 +149,8 @@ def _scale(table: CostTable, num_stages: int | None, upper_s: float | None) -> _
                   m if table.schedule == "gpipe" else min(m, most_stages))
 
 
-# A stage candidate: (device, first, last, fwd s, bwd s, [fewest recomputing layers holding 1..most_held]).
-_Candidate = tuple[int, int, int, float, float, list[int | None]]
+# A stage candidate: (device, first, last, fwd s, bwd s, [(recompute, stream) holding 1..most_held]).
+_Candidate = tuple[int, int, int, float, float, list[tuple[int, int] | None]]
 
 
 def _stage_candidates(table: CostTable, scale: _Scale, deadline: float | None) -> list[_Candidate]:
@@ -172,7 +176,9 @@ def _stage_candidates(table: CostTable, scale: _Scale, deadline: float | None) -
                 rest += scale.fastest[j]
                 choices = table.recompute_choices(i, j)
                 least = min(stage_activations(table, d, i, j, 1, r, working) for r in {choices[0], choices[-1]})
-                if not stage_fits(table, d, w, lo, least):
+                s = table.stream_choices(d, i, j)[-1]  # the least resident weights: none or the most streaming
+                resident = min(w, resident_weights(table, d, w, stream_terms(table, d, i, j, 0, s)[0], s))
+                if not stage_fits(table, d, resident, lo, least):
                     break  # longer spans only need more memory
                 t = (f + b) / scale.unit
                 if m * t + (scale.all_fastest - rest) > scale.bound:
@@ -196,16 +202,16 @@ def _capped_state(cands: list[_Candidate], most_held: int, gpipe: bool) -> int:
     return cap
 
 
-def _variants(by_held: list[int | None], table: CostTable, cap: int, flat: bool,
-              most_held: int) -> list[tuple[int, int, int | None]]:
-    """The (state, held, recompute) arcs of one candidate."""
+def _variants(by_held: list[tuple[int, int] | None], table: CostTable, cap: int, flat: bool,
+              most_held: int) -> list[tuple[int, int, tuple[int, int] | None]]:
+    """The (state, held, (recompute, stream)) arcs of one candidate."""
     m = table.num_micro_batches
     if table.schedule == "gpipe":
         return [(1, m, by_held[m - 1])]
     if flat:
         # One arc per recomputation that is the fewest for some micro-batch count, holding the
         # most micro-batches it fits; the rows bound the stages after it.
-        variants: list[tuple[int, int, int | None]] = []
+        variants: list[tuple[int, int, tuple[int, int] | None]] = []
         for h in range(most_held, 0, -1):
             r = by_held[h - 1]
             if r is not None and all(r != v[2] for v in variants):
@@ -228,22 +234,24 @@ def _stage_arcs(table: CostTable, scale: _Scale, cands: list[_Candidate], cap: i
     for count, (d, i, j, f, b, by_held) in enumerate(cands):
         if count % 256 == 0:
             check(deadline)
-        for q, held, r in _variants(by_held, table, cap, flat, scale.most_held):
-            if r is None:
+        for q, held, pair in _variants(by_held, table, cap, flat, scale.most_held):
+            if pair is None:
                 continue
+            r, s = pair
             # A stage ending the model has exactly one stage remaining (itself).
             if j == n - 1 and q != 1:
                 continue
             if j < n - 1 and q == 1 and cap > 1:
                 continue
             extra = recompute_time_s(table, d, i, j, r)
-            t = (f + b + extra) / unit
+            _, stream_f, stream_b = stream_terms(table, d, i, j, r, s)
+            t = (f + stream_f + b + extra + stream_b) / unit
             base = scale.all_fastest - (after[i] - after[j + 1]) + t
             # Below the cap exactly q-1 stages follow: one of them takes at least their average.
             tail = after[j + 1] / (q - 1) if 1 < q < cap else 0.0
             if base + (m - 1) * max(t, tail) > scale.bound:
                 continue
-            stage_arcs.append(StageArc(d, i, j, q, f / unit, (b + extra) / unit, held, r))
+            stage_arcs.append(StageArc(d, i, j, q, (f + stream_f) / unit, (b + extra + stream_b) / unit, held, r, s))
     return stage_arcs
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from hetero.plan import MemoryBreakdown
 from hetero.planner.cost import GB, CostTable, in_flight
 from hetero.planner.simulator import CoreShare, core_share
+from hetero.planner.stream_costs import BUFFER_LAYERS
 
 
 def pipeline_step_time(
@@ -55,6 +56,9 @@ class Placement:
     # Per stage, how many of its decoder layers recompute (its first ones); None: the fewest that
     # fit under the table's recompute mode (fewest is fastest: see stage_recompute).
     recompute: tuple[int, ...] | None = None
+    # Per stage, how many of its decoder layers stream their frozen weights from host RAM (its last ones);
+    # None: with recompute given, none; else the pair of least added time that fits (see stage_choice).
+    stream: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -74,6 +78,9 @@ class Evaluation:
     recompute: list[int] = field(default_factory=list)  # per stage: decoder layers that recompute
     recompute_s: list[float] = field(default_factory=list)  # per stage: of bwd_s, the extra forward
     cores: CoreShare | None = None  # stages that compute in turns on a host with too few cores
+    stream: list[int] = field(default_factory=list)  # per stage: decoder layers that stream (its last ones)
+    stream_s: list[float] = field(default_factory=list)  # per stage: of fwd_s + bwd_s, the copies' seconds
+    stream_bytes: list[float] = field(default_factory=list)  # per stage: frozen bytes kept in host RAM
 
 
 def check_placement(table: CostTable, placement: Placement) -> None:
@@ -150,59 +157,135 @@ def recompute_time_s(table: CostTable, d: int, first: int, last: int, recompute:
     return extra
 
 
+def stream_terms(table: CostTable, d: int, first: int, last: int, recompute: int,
+                 stream: int) -> tuple[float, float, float]:
+    """(bytes kept in host RAM, forward seconds, backward seconds) per micro-batch of a stage whose last
+    ``stream`` streamable layers stream while its first ``recompute`` recomputable layers recompute (those
+    in both copy a third time). One formula over prefix sums: the exact DP computes it term by term."""
+    if stream <= 0:
+        return 0.0, 0.0, 0.0
+    srank, sbytes, sfetch, snode, rnode, both = table.stream_prefixes(d)
+    e = srank[last + 1]
+    fwd = (sfetch[e] - sfetch[e - stream]) + table.stream_start_s[d]
+    over = 0.0
+    if recompute > 0:
+        a, b = snode[e - stream], rnode[table.prefixes(d)[1][first] + recompute - 1]
+        over = both[b + 1] - both[a] if b >= a else 0.0
+    return sbytes[e] - sbytes[e - stream], fwd, fwd + over
+
+
+def resident_weights(table: CostTable, d: int, weights: float, streamed: float, stream: int) -> float:
+    """Frozen bytes on the device: the stage's less what streams, plus the streaming buffer."""
+    if stream <= 0:
+        return weights
+    return weights - streamed + min(stream, BUFFER_LAYERS) * table.stream_buffer[d]
+
+
+def stage_choice(table: CostTable, d: int, first: int, last: int, held: int, weights: float, lora: float,
+                 mode: str | None = None, working: float | None = None) -> tuple[int, int] | None:
+    """The (recompute, stream) pair of least added seconds per micro-batch with which the stage fits (ties:
+    fewer streaming); None if none does. Per streamed count the fewest recomputing layers that fit is the
+    fastest (stage_recompute); the scan stops where more streaming can only cost more."""
+    best: tuple[int, int] | None = None
+    best_added = 0.0
+    least_r = table.recompute_choices(first, last, mode)[0]
+    for s in table.stream_choices(d, first, last):
+        streamed, fwd, _ = stream_terms(table, d, first, last, 0, s)
+        if best is not None and fwd + fwd > best_added:
+            break  # the copies alone (forward and backward) already cost more
+        r = stage_recompute(table, d, first, last, held, resident_weights(table, d, weights, streamed, s), lora,
+                            mode, working)
+        if r is None:
+            continue
+        _, _, bwd = stream_terms(table, d, first, last, r, s)
+        added = (recompute_time_s(table, d, first, last, r) + fwd) + bwd
+        if best is None or added < best_added:
+            best, best_added = (r, s), added
+        if r == least_r:
+            break  # more streaming cannot recompute less
+    return best
+
+
+def _choice(table: CostTable, placement: Placement, k: int, d: int, first: int, last: int, held: int,
+            weights: float, lora: float, mode: str | None) -> tuple[int, int]:
+    """Stage k's (recompute, stream): the placement's, else stage_choice, else the most allowed."""
+    if placement.recompute is not None:
+        return placement.recompute[k], placement.stream[k] if placement.stream is not None else 0
+    fit = stage_choice(table, d, first, last, held, weights, lora, mode)
+    if fit is not None:
+        return fit
+    return table.recompute_choices(first, last, mode)[-1], table.stream_choices(d, first, last)[-1]
+
+
+def _ram_reasons(table: CostTable, devices: tuple[int, ...], streamed: list[float]) -> list[str]:
+    """Why the hosts' RAM does not hold what their stages stream, one line per host short of it."""
+    used: dict[int, float] = {}
+    for d, b in zip(devices, streamed, strict=True):
+        if b > 0:
+            used[table.host_of[d]] = used.get(table.host_of[d], 0.0) + b
+    out = []
+    for h, b in sorted(used.items()):
+        if b > table.host_ram_bytes[h]:
+            name = next((table.devices[d].host for d in devices if table.host_of[d] == h and d < len(table.devices)),
+                        f"host {h}")
+            out.append(f"host {name} keeps {b / GB:.1f} GB of streamed weights in RAM, its ram_gb is "
+                       f"{table.host_ram_bytes[h] / GB:.1f}")
+    return out
+
+
 def evaluate(table: CostTable, placement: Placement, mode: str | None = None) -> Evaluation:
     """Per-stage times, memory and the closed-form step time of one placement.
 
-    Recomputation per stage is the placement's, or else the fewest layers that fit under ``mode``
-    (default: the table's planner.recompute); a stage that fits under none uses the most allowed.
+    Recomputation and streaming per stage are the placement's, or else the pair of least added time that
+    fits under ``mode`` (default: the table's planner.recompute) and planner.offload (stage_choice); a stage
+    that fits under none uses the most allowed. The hosts' RAM must hold what their stages stream.
     """
     check_placement(table, placement)
     num_stages = len(placement.devices)
-    if placement.recompute is not None and len(placement.recompute) != num_stages:
-        raise ValueError("a placement's recompute needs one count per stage")
-    fwd, bwd, send, memory, reasons, recomputes, extras = [], [], [], [], [], [], []
+    for given in (placement.recompute, placement.stream):
+        if given is not None and len(given) != num_stages:
+            raise ValueError("a placement's recompute and stream need one count per stage")
+    ev = Evaluation(placement, [], [], [], [], 0.0, True)
     for k, (d, (first, last)) in enumerate(zip(placement.devices, placement.spans, strict=False)):
         nodes = range(first, last + 1)
         held = in_flight(table.schedule, num_stages - 1 - k, table.num_micro_batches)
         weights = sum(table.weights[i][d] for i in nodes)
         lora = sum(table.lora[i][d] for i in nodes)
-        usable = table.usable_bytes[d]
-        if placement.recompute is not None:
-            r = placement.recompute[k]
-        else:
-            fit = stage_recompute(table, d, first, last, held, weights, lora, mode)
-            r = fit if fit is not None else table.recompute_choices(first, last, mode)[-1]
+        r, s = _choice(table, placement, k, d, first, last, held, weights, lora, mode)
         extra = recompute_time_s(table, d, first, last, r)
-        fwd.append(sum(table.fwd_s[i][d] for i in nodes))
-        bwd.append(sum(table.bwd_s[i][d] for i in nodes) + extra)
-        recomputes.append(r)
-        extras.append(extra)
-        if k < num_stages - 1:
-            send.append(table.transfer_s(last, d, placement.devices[k + 1]))
-        else:
-            send.append(0.0)
-        acts = stage_activations(table, d, first, last, held, r)
-        total = weights + lora + acts + table.workspace_bytes
-        memory.append(
-            MemoryBreakdown(
-                weights_gb=weights / GB,
-                lora_gb=lora / GB,
-                activations_gb=acts / GB,
-                workspace_gb=table.workspace_bytes / GB,
-                total_gb=total / GB,
-                available_gb=usable / GB,
-            )
-        )
-        if not stage_fits(table, d, weights, lora, acts):
-            with_rec = f" with {r} of its layers recomputing" if r else ""
-            reasons.append(
-                f"stage {k} on {table.device_name(d)} needs {total / GB:.1f} GB{with_rec}, "
-                f"has {usable / GB:.1f} GB usable"
-            )
-    step = pipeline_step_time(table.schedule, table.num_micro_batches, fwd, bwd, send[:-1])
-    overhead, sync = stage_overheads(table, placement)
-    return Evaluation(placement, fwd, bwd, send, memory, step, not reasons, reasons, overhead, sync,
-                      recomputes, extras, placement_cores(table, placement.devices))
+        streamed, stream_f, stream_b = stream_terms(table, d, first, last, r, s)
+        ev.fwd_s.append(sum(table.fwd_s[i][d] for i in nodes) + stream_f)
+        ev.bwd_s.append(sum(table.bwd_s[i][d] for i in nodes) + extra + stream_b)
+        ev.recompute.append(r)
+        ev.recompute_s.append(extra)
+        ev.stream.append(s)
+        ev.stream_s.append(stream_f + stream_b)
+        ev.stream_bytes.append(streamed)
+        ev.send_s.append(table.transfer_s(last, d, placement.devices[k + 1]) if k < num_stages - 1 else 0.0)
+        _stage_memory(table, ev, k, d, resident_weights(table, d, weights, streamed, s), lora,
+                      stage_activations(table, d, first, last, held, r))
+    ev.reasons += _ram_reasons(table, placement.devices, ev.stream_bytes)
+    ev.feasible = not ev.reasons
+    ev.step_time_s = pipeline_step_time(table.schedule, table.num_micro_batches, ev.fwd_s, ev.bwd_s, ev.send_s[:-1])
+    ev.overhead_s, ev.sync_s = stage_overheads(table, placement)
+    ev.cores = placement_cores(table, placement.devices)
+    return ev
+
+
+def _stage_memory(table: CostTable, ev: Evaluation, k: int, d: int, weights: float, lora: float,
+                  acts: float) -> None:
+    """Stage k's memory breakdown (``weights``: the resident frozen bytes) and why it does not fit."""
+    usable = table.usable_bytes[d]
+    total = weights + lora + acts + table.workspace_bytes
+    ev.memory.append(MemoryBreakdown(weights_gb=weights / GB, lora_gb=lora / GB, activations_gb=acts / GB,
+                                     workspace_gb=table.workspace_bytes / GB, total_gb=total / GB,
+                                     available_gb=usable / GB, host_gb=ev.stream_bytes[k] / GB))
+    if not stage_fits(table, d, weights, lora, acts):
+        r, s = ev.recompute[k], ev.stream[k]
+        how = " with " + " and ".join(([f"{r} of its layers recomputing"] if r else [])
+                                      + ([f"{s} streaming from host RAM"] if s else [])) if r or s else ""
+        ev.reasons.append(f"stage {k} on {table.device_name(d)} needs {total / GB:.1f} GB{how}, "
+                          f"has {usable / GB:.1f} GB usable")
 
 
 def placement_cores(table: CostTable, devices: tuple[int, ...] | list[int]) -> CoreShare | None:

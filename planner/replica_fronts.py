@@ -88,7 +88,7 @@ class FrontEnumerator:
         if (k, m) not in self._costs:
             table = self.table_for(m)
             helds = [m] if table.schedule == "gpipe" else list(range(1, min(m, table.num_devices) + 1))
-            fwd, bwd, _ = stage_costs(table, self.members[k][0], helds)
+            fwd, bwd, *_ = stage_costs(table, self.members[k][0], helds)
             self._costs[(k, m)] = (fwd, bwd)
         return self._costs[(k, m)]
 

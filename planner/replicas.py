@@ -485,8 +485,8 @@ def solve_replicas(table: CostTable, time_limit_s: float = 30.0, max_replicas: i
         # The replicas do not check out under objective.evaluate (a bug) or lose: keep the single pipeline.
         bad = f"replicas evaluate at {step:.6g} s/step"
         return _single_solution(table, best_single, False, f"one pipeline ({bad}){why}", found)
-    placements = [Placement(p.devices, p.spans, tuple(e.recompute)) for p, e in zip(found.placements, evaluations,
-                                                                                      strict=True)]
+    placements = [Placement(p.devices, p.spans, tuple(e.recompute), tuple(e.stream))
+                  for p, e in zip(found.placements, evaluations, strict=True)]
     gain = (f": {best_single.step_time_s / step:.2f}x the throughput of the best single pipeline "
             f"({best_single.step_time_s:.4g} s/step)" if best_single is not None else " (no single pipeline fits)")
     message = (f"{len(placements)} replicas, shares {'+'.join(map(str, found.shares))}, {step:.4g} s/step "

@@ -172,7 +172,7 @@ class SimulatedSearch:
         """(e_k, 2 c_{k-1}, sync + step) of a stage of device d (class c) on nodes first..last at the next position."""
         table, k = self.table, len(part.stages)
         h = 0 if self.gpipe else min(size - k, self.m) - 1
-        fwd, bwd, _ = self.costs[c]
+        fwd, bwd, *_ = self.costs[c]
         e = float(fwd[first, last, h] + bwd[first, last, h])
         link = 0.0
         if k > 0:
@@ -228,8 +228,8 @@ class SimulatedSearch:
 
     def _leaf(self, part: _Partial) -> None:
         """Evaluate a complete placement; simulate it if its full bound is below the incumbent."""
-        placement = Placement(tuple(s[0] for s in part.stages), tuple((s[1], s[2]) for s in part.stages),
-                              tuple(s[3] for s in part.stages))
+        # Recompute and stream: evaluate's rule (objective.stage_choice), which stage_costs computed too.
+        placement = Placement(tuple(s[0] for s in part.stages), tuple((s[1], s[2]) for s in part.stages))
         ev = evaluate(self.table, placement)
         if not ev.feasible or (self.best is not None and lower_bound_s(self.table, ev) >= self._cutoff()):
             return

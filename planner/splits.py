@@ -15,7 +15,7 @@ from itertools import permutations
 
 from hetero.planner.cost import CostTable, in_flight
 from hetero.planner.deadline import left
-from hetero.planner.objective import Evaluation, Placement, evaluate, stage_recompute
+from hetero.planner.objective import Evaluation, Placement, evaluate, stage_choice
 
 INF = float("inf")
 SLACKS = (0.0, 0.03, 0.1, 0.3)
@@ -40,7 +40,7 @@ class _Prefix:
 
     def last_fitting(self, d: int, i: int, held: int) -> int:
         """The last node j such that nodes i..j fit on d holding ``held`` micro-batches, recomputing
-        as planner.recompute allows (i-1 if none)."""
+        and streaming as planner.recompute and planner.offload allow (i-1 if none)."""
         key = (d, i, held)
         if key not in self._fit:
             self._fit[key] = self._last_fitting(d, i, held)
@@ -53,7 +53,7 @@ class _Prefix:
         while j < n:
             w += table.weights[j][d]
             lo += table.lora[j][d]
-            if stage_recompute(table, d, i, j, held, w, lo) is None:
+            if stage_choice(table, d, i, j, held, w, lo) is None:
                 break
             j += 1
         return j - 1

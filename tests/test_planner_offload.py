@@ -1,0 +1,130 @@
+"""Weight streaming from host RAM (planner.offload): the solvers against exhaustive search, the modes, host RAM.
+
+The brute force (planner/bruteforce.py) tries every per-stage (recompute, stream) pair explicitly; the exact
+DP (planner.solve) and the ILP (layered and flat) must reach its optimum under 1F1B, where the pair of least
+added time that fits is provably the best per stage (planner/exact.py's docstring).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import Counter
+
+import pytest
+from test_planner_exact import random_table
+from test_planner_ilp import make_cluster, make_graph, table_for
+
+from hetero.planner.bruteforce import brute_force
+from hetero.planner.cost import CostTable
+from hetero.planner.ilp import solve_ilp
+from hetero.planner.objective import Placement, evaluate
+from hetero.planner.solve import solve
+
+
+def with_streaming(table: CostTable, rng: random.Random, mode: str = "auto", ram: float = 1e12) -> CostTable:
+    """``table`` whose middle layers may stream: a share of their weights, a share of their forward per copy;
+    devices stream by host (so a class of identical devices streams alike)."""
+    n, nd = table.num_nodes, table.num_devices
+    streamable = [0 < i < n - 1 and rng.random() < 0.8 for i in range(n)]
+    share = [rng.uniform(0.6, 0.95) for _ in range(n)]
+    copy = [rng.uniform(0.0, 0.4) for _ in range(n)]
+    hosts = max(table.host_of) + 1
+    host_can = [rng.random() < 0.85 for _ in range(hosts)]
+    can = [host_can[table.host_of[d]] for d in range(nd)]
+    nbytes = [[table.weights[i][d] * share[i] if streamable[i] and can[d] else 0.0 for d in range(nd)]
+              for i in range(n)]
+    fetch = [[table.fwd_s[i][d] * copy[i] if nbytes[i][d] else 0.0 for d in range(nd)] for i in range(n)]
+    start = [max([table.fwd_s[i][d] * 0.1 for i in range(n) if nbytes[i][d]], default=0.0) for d in range(nd)]
+    buffer = [max([nbytes[i][d] for i in range(n)], default=0.0) for d in range(nd)]
+    return dataclasses.replace(table, stream_bytes=nbytes, stream_fetch_s=fetch, stream_start_s=start,
+                               stream_buffer=buffer, can_stream=can, streamable=streamable, stream_mode=mode,
+                               host_ram_bytes=[ram] * hosts, _prefix={}, _classes=[], _stream_prefix={})
+
+
+def check(table: CostTable, forced: int | None, stats: Counter) -> None:
+    """The DP and both ILPs reach the brute force's optimum; evaluate by itself picks the same pairs."""
+    best = brute_force(table, forced)
+    result = solve(table, forced, time_limit_s=60)
+    if best is None:
+        assert result.evaluation is None
+        stats["infeasible"] += 1
+        return
+    ev = result.evaluation
+    assert ev is not None and ev.feasible and result.report.proven_optimal, result.report
+    assert ev.step_time_s == pytest.approx(best.step_time_s, rel=1e-9)
+    again = evaluate(table, Placement(ev.placement.devices, ev.placement.spans))
+    assert (again.recompute, again.stream) == (ev.recompute, ev.stream)
+    for layered in (True, False):
+        ilp = solve_ilp(table, forced, time_limit_s=30, layered=layered)
+        assert ilp.evaluation is not None and ilp.evaluation.step_time_s == pytest.approx(best.step_time_s, rel=1e-6)
+    stats["stream"] += any(ev.stream)
+    stats["both"] += any(r and s for r, s in zip(ev.recompute, ev.stream, strict=True))
+    stats["stages>1"] += len(ev.placement.devices) > 1
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_streaming_matches_brute_force_on_random_arrays(chunk: int) -> None:
+    stats: Counter = Counter()
+    for seed in range(5000 + chunk * 25, 5000 + (chunk + 1) * 25):
+        rng = random.Random(seed)
+        table = with_streaming(random_table(rng, max_devices=3, max_nodes=5, schedule="1f1b"), rng,
+                               mode=rng.choice(["auto", "auto", "auto", "full", "none"]))
+        forced = rng.choice([None, None, 1, 2])
+        if forced and forced > min(table.num_nodes, table.num_devices):
+            forced = None
+        try:
+            check(table, forced, stats)
+        except AssertionError as exc:
+            raise AssertionError(f"seed {seed}: {exc}") from exc
+    assert stats["stream"] and stats["stages>1"] >= 5, stats
+
+
+def test_modes_none_full_auto() -> None:
+    # none never streams; full streams every streamable layer of every stage; auto only where memory needs it.
+    stats: Counter = Counter()
+    for seed in range(40):
+        rng = random.Random(9000 + seed)
+        base = random_table(rng, max_devices=2, max_nodes=5, schedule="1f1b")
+        roomy = dataclasses.replace(base, usable_bytes=[1e9] * base.num_devices, _prefix={}, _classes=[])
+        for mode in ("none", "full", "auto"):
+            table = with_streaming(roomy, random.Random(seed), mode=mode)
+            ev = solve(table, None, time_limit_s=30).evaluation
+            assert ev is not None
+            if mode == "full":
+                for k, (d, (a, b)) in enumerate(zip(ev.placement.devices, ev.placement.spans, strict=True)):
+                    assert ev.stream[k] == table.stream_choices(d, a, b)[-1]
+                    stats["full"] += ev.stream[k] > 0
+            else:
+                assert not any(ev.stream)  # none: never; auto: memory is loose and streaming only costs time
+    assert stats["full"]
+
+
+def test_host_ram_is_checked() -> None:
+    # Streaming that the host's RAM cannot hold makes a placement infeasible, with one line naming the host.
+    rng = random.Random(4)
+    table = with_streaming(random_table(rng, max_devices=1, max_nodes=5, schedule="1f1b"), rng, mode="full")
+    d, last = 0, table.num_nodes - 1
+    s = table.stream_choices(d, 0, last)[-1]
+    tight = dataclasses.replace(table, host_ram_bytes=[0.5 * sum(r[0] for r in table.stream_bytes)] * len(
+        table.host_ram_bytes), _prefix={}, _classes=[], _stream_prefix={})
+    ev = evaluate(tight, Placement((d,), ((0, last),), (0,), (s,)))
+    if s:
+        assert not ev.feasible and any("streamed weights in RAM" in r for r in ev.reasons), ev.reasons
+
+
+def test_graph_tables_stream_only_where_needed() -> None:
+    # A real graph on two small cards with host RAM: without streaming nothing fits; with it the solvers
+    # agree with the brute force, and the plan's streamed layers are the stages' last decoder layers.
+    graph = make_graph(4, hidden=4096, rng=random.Random(3), recompute=True)
+    cluster = make_cluster([("a", "rtx4090", 1.6), ("a", "rtx3090", 1.6)])
+    cluster = dataclasses.replace(cluster, hosts=[dataclasses.replace(
+        h, ram_gb=64.0, devices=[dataclasses.replace(d, host_link_gbs=31.5) for d in h.devices])
+        for h in cluster.hosts])
+    none, _, _ = table_for(graph, cluster, m=4, quantization="nf4")
+    none = dataclasses.replace(none, stream_mode="none", _prefix={}, _classes=[], _stream_prefix={})
+    auto = dataclasses.replace(none, stream_mode="auto", _prefix={}, _classes=[], _stream_prefix={})
+    assert brute_force(none) is None
+    stats: Counter = Counter()
+    check(auto, None, stats)
+    assert stats["stream"]

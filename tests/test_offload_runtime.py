@@ -281,3 +281,96 @@ def test_stepdone_carries_streaming_and_old_frames_still_parse(tiny_model_dir: P
     assert "stage_streamed_bytes" not in line, "a plan without streaming keeps its metrics lines"
     line = metrics_line(streaming_plan(plain, tiny_model_dir), 1, done, 0.7, 1.0, 4, 0.2)
     assert line["stage_streamed_bytes"] == [4096] * 3 and line["stage_frozen_resident_peak_bytes"] == [8192] * 3
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_a_streaming_nf4_stage_equals_the_resident_one(tiny_model_dir: Path, tiny_spec, recompute: str) -> None:  # noqa: ANN001
+    """Stage 1 of an NF4 plan (two layers, hidden states in), built resident and streaming: same output, input and
+    LoRA gradients; the streamed one holds no NF4 Linear of its layers on the device."""
+    from test_runtime_plans import make_plan
+
+    from hetero.runtime.stage.model import build_stage
+
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 2, 1], quantization="nf4", seq_len=24,
+                     recompute=recompute)
+    plain, streamed = build_stage(plan, 1, CPU), build_stage(streaming_plan(plan, tiny_model_dir), 1, CPU)
+    assert streamed.streamer is not None and sorted(streamed.streamer.layers) == [3, 4]
+    assert not any(_is_nf4(m) for m in streamed.model.model.layers.modules())
+    assert frozen_device_bytes(streamed.model) < frozen_device_bytes(plain.model)
+    gen = torch.Generator().manual_seed(5)
+    state = {k: torch.randn(v.shape, generator=gen) * 0.1 for k, v in plain.lora_state().items()}
+    outs = []
+    for stage in (plain, streamed):
+        stage.load_lora_state(state)
+        x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(6)).requires_grad_(True)
+        y = stage.forward(x)
+        y.backward(torch.ones_like(y))
+        outs.append((y.detach(), x.grad, [p.grad for p in stage.lora_parameters()]))
+    (y0, gx0, g0), (y1, gx1, g1) = outs
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g1, g0, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert streamed.streamer.stats.streamed_bytes == sum(streamed.streamer.layer_bytes(i) for i in (3, 4))
+
+
+def _is_nf4(module: nn.Module) -> bool:
+    return type(module).__name__ == "Linear4bit"
+
+
+def test_streamed_nf4_experts_equal_the_resident_ones() -> None:
+    """A NF4 mixture of experts (runtime/stage/experts.py) streams through its Linear4bit experts."""
+    from hetero.runtime.stage.experts import NF4Experts
+
+    gen = torch.Generator().manual_seed(3)
+    gate_up = [torch.randn(64, 64, generator=gen) * 0.05 for _ in range(3)]
+    down = [torch.randn(64, 32, generator=gen) * 0.05 for _ in range(3)]
+
+    def experts() -> NF4Experts:
+        return NF4Experts([_nf4_linear(w, None) for w in gate_up], [_nf4_linear(w, None) for w in down],
+                          torch.nn.functional.silu)
+
+    plain, layer = experts(), nn.Module()
+    layer.experts = experts()
+    streamer = WeightStreamer(0, CPU)
+    assert stream_layer(layer, 0, streamer) == 6
+    streamer.finish(0)
+    x = torch.randn(10, 64, generator=gen)
+    index = torch.randint(0, 3, (10, 2), generator=gen)
+    weights = torch.rand(10, 2, generator=gen)
+    grads = []
+    for module in (plain, layer.experts):
+        xi = x.clone().requires_grad_(True)
+        y = module(xi, index, weights)
+        y.sum().backward()
+        grads.append((y.detach(), xi.grad))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[1][1], grads[0][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_cuda_streaming_copies_from_pinned_memory_on_a_side_stream() -> None:
+    cuda = torch.device("cuda", 0)
+    n, width = 6, 1024
+    streamer = WeightStreamer(0, cuda)
+    stack = _dense_stack(n, width, streamer).to(cuda)
+    reference = _dense_stack(n, width, None).to(cuda)
+    streamer.finish(frozen_device_bytes(stack))
+    assert all(t.is_pinned() for hosts in streamer.layers.values() for h in hosts for t in h.tensors)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(cuda)
+    x = torch.randn(64, width, device=cuda, requires_grad=True)
+    y = stack(x)
+    y.sum().backward()
+    torch.cuda.synchronize()
+    x_ref = x.detach().clone().requires_grad_(True)
+    y_ref = reference(x_ref)
+    y_ref.sum().backward()
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    assert streamer.resident_layers() == [1, 0]
+    # What stays allocated after the step: the two buffered layers (4 MB each) and a few activation-sized
+    # tensors (x, y, their reference twins and gradients: 256 KB each), not six layers.
+    layer = streamer.layer_bytes(0)
+    assert torch.cuda.memory_allocated(cuda) - before <= 2 * layer + (4 << 20)

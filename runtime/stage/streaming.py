@@ -242,7 +242,7 @@ class StreamedLinear(nn.Module):
 
 def _to_host(t: torch.Tensor, pinned: bool) -> torch.Tensor:
     """A plain contiguous CPU copy of ``t`` (page-locked when the device is a CUDA one, so copies can overlap)."""
-    t = torch.Tensor(t.data).detach().to("cpu").contiguous()
+    t = t.data.as_subclass(torch.Tensor).detach().to("cpu").contiguous()  # a Params4bit's bytes, not the subclass
     return t.pin_memory() if pinned else t
 
 

@@ -374,3 +374,24 @@ def test_cuda_streaming_copies_from_pinned_memory_on_a_side_stream() -> None:
     # tensors (x, y, their reference twins and gradients: 256 KB each), not six layers.
     layer = streamer.layer_bytes(0)
     assert torch.cuda.memory_allocated(cuda) - before <= 2 * layer + (4 << 20)
+
+
+@pytest.mark.parametrize("quantization", ["none", "nf4"])
+def test_the_planners_cap_is_what_the_stage_holds(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   tiny_model_dir: Path, quantization: str) -> None:
+    """A compiled planner.offload=full plan: every stage builds, and its frozen bytes outside the streamed Linears
+    plus its two-layer buffer are exactly the plan's frozen_resident_cap_bytes (one accounting on both sides)."""
+    from test_recompute_plans import compile_plan
+
+    from hetero.runtime.stage.model import build_stage
+
+    code, _, err, plan = compile_plan(tmp_path, capsys, "model=tiny", "hardware=local", "hardware.num_devices=3",
+                                      "+hardware.hosts.0.ram_gb=16", "planner.offload=full", "planner.split=[3,2,1]",
+                                      f"model.quantization={quantization}")
+    assert code == 0 and plan is not None, err
+    for k, sp in enumerate(plan.stages):
+        assert sp.stream_layers, f"stage {k} streams nothing under planner.offload=full"
+        streamer = build_stage(plan, k, CPU).streamer
+        assert streamer is not None
+        buffer = sorted((streamer.layer_bytes(i) for i in streamer.layers), reverse=True)[:2]
+        assert streamer.fixed_bytes + sum(buffer) == sp.frozen_resident_cap_bytes, k

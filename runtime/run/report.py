@@ -126,7 +126,9 @@ def streaming_lines(summary: list[dict[str, Any]]) -> list[str]:
 
 
 def _mb(x: float | None) -> str:
-    return "-" if x is None else f"{x / (1 << 20):,.1f} MB"
+    if x is None:
+        return "-"
+    return f"{x / (1 << 20):,.1f} MB" if x >= 1 << 20 else f"{x / 1024:,.1f} KB"  # tiny test models: KB
 
 
 def write_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, float], run_dir: Path,

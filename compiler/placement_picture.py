@@ -193,6 +193,9 @@ def _draw_device(ax: Any, plan: Plan, device: Any, stage: Any, x: float, y: floa
         color="#444444",
         va="center",
     )
+    if stage.stream_layers:  # weights streamed from host RAM (planner.offload): which, and what it costs
+        ax.text(x + 0.12, top - 1.4, fit_text(f"{stage.stream_summary()}: {span_label(stage.stream_layers)}", 70),
+                fontsize=7.5, color="#444444", va="center")
     _draw_memory_bar(ax, stage.memory, x + 0.12, y + 0.3, w - 0.24, 0.36)
 
 

@@ -151,14 +151,16 @@ def compose_raw(overrides: list[str], config_dir: str | Path | None = None) -> d
     from omegaconf.errors import OmegaConfBaseException
 
     from hetero import hydra_source
-    from hetero.overrides import check_overrides
+    from hetero.overrides import check_overrides, quote_file_names
 
-    given, overrides = list(overrides), list(overrides)
     user_dir: Path | None = None
     if config_dir is not None:
         user_dir = Path(config_dir).expanduser().resolve()
         if not user_dir.is_dir():
             raise ConfigError(f"--config-dir {config_dir}: no such directory")
+    given = quote_file_names(list(overrides), user_dir)
+    overrides = list(given)
+    if config_dir is not None:
         # Through hetero's checked source: each file of the user's dir is measured before OmegaConf reads it.
         hydra_source.register()
         quoted = str(user_dir).replace("\\", "\\\\").replace("'", "\\'")

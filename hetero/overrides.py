@@ -28,6 +28,18 @@ def check_overrides(overrides: list[str], user_dir: Path | None) -> None:
             _check_group(override, given, user_dir)
 
 
+def quote_file_names(overrides: list[str], user_dir: Path | None) -> list[str]:
+    """``hardware=3090_4090``: Hydra reads a bare 3090_4090 as the integer 30904090; where the text after '='
+    names one of the group's files, quote it so the file is picked."""
+    out = []
+    for line in overrides:
+        key, eq, value = line.partition("=")
+        if eq and key in GROUPS and value and value[0] not in "'\"" and value in available_options(key, user_dir):
+            line = f"{key}='{value}'"
+        out.append(line)
+    return out
+
+
 def _check_key(override: Any, given: str) -> None:
     """A key is there, names one of hetero's keys (not Hydra's own settings) and has no @package."""
     key = str(override.key_or_group or "")

@@ -87,6 +87,15 @@ class StagePlan:
     streamed_bytes_per_step: float = 0.0
     frozen_resident_cap_bytes: float = 0.0
 
+    def stream_summary(self) -> str:
+        """``37 layers stream from host RAM (+38 ms/mb, 793 GB/step)``; empty when none streams."""
+        if not self.stream_layers:
+            return ""
+        ms = self.stream_time_s * 1e3
+        time = f"{ms:.3g} ms" if ms < 1e3 else f"{self.stream_time_s:.3g} s"
+        return (f"{len(self.stream_layers)} layers stream from host RAM (+{time}/mb, "
+                f"{self.streamed_bytes_per_step / 1e9:.3g} GB/step)")
+
     def actions(self) -> list[Action]:
         """This stage's program parsed (hetero.program's one parser); ValueError names a bad token."""
         return parse_program(self.program)

@@ -15,7 +15,7 @@ from hetero.planner.cost import GB, CostTable, build_cost_table, training_fleet
 from hetero.planner.cost_model import CostModel, RooflineCostModel, compute_dtype, expert_weight_bytes
 from hetero.planner.deadline import share_of
 from hetero.planner.feasibility import check_single_nodes, explain_infeasible
-from hetero.planner.objective import Evaluation, Placement, evaluate, split_spans
+from hetero.planner.objective import Evaluation, Placement, evaluate, resident_weights, split_spans
 from hetero.planner.profile_cost import ProfileCostModel
 from hetero.planner.replica_choice import Chosen, predict_replicas, searches_replicas, settle, settle_single
 from hetero.planner.replica_choice import choose_replicas as _replicas
@@ -79,12 +79,32 @@ def recompute_layers(table: CostTable, graph: LayerGraph, ev: Evaluation, k: int
     return names[:count]
 
 
+def stream_layers(table: CostTable, graph: LayerGraph, ev: Evaluation, k: int) -> list[str]:
+    """Names of stage k's streamed layers: its last ``ev.stream[k]`` streamable (decoder) nodes."""
+    first, last = ev.placement.spans[k]
+    count = ev.stream[k] if ev.stream else 0
+    names = [graph.nodes[i].name for i in range(first, last + 1) if table.streamable[i]]
+    return names[len(names) - count:] if count else []
+
+
+def streamed_bytes_per_mb(table: CostTable, graph: LayerGraph, ev: Evaluation, k: int) -> float:
+    """Bytes stage k copies host-to-device per micro-batch: each streamed layer's frozen weights in its
+    forward and its backward, and once more where the layer also recomputes."""
+    d = ev.placement.devices[k]
+    streamed = set(stream_layers(table, graph, ev, k))
+    again = set(recompute_layers(table, graph, ev, k))
+    return sum(table.stream_bytes[i][d] * (3 if n.name in again else 2)
+               for i, n in enumerate(graph.nodes) if n.name in streamed)
+
+
 def _verdict(prediction: Prediction, stages: list[StagePlan], base: list[Baseline], solver: SolverReport) -> list[str]:
     """Sentences a person reads: the prediction, the comparison, and when one device is enough."""
     step = prediction.step_time_s
     names = ", ".join(f"{s.device_type} ({s.device})" for s in stages)
     out = [f"Predicted {step:.3g} s/step ({prediction.tokens_per_s:,.0f} tokens/s) on {len(stages)} stage(s): "
            f"{names}; bubble {prediction.bubble_fraction:.0%}."]
+    out += [f"Stage {s.index} ({s.device}): {s.stream_summary()}, {s.stream_layers[0]}..{s.stream_layers[-1]}, "
+            f"{s.memory.host_gb:.1f} GB of {s.host}'s RAM." for s in stages if s.stream_layers]
     for b in base:
         if not b.feasible or b.prediction is None:
             out.append(f"{b.name}: not possible ({b.reason}).")
@@ -194,9 +214,11 @@ def _choose(table: CostTable, options: PlannerOptions, ev: Evaluation, solver: S
 
 
 def _stage_plan(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: ClusterSpec, ev: Evaluation,
-                pos: int, k: int, program: list[str]) -> StagePlan:
-    """Stage k, position ``pos`` of its pipeline's placement: where it runs, what it holds, its predicted costs."""
+                pos: int, k: int, program: list[str], micro_batches: int) -> StagePlan:
+    """Stage k, position ``pos`` of its pipeline's placement (``micro_batches`` per step): where it runs, what
+    it holds, its predicted costs."""
     dev = table.devices[ev.placement.devices[pos]]
+    streams = bool(ev.stream and ev.stream[pos])
     first, last = ev.placement.spans[pos]
     host = cluster.host(dev.host)
     return StagePlan(
@@ -212,6 +234,12 @@ def _stage_plan(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: 
         step_sync_s=ev.sync_s[pos] if ev.sync_s else 0.0,
         recompute_layers=recompute_layers(table, graph, ev, pos),
         recompute_time_s=ev.recompute_s[pos] if ev.recompute_s else 0.0,
+        stream_layers=stream_layers(table, graph, ev, pos),
+        stream_time_s=ev.stream_s[pos] if streams else 0.0,
+        streamed_bytes_per_step=streamed_bytes_per_mb(table, graph, ev, pos) * micro_batches if streams else 0.0,
+        frozen_resident_cap_bytes=resident_weights(
+            table, ev.placement.devices[pos], sum(table.weights[i][ev.placement.devices[pos]] for i in range(first, last + 1)),
+            ev.stream_bytes[pos], ev.stream[pos]) if streams else 0.0,
     )
 
 
@@ -225,7 +253,7 @@ def _stages(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: Clus
         first_stage = len(stages)
         for pos in range(len(ev.placement.devices)):
             stages.append(_stage_plan(table, graph, model, cluster, ev, pos, len(stages),
-                                      format_program(programs[pos])))
+                                      format_program(programs[pos]), share))
         replicas.append(ReplicaPlan(list(range(first_stage, len(stages))), share,
                                     sum(m for _, m, _ in chosen[:len(replicas)]), own_step))
     return stages, replicas

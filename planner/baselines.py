@@ -12,6 +12,8 @@ from hetero.planner.simulator import Timeline, simulate
 # checkpointing would, whatever planner.recompute says for the plan itself: a baseline that
 # "does not fit" only because it may not recompute would flatter the plan.
 BASELINE_RECOMPUTE = "auto"
+# They stream frozen weights from host RAM as planner.offload allows the plan (a single-GPU trainer with CPU
+# offload of the base weights; hosts without ram_gb cannot): the same rule, the same prices.
 
 
 def predict(table: CostTable, evaluation: Evaluation) -> tuple[Prediction, Timeline]:
@@ -85,7 +87,8 @@ def single_device_baseline(table: CostTable, num_decoders: int) -> tuple[Baselin
     if best is None:
         largest = max(table.usable_bytes) / GB
         return Baseline(name, "the fastest single device that holds the whole model", False,
-                        f"no single device holds the whole model, even recomputing every layer (needs "
+                        f"no single device holds the whole model, even recomputing every layer"
+                        f"{' and streaming' if any(table.can_stream) and table.stream_mode != 'none' else ''} (needs "
                         f"{smallest_need:.1f} GB, the largest has {largest:.1f} GB usable)"), None
     prediction, ev = best
     dev = table.devices[ev.placement.devices[0]]
@@ -94,9 +97,12 @@ def single_device_baseline(table: CostTable, num_decoders: int) -> tuple[Baselin
 
 
 def _recompute_note(ev: Evaluation) -> str:
-    """", recomputing N layers" when the baseline needs recomputation to fit."""
+    """", recomputing N layers" when the baseline needs recomputation to fit, ", streaming M from host RAM"
+    when it needs streaming."""
     count = sum(ev.recompute) if ev.recompute else 0
-    return f", recomputing {count} layer{'s' if count != 1 else ''}" if count else ""
+    streams = sum(ev.stream) if ev.stream else 0
+    return ((f", recomputing {count} layer{'s' if count != 1 else ''}" if count else "")
+            + (f", streaming {streams} from host RAM" if streams else ""))
 
 
 def baselines(table: CostTable, decoder_indices: list[int]) -> list[Baseline]:

@@ -6,6 +6,7 @@ from hetero.errors import InfeasiblePlanError
 from hetero.graph import LayerGraph
 from hetero.planner.cost import GB, CostTable
 from hetero.planner.cost_model import NF4_BYTES_PER_PARAM, dtype_bytes
+from hetero.planner.stream_costs import BUFFER_LAYERS
 from hetero.specs import ModelSpec
 
 
@@ -38,6 +39,18 @@ def check_single_nodes(table: CostTable, graph: LayerGraph) -> None:
             )
 
 
+def _streaming(table: CostTable) -> tuple[float, float]:
+    """(GB of frozen weights that can stream less one stage's buffer, GB of RAM on the hosts that stream)
+    where planner.offload lets devices stream; (0, 0) where none can."""
+    if table.stream_mode == "none" or not any(table.can_stream):
+        return 0.0, 0.0
+    can = [d for d in range(table.num_devices) if table.can_stream[d]]
+    streamed = sum(sum(row[d] for d in can) / len(can) for row in table.stream_bytes)
+    buffer = BUFFER_LAYERS * max(table.stream_buffer[d] for d in can)
+    hosts = {table.host_of[d] for d in can}
+    return max(0.0, streamed - buffer) / GB, sum(table.host_ram_bytes[h] for h in hosts) / GB
+
+
 def explain_infeasible(table: CostTable, graph: LayerGraph, model: ModelSpec, num_stages: int | None) -> str:
     """One line: what the model needs (recomputing as planner.recompute allows), what the fleet has,
     and what would help."""
@@ -51,15 +64,23 @@ def explain_infeasible(table: CostTable, graph: LayerGraph, model: ModelSpec, nu
         acts += max(sum(table.activations_per_mb[i]) / n for i in range(table.num_nodes) if table.recomputable[i]) / GB
     have = sum(_usable_gb(table))
     dtype = model.dtype if model.dtype != "auto" else graph.dtype
-    how = "with recomputation" if recompute else "without recomputation"
+    streamed, ram = _streaming(table)
+    weights -= streamed
+    how = ("with recomputation" if recompute else "without recomputation") + (" and streaming" if streamed else "")
     msg = (
         f"{model.name} ({dtype}, quantization {model.quantization}) needs {weights + lora + acts:.1f} GB {how}, "
         f"{_fleet_text(table)}: {weights:.1f} GB weights + {lora:.1f} GB LoRA state + {acts:.1f} GB activations "
-        f"(one micro-batch in flight{', every layer recomputing' if recompute else ''}); usable is after "
+        f"(one micro-batch in flight{', every layer recomputing' if recompute else ''}"
+        f"{f', {streamed:.1f} GB of frozen weights streaming from host RAM' if streamed else ''}); usable is after "
         f"planner.memory_headroom and {table.workspace_bytes / GB:.1f} GB workspace per device"
     )
+    if streamed and streamed > ram:
+        msg += f"; host RAM is short too: streaming needs {streamed:.1f} GB, ram_gb gives {ram:.1f} GB"
     if table.recompute_mode == "none" and any(table.recomputable):
         msg += "; planner.recompute=auto would recompute activations to fit"
+    if not streamed and table.stream_mode != "none" and not any(table.can_stream) and any(table.streamable):
+        msg += ("; a host's ram_gb (docs/fleet.md) would let its GPUs stream frozen weights from host RAM "
+                "(planner.offload)")
     if model.quantization != "nf4":
         elem = dtype_bytes(graph.dtype)
         nf4 = sum((nd.num_params - nd.linear_params) * elem + nd.linear_params * NF4_BYTES_PER_PARAM for nd in graph.nodes)

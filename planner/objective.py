@@ -217,7 +217,7 @@ def _choice(table: CostTable, placement: Placement, k: int, d: int, first: int, 
     return table.recompute_choices(first, last, mode)[-1], table.stream_choices(d, first, last)[-1]
 
 
-def _ram_reasons(table: CostTable, devices: tuple[int, ...], streamed: list[float]) -> list[str]:
+def ram_reasons(table: CostTable, devices: tuple[int, ...], streamed: list[float]) -> list[str]:
     """Why the hosts' RAM does not hold what their stages stream, one line per host short of it."""
     used: dict[int, float] = {}
     for d, b in zip(devices, streamed, strict=True):
@@ -264,7 +264,7 @@ def evaluate(table: CostTable, placement: Placement, mode: str | None = None) ->
         ev.send_s.append(table.transfer_s(last, d, placement.devices[k + 1]) if k < num_stages - 1 else 0.0)
         _stage_memory(table, ev, k, d, resident_weights(table, d, weights, streamed, s), lora,
                       stage_activations(table, d, first, last, held, r))
-    ev.reasons += _ram_reasons(table, placement.devices, ev.stream_bytes)
+    ev.reasons += ram_reasons(table, placement.devices, ev.stream_bytes)
     ev.feasible = not ev.reasons
     ev.step_time_s = pipeline_step_time(table.schedule, table.num_micro_batches, ev.fwd_s, ev.bwd_s, ev.send_s[:-1])
     ev.overhead_s, ev.sync_s = stage_overheads(table, placement)

@@ -60,7 +60,10 @@ class Option:
 
 
 class Replanner:
-    """The plan's cost table and device order; simulates and re-splits them under measured speed factors."""
+    """The plan's cost table and device order; simulates and re-splits them under measured speed factors.
+
+    Plans that stream weights from host RAM never get here: which layers stream and the resident cap were
+    planned for each stage's own span (runtime/wire/rules.py's can_rebalance keeps runtime.rebalance off)."""
 
     def __init__(self, plan: Plan, cost_model: CostModel | None = None) -> None:
         self.plan = plan

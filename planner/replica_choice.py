@@ -24,7 +24,7 @@ from hetero.plan import SETTLED_PARTS, Prediction, SolverReport
 from hetero.planner.baselines import predict
 from hetero.planner.cost import CostTable, subtable
 from hetero.planner.deadline import left
-from hetero.planner.objective import Evaluation
+from hetero.planner.objective import Evaluation, ram_reasons
 from hetero.planner.replicas import ReplicaSolution, solve_replicas
 from hetero.planner.simulator import combine_replicas
 from hetero.specs import PlannerOptions
@@ -133,6 +133,13 @@ def choose_replicas(table: CostTable, options: PlannerOptions, single: Predictio
         why = (f"{searched} without proving whether any beat one pipeline "
                f"({'; '.join(solution.unproven) if solution else 'nothing found'})")
         return None, single, _settle_replicas(single_solver, False, why, _bound(solution)), []
+    short = ram_reasons(table, tuple(d for e in solution.evaluations for d in e.placement.devices),
+                        [b for e in solution.evaluations for b in e.stream_bytes])
+    if short:  # each replica fits its hosts' RAM alone; together they share it
+        if forced is not None:
+            raise InfeasiblePlanError(f"planner.replicas={forced}: the replicas' streamed weights do not fit: "
+                                      + "; ".join(short))
+        return None, single, _settle_replicas(single_solver, False, "replicas: " + "; ".join(short)), []
     prediction, own = predict_replicas(table, solution.evaluations, solution.shares, solution.reduce_s)
     if forced is None and prediction.step_time_s >= single.step_time_s:
         why = (f"the replica search's best ({solution.num_replicas} replicas, shares "

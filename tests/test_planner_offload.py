@@ -8,12 +8,15 @@ added time that fits is provably the best per stage (planner/exact.py's docstrin
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from collections import Counter
 
 import pytest
+from test_cli import assert_one_line_error, run_main
 from test_planner_exact import random_table
 from test_planner_ilp import make_cluster, make_graph, table_for
+from test_recompute_plans import compile_plan
 
 from hetero.planner.bruteforce import brute_force
 from hetero.planner.cost import CostTable
@@ -128,3 +131,62 @@ def test_graph_tables_stream_only_where_needed() -> None:
     stats: Counter = Counter()
     check(auto, None, stats)
     assert stats["stream"]
+
+
+# Input hashes of plans compiled before weight streaming existed (commit df2a518): fleets without ram_gb
+# keep them, and their placement, byte for byte.
+BEFORE = {("model=tiny", "hardware=local"): "17b7560cf33d",
+          ("model=llama8b", "hardware=homelab"): "9d5bbe18cdfc"}
+
+
+@pytest.mark.parametrize("overrides", list(BEFORE))
+def test_plans_without_ram_keep_hash_and_placement(tmp_path, capsys, overrides) -> None:  # type: ignore[no-untyped-def]
+    code, _, err, plan = compile_plan(tmp_path, capsys, *overrides)
+    assert code == 0 and plan is not None, err
+    assert plan.input_hash.startswith(BEFORE[overrides])
+    assert not any(s.stream_layers or s.memory.host_gb or s.frozen_resident_cap_bytes for s in plan.stages)
+    raw = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert all("host_link_gbs" not in d or d["host_link_gbs"] is None
+               for h in raw["cluster"]["hosts"] for d in h["devices"])
+
+
+@pytest.mark.parametrize("fleet", ["two_3090", "3090_4090"])
+def test_llama70b_qlora_streams_on_two_24gb_cards(tmp_path, capsys, fleet) -> None:  # type: ignore[no-untyped-def]
+    # The acceptance: without ram_gb this is refused (52.2 GB needed, 42.2 GB usable); with it, the last
+    # decoder layers of each stage stream, and plan.json, `hetero show` and the picture say which and what it costs.
+    code, _, err, plan = compile_plan(tmp_path, capsys, "model=llama70b", "model.quantization=nf4", f"hardware={fleet}")
+    assert code == 0 and plan is not None, err
+    assert plan.model.seq_len == 2048
+    streaming = [s for s in plan.stages if s.stream_layers]
+    assert streaming
+    decoders = [n.name for n in plan.graph.nodes if n.kind == "decoder"]
+    for s in plan.stages:
+        assert s.memory.total_gb <= s.memory.available_gb + 1e-9
+        own = [n for n in s.node_names if n in decoders]
+        assert s.stream_layers == own[len(own) - len(s.stream_layers):]  # the stage's last decoder layers
+    for s in streaming:
+        assert s.stream_time_s > 0 and s.streamed_bytes_per_step > 0 and s.memory.host_gb > 0
+        assert s.frozen_resident_cap_bytes == pytest.approx(s.memory.weights_gb * 1e9)
+        per_mb = s.streamed_bytes_per_step / plan.train.num_micro_batches
+        bytes_per_layer = s.memory.host_gb * 1e9 / len(s.stream_layers)
+        assert 2 * bytes_per_layer * len(s.stream_layers) <= per_mb + 1 <= 3 * bytes_per_layer * len(s.stream_layers) + 1
+    for host in plan.cluster.hosts:
+        assert sum(s.memory.host_gb for s in plan.stages if s.host == host.name) <= (host.ram_gb or 0)
+    code, out, _ = run_main(["show", str(tmp_path / "out" / "plan.json")], capsys)
+    assert code == 0 and "stream from host RAM" in out
+    assert (tmp_path / "out" / "placement.png").stat().st_size > 0
+
+
+def test_offload_none_refuses_with_one_line_counting_streaming(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    code, _, err, _ = compile_plan(tmp_path, capsys, "model=llama70b", "model.quantization=nf4", "hardware=two_3090",
+                                   "planner.offload=none")
+    assert code == 2 and "needs 52.2 GB with recomputation, the fleet has 42.2 GB usable" in err
+    code, _, err, _ = compile_plan(tmp_path, capsys, "model=llama70b", "model.quantization=nf4", "hardware=two_3090",
+                                   "model.seq_len=12288")
+    assert_one_line_error(code, err, "llama70b (bfloat16, quantization nf4) needs")
+    assert "with recomputation and streaming" in err and "streaming from host RAM" in err
+
+
+def test_offload_full_needs_ram_gb(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    code, _, err, _ = compile_plan(tmp_path, capsys, "planner.offload=full")
+    assert_one_line_error(code, err, "planner.offload=full: host 'localhost' has no ram_gb")

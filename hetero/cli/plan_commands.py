@@ -203,8 +203,10 @@ def _stage_lines(plan: Plan, timeline: Timeline, memory: list[list[tuple[float, 
         recompute = (f"; {len(sp.recompute_layers)} layers recompute ({', '.join(sp.recompute_layers[:2])}"
                      f"{', ...' if len(sp.recompute_layers) > 2 else ''}), +{sp.recompute_time_s:.3g} s of backward "
                      "per micro-batch" if sp.recompute_layers else "")
+        stream = (f"; {sp.stream_summary()}, {sp.memory.host_gb:.1f} GB of it in RAM ({sp.stream_layers[0]}.."
+                  f"{sp.stream_layers[-1]})" if sp.stream_layers else "")
         lines.append(f"stage {k} {sp.device}: utilization {timeline.busy_fraction[k]:.0%}, peak memory {peak:.2f} GB "
-                     f"of {sp.memory.available_gb:.1f} GB{recompute}")
+                     f"of {sp.memory.available_gb:.1f} GB{recompute}{stream}")
     return lines
 
 

@@ -98,6 +98,8 @@ def stage_table(plan: Plan) -> Table:
         holds = f"{describe_span(plan.graph, s.first_node, s.last_node)} ({decoder_count(plan.graph, s.first_node, s.last_node)}L)"
         if s.recompute_layers:
             holds += f", {len(s.recompute_layers)} recompute (+{fmt_time(s.recompute_time_s)} bwd)"
+        if s.stream_layers:
+            holds += f", {s.stream_summary()}"
         table.add_row(
             f"{s.index}" + (f" [dim]r{replica_of[s.index]}[/]" if replica_of else ""),
             s.host,

@@ -20,6 +20,7 @@ from torch import nn
 from hetero.errors import PlanError
 from hetero.runtime.stage.lora import LoraLinear
 from hetero.runtime.stage.streaming import StreamedLinear, WeightStreamer, frozen_device_bytes, stream_layer
+from hetero.stream_buffer import copies_per_step
 
 CPU = torch.device("cpu")
 
@@ -176,6 +177,7 @@ def test_no_plan_field_is_needed_where_nothing_streams(layers: list[int]) -> Non
 
 SEQ_LEN = 32
 RTOL = 1e-4
+LAYER_BYTES = 4 * (64 * 64 * 2 + 64 * 32 * 2 + 172 * 64 * 3)  # a tiny decoder layer's projections in fp32
 
 
 def _frozen_bytes(model_dir: Path) -> dict[str, int]:
@@ -254,6 +256,13 @@ def test_a_pipeline_streaming_every_layer_equals_the_reference(recompute: str, r
         # Its buffer full (two streamed layers, stage 2's one): each stage holds exactly its cap at its peak.
         assert peaks == caps
         assert streamed[0] > 0, "stage 0's three layers cannot all stay in a buffer of two"
+    # Every step after the first copies what the buffer policy counts for the stage's program (each layer of
+    # this model has the same bytes): 1F1B's back-to-back forwards evict, a stage of two layers never does.
+    for k, sp in enumerate(plan.stages):
+        layers = sorted(int(name.rsplit(".", 1)[1]) for name in sp.stream_layers)
+        copies = sum(copies_per_step([a.op for a in sp.actions()], layers).values())
+        assert {m["stage_streamed_bytes"][k] for m in metrics[1:]} == {copies * LAYER_BYTES}, k
+    assert metrics[1]["stage_streamed_bytes"][0] > 0 and metrics[1]["stage_streamed_bytes"][1:] == [0, 0]
     report = json.loads((run_dir / "report.json").read_text())
     assert [s["within_cap"] for s in report["streaming"]] == [True] * 3
     assert report["streaming"][0]["measured_streamed_bytes_per_step"] > 0
@@ -395,3 +404,12 @@ def test_the_planners_cap_is_what_the_stage_holds(tmp_path: Path, capsys: pytest
         assert streamer is not None
         buffer = sorted((streamer.layer_bytes(i) for i in streamer.layers), reverse=True)[:2]
         assert streamer.fixed_bytes + sum(buffer) == sp.frozen_resident_cap_bytes, k
+
+
+def test_the_buffer_policy_counts_copies_per_step() -> None:
+    # Two streamed layers fit the buffer: after the first step nothing is copied again.
+    assert copies_per_step(["RA", "F", "SA", "RG", "B", "SG", "STEP"], [3, 4]) == {3: 0, 4: 0}
+    # Forward then backward of one micro-batch at a time: the two layers at the turn stay, the others move twice.
+    assert sum(copies_per_step(["F", "B"] * 4, range(5)).values()) == 4 * (2 * 5 - 4)
+    # Back-to-back forwards (GPipe, 1F1B's warm-up) start each from layer 0 again: more copies.
+    assert sum(copies_per_step(["F"] * 4 + ["B"] * 4, range(5)).values()) > 4 * (2 * 5 - 4)

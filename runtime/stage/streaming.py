@@ -11,7 +11,8 @@ gradient, the only use of the input, is never formed). LoRA wraps a ``StreamedLi
 again in backward and fetches again.
 
 The streamer keeps at most ``BUFFER_LAYERS`` layers resident: the one in use and the next in the direction of
-travel (forward l -> l+1, backward -- recomputation included -- l -> l-1), prefetched. On CUDA the copy runs on a
+travel (forward l -> l+1, backward -- recomputation included -- l -> l-1), prefetched; hetero/stream_buffer.py is
+that policy, and counts a program's copies for the planner. On CUDA the copy runs on a
 side stream from pinned memory and the compute stream waits on its event; elsewhere it is a synchronous copy into
 a fresh tensor (one code path; what is resident really is). Per step it counts the bytes copied and the peak of
 frozen-weight bytes on the device (every other frozen tensor of the stage + the buffer), and refuses to exceed
@@ -21,7 +22,6 @@ the plan's ``frozen_resident_cap_bytes``.
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetero.errors import PlanError
+from hetero.stream_buffer import BUFFER_LAYERS, LayerBuffer
 
-BUFFER_LAYERS = 2  # the layer in use and the prefetched next: what the plan's cap allows for streamed layers
 MB = 1 << 20
 
 
@@ -72,7 +72,8 @@ class WeightStreamer:
     fixed_bytes: int = 0  # frozen bytes on the device outside the buffer (set once the stage is built)
     layers: dict[int, list[HostLinear]] = field(default_factory=dict)
     stats: StreamStats = field(default_factory=StreamStats)
-    _buffer: OrderedDict[int, _Resident] = field(default_factory=OrderedDict)
+    _buffer: dict[int, _Resident] = field(default_factory=dict)
+    _policy: LayerBuffer = field(default_factory=lambda: LayerBuffer([]))
     _side: Any = None  # CUDA side stream for the copies
 
     def __post_init__(self) -> None:
@@ -93,7 +94,7 @@ class WeightStreamer:
 
     def resident_layers(self) -> list[int]:
         """The layers whose weights are on the device now (the buffer), least recently used first."""
-        return list(self._buffer)
+        return list(self._policy.resident)
 
     def resident_bytes(self) -> int:
         """Frozen-weight bytes on the device now: the stage's other frozen tensors and the buffer."""
@@ -102,6 +103,7 @@ class WeightStreamer:
     def finish(self, fixed_bytes: int) -> None:
         """The stage is built: note its other frozen bytes and refuse a plan whose cap cannot hold the buffer."""
         self.fixed_bytes = fixed_bytes
+        self._policy = LayerBuffer(list(self.layers))
         largest = sorted((self.layer_bytes(i) for i in self.layers), reverse=True)[:BUFFER_LAYERS]
         need = fixed_bytes + sum(largest)
         if self.cap_bytes > 0 and need > self.cap_bytes:
@@ -116,14 +118,14 @@ class WeightStreamer:
         self.stats = StreamStats(0, self.resident_bytes())
 
     def weights(self, layer: int, slot: int) -> list[torch.Tensor]:
-        """Linear ``slot`` of ``layer`` on the device (copied now if not resident), prefetching the next layer."""
-        backward = _in_backward()
-        resident = self._ensure(layer, keep=None)
-        self._buffer.move_to_end(layer)
-        order = sorted(self.layers)
-        at = order.index(layer) + (-1 if backward else 1)
-        if 0 <= at < len(order) and order[at] not in self._buffer:
-            self._ensure(order[at], keep=layer)
+        """Linear ``slot`` of ``layer`` on the device (copied now if not resident), prefetching the next layer
+        (hetero/stream_buffer.py decides what to copy and evict)."""
+        copied, evicted = self._policy.use(layer, _in_backward())
+        for i in evicted:
+            del self._buffer[i]
+        if copied:
+            self._copy_in(copied)
+        resident = self._buffer[layer]
         if resident.event is not None:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(resident.event)
@@ -131,24 +133,19 @@ class WeightStreamer:
                 t.record_stream(stream)  # freed on eviction only once the compute stream is past its use
         return resident.tensors[slot]
 
-    def _ensure(self, layer: int, keep: int | None) -> _Resident:
-        """The layer's device copy: resident already, or copied after evicting the least recently used others."""
-        if layer in self._buffer:
-            return self._buffer[layer]
-        while len(self._buffer) >= BUFFER_LAYERS:
-            victim = next(i for i in self._buffer if i != keep)
-            del self._buffer[victim]
-        nbytes = self.layer_bytes(layer)
-        total = self.resident_bytes() + nbytes
+    def _copy_in(self, layers: list[int]) -> None:
+        """Copy ``layers`` to the device (the evictions before them done), within the plan's cap."""
+        total = self.resident_bytes() + sum(self.layer_bytes(i) for i in layers)
         if self.cap_bytes > 0 and total > self.cap_bytes:
-            raise PlanError(f"stage {self.stage}: streaming layers.{layer} would hold {total / MB:.2f} MB of frozen "
-                            f"weights on {self.device}, over the plan's frozen_resident_cap_bytes "
-                            f"({self.cap_bytes / MB:.2f} MB); recompile the plan")
-        resident = self._copy(layer, nbytes)
-        self._buffer[layer] = resident
-        self.stats.streamed_bytes += nbytes
+            names = ", ".join(f"layers.{i}" for i in layers)
+            raise PlanError(f"stage {self.stage}: streaming {names} would hold {total / MB:.2f} MB of frozen weights "
+                            f"on {self.device}, over the plan's frozen_resident_cap_bytes ({self.cap_bytes / MB:.2f} "
+                            "MB); recompile the plan")
+        for i in layers:
+            nbytes = self.layer_bytes(i)
+            self._buffer[i] = self._copy(i, nbytes)
+            self.stats.streamed_bytes += nbytes
         self.stats.frozen_resident_peak_bytes = max(self.stats.frozen_resident_peak_bytes, total)
-        return resident
 
     def _copy(self, layer: int, nbytes: int) -> _Resident:
         """Host -> device into fresh tensors: on a CUDA side stream (non-blocking, from pinned memory) with an

@@ -288,8 +288,13 @@ def test_stepdone_carries_streaming_and_old_frames_still_parse(tiny_model_dir: P
     done = {k: type("Msg", (), {"meta": {**meta, "loss_sum": 3.0}})() for k in range(3)}
     line = metrics_line(plain, 1, done, 0.7, 1.0, 4, 0.2)
     assert "stage_streamed_bytes" not in line, "a plan without streaming keeps its metrics lines"
-    line = metrics_line(streaming_plan(plain, tiny_model_dir), 1, done, 0.7, 1.0, 4, 0.2)
+    streaming = streaming_plan(plain, tiny_model_dir)
+    line = metrics_line(streaming, 1, done, 0.7, 1.0, 4, 0.2)
     assert line["stage_streamed_bytes"] == [4096] * 3 and line["stage_frozen_resident_peak_bytes"] == [8192] * 3
+    # Which layers stream, and the cap, were planned for each stage's own span: such a plan keeps its split.
+    from hetero.runtime.wire.rules import can_rebalance
+
+    assert can_rebalance(plain) and not can_rebalance(streaming)
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])

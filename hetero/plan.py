@@ -93,8 +93,9 @@ class StagePlan:
             return ""
         ms = self.stream_time_s * 1e3
         time = f"{ms:.3g} ms" if ms < 1e3 else f"{self.stream_time_s:.3g} s"
-        return (f"{len(self.stream_layers)} layers stream from host RAM (+{time}/mb, "
-                f"{self.streamed_bytes_per_step / 1e9:.3g} GB/step)")
+        gb = self.streamed_bytes_per_step / 1e9
+        amount = f"{gb:,.0f}" if gb >= 100 else f"{gb:.3g}"
+        return f"{len(self.stream_layers)} layers stream from host RAM (+{time}/mb, {amount} GB/step)"
 
     def actions(self) -> list[Action]:
         """This stage's program parsed (hetero.program's one parser); ValueError names a bad token."""

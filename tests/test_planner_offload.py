@@ -190,3 +190,24 @@ def test_offload_none_refuses_with_one_line_counting_streaming(tmp_path, capsys)
 def test_offload_full_needs_ram_gb(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     code, _, err, _ = compile_plan(tmp_path, capsys, "planner.offload=full")
     assert_one_line_error(code, err, "planner.offload=full: host 'localhost' has no ram_gb")
+
+
+def test_fleet_keys_for_host_memory_and_links() -> None:
+    # x1 risers are 1/16 of x16; ram_gb is validated like cores; a host without ram_gb keeps datasheet links out.
+    from hetero.config import load
+    from hetero.errors import ConfigError
+    from hetero.hardware import build_cluster
+
+    rig = load(["hardware=mining_rig"]).cluster
+    x16 = load(["hardware=two_3090"]).cluster
+    assert rig.devices[0].host_link_gbs == pytest.approx(15.75 / 16, rel=0.01)
+    assert x16.devices[0].host_link_gbs == 31.5 and x16.hosts[0].ram_gb == 128
+    assert load(["hardware=homelab"]).cluster.devices[0].host_link_gbs is None
+    host = {"name": "h", "devices": [{"type": "rtx3090"}]}
+    for bad, needle in (({"ram_gb": -1}, "ram_gb must be positive"), ({"ram_gb": "lots"}, "ram_gb must be a number")):
+        with pytest.raises(ConfigError, match=needle):
+            build_cluster({"hosts": [{**host, **bad}]})
+    with pytest.raises(ConfigError, match="host_link_gbs or pcie, not both"):
+        build_cluster({"hosts": [{"name": "h", "devices": [{"type": "rtx3090", "pcie": {"gen": 4}, "host_link_gbs": 9}]}]})
+    pcie = build_cluster({"hosts": [{"name": "h", "ram_gb": 32, "devices": [{"type": "rtx3090", "pcie": {"gen": 4, "lanes": 8}}]}]})
+    assert pcie.devices[0].host_link_gbs == pytest.approx(31.5 / 2, rel=0.01)

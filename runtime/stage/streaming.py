@@ -37,7 +37,7 @@ MB = 1 << 20
 
 @dataclass
 class HostLinear:
-    """One streamed Linear's frozen tensors in host memory: [weight, bias?] or NF4 [packed, absmax, code, bias?]."""
+    """One streamed Linear's frozen tensors in host memory: [weight, bias?] or NF4 [packed, absmax, bias?]."""
 
     tensors: list[torch.Tensor]
     has_bias: bool

@@ -390,7 +390,10 @@ def send_from_forger(ctx: zmq.Context, endpoint: str, options: dict[str, bytes],
     for name, value in options.items():
         setattr(sock, name, value)
     sock.connect(f"tcp://{FORGER}:0;{endpoint.removeprefix('tcp://')}")
-    sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    try:
+        sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    except zmq.Again:
+        pass  # the inbox already refused this login and ZeroMQ dropped its pipe: nothing left here (CI saw it)
     return sock
 
 

@@ -19,7 +19,7 @@ name: w1
 hosts:
   - name: localhost
     address: 127.0.0.1
-    port: {port}
+    port: {port}{host_extra}
     devices:
       - {{type: cpu, count: {count}, threads: 1}}
 """
@@ -55,12 +55,15 @@ def hetero_cmd() -> list[str]:
 
 
 def compile_hetero(model_dir: Path, data: Path, steps: int, work: Path, extra: tuple[str, ...] = (),
-                   stages: int = 2, num_micro: int | None = None, name: str = "plan") -> tuple[Path | None, str]:
-    """`hetero compile` of W1 on ``stages`` local CPU devices; returns (plan.json, note)."""
+                   stages: int = 2, num_micro: int | None = None, name: str = "plan",
+                   ram_gb: float | None = None) -> tuple[Path | None, str]:
+    """`hetero compile` of W1 on ``stages`` local CPU devices (``ram_gb``: the host's RAM for streamed weights);
+    returns (plan.json, note)."""
     conf = work / "conf"
     (conf / "hardware").mkdir(parents=True, exist_ok=True)
     port = free_ports(max(2, stages) + 1) + 1  # the coordinator takes base port - 1
-    (conf / "hardware" / "w1.yaml").write_text(HARDWARE_YAML.format(port=port, count=max(2, stages)))
+    (conf / "hardware" / "w1.yaml").write_text(HARDWARE_YAML.format(
+        port=port, count=max(2, stages), host_extra="" if ram_gb is None else f"\n    ram_gb: {ram_gb}"))
     out = work / name
     cmd = hetero_cmd() + [
         "compile", "-cd", str(conf), "model=hf", f"model.pretrained={model_dir}", f"model.seq_len={SEQ_LEN}",

@@ -15,7 +15,14 @@ from hetero.planner.cost import GB, CostTable, build_cost_table, training_fleet
 from hetero.planner.cost_model import CostModel, RooflineCostModel, compute_dtype, expert_weight_bytes
 from hetero.planner.deadline import share_of
 from hetero.planner.feasibility import check_single_nodes, explain_infeasible
-from hetero.planner.objective import Evaluation, Placement, evaluate, resident_weights, split_spans
+from hetero.planner.objective import (
+    Evaluation,
+    Placement,
+    evaluate,
+    ram_may_bind,
+    resident_weights,
+    split_spans,
+)
 from hetero.planner.profile_cost import ProfileCostModel
 from hetero.planner.replica_choice import Chosen, predict_replicas, searches_replicas, settle, settle_single
 from hetero.planner.replica_choice import choose_replicas as _replicas
@@ -186,6 +193,12 @@ def _place(table: CostTable, graph: LayerGraph, model: ModelSpec, options: Plann
     if result.evaluation is None:
         if result.report.status == "Infeasible" or result.report.sol_status == "No Solution Exists":
             raise InfeasiblePlanError(explain_infeasible(table, graph, model, options.num_stages))
+        if ram_may_bind(table):
+            raise InfeasiblePlanError(
+                f"the solver found no placement within planner.time_limit_s={options.time_limit_s:g}: host RAM "
+                "(ram_gb) may be short of what the stages stream, and the RAM-aware search (the ILP over every "
+                "stream/recompute trade) is slow: raise planner.time_limit_s (Llama-70B on two cards: about 600) "
+                "or ram_gb")
         raise InfeasiblePlanError(f"the solver found no placement within planner.time_limit_s="
                                   f"{options.time_limit_s:g}: raise it or set planner.num_stages")
     return result.evaluation, settle_single(result.report, options, table)

@@ -97,10 +97,20 @@ class _Model:
         if net.flat:
             self._in_flight_rows(prob)
         self._period_rows(prob, by_device)
+        self._ram_rows(prob)
         prob += (_expr((v, a.fwd + a.bwd) for a, v in self.y.items())
                  + _expr((v, 2.0 * a.time) for a, v in self.z.items())
                  + (table.num_micro_batches - 1) * pulp.lpSum(self.periods))
         self.prob = prob
+
+    def _ram_rows(self, prob: pulp.LpProblem) -> None:
+        """Per host: what its stages stream fits in its RAM (arcs carry every Pareto pair where it may bind)."""
+        by_host: dict[int, list[StageArc]] = defaultdict(list)
+        for a in self.net.stages:
+            if a.host_bytes > 0:
+                by_host[self.table.host_of[a.device]].append(a)
+        for h, arcs in by_host.items():
+            prob += _expr((self.y[a], a.host_bytes) for a in arcs) <= self.table.host_ram_bytes[h], f"ram_{h}"
 
     def _flow_rows(self, prob: pulp.LpProblem) -> None:
         """One unit of flow from the source (a stage starting at node 0), conserved at every state."""

@@ -27,11 +27,13 @@ from hetero.planner.cost import CostTable
 from hetero.planner.deadline import check
 from hetero.planner.objective import (
     Placement,
+    ram_may_bind,
     recompute_time_s,
     resident_weights,
     stage_activations,
     stage_choice,
     stage_fits,
+    stage_pareto,
     stream_terms,
 )
 
@@ -54,6 +56,7 @@ class StageArc:
     held: int = 0  # micro-batches in flight that fit (flat networks check it with rows instead)
     recompute: int = 0  # how many of its decoder layers recompute (with stream: the pair of least time that fits)
     stream: int = 0  # how many of its decoder layers stream their frozen weights from host RAM
+    host_bytes: float = 0.0  # the frozen bytes those keep in its host's RAM (the ILP's RAM rows)
 
 
 @dataclass(frozen=True)
@@ -116,10 +119,14 @@ def canonical(placement: Placement, twins: list[tuple[int, int]]) -> Placement:
 
 
 def _recompute_by_held(table: CostTable, d: int, i: int, j: int, w: float, lo: float, most: int,
-                       working: float) -> list[tuple[int, int] | None]:
+                       working: float, pareto: bool) -> list[tuple[tuple[int, int], ...] | None]:
     """[h-1] -> the (recompute, stream) pair of least time with which nodes i..j fit on d holding h
-    micro-batches (objective.stage_choice)."""
-    return [stage_choice(table, d, i, j, h, w, lo, working=working) for h in range(1, most + 1)]
+    micro-batches (objective.stage_choice); with ``pareto`` (host RAM may bind) every pair no other beats
+    in both time and RAM (objective.stage_pareto). None: nothing fits."""
+    if pareto:
+        return [tuple(stage_pareto(table, d, i, j, h, w, lo, working)) or None for h in range(1, most + 1)]
+    pairs = [stage_choice(table, d, i, j, h, w, lo, working=working) for h in range(1, most + 1)]
+    return [None if pair is None else (pair,) for pair in pairs]
 
 
 @dataclass(frozen=True)
@@ -150,7 +157,7 @@ def _scale(table: CostTable, num_stages: int | None, upper_s: float | None) -> _
 
 
 # A stage candidate: (device, first, last, fwd s, bwd s, [(recompute, stream) holding 1..most_held]).
-_Candidate = tuple[int, int, int, float, float, list[tuple[int, int] | None]]
+_Candidate = tuple[int, int, int, float, float, list[tuple[tuple[int, int], ...] | None]]
 
 
 def _stage_candidates(table: CostTable, scale: _Scale, deadline: float | None) -> list[_Candidate]:
@@ -160,6 +167,7 @@ def _stage_candidates(table: CostTable, scale: _Scale, deadline: float | None) -
     given stage and micro-batches in flight the fewest layers that fit is also the fastest choice."""
     n, nd, m = table.num_nodes, table.num_devices, table.num_micro_batches
     gpipe = table.schedule == "gpipe"
+    pareto = ram_may_bind(table)
     cands = []
     for d in range(nd):
         for i in range(n):
@@ -183,7 +191,7 @@ def _stage_candidates(table: CostTable, scale: _Scale, deadline: float | None) -
                 t = (f + b) / scale.unit
                 if m * t + (scale.all_fastest - rest) > scale.bound:
                     break  # longer spans only take longer
-                by_held = _recompute_by_held(table, d, i, j, w, lo, scale.most_held, working)
+                by_held = _recompute_by_held(table, d, i, j, w, lo, scale.most_held, working, pareto)
                 if not gpipe or by_held[m - 1] is not None:
                     cands.append((d, i, j, f, b, by_held))
     return cands
@@ -202,8 +210,8 @@ def _capped_state(cands: list[_Candidate], most_held: int, gpipe: bool) -> int:
     return cap
 
 
-def _variants(by_held: list[tuple[int, int] | None], table: CostTable, cap: int, flat: bool,
-              most_held: int) -> list[tuple[int, int, tuple[int, int] | None]]:
+def _variants(by_held: list[tuple[tuple[int, int], ...] | None], table: CostTable, cap: int, flat: bool,
+              most_held: int) -> list[tuple[int, int, tuple[tuple[int, int], ...] | None]]:
     """The (state, held, (recompute, stream)) arcs of one candidate."""
     m = table.num_micro_batches
     if table.schedule == "gpipe":
@@ -211,7 +219,7 @@ def _variants(by_held: list[tuple[int, int] | None], table: CostTable, cap: int,
     if flat:
         # One arc per recomputation that is the fewest for some micro-batch count, holding the
         # most micro-batches it fits; the rows bound the stages after it.
-        variants: list[tuple[int, int, tuple[int, int] | None]] = []
+        variants: list[tuple[int, int, tuple[tuple[int, int], ...] | None]] = []
         for h in range(most_held, 0, -1):
             r = by_held[h - 1]
             if r is not None and all(r != v[2] for v in variants):
@@ -234,24 +242,24 @@ def _stage_arcs(table: CostTable, scale: _Scale, cands: list[_Candidate], cap: i
     for count, (d, i, j, f, b, by_held) in enumerate(cands):
         if count % 256 == 0:
             check(deadline)
-        for q, held, pair in _variants(by_held, table, cap, flat, scale.most_held):
-            if pair is None:
-                continue
-            r, s = pair
+        arcs = [(q, h, pair) for q, h, pairs in _variants(by_held, table, cap, flat, scale.most_held)
+                for pair in pairs or ()]
+        for q, held, (r, s) in arcs:
             # A stage ending the model has exactly one stage remaining (itself).
             if j == n - 1 and q != 1:
                 continue
             if j < n - 1 and q == 1 and cap > 1:
                 continue
             extra = recompute_time_s(table, d, i, j, r)
-            _, stream_f, stream_b = stream_terms(table, d, i, j, r, s)
+            host_bytes, stream_f, stream_b = stream_terms(table, d, i, j, r, s)
             t = (f + stream_f + b + extra + stream_b) / unit
             base = scale.all_fastest - (after[i] - after[j + 1]) + t
             # Below the cap exactly q-1 stages follow: one of them takes at least their average.
             tail = after[j + 1] / (q - 1) if 1 < q < cap else 0.0
             if base + (m - 1) * max(t, tail) > scale.bound:
                 continue
-            stage_arcs.append(StageArc(d, i, j, q, (f + stream_f) / unit, (b + extra + stream_b) / unit, held, r, s))
+            stage_arcs.append(StageArc(d, i, j, q, (f + stream_f) / unit, (b + extra + stream_b) / unit, held, r, s,
+                                       host_bytes))
     return stage_arcs
 
 

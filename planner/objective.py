@@ -206,6 +206,39 @@ def stage_choice(table: CostTable, d: int, first: int, last: int, held: int, wei
     return best
 
 
+def ram_may_bind(table: CostTable) -> bool:
+    """Whether some host's RAM could be short of what its devices may stream (else the per-stage choice
+    ignores RAM exactly). Where it may, the ILP carries every Pareto pair per arc and one RAM row per host."""
+    if table.stream_mode == "none":
+        return False
+    most: dict[int, float] = {}
+    for d in range(table.num_devices):
+        if table.can_stream[d]:
+            h = table.host_of[d]
+            most[h] = max(most.get(h, 0.0), sum(table.stream_bytes[i][d] for i in range(table.num_nodes)))
+    return any(b > table.host_ram_bytes[h] for h, b in most.items())
+
+
+def stage_pareto(table: CostTable, d: int, first: int, last: int, held: int, weights: float, lora: float,
+                 working: float | None = None) -> list[tuple[int, int]]:
+    """The (recompute, stream) pairs that fit and that no other beats in both added seconds and host RAM
+    bytes (per stream count the fewest recomputing layers), fewest streaming first: what the ILP chooses
+    among when host RAM may bind."""
+    out: list[tuple[int, int]] = []
+    best_added = float("inf")
+    for s in table.stream_choices(d, first, last):
+        streamed, fwd, _ = stream_terms(table, d, first, last, 0, s)
+        r = stage_recompute(table, d, first, last, held, resident_weights(table, d, weights, streamed, s), lora,
+                            None, working)
+        if r is None:
+            continue
+        added = (recompute_time_s(table, d, first, last, r) + fwd) + stream_terms(table, d, first, last, r, s)[2]
+        if added < best_added:  # more streaming keeps more in RAM: only worth it when faster
+            out.append((r, s))
+            best_added = added
+    return out
+
+
 def _choice(table: CostTable, placement: Placement, k: int, d: int, first: int, last: int, held: int,
             weights: float, lora: float, mode: str | None) -> tuple[int, int]:
     """Stage k's (recompute, stream): the placement's, else stage_choice, else the most allowed."""

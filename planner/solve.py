@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from hetero.plan import SolverReport
 from hetero.planner.cost import CostTable
 from hetero.planner.exact import ExactResult, solve_exact
-from hetero.planner.objective import Evaluation, Placement, evaluate
+from hetero.planner.objective import Evaluation, Placement, evaluate, ram_may_bind
 from hetero.planner.simsearch import SearchResult, best_simulated, simulated_step_s
 
 # Of the time limit, the exact DP may use this share when the ILP may still need the rest.
@@ -62,7 +62,7 @@ def solve(table: CostTable, num_stages: int | None = None, time_limit_s: float =
     deadline = t0 + time_limit_s
     start = _best_of(table, num_stages, starts)
     dp: ExactResult | None = None
-    if exact:
+    if exact and not ram_may_bind(table):  # the DP does not see host RAM; the ILP's RAM rows do
         dp = solve_exact(table, num_stages, t0 + DP_SHARE * time_limit_s,
                          start.step_time_s if start is not None else None)
         proven = _proven_by_dp(table, dp, start, time_limit_s, t0) if dp.proven else None
@@ -125,6 +125,10 @@ def solve_simulated(table: CostTable, num_stages: int | None = None, time_limit_
     if closed.evaluation is None and (closed.report.status == "Infeasible"
                                       or closed.report.sol_status == "No Solution Exists"):
         return closed  # proven: nothing fits (planner.feasibility explains why)
+    if ram_may_bind(table):
+        # Host RAM may bind: the simulated search prices each stage's pair alone; the closed form's
+        # optimum (the ILP with its RAM rows) is the plan.
+        return closed
     candidates = [closed.evaluation] if closed.evaluation is not None else []
     candidates += [evaluate(table, p) for p in starts or []]
     found = best_simulated(table, candidates, num_stages, end)

@@ -21,7 +21,7 @@ from test_recompute_plans import compile_plan
 from hetero.planner.bruteforce import brute_force
 from hetero.planner.cost import CostTable
 from hetero.planner.ilp import solve_ilp
-from hetero.planner.objective import Placement, evaluate
+from hetero.planner.objective import Placement, evaluate, ram_may_bind
 from hetero.planner.solve import solve
 
 
@@ -39,7 +39,10 @@ def with_streaming(table: CostTable, rng: random.Random, mode: str = "auto", ram
               for i in range(n)]
     fetch = [[table.fwd_s[i][d] * copy[i] if nbytes[i][d] else 0.0 for d in range(nd)] for i in range(n)]
     start = [max([table.fwd_s[i][d] * 0.1 for i in range(n) if nbytes[i][d]], default=0.0) for d in range(nd)]
-    buffer = [max([nbytes[i][d] for i in range(n)], default=0.0) for d in range(nd)]
+    # A buffer slot smaller than the largest layer (arrays only: the solvers need not know why), so that
+    # streaming two or three of these few layers already saves memory.
+    slot = rng.uniform(0.2, 1.0)
+    buffer = [slot * max([nbytes[i][d] for i in range(n)], default=0.0) for d in range(nd)]
     return dataclasses.replace(table, stream_bytes=nbytes, stream_fetch_s=fetch, stream_start_s=start,
                                stream_buffer=buffer, can_stream=can, streamable=streamable, stream_mode=mode,
                                host_ram_bytes=[ram] * hosts, _prefix={}, _classes=[], _stream_prefix={})
@@ -211,3 +214,56 @@ def test_fleet_keys_for_host_memory_and_links() -> None:
         build_cluster({"hosts": [{"name": "h", "devices": [{"type": "rtx3090", "pcie": {"gen": 4}, "host_link_gbs": 9}]}]})
     pcie = build_cluster({"hosts": [{"name": "h", "ram_gb": 32, "devices": [{"type": "rtx3090", "pcie": {"gen": 4, "lanes": 8}}]}]})
     assert pcie.devices[0].host_link_gbs == pytest.approx(31.5 / 2, rel=0.01)
+
+
+def needs_streaming(rng: random.Random) -> tuple[CostTable, float] | None:
+    """A table that fits only by streaming (memory shrunk until it does), and the host RAM its optimum uses."""
+    table = with_streaming(random_table(rng, max_devices=3, max_nodes=5, schedule="1f1b"), rng)
+    for factor in (0.9, 0.8, 0.7, 0.6, 0.5, 0.4):
+        tight = dataclasses.replace(table, usable_bytes=[u * factor for u in table.usable_bytes], _prefix={},
+                                    _classes=[], _stream_prefix={})
+        best = brute_force(tight)
+        if best is None:
+            return None
+        if any(best.stream):
+            return tight, max(sum(b for d, b in zip(best.placement.devices, best.stream_bytes, strict=True)
+                                  if tight.host_of[d] == h) for h in range(len(tight.host_ram_bytes)))
+    return None
+
+
+@pytest.mark.parametrize("chunk", range(2))
+def test_binding_host_ram_matches_brute_force(chunk: int) -> None:
+    # RAM smaller than what the unconstrained optimum streams: the ILP carries every (time, RAM) Pareto pair per
+    # arc and one RAM row per host (the DP is skipped); its optimum is the brute force's (which checks RAM).
+    stats: Counter = Counter()
+    for seed in range(6000 + chunk * 40, 6000 + (chunk + 1) * 40):
+        rng = random.Random(seed)
+        found = needs_streaming(rng)
+        if found is None:
+            continue
+        table = dataclasses.replace(found[0], host_ram_bytes=[found[1] * rng.uniform(0.3, 0.99)] * len(
+            found[0].host_ram_bytes), _prefix={}, _classes=[], _stream_prefix={})
+        assert ram_may_bind(table)
+        best = brute_force(table)
+        ev = solve(table, None, time_limit_s=60).evaluation
+        try:
+            assert (best is None) == (ev is None)
+            if best is not None and ev is not None:
+                assert ev.feasible and ev.step_time_s == pytest.approx(best.step_time_s, rel=1e-6)
+                stats["stream"] += any(ev.stream)
+            stats["cases"] += 1
+        except AssertionError as exc:
+            raise AssertionError(f"seed {seed}: {exc}") from exc
+    assert stats["cases"] >= 3, stats
+
+
+def test_short_host_ram_says_so(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    # 30 GB of RAM for ~37 GB of streamable weights: RAM may bind, the ILP's RAM-aware search needs minutes
+    # for 70B; with a short limit the one-line error says what is slow and what to raise.
+    conf = tmp_path / "conf" / "hardware"
+    conf.mkdir(parents=True)
+    (conf / "small_ram.yaml").write_text("name: small_ram\nhosts:\n  - name: box\n    ram_gb: 30\n    devices:\n"
+                                         "      - type: rtx3090\n        count: 2\n")
+    code, _, err, _ = compile_plan(tmp_path, capsys, "model=llama70b", "model.quantization=nf4", "hardware=small_ram",
+                                   "planner.time_limit_s=3", config_dir=tmp_path / "conf")
+    assert_one_line_error(code, err, "the solver found no placement within planner.time_limit_s=3: host RAM")

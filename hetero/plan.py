@@ -19,6 +19,7 @@ from hetero.security import SecuritySpec
 from hetero.serde import check_schema_version, from_dict, read_versioned_json, to_dict
 from hetero.specs import (
     BYTES_PER_DTYPE,
+    MAX_COUNT,
     QUANT_BYTES_PER_PARAM,
     ClusterSpec,
     DataSpec,
@@ -285,6 +286,10 @@ def check_plan(plan: Plan, where: str = "plan.json") -> None:
     nodes = plan.graph.nodes
     if not nodes or len(plan.graph.edges) != len(nodes) - 1:
         raise bad(f"graph has {len(nodes)} nodes and {len(plan.graph.edges)} cuts between them")
+    for i, node in enumerate(nodes):  # counts the wire's size limits multiply: exact as floats, like every counter
+        for key in ("num_params", "linear_params", "lora_params", "expert_params"):
+            if not 0 <= getattr(node, key) <= MAX_COUNT:
+                raise bad(f"graph.nodes[{i}].{key} is {getattr(node, key)}, outside 0..{MAX_COUNT}")
     for i, h in enumerate(plan.cluster.hosts):
         if h.ssh is not None:  # may be added by hand (outside the hash): the fleet file's rules
             check_ssh(h.ssh, f"{where}: cluster.hosts[{i}].ssh", PlanError)

@@ -121,11 +121,13 @@ def solve_simulated(table: CostTable, num_stages: int | None = None, time_limit_
     optimum (``solve``) and ``starts``; ends by ``deadline`` (default: SEARCH_SHARE of the limit from now)."""
     t0 = time.perf_counter()
     end = t0 + SEARCH_SHARE * time_limit_s if deadline is None else deadline
-    closed = solve(table, num_stages, max(0.05, min(CLOSED_SHARE * time_limit_s, end - t0)), starts=starts)
+    ram = ram_may_bind(table)  # then the closed form's optimum is the plan: it gets the whole time
+    closed = solve(table, num_stages, max(0.05, end - t0 if ram else min(CLOSED_SHARE * time_limit_s, end - t0)),
+                   starts=starts)
     if closed.evaluation is None and (closed.report.status == "Infeasible"
                                       or closed.report.sol_status == "No Solution Exists"):
         return closed  # proven: nothing fits (planner.feasibility explains why)
-    if ram_may_bind(table):
+    if ram:
         # Host RAM may bind: the simulated search prices each stage's pair alone; the closed form's
         # optimum (the ILP with its RAM rows) is the plan.
         return closed

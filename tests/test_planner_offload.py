@@ -267,3 +267,21 @@ def test_short_host_ram_says_so(tmp_path, capsys) -> None:  # type: ignore[no-un
     code, _, err, _ = compile_plan(tmp_path, capsys, "model=llama70b", "model.quantization=nf4", "hardware=small_ram",
                                    "planner.time_limit_s=3", config_dir=tmp_path / "conf")
     assert_one_line_error(code, err, "the solver found no placement within planner.time_limit_s=3: host RAM")
+
+
+def test_cpu_stages_stream_only_when_full(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    # RAM to the same RAM saves nothing: auto never streams a CPU stage; full does (so runs can test it), each
+    # copy priced as a memcpy at the memory bandwidth, nothing hidden.
+    conf = tmp_path / "conf" / "hardware"
+    conf.mkdir(parents=True)
+    (conf / "local_ram.yaml").write_text("name: local_ram\nhosts:\n  - name: localhost\n    ram_gb: 8\n    devices:\n"
+                                         "      - type: cpu\n        count: 2\n")
+    for mode, streams in (("auto", False), ("full", True)):
+        code, _, err, plan = compile_plan(tmp_path / mode, capsys, "hardware=local_ram", f"planner.offload={mode}",
+                                          config_dir=tmp_path / "conf")
+        assert code == 0 and plan is not None, err
+        assert any(s.stream_layers for s in plan.stages) == streams
+        decoders = {n.name for n in plan.graph.nodes if n.kind == "decoder"}
+        for s in plan.stages:
+            if streams:
+                assert set(s.stream_layers) == decoders & set(s.node_names) and s.stream_time_s > 0

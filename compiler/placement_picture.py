@@ -194,8 +194,10 @@ def _draw_device(ax: Any, plan: Plan, device: Any, stage: Any, x: float, y: floa
         va="center",
     )
     if stage.stream_layers:  # weights streamed from host RAM (planner.offload): which, and what it costs
-        ax.text(x + 0.12, top - 1.4, fit_text(f"{stage.stream_summary()}: {span_label(stage.stream_layers)}", 70),
-                fontsize=7.5, color="#444444", va="center")
+        gb = stage.streamed_bytes_per_step / 1e9
+        ax.text(x + 0.12, top - 1.36, fit_text(f"streams {span_label(stage.stream_layers)} from RAM: "
+                                               f"+{duration(stage.stream_time_s)}/mb, {gb:,.0f} GB/step", 62),
+                fontsize=7, color="#444444", va="center")
     _draw_memory_bar(ax, stage.memory, x + 0.12, y + 0.3, w - 0.24, 0.36)
 
 

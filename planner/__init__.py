@@ -29,8 +29,9 @@ from hetero.planner.replica_choice import choose_replicas as _replicas
 from hetero.planner.schedules import gpipe, one_f_one_b, programs_for
 from hetero.planner.simulator import ScheduleError, Timeline, simulate, simulate_plan
 from hetero.planner.solve import PROVEN, solve_simulated
-from hetero.program import format_program
+from hetero.program import format_program, parse_program
 from hetero.specs import ClusterSpec, DataSpec, EvalSpec, ModelSpec, PlannerOptions, TrainSpec
+from hetero.stream_buffer import copies_per_step
 
 __all__ = [
     "CostModel", "RooflineCostModel", "ScheduleError", "Timeline", "gpipe", "one_f_one_b", "plan",
@@ -94,14 +95,15 @@ def stream_layers(table: CostTable, graph: LayerGraph, ev: Evaluation, k: int) -
     return names[len(names) - count:] if count else []
 
 
-def streamed_bytes_per_mb(table: CostTable, graph: LayerGraph, ev: Evaluation, k: int) -> float:
-    """Bytes stage k copies host-to-device per micro-batch: each streamed layer's frozen weights in its
-    forward and its backward, and once more where the layer also recomputes."""
+def streamed_bytes_per_step(table: CostTable, graph: LayerGraph, ev: Evaluation, k: int, program: list[str]) -> float:
+    """Bytes stage k copies host-to-device per step (after its first) running ``program``: each streamed layer's
+    frozen weights times its copies under the runtime's two-layer buffer (hetero/stream_buffer.py; a layer still
+    resident at a turn from forward to backward, or re-run by recomputation, is not copied again)."""
     d = ev.placement.devices[k]
     streamed = set(stream_layers(table, graph, ev, k))
-    again = set(recompute_layers(table, graph, ev, k))
-    return sum(table.stream_bytes[i][d] * (3 if n.name in again else 2)
-               for i, n in enumerate(graph.nodes) if n.name in streamed)
+    layers = [i for i, n in enumerate(graph.nodes) if n.name in streamed]
+    copies = copies_per_step([a.op.value for a in parse_program(program)], layers)
+    return sum(table.stream_bytes[i][d] * copies[i] for i in layers)
 
 
 def _verdict(prediction: Prediction, stages: list[StagePlan], base: list[Baseline], solver: SolverReport) -> list[str]:
@@ -227,8 +229,8 @@ def _choose(table: CostTable, options: PlannerOptions, ev: Evaluation, solver: S
 
 
 def _stage_plan(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: ClusterSpec, ev: Evaluation,
-                pos: int, k: int, program: list[str], micro_batches: int) -> StagePlan:
-    """Stage k, position ``pos`` of its pipeline's placement (``micro_batches`` per step): where it runs, what
+                pos: int, k: int, program: list[str]) -> StagePlan:
+    """Stage k, position ``pos`` of its pipeline's placement, running ``program``: where it runs, what
     it holds, its predicted costs."""
     dev = table.devices[ev.placement.devices[pos]]
     streams = bool(ev.stream and ev.stream[pos])
@@ -249,7 +251,7 @@ def _stage_plan(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: 
         recompute_time_s=ev.recompute_s[pos] if ev.recompute_s else 0.0,
         stream_layers=stream_layers(table, graph, ev, pos),
         stream_time_s=ev.stream_s[pos] if streams else 0.0,
-        streamed_bytes_per_step=streamed_bytes_per_mb(table, graph, ev, pos) * micro_batches if streams else 0.0,
+        streamed_bytes_per_step=streamed_bytes_per_step(table, graph, ev, pos, program) if streams else 0.0,
         frozen_resident_cap_bytes=resident_weights(
             table, ev.placement.devices[pos], sum(table.weights[i][ev.placement.devices[pos]] for i in range(first, last + 1)),
             ev.stream_bytes[pos], ev.stream[pos]) if streams else 0.0,
@@ -266,7 +268,7 @@ def _stages(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: Clus
         first_stage = len(stages)
         for pos in range(len(ev.placement.devices)):
             stages.append(_stage_plan(table, graph, model, cluster, ev, pos, len(stages),
-                                      format_program(programs[pos]), share))
+                                      format_program(programs[pos])))
         replicas.append(ReplicaPlan(list(range(first_stage, len(stages))), share,
                                     sum(m for _, m, _ in chosen[:len(replicas)]), own_step))
     return stages, replicas

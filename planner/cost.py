@@ -108,7 +108,7 @@ class CostTable:
     devices: list[DeviceSpec] = field(default_factory=list)
     _prefix: dict[int, tuple[list[float], list[int], list[float]]] = field(
         default_factory=dict, repr=False, compare=False)
-    _stream_prefix: dict[int, tuple[list[int], list[float], list[float], list[int], list[int], list[float]]] = field(
+    _stream_prefix: dict[int, tuple[list[int], list[float], list[float]]] = field(
         default_factory=dict, repr=False, compare=False)
     _classes: list[int] = field(default_factory=list, repr=False, compare=False)
 
@@ -174,23 +174,18 @@ class CostTable:
                 or any(len(x) != nd for x in (self.stream_start_s, self.stream_buffer, self.can_stream))):
             raise ValueError("CostTable streaming arrays do not match the nodes and devices")
 
-    def stream_prefixes(self, d: int) -> tuple[list[int], list[float], list[float], list[int], list[int], list[float]]:
+    def stream_prefixes(self, d: int) -> tuple[list[int], list[float], list[float]]:
         """Device d's streaming prefix sums: streamable nodes before each node; bytes and copy seconds over the
-        streamable nodes in order; the node of each streamable and each recomputable one; and copy seconds
-        over the nodes that both stream and recompute (their re-run forward copies again)."""
+        streamable nodes in order."""
         if d not in self._stream_prefix:
-            srank, sbytes, sfetch, snode, rnode, both = [0], [0.0], [0.0], [], [], [0.0]
+            srank, sbytes, sfetch = [0], [0.0], [0.0]
             for i in range(self.num_nodes):
                 can = self.streamable[i]
                 srank.append(srank[-1] + int(can))
                 if can:
                     sbytes.append(sbytes[-1] + self.stream_bytes[i][d])
                     sfetch.append(sfetch[-1] + self.stream_fetch_s[i][d])
-                    snode.append(i)
-                if self.recomputable[i]:
-                    rnode.append(i)
-                both.append(both[-1] + (self.stream_fetch_s[i][d] if can and self.recomputable[i] else 0.0))
-            self._stream_prefix[d] = (srank, sbytes, sfetch, snode, rnode, both)
+            self._stream_prefix[d] = (srank, sbytes, sfetch)
         return self._stream_prefix[d]
 
     def stream_choices(self, d: int, first: int, last: int, mode: str | None = None) -> list[int]:

@@ -157,11 +157,10 @@ def stage_costs(table: CostTable, d: int, helds: list[int]) -> tuple[np.ndarray,
             r = np.where(valid, spans.fewest_recompute(float(held), table.recompute_mode, fixed + spans.lora), -1)
             good = r >= 0
             extra = np.where(r > 0, spans.extra[np.minimum(spans.rank, top), np.clip(r, 0, top)], 0.0)
-            sb = sf + streams.overlap(s, r) if s > 0 else sf
-            better = good & ((extra + sf) + sb < best)
-            best = np.where(better, (extra + sf) + sb, best)
+            better = good & ((extra + sf) + sf < best)
+            best = np.where(better, (extra + sf) + sf, best)
             fwd[..., h] = np.where(better, spans.fwd + sf, fwd[..., h])
-            bwd[..., h] = np.where(better, spans.bwd + extra + sb, bwd[..., h])
+            bwd[..., h] = np.where(better, spans.bwd + extra + sf, bwd[..., h])
             rec[..., h] = np.where(better, r, rec[..., h])
             stream[..., h] = np.where(better, s, stream[..., h])
     return fwd, bwd, rec, stream
@@ -171,14 +170,12 @@ class _StreamSpans:
     """Device d's streaming terms for every span, as objective.stream_terms computes them."""
 
     def __init__(self, table: CostTable, d: int, spans: _Spans) -> None:
-        srank, sbytes, sfetch, snode, rnode, both = (np.array(a) for a in table.stream_prefixes(d))
+        srank, sbytes, sfetch = (np.array(a) for a in table.stream_prefixes(d))
         n = table.num_nodes
         first, last = np.arange(n)[:, None], np.arange(n)[None, :]
         self.end = np.broadcast_to(srank[last + 1], (n, n))
         self.count = np.where(spans.span, srank[last + 1] - srank[first], 0)
-        self.sbytes, self.sfetch, self.both = sbytes.astype(float), sfetch.astype(float), both.astype(float)
-        self.snode, self.rnode = snode.astype(np.int64), rnode.astype(np.int64)
-        self.rank = spans.rank
+        self.sbytes, self.sfetch = sbytes.astype(float), sfetch.astype(float)
         self.start, self.buffer = table.stream_start_s[d], table.stream_buffer[d]
         self.most = max(table.stream_choices(d, 0, n - 1))
         self.mode = table.stream_mode if table.can_stream[d] else "none"
@@ -195,14 +192,6 @@ class _StreamSpans:
         e = self.end
         lo = np.maximum(e - s, 0)
         return valid, self.sbytes[e] - self.sbytes[lo], (self.sfetch[e] - self.sfetch[lo]) + self.start
-
-    def overlap(self, s: int, r: np.ndarray) -> np.ndarray:
-        """Copy seconds of the layers that both stream (the last s) and recompute (the first r)."""
-        if len(self.rnode) == 0 or len(self.snode) == 0:
-            return np.zeros(r.shape)
-        a = self.snode[np.clip(self.end - s, 0, len(self.snode) - 1)]
-        b = self.rnode[np.clip(self.rank + r - 1, 0, len(self.rnode) - 1)]
-        return np.where((r > 0) & (b >= a), self.both[np.maximum(b, a) + 1] - self.both[a], 0.0)
 
 
 @dataclass

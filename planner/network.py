@@ -185,7 +185,7 @@ def _stage_candidates(table: CostTable, scale: _Scale, deadline: float | None) -
                 choices = table.recompute_choices(i, j)
                 least = min(stage_activations(table, d, i, j, 1, r, working) for r in {choices[0], choices[-1]})
                 s = table.stream_choices(d, i, j)[-1]  # the least resident weights: none or the most streaming
-                resident = min(w, resident_weights(table, d, w, stream_terms(table, d, i, j, 0, s)[0], s))
+                resident = min(w, resident_weights(table, d, w, stream_terms(table, d, j, s)[0], s))
                 if not stage_fits(table, d, resident, lo, least):
                     break  # longer spans only need more memory
                 t = (f + b) / scale.unit
@@ -251,7 +251,7 @@ def _stage_arcs(table: CostTable, scale: _Scale, cands: list[_Candidate], cap: i
             if j < n - 1 and q == 1 and cap > 1:
                 continue
             extra = recompute_time_s(table, d, i, j, r)
-            host_bytes, stream_f, stream_b = stream_terms(table, d, i, j, r, s)
+            host_bytes, stream_f, stream_b = stream_terms(table, d, j, s)
             t = (f + stream_f + b + extra + stream_b) / unit
             base = scale.all_fastest - (after[i] - after[j + 1]) + t
             # Below the cap exactly q-1 stages follow: one of them takes at least their average.

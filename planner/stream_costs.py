@@ -2,8 +2,8 @@
 
 A streamed decoder layer keeps its frozen (base, possibly NF4-packed) Linear weights in pinned host RAM;
 the runtime copies them to the device each time the layer runs: in its forward and again in its backward
-per micro-batch (backward needs W for the input gradient), and once more when it also recomputes (its
-re-run forward). LoRA weights, norms and optimizer state stay on the device. Both schedules run the
+per micro-batch (backward needs W for the input gradient); a layer that also recomputes copies no third
+time (its re-run forward, just before its backward, finds it in the buffer). LoRA weights, norms and optimizer state stay on the device. Both schedules run the
 same micro-batch by micro-batch, so 1F1B and GPipe pay the same copies (a layer-major GPipe that reuses
 one copy for all micro-batches would need every micro-batch's activations at once: not what runs).
 

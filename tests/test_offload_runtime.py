@@ -418,6 +418,9 @@ def test_the_planners_cap_is_what_the_stage_holds(tmp_path: Path, capsys: pytest
         assert streamer is not None
         buffer = sorted((streamer.layer_bytes(i) for i in streamer.layers), reverse=True)[:2]
         assert streamer.fixed_bytes + sum(buffer) == sp.frozen_resident_cap_bytes, k
+        # The plan's bytes per step are the stage's own layer bytes times the copies its program makes.
+        copies = copies_per_step([a.op for a in sp.actions()], list(streamer.layers))
+        assert sum(streamer.layer_bytes(i) * c for i, c in copies.items()) == sp.streamed_bytes_per_step, k
 
 
 def test_the_buffer_policy_counts_copies_per_step() -> None:

@@ -164,11 +164,12 @@ class _Search:
 
     def _bounds(self) -> None:
         """lb[u][m] <= T(U, m): the layers' least work W and least period P, W + (m - 1) P; inf where
-        U cannot hold the weights. P >= W / |U| (the slowest of at most |U| stages) and >= any node."""
+        U cannot hold the weights. P >= W / |U| (the slowest of at most |U| stages) and >= any node. A layer that may
+        stream needs only its unstreamed part on the device (the buffer and host RAM left out: a looser bound)."""
         t, sets = self.table, self.sets
         reps = [mem[0] for mem in sets.members]
         work = np.array([[t.fwd_s[i][d] + t.bwd_s[i][d] for d in reps] for i in range(self.n)])
-        need = np.array([[t.weights[i][d] + t.lora[i][d] for d in reps] for i in range(self.n)])
+        need = np.array([[t.weights[i][d] - t.stream_bytes[i][d] + t.lora[i][d] for d in reps] for i in range(self.n)])
         room = np.array([max(0.0, t.usable_bytes[d] - t.workspace_bytes) for d in reps])
         self.lb = np.full((len(sets.multisets), self.total_mb + 1), INF)
         self.period = np.full(len(sets.multisets), INF)

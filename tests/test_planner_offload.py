@@ -183,6 +183,18 @@ def test_llama70b_qlora_streams_on_two_24gb_cards(tmp_path, capsys, fleet) -> No
     assert (tmp_path / "out" / "placement.png").stat().st_size > 0
 
 
+def test_replicas_may_stream_too(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    # One RTX 3090 holds Llama-70B QLoRA by streaming every layer, so two replicas fit (one per card, 75 of the
+    # box's 128 GB of RAM): the replica search's memory bound once said they did not, a false verdict.
+    code, _, err, plan = compile_plan(tmp_path, capsys, "model=llama70b", "model.quantization=nf4",
+                                      "hardware=two_3090", "planner.replicas=2")
+    assert code == 0 and plan is not None, err
+    assert [len(r.stages) for r in plan.replicas] == [1, 1]
+    assert all(len(s.stream_layers) == 80 for s in plan.stages)
+    assert sum(s.memory.host_gb for s in plan.stages) <= 128
+    assert not any("do not fit" in line for line in plan.verdict)
+
+
 def test_offload_none_refuses_with_one_line_counting_streaming(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     code, _, err, _ = compile_plan(tmp_path, capsys, "model=llama70b", "model.quantization=nf4", "hardware=two_3090",
                                    "planner.offload=none")

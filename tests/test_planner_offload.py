@@ -184,7 +184,7 @@ def test_llama70b_qlora_streams_on_two_24gb_cards(tmp_path, capsys, fleet) -> No
 
 
 def test_replicas_may_stream_too(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    # One RTX 3090 holds Llama-70B QLoRA by streaming every layer, so two replicas fit (one per card, 75 of the
+    # One RTX 3090 holds Llama-70B QLoRA by streaming every layer, so two replicas fit (one per card, 77 of the
     # box's 128 GB of RAM): the replica search's memory bound once said they did not, a false verdict.
     code, _, err, plan = compile_plan(tmp_path, capsys, "model=llama70b", "model.quantization=nf4",
                                       "hardware=two_3090", "planner.replicas=2")

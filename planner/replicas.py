@@ -484,7 +484,9 @@ def solve_replicas(table: CostTable, time_limit_s: float = 30.0, max_replicas: i
     evaluations, reduce_s, step = evaluate_replicas(table, found.placements, found.shares)
     if not all(e.feasible for e in evaluations) or step >= upper:
         # The replicas do not check out under objective.evaluate (a bug) or lose: keep the single pipeline.
-        bad = f"replicas evaluate at {step:.6g} s/step"
+        bad = (f"the best replicas found evaluate at {step:.6g} s/step" if all(e.feasible for e in evaluations)
+               else "the best replicas found do not fit together (their hosts' RAM or memory)")
+        found.unproven.append(bad)
         return _single_solution(table, best_single, False, f"one pipeline ({bad}){why}", found)
     placements = [Placement(p.devices, p.spans, tuple(e.recompute), tuple(e.stream))
                   for p, e in zip(found.placements, evaluations, strict=True)]

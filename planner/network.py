@@ -251,14 +251,14 @@ def _stage_arcs(table: CostTable, scale: _Scale, cands: list[_Candidate], cap: i
             if j < n - 1 and q == 1 and cap > 1:
                 continue
             extra = recompute_time_s(table, d, i, j, r)
-            host_bytes, stream_f, stream_b = stream_terms(table, d, j, s)
-            t = (f + stream_f + b + extra + stream_b) / unit
+            host_bytes, copy_s = stream_terms(table, d, j, s)
+            t = (f + copy_s + b + extra + copy_s) / unit
             base = scale.all_fastest - (after[i] - after[j + 1]) + t
             # Below the cap exactly q-1 stages follow: one of them takes at least their average.
             tail = after[j + 1] / (q - 1) if 1 < q < cap else 0.0
             if base + (m - 1) * max(t, tail) > scale.bound:
                 continue
-            stage_arcs.append(StageArc(d, i, j, q, (f + stream_f) / unit, (b + extra + stream_b) / unit, held, r, s,
+            stage_arcs.append(StageArc(d, i, j, q, (f + copy_s) / unit, (b + extra + copy_s) / unit, held, r, s,
                                        host_bytes))
     return stage_arcs
 

@@ -157,17 +157,17 @@ def recompute_time_s(table: CostTable, d: int, first: int, last: int, recompute:
     return extra
 
 
-def stream_terms(table: CostTable, d: int, last: int, stream: int) -> tuple[float, float, float]:
-    """(bytes kept in host RAM, forward seconds, backward seconds) per micro-batch of a stage ending at node
-    ``last`` whose last ``stream`` streamable layers stream. A layer that also recomputes copies no third time:
-    its re-run forward comes right before its backward and finds it in the buffer (hetero/stream_buffer.py).
-    One formula over prefix sums: the exact DP computes it term by term."""
+def stream_terms(table: CostTable, d: int, last: int, stream: int) -> tuple[float, float]:
+    """(bytes kept in host RAM, copy seconds per pass) per micro-batch of a stage ending at node ``last`` whose
+    last ``stream`` streamable layers stream; the forward and the backward pass each pay the copy seconds once. A
+    layer that also recomputes copies no third time: its re-run forward comes right before its backward and
+    finds it in the buffer (hetero/stream_buffer.py). One formula over prefix sums: the exact DP computes it
+    term by term."""
     if stream <= 0:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0
     srank, sbytes, sfetch = table.stream_prefixes(d)
     e = srank[last + 1]
-    fwd = (sfetch[e] - sfetch[e - stream]) + table.stream_start_s[d]
-    return sbytes[e] - sbytes[e - stream], fwd, fwd
+    return sbytes[e] - sbytes[e - stream], (sfetch[e] - sfetch[e - stream]) + table.stream_start_s[d]
 
 
 def resident_weights(table: CostTable, d: int, weights: float, streamed: float, stream: int) -> float:
@@ -186,15 +186,14 @@ def stage_choice(table: CostTable, d: int, first: int, last: int, held: int, wei
     best_added = 0.0
     least_r = table.recompute_choices(first, last, mode)[0]
     for s in table.stream_choices(d, first, last):
-        streamed, fwd, _ = stream_terms(table, d, last, s)
+        streamed, fwd = stream_terms(table, d, last, s)
         if best is not None and fwd + fwd > best_added:
             break  # the copies alone (forward and backward) already cost more
         r = stage_recompute(table, d, first, last, held, resident_weights(table, d, weights, streamed, s), lora,
                             mode, working)
         if r is None:
             continue
-        _, _, bwd = stream_terms(table, d, last, s)
-        added = (recompute_time_s(table, d, first, last, r) + fwd) + bwd
+        added = (recompute_time_s(table, d, first, last, r) + fwd) + fwd
         if best is None or added < best_added:
             best, best_added = (r, s), added
         if r == least_r:
@@ -223,12 +222,12 @@ def stage_pareto(table: CostTable, d: int, first: int, last: int, held: int, wei
     out: list[tuple[int, int]] = []
     best_added = float("inf")
     for s in table.stream_choices(d, first, last):
-        streamed, fwd, _ = stream_terms(table, d, last, s)
+        streamed, fwd = stream_terms(table, d, last, s)
         r = stage_recompute(table, d, first, last, held, resident_weights(table, d, weights, streamed, s), lora,
                             None, working)
         if r is None:
             continue
-        added = (recompute_time_s(table, d, first, last, r) + fwd) + stream_terms(table, d, last, s)[2]
+        added = (recompute_time_s(table, d, first, last, r) + fwd) + fwd
         if added < best_added:  # more streaming keeps more in RAM: only worth it when faster
             out.append((r, s))
             best_added = added
@@ -282,13 +281,13 @@ def evaluate(table: CostTable, placement: Placement, mode: str | None = None) ->
         lora = sum(table.lora[i][d] for i in nodes)
         r, s = _choice(table, placement, k, d, first, last, held, weights, lora, mode)
         extra = recompute_time_s(table, d, first, last, r)
-        streamed, stream_f, stream_b = stream_terms(table, d, last, s)
-        ev.fwd_s.append(sum(table.fwd_s[i][d] for i in nodes) + stream_f)
-        ev.bwd_s.append(sum(table.bwd_s[i][d] for i in nodes) + extra + stream_b)
+        streamed, copy_s = stream_terms(table, d, last, s)
+        ev.fwd_s.append(sum(table.fwd_s[i][d] for i in nodes) + copy_s)
+        ev.bwd_s.append(sum(table.bwd_s[i][d] for i in nodes) + extra + copy_s)
         ev.recompute.append(r)
         ev.recompute_s.append(extra)
         ev.stream.append(s)
-        ev.stream_s.append(stream_f + stream_b)
+        ev.stream_s.append(copy_s + copy_s)
         ev.stream_bytes.append(streamed)
         ev.send_s.append(table.transfer_s(last, d, placement.devices[k + 1]) if k < num_stages - 1 else 0.0)
         _stage_memory(table, ev, k, d, resident_weights(table, d, weights, streamed, s), lora,

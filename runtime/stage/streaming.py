@@ -8,7 +8,7 @@ weights (NF4: the packed bytes and the quantization state's absmax and code) are
 and again in backward for the input gradient, and saves nothing for backward (the base weights are frozen: their
 gradient, the only use of the input, is never formed). LoRA wraps a ``StreamedLinear`` as it wraps a Linear
 (runtime/stage/lora.py): the adapter's delta runs beside it, in peft's order. A recomputed layer's forward runs
-again in backward and fetches again.
+again in backward and asks for its weights again (it finds them in the buffer).
 
 The streamer keeps at most ``BUFFER_LAYERS`` layers resident: the one in use and the next in the direction of
 travel (forward l -> l+1, backward -- recomputation included -- l -> l-1), prefetched; hetero/stream_buffer.py is

@@ -27,12 +27,13 @@ from hetero.serde import check_schema_version, from_dict, read_versioned_json, t
 from hetero.specs import ClusterSpec, ModelSpec
 
 # v2 added what a run records (Profile.origin, DeviceProfile.sources); v3 the cores a run's CPU stages got
-# (Profile.host_cores). Older files load unchanged.
-PROFILE_SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# (Profile.host_cores); v4 what weight streaming needs (DeviceProfile.host_link_gbs, .host_ram_gb). Older files
+# load unchanged.
+PROFILE_SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 _REPROFILE = "re-run `hetero profile`"
 LAYER_KINDS = ("embedding", "decoder", "norm", "head")
-MEASURED_PARTS = (*LAYER_KINDS, "optimizer", "messages")  # what a device's profile reports progress on
+MEASURED_PARTS = (*LAYER_KINDS, "optimizer", "messages", "host link")  # what a device's profile reports progress on
 
 
 class ProfileError(ConfigError):
@@ -114,6 +115,11 @@ class DeviceProfile:
     # Where each part came from when not measured by `hetero profile` (a run: "run", "run, scaled"; see
     # hetero.runtime.run.run_profile); a part absent here was measured as the profile's origin says.
     sources: dict[str, str] = field(default_factory=dict)
+    # v4, for weight streaming (planner.offload; None: not measured): the GB/s at which one decoder layer's
+    # frozen weights reach the device as the runtime's WeightStreamer copies them (pinned, side stream on CUDA;
+    # a copy into fresh tensors on CPU), and the host's available RAM (MemAvailable) when measured.
+    host_link_gbs: float | None = None
+    host_ram_gb: float | None = None
 
 
 @dataclass(frozen=True)
@@ -201,8 +207,9 @@ def load_merged(paths: str) -> Profile:
 
 
 def _upgraded(data: Any) -> Any:
-    """A v1 or v2 profile as v3: the fields v2 and v3 added have defaults, so only the version number changes."""
-    if isinstance(data, dict) and data.get("schema_version") in (1, 2):
+    """An older profile as the current version: the fields each version added have defaults, so only the version
+    number changes."""
+    if isinstance(data, dict) and data.get("schema_version") in READABLE_VERSIONS[:-1]:
         return {**data, "schema_version": PROFILE_SCHEMA_VERSION}
     return data
 
@@ -270,7 +277,7 @@ def _merge_device(holders: list[tuple[Profile, DeviceProfile]]) -> DeviceProfile
     return replace(first, layers=layers, sources=sources, **fill)
 
 
-_OTHER_PARTS = ("optimizer", "message_send", "message_recv")
+_OTHER_PARTS = ("optimizer", "message_send", "message_recv", "host_link_gbs", "host_ram_gb")
 
 
 def fleet_hash(cluster: ClusterSpec) -> str:

@@ -297,8 +297,8 @@ def plan(
     split), programs, predictions, baselines and verdict. ``evaluation.device`` is kept out of training (it
     evaluates held-out data); ``config`` is the resolved config the plan records."""
     cost_model = cost_model or RooflineCostModel(efficiency=options.efficiency)
-    if isinstance(cost_model, ProfileCostModel):  # a run measured what its shared-core hosts give its stages
-        cluster = cost_model.with_usable_cores(cluster)
+    if isinstance(cost_model, ProfileCostModel):  # the cores a run's shared-core hosts gave, the RAM they have
+        cluster = cost_model.with_measured_hosts(cluster)
     evaluation = evaluation or EvalSpec()
     deadline = time.perf_counter() + options.time_limit_s  # the whole plan's, once: every search ends by it
     table = build_cost_table(graph, model, training_fleet(cluster, evaluation.device), train, options, cost_model)

@@ -427,7 +427,7 @@ def build_cost_table(
     hosts = [h.name for h in cluster.hosts]
     wire_kind, kind_bytes = _wire_kinds(graph, model, devices, tokens)
     links = _link_costs(cluster, cost_model, hosts, kind_bytes)
-    stream = stream_columns(graph, model, cluster, nodes.fwd, options.offload)
+    stream = stream_columns(graph, model, cluster, nodes.fwd, options.offload, cost_model)
     return CostTable(
         fwd_s=nodes.fwd, bwd_s=nodes.bwd, weights=nodes.weights, lora=nodes.lora,
         activations_per_mb=nodes.activations,

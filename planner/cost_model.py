@@ -27,6 +27,9 @@ OPTIMIZER_PER_TENSOR_S = {"cpu": 50e-6}
 OPTIMIZER_PER_TENSOR_DEFAULT_S = 10e-6
 MESSAGE_FIXED_S = 100e-6
 HOST_COPY_BYTES_PER_S = 12e9  # PCIe 4.0 x16 in practice
+# Pinned host-to-device copies reach about 80% of PCIe's theoretical rate (CUDA's bandwidthTest on
+# PCIe 4.0 x16: ~25 of 31.5 GB/s); datasheets and fleet files state the theoretical rate.
+HOST_LINK_EFFICIENCY = 0.8
 # Quantized linears are not faster than dense ones in training: bitsandbytes dequantizes the weight to
 # the compute dtype on every use. MatMul4Bit's forward is `linear(A, dequantize_4bit(W))` and its
 # backward dequantizes W again for the input gradient (bitsandbytes/autograd/_functions.py);
@@ -89,6 +92,10 @@ class CostModel(Protocol):
 
     def message_s(self, device: DeviceSpec, num_bytes: float) -> tuple[float, float]:
         """(send, receive) seconds ``device``'s stage spends on one message of ``num_bytes``."""
+        ...
+
+    def host_copy_bytes_per_s(self, device: DeviceSpec) -> float:
+        """Bytes per second at which a streamed layer's frozen weights reach ``device`` from host RAM."""
         ...
 
 
@@ -203,6 +210,13 @@ class RooflineCostModel:
         """Encode/decode overhead, plus the copy between a GPU and its host."""
         cost = MESSAGE_FIXED_S + (num_bytes / HOST_COPY_BYTES_PER_S if device.backend != "cpu" else 0.0)
         return cost, cost
+
+    def host_copy_bytes_per_s(self, device: DeviceSpec) -> float:
+        """The host link's share a pinned copy reaches (HOST_LINK_EFFICIENCY); on a CPU, its memcpy rate (read and
+        write over its memory bandwidth)."""
+        if device.backend == "cpu":
+            return max(device.memory_bandwidth_gbs, 1e-3) * 1e9 / 2.0
+        return max(device.host_link_gbs or 0.0, 1e-3) * 1e9 * HOST_LINK_EFFICIENCY
 
 
 def lora_tensors(graph: LayerGraph, model: ModelSpec, node: int) -> int:

@@ -127,11 +127,21 @@ class ProfileCostModel:
             "" if len(parts) == 2 else f"; {'receive' if parts[0][0] == 'send' else 'send'}: roofline (not measured)")
         return send, recv
 
-    def with_usable_cores(self, cluster: ClusterSpec) -> ClusterSpec:
-        """The fleet with each host's ``usable_cores`` as a run measured them (hosts whose CPU stages shared too few
-        cores: docs/profiling.md), the source of each noted."""
-        if not self.profile.host_cores:
-            return cluster
+    def host_copy_bytes_per_s(self, device: DeviceSpec) -> float:
+        """The rate the profile measured for the runtime's own streaming copy (no efficiency factor: it is what a
+        copy reached), else the roofline's."""
+        dev = self.profile.device(device.name)
+        key = f"host link {device.name}"
+        if dev is not None and dev.host_link_gbs:
+            self.sources[key] = self._source(device, "host_link_gbs")
+            return dev.host_link_gbs * 1e9
+        self.sources[key] = "roofline (not measured)"
+        return self.fallback.host_copy_bytes_per_s(device)
+
+    def with_measured_hosts(self, cluster: ClusterSpec) -> ClusterSpec:
+        """The fleet with what the profile measured of its hosts, the source of each noted: ``usable_cores`` as a
+        run measured them (hosts whose CPU stages shared too few cores: docs/profiling.md), and ``ram_gb`` lowered
+        to the RAM the host had available when profiled (streamed weights must fit in what is there)."""
         from dataclasses import replace
 
         hosts = []
@@ -140,6 +150,14 @@ class ProfileCostModel:
             if got is not None and h.cores and 0 < got <= h.cores:
                 self.sources[f"cores {h.name}"] = f"{self.profile.origin or 'profile'} ({got:.2f} of {h.cores} cores)"
                 h = replace(h, usable_cores=float(got))
+            measured = [d for d in self.profile.devices if d.host == h.name and d.host_ram_gb]
+            if h.ram_gb is not None and measured:
+                least = min(measured, key=lambda d: d.host_ram_gb or 0.0)
+                available = float(least.host_ram_gb or 0.0)
+                if available < h.ram_gb:
+                    self.sources[f"ram_gb {h.name}"] = (f"{source_of(self.profile, least, 'host_ram_gb')} ({available:.1f}"
+                                                        f" GB available when measured; the fleet file says {h.ram_gb:g})")
+                    h = replace(h, ram_gb=round(available, 1))
             hosts.append(h)
         return replace(cluster, hosts=hosts)
 

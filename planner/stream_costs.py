@@ -9,8 +9,9 @@ one copy for all micro-batches would need every micro-batch's activations at onc
 
 The model, conservative and simple (docs/memory.md):
 
-- copy_s = frozen bytes / (host_link_gbs x HOST_LINK_EFFICIENCY) on a GPU; on a CPU device (``full`` only:
-  RAM to the same RAM is a memcpy) 2 x bytes / its memory bandwidth (read and write).
+- copy_s = frozen bytes / the cost model's host copy rate: a profile's measured rate (`hetero profile` times the
+  runtime's own copy), else on a GPU host_link_gbs x HOST_LINK_EFFICIENCY, on a CPU device (``full`` only: RAM
+  to the same RAM is a memcpy) its memory bandwidth / 2 (read and write).
 - On a GPU the copy of the next layer overlaps the current layer's compute (side stream, prefetch). Each
   copy is charged what the layer's own forward cannot hide, max(0, copy_s - fwd_s) (the forward is the
   shortest compute next to it), and each pass (forward, backward) once more the hidden part of the
@@ -25,13 +26,10 @@ from dataclasses import dataclass
 
 from hetero.errors import ConfigError
 from hetero.graph import LayerGraph
-from hetero.planner.cost_model import compute_dtype, dtype_bytes
+from hetero.planner.cost_model import CostModel, compute_dtype, dtype_bytes
 from hetero.specs import QUANT_BYTES_PER_PARAM, ClusterSpec, DeviceSpec, ModelSpec
 
 GB = 1e9
-# Pinned host-to-device copies reach about 80% of PCIe's theoretical rate (CUDA's bandwidthTest on
-# PCIe 4.0 x16: ~25 of 31.5 GB/s); datasheets and fleet files state the theoretical rate.
-HOST_LINK_EFFICIENCY = 0.8
 BUFFER_LAYERS = 2  # the layer being computed and the next one, prefetched
 
 
@@ -55,13 +53,6 @@ def frozen_linear_bytes(graph: LayerGraph, node: int, device: DeviceSpec, model:
     return graph.nodes[node].linear_params * per_linear
 
 
-def copy_bytes_per_s(device: DeviceSpec) -> float:
-    """Host-to-device copy rate: the host link's share a pinned copy reaches, or a CPU's memcpy rate."""
-    if device.backend == "cpu":
-        return max(device.memory_bandwidth_gbs, 1e-3) * GB / 2.0
-    return max(device.host_link_gbs or 0.0, 1e-3) * GB * HOST_LINK_EFFICIENCY
-
-
 def _may_stream(cluster: ClusterSpec, mode: str) -> list[bool]:
     """Per device: auto streams GPUs with a host link on hosts with ram_gb; full every device (or refuses)."""
     out = []
@@ -80,7 +71,7 @@ def _may_stream(cluster: ClusterSpec, mode: str) -> list[bool]:
 
 
 def stream_columns(graph: LayerGraph, model: ModelSpec, cluster: ClusterSpec, fwd_s: list[list[float]],
-                   mode: str) -> StreamColumns:
+                   mode: str, cost_model: CostModel) -> StreamColumns:
     """Every decoder layer's streamed bytes and per-copy seconds on every device that may stream."""
     devices = cluster.devices
     can = _may_stream(cluster, mode)
@@ -90,7 +81,9 @@ def stream_columns(graph: LayerGraph, model: ModelSpec, cluster: ClusterSpec, fw
     fetch = [[0.0] * len(devices) for _ in graph.nodes]
     start, buffer = [0.0] * len(devices), [0.0] * len(devices)
     for j, d in enumerate(devices):
-        rate = copy_bytes_per_s(d)
+        if not any(row[j] > 0 for row in nbytes):
+            continue
+        rate = cost_model.host_copy_bytes_per_s(d)
         hides = d.backend != "cpu"
         for i in range(len(graph.nodes)):
             if nbytes[i][j] <= 0:

@@ -259,6 +259,68 @@ def test_optimizer_and_message_costs_are_measured(tiny_spec: ModelSpec, monkeypa
     assert all(t > 0 for _, t in send.samples + recv.samples)
 
 
+def test_the_host_link_is_the_runtimes_own_streaming_copy(tiny_spec: ModelSpec,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hetero profile` times the WeightStreamer copying the probe's decoder layer: its frozen Linears (no LoRA),
+    every byte of them, at a positive rate; and it reads the host's available RAM."""
+    import torch
+
+    from hetero.runtime.stage.streaming import WeightStreamer
+    from hetero.runtime.tools import profiler
+    from hetero.runtime.tools.profiler import available_ram_gb, build_probe, profile_host_link
+
+    monkeypatch.setattr(profiler, "TARGET_S", 0.05)
+    torch.set_num_threads(1)
+    probe = build_probe(tiny_spec, torch.device("cpu"), "float32", "none")
+    copied: list[int] = []
+    real_copy = WeightStreamer.copy_layer
+
+    def spy(self: WeightStreamer, layer: int) -> None:
+        copied.append(self.layer_bytes(layer))
+        real_copy(self, layer)
+
+    monkeypatch.setattr(WeightStreamer, "copy_layer", spy)
+    rate = profile_host_link(probe)
+    arch = tiny_spec.architecture
+    h, i, kv = arch["hidden_size"], arch["intermediate_size"], arch["num_key_value_heads"] * arch["head_dim"]
+    frozen = 4 * (h * h + 2 * h * kv + h * h + 3 * h * i)  # q, k, v, o, gate, up, down in fp32, no bias
+    assert rate is not None and rate > 0
+    assert len(copied) > profiler.MIN_REPEATS and set(copied) == {frozen}
+    assert (available_ram_gb() or 0) > 0
+
+
+def test_streaming_is_priced_at_the_measured_copy_rate_within_the_ram_measured(tiny_spec: ModelSpec,
+                                                                                tiny_graph) -> None:
+    """A profile's host link replaces the roofline's copy rate (no efficiency factor: it is what a copy reached),
+    and a host's ram_gb above the RAM it had available is lowered to it; the plan cites both."""
+    from hetero.planner.cost import build_cost_table
+
+    fleet = {"name": "local", "hosts": [{"name": "localhost", "ram_gb": 64, "devices": [
+        {"type": "cpu", "threads": 1}, {"type": "cpu", "threads": 1}]}]}
+    cluster = build_cluster(fleet, load_device_types())
+    train, opts = TrainSpec(micro_batch_size=4, num_micro_batches=8), PlannerOptions(split=[3, 3], offload="full")
+    prof = synthetic_profile(cluster, tiny_spec, {d.name: 1e-5 for d in cluster.devices})
+    measured = replace(prof, devices=[replace(d, host_link_gbs=0.5, host_ram_gb=20.04) for d in prof.devices])
+    dec = tiny_graph.decoder_indices()[0]
+    for profile, rate in ((measured, 0.5e9), (prof, RooflineCostModel().host_copy_bytes_per_s(cluster.devices[0]))):
+        cm = ProfileCostModel(profile, RooflineCostModel(), cluster=cluster, model=tiny_spec)
+        table = build_cost_table(tiny_graph, tiny_spec, cluster, train, opts, cm)
+        assert table.stream_bytes[dec][0] > 0
+        assert table.stream_fetch_s[dec][0] == pytest.approx(table.stream_bytes[dec][0] / rate, rel=1e-12)
+        assert cm.sources[f"host link {cluster.devices[0].name}"] == ("profile" if profile is measured
+                                                                      else "roofline (not measured)")
+    cm = ProfileCostModel(measured, RooflineCostModel(), cluster=cluster, model=tiny_spec)
+    p = make_plan(tiny_spec, tiny_graph, cluster, train, DataSpec(), opts, cost_model=cm)
+    assert p.cluster.host("localhost").ram_gb == 20.0
+    assert p.cost_sources["ram_gb localhost"] == "profile (20.0 GB available when measured; the fleet file says 64)"
+    assert all(s.stream_layers for s in p.stages)
+    # A host with more RAM available than its ram_gb keeps its ram_gb: it is what the user lets hetero use.
+    roomy = replace(prof, devices=[replace(d, host_ram_gb=100.0) for d in prof.devices])
+    cm = ProfileCostModel(roomy, RooflineCostModel(), cluster=cluster, model=tiny_spec)
+    assert make_plan(tiny_spec, tiny_graph, cluster, train, DataSpec(), opts, cost_model=cm).cluster.host(
+        "localhost").ram_gb == 64
+
+
 def test_stage_overheads_come_from_the_profile_or_the_roofline(tiny_spec: ModelSpec, tiny_graph) -> None:
     """Optimizer and message costs per stage, in the plan and in its prediction; roofline when absent."""
     from hetero.plan import Plan
@@ -316,8 +378,10 @@ def check_measured_fleet(profile: Profile) -> None:
     assert all(d.threads == 1 and d.environment["torch_threads"] == 1 for d in devices)
     assert len(links) == 1 and links[0].a == links[0].b == "localhost"
     assert links[0].bandwidth_gbps > 0 and links[0].latency_us > 0
-    for d in devices:  # what a stage pays outside its layers was measured too
+    for d in devices:  # what a stage pays outside its layers was measured too, and what streaming needs
         assert d.optimizer is not None and all(t > 0 for _, t in d.optimizer.samples)
+        assert d.host_link_gbs is not None and d.host_link_gbs > 0
+        assert d.host_ram_gb is not None and d.host_ram_gb > 0
         assert d.message_send is not None and d.message_recv is not None
         assert all(t > 0 for _, t in d.message_send.samples + d.message_recv.samples)
     # One CPU stage of a host at a time, the other running a load meanwhile: the two measurements

@@ -147,6 +147,12 @@ class WeightStreamer:
             self.stats.streamed_bytes += nbytes
         self.stats.frozen_resident_peak_bytes = max(self.stats.frozen_resident_peak_bytes, total)
 
+    def copy_layer(self, layer: int) -> None:
+        """Copy ``layer`` to the device once, outside the buffer, and wait for it: what `hetero profile` times."""
+        resident = self._copy(layer, self.layer_bytes(layer))
+        if resident.event is not None:
+            resident.event.synchronize()
+
     def _copy(self, layer: int, nbytes: int) -> _Resident:
         """Host -> device into fresh tensors: on a CUDA side stream (non-blocking, from pinned memory) with an
         event, elsewhere synchronously."""
@@ -247,7 +253,7 @@ def _is_linear4bit(module: nn.Module) -> bool:
     return type(module).__name__ == "Linear4bit" and type(module).__module__.startswith("bitsandbytes")
 
 
-def _host_linear(module: nn.Module, streamer: WeightStreamer) -> HostLinear | None:
+def host_linear(module: nn.Module, streamer: WeightStreamer) -> HostLinear | None:
     """A frozen Linear's tensors moved to host memory; None for any other module."""
     pinned = streamer.pinned
     bias = [] if getattr(module, "bias", None) is None else [_to_host(module.bias, pinned)]
@@ -273,7 +279,7 @@ def stream_layer(layer: nn.Module, index: int, streamer: WeightStreamer) -> int:
     count = 0
     for parent in list(layer.modules()):
         for name, child in list(parent.named_children()):
-            host = _host_linear(child, streamer)
+            host = host_linear(child, streamer)
             if host is not None:
                 setattr(parent, name, StreamedLinear(streamer, index, host, child.in_features, child.out_features))
                 count += 1

@@ -16,7 +16,9 @@ allocator peak to read, so the peak per token is the kept bytes per token (metho
 Besides the layers, the two costs a stage pays outside its layers' compute: the optimizer step
 (the executor's own code: gradient norm, AdamW, schedule, zero_grad) against the number of LoRA
 parameters, and the CPU time of sending and of receiving one activation message over the
-runtime's transport against its bytes.
+runtime's transport against its bytes. For weight streaming (planner.offload), the rate at which
+the decoder layer's frozen weights reach the device through the runtime's own WeightStreamer, and
+the host's available RAM.
 """
 
 from __future__ import annotations
@@ -340,16 +342,48 @@ def profile_messages(probe: Probe, token_counts: list[int]) -> tuple[LinearFit, 
     return fit_line(sizes, send_s), fit_line(sizes, recv_s)
 
 
+def profile_host_link(probe: Probe) -> float | None:
+    """GB/s at which the probe's decoder layer's frozen weights reach the device, copied as a streamed layer's are
+    (runtime/stage/streaming.py: from pinned memory on a CUDA side stream, waited for; on CPU into fresh
+    tensors). None when the layer has no frozen Linear to stream."""
+    from hetero.runtime.stage.streaming import WeightStreamer, host_linear
+
+    layer = next(iter(probe.model.model.layers.values()))
+    streamer = WeightStreamer(stage=0, device=probe.device)
+    for name, module in layer.named_modules():
+        if "lora_" in name or any(p.requires_grad for p in module.parameters(recurse=False)):
+            continue
+        host = host_linear(module, streamer)
+        if host is not None:
+            streamer.add(0, host)
+    if not streamer.layers:
+        return None
+    seconds = _typical_time(lambda: streamer.copy_layer(0), lambda: None, probe.device)
+    return streamer.layer_bytes(0) / max(seconds, 1e-9) / 1e9
+
+
+def available_ram_gb() -> float | None:
+    """The host's available RAM now, GB: MemAvailable (free plus what the kernel can reclaim), else free pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def usable_memory_gb(device: torch.device, share: int = 1) -> float | None:
     """Free memory of a GPU now; on CPU the host's available RAM divided among its ``share`` stages."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return free / 1e9
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-    return avail / 1e9 / max(1, share)
+    avail = available_ram_gb()
+    return None if avail is None else avail / max(1, share)
 
 
 def telemetry(device: torch.device) -> dict[str, float]:
@@ -434,6 +468,9 @@ def profile_device(model: ModelSpec, device_spec: DeviceSpec, torch_device: torc
     send, recv = profile_messages(probe, tokens)
     if on_layer is not None:
         on_layer("messages")
+    host_link = profile_host_link(probe)
+    if on_layer is not None:
+        on_layer("host link")
     from hetero.runtime.run.env import describe_environment
 
     return DeviceProfile(
@@ -443,4 +480,5 @@ def profile_device(model: ModelSpec, device_spec: DeviceSpec, torch_device: torc
         layers=layers, optimizer=optimizer, message_send=send, message_recv=recv, telemetry=telemetry(torch_device),
         environment={**describe_environment(str(torch_device)), "torch_threads": torch.get_num_threads()},
         seconds=time.perf_counter() - t0, started_unix_s=started, measured_with=list(measured_with or []),
+        host_link_gbs=host_link, host_ram_gb=available_ram_gb(),
     )

@@ -92,11 +92,16 @@ class _LoraLinear(torch.autograd.Function):
 
     Saves what the unfused path saves (x, A's r-wide output, the dropout mask; weights are parameters).
     The r-wide products are computed r-rows-first (A @ x^T, not x @ A^T): on CPU BLAS the skinny
-    orientation is ~4x slower at LoRA's shapes (measured 2026-11-23, docs/benchmarks.md)."""
+    orientation is ~4x slower at LoRA's shapes (measured 2026-11-23, docs/benchmarks.md).
+
+    A StreamedLinear base (``streamed``) is not saved: its weight is fetched from the stage's WeightStreamer again
+    in backward, exactly when _StreamedMatmul would fetch it, so the copies are the unfused path's.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a_weight: torch.Tensor,
-                b_weight: torch.Tensor, scaling: float, p: float) -> torch.Tensor:
+                b_weight: torch.Tensor, scaling: float, p: float, streamed: StreamedLinear | None = None
+                ) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         out = x2.mm(weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
         mask = None
@@ -106,8 +111,8 @@ class _LoraLinear(torch.autograd.Function):
             xa = x2 * mask / (1.0 - p)
         a_t = a_weight.mm(xa.t())  # r x N
         out.addmm_(a_t.t(), b_weight.t(), alpha=scaling)
-        ctx.scaling, ctx.p, ctx.has_bias = scaling, p, bias is not None
-        ctx.save_for_backward(x, weight, a_weight, b_weight, a_t, mask)
+        ctx.scaling, ctx.p, ctx.has_bias, ctx.streamed = scaling, p, bias is not None, streamed
+        ctx.save_for_backward(x, None if streamed is not None else weight, a_weight, b_weight, a_t, mask)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -121,6 +126,8 @@ class _LoraLinear(torch.autograd.Function):
         grad_a = ga_t.mm(xa)
         grad_x = None
         if ctx.needs_input_grad[0]:
+            if ctx.streamed is not None:
+                weight = ctx.streamed.dense_weight(g2.dtype)
             gx = g2.mm(weight)
             if mask is None:
                 gx.addmm_(ga_t.t(), a_weight)
@@ -128,14 +135,19 @@ class _LoraLinear(torch.autograd.Function):
                 gx.add_(ga_t.t().mm(a_weight) * mask / (1.0 - ctx.p))
             grad_x = gx.view(x.shape)
         grad_bias = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, None, grad_bias, grad_a, grad_b.contiguous(), None, None
+        return grad_x, None, grad_bias, grad_a, grad_b.contiguous(), None, None, None
 
 
 def _fusable(base: nn.Module, a_weight: torch.Tensor, x: torch.Tensor) -> bool:
-    """A frozen plain nn.Linear base, no hooks, the input's and the adapter's dtype on its weight."""
-    return (type(base) is nn.Linear and not base.weight.requires_grad and not base._forward_hooks
-            and not base._forward_pre_hooks and x.dtype == base.weight.dtype == a_weight.dtype
-            and x.device == base.weight.device and x.dim() >= 2)
+    """A frozen plain nn.Linear base (or a streamed one, not NF4), no hooks, the input's and the adapter's dtype on
+    its weight."""
+    if base._forward_hooks or base._forward_pre_hooks or x.dim() < 2:
+        return False
+    if isinstance(base, StreamedLinear):
+        return (base.host.nf4 is None and x.dtype == base.host.tensors[0].dtype == a_weight.dtype
+                and x.device == base.device)
+    return (type(base) is nn.Linear and not base.weight.requires_grad and x.dtype == base.weight.dtype == a_weight.dtype
+            and x.device == base.weight.device)
 
 
 def lora_linear(base: nn.Module, x: torch.Tensor, a_weight: torch.Tensor, b_weight: torch.Tensor, scaling: float,
@@ -146,6 +158,10 @@ def lora_linear(base: nn.Module, x: torch.Tensor, a_weight: torch.Tensor, b_weig
     add in the delta's dtype and cast the sum (peft's ``lora.Linear``)."""
     p = float(dropout.p) if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
     if not args and not kwargs and _fusable(base, a_weight, x):
+        if isinstance(base, StreamedLinear):  # fetched now (copied if not resident), not saved: see _LoraLinear
+            tensors = base.streamer.weights(base.layer, base.slot)
+            bias = tensors[-1] if base.host.has_bias else None
+            return _LoraLinear.apply(x, tensors[0], bias, a_weight, b_weight, scaling, p, base)
         return _LoraLinear.apply(x, base.weight, base.bias, a_weight, b_weight, scaling, p)
     result = base(x, *args, **kwargs)
     delta = _LoraDelta.apply(x, a_weight, b_weight, scaling, p)

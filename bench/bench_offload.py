@@ -2,6 +2,7 @@
 
     python bench/bench_offload.py              # ~ 3 minutes on 2 cores
     python bench/bench_offload.py --rounds 3 --steps 8
+    python bench/bench_offload.py --profile    # predictions from `hetero profile` (measured copy rate)
 
 The W1 model and run of bench_runtime.py (2 CPU stages x 1 thread, 1F1B, 8 micro-batches of 4 x 128
 tokens, fp32, LoRA r=8 on all projections), compiled with planner.offload=none and =full (the host
@@ -12,7 +13,9 @@ the measured full / none ratio beside the predicted one.
 
 On a CPU "device" host RAM and device memory are the same RAM: streaming saves nothing here and
 costs a copy of each frozen weight per use. What this measures is that cost and whether the plan
-prices it: the measured ratio should match the predicted one.
+prices it: the measured ratio should match the predicted one. With ``--profile`` the plans are compiled
+from a `hetero profile` of the same fleet (layer times and the host link measured: the runtime's own copy)
+instead of the datasheet roofline.
 """
 
 from __future__ import annotations
@@ -41,16 +44,27 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="W1: offload=full vs none")
     ap.add_argument("--rounds", type=int, default=2, help="runs per setting, alternating")
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps per run (median over 3..N)")
+    ap.add_argument("--profile", action="store_true", help="compile from a `hetero profile` of the fleet")
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="hetero-w1-offload-"))
     try:
         model_dir, data = prepare(work, args.steps)
+        costs: tuple[str, ...] = ()
+        if args.profile:
+            profile, note = compile_hetero(model_dir, data, args.steps, work, ram_gb=RAM_GB, verb="profile",
+                                           name="profile")
+            if profile is None:
+                print(f"profile: UNAVAILABLE: {note}")
+                return 1
+            link = [d.get("host_link_gbs") for d in json.loads(profile.read_text())["devices"]]
+            print(f"profiled: host link {', '.join(f'{x:.2f}' for x in link if x)} GB/s", flush=True)
+            costs = (f"profile={profile}",)
         times: dict[str, list[float]] = {"none": [], "full": []}
         streamed: dict[str, list[float]] = {"none": [], "full": []}
         predicted: dict[str, tuple[float, float]] = {}
         for r in range(args.rounds):
             for mode in ("none", "full"):
-                plan, note = compile_hetero(model_dir, data, args.steps, work, ("planner.offload=" + mode,),
+                plan, note = compile_hetero(model_dir, data, args.steps, work, ("planner.offload=" + mode, *costs),
                                             ram_gb=RAM_GB)
                 got, note = run_plan(plan, args.steps, work) if plan is not None else (None, note)
                 if got is None:

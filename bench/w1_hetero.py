@@ -56,9 +56,9 @@ def hetero_cmd() -> list[str]:
 
 def compile_hetero(model_dir: Path, data: Path, steps: int, work: Path, extra: tuple[str, ...] = (),
                    stages: int = 2, num_micro: int | None = None, name: str = "plan",
-                   ram_gb: float | None = None) -> tuple[Path | None, str]:
+                   ram_gb: float | None = None, verb: str = "compile") -> tuple[Path | None, str]:
     """`hetero compile` of W1 on ``stages`` local CPU devices (``ram_gb``: the host's RAM for streamed weights);
-    returns (plan.json, note)."""
+    returns (plan.json, note). ``verb="profile"``: `hetero profile` of the same config; returns (profile.json, note)."""
     conf = work / "conf"
     (conf / "hardware").mkdir(parents=True, exist_ok=True)
     port = free_ports(max(2, stages) + 1) + 1  # the coordinator takes base port - 1
@@ -66,7 +66,7 @@ def compile_hetero(model_dir: Path, data: Path, steps: int, work: Path, extra: t
         port=port, count=max(2, stages), host_extra="" if ram_gb is None else f"\n    ram_gb: {ram_gb}"))
     out = work / name
     cmd = hetero_cmd() + [
-        "compile", "-cd", str(conf), "model=hf", f"model.pretrained={model_dir}", f"model.seq_len={SEQ_LEN}",
+        verb, "-cd", str(conf), "model=hf", f"model.pretrained={model_dir}", f"model.seq_len={SEQ_LEN}",
         "model.dtype=float32", "lora.r=8", "lora.alpha=16", "hardware=w1", f"train.micro_batch_size={MICRO_BATCH}",
         f"train.num_micro_batches={num_micro or NUM_MICRO}", f"train.steps={steps}", f"train.lr={LR}",
         "train.schedule=1f1b", f"data.path={data}", "data.format=tokens", f"planner.num_stages={stages}",
@@ -75,8 +75,9 @@ def compile_hetero(model_dir: Path, data: Path, steps: int, work: Path, extra: t
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work, timeout=1800)
     if proc.returncode != 0:
         lines = (proc.stderr or proc.stdout).strip().splitlines()
-        return None, f"`hetero compile` failed: {lines[-1] if lines else proc.returncode}"
-    return out / "plan.json", f"plan {out / 'plan.json'}"
+        return None, f"`hetero {verb}` failed: {lines[-1] if lines else proc.returncode}"
+    written = out / ("plan.json" if verb == "compile" else "profile.json")
+    return written, f"{verb} {written}"
 
 
 def run_plan(plan: Path, steps: int, work: Path, peak: dict[str, float] | None = None,

@@ -23,10 +23,11 @@ from w1_model import (
 )
 
 
-def run_one_process(model_dir: Path, data: Path, steps: int, threads: int, num_micro: int | None = None) -> list[float]:
-    """All micro-batches in one process with ``threads`` threads; returns per-step seconds."""
+def run_one_process(model_dir: Path, data: Path, steps: int, threads: int, num_micro: int | None = None,
+                    targets: list[str] | None = None) -> list[float]:
+    """All micro-batches in one process with ``threads`` threads (LoRA on ``targets``); returns per-step seconds."""
     torch.set_num_threads(threads)
-    model = peft_model(model_dir)
+    model = peft_model(model_dir, targets)
     batches = step_batches(model_dir, data, num_micro)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR)
@@ -130,17 +131,19 @@ def layer_bound(node_s: list[float], opt_s: float, stages: int, num_micro: int, 
     return max(pipeline, work / min(cores, stages)), counts
 
 
-def _one_process_worker(model_dir: str, data: str, steps: int, threads: int, out: str) -> None:
-    Path(out).write_text(json.dumps(run_one_process(Path(model_dir), Path(data), steps, threads, NUM_MICRO)))
+def _one_process_worker(model_dir: str, data: str, steps: int, threads: int, out: str,
+                        targets: list[str] | None) -> None:
+    Path(out).write_text(json.dumps(run_one_process(Path(model_dir), Path(data), steps, threads, NUM_MICRO, targets)))
 
 
-def one_process_in_child(model_dir: Path, data: Path, steps: int, threads: int, work: Path) -> float:
+def one_process_in_child(model_dir: Path, data: Path, steps: int, threads: int, work: Path,
+                         targets: list[str] | None = None) -> float:
     """run_one_process in a spawned process (its threads and allocations leave this one untouched)."""
     import multiprocessing as mp
 
     out = work / f"one-process-{threads}t.json"
     proc = mp.get_context("spawn").Process(target=_one_process_worker,
-                                           args=(str(model_dir), str(data), steps, threads, str(out)))
+                                           args=(str(model_dir), str(data), steps, threads, str(out), targets))
     proc.start()
     proc.join()
     if proc.exitcode != 0:

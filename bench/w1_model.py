@@ -62,15 +62,17 @@ def use_sizes(hidden: int, seq: int) -> None:
     TOKENS_PER_STEP = seq * MICRO_BATCH * NUM_MICRO
 
 
-def prepare(work: Path, steps: int, num_micro: int | None = None) -> tuple[Path, Path]:
-    """Save the W1 model (seed 0) with a tokenizer, and a tokens-format data file with enough rows for
-    ``steps`` steps of ``num_micro`` (default NUM_MICRO) micro-batches; return both paths."""
+def prepare(work: Path, steps: int, num_micro: int | None = None,
+            architecture: dict[str, Any] | None = None) -> tuple[Path, Path]:
+    """Save the W1 model (seed 0; ``architecture``: another config of W1's sizes, W6's families) with a tokenizer,
+    and a tokens-format data file with enough rows for ``steps`` steps of ``num_micro`` (default NUM_MICRO)
+    micro-batches; return both paths."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hetero.runtime.pretrained import build_tokenizer
 
-    model_dir = work / "w1-model"
-    arch = dict(W1_ARCH)
+    arch = dict(architecture or W1_ARCH)
+    model_dir = work / ("w1-model" if architecture is None else f"w6-{arch['model_type']}")
     config = AutoConfig.for_model(arch.pop("model_type"), **arch)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).to(torch.float32).save_pretrained(str(model_dir))
@@ -93,14 +95,19 @@ def step_batches(model_dir: Path, data: Path, num_micro: int | None = None) -> A
                        num_micro or NUM_MICRO, seed=0, shuffle=True)
 
 
-def peft_model(model_dir: Path) -> torch.nn.Module:
-    """The fp32 W1 model with fresh LoRA (seed 0), in training mode."""
+def peft_model(model_dir: Path, targets: list[str] | None = None) -> torch.nn.Module:
+    """The fp32 W1 model with fresh LoRA (seed 0) on ``targets`` (default TARGETS), in training mode."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hetero.families import family
 
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
-    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
+    config = AutoConfig.from_pretrained(str(model_dir))  # sdpa, or eager where the family needs it (gemma2)
+    attention = family(config.model_type).attention_impl(config)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation=attention)
+    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets or TARGETS,
+                        task_type="CAUSAL_LM")
     return get_peft_model(base, config).train()
 
 

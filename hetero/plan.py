@@ -434,6 +434,8 @@ def compute_input_hash(plan: Plan) -> str:
                    + ((s.stream_layers,) if s.stream_layers else ()) for s in plan.stages],
         "schema_version": plan.schema_version,
     }
+    if not plan.data.packing:  # rows of one record each: the stages expect no positions (plans before packing: on)
+        payload["packing"] = False
     if plan.replicas:  # one-pipeline plans keep the hash they had before replicas existed
         payload["replicas"] = [(r.stages, r.num_micro_batches, r.first_micro_batch) for r in plan.replicas]
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()

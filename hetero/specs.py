@@ -241,6 +241,7 @@ class DataSpec:
     format: Literal["text", "alpaca", "tokens", "chat"] = "alpaca"  # docs/data.md
     text_field: str = "text"  # text: the field holding the text (chat reads 'messages')
     train_on_prompt: bool = False  # alpaca, chat: also compute loss on the prompt (non-assistant) tokens
+    packing: bool = True  # several records per row, attention kept inside each (false: one record per row, padded)
 
 
 @dataclass(frozen=True)

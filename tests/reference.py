@@ -64,6 +64,29 @@ def accumulate_step(model: torch.nn.Module, batch: StepBatch) -> float:
     return total / batch.num_label_tokens
 
 
+def unpacked(batches: StepBatches, batch: StepBatch) -> StepBatch:
+    """A packed step's records one per row, padded on the right, in micro-batches of the same size: what a trainer
+    without packing computes on the same records (the label count must come out the same)."""
+    b, s = batches.micro_batch_size, batches.seq_len
+    rows = len(batch.record_ids)
+    m = -(-rows // b)
+    input_ids = torch.full((m * b, s), batches.pad_id, dtype=torch.long)
+    labels = torch.full((m * b, s), -100, dtype=torch.long)
+    for row, index in enumerate(batch.record_ids):
+        ids, labs = batches.encode(index)
+        n = min(len(ids), s)
+        input_ids[row, :n], labels[row, :n] = torch.tensor(ids[:n]), torch.tensor(labs[:n])
+    count = int((labels[:, 1:] != -100).sum())
+    assert count == batch.num_label_tokens, f"unpacked the step has {count} label tokens, packed {batch.num_label_tokens}"
+    return StepBatch(input_ids.view(m, b, s), labels.view(m, b, s), count, list(batch.record_ids))
+
+
+def step_unpacked(batches: StepBatches, step: int) -> StepBatch:
+    """Step ``step``'s records as one-record rows (packed or not)."""
+    batch = batches.step(step)
+    return batch if batch.position_ids is None else unpacked(batches, batch)
+
+
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The LoRA parameters (everything else is frozen by peft)."""
     return [p for p in model.parameters() if p.requires_grad]
@@ -86,7 +109,7 @@ def train_reference(
     )
     losses = []
     for step in range(steps):
-        losses.append(accumulate_step(model, batches.step(step)))
+        losses.append(accumulate_step(model, step_unpacked(batches, step)))
         if train.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm)
         optimizer.step()
@@ -112,9 +135,10 @@ def make_init_adapter(model_dir: Path, lora: LoraSpec, out_dir: Path, seed: int)
 
 
 def reference_run(model_dir: Path, root: Path, train: TrainSpec, seq_len: int,
-                  targets: list[str] | None = None) -> dict:
+                  targets: list[str] | None = None, packing: bool = True) -> dict:
     """A fresh adapter (non-zero lora_B, r=4, dropout 0) and the reference's losses and final LoRA state
-    over ``train.steps`` steps of the demo data: what the runtime equivalence tests compare against.
+    over ``train.steps`` steps of the demo data (the steps' records as ``packing`` picks them, each trained in a
+    row of its own): what the runtime equivalence tests compare against.
     ``lora`` in the result starts from that adapter (``init_from``)."""
     from dataclasses import replace
 
@@ -124,7 +148,7 @@ def reference_run(model_dir: Path, root: Path, train: TrainSpec, seq_len: int,
     if targets is not None:
         lora = replace(lora, target_modules=list(targets))
     adapter = make_init_adapter(model_dir, lora, root / "init_adapter", seed=7)
-    batches = StepBatches(DataSpec(), model_dir, seq_len, train.micro_batch_size, train.num_micro_batches,
+    batches = StepBatches(DataSpec(packing=packing), model_dir, seq_len, train.micro_batch_size, train.num_micro_batches,
                           train.seed, train.shuffle)
     losses, state = train_reference(model_dir, lora, adapter, batches, train, train.steps)
     return {"root": root, "lora": replace(lora, init_from=str(adapter)), "losses": losses, "state": state}

@@ -23,7 +23,9 @@ DEMO = [json.loads(line) for line in demo_data_text().splitlines() if line.strip
 
 
 def _batches(model_dir: Path, data: DataSpec | None = None, **kw) -> StepBatches:
-    args = {"seq_len": 128, "micro_batch_size": 4, "num_micro_batches": 3, "seed": 0, "shuffle": True} | kw
+    # One record per row (data.packing=false): packed rows are tests/test_packing.py's
+    args = {"seq_len": 128, "micro_batch_size": 4, "num_micro_batches": 3, "seed": 0, "shuffle": True,
+            "packing": False} | kw
     return StepBatches(data or DataSpec(), model_dir, **args)
 
 

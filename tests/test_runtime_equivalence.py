@@ -40,15 +40,25 @@ def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     assert_close_to_scale(name, got, want, RTOL)
 
 
+@pytest.fixture(scope="module")
+def padded(setup: dict, tiny_model_dir: Path) -> dict:
+    """The reference over the steps data.packing=false gives (one record per row, in the epoch's order)."""
+    return {**reference_run(tiny_model_dir, setup["root"] / "padded", TRAIN, SEQ_LEN, packing=False), "root": setup["root"]}
+
+
 # Each schedule once and each recompute mode once: recomputation happens inside a layer's backward, the same
 # under either schedule, so two runs cover what four did and keep CI's time (test_stage checks it on NF4 too).
-@pytest.mark.parametrize(("schedule", "recompute"), [("1f1b", "full"), ("gpipe", "none")])
-def test_pipeline_equals_single_process_reference(schedule: str, recompute: str, setup: dict, tiny_model_dir: Path,
+# data.packing=false (one record per row, no positions on the wire) runs with GPipe.
+@pytest.mark.parametrize(("schedule", "recompute", "packing"), [("1f1b", "full", True), ("gpipe", "none", False)])
+def test_pipeline_equals_single_process_reference(schedule: str, recompute: str, packing: bool, setup: dict,
+                                                  request: pytest.FixtureRequest, tiny_model_dir: Path,
                                                   tiny_spec: ModelSpec) -> None:
     # recompute=full: every decoder layer keeps only its input and re-runs its forward in backward.
+    if not packing:
+        setup = request.getfixturevalue("padded")
     train = replace(TRAIN, schedule=schedule)
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=train, lora=setup["lora"],
-                     seq_len=SEQ_LEN, recompute=recompute)
+                     seq_len=SEQ_LEN, recompute=recompute, packing=packing)
     assert all(len(s.recompute_layers) == (2 if recompute == "full" else 0) for s in plan.stages)
     name = f"{schedule}-{recompute}"
     run_dir = setup["root"] / f"run-{name}"

@@ -77,12 +77,13 @@ def make_plan(
     dtypes: list[str] | None = None,
     recompute: str = "none",
     shares: list[int] | None = None,
+    packing: bool = True,
 ) -> Plan:
     """A valid plan for the model in ``model_dir``: stage k holds ``split[k]`` decoder layers on CPU.
 
     ``recompute``: "full" makes every decoder layer recompute its forward in backward.
     ``shares``: data x pipeline replicas; ``split`` is then one split per replica, and replica r runs
-    ``shares[r]`` of the step's micro-batches (summing to train.num_micro_batches)."""
+    ``shares[r]`` of the step's micro-batches (summing to train.num_micro_batches). ``packing``: data.packing."""
     from safetensors import safe_open
 
     keys: list[str] = []
@@ -136,7 +137,7 @@ def make_plan(
     prediction = Prediction(0.1 * num_stages, train.micro_batch_size * train.num_micro_batches * seq_len,
                             1000.0, 0.2, [0.8] * num_stages, [0.62] * num_stages)
     solver = SolverReport("manual", "Optimal", "Optimal Solution Found", True, 0.0, 0.1, 0.0, 0.0)
-    plan = Plan(model, cluster, train, DataSpec(), PlannerOptions(split=split if shares is None else None,
+    plan = Plan(model, cluster, train, DataSpec(packing=packing), PlannerOptions(split=split if shares is None else None,
                                                                  recompute=recompute), graph, stages,
                 prediction, [], solver, ["hand-built test plan"], replicas=replicas if shares is not None else [])
     return replace(plan, input_hash=compute_input_hash(plan))

@@ -393,13 +393,15 @@ class Coordinator:
     # -- training ---------------------------------------------------------------------------------
 
     def _send_data(self, batches: Any, step: int) -> int:
-        """Each replica's share of the step's micro-batches: input ids to its first stage, labels to its
-        last, with the whole step's label-token count (every replica's loss is divided by it)."""
+        """Each replica's share of the step's micro-batches: input ids (and packed rows' positions) to its first
+        stage, labels to its last, with the whole step's label-token count (every replica's loss is divided by it)."""
         batch = batches.step(step)
         for rep in self.plan.pipelines:
             share = slice(rep.first_micro_batch, rep.first_micro_batch + rep.num_micro_batches)
-            self.transport.send(self.names[rep.stages[0]], "batch", step=step,
-                                tensors={"input_ids": batch.input_ids[share].contiguous()})
+            inputs = {"input_ids": batch.input_ids[share].contiguous()}
+            if batch.position_ids is not None:  # packed rows: where each record starts
+                inputs["position_ids"] = batch.position_ids[share].contiguous()
+            self.transport.send(self.names[rep.stages[0]], "batch", step=step, tensors=inputs)
             self.transport.send(self.names[rep.stages[-1]], Labels(num_label_tokens=batch.num_label_tokens),
                                 step=step, tensors={"labels": batch.labels[share].contiguous()})
         return int(batch.num_label_tokens)

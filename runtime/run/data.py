@@ -1,9 +1,15 @@
 """Training data: records -> token ids -> per-step batches ``[M, B, S]`` with loss labels.
 
-``StepBatches.step(i)`` is a pure function of ``i`` (and the constructor's arguments): sample
-``g = i * M * B + j`` of the run is record ``perm(seed, epoch)[g % N]`` with ``epoch = g // N``,
-so a resumed run, every stage process and the reference trainer all see the same order without
-sharing state.
+``StepBatches.step(i)`` is a pure function of ``i`` (and the constructor's arguments), so a resumed run, every
+stage process and the reference trainer all see the same rows without sharing state:
+
+- packed (``data.packing``, the default): each epoch's records, in an order shuffled by ``(seed, epoch)``, are
+  packed into rows of ``seq_len`` tokens by best-fit decreasing (hetero/packing.py), and the rows shuffled again;
+  row ``g = i * M * B + j`` of the run is row ``g % R`` of epoch ``g // R`` (``R`` rows per epoch, the same in
+  every epoch). Position ids restart at each record, and a record's first token gets no label, so no token
+  learns from another record; the stages keep attention inside each record (runtime/stage/attention.py).
+- one record per row (``data.packing=false``): sequence ``g`` is record ``perm(seed, epoch)[g % N]`` with
+  ``epoch = g // N``, padded on the right.
 
 Labels follow the Hugging Face causal-LM convention: ``labels`` is aligned with ``input_ids`` and
 the loss compares ``logits[:, :-1]`` with ``labels[:, 1:]``; ``-100`` marks "no loss here".
@@ -15,6 +21,7 @@ is used as given, and ``chat`` is exactly what the tokenizer's chat template ren
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -24,6 +31,7 @@ from typing import Any
 import torch
 
 from hetero.errors import ConfigError
+from hetero.packing import pack_rows
 from hetero.serde import short_repr
 from hetero.specs import DataSpec
 
@@ -52,7 +60,11 @@ class StepBatch:
     input_ids: torch.Tensor  # int64 [M, B, S]
     labels: torch.Tensor  # int64 [M, B, S]; -100 where no loss
     num_label_tokens: int  # count of labels[..., 1:] != -100 over the whole step: the loss divisor
-    record_ids: list[int]  # dataset index of each sequence, row-major over (M, B)
+    record_ids: list[int]  # dataset index of each record in the step, row-major over (M, B) and along each row
+    # Packed rows: each token's position in its record (a record starts where it is 0; the padding after the last
+    # record of a row is a segment of its own). None: one record per row, positions 0..S-1.
+    position_ids: torch.Tensor | None = None
+    num_tokens: int = 0  # record tokens in the step (not padding): what it computes that is not waste
 
 
 def load_records(data: DataSpec) -> tuple[list[dict[str, Any]], str]:
@@ -218,7 +230,9 @@ class StepBatches:
         num_micro_batches: int,
         seed: int,
         shuffle: bool,
+        packing: bool | None = None,
     ) -> None:
+        """``packing``: several records per row (default: ``data.packing``)."""
         if data.format not in FORMATS:
             raise ConfigError(f"data.format '{data.format}': expected one of {list(FORMATS)}")
         for key, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size), ("num_micro_batches", num_micro_batches)):
@@ -232,6 +246,7 @@ class StepBatches:
         self.num_micro_batches = num_micro_batches
         self.seed = seed
         self.shuffle = shuffle
+        self.packing = data.packing if packing is None else packing
         self.records, self.source = load_records(data)
         _validate(self.records, data, self.source)
 
@@ -251,6 +266,7 @@ class StepBatches:
         self.pad_id: int = pad if pad is not None else 0
         self._encoded: dict[int, tuple[list[int], list[int]]] = {}
         self._perms: OrderedDict[int, list[int]] = OrderedDict()
+        self._rows: OrderedDict[int, list[list[int]]] = OrderedDict()
 
     @property
     def num_records(self) -> int:
@@ -259,12 +275,22 @@ class StepBatches:
 
     @property
     def sequences_per_step(self) -> int:
-        """M * B: sequences in one optimizer step."""
+        """M * B: rows in one optimizer step."""
         return self.num_micro_batches * self.micro_batch_size
 
+    @property
+    def rows_per_epoch(self) -> int:
+        """Rows one pass over the data takes: the packed rows, or one per record."""
+        return len(self.epoch_rows(0)) if self.packing else self.num_records
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps of one epoch (the last one may start the next epoch)."""
+        return math.ceil(self.rows_per_epoch / self.sequences_per_step)
+
     def epoch_of(self, step: int) -> int:
-        """The epoch the first sequence of ``step`` belongs to."""
-        return step * self.sequences_per_step // self.num_records
+        """The epoch the first row of ``step`` belongs to."""
+        return step * self.sequences_per_step // self.rows_per_epoch
 
     def _permutation(self, epoch: int) -> list[int]:
         if epoch not in self._perms:
@@ -278,9 +304,29 @@ class StepBatches:
         return self._perms[epoch]
 
     def record_index(self, sample: int) -> int:
-        """Dataset index of the run's ``sample``-th sequence (counting across steps and epochs)."""
+        """Dataset index of the run's ``sample``-th sequence (counting across steps and epochs), one record per row."""
         epoch, pos = divmod(sample, self.num_records)
         return self._permutation(epoch)[pos]
+
+    def epoch_rows(self, epoch: int) -> list[list[int]]:
+        """Packed: the dataset indices of each row of ``epoch``, in the epoch's row order."""
+        if epoch not in self._rows:
+            order = self._permutation(epoch)
+            lengths = [len(self.encode(index)[0]) for index in order]
+            rows = [[order[p] for p in row] for row in pack_rows(lengths, self.seq_len)]
+            if self.shuffle:  # best fit puts the longest records first: spread them over the epoch's steps
+                random.Random(f"hetero-pack:{self.seed}:{epoch}").shuffle(rows)
+            self._rows[epoch] = rows
+            if len(self._rows) > 4:
+                self._rows.popitem(last=False)
+        return self._rows[epoch]
+
+    def row_records(self, row: int) -> list[int]:
+        """Dataset indices of the records in the run's ``row``-th row (counting across steps and epochs)."""
+        if not self.packing:
+            return [self.record_index(row)]
+        epoch, pos = divmod(row, self.rows_per_epoch)
+        return self.epoch_rows(epoch)[pos]
 
     def encode(self, index: int) -> tuple[list[int], list[int]]:
         """Token ids and labels of record ``index``, before truncation and padding."""
@@ -351,7 +397,7 @@ class StepBatches:
         per_step = self.sequences_per_step
         for i in range(first_step, end_step):
             # Usually the step's first record has labels: about one tokenization per step, cached for the run.
-            if not any(self._labeled(self.record_index(i * per_step + j)) for j in range(per_step)):
+            if not any(self._labeled(index) for j in range(per_step) for index in self.row_records(i * per_step + j)):
                 self.step(i)  # raises the error a run would hit at this step
         top = max((max(ids, default=0) for ids, _ in self._encoded.values()), default=0)
         if vocab_size is not None and top >= vocab_size:
@@ -359,7 +405,8 @@ class StepBatches:
                               f"model's vocab_size {vocab_size}: use the model's own tokenizer")
 
     def _labeled(self, index: int) -> bool:
-        """Whether record ``index`` has a label token after truncation to seq_len (as ``step`` counts them)."""
+        """Whether record ``index`` has a label token after truncation to seq_len (as ``step`` counts them): its
+        first token never has one (nothing before it in its record predicts it)."""
         _, labels = self.encode(index)
         return any(t != IGNORE_INDEX for t in labels[1:self.seq_len])
 
@@ -368,22 +415,33 @@ class StepBatches:
         if i < 0:
             raise ValueError(f"step must be >= 0, got {i}")
         m, b, s = self.num_micro_batches, self.micro_batch_size, self.seq_len
-        # Right padding: under a causal mask real tokens never attend to the pads that follow
-        # them, and pad positions carry label -100, so no attention mask is needed.
+        # Right padding: under a causal mask real tokens never attend to the pads that follow them, and pad
+        # positions carry label -100. Packed, the pads after a row's last record are a segment of their own.
         input_ids = torch.full((m * b, s), self.pad_id, dtype=torch.long)
         labels = torch.full((m * b, s), IGNORE_INDEX, dtype=torch.long)
-        first = i * m * b
-        record_ids = []
+        positions = torch.zeros((m * b, s), dtype=torch.long) if self.packing else None
+        record_ids: list[int] = []
+        num_tokens = 0
         for j in range(m * b):
-            index = self.record_index(first + j)
-            record_ids.append(index)
-            ids, labs = self.encode(index)
-            n = min(len(ids), s)  # truncate longer sequences
-            input_ids[j, :n] = torch.tensor(ids[:n], dtype=torch.long)
-            labels[j, :n] = torch.tensor(labs[:n], dtype=torch.long)
+            at = 0
+            for index in self.row_records(i * m * b + j):
+                record_ids.append(index)
+                ids, labs = self.encode(index)
+                n = min(len(ids), s - at)  # truncate longer records (a packed row only holds what fits)
+                input_ids[j, at:at + n] = torch.tensor(ids[:n], dtype=torch.long)
+                labels[j, at:at + n] = torch.tensor(labs[:n], dtype=torch.long)
+                if at:  # nothing before it in its own record predicts its first token (at 0 the shift drops it)
+                    labels[j, at] = IGNORE_INDEX
+                if positions is not None:
+                    positions[j, at:at + n] = torch.arange(n)
+                at += n
+            num_tokens += at
+            if positions is not None and at < s:
+                positions[j, at:] = torch.arange(s - at)
         num_label_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
         if num_label_tokens == 0:
             raise ConfigError(
                 f"{self.source}: step {i} has no label tokens after truncation to seq_len={s}; raise model.seq_len"
             )
-        return StepBatch(input_ids.view(m, b, s), labels.view(m, b, s), num_label_tokens, record_ids)
+        return StepBatch(input_ids.view(m, b, s), labels.view(m, b, s), num_label_tokens, record_ids,
+                         None if positions is None else positions.view(m, b, s), num_tokens)

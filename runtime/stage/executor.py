@@ -152,6 +152,8 @@ class Executor:
         self._outputs: dict[int, torch.Tensor] = {}
         self._grads: dict[int, torch.Tensor] = {}
         self._input_ids: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None  # stage 0, packed rows: [M, B, S] positions in each record
+        self._mb_positions: dict[int, torch.Tensor] = {}  # packed rows: a micro-batch's positions until sent on
         self._labels: torch.Tensor | None = None
         self._num_label_tokens: int | None = None
         self._loss_sum = 0.0
@@ -186,7 +188,7 @@ class Executor:
                 observe(self.stage.index, action.op, step, action.mb, t0, t1)
         wall = time.perf_counter() - start
         times["clip_wait"] = self._clip_wait  # inside STEP, but waiting for the other stages
-        leftover = len(self._inputs) + len(self._outputs) + len(self._grads)
+        leftover = len(self._inputs) + len(self._outputs) + len(self._grads) + len(self._mb_positions)
         if leftover:
             raise RuntimeError(f"stage {self.stage.index}: program left {leftover} tensors unconsumed (bad program)")
         self.steps_done = step + 1
@@ -228,12 +230,15 @@ class Executor:
         msg = self._timed_recv("act", step, mb, self.prev)
         x = msg.tensors["h"].to(self.stage.device, self.stage.dtype)  # cast: a bf16 peer can feed fp16
         self._inputs[mb] = x.requires_grad_(True)
+        if "pos" in msg.tensors:
+            self._mb_positions[mb] = msg.tensors["pos"]
 
     def _step_inputs(self, step: int) -> None:
         """Stage 0 needs the step's input ids, the last stage its labels: both come from the coordinator."""
         if self.stage.is_first and self._input_ids is None:
             msg = self.wire.recv("batch", step=step, sender=COORDINATOR)
             self._input_ids = msg.tensors["input_ids"]
+            self._positions = msg.tensors.get("position_ids")
         if self.stage.is_last and self._labels is None:
             msg = self.wire.recv("labels", step=step, sender=COORDINATOR)
             self._labels = msg.tensors["labels"]
@@ -246,9 +251,12 @@ class Executor:
             assert self._input_ids is not None
             x = self._input_ids[mb].to(self.stage.device)
             self._inputs[mb] = x
+            if self._positions is not None:
+                self._mb_positions[mb] = self._positions[mb]
         else:
             x = self._inputs[mb]
-        out = self.stage.forward(x)
+        positions = self._mb_positions.pop(mb, None) if self.stage.is_last else self._mb_positions.get(mb)
+        out = self.stage.forward(x, positions)
         if self.stage.is_last:
             assert self._labels is not None
             labels = self._labels[mb].to(out.device)
@@ -264,7 +272,11 @@ class Executor:
     def _send_activation(self, step: int, mb: int) -> None:
         out = self._outputs[mb].detach()
         _check_finite(out, "activations", self.stage.index, step, mb)
-        self.wire.send(self.next, Act(sent=time.time()), step=step, mb=mb, tensors={"h": out})
+        tensors = {"h": out}
+        positions = self._mb_positions.pop(mb, None)
+        if positions is not None:
+            tensors["pos"] = positions
+        self.wire.send(self.next, Act(sent=time.time()), step=step, mb=mb, tensors=tensors)
 
     def _recv_grad(self, step: int, mb: int) -> None:
         msg = self._timed_recv("grad", step, mb, self.next)

@@ -23,6 +23,7 @@ from hetero.errors import PlanError
 # the families the runtime can split (and the compiler traces), and their layers' attention kinds
 from hetero.families import FULL, SLIDING, family, layer_types, needs_mask
 from hetero.plan import Plan
+from hetero.runtime.stage.attention import Segments, implementation, register, segments_of
 from hetero.runtime.stage.lora import add_lora, load_lora_state, lora_state
 from hetero.runtime.stage.streaming import WeightStreamer, frozen_device_bytes, stream_layer
 from hetero.runtime.stage.weights import load_weights, quantize_nf4
@@ -117,23 +118,30 @@ class Stage:
     def is_last(self) -> bool:
         return self.layout.head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Stage 0 takes input ids [B, S]; others hidden states [B, S, H]. The last stage returns logits."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Stage 0 takes input ids [B, S]; others hidden states [B, S, H]. The last stage returns logits.
+        ``positions``: packed rows' position ids [B, S] (restarting at each record; runtime/run/data.py)."""
         inner = self.model.model
         h = inner.embed_tokens(x) if self.layout.embed else x
         if self.layout.embed and self.embed_multiplier != 1.0:
             h = h * self.embed_multiplier  # as the family's model forward does (granite's embedding_multiplier)
         seq = h.shape[1]
-        # Every stage rebuilds positions, rotary cos/sin and masks: cheaper than sending them.
-        position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
         kinds = self._kinds()
+        # Every stage rebuilds rotary cos/sin and masks from the positions: cheaper than sending them.
+        segments: Segments | None = None
+        if positions is None:
+            position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
+            masks = attention_masks(self.model, h, position_ids, set(kinds.values()))
+        else:  # attention within each record (runtime/stage/attention.py): no mask tensor
+            segments, position_ids, masks = segments_of(positions), positions.to(h.device), {}
         rope = rotary_tables(self.model, h, position_ids, set(kinds.values()), self.rotary_per_layer_type)
-        masks = attention_masks(self.model, h, position_ids, set(kinds.values()))
         training = torch.is_grad_enabled()
         for index, layer in inner.layers.items():
             kind = kinds[int(index)]
             kwargs = {"attention_mask": masks.get(kind), "position_ids": position_ids,
                       "position_embeddings": rope[kind]}
+            if segments is not None:
+                kwargs["hetero_segments"] = segments
             if training and int(index) in self.recompute:
                 # Keep only the layer's input; its forward runs again in backward, with the RNG state
                 # of this forward (LoRA dropout draws the same mask). Non-reentrant: works when the
@@ -223,6 +231,9 @@ def _build_config(architecture: dict):
     fam = family(model_type)  # hetero/families.py: one line for a family the runtime cannot split
     config = AutoConfig.for_model(model_type, **arch)
     fam.configure(config)  # SDPA without a mask is causal; layers that need one get it (attention_masks)
+    # The same implementation, wrapped to keep packed records apart (runtime/stage/attention.py)
+    register()
+    config._attn_implementation = implementation(config._attn_implementation)
     return config
 
 

@@ -73,7 +73,7 @@ def held_out_batches(plan: Plan, evaluation: EvalSpec, skipped: list[str] | None
     train, tokenizer_dir = plan.train, resolve_dir(plan.model)
 
     def build(path: Path, micro_batches: int) -> Any:
-        data = replace(plan.data, path=str(path))  # the training data's format and options
+        data = replace(plan.data, path=str(path), packing=False)  # the training data's format; one record a row
         return StepBatches(data, tokenizer_dir, plan.model.seq_len, train.micro_batch_size, micro_batches,
                            train.seed, False)
 

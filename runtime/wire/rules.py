@@ -127,12 +127,18 @@ def stage_rules(plan: Any, k: int) -> Rules:
     m = plan.micro_batches_of(k)
     ids = (m, train.micro_batch_size, model.seq_len)
     prev, nxt = plan.prev_stage(k), plan.next_stage(k)
+    # Packed rows: each token's position in its record comes with the input ids, and with every activation.
+    packed = bool(plan.data.packing)
     if prev is None:
         senders["batch"] = frozenset({COORDINATOR})
         tensors["batch"] = {"input_ids": TensorRule(ids, "int64", 0, vocab or None)}
+        if packed:
+            tensors["batch"]["position_ids"] = TensorRule(ids, "int64", 0, model.seq_len)
     else:
         senders["act"] = frozenset({stage_name(prev)})
         tensors["act"] = {"h": TensorRule(shape, plan.stages[prev].dtype)}
+        if packed:
+            tensors["act"]["pos"] = TensorRule(shape[:2], "int64", 0, model.seq_len)
     if nxt is None:
         senders["labels"] = frozenset({COORDINATOR})
         tensors["labels"] = {"labels": TensorRule(ids, "int64", 0, vocab or None, extra_low=-100)}
@@ -165,8 +171,8 @@ def max_message_bytes(plan: Any, k: int | None) -> int:
     float32 tensors per LoRA parameter); the coordinator receives every stage's checkpoint.
     """
     train, model = plan.train, plan.model
-    boundary = train.micro_batch_size * model.seq_len * int(plan.graph.hidden_size) * 4
-    ids = 2 * train.num_micro_batches * train.micro_batch_size * model.seq_len * 8
+    boundary = train.micro_batch_size * model.seq_len * (int(plan.graph.hidden_size) * 4 + 8)  # h (+ positions)
+    ids = 3 * train.num_micro_batches * train.micro_batch_size * model.seq_len * 8  # ids (+ positions), labels
 
     def state(stage: Any) -> int:
         return 3 * 4 * sum(plan.graph.nodes[i].lora_params for i in range(stage.first_node, stage.last_node + 1))

@@ -1,0 +1,174 @@
+"""Attention that stays inside each packed record, for every family's decoder layers.
+
+A packed row holds several records (runtime/run/data.py); its position ids restart at 0 where a record starts.
+The stage passes the rows' segments to its layers as a keyword argument (``hetero_segments``), which transformers
+hands through each decoder layer to the attention function of ``config._attn_implementation``. hetero registers
+one such function per base implementation (``hetero_sdpa``, ``hetero_eager``, ``hetero_flash_attention_2``):
+with segments it attends within each one; without (one record per row, the held-out evaluator) it calls the base
+implementation unchanged, so padded training computes exactly what it computed before packing.
+
+Within a segment, attention is what the family computes on that record alone: causal, the layer's sliding window
+(a query sees the keys less than ``sliding_window`` positions back, as transformers' masks say), the attention
+logit soft cap (Gemma 2), grouped key/value heads. No ``seq_len x seq_len`` mask is built: SDPA runs causal per
+segment (a banded mask only for a segment longer than a sliding window), eager math per segment, and on CUDA with
+flash-attn installed one variable-length kernel call over all segments.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+BASES = ("sdpa", "eager", "flash_attention_2")
+PREFIX = "hetero_"
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The records of each row of a micro-batch: per row, the (start, end) token spans, covering the row."""
+
+    rows: tuple[tuple[tuple[int, int], ...], ...]
+
+    @property
+    def longest(self) -> int:
+        return max(end - start for row in self.rows for start, end in row)
+
+    def cumulative(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """Flash-attn's ``cu_seqlens`` over the flattened batch ``[B * S]``: int32 offsets of every segment."""
+        edges = [b * seq_len + start for b, row in enumerate(self.rows) for start, _ in row]
+        edges.append(len(self.rows) * seq_len)
+        return torch.tensor(edges, dtype=torch.int32, device=device)
+
+
+def segments_of(position_ids: torch.Tensor) -> Segments:
+    """The segments of ``[B, S]`` position ids: a segment starts at column 0 and wherever the position is 0."""
+    starts = (position_ids == 0).cpu()
+    starts[:, 0] = True
+    seq = position_ids.shape[1]
+    rows = []
+    for row in starts:
+        edges = row.nonzero().flatten().tolist() + [seq]
+        rows.append(tuple(zip(edges[:-1], edges[1:], strict=True)))
+    return Segments(tuple(rows))
+
+
+def implementation(base: str) -> str:
+    """The name hetero registers for ``base`` (a transformers attention implementation)."""
+    if base not in BASES:
+        raise ValueError(f"no packed attention for '{base}'")
+    return PREFIX + base
+
+
+def base_of(name: str) -> str:
+    """The base implementation of a registered name (a name without the prefix is its own base)."""
+    return name[len(PREFIX):] if name.startswith(PREFIX) else name
+
+
+def register() -> None:
+    """Register the packed attention functions and their masks with transformers (idempotent)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for base in BASES:
+        name = implementation(base)
+        if name in ALL_ATTENTION_FUNCTIONS:
+            continue
+        ALL_ATTENTION_FUNCTIONS.register(name, _packed(base))
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+
+
+def _base_function(base: str, module: torch.nn.Module) -> Callable[..., Any]:
+    if base == "eager":  # each modeling file has its own eager function (soft caps, sinks): the module's
+        return sys.modules[type(module).__module__].eager_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[base]
+
+
+def _packed(base: str) -> Callable[..., Any]:
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                  sliding_window: int | None = None, softcap: float | None = None,
+                  hetero_segments: Segments | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if hetero_segments is None:
+            if sliding_window is not None:
+                kwargs["sliding_window"] = sliding_window
+            if softcap is not None:
+                kwargs["softcap"] = softcap
+            return _base_function(base, module)(module, query, key, value, attention_mask, dropout=dropout,
+                                                scaling=scaling, **kwargs)
+        if base == "flash_attention_2":
+            return _flash_varlen(query, key, value, hetero_segments, dropout, scaling, sliding_window, softcap), None
+        return _per_segment(base, query, key, value, hetero_segments, dropout, scaling, sliding_window, softcap), None
+
+    attention.__name__ = f"packed_{base}"
+    return attention
+
+
+def _per_segment(base: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments,
+                 dropout: float, scaling: float | None, window: int | None, softcap: float | None) -> torch.Tensor:
+    """Attention of each segment alone; query ``[B, H, S, D]``, key/value ``[B, KV, S, D]`` -> ``[B, S, H, D]``."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1 and (base == "eager" or softcap is not None):
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        groups = 1
+    rows = []
+    for b, row in enumerate(segments.rows):
+        pieces = []
+        for start, end in row:
+            q, k, v = (t[b:b + 1, :, start:end] for t in (query, key, value))
+            if base == "eager" or softcap is not None:
+                pieces.append(_eager(q, k, v, dropout, scaling, window, softcap))
+            else:
+                mask = _window_mask(end - start, window, q.device)
+                pieces.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                             is_causal=mask is None, scale=scaling,
+                                                             enable_gqa=groups > 1))
+        rows.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
+    return torch.cat(rows, dim=0).transpose(1, 2).contiguous()
+
+
+def _window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """None (plain causal) unless a sliding window is shorter than the segment: then the banded boolean mask."""
+    if window is None or length <= window:
+        return None
+    i = torch.arange(length, device=device)
+    back = i[:, None] - i[None, :]
+    return (back >= 0) & (back < window)
+
+
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, scaling: float | None,
+           window: int | None, softcap: float | None) -> torch.Tensor:
+    """The eager attention transformers' modeling files compute, on one segment (heads already matched)."""
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    weights = torch.matmul(q, k.transpose(2, 3)) * scale
+    if softcap is not None:
+        weights = torch.tanh(weights / softcap) * softcap
+    length = q.shape[2]
+    allowed = _window_mask(length, window, q.device)
+    if allowed is None:
+        allowed = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    weights = weights.masked_fill(~allowed, torch.finfo(weights.dtype).min)
+    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
+    weights = F.dropout(weights, p=dropout, training=dropout > 0)
+    return torch.matmul(weights, v)
+
+
+def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments, dropout: float,
+                  scaling: float | None, window: int | None, softcap: float | None) -> torch.Tensor:
+    """flash-attn's variable-length kernel over every segment of the batch at once (CUDA, fp16/bf16)."""
+    from flash_attn import flash_attn_varlen_func
+
+    batch, heads, seq, dim = query.shape
+    flat = [t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim) for t in (query, key, value)]
+    edges = segments.cumulative(seq, query.device)
+    longest = segments.longest
+    out = flash_attn_varlen_func(*flat, edges, edges, longest, longest, dropout_p=dropout, softmax_scale=scaling,
+                                 causal=True, window_size=(window - 1, 0) if window else (-1, -1),
+                                 softcap=softcap or 0.0)
+    return out.reshape(batch, seq, heads, dim)

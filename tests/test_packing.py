@@ -1,0 +1,173 @@
+"""Packing (data.packing, the default): rows hold several records, and training them equals training each alone.
+
+The strongest check is the family test below: llama, qwen3, gemma3_text (sliding window shorter than the records),
+phi3 (fused projections) and qwen3_moe (top-2 routing) train packed rows on 2 CPU stages, and per-step losses and
+every LoRA tensor equal plain transformers+peft trained on the same records one per row (tests/reference.py)
+within 1e-5.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from reference import assert_close_to_scale, reference_run, unpacked
+from test_families import COMMON, TINY
+from test_runtime_plans import make_plan
+
+from hetero.families import family
+from hetero.packing import length_stats, pack_rows
+from hetero.runtime.pretrained import resolve_dir
+from hetero.runtime.run.adapter import load_adapter_state
+from hetero.runtime.run.cli import main_run
+from hetero.runtime.run.data import IGNORE_INDEX, StepBatches
+from hetero.runtime.stage.attention import implementation, register, segments_of
+from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.specs import DataSpec, ModelSpec, TrainSpec
+
+
+def test_best_fit_places_every_record_once_within_the_row() -> None:
+    rng = random.Random(5)
+    lengths = [min(1000, int(rng.lognormvariate(5.3, 0.8))) for _ in range(500)]
+    rows = pack_rows(lengths, 1024)
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in row) <= 1024 for row in rows)
+    # Near the bound no packing can beat: ceil(total / capacity).
+    bound = -(-sum(lengths) // 1024)
+    assert len(rows) <= bound * 1.02 + 1
+    # The row count depends on the lengths only, not their order: every epoch has as many rows.
+    shuffled = list(range(len(lengths)))
+    rng.shuffle(shuffled)
+    assert len(pack_rows([lengths[i] for i in shuffled], 1024)) == len(rows)
+    # A record longer than a row takes a row of its own (it is truncated there).
+    assert pack_rows([5, 3000, 4], 8) == [[1], [0], [2]]
+    assert pack_rows([5, 3, 4, 4], 8) == [[0, 1], [2, 3]]
+
+
+def test_length_stats_count_real_and_label_tokens() -> None:
+    lengths, labels = [10, 20, 30, 40, 200], [5, 10, 15, 20, 100]
+    stats = length_stats(lengths, labels, seq_len=64, packed=True)
+    assert (stats.median, stats.longest, stats.truncated) == (30, 200, 1)
+    assert stats.rows == 3  # 64 (the truncated one), 40 + 20, 30 + 10
+    assert stats.efficiency == pytest.approx((10 + 20 + 30 + 40 + 64) / (3 * 64))
+    padded = length_stats(lengths, labels, seq_len=64, packed=False)
+    assert padded.rows == 5 and padded.efficiency == pytest.approx(164 / (5 * 64))
+
+
+def _batches(model_dir: Path, **kw) -> StepBatches:
+    args = {"seq_len": 128, "micro_batch_size": 2, "num_micro_batches": 3, "seed": 1, "shuffle": True} | kw
+    return StepBatches(DataSpec(), model_dir, **args)
+
+
+def test_packed_rows_keep_records_apart_and_count_the_same_labels(tiny_model_dir: Path) -> None:
+    sb = _batches(tiny_model_dir)
+    assert sb.packing and sb.rows_per_epoch < sb.num_records / 2  # the demo records are short: rows hold several
+    seen: list[int] = []
+    for step in range(sb.steps_per_epoch):
+        batch = sb.step(step)
+        assert batch.position_ids is not None
+        ids, labels = batch.input_ids.view(-1, 128), batch.labels.view(-1, 128)
+        positions = batch.position_ids.view(-1, 128)
+        records = iter(batch.record_ids)
+        for row in range(ids.shape[0]):
+            segments = segments_of(positions[row:row + 1]).rows[0]
+            at = 0
+            for start, end in segments:
+                assert start == at and positions[row, start:end].tolist() == list(range(end - start))
+                at = end
+                if end - start and int(ids[row, start]) == sb.pad_id and start > 0:
+                    continue  # the padding after a row's last record
+                index = next(records)
+                seen.append(index)
+                want_ids, want_labels = sb.encode(index)
+                assert ids[row, start:end].tolist() == want_ids[:end - start]
+                # The record's first token learns nothing from the record before it.
+                assert start == 0 or int(labels[row, start]) == IGNORE_INDEX
+                assert labels[row, start + 1:end].tolist() == want_labels[1:end - start]
+            assert at == 128
+        assert next(records, None) is None
+        assert unpacked(sb, batch).num_label_tokens == batch.num_label_tokens  # asserts the same count inside
+    # The first epoch's rows hold every record once (the last step runs on into the next epoch).
+    first_epoch = seen[:sum(len(r) for r in sb.epoch_rows(0))]
+    assert sorted(first_epoch) == list(range(sb.num_records))
+
+
+def test_packed_steps_are_a_function_of_the_step_number(tiny_model_dir: Path) -> None:
+    a, b = _batches(tiny_model_dir), _batches(tiny_model_dir)
+    late = a.steps_per_epoch * 2 + 1  # a resumed run asks for a step of a later epoch first
+    for step in (late, 0, 3):
+        x, y = a.step(step), b.step(step)
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.position_ids, y.position_ids)
+        assert x.record_ids == y.record_ids
+    assert a.step(0).record_ids != a.step(a.steps_per_epoch).record_ids  # each epoch its own order
+    c = _batches(tiny_model_dir, seed=2)
+    assert c.step(0).record_ids != a.step(0).record_ids
+
+
+def test_packing_off_keeps_one_record_per_row(tiny_model_dir: Path) -> None:
+    sb = _batches(tiny_model_dir, packing=False)
+    batch = sb.step(0)
+    assert batch.position_ids is None and len(batch.record_ids) == 6 and sb.rows_per_epoch == sb.num_records
+
+
+FAMILIES = ["llama", "qwen3", "gemma3_text", "phi3", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_packed_row_computes_each_record_as_alone(model_type: str) -> None:
+    """Through transformers' own model with hetero's attention: logits of a packed row equal each record's alone,
+    with records longer than the sliding window (16) and a one-token record."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    arch = {**COMMON, **TINY.get(model_type, {"model_type": "llama"})}
+    config = AutoConfig.for_model(arch.pop("model_type"), **arch)
+    family(config.model_type).configure(config)
+    register()
+    config._attn_implementation = implementation(config._attn_implementation)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    lengths = [40, 7, 25, 1]
+    ids = torch.randint(3, 500, (1, sum(lengths) + 5))
+    positions = torch.cat([torch.arange(n) for n in [*lengths, 5]]).unsqueeze(0)
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions, hetero_segments=segments_of(positions)).logits
+        at = 0
+        for n in lengths:
+            alone = model(input_ids=ids[:, at:at + n]).logits
+            torch.testing.assert_close(packed[:, at:at + n], alone, rtol=0, atol=1e-5)
+            at += n
+
+
+SEQ_LEN = 128
+TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=3, steps=3, lr=2e-3, scheduler="cosine", warmup_steps=1,
+                  max_grad_norm=0.05, seed=3, shuffle=True)
+RTOL = 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_packed_training_equals_the_records_trained_alone(model_type: str, tiny_spec: ModelSpec, tiny_cache: Path,
+                                                         tmp_path: Path) -> None:
+    architecture = {**COMMON, **TINY.get(model_type, {"model_type": "llama"})}
+    model_dir = resolve_dir(replace(tiny_spec, name=f"tiny-{model_type}", architecture=architecture))
+    setup = reference_run(model_dir, tmp_path, TRAIN, SEQ_LEN, targets=list(family(model_type).lora_targets))
+    plan = make_plan(model_dir, architecture, [3, 3], train=TRAIN, lora=setup["lora"], seq_len=SEQ_LEN)
+    assert plan.data.packing
+    plan.save(tmp_path / "plan.json")
+    run_dir = tmp_path / "run"
+    assert main_run([str(tmp_path / "plan.json"), "--run-dir", str(run_dir), "--no-progress"]) == 0
+    metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
+    batches = StepBatches(DataSpec(), model_dir, SEQ_LEN, TRAIN.micro_batch_size, TRAIN.num_micro_batches,
+                          TRAIN.seed, TRAIN.shuffle)
+    assert len(batches.step(0).record_ids) > 2 * TRAIN.micro_batch_size * TRAIN.num_micro_batches  # really packed
+    for m, want in zip(metrics, setup["losses"], strict=True):
+        assert m["loss"] == pytest.approx(want, rel=RTOL), f"{model_type} step {m['step']}: {m['loss']} vs {want}"
+    trained = load_adapter_state(run_dir / "adapter", setup["lora"])
+    assert set(trained) == set(setup["state"]) and trained
+    initial = load_adapter_state(Path(setup["lora"].init_from))
+    for key, want in setup["state"].items():
+        assert not torch.equal(initial[key], want)
+        assert_close_to_scale(key, trained[key], want, RTOL)

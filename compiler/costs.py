@@ -16,6 +16,7 @@ from torch import nn
 
 from hetero.errors import ConfigError
 from hetero.families import family, layer_types, needs_mask
+from hetero.loss import head_bytes_per_token
 from hetero.specs import BYTES_PER_DTYPE, QUANT_BYTES_PER_PARAM
 
 # Quantized Linear weights cost hetero.specs.QUANT_BYTES_PER_PARAM; everything that is not a decoder
@@ -289,10 +290,11 @@ def _work_per_token(
         act = decoder_activation_bytes(config, short, dtype_bytes, lora_r, lora_dropout, traits, seq_len)
         return matmul_fwd + attn + lora_fwd, bwd, act, decoder_recompute_bytes(config, dtype_bytes)
     if kind == "head":
-        # The loss upcasts logits to fp32 and log_softmax keeps its fp32 output (4V saved); the bf16
-        # logits and the fp32 copy live alongside it during the forward, so the peak per token is (b+8)V.
-        # Backward: the grad of the hidden state only (lm_head is frozen).
-        return matmul_fwd + lora_fwd, matmul_fwd + 2 * lora_fwd, float((dtype_bytes + 8) * config.vocab_size), None
+        # The loss runs in chunks of label tokens (hetero/loss.py): a token keeps its hidden state for backward, and
+        # one chunk's logits (stage dtype, fp32 copy, its gradient) exist at a time, not (b+8)V per token.
+        # Backward: the grad of the hidden state only (lm_head is frozen), the chunk's logits computed again.
+        act = head_bytes_per_token(h, int(config.vocab_size), dtype_bytes, seq_len)
+        return matmul_fwd + lora_fwd, 2 * matmul_fwd + 2 * lora_fwd, act, None
     if kind == "norm":
         return 4.0 * h, 8.0 * h, float(4 * h + 4), None  # square, mean, rsqrt-scale, weight: elementwise, tiny
     # embedding: a gather, nothing to differentiate (frozen, integer input)

@@ -28,7 +28,7 @@ from hetero.specs import ModelSpec
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return reference_run(tiny_model_dir, tmp_path_factory.mktemp("torch-engine"), TRAIN, SEQ_LEN)
+    return reference_run(tiny_model_dir, tmp_path_factory.mktemp("torch-engine"), TRAIN, SEQ_LEN, packing=False)
 
 
 def _run(plan: Plan, root: Path, name: str, *extra: str) -> Path:
@@ -56,7 +56,7 @@ def _check_against_reference(run_dir: Path, setup: dict, steps: list[int]) -> No
 
 @pytest.mark.slow
 def test_three_stages_1f1b_equal_the_reference(setup: dict, tiny_model_dir: Path, tiny_spec: ModelSpec) -> None:
-    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=TRAIN, lora=setup["lora"],
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, packing=False, split=[2, 2, 2], train=TRAIN, lora=setup["lora"],
                      seq_len=SEQ_LEN)
     run_dir = _run(plan, setup["root"], "three", "--engine", "torch", "checkpoint_every=2")
     metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
@@ -72,7 +72,7 @@ def test_three_stages_1f1b_equal_the_reference(setup: dict, tiny_model_dir: Path
 @pytest.mark.slow
 def test_two_replicas_on_a_device_mesh_equal_the_reference(setup: dict, tiny_model_dir: Path,
                                                            tiny_spec: ModelSpec) -> None:
-    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [[3, 3], [3, 3]], train=TRAIN,  # type: ignore[list-item]
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, packing=False, split=[[3, 3], [3, 3]], train=TRAIN,  # type: ignore[list-item]
                      lora=setup["lora"], seq_len=SEQ_LEN, shares=[2, 2])
     run_dir = _run(plan, setup["root"], "mesh", "--engine", "torch")
     _check_against_reference(run_dir, setup, list(range(TRAIN.steps)))
@@ -86,9 +86,9 @@ def test_a_checkpoint_of_one_engine_resumes_on_the_other(setup: dict, tiny_model
     the same losses and adapter as the 6 steps on one."""
     root = setup["root"]
     train = replace(TRAIN, steps=6)
-    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=train, lora=setup["lora"], seq_len=SEQ_LEN)
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, packing=False, split=[3, 3], train=train, lora=setup["lora"], seq_len=SEQ_LEN)
     whole = _run(plan, root, f"{first}-whole", "--engine", first, "checkpoint_every=3")
-    resumed = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 4], train=train, lora=setup["lora"],
+    resumed = make_plan(tiny_model_dir, tiny_spec.architecture, packing=False, split=[2, 4], train=train, lora=setup["lora"],
                         seq_len=SEQ_LEN)
     path = root / f"plan-{then}-after.json"
     resumed.save(path)
@@ -122,7 +122,7 @@ def test_the_torch_engines_adapter_loads_with_auto_peft(setup: dict) -> None:
 
 def test_plans_it_cannot_run_are_refused_in_one_line(tiny_model_dir: Path, tiny_spec: ModelSpec,
                                                      tmp_path: Path) -> None:
-    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN, seq_len=SEQ_LEN,
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, packing=False, split=[3, 3], train=TRAIN, seq_len=SEQ_LEN,
                      hosts=["alpha", "beta"])
     with pytest.raises(EngineUnsupportedError, match=r"^--engine torch cannot run this plan: its stages run on hosts "
                        r"alpha, beta; .* run it with `--engine hetero`"):
@@ -130,16 +130,19 @@ def test_plans_it_cannot_run_are_refused_in_one_line(tiny_model_dir: Path, tiny_
     mixed = replace(plan, stages=[plan.stages[0], replace(plan.stages[1], backend="cuda")])
     with pytest.raises(EngineUnsupportedError, match=r"different device kinds \(cpu, cuda\)"):
         check_supported(mixed, None)
-    one = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN, seq_len=SEQ_LEN)
+    one = make_plan(tiny_model_dir, tiny_spec.architecture, packing=False, split=[3, 3], train=TRAIN, seq_len=SEQ_LEN)
     assert check_supported(one, None) == "gloo"
-    split = make_plan(tiny_model_dir, tiny_spec.architecture, [[3, 3], [2, 4]], train=TRAIN,  # type: ignore[list-item]
+    split = make_plan(tiny_model_dir, tiny_spec.architecture, packing=False, split=[[3, 3], [2, 4]], train=TRAIN,  # type: ignore[list-item]
                       seq_len=SEQ_LEN, shares=[2, 2])
     with pytest.raises(EngineUnsupportedError, match=r"replica 1 splits the layers otherwise than replica 0"):
         check_supported(split, None)
-    few = make_plan(tiny_model_dir, tiny_spec.architecture, [[3, 3], [3, 3]], train=TRAIN,  # type: ignore[list-item]
+    few = make_plan(tiny_model_dir, tiny_spec.architecture, packing=False, split=[[3, 3], [3, 3]], train=TRAIN,  # type: ignore[list-item]
                     seq_len=SEQ_LEN, shares=[1, 3])
     with pytest.raises(EngineUnsupportedError, match=r"replica 0 has 1 micro-batch\(es\) for 2 stages"):
         check_supported(few, None)
+    packed = replace(one, data=replace(one.data, packing=True))
+    with pytest.raises(EngineUnsupportedError, match=r"data\.packing=true .* recompile with data\.packing=false"):
+        check_supported(packed, None)
     evaluating = replace(one, eval=replace(one.eval, every=2))
     with pytest.raises(EngineUnsupportedError, match=r"eval\.every=2"):
         check_supported(evaluating, None)

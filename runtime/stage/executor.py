@@ -18,13 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from hetero.errors import TrainingDivergedError, WireError
 from hetero.program import Action
 from hetero.protocol import Act, Grad, GradNorm, Record
-from hetero.runtime.run.data import IGNORE_INDEX
 from hetero.runtime.stage.lora import peft_key
+from hetero.runtime.stage.loss import chunked_loss_sum
 from hetero.runtime.stage.lr import make_scheduler
 from hetero.runtime.stage.model import Stage
 from hetero.runtime.stage.telemetry import open_telemetry
@@ -256,14 +255,13 @@ class Executor:
         else:
             x = self._inputs[mb]
         positions = self._mb_positions.pop(mb, None) if self.stage.is_last else self._mb_positions.get(mb)
-        out = self.stage.forward(x, positions)
+        out = self.stage.forward(x, positions, logits=False)
         if self.stage.is_last:
             assert self._labels is not None
-            labels = self._labels[mb].to(out.device)
-            # HF causal-LM convention: position t predicts token t+1; fp32 loss whatever the stage dtype.
-            logits = out[:, :-1].float()
-            loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                                       ignore_index=IGNORE_INDEX, reduction="sum")
+            # HF causal-LM convention (position t predicts token t+1), fp32 loss whatever the stage dtype, computed
+            # in chunks of label tokens: never a whole [tokens, vocab] logits tensor (runtime/stage/loss.py).
+            loss_sum = chunked_loss_sum(self.stage.logits, out, self._labels[mb],
+                                        int(self.stage.model.config.vocab_size))
             self._loss_sum += float(loss_sum.detach())
             out = loss_sum
         self._outputs[mb] = out

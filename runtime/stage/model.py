@@ -118,9 +118,10 @@ class Stage:
     def is_last(self) -> bool:
         return self.layout.head
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Stage 0 takes input ids [B, S]; others hidden states [B, S, H]. The last stage returns logits.
-        ``positions``: packed rows' position ids [B, S] (restarting at each record; runtime/run/data.py)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, logits: bool = True) -> torch.Tensor:
+        """Stage 0 takes input ids [B, S]; others hidden states [B, S, H]. The last stage returns logits (without
+        ``logits``: the final norm's output, for the chunked loss). ``positions``: packed rows' position ids [B, S]
+        (restarting at each record; runtime/run/data.py)."""
         inner = self.model.model
         h = inner.embed_tokens(x) if self.layout.embed else x
         if self.layout.embed and self.embed_multiplier != 1.0:
@@ -153,9 +154,9 @@ class Stage:
             h = out[0] if isinstance(out, tuple) else out
         if self.layout.norm:
             h = inner.norm(h)
-        return self._logits(h) if self.layout.head else h
+        return self.logits(h) if self.layout.head and logits else h
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The head, and what the family's CausalLM does to its output (a divisor, a soft cap)."""
         h = self.model.lm_head(h)
         if self.logits_divisor != 1.0:

@@ -54,6 +54,9 @@ def check_supported(plan: Plan, host: str | None) -> str:
         rep = plan.pipelines[short[0]]
         raise _refuse(f"replica {short[0]} has {rep.num_micro_batches} micro-batch(es) for {len(rep.stages)} stages, "
                       "and torch's Schedule1F1B needs at least one per stage (raise train.num_micro_batches)")
+    if plan.data.packing:
+        raise _refuse("data.packing=true (every stage needs each packed record's positions, which torch's "
+                      "PipelineStage does not carry); recompile with data.packing=false for this engine")
     if plan.eval.every > 0:
         raise _refuse(f"eval.every={plan.eval.every} (held-out evaluation during the run; pass eval.every=0)")
     return BACKENDS[kinds[0]]

@@ -14,6 +14,11 @@ Runs, in this order (each section measures its own baseline in the same run):
 `python -m bench rebalance` runs W5 alone (a stage slowed mid-run by a cgroup quota, with and without
 runtime.rebalance, and a plan compiled for the slowed fleet; bench_rebalance.py, root only) and prints it.
 
+`python -m bench data [--quick] [--json FILE]` runs W7 alone (real-length records at seq_len 1024: hetero packed,
+padded and on full rows, TRL's SFTTrainer packed and default, in trained tokens/s; bench_data.py, ~15 min) and
+prints it. `python -m bench --only data` runs the same as a section, recorded in docs/benchmarks.md's generated
+part; it is not in the default run.
+
 then prints every table and the ratios last, and rewrites the generated part of docs/benchmarks.md
 (between its `bench:begin` / `bench:end` markers: tables, machine, date, commands) and
 docs/bench.png. `--only w1 w3` runs some sections; `--no-write` leaves docs/ alone. Do not run it
@@ -41,6 +46,7 @@ REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
 SECTIONS = ("planner", "compile", "transport", "w1", "w3", "replicas", "eval", "prediction")
+OPT_IN = ("data",)  # run only when named in --only (W7 alone takes ~15 minutes)
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 DOC, PLOT = REPO / "docs" / "benchmarks.md", REPO / "docs" / "bench.png"
 
@@ -192,6 +198,11 @@ def markdown(results: dict[str, Any], started: str, wall_s: float) -> list[str]:
                 f"Training step without evaluation {r['no_eval_s']:.3f} s, with evaluation every {r['every']} steps "
                 f"{r['eval_s']:.3f} s: **{r['ratio']:.3f}x** (medians over {r['rounds']} alternating runs of "
                 f"{r['steps']} steps).", ""]
+    if "data" in results and "rows" in results["data"]:
+        import bench_data
+
+        out += ["### W7 — real-length data: packed, padded, full rows and TRL, in trained tokens/s", ""]
+        out += bench_data.lines(results["data"]) + [""]
     if "transport" in results and "rows" in results["transport"]:
         out += ["### Transport vs raw TCP (loopback, process to process)", "",
                 "| message | raw MB/s | Transport MB/s | ratio |", "|---|---|---|---|"]
@@ -314,6 +325,13 @@ def ratios(results: dict[str, Any]) -> list[str]:
         per_round = " ".join(f"{r['ratio']:.2f}" for r in loop["rows"])
         out.append(f"  prediction: {loop['stages']} stages planned from the previous run, measured / predicted median "
                    f"{loop['median']:.2f} (rounds {per_round})")
+    if "ratios" in results.get("data", {}):
+        import bench_data
+
+        for key, label, goal in bench_data.GOALS:
+            x = results["data"]["ratios"].get(key)
+            if x is not None:
+                out.append(f"  W7 {label} {x:.2f}x (goal >= {goal})")
     if "ratio" in results.get("eval", {}):
         out.append(f"  eval: training step with / without evaluation on a spare device {results['eval']['ratio']:.3f}x")
     for row in results.get("transport", {}).get("rows", []):
@@ -340,6 +358,10 @@ def run_section(name: str, work: Path) -> dict[str, Any]:
         import bench_prediction
 
         return bench_prediction.run_loop(work, rounds=3, steps=12)
+    if name == "data":
+        import bench_data
+
+        return bench_data.bench(work, log=lambda s: print("  " + s, flush=True))
     return {"compile": bench_compile, "w1": bench_w1, "w3": bench_w3, "replicas": bench_replicas,
             "eval": bench_eval}[name](work)
 
@@ -350,8 +372,12 @@ def main(argv: list[str] | None = None) -> int:
         import bench_rebalance
 
         return bench_rebalance.main()
+    if argv[:1] == ["data"]:  # W7: its own script (~15 min), printed only; `--only data` records it in docs/
+        import bench_data
+
+        return bench_data.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m bench", description="Every hetero benchmark, ratios last.")
-    ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    ap.add_argument("--only", nargs="+", choices=SECTIONS + OPT_IN, default=list(SECTIONS))
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md and docs/bench.png")
     ap.add_argument("--json", type=Path, help="also write every result here")
     ap.add_argument("--from-json", type=Path, help="measure nothing: render a --json file of an earlier run")
@@ -370,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="hetero-bench-") as tmp:
         work = Path(tmp)
-        for name in SECTIONS:
+        for name in SECTIONS + OPT_IN:
             if name not in args.only:
                 continue
             print(f"\n== {name}", flush=True)

@@ -9,13 +9,13 @@ against the tensors autograd actually saves for a peft-wrapped layer.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
 
 from hetero.errors import ConfigError
-from hetero.families import family, layer_types, needs_mask
+from hetero.families import SLIDING, attention_in_use, family, layer_types, needs_mask
 from hetero.loss import head_bytes_per_token
 from hetero.specs import BYTES_PER_DTYPE, QUANT_BYTES_PER_PARAM
 
@@ -89,7 +89,7 @@ def layer_traits(config: Any, index: int, seq_len: int, module: nn.Module, param
     """The Traits of decoder layer ``index`` (``module``, parameters ``params``) at ``seq_len``."""
     fam = family(getattr(config, "model_type", None))
     kind = layer_types(config)[index]
-    eager = fam.attention_impl(config) != "sdpa"
+    eager = attention_in_use(fam, config) == "eager"
     return Traits(layer_type=kind, masked=needs_mask(fam, config, kind, seq_len), eager=eager,
                   softcap=eager and bool(getattr(config, "attn_logit_softcapping", None)),
                   norm_bytes=norm_bytes(config, module), moe=layer_moe(config, params),
@@ -233,15 +233,19 @@ def unit_cost(
     lora_target_names: list[str],
     lora_dropout: float = 0.0,
     layer_index: int = 0,
+    attention_len: float | None = None,
 ) -> UnitCost:
     """Costs of one pipeline unit; ``params`` maps its state-dict names to (meta) tensors; ``layer_index``: a
-    decoder layer's index in the model."""
+    decoder layer's index in the model; ``attention_len``: packed rows (attention inside each record) are priced
+    as causal attention over this many tokens (None: rows of seq_len)."""
     dtype_bytes = BYTES_PER_DTYPE[dtype]
     if quantization not in ("none", *QUANT_BYTES_PER_PARAM):
         raise ConfigError(f"model.quantization={quantization!r} is not one of none, nf4, int8")
     num_params = sum(int(t.numel()) for t in params.values())
     linears = [m for _, m in module.named_modules() if isinstance(m, nn.Linear)]
     traits = layer_traits(config, layer_index, seq_len, module, params) if kind == "decoder" else Traits()
+    if attention_len and kind == "decoder":  # per record: causal SDPA (eager math computes its every key)
+        traits = replace(traits, masked=traits.eager)
     moe = traits.moe
     # Only decoder Linear weights (and experts: runtime/stage/weights.py quantizes them per expert) are quantized;
     # the head stays in the compute dtype (as bitsandbytes does).
@@ -251,7 +255,7 @@ def unit_cost(
     param_bytes = (num_params - linear_params) * dtype_bytes + linear_params * weight_bytes_q
     targets = lora_targets(module, prefix, lora_target_names)
     fwd, bwd, act, recompute = _work_per_token(kind, linears, targets, config, seq_len, dtype_bytes, lora_r,
-                                               lora_dropout, traits)
+                                               lora_dropout, traits, attention_len)
     return UnitCost(
         num_params=num_params,
         linear_params=linear_params,
@@ -276,6 +280,7 @@ def _work_per_token(
     lora_r: int,
     lora_dropout: float,
     traits: Traits,
+    attention_len: float | None = None,
 ) -> tuple[float, float, float, float | None]:
     """(forward FLOPs, backward FLOPs, activation bytes, recompute bytes) per token of a unit of ``kind``."""
     lora_fwd = sum(2 * lora_r * sum(_lora_shape(m)) for _, m in targets if isinstance(m, nn.Linear))
@@ -283,10 +288,17 @@ def _work_per_token(
     matmul_fwd += traits.moe.flops_per_token() if traits.moe else 0.0  # the router, only the experts a token uses
     h = config.hidden_size
     if kind == "decoder":
-        attn = attention_flops_per_token(config, seq_len, causal=not traits.masked)
+        span = min(attention_len or seq_len, seq_len)
+        attn = attention_flops_per_token(config, span, causal=not traits.masked)
+        window = getattr(config, "sliding_window", None)
+        if attention_len and window and traits.layer_type == SLIDING and \
+                attention_in_use(family(config.model_type), config) in ("flash_attention_2", "flex_attention"):
+            # These kernels skip what the window leaves out; per-record SDPA computes a long record's band whole.
+            attn = min(attn, attention_flops_per_token(config, 2 * int(window) - 1, causal=True))
         # Input grads through the frozen matmuls (~1x), attention backward, LoRA input + weight grads (2x).
         bwd = matmul_fwd + ATTENTION_BWD_FACTOR * attn + 2 * lora_fwd
         short = {name.rsplit(".", 1)[-1] for name, _ in targets}
+        # Memory at seq_len, not the mean: a step may hold a record as long as a row (eager keeps its scores).
         act = decoder_activation_bytes(config, short, dtype_bytes, lora_r, lora_dropout, traits, seq_len)
         return matmul_fwd + attn + lora_fwd, bwd, act, decoder_recompute_bytes(config, dtype_bytes)
     if kind == "head":

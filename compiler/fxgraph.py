@@ -34,8 +34,9 @@ def cost_dtype(model: ModelSpec) -> str:
     return model.dtype
 
 
-def build_config(architecture: dict[str, Any]) -> Any:
-    """An HF config object from an architecture dict (config.json contents); no download."""
+def build_config(architecture: dict[str, Any], attn_implementation: str = "auto") -> Any:
+    """An HF config object from an architecture dict (config.json contents), computing with ``attn_implementation``
+    (model.attn_implementation); no download."""
     if not isinstance(architecture, dict):
         raise ConfigError("model.architecture must be a mapping (an HF config.json as a dict)")
     model_type = architecture.get("model_type")
@@ -51,7 +52,12 @@ def build_config(architecture: dict[str, Any]) -> Any:
     # As the runtime trains it (SDPA, or eager where the family needs it: Gemma 2's class refuses SDPA). Shapes do
     # not depend on it; costs follow it (compiler/costs.py).
     fam = family(model_type)
-    fam.configure(config)
+    fam.configure(config, attn_implementation)
+    if config._attn_implementation in ("flash_attention_2", "flex_attention"):
+        # The meta model runs SDPA's shapes (no flash-attn needed here, no flex kernel on the meta device); the
+        # costs follow the kernel the stages will run (hetero/families.py attention_in_use).
+        config.hetero_attention = config._attn_implementation
+        config._attn_implementation = "sdpa"
     if fam.experts is not None and getattr(config, "output_router_logits", False):
         raise ConfigError(f"model.architecture.output_router_logits is true: hetero trains this {model_type} "
                           "model without the router's auxiliary load-balancing loss; set it to false")
@@ -71,7 +77,7 @@ def build_meta_model(model: ModelSpec, dtype: str | None = None) -> nn.Module:
     """The full CausalLM on the meta device: real structure and parameter names, no memory, no weights."""
     from transformers import AutoModelForCausalLM
 
-    config = build_config(model.architecture)
+    config = build_config(model.architecture, model.attn_implementation)
     torch_dtype = COMPUTE_DTYPES[dtype or cost_dtype(model)]
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=torch_dtype)

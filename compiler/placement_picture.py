@@ -25,7 +25,7 @@ from hetero.compiler.picture_style import (
     span_label,
     stage_colour,
 )
-from hetero.plan import MemoryBreakdown, Plan
+from hetero.plan import MemoryBreakdown, Plan, Prediction
 
 _HOST_W, _HOST_GAP, _DEV_H, _HEADER = 4.6, 2.2, 2.5, 0.8
 STRIP_GAP = 1.5  # vertical distance between the pipeline strips of two replicas
@@ -101,13 +101,20 @@ def placement_figure(plan: Plan) -> Any:
     return fig
 
 
+def _rate(p: Prediction) -> str:
+    """Trained tokens/s where the data was measured at compile, else computed tokens/s, said so."""
+    if p.trained_tokens_per_s is not None:
+        return f"{p.trained_tokens_per_s:,.0f} trained tokens/s"
+    return f"{p.tokens_per_s:,.0f} computed tokens/s"
+
+
 def _title(plan: Plan) -> str:
     """The plan's throughput, and how it compares with the best single device."""
     p = plan.prediction
     shape = f"{len(plan.replicas)} replicas, " if plan.replicas else ""
     head = (
         f"{plan.model.name}: {shape}{len(plan.stages)} stage(s), predicted {p.step_time_s:.3g} s/step, "
-        f"{p.tokens_per_s:,.0f} tokens/s"
+        f"{_rate(p)}"
     )
     best = next((b for b in plan.baselines if b.name == "best_single_device"), None)
     if best is not None and best.feasible and best.prediction is not None:
@@ -116,7 +123,7 @@ def _title(plan: Plan) -> str:
         )
         device = best.devices[0] if best.devices else "best single device"
         head += (
-            f"\n{ratio:.2f}x the best single device ({device}: {best.prediction.tokens_per_s:,.0f} tokens/s)"
+            f"\n{ratio:.2f}x the best single device ({device}: {_rate(best.prediction)})"
         )
     elif best is not None:
         head += f"\nno single device can train it alone ({best.reason or 'does not fit'})"

@@ -18,12 +18,13 @@ from .fxgraph import TracedModel, build_meta_model, cost_dtype, module_of_unit, 
 __all__ = ["trace", "trace_with_module"]
 
 
-def trace(model: ModelSpec) -> LayerGraph:
-    """Trace ``model`` on the meta device (no weights, no download) into a costed LayerGraph."""
-    return trace_with_module(model)[0]
+def trace(model: ModelSpec, attention_len: float | None = None) -> LayerGraph:
+    """Trace ``model`` on the meta device (no weights, no download) into a costed LayerGraph. ``attention_len``:
+    packed rows' attention is priced at this causal length (the records', hetero/packing.py) instead of seq_len."""
+    return trace_with_module(model, attention_len)[0]
 
 
-def trace_with_module(model: ModelSpec) -> tuple[LayerGraph, TracedModel]:
+def trace_with_module(model: ModelSpec, attention_len: float | None = None) -> tuple[LayerGraph, TracedModel]:
     """Like ``trace``, also returning the traced fx module (emit prints each stage's segment of it)."""
     if model.seq_len < 1:
         raise ConfigError(f"model.seq_len must be a positive integer, got {model.seq_len}")
@@ -35,10 +36,13 @@ def trace_with_module(model: ModelSpec) -> tuple[LayerGraph, TracedModel]:
 
     state = causal_lm.state_dict(keep_vars=True)
     tied = causal_lm.lm_head.weight is causal_lm.model.embed_tokens.weight
-    nodes = [_node(unit, causal_lm, state, tied, model, dtype) for unit in traced.units]
+    nodes = [_node(unit, causal_lm, state, tied, model, dtype, attention_len) for unit in traced.units]
     _check_partition(nodes, state, tied)
 
     notes = _notes(model, config, nodes, tied)
+    if attention_len:
+        notes.append(f"attention priced at the packed records' lengths: as causal attention over {attention_len:.0f} "
+                     f"tokens, not model.seq_len={model.seq_len} (attention stays inside each record)")
     graph = LayerGraph(
         model_name=model.name,
         model_type=model.model_type,
@@ -93,7 +97,8 @@ def _notes(model: ModelSpec, config: Any, nodes: list[LayerNode], tied: bool) ->
 
 
 def _node(
-    unit: str, causal_lm: Any, state: dict[str, Any], tied: bool, model: ModelSpec, dtype: str
+    unit: str, causal_lm: Any, state: dict[str, Any], tied: bool, model: ModelSpec, dtype: str,
+    attention_len: float | None = None,
 ) -> LayerNode:
     prefix, module = module_of_unit(causal_lm, unit)
     kind = {"embed": "embedding", "norm": "norm", "head": "head"}.get(unit, "decoder")
@@ -113,6 +118,7 @@ def _node(
         model.lora.target_modules,
         model.lora.dropout,
         int(unit.split(".", 1)[1]) if kind == "decoder" else 0,
+        attention_len,
     )
     return LayerNode(
         name=unit,

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from hetero.errors import ConfigError
+from hetero.families import ATTENTION_CHOICES
 from hetero.hardware import build_cluster, load_device_types
 from hetero.hints import COMMAND_LINE
 from hetero.safe_yaml import check_interpolations, check_yaml, yaml_error_message
@@ -208,6 +209,7 @@ def load(overrides: list[str], config_dir: str | None = None) -> Config:
     planner = _convert(PlannerOptions, raw.get("planner"), "planner")
     evaluation = _convert(EvalSpec, raw.get("eval"), "eval")
     check_ranges(model, train, planner, ConfigError)
+    check_run_length(train, overrides)
     check_eval(evaluation, cluster)
     _check_manual_split(planner, model, cluster)
     output = raw.get("output", ".")
@@ -238,6 +240,15 @@ def load(overrides: list[str], config_dir: str | None = None) -> Config:
         profiles=tuple(Path(str(p)).expanduser() for p in profiles) if profile else (),
         eval=evaluation,
     )
+
+
+def check_run_length(train: TrainSpec, overrides: list[str], where: str = "") -> None:
+    """train.epochs > 0 sets the run's length; train.steps given beside it on the same command line is a mistake
+    (in a config file, epochs win: `hetero compile` says how many steps they make)."""
+    steps = next((o for o in overrides if o.lstrip("+~").partition("=")[0].strip() in ("train.steps", "steps")), None)
+    if train.epochs > 0 and steps is not None:
+        raise ConfigError(f"{steps} and train.epochs={train.epochs}{where} both set the run's length: give one "
+                          "(train.epochs=0 trains train.steps steps)")
 
 
 def check_eval(evaluation: EvalSpec, cluster: ClusterSpec | None = None) -> None:
@@ -324,6 +335,9 @@ def _model_spec(model: Any, lora: Any) -> ModelSpec:
         raise ConfigError(f"model.dtype must be one of {sorted(set(_DTYPES.values()))}, got {short_repr(dtype)}")
     model["dtype"] = _DTYPES[dtype]
     spec = _convert(ModelSpec, {k: v for k, v in model.items()}, "model")
+    if spec.attn_implementation not in ATTENTION_CHOICES:
+        raise ConfigError(f"model.attn_implementation must be one of {', '.join(ATTENTION_CHOICES)}, got "
+                          f"{short_repr(spec.attn_implementation)}")
     if "model_type" not in spec.architecture:
         raise ConfigError("model.architecture has no model_type (it must be an HF config.json as a mapping)")
     _check_architecture(spec.architecture)

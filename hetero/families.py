@@ -31,9 +31,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hetero.errors import UnsupportedModelError
+from hetero.errors import ConfigError, UnsupportedModelError
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+# model.attn_implementation: auto = the family's (below), or flash-attn where a CUDA stage has it installed.
+ATTENTION_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -72,16 +74,26 @@ class Family:
     # The model_type of a multimodal config.json whose text_config is this family's (Gemma 3 4B-27B: gemma3).
     text_of: str | None = None
 
-    def attention_impl(self, config: Any) -> str:
-        """The attention implementation a model of this family trains with: the family's, or eager where the
-        config soft-caps attention logits (SDPA cannot)."""
-        return "eager" if getattr(config, "attn_logit_softcapping", None) else self.attention
+    def attention_impl(self, config: Any, choice: str = "auto") -> str:
+        """The attention implementation a model of this family trains with under ``model.attn_implementation``:
+        for ``auto`` the family's, or eager where the config soft-caps attention logits (SDPA cannot); otherwise the
+        choice, refused in one line where the family cannot use it."""
+        softcap = getattr(config, "attn_logit_softcapping", None)
+        if choice not in ATTENTION_CHOICES:
+            raise ConfigError(f"model.attn_implementation={choice!r}: expected one of {', '.join(ATTENTION_CHOICES)}")
+        if choice == "auto":
+            return "eager" if softcap else self.attention
+        if choice == "sdpa" and softcap:
+            raise ConfigError(f"model.attn_implementation=sdpa: this {self.model_type} model soft-caps its attention "
+                              "logits (attn_logit_softcapping), which SDPA cannot; use auto, eager, flash_attention_2 "
+                              "or flex_attention")
+        return choice
 
-    def configure(self, config: Any) -> None:
+    def configure(self, config: Any, choice: str = "auto") -> None:
         """Set a built HF config to compute as hetero trains the family: its attention implementation, and
         transformers' per-expert loop for a mixture of experts (what NF4Experts computes and the cost model counts,
         quantized or not)."""
-        config._attn_implementation = self.attention_impl(config)
+        config._attn_implementation = self.attention_impl(config, choice)
         if self.experts is not None:
             config._experts_implementation = "eager"
 
@@ -154,10 +166,21 @@ def layer_types(config: Any) -> list[str]:
     return [SLIDING if window else FULL] * int(config.num_hidden_layers)
 
 
+def attention_in_use(fam: Family, config: Any) -> str:
+    """The attention implementation a configured HF config computes with (the runtime wraps it as hetero_<name>:
+    runtime/stage/attention.py); the family's where the config was not configured."""
+    name = getattr(config, "hetero_attention", None) or getattr(config, "_attn_implementation", None)
+    return str(name).removeprefix("hetero_") if name else fam.attention_impl(config)
+
+
 def needs_mask(fam: Family, config: Any, kind: str, seq_len: int) -> bool:
     """Whether a layer of ``kind`` gets an explicit mask tensor: always under eager attention; under SDPA only a
-    sliding window shorter than the sequence (otherwise causal SDPA without a mask computes the same)."""
-    if fam.attention_impl(config) != "sdpa":
+    sliding window shorter than the sequence (otherwise causal SDPA without a mask computes the same); never
+    under flash-attn or flex attention, whose kernels take the causal shape and the window themselves."""
+    impl = attention_in_use(fam, config)
+    if impl in ("flash_attention_2", "flex_attention"):
+        return False
+    if impl != "sdpa":
         return True
     window = getattr(config, "sliding_window", None)
     return kind == SLIDING and window is not None and seq_len > int(window)

@@ -7,6 +7,7 @@ chunk's input for backward and computing its logits again there. Tokens without 
 
 from __future__ import annotations
 
+IGNORE_INDEX = -100  # a label that carries no loss (the Hugging Face convention)
 LOSS_CHUNK_BYTES = 1 << 26  # fp32 logits of one chunk: 64 MiB (128 tokens at Llama 3's 128k vocabulary)
 
 

@@ -40,6 +40,13 @@ def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return rows
 
 
+def steps_for_epochs(epochs: int, rows_per_epoch: int, rows_per_step: int) -> int:
+    """Optimizer steps that train ``epochs`` passes over the data: steps run on across epochs (a step may hold the
+    end of one epoch and the start of the next), so this is ceil(epochs x rows / rows per step), not epochs x the
+    steps of one epoch."""
+    return max(1, math.ceil(epochs * rows_per_epoch / max(rows_per_step, 1)))
+
+
 @dataclass(frozen=True)
 class LengthStats:
     """What a data set's token lengths mean for a run at ``seq_len`` (printed by `hetero compile`)."""
@@ -55,15 +62,15 @@ class LengthStats:
     rows: int  # rows one epoch of the measured records takes
     efficiency: float  # real (non-pad) tokens / computed tokens, packed or one record per row
     label_fraction: float  # label tokens / computed tokens (what a step trains of what it computes)
+    # The sequence length whose causal attention does the work the rows do: attention stays inside each record
+    # packed, so a token attends (its position in the record + 1) keys; a row of one record (no mask) attends over
+    # the whole row. (attention_len + 1) / 2 is the mean keys per computed token.
+    attention_len: float = 0.0
 
     @property
     def rows_per_epoch(self) -> int:
         """Rows of the whole file (scaled from the sample)."""
         return math.ceil(self.rows * self.total_records / max(self.records, 1))
-
-    def records_per_row(self) -> float:
-        """Mean records in one row."""
-        return self.records / max(self.rows, 1)
 
     def suggested_seq_len(self) -> int:
         """The shortest seq_len that truncates no measured record: the longest, rounded up to a multiple of 64
@@ -82,10 +89,18 @@ def length_stats(lengths: Sequence[int], label_counts: Sequence[int], seq_len: i
     def pct(q: float) -> int:
         return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
-    rows = len(pack_rows(clipped, seq_len)) if packed else len(clipped)
+    if packed:
+        packed_rows = pack_rows(clipped, seq_len)
+        rows = len(packed_rows)
+        pads = [seq_len - sum(clipped[i] for i in row) for row in packed_rows]  # a segment of its own each
+        keys = sum(n * (n + 1) / 2 for n in clipped) + sum(p * (p + 1) / 2 for p in pads)
+    else:
+        rows = len(clipped)
+        keys = rows * seq_len * (seq_len + 1) / 2
     computed = rows * seq_len
     labels = sum(min(int(c), n) for c, n in zip(label_counts, clipped, strict=True))
     return LengthStats(records=len(lengths), total_records=total_records or len(lengths), median=pct(0.5),
                        p95=pct(0.95), longest=ordered[-1], seq_len=seq_len,
                        truncated=sum(1 for n in lengths if n > seq_len), packed=packed, rows=rows,
-                       efficiency=sum(clipped) / computed, label_fraction=labels / computed)
+                       efficiency=sum(clipped) / computed, label_fraction=labels / computed,
+                       attention_len=2 * keys / computed - 1)

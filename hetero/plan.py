@@ -127,6 +127,55 @@ class Prediction:
     stage_busy: list[float]  # per stage: busy fraction of the step
     stage_memory_gb: list[float]
     reduce_s: float = 0.0  # summing LoRA gradients across replicas at the optimizer step (0: one replica)
+    # tokens_per_step and tokens_per_s count every token a step computes, padding included. Where `hetero compile`
+    # measured the data (Plan.data_stats): the share of them that carries a label, and the trained (label)
+    # tokens per second that makes; None: no data statistics, only computed tokens are known.
+    label_fraction: float | None = None
+    trained_tokens_per_s: float | None = None
+
+
+def with_label_fraction(prediction: Prediction, label_fraction: float | None) -> Prediction:
+    """``prediction`` with its trained tokens/s: ``label_fraction`` x the computed tokens/s (None: unknown)."""
+    if label_fraction is None:
+        return dataclasses.replace(prediction, label_fraction=None, trained_tokens_per_s=None)
+    return dataclasses.replace(prediction, label_fraction=label_fraction,
+                               trained_tokens_per_s=label_fraction * prediction.tokens_per_s)
+
+
+@dataclass(frozen=True)
+class DataStats:
+    """The training data as `hetero compile` measured it, tokenized with the model's tokenizer as `hetero run` does
+    (the whole file, or a sample of a big one): what the plan's trained tokens/s rests on. Not hashed: the same
+    placement trains any data."""
+
+    source: str  # data.path, or the bundled demo set
+    records: int  # records measured
+    total_records: int  # records in the file (more than ``records``: a sample was measured)
+    median_tokens: int  # tokens per record, before truncation to seq_len
+    p95_tokens: int
+    longest_tokens: int
+    truncated: int  # measured records longer than seq_len (cut to it)
+    seq_len: int
+    packed: bool  # data.packing
+    rows_per_epoch: int  # rows of seq_len tokens one pass over the whole file takes (scaled from a sample)
+    efficiency: float  # record tokens / computed tokens (the rest is padding)
+    label_fraction: float  # label (trained) tokens / computed tokens
+    suggested_seq_len: int  # the shortest seq_len that cuts no measured record (multiple of 64, at most seq_len)
+    # The causal length whose attention does the rows' work (hetero/packing.py LengthStats): what the cost model
+    # priced attention at (0: not measured; seq_len then).
+    attention_len: float = 0.0
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the figures come from a sample of the file's records."""
+        return self.records < self.total_records
+
+    def steps_per_epoch(self, train: TrainSpec, epochs: int = 1) -> int:
+        """Optimizer steps ``epochs`` passes over the data take: its rows over the step's micro_batch_size x
+        num_micro_batches (hetero/packing.py steps_for_epochs; the runtime counts them from the data it reads)."""
+        from hetero.packing import steps_for_epochs
+
+        return steps_for_epochs(epochs, self.rows_per_epoch, train.micro_batch_size * train.num_micro_batches)
 
 
 @dataclass(frozen=True)
@@ -188,6 +237,7 @@ class Plan:
     # Data x pipeline: the pipeline replicas (empty: one pipeline of every stage, all micro-batches).
     replicas: list[ReplicaPlan] = field(default_factory=list)
     eval: EvalSpec = field(default_factory=EvalSpec)  # held-out evaluation (run-time settings, not hashed)
+    data_stats: DataStats | None = None  # the data as `hetero compile` measured it (None: not readable then)
     created: str = ""
     hetero_version: str = __version__
     schema_version: int = PLAN_SCHEMA_VERSION
@@ -251,6 +301,8 @@ class Plan:
     def from_dict(cls, data: Any, where: str = "plan.json") -> Plan:
         check_schema_version(data, where=where, what="plan", version=PLAN_SCHEMA_VERSION, error=PlanError,
                              fix=_RECOMPILE)
+        if isinstance(data, dict) and isinstance(data.get("data"), dict) and "packing" not in data["data"]:
+            data = {**data, "data": {**data["data"], "packing": False}}  # compiled before packing: padded rows, as run
         plan = from_dict(cls, data, where, PlanError)
         check_plan(plan, where)
         return plan
@@ -279,7 +331,7 @@ def check_plan(plan: Plan, where: str = "plan.json") -> None:
     except PlanError as exc:
         raise bad(str(exc)) from None
     data = to_dict(plan)
-    for section in ("model", "cluster", "graph", "stages", "prediction", "baselines", "train", "planner"):
+    for section in ("model", "cluster", "graph", "stages", "prediction", "baselines", "train", "planner", "data_stats"):
         found = _non_finite(data[section], section, skip=("model.architecture",))
         if found:
             raise bad(f"{found} is not a finite number")
@@ -423,8 +475,11 @@ def compute_input_hash(plan: Plan) -> str:
         for device in host["devices"]:
             if device.get("host_link_gbs") is None:
                 device.pop("host_link_gbs", None)
+    model = canonical(ModelSpec, plan.model)
+    if model.get("attn_implementation") == "auto":
+        del model["attn_implementation"]  # the default: plans from before the option keep their hash
     payload = {
-        "model": canonical(ModelSpec, plan.model),
+        "model": model,
         "cluster": cluster,
         "planner": planner,
         "train": train,
@@ -434,8 +489,8 @@ def compute_input_hash(plan: Plan) -> str:
                    + ((s.stream_layers,) if s.stream_layers else ()) for s in plan.stages],
         "schema_version": plan.schema_version,
     }
-    if not plan.data.packing:  # rows of one record each: the stages expect no positions (plans before packing: on)
-        payload["packing"] = False
+    if plan.data.packing:  # the stages expect packed rows' positions (plans from before packing: rows of one record)
+        payload["packing"] = True
     if plan.replicas:  # one-pipeline plans keep the hash they had before replicas existed
         payload["replicas"] = [(r.stages, r.num_micro_batches, r.first_micro_batch) for r in plan.replicas]
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()

@@ -26,7 +26,7 @@ from hetero.errors import WireError
 
 # -- constants: defined here once, imported wherever they are used ------------------------------------
 
-WIRE_VERSION: int = 3  # bump on any change of the header or of a record below
+WIRE_VERSION: int = 4  # bump on any change of the header or of a record below (4: packed rows' positions)
 
 # Liveness (runtime/wire/control.py; `hetero run runtime.failure_timeout_s=` / `runtime.load_timeout_s=`).
 SLICE_S = 0.5  # a blocking receive wakes up this often to look at control messages

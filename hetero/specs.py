@@ -206,6 +206,8 @@ class ModelSpec:
     quantization: Quantization = "none"
     lora: LoraSpec = field(default_factory=LoraSpec)
     seq_len: int = 2048
+    # auto | sdpa | eager | flash_attention_2 | flex_attention (hetero/families.py ATTENTION_CHOICES; docs/data.md)
+    attn_implementation: str = "auto"
 
     @property
     def model_type(self) -> str:
@@ -220,6 +222,9 @@ class TrainSpec:
     num_micro_batches: int = 8
     schedule: Literal["1f1b", "gpipe"] = "1f1b"
     steps: int = 100
+    # Epochs over the data instead of a step count (0: train.steps counts): `hetero run` trains
+    # epochs x steps per epoch (docs/data.md); train.steps is then not used.
+    epochs: int = 0
     lr: float = 2e-4
     weight_decay: float = 0.0
     scheduler: Literal["constant", "linear", "cosine"] = "constant"
@@ -231,7 +236,8 @@ class TrainSpec:
 
 
 RUNTIME_OVERRIDABLE = frozenset(
-    {"steps", "lr", "weight_decay", "scheduler", "warmup_steps", "max_grad_norm", "seed", "shuffle", "checkpoint_every"}
+    {"steps", "epochs", "lr", "weight_decay", "scheduler", "warmup_steps", "max_grad_norm", "seed", "shuffle",
+     "checkpoint_every"}
 )
 
 
@@ -298,8 +304,8 @@ def check_ranges(model: ModelSpec, train: TrainSpec, planner: PlannerOptions, er
     if train.micro_batch_size * model.seq_len > MAX_TOKENS:
         raise error(f"train.micro_batch_size * model.seq_len must be at most {MAX_TOKENS} tokens, got "
                     f"{train.micro_batch_size} * {model.seq_len}")
-    for key, value in [("train.steps", train.steps), ("train.warmup_steps", train.warmup_steps),
-                       ("train.checkpoint_every", train.checkpoint_every)]:
+    for key, value in [("train.steps", train.steps), ("train.epochs", train.epochs),
+                       ("train.warmup_steps", train.warmup_steps), ("train.checkpoint_every", train.checkpoint_every)]:
         _require(key, value, error, low=0, high=MAX_COUNT)
     _require("train.seed", train.seed, error, low=-MAX_COUNT, high=MAX_COUNT)
     for key, number in [("train.lr", train.lr), ("train.weight_decay", train.weight_decay),

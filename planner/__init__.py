@@ -9,7 +9,17 @@ from typing import Any
 
 from hetero.errors import ConfigError, InfeasiblePlanError
 from hetero.graph import LayerGraph
-from hetero.plan import Baseline, Plan, Prediction, ReplicaPlan, SolverReport, StagePlan, compute_input_hash
+from hetero.plan import (
+    Baseline,
+    DataStats,
+    Plan,
+    Prediction,
+    ReplicaPlan,
+    SolverReport,
+    StagePlan,
+    compute_input_hash,
+    with_label_fraction,
+)
 from hetero.planner.baselines import baseline_evaluations, candidate_placements, predict
 from hetero.planner.cost import GB, CostTable, build_cost_table, training_fleet
 from hetero.planner.cost_model import CostModel, RooflineCostModel, compute_dtype, expert_weight_bytes
@@ -106,11 +116,19 @@ def streamed_bytes_per_step(table: CostTable, graph: LayerGraph, ev: Evaluation,
     return sum(table.stream_bytes[i][d] * copies[i] for i in layers)
 
 
+def rate_words(prediction: Prediction) -> str:
+    """``1,234 trained tokens/s of 5,678 computed`` where the data was measured, else the computed rate, said so."""
+    if prediction.trained_tokens_per_s is not None:
+        return (f"{prediction.trained_tokens_per_s:,.0f} trained tokens/s of {prediction.tokens_per_s:,.0f} computed, "
+                f"at the {prediction.label_fraction:.0%} label share measured on the training data")
+    return f"{prediction.tokens_per_s:,.0f} computed tokens/s, padding included: no data statistics"
+
+
 def _verdict(prediction: Prediction, stages: list[StagePlan], base: list[Baseline], solver: SolverReport) -> list[str]:
     """Sentences a person reads: the prediction, the comparison, and when one device is enough."""
     step = prediction.step_time_s
     names = ", ".join(f"{s.device_type} ({s.device})" for s in stages)
-    out = [f"Predicted {step:.3g} s/step ({prediction.tokens_per_s:,.0f} tokens/s) on {len(stages)} stage(s): "
+    out = [f"Predicted {step:.3g} s/step ({rate_words(prediction)}) on {len(stages)} stage(s): "
            f"{names}; bubble {prediction.bubble_fraction:.0%}."]
     out += [f"Stage {s.index} ({s.device}): {s.stream_summary()}, {s.stream_layers[0]}..{s.stream_layers[-1]}, "
             f"{s.memory.host_gb:.1f} GB of {s.host}'s RAM." for s in stages if s.stream_layers]
@@ -282,6 +300,16 @@ def _cost_provenance(cost_model: CostModel) -> tuple[dict[str, str], list[str]]:
     return {"profile": cost_model.path, **cost_model.sources}, cost_model.summary()
 
 
+def _check_attention_devices(model: ModelSpec, stages: list[StagePlan]) -> None:
+    """flash-attn and flex attention train on GPUs only: refuse a plan that puts a stage elsewhere, in one line."""
+    if model.attn_implementation not in ("flash_attention_2", "flex_attention"):
+        return
+    off = next((s for s in stages if s.backend not in ("cuda", "rocm")), None)
+    if off is not None:
+        raise ConfigError(f"model.attn_implementation={model.attn_implementation} trains on CUDA/ROCm GPUs only, and "
+                          f"stage {off.index} runs on {off.device} ({off.backend}); use auto, sdpa or eager")
+
+
 def plan(
     model: ModelSpec,
     graph: LayerGraph,
@@ -292,10 +320,12 @@ def plan(
     cost_model: CostModel | None = None,
     evaluation: EvalSpec | None = None,
     config: dict[str, Any] | None = None,
+    data_stats: DataStats | None = None,
 ) -> Plan:
     """The complete, hashed Plan: the graph placed on the fleet (planner.solve: exact DP or ILP; or the manual
     split), programs, predictions, baselines and verdict. ``evaluation.device`` is kept out of training (it
-    evaluates held-out data); ``config`` is the resolved config the plan records."""
+    evaluates held-out data); ``config`` is the resolved config the plan records; ``data_stats`` (the data as
+    `hetero compile` measured it) turns the predictions' computed tokens/s into trained tokens/s."""
     cost_model = cost_model or RooflineCostModel(efficiency=options.efficiency)
     if isinstance(cost_model, ProfileCostModel):  # the cores a run's shared-core hosts gave, the RAM they have
         cluster = cost_model.with_measured_hosts(cluster)
@@ -307,13 +337,17 @@ def plan(
     chosen, prediction, solver, notes = _choose(table, options, ev, solver, pairs, deadline)
     solver = settle(solver, options, table)
     stages, replicas = _stages(table, graph, model, cluster, train.schedule, chosen)
-    base = [b for b, _ in pairs]
+    _check_attention_devices(model, stages)
+    fraction = data_stats.label_fraction if data_stats is not None else None
+    prediction = with_label_fraction(prediction, fraction)
+    base = [replace(b, prediction=with_label_fraction(b.prediction, fraction)) if b.prediction is not None else b
+            for b, _ in pairs]
     cost_sources, cost_notes = _cost_provenance(cost_model)
     unhashed = Plan(
         model=model, cluster=cluster, train=train, data=data, planner=options, graph=graph, stages=stages,
         prediction=prediction, baselines=base, solver=solver,
         verdict=_verdict(prediction, stages, base, solver) + notes + cost_notes, config=dict(config or {}),
         cost_sources=cost_sources, eval=evaluation, replicas=replicas if len(replicas) > 1 else [],
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"), data_stats=data_stats,
     )
     return replace(unhashed, input_hash=compute_input_hash(unhashed))

@@ -84,7 +84,10 @@ def test_show_prints_every_section_of_a_plan(tmp_path: Path, capsys: pytest.Capt
     assert code == 0, err
     assert "model tiny (4 decoder layers" in out and "fleet local (2 devices, 1 hosts)" in out
     assert "8 micro-batches x 4 sequences = 4096 tokens" in out
-    assert "predicted step 750.0 ms, 5461 tok/s, pipeline bubble 18%" in out
+    # No data statistics in this plan: its tokens/s are computed tokens, and it says so.
+    assert "predicted step 750.0 ms, 5461 tok/s computed (padding included: the data was not measured), " \
+           "pipeline bubble 18%" in out
+    assert "data: not measured; tokens/s count computed tokens, padding included" in out
     assert "embed + layers 0-1 (2L)" in out and "layers 2-3 + norm + head (2L)" in out
     assert "12.3 ms" in out and "24.6 ms" in out and "15.0 / 14.4" in out  # times, an over-full stage
     assert "best_single_device" in out and "1.60x" in out and "infeasible" in out and "short by 2.1 GB" in out

@@ -8,6 +8,7 @@ within 1e-5.
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -116,19 +117,27 @@ def test_packing_off_keeps_one_record_per_row(tiny_model_dir: Path) -> None:
 FAMILIES = ["llama", "qwen3", "gemma3_text", "phi3", "qwen3_moe"]
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_a_packed_row_computes_each_record_as_alone(model_type: str) -> None:
-    """Through transformers' own model with hetero's attention: logits of a packed row equal each record's alone,
-    with records longer than the sliding window (16) and a one-token record."""
+@pytest.mark.parametrize(("model_type", "attention"), [(f, "auto") for f in FAMILIES] + [
+    ("gemma2", "auto"), ("gemma2", "flex_attention"), ("gemma3_text", "eager"), ("gemma3_text", "flex_attention"),
+    ("qwen3_moe", "flex_attention")])
+def test_a_packed_row_computes_each_record_as_alone(model_type: str, attention: str) -> None:
+    """Through transformers' own model with hetero's attention: logits of a packed row equal each record's alone
+    (computed by transformers' own implementation of the family), with records longer than the sliding window (16)
+    and a one-token record; per-record SDPA, eager (Gemma 2's soft cap) and flex attention (forward only: on CPU
+    it has no backward)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     arch = {**COMMON, **TINY.get(model_type, {"model_type": "llama"})}
     config = AutoConfig.for_model(arch.pop("model_type"), **arch)
     family(config.model_type).configure(config)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config).eval()  # transformers' own attention, one record a call
+    config = copy.deepcopy(config)  # the reference keeps its own
+    family(config.model_type).configure(config, attention)
     register()
     config._attn_implementation = implementation(config._attn_implementation)
-    torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
+    model.load_state_dict(reference.state_dict())
     lengths = [40, 7, 25, 1]
     ids = torch.randint(3, 500, (1, sum(lengths) + 5))
     positions = torch.cat([torch.arange(n) for n in [*lengths, 5]]).unsqueeze(0)
@@ -136,7 +145,7 @@ def test_a_packed_row_computes_each_record_as_alone(model_type: str) -> None:
         packed = model(input_ids=ids, position_ids=positions, hetero_segments=segments_of(positions)).logits
         at = 0
         for n in lengths:
-            alone = model(input_ids=ids[:, at:at + n]).logits
+            alone = reference(input_ids=ids[:, at:at + n]).logits
             torch.testing.assert_close(packed[:, at:at + n], alone, rtol=0, atol=1e-5)
             at += n
 
@@ -171,3 +180,95 @@ def test_packed_training_equals_the_records_trained_alone(model_type: str, tiny_
     for key, want in setup["state"].items():
         assert not torch.equal(initial[key], want)
         assert_close_to_scale(key, trained[key], want, RTOL)
+
+
+def test_attention_choices_a_stage_cannot_run_are_one_line(tmp_path: Path) -> None:
+    from hetero.cli import main
+    from hetero.errors import PlanError
+    from hetero.runtime.stage.attention import runtime_attention
+
+    cpu = torch.device("cpu")
+    for choice in ("flash_attention_2", "flex_attention"):
+        with pytest.raises(PlanError, match=rf"^model.attn_implementation={choice}: this stage (runs on cpu|computes)"):
+            runtime_attention(choice, choice, cpu, torch.float32)
+        assert main(["compile", "model=tiny", "hardware=local", f"model.attn_implementation={choice}",
+                     f"output={tmp_path / choice}"]) == 2
+    assert runtime_attention("sdpa", "auto", cpu, torch.float32) == "sdpa"  # auto never picks a kernel it lacks
+    assert main(["compile", "model=tiny", "hardware=local", "model.architecture.model_type=gemma2",
+                 "model.attn_implementation=sdpa", f"output={tmp_path / 'g'}"]) == 2
+    assert main(["compile", "model=tiny", "hardware=local", "model.attn_implementation=eager",
+                 f"output={tmp_path / 'e'}"]) == 0
+
+
+def test_attention_choice_runs_and_leaves_old_plans_hash(tiny_model_dir: Path, tiny_spec: ModelSpec,
+                                                          tmp_path: Path) -> None:
+    """Eager attention on packed rows gives the SDPA run's losses; `auto` keeps the hash plans had before."""
+    import json
+
+    from hetero.plan import Plan, compute_input_hash
+
+    plans = {}
+    for choice in ("auto", "eager"):
+        plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=replace(TRAIN, steps=2),
+                         seq_len=SEQ_LEN)
+        plan = replace(plan, model=replace(plan.model, attn_implementation=choice))
+        plans[choice] = plan = replace(plan, input_hash=compute_input_hash(plan))
+        plan.save(tmp_path / f"{choice}.json")
+        assert main_run([str(tmp_path / f"{choice}.json"), "--run-dir", str(tmp_path / choice), "--no-progress"]) == 0
+    losses = {c: [m["loss"] for m in step_lines(read_metrics(tmp_path / c / "metrics.jsonl"))] for c in plans}
+    assert losses["eager"] == pytest.approx(losses["auto"], rel=1e-5)
+    assert plans["eager"].input_hash != plans["auto"].input_hash
+    # A plan.json written before the option (no model.attn_implementation) loads, its hash unchanged.
+    old = json.loads((tmp_path / "auto.json").read_text())
+    del old["model"]["attn_implementation"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert Plan.load(tmp_path / "old.json").input_hash == plans["auto"].input_hash
+
+
+def test_packed_attention_is_priced_at_the_records_lengths(tiny_spec: ModelSpec) -> None:
+    """A decoder layer's attention FLOPs with packed records (attention_len, from the data) equal those of rows as
+    long as the records, and the rest of its work is unchanged; Gemma 3's sliding layers never exceed the window."""
+    from hetero.compiler.trace import trace
+
+    long = replace(tiny_spec, seq_len=128)
+    short, packed = trace(replace(tiny_spec, seq_len=40)), trace(long, attention_len=40)
+    padded = trace(long)
+    layer = 1
+    assert packed.nodes[layer].fwd_flops_per_token == pytest.approx(short.nodes[layer].fwd_flops_per_token)
+    assert packed.nodes[layer].fwd_flops_per_token < padded.nodes[layer].fwd_flops_per_token
+    assert packed.nodes[-1].fwd_flops_per_token == padded.nodes[-1].fwd_flops_per_token  # the head: per token
+    assert any("attention priced at the packed records' lengths" in n for n in packed.notes)
+    # flex attention skips what a sliding window leaves out; per-record SDPA computes a long record's band whole.
+    gemma = replace(tiny_spec, architecture={**COMMON, **TINY["gemma3_text"]}, seq_len=128,
+                    lora=replace(tiny_spec.lora, target_modules=["q_proj"]), attn_implementation="flex_attention")
+    wide, capped = trace(gemma, attention_len=100), trace(gemma, attention_len=31)  # window 16: causal over 31
+    sliding = next(i for i, n in enumerate(wide.nodes) if n.layer_type == "sliding_attention")
+    full = next(i for i, n in enumerate(wide.nodes) if n.layer_type == "full_attention")
+    assert wide.nodes[sliding].fwd_flops_per_token == pytest.approx(capped.nodes[sliding].fwd_flops_per_token)
+    assert wide.nodes[full].fwd_flops_per_token > capped.nodes[full].fwd_flops_per_token
+    sdpa = trace(replace(gemma, attn_implementation="auto"), attention_len=100)
+    assert sdpa.nodes[sliding].fwd_flops_per_token > wide.nodes[sliding].fwd_flops_per_token
+
+
+def test_a_stage_refuses_positions_that_are_not_packed_rows(tiny_model_dir: Path, tiny_spec: ModelSpec) -> None:
+    """A packed plan's stage takes `pos` with every activation and drops one that no packed row has (a position
+    that neither starts a record nor follows the one before it): one line, the stage keeps serving."""
+    from hetero.errors import WireError
+    from hetero.runtime.wire.frames import Message
+    from hetero.runtime.wire.rules import stage_rules
+
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN, seq_len=SEQ_LEN)
+    rules = stage_rules(plan, 1)
+    h = torch.zeros(TRAIN.micro_batch_size, SEQ_LEN, 64)
+    good = torch.cat([torch.arange(100), torch.arange(SEQ_LEN - 100)]).repeat(TRAIN.micro_batch_size, 1)
+    rules.check(Message("act", "stage0", step=0, mb=0, meta={"sent": 1.0}, tensors={"h": h, "pos": good}), [])
+    skipped = good.clone()
+    skipped[0, 50] = 7  # neither 0 nor 49 + 1
+    with pytest.raises(WireError, match=r"tensor 'pos' is not packed rows' positions"):
+        rules.check(Message("act", "stage0", step=0, mb=1, meta={"sent": 1.0}, tensors={"h": h, "pos": skipped}), [])
+    with pytest.raises(WireError, match=r"carries tensors \['h'\], expected \['h', 'pos'\]"):
+        rules.check(Message("act", "stage0", step=0, mb=2, meta={"sent": 1.0}, tensors={"h": h}), [])
+    padded = stage_rules(make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN, seq_len=SEQ_LEN,
+                                   packing=False), 1)
+    with pytest.raises(WireError, match=r"carries tensors \['h', 'pos'\], expected \['h'\]"):
+        padded.check(Message("act", "stage0", step=0, mb=0, meta={"sent": 1.0}, tensors={"h": h, "pos": good}), [])

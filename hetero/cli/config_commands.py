@@ -32,19 +32,26 @@ def compile_config(cfg: Config, say: Callable[[str], None],
     when the compile began): the pictures start only within planner.time_limit_s plus tracing plus
     emit.PICTURES_ALLOWANCE_S of it; None draws them always."""
     trace_started = time.perf_counter()  # tracing (torch's import with it) is outside planner.time_limit_s
+    from hetero.cli.data_stats import measure_data
     from hetero.compiler.emit import PICTURES_ALLOWANCE_S, emit
     from hetero.compiler.trace import trace_with_module
     from hetero.planner import plan as make_plan
     from hetero.security import generate
 
     warnings_log.log_to(Path(cfg.output) / "warnings.log")  # library warnings: the plan's dir, not the terminal
+    say(f"measuring the data ({cfg.data.path or 'the bundled demo set'}) with the model's tokenizer")
+    stats, _ = measure_data(cfg.model, cfg.data)  # None (and why): the plan counts computed tokens only
     say(f"tracing {cfg.model.name} on the meta device")
-    graph, traced = trace_with_module(cfg.model)
-    tracing_s = time.perf_counter() - trace_started
+    # Packed rows attend within each record: their attention is priced at the records' lengths.
+    graph, traced = trace_with_module(cfg.model, stats.attention_len if stats and stats.packed else None)
+    train = cfg.train
+    if train.epochs > 0 and stats is not None:  # `hetero run` counts them again from the data it reads
+        train = replace(train, steps=stats.steps_per_epoch(train, train.epochs))
+    tracing_s = time.perf_counter() - trace_started  # and measuring the data: both outside the solver's limit
     say(f"planning {len(graph.nodes)} nodes on {len(cfg.cluster.devices)} devices "
         f"(solver limit {cfg.planner.time_limit_s:.0f} s)")
-    planned = make_plan(cfg.model, graph, cfg.cluster, cfg.train, cfg.data, cfg.planner,
-                        cost_model=profile_cost_model(cfg), evaluation=cfg.eval, config=cfg.raw)
+    planned = make_plan(cfg.model, graph, cfg.cluster, train, cfg.data, cfg.planner,
+                        cost_model=profile_cost_model(cfg), evaluation=cfg.eval, config=cfg.raw, data_stats=stats)
     say(f"writing plan and artifacts to {cfg.output}")
     plan = replace(planned, security=generate(cfg.security, [s.host for s in planned.stages], Path(cfg.output)))
     by = None if started is None else started + tracing_s + cfg.planner.time_limit_s + PICTURES_ALLOWANCE_S
@@ -55,8 +62,9 @@ def cmd_compile(config_dir: str | None, overrides: list[str], multirun: bool = F
     """Config -> trace -> plan -> emit, with a progress line, then the plan summary; -m: hetero.cli.sweep."""
     from hetero import config as config_mod
     from hetero.cli import sweep
+    from hetero.cli.data_stats import measure_data
     from hetero.cli.plan_commands import skipped_pictures_line
-    from hetero.cli.show import print_plan
+    from hetero.cli.show import data_lines, print_plan
 
     started = time.perf_counter()  # the compile's clock (planner.time_limit_s bounds it, tracing aside)
     out, status_console = console(), console(stderr=True)
@@ -67,6 +75,9 @@ def cmd_compile(config_dir: str | None, overrides: list[str], multirun: bool = F
         cfg = config_mod.load(overrides, config_dir)
         plan, paths = compile_config(cfg, status.update, started)
     print_plan(plan, out)
+    out.print()
+    for line in data_lines(plan, measure_data(cfg.model, cfg.data)[1]):  # the compile's own look (cached)
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
     out.print("\n[bold]wrote[/]")
     for path in paths:
         out.print(f"  {path}", highlight=False)

@@ -44,7 +44,7 @@ def cmd_keys(plan_path: Path, mode: str | None) -> int:
 def cmd_show(plan_path: Path, gantt: bool = True, width: int = 72, pictures: bool = False) -> int:
     """Print a plan and (unless disabled) the Gantt of its simulated schedule; ``pictures``: also draw
     placement.png and schedule.png next to plan.json, as `hetero compile` does."""
-    from hetero.cli.show import print_plan
+    from hetero.cli.show import data_lines, print_plan
     from hetero.plan import Plan
 
     plan = Plan.load(plan_path)
@@ -55,6 +55,9 @@ def cmd_show(plan_path: Path, gantt: bool = True, width: int = 72, pictures: boo
         timeline = simulate_plan(plan)
     out = console()
     print_plan(plan, out, timeline, gantt_width=width)
+    out.print()
+    for line in data_lines(plan):
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
     if pictures:
         from hetero.compiler.emit import draw_pictures
 

@@ -46,6 +46,21 @@ def fmt_rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s / 1e3:.1f}k tok/s" if tokens_per_s >= 1e4 else f"{tokens_per_s:.0f} tok/s"
 
 
+def fmt_duration(seconds: float) -> str:
+    """fmt_time, with hours and days for an epoch or a run."""
+    if seconds < 2 * 3600:
+        return fmt_time(seconds)
+    return f"{seconds / 3600:.1f} h" if seconds < 48 * 3600 else f"{seconds / 86400:.1f} days"
+
+
+def trained_rate(p: Prediction) -> str:
+    """A prediction's throughput: trained (label) tokens/s where the data was measured, else computed tokens/s,
+    said so."""
+    if p.trained_tokens_per_s is not None:
+        return fmt_rate(p.trained_tokens_per_s)
+    return f"{fmt_rate(p.tokens_per_s)} computed"
+
+
 def describe_span(graph: LayerGraph, first: int, last: int) -> str:
     """``embed + layers 0-9`` style summary of nodes ``first..last`` (inclusive)."""
     parts: list[str] = []
@@ -146,7 +161,7 @@ def baseline_table(plan: Plan) -> Table:
         ("devices", "left"),
         ("layers", "left"),
         ("step", "right"),
-        ("throughput", "right"),
+        ("trained tokens" if plan.prediction.trained_tokens_per_s is not None else "throughput", "right"),
         ("plan speed-up", "right"),
     ]:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
@@ -156,7 +171,7 @@ def baseline_table(plan: Plan) -> Table:
         ", ".join(s.device for s in plan.stages),
         "/".join(str(decoder_count(plan.graph, s.first_node, s.last_node)) for s in plan.stages),
         fmt_time(mine),
-        fmt_rate(plan.prediction.tokens_per_s),
+        trained_rate(plan.prediction),
         "1.00x",
     )
     for b in plan.baselines:
@@ -177,7 +192,7 @@ def baseline_table(plan: Plan) -> Table:
             ", ".join(b.devices),
             "/".join(map(str, b.layer_counts)) or "-",
             fmt_time(p.step_time_s),
-            fmt_rate(p.tokens_per_s),
+            trained_rate(p),
             f"{speedup:.2f}x",
         )
     return table
@@ -218,9 +233,78 @@ def prediction_lines(plan: Plan) -> list[str]:
         f"{len(plan.cluster.hosts)} hosts)",
         f"schedule {t.schedule}: {t.num_micro_batches} micro-batches x {t.micro_batch_size} sequences "
         f"= {p.tokens_per_step} tokens per optimizer step",
-        f"predicted step {fmt_time(p.step_time_s)}, {fmt_rate(p.tokens_per_s)}, pipeline bubble {p.bubble_fraction:.0%}",
+        f"predicted step {fmt_time(p.step_time_s)}, {rate_line(p)}, pipeline bubble {p.bubble_fraction:.0%}",
         *replica_lines(plan),
     ]
+
+
+def rate_line(p: Prediction) -> str:
+    """``1234 tok/s trained (5461 tok/s computed)``, or the computed rate with why nothing more is known."""
+    if p.trained_tokens_per_s is not None:
+        return f"{fmt_rate(p.trained_tokens_per_s)} trained ({fmt_rate(p.tokens_per_s)} computed)"
+    return f"{fmt_rate(p.tokens_per_s)} computed (padding included: the data was not measured)"
+
+
+# `hetero compile` warns when the longest record needs less than this share of model.seq_len, and when more than
+# this share of the records is cut to it.
+SEQ_LEN_WARN_SHARE, TRUNCATED_WARN_SHARE = 0.5, 0.05
+
+
+def data_lines(plan: Plan, note: str = "") -> list[str]:
+    """What the measured data means for this plan: records, tokens per record, packing efficiency and label
+    share, records per step, steps and predicted time per epoch; a warning when model.seq_len is far above what
+    the data needs. Without statistics: ``note`` (why), and that tokens/s count computed tokens."""
+    d, t, p = plan.data_stats, plan.train, plan.prediction
+    if d is None:
+        why = f": {note}" if note else ""
+        out = [f"data: not measured{why}; tokens/s count computed tokens, padding included"]
+        if t.epochs > 0:
+            out.append(f"train.epochs={t.epochs}: `hetero run` counts the steps per epoch when it reads the data")
+        return out
+    sampled = (f"{d.total_records:,} records, {d.records:,} sampled (by a fixed seed; figures scaled to the file)"
+               if d.sampled else f"{d.total_records:,} records")
+    rows_per_step = t.micro_batch_size * t.num_micro_batches
+    per_row = d.total_records / max(d.rows_per_epoch, 1)
+    steps = d.steps_per_epoch(t)
+    cut = (f"; {d.truncated:,} of the {d.records:,} measured are longer than seq_len {d.seq_len} and cut to it"
+           if d.truncated else "")
+    if d.packed:
+        packing = (f"packing on: {per_row:.1f} records per {d.seq_len}-token row, {d.efficiency:.0%} of computed "
+                   f"tokens are record tokens (packing efficiency), {d.label_fraction:.0%} carry a label")
+    else:
+        packing = (f"packing off (one record per {d.seq_len}-token row): {d.efficiency:.0%} of computed tokens are "
+                   f"record tokens (packing efficiency), {d.label_fraction:.0%} carry a label")
+    epoch_s = steps * p.step_time_s
+    out = [
+        f"data: {d.source}: {sampled}",
+        f"  tokens per record: median {d.median_tokens:,}, p95 {d.p95_tokens:,}, longest {d.longest_tokens:,}{cut}",
+        f"  {packing}",
+        f"  per step: {rows_per_step} rows, about {rows_per_step * per_row:,.0f} records; {steps:,} steps per epoch, "
+        f"predicted {fmt_duration(epoch_s)} per epoch at {fmt_time(p.step_time_s)}/step",
+    ]
+    if p.trained_tokens_per_s is not None:
+        out.append(f"  predicted {fmt_rate(p.trained_tokens_per_s)} trained of {fmt_rate(p.tokens_per_s)} computed "
+                   f"({p.tokens_per_step:,} tokens per step, about {p.tokens_per_step * d.label_fraction:,.0f} "
+                   "with a label)")
+    if t.epochs > 0:
+        configured = (plan.config.get("train") or {}).get("steps") if isinstance(plan.config, dict) else None
+        unused = f"; train.steps={configured} is not used" if configured not in (None, t.steps) else ""
+        out.append(f"  train.epochs={t.epochs}: {t.epochs} x {d.rows_per_epoch:,} rows at {rows_per_step} a step = "
+                   f"{t.steps:,} steps, predicted "
+                   f"{fmt_duration(t.steps * p.step_time_s)} (`hetero run` counts them again over the whole file"
+                   f"{unused})")
+    if d.truncated > TRUNCATED_WARN_SHARE * d.records:
+        keep = 64 * math.ceil(d.p95_tokens / 64)
+        out.append(f"warning: {d.truncated / d.records:.0%} of the records are longer than model.seq_len={d.seq_len} "
+                   f"and lose their ends" + (f" (model.seq_len={keep} keeps 95% of them whole)" if keep > d.seq_len
+                                             else ""))
+    if d.longest_tokens < SEQ_LEN_WARN_SHARE * d.seq_len:
+        out.append(f"warning: model.seq_len={d.seq_len} is more than twice the longest record "
+                   f"({d.longest_tokens:,} tokens{', in the sample' if d.sampled else ''}): "
+                   f"model.seq_len={d.suggested_seq_len} holds every {'sampled ' if d.sampled else ''}record"
+                   + (f" (packing keeps {d.seq_len}-token rows full, but each micro-batch's memory grows with "
+                      "seq_len)" if d.packed else f"; now {1 - d.efficiency:.0%} of every step is padding"))
+    return out
 
 
 def replica_lines(plan: Plan) -> list[str]:

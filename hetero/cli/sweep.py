@@ -174,8 +174,10 @@ class PlanSummary:
     between the point's own and plan_json/error), and every table column shows some of them."""
 
     step_time_s: float
-    tokens_per_s: float
-    tokens_per_step: int
+    tokens_per_s: float | None  # trained (label) tokens/s: None where the data was not measured at compile
+    computed_tokens_per_s: float  # every row's tokens, padding included
+    label_fraction: float | None  # of the computed tokens, those with a label (plan.data_stats)
+    tokens_per_step: int  # computed
     bubble_fraction: float
     headroom_gb: float  # free memory of the tightest stage
     headroom_fraction: float  # ... as a share of its device's
@@ -209,7 +211,8 @@ class TableColumn:
 
 TABLE_COLUMNS = (
     TableColumn("step", ("step_time_s",), fmt_time),
-    TableColumn("throughput", ("tokens_per_s",), fmt_rate),
+    TableColumn("trained tokens", ("tokens_per_s", "computed_tokens_per_s"),
+                lambda trained, computed: fmt_rate(trained) if trained is not None else f"{fmt_rate(computed)} computed"),
     TableColumn("headroom", ("headroom_gb", "headroom_fraction"), lambda gb, share: f"{gb:.1f} GB ({share:.0%})"),
     TableColumn("devices", ("devices_used", "fleet_devices"), lambda used, fleet: f"{used}/{fleet}"),
     TableColumn("replicas", ("num_replicas",), str),
@@ -233,7 +236,9 @@ def plan_summary(plan: Plan) -> PlanSummary:
         versus = f"{speedup:.2f}x"
     return PlanSummary(
         step_time_s=step,
-        tokens_per_s=plan.prediction.tokens_per_s,
+        tokens_per_s=plan.prediction.trained_tokens_per_s,
+        computed_tokens_per_s=plan.prediction.tokens_per_s,
+        label_fraction=plan.prediction.label_fraction,
         tokens_per_step=plan.prediction.tokens_per_step,
         bubble_fraction=plan.prediction.bubble_fraction,
         headroom_gb=free_gb,

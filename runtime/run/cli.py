@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from hetero.config import check_eval
+from hetero.config import check_eval, check_run_length
 from hetero.errors import CheckpointError, ConfigError
 from hetero.plan import Plan
 from hetero.protocol import FAILURE_TIMEOUT_S, LOAD_TIMEOUT_S
@@ -172,7 +172,7 @@ def main_run(argv: list[str]) -> int:
     # Stages import torch and the model's code in a forked launcher while the checks below run.
     launcher = StageLauncher.start(plan.model.architecture) if _local_stages(plan, args.host) else None
     try:
-        plan_path, options = _prepare_run(plan, args, checkpoint, timeouts)
+        plan, plan_path, options = _prepare_run(plan, args, checkpoint, timeouts)
         try:
             result = Coordinator(plan, plan_path, replace(options, launcher=launcher)).run()
         except KeyboardInterrupt:  # a second Ctrl-C (or the first, before training): stopped at once
@@ -196,7 +196,7 @@ def _run_on_torch(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
     if timeouts.get("rebalance") == "auto":  # asked for by name
         print("hetero run: --engine torch keeps the plan's split (layers move between stages only on "
               "--engine hetero)", file=sys.stderr)
-    plan_path, options = _prepare_run(plan, args, checkpoint, timeouts)
+    plan, plan_path, options = _prepare_run(plan, args, checkpoint, timeouts)
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from hetero.runtime.torch_engine.launch import run_torch
@@ -251,13 +251,17 @@ def _run_settings(plan: Plan, args: argparse.Namespace) -> tuple[Plan, Path | No
     else:
         train = parse_overrides(pairs, plan.train)
     check_ranges(plan.model, train, plan.planner, ConfigError)  # lr=nan, steps=1e9, ...: one line, now
+    given = any(p.partition("=")[0] in ("epochs", "train.epochs") for p in pairs)
+    origin = "the checkpoint's" if checkpoint is not None else "the plan's"
+    check_run_length(train, pairs, "" if given else f" ({origin})")  # epochs: steps are counted at _prepare_run
     return replace(plan, train=train, eval=evaluation), checkpoint, timeouts
 
 
 def _prepare_run(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
-                 timeouts: dict[str, Any]) -> tuple[Path, RunOptions]:
+                 timeouts: dict[str, Any]) -> tuple[Plan, Path, RunOptions]:
     """Every check that can fail before a stage starts (one line, before the run directory exists), then
-    the run directory with plan.json and config.yaml; returns that plan.json and the RunOptions."""
+    the run directory with plan.json and config.yaml; returns the plan as it runs (train.epochs > 0: with the
+    steps they make), that plan.json and the RunOptions."""
     from hetero.runtime.run.coordinator import RunOptions, coordinator_endpoint
     from hetero.runtime.run.preflight import preflight, prepare_run_dir
     from hetero.runtime.run.ssh import check_ssh_hosts, ssh_hosts
@@ -272,6 +276,7 @@ def _prepare_run(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
     if args.run_dir is None and checkpoint is not None and checkpoint != args.resume:
         run_dir = checkpoint.parent.parent  # --resume RUN_DIR goes on in RUN_DIR
     checked = preflight(plan, run_dir, args.host, args.port, checkpoint)
+    plan = checked.plan or plan  # train.epochs: the steps they make, in the run's plan.json and every stage's welcome
     remote = ssh_hosts(plan, args.plan, host)
     check_ssh_hosts(plan, remote, host)  # each has hetero and this plan
     config = dict(plan.config) if plan.config else {}
@@ -282,10 +287,10 @@ def _prepare_run(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
     from hetero.cli import warnings_log
 
     warnings_log.log_to(run_dir / "logs" / "warnings.log")  # library warnings: the run's logs, not the terminal
-    return plan_path, RunOptions(run_dir=run_dir, host=args.host, port=args.port,
-                                 handshake_timeout_s=args.handshake_timeout, progress=not args.no_progress,
-                                 resume=checked.resume, checkpoint=checked.checkpoint, batches=checked.batches,
-                                 key_dirs=key_dirs(args.plan, host), ssh_hosts=remote, **timeouts)
+    return plan, plan_path, RunOptions(run_dir=run_dir, host=args.host, port=args.port,
+                                       handshake_timeout_s=args.handshake_timeout, progress=not args.no_progress,
+                                       resume=checked.resume, checkpoint=checked.checkpoint, batches=checked.batches,
+                                       key_dirs=key_dirs(args.plan, host), ssh_hosts=remote, **timeouts)
 
 
 def _stopped_at_once(plan_path: Path, options: RunOptions) -> str:

@@ -392,7 +392,7 @@ class Coordinator:
 
     # -- training ---------------------------------------------------------------------------------
 
-    def _send_data(self, batches: Any, step: int) -> int:
+    def _send_data(self, batches: Any, step: int) -> tuple[int, int]:
         """Each replica's share of the step's micro-batches: input ids (and packed rows' positions) to its first
         stage, labels to its last, with the whole step's label-token count (every replica's loss is divided by it)."""
         batch = batches.step(step)
@@ -404,7 +404,7 @@ class Coordinator:
             self.transport.send(self.names[rep.stages[0]], "batch", step=step, tensors=inputs)
             self.transport.send(self.names[rep.stages[-1]], Labels(num_label_tokens=batch.num_label_tokens),
                                 step=step, tensors={"labels": batch.labels[share].contiguous()})
-        return int(batch.num_label_tokens)
+        return int(batch.num_label_tokens), int(batch.num_tokens)  # the loss divisor; the tokens that are not padding
 
     def _end_step(self, step: int, timeout: float) -> tuple[float, float]:
         """The optimizer step's synchronisation: the global gradient norm and clip coefficient to every
@@ -456,7 +456,8 @@ class Coordinator:
                 grad_norm, coef = self._end_step(step, timeout)
                 done = self._gather("stepdone", step, timeout)
                 now = time.perf_counter()
-                line = metrics_line(self.plan, step, done, grad_norm, coef, label_tokens.pop(step), now - last)
+                labelled, record_tokens = label_tokens.pop(step)
+                line = metrics_line(self.plan, step, done, grad_norm, coef, labelled, now - last, record_tokens)
                 line["split"] = split_of(self.plan)
                 last = now
                 self.records.step(line)

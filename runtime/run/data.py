@@ -267,6 +267,7 @@ class StepBatches:
         self._encoded: dict[int, tuple[list[int], list[int]]] = {}
         self._perms: OrderedDict[int, list[int]] = OrderedDict()
         self._rows: OrderedDict[int, list[list[int]]] = OrderedDict()
+        self._rows_per_epoch: int | None = None
 
     @property
     def num_records(self) -> int:
@@ -280,8 +281,10 @@ class StepBatches:
 
     @property
     def rows_per_epoch(self) -> int:
-        """Rows one pass over the data takes: the packed rows, or one per record."""
-        return len(self.epoch_rows(0)) if self.packing else self.num_records
+        """Rows one pass over the data takes: the packed rows (as many in every epoch), or one per record."""
+        if self._rows_per_epoch is None:
+            self._rows_per_epoch = len(self.epoch_rows(0)) if self.packing else self.num_records
+        return self._rows_per_epoch
 
     @property
     def steps_per_epoch(self) -> int:

@@ -12,13 +12,15 @@ from __future__ import annotations
 import errno
 import os
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from hetero.errors import CheckpointError, HeteroError
+from hetero.errors import CheckpointError, ConfigError, HeteroError
+from hetero.packing import steps_for_epochs
 from hetero.plan import Plan
 from hetero.runtime.run.rundir import check_creatable, check_free_space, create_run_dir, write_run_file
+from hetero.specs import MAX_COUNT
 
 PEFT_PREFIX = "base_model.model."  # as in adapter.py (not imported: that module pulls in torch)
 # Bytes per LoRA parameter: a checkpoint holds it in fp32 with AdamW's two fp32 moments; the adapter, fp32.
@@ -36,6 +38,7 @@ class Checked:
     resume: Path | None = None  # the checkpoint directory ``--resume`` means
     checkpoint: tuple[dict[str, Any], dict[str, Any]] | None = None  # its (tensors, meta), read whole
     batches: Any = None  # the run's StepBatches (data read and tokenized)
+    plan: Plan | None = None  # the plan with train.steps counted from train.epochs (None: unchanged)
 
 
 def preflight(plan: Plan, run_dir: Path, host: str | None = None, port: int | None = None,
@@ -45,6 +48,9 @@ def preflight(plan: Plan, run_dir: Path, host: str | None = None, port: int | No
 
     model_dir = resolve_dir(plan.model)
     checked = Checked()
+    if plan.train.epochs > 0:  # the run's length comes from the data: count it before anything compares with it
+        checked.batches = make_batches(plan, model_dir)
+        plan = checked.plan = with_epoch_steps(plan, checked.batches)
     if resume is not None:
         checked.resume, checked.checkpoint = _read_resume(resume, plan, model_dir)
     if plan.model.lora.init_from:
@@ -52,8 +58,32 @@ def preflight(plan: Plan, run_dir: Path, host: str | None = None, port: int | No
     check_ports(plan, host, port)
     check_creatable(run_dir)
     first_step = int(checked.checkpoint[1]["step"]) if checked.checkpoint is not None else 0
-    checked.batches = check_data(plan, model_dir, first_step)
+    checked.batches = check_data(plan, model_dir, first_step, checked.batches)
     return checked
+
+
+def make_batches(plan: Plan, model_dir: Path) -> Any:
+    """The run's StepBatches: its data read, its tokenizer loaded (records are tokenized as steps need them)."""
+    from hetero.runtime.run.data import StepBatches
+
+    train = plan.train
+    return StepBatches(plan.data, model_dir, plan.model.seq_len, train.micro_batch_size, train.num_micro_batches,
+                       train.seed, train.shuffle)
+
+
+def with_epoch_steps(plan: Plan, batches: Any) -> Plan:
+    """train.epochs > 0: the plan with train.steps = the steps that train ``epochs`` passes over the data (its packed
+    rows, or records, over micro_batch_size x num_micro_batches; hetero/packing.py steps_for_epochs), said in one
+    line."""
+    train = plan.train
+    rows, per_step = int(batches.rows_per_epoch), batches.sequences_per_step
+    steps = steps_for_epochs(train.epochs, rows, per_step)
+    if steps > MAX_COUNT:
+        raise ConfigError(f"train.epochs={train.epochs} of {rows} rows is {steps} steps, more than {MAX_COUNT}: lower "
+                          "train.epochs")
+    print(f"hetero run: train.epochs={train.epochs}: {train.epochs} x {rows} rows ({batches.num_records} records) at "
+          f"{train.micro_batch_size} x {train.num_micro_batches} rows per step = {steps} steps", flush=True)
+    return replace(plan, train=replace(train, steps=steps))
 
 
 def _read_resume(path: Path, plan: Plan, model_dir: Path) -> tuple[Path, tuple[dict[str, Any], dict[str, Any]]]:
@@ -189,15 +219,12 @@ def check_ports(plan: Plan, host: str | None, port: int | None) -> None:
         ctx.term()
 
 
-def check_data(plan: Plan, model_dir: Path, first_step: int) -> Any:
+def check_data(plan: Plan, model_dir: Path, first_step: int, batches: Any = None) -> Any:
     """The data file reads, every record has the format's fields, and every step to run has a label token.
 
-    Returns the checked StepBatches, which the coordinator then feeds from."""
-    from hetero.runtime.run.data import StepBatches
-
+    Returns the checked StepBatches (``batches``, when already made), which the coordinator then feeds from."""
     train = plan.train
-    batches = StepBatches(plan.data, model_dir, plan.model.seq_len, train.micro_batch_size, train.num_micro_batches,
-                          train.seed, train.shuffle)
+    batches = batches if batches is not None else make_batches(plan, model_dir)
     vocab = plan.model.architecture.get("vocab_size")
     batches.check(first_step, train.steps, vocab if isinstance(vocab, int) else None)
     return batches

@@ -42,17 +42,29 @@ class RunResult:
     events: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl's event lines (rebalance moves)
 
 
-def metrics_line(plan: Plan, step: int, done: dict[int, Any], grad_norm: float, coef: float,
-                 label_tokens: int, step_time: float) -> dict[str, Any]:
-    """Step ``step``'s metrics.jsonl line from every stage's ``stepdone`` (loss over the step's label tokens)."""
+def throughput(plan: Plan, label_tokens: int, step_time: float, record_tokens: int | None = None) -> dict[str, Any]:
+    """A step's token counts for its metrics.jsonl line: ``tokens_per_s`` counts trained (label) tokens, the tokens
+    the loss is over; ``computed_tokens`` (every row's seq_len tokens, padding included) and its rate beside it;
+    ``record_tokens`` (the step's tokens that are not padding) where the caller knows them."""
     train = plan.train
-    tokens_per_step = train.num_micro_batches * train.micro_batch_size * plan.model.seq_len
+    computed = train.num_micro_batches * train.micro_batch_size * plan.model.seq_len
+    out: dict[str, Any] = {"label_tokens": int(label_tokens), "computed_tokens": computed}
+    if record_tokens is not None:
+        out["record_tokens"] = int(record_tokens)
+    out.update(step_time_s=step_time, tokens_per_s=label_tokens / step_time,
+               computed_tokens_per_s=computed / step_time)
+    return out
+
+
+def metrics_line(plan: Plan, step: int, done: dict[int, Any], grad_norm: float, coef: float,
+                 label_tokens: int, step_time: float, record_tokens: int | None = None) -> dict[str, Any]:
+    """Step ``step``'s metrics.jsonl line from every stage's ``stepdone`` (loss over the step's ``label_tokens``;
+    ``record_tokens``: the step's tokens that are not padding, StepBatch.num_tokens, when the caller passes them)."""
     lasts = [done[rep.stages[-1]].meta for rep in plan.pipelines]
     loss = sum(float(m["loss_sum"]) for m in lasts) / label_tokens
     line = {
         "step": step, "loss": loss, "lr": float(done[0].meta["lr"]), "grad_norm": grad_norm,
-        "clip_coef": coef, "tokens": tokens_per_step, "label_tokens": int(lasts[0]["num_label_tokens"]),
-        "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
+        "clip_coef": coef, **throughput(plan, label_tokens, step_time, record_tokens),
         "stage_busy": [float(done[k].meta["busy_s"]) for k in range(len(plan.stages))],
         "stage_wall": [float(done[k].meta["wall_s"]) for k in range(len(plan.stages))],
         "stage_ops": [done[k].meta["op_time_s"] for k in range(len(plan.stages))],
@@ -176,7 +188,7 @@ class RunRecords:
 
 
 class ProgressBar:
-    """A rich live bar (step, loss, tokens/s, ETA) when stdout is a terminal; silent otherwise."""
+    """A rich live bar (step, loss, trained tokens/s, ETA) when stdout is a terminal; silent otherwise."""
 
     def __init__(self, total: int, enabled: bool) -> None:
         self.enabled = enabled and sys.stdout.isatty()
@@ -185,7 +197,7 @@ class ProgressBar:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} trained tok/s"),
                                 TextColumn("ETA"), TimeRemainingColumn())
             self.task = self.bar.add_task("train", total=total, loss="-", tps="-")
 
@@ -199,5 +211,6 @@ class ProgressBar:
             self.bar.__exit__(*exc)
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        """After ``step``: its loss and trained (label) tokens/s (a metrics line's ``tokens_per_s``)."""
         if self.enabled:
             self.bar.update(self.task, completed=step + 1, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")

@@ -63,7 +63,6 @@ def build_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, flo
     segments = run_segments(plan, steps, moves_in)
     planned = segments[0]
     step_time = planned.median_step_s()
-    tokens = steps[0]["tokens"] if steps else 0
     predicted = plan.prediction.step_time_s
     return {
         "run_dir": run_dir,
@@ -74,9 +73,7 @@ def build_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, flo
         "measured_step_time_s": step_time,  # on the plan's own split, as the plan predicted it
         "predicted_step_time_s": predicted,
         "measured_over_predicted": (step_time / predicted) if step_time and predicted > 0 else None,
-        "tokens_per_step": tokens,
-        "measured_tokens_per_s": (tokens / step_time) if step_time else None,
-        "predicted_tokens_per_s": plan.prediction.tokens_per_s,
+        **token_rates(plan, planned.steps, step_time),
         "stages": _stage_entries(plan, planned, step_time, build_s),
         "segments": [_segment_entry(plan, s) for s in segments],
         "moves": run_moves(segments),
@@ -84,6 +81,24 @@ def build_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, flo
         # Measured vs predicted per stage, stages >20% off flagged, and the bottleneck in words.
         "comparison": compare_run(plan, steps + moves_in) if steps else [],
         **({"streaming": streaming_summary(plan, steps)} if any(sp.stream_layers for sp in plan.stages) else {}),
+    }
+
+
+def token_rates(plan: Plan, steps: list[dict[str, Any]], step_time: float | None) -> dict[str, Any]:
+    """Trained (label) tokens per step and per second, measured and predicted, and the computed ones beside them
+    (every row's seq_len tokens, padding included). The plan predicts trained tokens/s only where `hetero compile`
+    measured the data (None otherwise)."""
+    labels = [int(s["label_tokens"]) for s in steps if isinstance(s.get("label_tokens"), int)]
+    trained = statistics.fmean(labels) if labels else None
+    # Lines written before trained tokens were counted call the computed count "tokens".
+    computed = next((s.get("computed_tokens", s.get("tokens")) for s in steps), None)
+    return {
+        "label_tokens_per_step": trained,
+        "computed_tokens_per_step": computed,
+        "measured_tokens_per_s": (trained / step_time) if trained is not None and step_time else None,
+        "predicted_tokens_per_s": plan.prediction.trained_tokens_per_s,
+        "measured_computed_tokens_per_s": (computed / step_time) if computed and step_time else None,
+        "predicted_computed_tokens_per_s": plan.prediction.tokens_per_s,
     }
 
 
@@ -156,18 +171,14 @@ def print_report(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    def rate(x: float | None) -> str:
-        return "-" if x is None else f"{x:,.0f}"
-
     # The compile summary's width policy: the terminal's width, 140 columns when piped.
     console = Console(width=None if sys.stdout.isatty() else 140)
     console.print(f"[bold]run[/bold] {report['run_dir']}: {report['steps']} steps, loss "
                   f"{_fmt(report['first_loss'], '')} -> {_fmt(report['final_loss'], '')}", highlight=False)
     moved = " on the plan's split" if report.get("moves") else ""
     console.print(f"step time{moved}: measured {_fmt(report['measured_step_time_s'])} (median), predicted "
-                  f"{_fmt(report['predicted_step_time_s'])}; tokens/s measured "
-                  f"{rate(report['measured_tokens_per_s'])} vs predicted {rate(report['predicted_tokens_per_s'])}",
-                  highlight=False)
+                  f"{_fmt(report['predicted_step_time_s'])}", highlight=False)
+    console.print(tokens_line(report), highlight=False)
     table = Table("stage", "host", "device", "busy measured", "busy predicted", "busy share", "build")
     for s in report["stages"]:
         share = s["measured_busy_fraction"]
@@ -184,6 +195,21 @@ def print_report(report: dict[str, Any]) -> None:
         console.print(line, highlight=False, markup=False)
     if report.get("picture"):
         console.print(f"step times over the run: {report['picture']}", highlight=False)
+
+
+def tokens_line(report: dict[str, Any]) -> str:
+    """``trained tokens/s: measured 1,234 vs predicted 1,300; computed tokens/s, padding included: measured 4,000
+    vs predicted 4,100``."""
+
+    def rate(x: float | None) -> str:
+        return "-" if x is None else f"{x:,.0f}"
+
+    predicted = report.get("predicted_tokens_per_s")
+    versus = (f"vs predicted {rate(predicted)}" if predicted is not None
+              else "(not predicted: the data was not measured at compile)")
+    return (f"trained tokens/s: measured {rate(report.get('measured_tokens_per_s'))} {versus}; computed tokens/s, "
+            f"padding included: measured {rate(report.get('measured_computed_tokens_per_s'))} vs predicted "
+            f"{rate(report.get('predicted_computed_tokens_per_s'))}")
 
 
 def telemetry_lines(summary: list[dict[str, Any] | None]) -> list[str]:

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-BASES = ("sdpa", "eager", "flash_attention_2")
+BASES = ("sdpa", "eager", "flash_attention_2", "flex_attention")
 PREFIX = "hetero_"
 
 
@@ -33,6 +33,7 @@ class Segments:
     """The records of each row of a micro-batch: per row, the (start, end) token spans, covering the row."""
 
     rows: tuple[tuple[tuple[int, int], ...], ...]
+    _block_masks: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)  # flex, per window
 
     @property
     def longest(self) -> int:
@@ -104,6 +105,8 @@ def _packed(base: str) -> Callable[..., Any]:
                                                 scaling=scaling, **kwargs)
         if base == "flash_attention_2":
             return _flash_varlen(query, key, value, hetero_segments, dropout, scaling, sliding_window, softcap), None
+        if base == "flex_attention":
+            return _flex(query, key, value, hetero_segments, scaling, sliding_window, softcap), None
         return _per_segment(base, query, key, value, hetero_segments, dropout, scaling, sliding_window, softcap), None
 
     attention.__name__ = f"packed_{base}"
@@ -112,20 +115,23 @@ def _packed(base: str) -> Callable[..., Any]:
 
 def _per_segment(base: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments,
                  dropout: float, scaling: float | None, window: int | None, softcap: float | None) -> torch.Tensor:
-    """Attention of each segment alone; query ``[B, H, S, D]``, key/value ``[B, KV, S, D]`` -> ``[B, S, H, D]``."""
+    """Attention of each segment alone; query ``[B, H, S, D]``, key/value ``[B, KV, S, D]`` -> ``[B, S, H, D]``.
+    Rows and segments are taken apart with unbind/split, whose backward writes each piece's gradient once (a slice
+    per segment would add a whole zero-filled gradient per segment)."""
     groups = query.shape[1] // key.shape[1]
     if groups > 1 and (base == "eager" or softcap is not None):
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
         groups = 1
     rows = []
-    for b, row in enumerate(segments.rows):
+    for row, q_row, k_row, v_row in zip(segments.rows, query.unbind(0), key.unbind(0), value.unbind(0), strict=True):
+        lengths = [end - start for start, end in row]
         pieces = []
-        for start, end in row:
-            q, k, v = (t[b:b + 1, :, start:end] for t in (query, key, value))
+        for q, k, v in zip(*(t.split(lengths, dim=1) for t in (q_row, k_row, v_row)), strict=True):
+            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
             if base == "eager" or softcap is not None:
                 pieces.append(_eager(q, k, v, dropout, scaling, window, softcap))
             else:
-                mask = _window_mask(end - start, window, q.device)
+                mask = _window_mask(q.shape[2], window, q.device)
                 pieces.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                                              is_causal=mask is None, scale=scaling,
                                                              enable_gqa=groups > 1))
@@ -172,3 +178,64 @@ def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
                                  causal=True, window_size=(window - 1, 0) if window else (-1, -1),
                                  softcap=softcap or 0.0)
     return out.reshape(batch, seq, heads, dim)
+
+
+def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments, scaling: float | None,
+          window: int | None, softcap: float | None) -> torch.Tensor:
+    """torch's flex attention with a block mask of the segments (causal, within a record, inside the window)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    batch, heads, seq, _ = query.shape
+    cache_key = (window, seq, str(query.device))
+    if cache_key not in segments._block_masks:  # once per micro-batch and window, not once per layer
+        record = torch.zeros(batch, seq, dtype=torch.int32)
+        for b, row in enumerate(segments.rows):
+            for n, (start, end) in enumerate(row):
+                record[b, start:end] = n
+        record = record.to(query.device)
+
+        def inside(b: Any, h: Any, q: Any, kv: Any) -> Any:
+            allowed = (record[b, q] == record[b, kv]) & (q >= kv)
+            return allowed & (q - kv < window) if window else allowed
+
+        segments._block_masks[cache_key] = create_block_mask(inside, batch, None, seq, seq, device=query.device)
+
+    def capped(score: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return torch.tanh(score / softcap) * softcap
+
+    out = flex_attention(query, key, value, score_mod=capped if softcap else None,
+                         block_mask=segments._block_masks[cache_key], scale=scaling,
+                         enable_gqa=heads != key.shape[1])
+    return out.transpose(1, 2).contiguous()
+
+
+def flash_attn_installed() -> bool:
+    """Whether flash-attn's package imports here."""
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def runtime_attention(configured: str, choice: str, device: torch.device | None, dtype: torch.dtype | None) -> str:
+    """The base implementation a stage runs: the configured one (hetero/families.py), or under ``auto`` flash-attn
+    where this CUDA stage computes in fp16/bf16 and has it installed; a choice this stage cannot run is one line."""
+    from hetero.errors import PlanError
+
+    half = dtype in (torch.float16, torch.bfloat16)
+    on_gpu = device is not None and device.type == "cuda"
+    if choice == "auto":
+        return "flash_attention_2" if on_gpu and half and flash_attn_installed() else configured
+    if device is None:  # building a config without a device (preloading): no check
+        return configured
+    if configured == "flash_attention_2":
+        why = ("runs on " + device.type if not on_gpu else "computes in fp32" if not half
+               else "has no flash-attn installed (pip install flash-attn)" if not flash_attn_installed() else "")
+        if why:
+            raise PlanError(f"model.attn_implementation=flash_attention_2: this stage {why}; flash-attn trains on "
+                            "CUDA/ROCm GPUs in fp16/bf16 (use auto, sdpa or eager)")
+    if configured == "flex_attention" and not on_gpu:
+        raise PlanError(f"model.attn_implementation=flex_attention: this stage runs on {device.type}, where torch's "
+                        "flex attention has no backward pass; use auto, sdpa or eager")
+    return configured

@@ -13,9 +13,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from hetero.loss import loss_chunk_tokens
-
-IGNORE_INDEX = -100
+from hetero.loss import IGNORE_INDEX, loss_chunk_tokens
 
 
 def chunked_loss_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
@@ -30,8 +28,8 @@ def chunked_loss_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch
         return hidden.sum().float() * 0.0
     total = hidden.new_zeros((), dtype=torch.float32)
     step = loss_chunk_tokens(vocab_size)
-    for start in range(0, states.shape[0], step):
-        chunk, target = states[start:start + step], targets[start:start + step]
+    # split, not slices: its backward writes each chunk's gradient once instead of a zero-filled whole per chunk
+    for chunk, target in zip(states.split(step), targets.split(step), strict=True):
         if chunk.requires_grad:
             part = torch.utils.checkpoint.checkpoint(_chunk_loss, head, chunk, target, use_reentrant=False)
         else:

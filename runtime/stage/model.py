@@ -23,7 +23,7 @@ from hetero.errors import PlanError
 # the families the runtime can split (and the compiler traces), and their layers' attention kinds
 from hetero.families import FULL, SLIDING, family, layer_types, needs_mask
 from hetero.plan import Plan
-from hetero.runtime.stage.attention import Segments, implementation, register, segments_of
+from hetero.runtime.stage.attention import Segments, implementation, register, runtime_attention, segments_of
 from hetero.runtime.stage.lora import add_lora, load_lora_state, lora_state
 from hetero.runtime.stage.streaming import WeightStreamer, frozen_device_bytes, stream_layer
 from hetero.runtime.stage.weights import load_weights, quantize_nf4
@@ -130,6 +130,8 @@ class Stage:
         kinds = self._kinds()
         # Every stage rebuilds rotary cos/sin and masks from the positions: cheaper than sending them.
         segments: Segments | None = None
+        if positions is None and self.model.config._attn_implementation == implementation("flex_attention"):
+            positions = torch.arange(seq).expand(h.shape[0], seq)  # flex attention takes its causal shape from segments
         if positions is None:
             position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
             masks = attention_masks(self.model, h, position_ids, set(kinds.values()))
@@ -224,17 +226,21 @@ def attention_masks(model: nn.Module, h: torch.Tensor, position_ids: torch.Tenso
     return {kind: build[kind](**kw) for kind in wanted}
 
 
-def _build_config(architecture: dict):
+def _build_config(architecture: dict, choice: str = "auto", device: torch.device | None = None,
+                  dtype: torch.dtype | None = None):
+    """The HF config a stage computes with: the family's settings and the attention of ``model.attn_implementation``
+    (``choice``) as it runs on ``device`` at ``dtype`` (auto: flash-attn where a CUDA stage in fp16/bf16 has it)."""
     from transformers import AutoConfig
 
     arch = dict(architecture)
     model_type = arch.pop("model_type", None)
     fam = family(model_type)  # hetero/families.py: one line for a family the runtime cannot split
     config = AutoConfig.for_model(model_type, **arch)
-    fam.configure(config)  # SDPA without a mask is causal; layers that need one get it (attention_masks)
+    fam.configure(config, choice)  # SDPA without a mask is causal; layers that need one get it (attention_masks)
+    base = runtime_attention(config._attn_implementation, choice, device, dtype)
     # The same implementation, wrapped to keep packed records apart (runtime/stage/attention.py)
     register()
-    config._attn_implementation = implementation(config._attn_implementation)
+    config._attn_implementation = implementation(base)
     return config
 
 
@@ -291,7 +297,7 @@ def _base_model(plan: Plan, k: int, layout: StageLayout, dtype: torch.dtype, dev
     from hetero.runtime.pretrained import resolve_dir
 
     sp = plan.stages[k]
-    config = _build_config(plan.model.architecture)
+    config = _build_config(plan.model.architecture, plan.model.attn_implementation, device, dtype)
     model = _skeleton(config, layout)
     load_weights(model, resolve_dir(plan.model), dtype, k, tied=bool(getattr(config, "tie_word_embeddings", False)),
                  fam=family(plan.model.model_type))

@@ -258,11 +258,11 @@ def restore(where: Rank, executor: Any, resume: Path) -> int:
 def metrics(plan: Plan, step: int, values: tuple[float, float, float, float, list[dict[str, float]]],
             label_tokens: int, step_time: float) -> dict[str, Any]:
     """Step ``step``'s metrics.jsonl line, with the fields hetero's engine writes that this one measures."""
+    from hetero.runtime.run.records import throughput
+
     loss_sum, lr, grad_norm, coef, ops = values
-    tokens = plan.train.num_micro_batches * plan.train.micro_batch_size * plan.model.seq_len
     return {"step": step, "loss": loss_sum / label_tokens, "lr": lr, "grad_norm": grad_norm, "clip_coef": coef,
-            "tokens": tokens, "label_tokens": label_tokens, "step_time_s": step_time,
-            "tokens_per_s": tokens / step_time, "stage_busy": [sum(o.values()) for o in ops],
+            **throughput(plan, label_tokens, step_time), "stage_busy": [sum(o.values()) for o in ops],
             "stage_wall": [step_time] * len(ops), "stage_ops": ops, "engine": "torch"}
 
 

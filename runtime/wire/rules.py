@@ -44,6 +44,7 @@ class TensorRule:
     low: int | None = None  # integer tensors: allowed value range [low, high)
     high: int | None = None
     extra_low: int | None = None  # one more allowed value outside the range (labels' -100)
+    positions: bool = False  # packed rows' position ids: each 0 (a record starts) or one more than the one before
 
 
 @dataclass
@@ -101,10 +102,20 @@ class Rules:
                                                   bool(((t >= rule.low) | (t == rule.extra_low)).all()))
                 if bad_low or (rule.high is not None and hi >= rule.high):
                     raise WireError(f"{msg.describe()}: tensor {name!r} holds ids outside [{rule.low}, {rule.high})")
+                if rule.positions and not positions_well_formed(t):
+                    raise WireError(f"{msg.describe()}: tensor {name!r} is not packed rows' positions (each 0 or one "
+                                    "more than the position before it)")
             elif t.is_floating_point() and msg.kind in ("act", "grad") and not bool(torch.isfinite(t).all()):
                 # A pipeline stage never emits inf/NaN activations or gradients from finite LoRA training
                 # without the loss going NaN first, which the coordinator reports; drop, do not train on it.
                 raise WireError(f"{msg.describe()}: tensor {name!r} holds NaN or inf")
+
+
+def positions_well_formed(position_ids: torch.Tensor) -> bool:
+    """Whether ``[..., S]`` position ids are what packed rows have: 0 in the first column, and each other either 0 (a
+    record starts) or one more than the position before it."""
+    after = position_ids[..., 1:]
+    return bool(position_ids[..., 0].eq(0).all()) and bool(((after == 0) | (after == position_ids[..., :-1] + 1)).all())
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -133,12 +144,12 @@ def stage_rules(plan: Any, k: int) -> Rules:
         senders["batch"] = frozenset({COORDINATOR})
         tensors["batch"] = {"input_ids": TensorRule(ids, "int64", 0, vocab or None)}
         if packed:
-            tensors["batch"]["position_ids"] = TensorRule(ids, "int64", 0, model.seq_len)
+            tensors["batch"]["position_ids"] = TensorRule(ids, "int64", 0, model.seq_len, positions=True)
     else:
         senders["act"] = frozenset({stage_name(prev)})
         tensors["act"] = {"h": TensorRule(shape, plan.stages[prev].dtype)}
         if packed:
-            tensors["act"]["pos"] = TensorRule(shape[:2], "int64", 0, model.seq_len)
+            tensors["act"]["pos"] = TensorRule(shape[:2], "int64", 0, model.seq_len, positions=True)
     if nxt is None:
         senders["labels"] = frozenset({COORDINATOR})
         tensors["labels"] = {"labels": TensorRule(ids, "int64", 0, vocab or None, extra_low=-100)}

@@ -631,7 +631,9 @@ def valid_tensors(rules: Any, kind: str) -> dict[str, Any]:
         return {"lora_A": torch.randn(4, 8), "lora_B": torch.zeros(8, 4)}
     tensors = {}
     for name, rule in rules.tensors.get(kind, {}).items():
-        if rule.low is not None:
+        if rule.positions:  # packed rows' positions: records of 5 tokens (each row's last one shorter)
+            tensors[name] = (torch.arange(rule.shape[-1]) % 5).expand(rule.shape).contiguous()
+        elif rule.low is not None:
             tensors[name] = torch.randint(rule.low, rule.high or 100, rule.shape, dtype=torch.int64)
         else:
             tensors[name] = torch.randn(rule.shape).to(DTYPES[rule.dtype])

@@ -272,3 +272,41 @@ def test_a_stage_refuses_positions_that_are_not_packed_rows(tiny_model_dir: Path
                                    packing=False), 1)
     with pytest.raises(WireError, match=r"carries tensors \['h', 'pos'\], expected \['h'\]"):
         padded.check(Message("act", "stage0", step=0, mb=0, meta={"sent": 1.0}, tensors={"h": h, "pos": good}), [])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+@pytest.mark.parametrize("attention", ["sdpa", "flash_attention_2", "flex_attention"])
+def test_gpu_packed_attention_equals_each_record_alone(attention: str) -> None:
+    """On a GPU in bf16: a packed row's logits equal each record's alone (transformers' SDPA), with per-record
+    SDPA, flash-attn's variable-length kernel (where installed) and flex attention's block mask; and the packed
+    row's backward runs (flex has none on CPU)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hetero.runtime.stage.attention import flash_attn_installed
+
+    if attention == "flash_attention_2" and not flash_attn_installed():
+        pytest.skip("flash-attn is not installed")
+    arch = {**COMMON, **TINY["gemma3_text"]}
+    config = AutoConfig.for_model(arch.pop("model_type"), **arch)
+    family(config.model_type).configure(config)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).eval()
+    config = copy.deepcopy(config)
+    family(config.model_type).configure(config, attention)
+    register()
+    config._attn_implementation = implementation(config._attn_implementation)
+    model = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).eval()
+    model.load_state_dict(reference.state_dict())
+    lengths = [40, 7, 25, 1]
+    ids = torch.randint(3, 500, (1, sum(lengths) + 5), device="cuda")
+    positions = torch.cat([torch.arange(n) for n in [*lengths, 5]]).unsqueeze(0).cuda()
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    packed = model(inputs_embeds=embeds, position_ids=positions, hetero_segments=segments_of(positions)).logits
+    packed.float().pow(2).mean().backward()
+    at = 0
+    for n in lengths:
+        alone_in = embeds[:, at:at + n].detach().requires_grad_(True)
+        alone = reference(inputs_embeds=alone_in).logits
+        torch.testing.assert_close(packed[:, at:at + n].float(), alone.float(), rtol=2e-2, atol=2e-2)
+        at += n

@@ -234,10 +234,12 @@ def unit_cost(
     lora_dropout: float = 0.0,
     layer_index: int = 0,
     attention_len: float | None = None,
+    label_share: float | None = None,
 ) -> UnitCost:
     """Costs of one pipeline unit; ``params`` maps its state-dict names to (meta) tensors; ``layer_index``: a
     decoder layer's index in the model; ``attention_len``: packed rows (attention inside each record) are priced
-    as causal attention over this many tokens (None: rows of seq_len)."""
+    as causal attention over this many tokens (None: rows of seq_len); ``label_share``: the share of tokens the loss
+    head computes logits for (None: every token)."""
     dtype_bytes = BYTES_PER_DTYPE[dtype]
     if quantization not in ("none", *QUANT_BYTES_PER_PARAM):
         raise ConfigError(f"model.quantization={quantization!r} is not one of none, nf4, int8")
@@ -255,7 +257,7 @@ def unit_cost(
     param_bytes = (num_params - linear_params) * dtype_bytes + linear_params * weight_bytes_q
     targets = lora_targets(module, prefix, lora_target_names)
     fwd, bwd, act, recompute = _work_per_token(kind, linears, targets, config, seq_len, dtype_bytes, lora_r,
-                                               lora_dropout, traits, attention_len)
+                                               lora_dropout, traits, attention_len, label_share)
     return UnitCost(
         num_params=num_params,
         linear_params=linear_params,
@@ -281,6 +283,7 @@ def _work_per_token(
     lora_dropout: float,
     traits: Traits,
     attention_len: float | None = None,
+    label_share: float | None = None,
 ) -> tuple[float, float, float, float | None]:
     """(forward FLOPs, backward FLOPs, activation bytes, recompute bytes) per token of a unit of ``kind``."""
     lora_fwd = sum(2 * lora_r * sum(_lora_shape(m)) for _, m in targets if isinstance(m, nn.Linear))
@@ -305,8 +308,10 @@ def _work_per_token(
         # The loss runs in chunks of label tokens (hetero/loss.py): a token keeps its hidden state for backward, and
         # one chunk's logits (stage dtype, fp32 copy, its gradient) exist at a time, not (b+8)V per token.
         # Backward: the grad of the hidden state only (lm_head is frozen), the chunk's logits computed again.
+        # Only label tokens get logits: per computed token, the label share of that work.
         act = head_bytes_per_token(h, int(config.vocab_size), dtype_bytes, seq_len)
-        return matmul_fwd + lora_fwd, 2 * matmul_fwd + 2 * lora_fwd, act, None
+        share = 1.0 if label_share is None else label_share
+        return share * (matmul_fwd + lora_fwd), share * (2 * matmul_fwd + 2 * lora_fwd), act, None
     if kind == "norm":
         return 4.0 * h, 8.0 * h, float(4 * h + 4), None  # square, mean, rsqrt-scale, weight: elementwise, tiny
     # embedding: a gather, nothing to differentiate (frozen, integer input)

@@ -18,14 +18,16 @@ from .fxgraph import TracedModel, build_meta_model, cost_dtype, module_of_unit, 
 __all__ = ["trace", "trace_with_module"]
 
 
-def trace(model: ModelSpec, attention_len: float | None = None) -> LayerGraph:
+def trace(model: ModelSpec, attention_len: float | None = None, label_share: float | None = None) -> LayerGraph:
     """Trace ``model`` on the meta device (no weights, no download) into a costed LayerGraph. ``attention_len``:
     packed rows' attention is priced at this causal length (the records', hetero/packing.py) instead of seq_len."""
-    return trace_with_module(model, attention_len)[0]
+    return trace_with_module(model, attention_len, label_share)[0]
 
 
-def trace_with_module(model: ModelSpec, attention_len: float | None = None) -> tuple[LayerGraph, TracedModel]:
-    """Like ``trace``, also returning the traced fx module (emit prints each stage's segment of it)."""
+def trace_with_module(model: ModelSpec, attention_len: float | None = None,
+                      label_share: float | None = None) -> tuple[LayerGraph, TracedModel]:
+    """Like ``trace``, also returning the traced fx module (emit prints each stage's segment of it). ``label_share``:
+    the share of computed tokens with a label, the only ones the loss head computes logits for (None: all)."""
     if model.seq_len < 1:
         raise ConfigError(f"model.seq_len must be a positive integer, got {model.seq_len}")
     dtype = cost_dtype(model)
@@ -36,7 +38,7 @@ def trace_with_module(model: ModelSpec, attention_len: float | None = None) -> t
 
     state = causal_lm.state_dict(keep_vars=True)
     tied = causal_lm.lm_head.weight is causal_lm.model.embed_tokens.weight
-    nodes = [_node(unit, causal_lm, state, tied, model, dtype, attention_len) for unit in traced.units]
+    nodes = [_node(unit, causal_lm, state, tied, model, dtype, attention_len, label_share) for unit in traced.units]
     _check_partition(nodes, state, tied)
 
     notes = _notes(model, config, nodes, tied)
@@ -99,6 +101,7 @@ def _notes(model: ModelSpec, config: Any, nodes: list[LayerNode], tied: bool) ->
 def _node(
     unit: str, causal_lm: Any, state: dict[str, Any], tied: bool, model: ModelSpec, dtype: str,
     attention_len: float | None = None,
+    label_share: float | None = None,
 ) -> LayerNode:
     prefix, module = module_of_unit(causal_lm, unit)
     kind = {"embed": "embedding", "norm": "norm", "head": "head"}.get(unit, "decoder")
@@ -119,6 +122,7 @@ def _node(
         model.lora.dropout,
         int(unit.split(".", 1)[1]) if kind == "decoder" else 0,
         attention_len,
+        label_share,
     )
     return LayerNode(
         name=unit,

@@ -137,14 +137,14 @@ def test_graph_tables_stream_only_where_needed() -> None:
 
 
 # Input hashes of plans compiled before weight streaming existed (commit df2a518): fleets without ram_gb
-# keep them, and their placement, byte for byte.
+# keep them, and their placement, byte for byte (with the padded rows those plans ran: data.packing=false).
 BEFORE = {("model=tiny", "hardware=local"): "17b7560cf33d",
           ("model=llama8b", "hardware=homelab"): "9d5bbe18cdfc"}
 
 
 @pytest.mark.parametrize("overrides", list(BEFORE))
 def test_plans_without_ram_keep_hash_and_placement(tmp_path, capsys, overrides) -> None:  # type: ignore[no-untyped-def]
-    code, _, err, plan = compile_plan(tmp_path, capsys, *overrides)
+    code, _, err, plan = compile_plan(tmp_path, capsys, *overrides, "data.packing=false")
     assert code == 0 and plan is not None, err
     assert plan.input_hash.startswith(BEFORE[overrides])
     assert not any(s.stream_layers or s.memory.host_gb or s.frozen_resident_cap_bytes for s in plan.stages)
@@ -155,7 +155,7 @@ def test_plans_without_ram_keep_hash_and_placement(tmp_path, capsys, overrides) 
 
 @pytest.mark.parametrize("fleet", ["two_3090", "3090_4090"])
 def test_llama70b_qlora_streams_on_two_24gb_cards(tmp_path, capsys, fleet) -> None:  # type: ignore[no-untyped-def]
-    # The acceptance: without ram_gb this is refused (52.2 GB needed, 42.2 GB usable); with it, the last
+    # The acceptance: without ram_gb this is refused (49.8 GB needed, 42.2 GB usable); with it, the last
     # decoder layers of each stage stream, and plan.json, `hetero show` and the picture say which and what it costs.
     code, _, err, plan = compile_plan(tmp_path, capsys, "model=llama70b", "model.quantization=nf4", f"hardware={fleet}")
     assert code == 0 and plan is not None, err
@@ -190,7 +190,8 @@ def test_replicas_may_stream_too(tmp_path, capsys) -> None:  # type: ignore[no-u
                                       "hardware=two_3090", "planner.replicas=2")
     assert code == 0 and plan is not None, err
     assert [len(r.stages) for r in plan.replicas] == [1, 1]
-    assert all(len(s.stream_layers) == 80 for s in plan.stages)
+    # All but one layer stream: the chunked loss head leaves each card room for one resident decoder layer.
+    assert all(len(s.stream_layers) == 79 for s in plan.stages)
     assert sum(s.memory.host_gb for s in plan.stages) <= 128
     assert not any("do not fit" in line for line in plan.verdict)
 
@@ -198,9 +199,9 @@ def test_replicas_may_stream_too(tmp_path, capsys) -> None:  # type: ignore[no-u
 def test_offload_none_refuses_with_one_line_counting_streaming(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     code, _, err, _ = compile_plan(tmp_path, capsys, "model=llama70b", "model.quantization=nf4", "hardware=two_3090",
                                    "planner.offload=none")
-    assert code == 2 and "needs 52.2 GB with recomputation, the fleet has 42.2 GB usable" in err
+    assert code == 2 and "needs 49.8 GB with recomputation, the fleet has 42.2 GB usable" in err
     code, _, err, _ = compile_plan(tmp_path, capsys, "model=llama70b", "model.quantization=nf4", "hardware=two_3090",
-                                   "model.seq_len=12288")
+                                   "model.seq_len=16384")
     assert_one_line_error(code, err, "llama70b (bfloat16, quantization nf4) needs")
     assert "with recomputation and streaming" in err and "streaming from host RAM" in err
 

@@ -36,7 +36,8 @@ def w1_like_plan(tmp_path_factory: pytest.TempPathFactory) -> Plan:
     from hetero.cli import main
 
     out = tmp_path_factory.mktemp("rebalance-plan") / "plan"
-    assert main(["compile", "model=tiny", "hardware=local", "planner.num_stages=2", f"output={out}"]) == 0
+    assert main(["compile", "model=tiny", "hardware=local", "planner.num_stages=2", "data.packing=false",
+                 f"output={out}"]) == 0
     return Plan.load(out / "plan.json")
 
 

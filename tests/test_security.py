@@ -60,8 +60,9 @@ M = 4  # micro-batches per step
 
 
 def keyed_plan(tmp_path: Path, model_dir: Path, spec: ModelSpec, mode: str) -> Plan:
+    # Hand-made activations carry only "h": rows of one record (packed plans' acts also carry "pos").
     plan = make_plan(model_dir, spec.architecture, [2, 2, 2],
-                     train=TrainSpec(micro_batch_size=1, num_micro_batches=M, steps=2))
+                     train=TrainSpec(micro_batch_size=1, num_micro_batches=M, steps=2), packing=False)
     plan = replace(plan, security=generate(mode, [s.host for s in plan.stages], tmp_path))  # type: ignore[arg-type]
     plan.save(tmp_path / "plan.json")
     return Plan.load(tmp_path / "plan.json")

@@ -43,7 +43,9 @@ def compile_config(cfg: Config, say: Callable[[str], None],
     stats, _ = measure_data(cfg.model, cfg.data)  # None (and why): the plan counts computed tokens only
     say(f"tracing {cfg.model.name} on the meta device")
     # Packed rows attend within each record: their attention is priced at the records' lengths.
-    graph, traced = trace_with_module(cfg.model, stats.attention_len if stats and stats.packed else None)
+    # The head computes logits for label tokens only: priced at the data's label share.
+    graph, traced = trace_with_module(cfg.model, stats.attention_len if stats and stats.packed else None,
+                                      stats.label_fraction if stats else None)
     train = cfg.train
     if train.epochs > 0 and stats is not None:  # `hetero run` counts them again from the data it reads
         train = replace(train, steps=stats.steps_per_epoch(train, train.epochs))

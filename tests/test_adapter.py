@@ -128,7 +128,8 @@ def check_loads_with_auto_peft(adapter: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(base)
     ids = tokenizer("Name three colours.", return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5,
+                             do_sample=False,
                              pad_token_id=tokenizer.pad_token_id)
     assert out.shape[1] == ids.shape[1] + 5
     trained = load_adapter_state(adapter)

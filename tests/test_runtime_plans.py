@@ -207,7 +207,10 @@ def run_in_threads(stages: list, plan: Plan, batches, steps: int, on_step=None, 
     try:
         for step in range(start_step, steps):
             batch = batches.step(step)
-            coord.send(names[0], "batch", step=step, tensors={"input_ids": batch.input_ids})
+            inputs = {"input_ids": batch.input_ids}
+            if batch.position_ids is not None:  # packed rows: as the coordinator sends them
+                inputs["position_ids"] = batch.position_ids
+            coord.send(names[0], "batch", step=step, tensors=inputs)
             coord.send(names[-1], "labels", step=step, tensors={"labels": batch.labels},
                        meta={"num_label_tokens": batch.num_label_tokens})
             sumsq = sum(coord.recv("gradnorm", step=step).meta["sumsq"] for _ in range(n))

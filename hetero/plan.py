@@ -16,7 +16,7 @@ from hetero.errors import PlanError
 from hetero.graph import LayerGraph
 from hetero.program import Action, parse_program
 from hetero.security import SecuritySpec
-from hetero.serde import check_schema_version, from_dict, read_versioned_json, to_dict
+from hetero.serde import check_schema_version, from_dict, read_versioned_json, short_repr, to_dict
 from hetero.specs import (
     BYTES_PER_DTYPE,
     MAX_COUNT,
@@ -341,7 +341,7 @@ def check_plan(plan: Plan, where: str = "plan.json") -> None:
     for i, node in enumerate(nodes):  # counts the wire's size limits multiply: exact as floats, like every counter
         for key in ("num_params", "linear_params", "lora_params", "expert_params"):
             if not 0 <= getattr(node, key) <= MAX_COUNT:
-                raise bad(f"graph.nodes[{i}].{key} is {getattr(node, key)}, outside 0..{MAX_COUNT}")
+                raise bad(f"graph.nodes[{i}].{key} is {short_repr(getattr(node, key))}, outside 0..{MAX_COUNT}")
     for i, h in enumerate(plan.cluster.hosts):
         if h.ssh is not None:  # may be added by hand (outside the hash): the fleet file's rules
             check_ssh(h.ssh, f"{where}: cluster.hosts[{i}].ssh", PlanError)

@@ -380,8 +380,10 @@ def test_bad_inputs_are_refused_before_any_stage_starts(tiny_model_dir: Path, ti
         data = DataSpec(path=str(tmp_path / name), format=fmt)  # type: ignore[arg-type]
         assert expected in refused([variant(f"plan-{name}.json", data=data)])
 
-    # A step deep into the run whose records all lose their labels to truncation (demo data, seq_len 32).
-    assert "step 6 has no label tokens after truncation to seq_len=32" in refused(["plan.json", "steps=8"])
+    # A step deep into the run whose records all lose their labels to truncation (demo data, seq_len 32, padded rows:
+    # packed rows fill a step from many records, so one that truncates away every label is rarer than this).
+    padded = variant("padded.json", data=replace(plan.data, packing=False))
+    assert "step 6 has no label tokens after truncation to seq_len=32" in refused([padded, "steps=8"])
 
     port = free_ports(1)[0]
     with socket.socket() as holder:

@@ -21,7 +21,7 @@ MODELS = {"tiny": 6, "llama8b": 32, "llama70b": 80, "mistral7b": 32, "qwen2_7b":
 FLEETS = {"local": 2, "homelab": 2, "mixed_fleet": 4, "mining_rig": 6}
 REQUIRED_TYPES = [
     "rtx3080", "rtx3090", "rtx4090", "rtx5090", "v100_16gb", "v100_32gb", "m40_24gb", "a100_40gb", "a100_80gb",
-    "h100_sxm", "mi100", "mi210", "rx7900xtx", "strix_halo", "apple_m2_max", "apple_m3_max", "apple_m4_max", "cpu",
+    "h100_sxm", "h200", "mi100", "mi210", "rx7900xtx", "strix_halo", "apple_m2_max", "apple_m3_max", "apple_m4_max", "cpu",
 ]  # fmt: skip
 
 

@@ -113,30 +113,93 @@ def _packed(base: str) -> Callable[..., Any]:
     return attention
 
 
+# Segments of about the same length share one attention call (``Buckets``): a bucket pads its segments to its
+# longest, and the padding may cost at most this much over the segments' own causal work (sum of squared lengths).
+BUCKET_WASTE = 1.5
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """How a micro-batch's segments are laid out for one attention call per bucket, shared by every layer.
+
+    ``gather`` (``[sum n_i * L_i]``) indexes the flattened ``[B * S]`` tokens into the buckets' rows, bucket after
+    bucket (bucket i: ``[n_i, L_i]``): each segment from its first token, padded to ``L_i`` with the segment's own
+    last token (a key after every real query, so causal attention never reads it). ``scatter`` (``[B * S]``) is
+    where each token's output lies in the buckets' outputs, concatenated the same way."""
+
+    shapes: tuple[tuple[int, int], ...]  # (segments, padded length) per bucket
+    gather: torch.Tensor
+    scatter: torch.Tensor
+
+
+def buckets(segments: Segments, seq_len: int, device: torch.device) -> Buckets:
+    """Group the segments by length (longest first) so that each bucket's padded attention work is at most
+    ``BUCKET_WASTE`` times its segments' own; the index tensors are built once per micro-batch and device."""
+    key = ("buckets", seq_len, str(device))
+    if key in segments._block_masks:
+        return segments._block_masks[key]
+    spans = sorted(((end - start, b * seq_len + start) for b, row in enumerate(segments.rows) for start, end in row),
+                   key=lambda item: -item[0])
+    groups: list[list[tuple[int, int]]] = []
+    own = 0
+    for length, first in spans:
+        if groups:
+            longest = groups[-1][0][0]
+            if (len(groups[-1]) + 1) * longest * longest <= BUCKET_WASTE * (own + length * length):
+                groups[-1].append((length, first))
+                own += length * length
+                continue
+        groups.append([(length, first)])
+        own = length * length
+    shapes, gather = [], []
+    scatter = torch.empty(len(segments.rows) * seq_len, dtype=torch.long)
+    offset = 0
+    for group in groups:
+        longest = group[0][0]
+        columns = torch.arange(longest)
+        firsts = torch.tensor([first for _, first in group])
+        lengths = torch.tensor([length for length, _ in group])
+        index = firsts[:, None] + torch.minimum(columns[None, :], lengths[:, None] - 1)
+        real = columns[None, :] < lengths[:, None]
+        scatter[index[real]] = offset + real.flatten().nonzero().flatten()
+        shapes.append((len(group), longest))
+        gather.append(index.flatten())
+        offset += index.numel()
+    layout = Buckets(tuple(shapes), torch.cat(gather).to(device), scatter.to(device))
+    segments._block_masks[key] = layout
+    return layout
+
+
 def _per_segment(base: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments,
                  dropout: float, scaling: float | None, window: int | None, softcap: float | None) -> torch.Tensor:
     """Attention of each segment alone; query ``[B, H, S, D]``, key/value ``[B, KV, S, D]`` -> ``[B, S, H, D]``.
-    Rows and segments are taken apart with unbind/split, whose backward writes each piece's gradient once (a slice
-    per segment would add a whole zero-filled gradient per segment)."""
+
+    Segments of about the same length run as one batch (``buckets``): a few attention calls per layer however many
+    records a row holds, where a call per segment would issue dozens of operators each (a GPU stage issuing
+    kernels one by one is bound by that, not by arithmetic: docs/gpu.md). Tokens are gathered by index, whose
+    backward adds each token's gradient once."""
     groups = query.shape[1] // key.shape[1]
     if groups > 1 and (base == "eager" or softcap is not None):
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
         groups = 1
-    rows = []
-    for row, q_row, k_row, v_row in zip(segments.rows, query.unbind(0), key.unbind(0), value.unbind(0), strict=True):
-        lengths = [end - start for start, end in row]
-        pieces = []
-        for q, k, v in zip(*(t.split(lengths, dim=1) for t in (q_row, k_row, v_row)), strict=True):
-            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-            if base == "eager" or softcap is not None:
-                pieces.append(_eager(q, k, v, dropout, scaling, window, softcap))
-            else:
-                mask = _window_mask(q.shape[2], window, q.device)
-                pieces.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                             is_causal=mask is None, scale=scaling,
-                                                             enable_gqa=groups > 1))
-        rows.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
-    return torch.cat(rows, dim=0).transpose(1, 2).contiguous()
+    batch, heads, seq, dim = query.shape
+    kv_heads = key.shape[1]
+    layout = buckets(segments, seq, query.device)
+    # q, k and v gathered in one call: heads side by side, [tokens in bucket order, H + 2 KV, D]
+    qkv = torch.cat([t.transpose(1, 2) for t in (query, key, value)], dim=2).reshape(batch * seq, -1, dim)
+    rows = qkv.index_select(0, layout.gather).split([count * length for count, length in layout.shapes])
+    outs = []
+    for (count, length), row in zip(layout.shapes, rows, strict=True):
+        q, k, v = (t.transpose(1, 2) for t in row.view(count, length, -1, dim).split([heads, kv_heads, kv_heads], 2))
+        if base == "eager" or softcap is not None:
+            out = _eager(q, k, v, dropout, scaling, window, softcap)
+        else:
+            mask = _window_mask(length, window, q.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
+                                                 scale=scaling, enable_gqa=groups > 1)
+        outs.append(out.transpose(1, 2).reshape(count * length, heads, dim))
+    merged = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return merged.index_select(0, layout.scatter).view(batch, seq, heads, dim)
 
 
 def _window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:

@@ -29,6 +29,7 @@ from hetero.runtime.run.checkpoint import (
     EXP_AVG,
     EXP_AVG_SQ,
     LORA,
+    SHA256,
     load_checkpoint_union,
     resolve_resume,
     write_checkpoint,
@@ -181,6 +182,27 @@ def test_a_failed_write_at_any_point_leaves_the_old_state(monkeypatch: pytest.Mo
 
 # -- 3. corrupt checkpoints are one line ------------------------------------------------------------
 
+def _resaved(d: Path, k: int, tensors: dict) -> None:
+    """Save stage k's tensors over its file, and its checksum in its JSON: a checkpoint consistent with itself whose
+    contents are wrong (what the checks after the checksum are for)."""
+    path = d / f"stage{k}.safetensors"
+    save_file(tensors, str(path))
+    meta = json.loads((d / f"stage{k}.json").read_text())
+    meta[SHA256] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (d / f"stage{k}.json").write_text(json.dumps(meta))
+
+
+def _corrupt_bits(d: Path) -> None:
+    """64 bit flips in the tensor data (after the header): every value still a finite float, every shape right."""
+    path = d / "stage1.safetensors"
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    gen = torch.Generator().manual_seed(0)
+    for at in torch.randint(start, len(data), (64,), generator=gen).tolist():
+        data[at] ^= 1 << int(torch.randint(0, 5, (1,), generator=gen))  # low mantissa bits: no NaN, no inf
+    path.write_bytes(bytes(data))
+
+
 def _corrupt_truncated(d: Path) -> None:
     path = d / "stage1.safetensors"
     path.write_bytes(path.read_bytes()[:5000])
@@ -193,7 +215,7 @@ def _corrupt_json(d: Path) -> None:
 def _corrupt_shape(d: Path) -> None:
     tensors, meta = _payload(0, 2, [0, 1])
     tensors[EXP_AVG + meta["keys"][0]] = torch.zeros(3, 3)
-    save_file(tensors, str(d / "stage0.safetensors"))
+    _resaved(d, 0, tensors)
 
 
 def _corrupt_step(d: Path) -> None:
@@ -204,22 +226,32 @@ def _corrupt_step(d: Path) -> None:
 def _corrupt_nan(d: Path) -> None:
     tensors, meta = _payload(1, 2, [2, 3])
     tensors[LORA + meta["keys"][1]][0, 0] = float("nan")
-    save_file(tensors, str(d / "stage1.safetensors"))
+    _resaved(d, 1, tensors)
 
 
 def _corrupt_missing_tensor(d: Path) -> None:
     tensors, meta = _payload(1, 2, [2, 3])
     del tensors[LORA + meta["keys"][0]]
-    save_file(tensors, str(d / "stage1.safetensors"))
+    _resaved(d, 1, tensors)
 
 
 def _corrupt_garbage(d: Path) -> None:
     (d / "stage0.safetensors").write_bytes(os.urandom(64))
 
 
+def _corrupt_garbage_unsummed(d: Path) -> None:
+    """Garbage in a checkpoint from before checksums (no checksum in the JSON): the reader still says so."""
+    _corrupt_garbage(d)
+    meta = json.loads((d / "stage0.json").read_text())
+    del meta[SHA256]
+    (d / "stage0.json").write_text(json.dumps(meta))
+
+
 @pytest.mark.parametrize(("corrupt", "match"), [
-    (_corrupt_truncated, "stage1.safetensors: unreadable safetensors file, truncated or corrupt"),
-    (_corrupt_garbage, "stage0.safetensors: unreadable safetensors file"),
+    (_corrupt_bits, "stage1.safetensors: its tensor data does not match the checksum in stage1.json"),
+    (_corrupt_truncated, "stage1.safetensors: its tensor data does not match the checksum"),
+    (_corrupt_garbage, "stage0.safetensors: its tensor data does not match the checksum"),
+    (_corrupt_garbage_unsummed, "stage0.safetensors: unreadable safetensors file"),
     (_corrupt_json, "stage0.json: not valid JSON"),
     (_corrupt_shape, "AdamW state of .* does not match its LoRA tensor"),
     (_corrupt_step, "corrupt stage checkpoint \\('step' is 'two'"),
@@ -233,6 +265,23 @@ def test_a_corrupt_checkpoint_is_one_line(tmp_path: Path, corrupt, match: str) -
     with pytest.raises(CheckpointError, match=match) as info:
         load_checkpoint_union(ckpt)
     assert "\n" not in str(info.value)
+
+
+def test_resume_passes_over_a_checkpoint_that_fails_its_checksum(tmp_path: Path, capsys) -> None:
+    """Given a run directory, --resume takes the newest checkpoint that checks and says which it passed over and
+    why; named outright, a bad checkpoint is refused in one line; none sound, the newest one's fault."""
+    run = tmp_path / "run"
+    two, four = _write(run, 2), _write(run, 4)
+    _corrupt_bits(four)
+    assert resolve_resume(run) == two
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "step-000004/stage1.safetensors: its tensor data does not match the checksum" in lines[0]
+    assert lines[1] == f"hetero: resuming from {two}, the newest checkpoint that checks"
+    with pytest.raises(CheckpointError, match="step-000004/stage1.safetensors: its tensor data does not match"):
+        load_checkpoint_union(four)
+    _corrupt_bits(two)
+    with pytest.raises(CheckpointError, match="step-000004/stage1.safetensors: its tensor data does not match"):
+        resolve_resume(run)
 
 
 def test_resume_accepts_a_run_dir_and_names_what_to_pass(tmp_path: Path) -> None:

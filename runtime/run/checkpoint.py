@@ -13,6 +13,7 @@ traceback.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterable
@@ -40,6 +41,7 @@ CHECKPOINT_FORMAT = 1
 CHECKPOINT_DTYPE = torch.float32
 LORA, EXP_AVG, EXP_AVG_SQ = "lora/", "exp_avg/", "exp_avg_sq/"
 _STAGE_JSON = re.compile(r"stage(\d+)\.json")
+SHA256 = "tensors_sha256"  # stage<k>.json: sha256 of stage<k>.safetensors (absent in checkpoints written before it)
 
 
 def stage_payload(executor: Executor, plan_hash: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -116,6 +118,9 @@ def save_stage_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], met
     data = save({n: t.contiguous().clone() for n, t in tensors.items()},
                 metadata={"format": str(CHECKPOINT_FORMAT), "plan_hash": str(meta.get("plan_hash", ""))})
     write_bytes(directory / f"stage{k}.safetensors", data)
+    # The tensor file's checksum, checked before anything resumes from it: a flipped bit in a float is no less
+    # a float, and would train on silently (JSON, header and NaN checks cannot see it).
+    meta = {**meta, SHA256: hashlib.sha256(data).hexdigest()}
     del data
     write_bytes(directory / f"stage{k}.json", json.dumps(meta, indent=1).encode())
     return directory / f"stage{k}.json"
@@ -170,17 +175,35 @@ def resolve_resume(path: Path) -> Path:
     if checkpoints.is_dir():
         done = complete_checkpoints(checkpoints)
         if done:
-            return done[-1]
+            return _newest_sound(done)
         raise CheckpointError(f"--resume {path}: no complete checkpoint in {checkpoints} (the run stopped before "
                               "its first; train.checkpoint_every sets how often): start without --resume")
     raise CheckpointError(f"--resume {path}: neither a run directory (with {CHECKPOINTS}/) nor a checkpoint "
                           f"(with {COMPLETE}); pass RUN_DIR or RUN_DIR/{CHECKPOINTS}/step-N")
 
 
+def _newest_sound(done: list[Path]) -> Path:
+    """The newest of a run's complete checkpoints whose every file reads back and checks (checksums included);
+    each one passed over is a line that names its fault. None sound: the newest one's error."""
+    first_error = None
+    for directory in reversed(done):
+        try:
+            read_checkpoint(directory)
+        except CheckpointError as exc:
+            first_error = first_error or exc
+            print(f"hetero: {exc}", flush=True)
+            continue
+        if first_error is not None:
+            print(f"hetero: resuming from {directory}, the newest checkpoint that checks", flush=True)
+        return directory
+    assert first_error is not None
+    raise first_error
+
+
 def load_stage_checkpoint(directory: Path, k: int, plan_hash: str | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Read stage k's payload back; checks format, contents and (optionally) the plan hash. Errors are one line."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     meta_path, tensor_path = directory / f"stage{k}.json", directory / f"stage{k}.safetensors"
     if not meta_path.is_file() or not tensor_path.is_file():
@@ -197,12 +220,27 @@ def load_stage_checkpoint(directory: Path, k: int, plan_hash: str | None = None)
             f"{meta_path}: written by plan {meta.get('plan_hash')}, this run's plan is {plan_hash}"
         )
     try:
-        tensors = load_file(str(tensor_path))
+        data = tensor_path.read_bytes()
+        check_sum(data, meta, tensor_path)
+        tensors = load(data)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{tensor_path}: unreadable safetensors file, truncated or corrupt "
                               f"({_first_line(exc)}); resume from another checkpoint") from None
     _check_tensors(tensors, meta, tensor_path)
+    meta.pop(SHA256, None)  # this file's alone: merged with other stages' payloads it would name none of them
     return tensors, meta
+
+
+def check_sum(data: bytes, meta: dict[str, Any], path: Path) -> None:
+    """``data`` (the bytes of ``path``) hash to the checksum its stage JSON recorded (checkpoints from before
+    checksums have none: nothing to check)."""
+    expected = meta.get(SHA256)
+    if expected is None:
+        return
+    if not isinstance(expected, str) or hashlib.sha256(data).hexdigest() != expected:
+        raise CheckpointError(f"{path}: its tensor data does not match the checksum in {path.stem}.json (the file "
+                              "changed after hetero wrote it: a failing disk, a bad copy); resume from another "
+                              "checkpoint")
 
 
 def _dtype_name(t: torch.Tensor | torch.dtype) -> str:

@@ -300,6 +300,31 @@ def _cost_provenance(cost_model: CostModel) -> tuple[dict[str, str], list[str]]:
     return {"profile": cost_model.path, **cost_model.sources}, cost_model.summary()
 
 
+# What a GPU stage takes, at least, to issue one decoder layer's forward and backward for a micro-batch: about
+# 1,000 operator calls (a Llama layer with LoRA on its 7 projections, counted with torch.profiler) at 10-30 us each
+# from Python (30 us measured on an H200 host, docs/gpu.md). Datasheet arithmetic below this is not what runs.
+ISSUE_FLOOR_S = 0.010
+
+
+def _issue_bound_lines(stages: list[StagePlan], cost_model: CostModel) -> list[str]:
+    """The verdict's warning where datasheet costs put a GPU stage's layers under what issuing them takes."""
+    if isinstance(cost_model, ProfileCostModel):  # measured layers include what issuing them cost
+        return []
+    out = []
+    for s in stages:
+        layers = sum(1 for name in s.node_names if name.startswith("layers."))
+        if s.backend == "cpu" or layers == 0:
+            continue
+        per_layer = (s.fwd_time_s + s.bwd_time_s) / layers
+        if per_layer < ISSUE_FLOOR_S / 2:  # at least twice off: within that, the pipeline's overlap may hide it
+            out.append(f"Stage {s.index} ({s.device}): the datasheet prices a decoder layer's forward and backward "
+                       f"at {per_layer * 1e3:.2g} ms per micro-batch, under the 10-30 ms a GPU takes to issue its "
+                       "~1,000 operators from Python (docs/gpu.md): expect this stage "
+                       f"{ISSUE_FLOOR_S / per_layer:.0f}x slower than predicted or more; `hetero profile` measures "
+                       "it (larger micro-batches amortize it).")
+    return out
+
+
 def _check_attention_devices(model: ModelSpec, stages: list[StagePlan]) -> None:
     """flash-attn and flex attention train on GPUs only: refuse a plan that puts a stage elsewhere, in one line."""
     if model.attn_implementation not in ("flash_attention_2", "flex_attention"):
@@ -346,7 +371,9 @@ def plan(
     unhashed = Plan(
         model=model, cluster=cluster, train=train, data=data, planner=options, graph=graph, stages=stages,
         prediction=prediction, baselines=base, solver=solver,
-        verdict=_verdict(prediction, stages, base, solver) + notes + cost_notes, config=dict(config or {}),
+        verdict=[*_verdict(prediction, stages, base, solver), *notes, *cost_notes,
+                 *_issue_bound_lines(stages, cost_model)],
+        config=dict(config or {}),
         cost_sources=cost_sources, eval=evaluation, replicas=replicas if len(replicas) > 1 else [],
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"), data_stats=data_stats,
     )

@@ -26,7 +26,7 @@ from hetero.errors import WireError
 
 # -- constants: defined here once, imported wherever they are used ------------------------------------
 
-WIRE_VERSION: int = 4  # bump on any change of the header or of a record below (4: packed rows' positions)
+WIRE_VERSION: int = 5  # bump on any change of the header or of a record below (5: snapshot)
 
 # Liveness (runtime/wire/control.py; `hetero run runtime.failure_timeout_s=` / `runtime.load_timeout_s=`).
 SLICE_S = 0.5  # a blocking receive wakes up this often to look at control messages
@@ -381,6 +381,14 @@ class Rebalance(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Snapshot(Record):
+    """Coordinator to every stage, before the step's clip (or reduced): after this step, send the state (the run's
+    time-based checkpoint, runtime.snapshot_every_s), as after a step that ``payload_due`` names."""
+
+    KIND: ClassVar[str] = "snapshot"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Loss(Record):
     """A loss report (tests and tools; a run's loss travels in ``stepdone``)."""
 
@@ -390,7 +398,7 @@ class Loss(Record):
 
 RECORDS: dict[str, type[Record]] = {r.KIND: r for r in (
     Hello, Welcome, Start, State, Stop, Error, Heartbeat,
-    Batch, Labels, Act, Grad, GradNorm, Clip, Grads, Reduced, StepDone, Checkpoint, Rebalance, Loss,
+    Batch, Labels, Act, Grad, GradNorm, Clip, Grads, Reduced, StepDone, Checkpoint, Rebalance, Snapshot, Loss,
 )}
 KINDS: frozenset[str] = frozenset(RECORDS)  # every kind a hetero process may send
 UNSTEPPED: frozenset[str] = frozenset(kind for kind, r in RECORDS.items() if not r.STEPPED)

@@ -617,6 +617,7 @@ def valid_meta(kind: str, plan: Plan) -> dict[str, Any]:
                                streamed_bytes=1 << 20, frozen_resident_peak_bytes=3 << 20),
         "rebalance": p.Rebalance(spans=[[s.first_node, s.last_node] for s in plan.stages],
                                  recompute=[[] for _ in plan.stages], reason="stage 1 slowed down for good"),
+        "snapshot": p.Snapshot(),
     }
     return records[kind].to_wire()
 

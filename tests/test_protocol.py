@@ -53,6 +53,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "checkpoint": {"stage": 0, "step": 4},
     "rebalance": {"spans": [[0, 2], [3, 10]], "recompute": [[], ["model.layers.5"]],
                   "reason": "stage 0 (box.gpu0) runs 3.20x slower than when its split was planned"},
+    "snapshot": {},
     "loss": {"loss": 1.5},
 }
 

@@ -100,9 +100,10 @@ def test_exit_causes_read_like_a_person_would_say_them() -> None:
 
 def test_runtime_options_are_checked_in_one_line() -> None:
     rest, values = split_run_options(["lr=1e-4", "runtime.failure_timeout_s=5", "runtime.load_timeout_s=30",
-                                      "runtime.rebalance=off", "runtime.step_timeout_s=120"])
+                                      "runtime.rebalance=off", "runtime.step_timeout_s=120",
+                                      "runtime.snapshot_every_s=0"])
     assert rest == ["lr=1e-4"] and values == {"failure_timeout_s": 5.0, "load_timeout_s": 30.0, "rebalance": "off",
-                                              "step_timeout_s": 120.0}
+                                              "step_timeout_s": 120.0, "snapshot_every_s": 0.0}
     assert set(values) == set(RUN_OPTIONS)
     with pytest.raises(ConfigError, match=r"unknown run option 'runtime.colour'; `hetero run` accepts "
                                           r"runtime.failure_timeout_s, runtime.load_timeout_s, runtime.rebalance"):
@@ -292,6 +293,43 @@ def test_a_killed_stage_stops_the_run_in_one_line_and_resume_finishes_it(root: P
     assert code == 0, err[-3000:]
     assert "differ from the checkpoint" not in out
     _assert_same_run(run_dir, reference)
+
+
+@pytest.mark.slow
+def test_a_run_whose_coordinator_dies_resumes_from_its_last_snapshot(root: Path) -> None:
+    """No checkpoint option: the run writes snapshots by time (runtime.snapshot_every_s), keeps the newest two,
+    and a coordinator SIGKILLed mid-run resumes from the newest one to exactly the losses and adapter of a run
+    that was never stopped (one that snapshots too: snapshots change nothing)."""
+    steps = ["steps=30", "runtime.snapshot_every_s=1"]
+    whole = root / "snapshots-whole"
+    code, _, err = finish(_run(root / "plan.json", whole, *SETTINGS, *steps))
+    assert code == 0, err[-3000:]
+    markers = {d.name: json.loads((d / "COMPLETE").read_text()) for d in sorted((whole / "checkpoints").iterdir())}
+    assert markers.pop("step-000030").get("snapshot") is None  # the end of training: a checkpoint of its own
+    assert 1 <= len(markers) <= 2 and all(m["snapshot"] is True for m in markers.values()), markers
+
+    run_dir = root / "snapshots-killed"
+    run = _run(root / "plan.json", run_dir, *SETTINGS, *steps)
+    _wait_for("a snapshot", lambda: any((run_dir / "checkpoints").glob("step-*/COMPLETE")), run)
+    pids = _stage_pids(run_dir)
+    run.kill()  # SIGKILL: no Ctrl-C checkpoint, no goodbye to the stages
+    run.communicate()
+    deadline = time.monotonic() + FAILURE_TIMEOUT_S + 10  # the stages miss the coordinator's heartbeats and go
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "stages outlived their coordinator"
+    snapshot = max((run_dir / "checkpoints").glob("step-*/COMPLETE")).parent
+    assert json.loads((snapshot / "COMPLETE").read_text())["snapshot"] is True
+    assert not (run_dir / "adapter").exists()
+
+    code, out, err = finish(start(["run", str(run_dir / "plan.json"), "--resume", str(run_dir), "--port",
+                                   str(free_ports(1)[0]), "--no-progress", *RUNTIME], root.parent))
+    assert code == 0, err[-3000:]
+    resumed, reference = _metrics(run_dir), _metrics(whole)
+    assert [m["step"] for m in resumed] == list(range(30))
+    assert [(m["loss"], m["lr"]) for m in resumed] == [(m["loss"], m["lr"]) for m in reference]
+    state, want = _adapter(run_dir), _adapter(whole)
+    assert set(state) == set(want) and all(torch.equal(state[k], want[k]) for k in want)
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ CHECKPOINT_FORMAT = 1
 CHECKPOINT_DTYPE = torch.float32
 LORA, EXP_AVG, EXP_AVG_SQ = "lora/", "exp_avg/", "exp_avg_sq/"
 _STAGE_JSON = re.compile(r"stage(\d+)\.json")
+SNAPSHOTS_KEPT = 2  # the newest time-based checkpoints kept: one to fall back on if the newest fails its checks
 SHA256 = "tensors_sha256"  # stage<k>.json: sha256 of stage<k>.safetensors (absent in checkpoints written before it)
 
 
@@ -127,7 +129,7 @@ def save_stage_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], met
 
 
 def write_checkpoint(run_dir: Path, step: int, payloads: Iterable[tuple[dict[str, torch.Tensor], dict[str, Any]]],
-                     num_stages: int, train: dict[str, Any] | None = None) -> Path:
+                     num_stages: int, train: dict[str, Any] | None = None, snapshot: bool = False) -> Path:
     """Write ``RUN_DIR/checkpoints/step-N/`` whole or not at all; returns it.
 
     Every stage file, then COMPLETE, go into a hidden sibling that is flushed and renamed into place:
@@ -140,11 +142,30 @@ def write_checkpoint(run_dir: Path, step: int, payloads: Iterable[tuple[dict[str
             for tensors, meta in payloads:
                 save_stage_checkpoint(tmp, tensors, meta)
             # COMPLETE also keeps the run's training settings (lr, scheduler, steps, ...): --resume uses them.
-            marker = {"stages": num_stages, "step": step, **({"train": train} if train is not None else {})}
+            marker = {"stages": num_stages, "step": step, **({"train": train} if train is not None else {}),
+                      **({"snapshot": True} if snapshot else {})}
             write_bytes(tmp / COMPLETE, json.dumps(marker).encode())
     except OSError as exc:
         raise write_failure(exc, f"checkpoint {final.name}", final.parent, Path(run_dir)) from None
     return final
+
+
+def prune_snapshots(run_dir: Path, keep: int = SNAPSHOTS_KEPT) -> list[Path]:
+    """Remove all but the newest ``keep`` snapshots (time-based checkpoints) of a run; checkpoints that
+    train.checkpoint_every or the end of training wrote always stay. Returns what it removed."""
+    snapshots = [d for d in complete_checkpoints(Path(run_dir) / CHECKPOINTS) if _marker(d).get("snapshot") is True]
+    removed = snapshots[:-keep] if keep > 0 else snapshots
+    for directory in removed:
+        shutil.rmtree(directory, ignore_errors=True)
+    return removed
+
+
+def _marker(directory: Path) -> dict[str, Any]:
+    try:
+        marker = json.loads((Path(directory) / COMPLETE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
 
 
 def checkpoint_settings(directory: Path) -> dict[str, Any] | None:

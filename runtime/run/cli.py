@@ -20,7 +20,7 @@ from hetero.config import check_eval, check_run_length
 from hetero.errors import CheckpointError, ConfigError
 from hetero.plan import Plan
 from hetero.protocol import FAILURE_TIMEOUT_S, LOAD_TIMEOUT_S
-from hetero.runtime.run.options import STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_MIN_S
+from hetero.runtime.run.options import SNAPSHOT_EVERY_S, STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_MIN_S
 from hetero.security import key_dirs
 from hetero.serde import from_dict, to_dict
 from hetero.specs import RUNTIME_OVERRIDABLE, EvalSpec, TrainSpec, check_ranges
@@ -35,6 +35,8 @@ RUN_OPTIONS = {
     "load_timeout_s": f"the same while a stage loads its weights (default {LOAD_TIMEOUT_S:g})",
     "rebalance": "auto (default): move layers between stages when a device's speed changes for good; off: keep "
                  "the plan's split",
+    "snapshot_every_s": f"seconds of training between the run's own checkpoints (default {SNAPSHOT_EVERY_S:g}; 0: "
+                        "only train.checkpoint_every's and the last)",
     "step_timeout_s": f"the longest one optimizer step may take before the run stops with an error (default "
                       f"{STEP_TIMEOUT_FACTOR:g}x the plan's predicted step, at least {STEP_TIMEOUT_MIN_S:g})",
 }
@@ -71,8 +73,12 @@ def split_run_options(pairs: list[str]) -> tuple[list[str], dict[str, Any]]:
             value = float(raw) if sep else math.nan
         except ValueError:
             value = math.nan
+        if name == "snapshot_every_s" and value == 0:
+            values[name] = 0.0  # off
+            continue
         if not (math.isfinite(value) and value >= 1.0):
-            raise ConfigError(f"{key} must be a number of seconds >= 1 (e.g. {key}=10), got {raw!r}")
+            off = " or 0 (off)" if name == "snapshot_every_s" else ""
+            raise ConfigError(f"{key} must be a number of seconds >= 1{off} (e.g. {key}=10), got {raw!r}")
         values[name] = value
     return rest, values
 

@@ -41,6 +41,7 @@ from hetero.protocol import (
     Labels,
     Record,
     Reduced,
+    Snapshot,
     Stop,
     Welcome,
 )
@@ -122,6 +123,8 @@ class Coordinator:
         self.heartbeat = Heartbeat(self.transport, self.names, interval_s=heartbeat_interval(options.failure_timeout_s))
         self.greeting = HandshakeWatch(plan, self.transport, self.names, self.endpoint, plan_path)  # other plans
         self.step_timeout_s = step_timeout_s(plan, options.step_timeout_s)
+        self.snapshot_every_s = options.snapshot_every_s  # 0: no time-based checkpoints
+        self.saved_at = time.perf_counter()  # when the stages' state last went to disk (or training began)
         self.result = self.records.result
         from hetero.runtime.run.moves import Mover
 
@@ -275,7 +278,8 @@ class Coordinator:
         if self.options.resume is not None:
             return (f"no newer checkpoint: continue with `{self._command()} --resume "
                     f"{shlex.quote(str(self.options.resume))} --run-dir {shlex.quote(str(self.run_dir))}`")
-        return (f"no checkpoint yet (train.checkpoint_every=N writes them): start again with "
+        return (f"no checkpoint yet (one is written after every runtime.snapshot_every_s={self.snapshot_every_s:g} s of "
+                f"training, and every train.checkpoint_every steps): start again with "
                 f"`{self._command()} --run-dir {shlex.quote(str(self.run_dir))}`")
 
     def _broadcast(self, record: Record) -> None:
@@ -415,6 +419,7 @@ class Coordinator:
             grad_norm = norm_from_sumsq({k: float(msg.meta["sumsq"]) for k, msg in norms.items()})
             coef = clip_coef(max_norm, grad_norm)
             self.mover.announce(step, lambda record: [self.transport.send(n, record, step=step) for n in self.names])
+            self._announce_snapshot(step)
             for name in self.names:
                 self.transport.send(name, Clip(coef=coef, grad_norm=grad_norm), step=step)
             return grad_norm, coef
@@ -422,10 +427,28 @@ class Coordinator:
         totals = sum_replica_grads(self.plan, {k: msg.tensors for k, msg in grads.items()}, step)
         grad_norm = norm_of(totals)
         coef = clip_coef(max_norm, grad_norm)
+        self._announce_snapshot(step)
         for k in sorted(grads):
             self.transport.send(self.names[k], Reduced(coef=coef, grad_norm=grad_norm), step=step,
                                 tensors={key: totals[key] for key in grads[k].tensors})
         return grad_norm, coef
+
+    def snapshot_due(self, step: int) -> bool:
+        """Whether the stages' state goes to disk after ``step`` because ``runtime.snapshot_every_s`` of training
+        passed since it last did (a step that writes a checkpoint anyway, or the last, needs none)."""
+        train = self.plan.train
+        if self.snapshot_every_s <= 0 or step + 1 >= train.steps:
+            return False
+        if train.checkpoint_every > 0 and (step + 1) % train.checkpoint_every == 0:
+            return False
+        return time.perf_counter() - self.saved_at >= self.snapshot_every_s
+
+    def _announce_snapshot(self, step: int) -> None:
+        """Before the step's clip: a snapshot after this step (a stage finds it when the clip has come)."""
+        self.snapshot_step = step if self.snapshot_due(step) else None
+        if self.snapshot_step is not None and not payload_due(self.plan.train, self.plan.eval.every, step):
+            for name in self.names:
+                self.transport.send(name, Snapshot(), step=step)
 
     def _batches(self) -> Any:
         from hetero.runtime.pretrained import resolve_dir
@@ -442,7 +465,8 @@ class Coordinator:
         self.records.start_metrics(self.start_step)
         self.training = self.trained = True
         label_tokens = {self.start_step: self._send_data(batches, self.start_step)}
-        last = time.perf_counter()
+        last = self.saved_at = time.perf_counter()
+        self.snapshot_step: int | None = None
         with ProgressBar(train.steps, self.options.progress) as progress:
             for step in range(self.start_step, train.steps):
                 if self.stop_signal is not None:  # Ctrl-C / SIGTERM: `step` steps are done
@@ -464,9 +488,16 @@ class Coordinator:
                 progress.update(step, line["loss"], line["tokens_per_s"])
                 self.records.record_eval()
                 payloads = None
-                if payload_due(train, self.plan.eval.every, step):
+                snapshot = self.snapshot_step == step
+                if payload_due(train, self.plan.eval.every, step) or snapshot:
                     payloads = self._gather("checkpoint", step, timeout)
-                    self.records.save_payloads(step, payloads)
+                    if payload_due(train, self.plan.eval.every, step):
+                        self.records.save_payloads(step, payloads)
+                    if snapshot:
+                        self.records.write_checkpoint(step + 1, payloads, snapshot=True)
+                    if snapshot or step + 1 == train.steps or (
+                            train.checkpoint_every > 0 and (step + 1) % train.checkpoint_every == 0):
+                        self.saved_at = time.perf_counter()
                     write_run_profile(self.plan, self.run_dir, self.result)  # RUN_DIR/profile.json (issue 22)
                 self.mover.observe(step, done)
                 if self.mover.due(step):

@@ -46,6 +46,12 @@ def step_timeout_hint(plan: Plan, timeout_s: float, see: str) -> str:
             f"runtime.step_timeout_s={max(2 * timeout_s, STEP_TIMEOUT_MIN_S):g} or more")
 
 
+# A run writes a checkpoint after this many seconds of training since the last one (`hetero run
+# runtime.snapshot_every_s=`; 0: only train.checkpoint_every's and the last), so a run that loses a host, or its
+# coordinator, loses at most this much work. The newest two such snapshots are kept (records.py).
+SNAPSHOT_EVERY_S = 900.0
+
+
 @dataclass(frozen=True)
 class RunOptions:
     run_dir: Path
@@ -63,6 +69,7 @@ class RunOptions:
     ssh_hosts: list[Any] = field(default_factory=list)  # runtime/run/ssh.py SshHost: hosts this run starts over ssh
     launcher: Any = None  # runtime/run/launcher.py StageLauncher: forks this host's stages (None: fresh interpreters)
     rebalance: str = "auto"  # runtime.rebalance: move layers when a device's speed changes (runtime/run/moves.py)
+    snapshot_every_s: float = SNAPSHOT_EVERY_S  # runtime.snapshot_every_s: a checkpoint after this much training
     moves: dict[int, list[int]] = field(default_factory=dict)  # step -> split to move to after it, whatever the times
 
     @property

@@ -168,16 +168,20 @@ class RunRecords:
         if final:
             self._save_adapter(state)
 
-    def write_checkpoint(self, done: int, payloads: dict[int, Any]) -> Path:
-        """checkpoints/step-<done>/, with the training settings `--resume` continues with."""
-        from hetero.runtime.run.checkpoint import write_checkpoint
+    def write_checkpoint(self, done: int, payloads: dict[int, Any], snapshot: bool = False) -> Path:
+        """checkpoints/step-<done>/, with the training settings `--resume` continues with. A ``snapshot`` (the
+        run's time-based checkpoint) is marked so, and only the newest SNAPSHOTS_KEPT of them stay."""
+        from hetero.runtime.run.checkpoint import prune_snapshots, write_checkpoint
 
         settings = {k: v for k, v in to_dict(self.plan.train).items() if k in RUNTIME_OVERRIDABLE}
         # Replicas hold identical LoRA and AdamW state (they apply the same summed gradients): the first
         # replica's stages (0..S-1) are the whole model, in the same key space as any other split.
         first = self.plan.pipelines[0].stages
-        return write_checkpoint(self.run_dir, done, [(payloads[k].tensors, payloads[k].meta) for k in first],
-                                len(first), train=settings)
+        written = write_checkpoint(self.run_dir, done, [(payloads[k].tensors, payloads[k].meta) for k in first],
+                                   len(first), train=settings, snapshot=snapshot)
+        if snapshot:
+            prune_snapshots(self.run_dir)
+        return written
 
     def _save_adapter(self, state: dict[str, torch.Tensor]) -> None:
         from hetero.runtime.pretrained import adapter_base

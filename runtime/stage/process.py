@@ -272,13 +272,25 @@ def train_steps(executor: Any, mailbox: Mailbox, plan_hash: str, start_step: int
         stats = current[0].run_step(step)
         transport.send(COORDINATOR, StepDone(**stats.to_meta()), step=step)
         log.info("step %d: busy %.3f s of %.3f s", step, stats.busy_s, stats.wall_s)
-        due = payload_due(train, eval_every, step)
+        due = payload_due(train, eval_every, step) or _snapshot_after(transport, step)
         if due:
             tensors, meta = stage_payload(current[0], plan_hash)
             transport.send(COORDINATOR, "checkpoint", step=step, tensors=tensors, meta=meta)
         move = _rebalance_after(transport, step)
         if move is not None and rebuild is not None:
             current[0] = _move(current[0], move, rebuild, mailbox, plan_hash, step, sent=due)
+
+
+def _snapshot_after(transport: Any, step: int) -> bool:
+    """Whether the coordinator asked for this stage's state after ``step`` (a snapshot: it came before the step's
+    clip, so it is here now)."""
+    try:
+        transport.recv("snapshot", step=step, sender=COORDINATOR, timeout_s=0)
+    except WireError as exc:
+        if is_timeout(exc):
+            return False
+        raise
+    return True
 
 
 def _rebalance_after(transport: Any, step: int) -> Any:

@@ -130,7 +130,8 @@ def stage_rules(plan: Any, k: int) -> Rules:
     shape = (train.micro_batch_size, model.seq_len, hidden)
     step_end = "reduced" if len(plan.pipelines) > 1 else "clip"
     senders: dict[str, frozenset[str]] = {
-        kind: frozenset({COORDINATOR}) for kind in ("welcome", "state", step_end, "stop", "heartbeat", "error")
+        kind: frozenset({COORDINATOR})
+        for kind in ("welcome", "state", step_end, "snapshot", "stop", "heartbeat", "error")
     }
     if can_rebalance(plan):
         senders["rebalance"] = frozenset({COORDINATOR})

@@ -150,12 +150,18 @@ def test_a_packed_row_computes_each_record_as_alone(model_type: str, attention: 
             at += n
 
 
-def test_packed_rows_issue_about_the_operators_of_padded_rows() -> None:
+@pytest.mark.parametrize(("device", "most"), [("cuda", 1.6), ("cpu", 2.5)])
+def test_packed_rows_issue_about_the_operators_of_padded_rows(device: str, most: float,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU stage of a small model is bound by the operators it issues, not by arithmetic (docs/gpu.md): a packed
     micro-batch of 4 rows of 8 records each (36 segments, their padding included) must not cost a call per record
-    per layer. Forward and backward through transformers' Llama: the packed batch issues at most twice the operators
-    of the same rows unpacked (here 1.6x: four length buckets, each an attention call; a call per record was 5.2x).
-    On CPU an SDPA call and its backward are about 50 operators; on CUDA a few kernels."""
+    per layer (that issued 5.2x the operators of the same rows unpacked). Forward and backward through
+    transformers' Llama on this CPU, with the length buckets a GPU uses (three) and a CPU's (eight: a CPU pays
+    for padded attention, not for calls); an SDPA call and its backward are about 50 operators here, a few
+    kernels on CUDA."""
+    import hetero.runtime.stage.attention as attention
+
+    monkeypatch.setitem(attention.BUCKET_WASTE, "cpu", attention.BUCKET_WASTE[device])
     from torch.profiler import profile
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -182,7 +188,7 @@ def test_packed_rows_issue_about_the_operators_of_padded_rows() -> None:
 
     padded = operators()
     packed = operators(position_ids=positions, hetero_segments=segments_of(positions))
-    assert packed <= 2 * padded, (packed, padded)
+    assert packed <= most * padded, (packed, padded)
 
 
 SEQ_LEN = 128

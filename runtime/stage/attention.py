@@ -115,7 +115,9 @@ def _packed(base: str) -> Callable[..., Any]:
 
 # Segments of about the same length share one attention call (``Buckets``): a bucket pads its segments to its
 # longest, and the padding may cost at most this much over the segments' own causal work (sum of squared lengths).
-BUCKET_WASTE = 1.5
+# A GPU is bound by the calls it issues, not by attention's arithmetic (docs/gpu.md): few buckets. A CPU computes
+# every padded position: at 1.2 a W7 micro-batch (docs/benchmarks.md) trains as fast as with a call per record.
+BUCKET_WASTE = {"cuda": 2.0, "cpu": 1.2}
 
 
 @dataclass(frozen=True)
@@ -132,10 +134,12 @@ class Buckets:
     scatter: torch.Tensor
 
 
-def buckets(segments: Segments, seq_len: int, device: torch.device) -> Buckets:
+def buckets(segments: Segments, seq_len: int, device: torch.device, waste: float | None = None) -> Buckets:
     """Group the segments by length (longest first) so that each bucket's padded attention work is at most
-    ``BUCKET_WASTE`` times its segments' own; the index tensors are built once per micro-batch and device."""
-    key = ("buckets", seq_len, str(device))
+    ``waste`` (default: ``BUCKET_WASTE`` of the device's type) times its segments' own; the index tensors are
+    built once per micro-batch and device."""
+    waste = waste if waste is not None else BUCKET_WASTE.get(torch.device(device).type, BUCKET_WASTE["cuda"])
+    key = ("buckets", seq_len, str(device), waste)
     if key in segments._block_masks:
         return segments._block_masks[key]
     spans = sorted(((end - start, b * seq_len + start) for b, row in enumerate(segments.rows) for start, end in row),
@@ -145,7 +149,7 @@ def buckets(segments: Segments, seq_len: int, device: torch.device) -> Buckets:
     for length, first in spans:
         if groups:
             longest = groups[-1][0][0]
-            if (len(groups[-1]) + 1) * longest * longest <= BUCKET_WASTE * (own + length * length):
+            if (len(groups[-1]) + 1) * longest * longest <= waste * (own + length * length):
                 groups[-1].append((length, first))
                 own += length * length
                 continue

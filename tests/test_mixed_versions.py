@@ -42,10 +42,22 @@ def _no_leftovers():
     clean_up()
 
 
+def _see_this_environment(venv: Path) -> None:
+    """Make this interpreter's packages (hetero itself) importable in ``venv``, after the venv's own: in a
+    virtualenv, ``--system-site-packages`` reaches only the base interpreter's, where hetero may be missing or
+    another checkout. Rewritten at each use: a cached venv may have been made from another environment."""
+    import site
+
+    lib = next((venv / "lib").glob("python*/site-packages"))
+    lines = [f"import site; site.addsitedir({path!r})" for path in site.getsitepackages() if Path(path).is_dir()]
+    (lib / "zz_hetero_parent.pth").write_text("\n".join(lines) + "\n")
+
+
 @pytest.fixture(scope="module")
 def other_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv = tmp_path_factory.mktemp("other-env") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    _see_this_environment(venv)
     python = venv / "bin" / "python"
     # --no-compile: byte-compiling every transformers module takes longer than importing the few a stage uses.
     done = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
@@ -63,11 +75,13 @@ def _cached_venv(name: str, requirement: str) -> Path:
     want = requirement.split("==")[1]
     check = [str(python), "-c", f"import {name}; print({name}.__version__.split('+')[0])"]
     if python.exists():
+        _see_this_environment(venv)
         done = subprocess.run(check, capture_output=True, text=True, timeout=300)
         if done.returncode == 0 and done.stdout.strip() == want:
             return python
     subprocess.run([sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(venv)], check=True,
                    timeout=120)
+    _see_this_environment(venv)
     done = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile",
                            requirement], capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-2000:]

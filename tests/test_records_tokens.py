@@ -62,6 +62,26 @@ def test_the_progress_bar_shows_trained_tokens(monkeypatch: pytest.MonkeyPatch) 
         assert bar.bar.tasks[0].fields["tps"] == "1,234"
 
 
+def test_off_a_terminal_progress_is_plain_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    """`hetero run ... | tee log`: a line after the first step, then at most one per interval, and after the last;
+    nothing with --no-progress."""
+    with ProgressBar(200, True, every_s=3600) as bar:
+        for step in range(200):
+            bar.update(step, 2.0 - step / 200, 1234.5)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("step 1/200 (0%)  loss 2.0000  1,234 trained tok/s  elapsed 0:00:00  ETA ")
+    assert lines[1].startswith("step 200/200 (100%)  loss 1.0050  1,234 trained tok/s  elapsed ")
+    assert lines[1].endswith("ETA 0:00:00")
+    with ProgressBar(5, True, every_s=0) as bar:
+        for step in range(5):
+            bar.update(step, 1.0, 10.0)
+    assert len(capsys.readouterr().out.splitlines()) == 5
+    with ProgressBar(5, False, every_s=0) as bar:
+        bar.update(0, 1.0, 10.0)
+    assert capsys.readouterr().out == ""
+
+
 def _lines(plan: Plan, labels: list[int], step_s: float, old: bool = False) -> list[dict[str, Any]]:
     out = []
     for step, n in enumerate(labels):

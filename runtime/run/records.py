@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -191,12 +192,21 @@ class RunRecords:
         save_adapter({k: v.clone() for k, v in state.items()}, self.plan.model.lora, base, self.run_dir / "adapter")
 
 
-class ProgressBar:
-    """A rich live bar (step, loss, trained tokens/s, ETA) when stdout is a terminal; silent otherwise."""
+# Off a terminal (`hetero run ... | tee log`, nohup, a redirected ssh session) progress is a plain line this often,
+# and after the first and the last step.
+PLAIN_PROGRESS_EVERY_S = 30.0
 
-    def __init__(self, total: int, enabled: bool) -> None:
+
+class ProgressBar:
+    """A rich live bar (step, loss, trained tokens/s, ETA) when stdout is a terminal; otherwise a plain line after
+    the first step, every PLAIN_PROGRESS_EVERY_S, and after the last (nothing with ``--no-progress``)."""
+
+    def __init__(self, total: int, enabled: bool, every_s: float = PLAIN_PROGRESS_EVERY_S) -> None:
         self.enabled = enabled and sys.stdout.isatty()
-        self.total = total
+        self.plain = enabled and not self.enabled
+        self.total, self.every_s = total, every_s
+        self.started = self.printed = time.monotonic()
+        self.lines = 0
         if self.enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -208,6 +218,7 @@ class ProgressBar:
     def __enter__(self) -> ProgressBar:
         if self.enabled:
             self.bar.__enter__()
+        self.started = self.printed = time.monotonic()
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -218,3 +229,24 @@ class ProgressBar:
         """After ``step``: its loss and trained (label) tokens/s (a metrics line's ``tokens_per_s``)."""
         if self.enabled:
             self.bar.update(self.task, completed=step + 1, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")
+        if not self.plain:
+            return
+        now = time.monotonic()
+        if self.lines and now - self.printed < self.every_s and step + 1 < self.total:
+            return
+        self.lines += 1
+        self.printed = now
+        print(plain_progress(step, self.total, loss, tokens_per_s, now - self.started), flush=True)
+
+
+def plain_progress(step: int, total: int, loss: float, tokens_per_s: float, elapsed_s: float) -> str:
+    """One progress line: ``step 12/200 (6%)  loss 1.2345  3,456 trained tok/s  elapsed 0:01:23  ETA 0:22:10``."""
+    done = step + 1
+    left = elapsed_s / done * (total - done) if done else 0.0
+    return (f"step {done}/{total} ({done / max(total, 1):.0%})  loss {loss:.4f}  {tokens_per_s:,.0f} trained tok/s  "
+            f"elapsed {_clock(elapsed_s)}  ETA {_clock(left)}")
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

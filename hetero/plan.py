@@ -35,6 +35,12 @@ PLAN_SCHEMA_VERSION = 1
 _RECOMPILE = "recompile with `hetero compile`"
 
 
+
+def plan_path(text: str) -> Path:
+    """A command line's plan: ``plan.json``, or the directory `hetero compile` wrote it to (its plan.json)."""
+    path = Path(text)
+    return path / "plan.json" if path.is_dir() else path
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Predicted peak memory of one stage on its device, in GB (1e9 bytes)."""

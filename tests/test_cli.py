@@ -106,6 +106,17 @@ def test_show_rejects_a_plan_from_another_schema(tmp_path: Path, capsys: pytest.
     assert_one_line_error(code, err, f"{tmp_path / 'missing.json'}: no such plan file")
 
 
+def test_a_plan_directory_stands_for_its_plan_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`hetero show DIR` / `hetero run DIR`: the directory `hetero compile` wrote (was: "Is a directory")."""
+    (tmp_path / "out").mkdir()
+    make_plan().save(tmp_path / "out" / "plan.json")
+    code, out, err = run_main(["show", str(tmp_path / "out"), "--no-gantt"], capsys)
+    assert code == 0 and "model tiny (4 decoder layers" in out, err
+    (tmp_path / "empty").mkdir()
+    code, _, err = run_main(["run", str(tmp_path / "empty")], capsys)
+    assert_one_line_error(code, err, f"{tmp_path / 'empty' / 'plan.json'}: no such plan file")
+
+
 def test_gantt_places_forwards_backwards_and_idle_time() -> None:
     # 2 stages, 2 micro-batches, unit-time ops on a 10-column axis (one column per 0.1 s).
     events = [Event(0, "F", 0, 0.0, 0.1), Event(0, "SA", 0, 0.1, 0.2), Event(1, "F", 0, 0.2, 0.3), Event(0, "F", 1, 0.1, 0.2),

@@ -28,6 +28,7 @@ from hetero.cli.config_commands import (
 )
 from hetero.cli.plan_commands import cmd_keys, cmd_show, cmd_simulate, run_versus_plan
 from hetero.errors import HeteroError
+from hetero.plan import plan_path
 
 __all__ = [
     "RUNTIME_COMMANDS", "build_parser", "cmd_compile", "cmd_inspect", "cmd_keys", "cmd_profile", "cmd_show",
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(compile_parser)
     with_config(sub.add_parser("inspect", help="trace the model and print its LayerGraph (no planning)"))
     show = sub.add_parser("show", help="print a compiled plan: stages, memory, baselines, verdict, schedule")
-    show.add_argument("plan", type=Path, help="path to plan.json")
+    show.add_argument("plan", type=plan_path, help="plan.json, or the directory hetero compile wrote")
     show.add_argument("--no-gantt", action="store_true", help="skip the simulated schedule")
     show.add_argument("--width", type=int, default=72, help="Gantt width in characters (default 72)")
     show.add_argument("--pictures", action="store_true",

@@ -18,7 +18,7 @@ import yaml
 
 from hetero.config import check_eval, check_run_length
 from hetero.errors import CheckpointError, ConfigError
-from hetero.plan import Plan
+from hetero.plan import Plan, plan_path
 from hetero.protocol import FAILURE_TIMEOUT_S, LOAD_TIMEOUT_S
 from hetero.runtime.run.options import SNAPSHOT_EVERY_S, STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_MIN_S
 from hetero.security import key_dirs
@@ -238,7 +238,7 @@ def _local_stages(plan: Plan, host: str | None) -> bool:
 
 def _run_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hetero run", description="Train with a compiled plan.")
-    ap.add_argument("plan", type=Path)
+    ap.add_argument("plan", type=plan_path, help="plan.json, or the directory hetero compile wrote")
     ap.add_argument("overrides", nargs="*", help=f"run-time keys: {', '.join(sorted(RUNTIME_OVERRIDABLE))}; "
                     f"run options: {', '.join('runtime.' + k for k in sorted(RUN_OPTIONS))}")
     ap.add_argument("--run-dir", type=Path)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hetero.errors import PlanError
-from hetero.plan import Plan
+from hetero.plan import Plan, plan_path
 from hetero.runtime.run.coordinator import coordinator_endpoint
 from hetero.runtime.run.processes import (
     last_error_line,
@@ -91,7 +91,7 @@ def serve_host(plan_path: Path, plan: Plan, host: str, run_dir: Path, coordinato
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hetero worker", description="Run this host's stages of a plan.")
-    ap.add_argument("plan", type=Path)
+    ap.add_argument("plan", type=plan_path, help="plan.json, or the directory hetero compile wrote")
     group = ap.add_mutually_exclusive_group(required=True)
     group.add_argument("--host", help="run every stage the plan places on this host")
     group.add_argument("--stage", type=int, help="run one stage (what --host starts per device)")

@@ -240,7 +240,7 @@ def _corrupt_garbage(d: Path) -> None:
 
 
 def _corrupt_garbage_unsummed(d: Path) -> None:
-    """Garbage in a checkpoint from before checksums (no checksum in the JSON): the reader still says so."""
+    """Garbage in a checkpoint from before checksums (no checksum in the JSON): the reader says so as before."""
     _corrupt_garbage(d)
     meta = json.loads((d / "stage0.json").read_text())
     del meta[SHA256]
@@ -249,8 +249,8 @@ def _corrupt_garbage_unsummed(d: Path) -> None:
 
 @pytest.mark.parametrize(("corrupt", "match"), [
     (_corrupt_bits, "stage1.safetensors: its tensor data does not match the checksum in stage1.json"),
-    (_corrupt_truncated, "stage1.safetensors: its tensor data does not match the checksum"),
-    (_corrupt_garbage, "stage0.safetensors: its tensor data does not match the checksum"),
+    (_corrupt_truncated, "stage1.safetensors: unreadable safetensors file, truncated or corrupt"),
+    (_corrupt_garbage, "stage0.safetensors: unreadable safetensors file"),
     (_corrupt_garbage_unsummed, "stage0.safetensors: unreadable safetensors file"),
     (_corrupt_json, "stage0.json: not valid JSON"),
     (_corrupt_shape, "AdamW state of .* does not match its LoRA tensor"),

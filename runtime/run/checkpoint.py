@@ -242,12 +242,12 @@ def load_stage_checkpoint(directory: Path, k: int, plan_hash: str | None = None)
         )
     try:
         data = tensor_path.read_bytes()
-        check_sum(data, meta, tensor_path)
         tensors = load(data)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{tensor_path}: unreadable safetensors file, truncated or corrupt "
                               f"({_first_line(exc)}); resume from another checkpoint") from None
-    _check_tensors(tensors, meta, tensor_path)
+    _check_tensors(tensors, meta, tensor_path)  # what a changed file is wrong in, where it says (a cast, NaN)
+    check_sum(data, meta, tensor_path)  # and the change nothing else sees (a flipped bit)
     meta.pop(SHA256, None)  # this file's alone: merged with other stages' payloads it would name none of them
     return tensors, meta
 

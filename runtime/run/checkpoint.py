@@ -242,7 +242,8 @@ def load_stage_checkpoint(directory: Path, k: int, plan_hash: str | None = None)
         )
     try:
         data = tensor_path.read_bytes()
-        tensors = load(data)
+        loaded = load(data)
+        tensors = {name: loaded[name] for name in sorted(loaded)}  # an order of its own: errors name the same one
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{tensor_path}: unreadable safetensors file, truncated or corrupt "
                               f"({_first_line(exc)}); resume from another checkpoint") from None

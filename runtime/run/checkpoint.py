@@ -161,6 +161,7 @@ def prune_snapshots(run_dir: Path, keep: int = SNAPSHOTS_KEPT) -> list[Path]:
 
 
 def _marker(directory: Path) -> dict[str, Any]:
+    """A checkpoint's COMPLETE marker ({} where it is unreadable)."""
     try:
         marker = json.loads((Path(directory) / COMPLETE).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -170,11 +171,7 @@ def _marker(directory: Path) -> dict[str, Any]:
 
 def checkpoint_settings(directory: Path) -> dict[str, Any] | None:
     """The training settings a complete checkpoint was written with (None: an older checkpoint without them)."""
-    try:
-        marker = json.loads((Path(directory) / COMPLETE).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    train = marker.get("train") if isinstance(marker, dict) else None
+    train = _marker(directory).get("train")
     return dict(train) if isinstance(train, dict) else None
 
 

@@ -57,7 +57,14 @@ from hetero.runtime.run.processes import (
     spawn_stages,
     stop_processes,
 )
-from hetero.runtime.run.records import ProgressBar, RunRecords, RunResult, metrics_line, payload_due
+from hetero.runtime.run.records import (
+    ProgressBar,
+    RunRecords,
+    RunResult,
+    checkpoint_due,
+    metrics_line,
+    payload_due,
+)
 from hetero.runtime.run.reduce import clip_coef, norm_from_sumsq, norm_of, sum_replica_grads
 from hetero.runtime.run.run_profile import write_run_profile
 from hetero.runtime.run.rundir import RunDirWriteError, run_command, write_run_file
@@ -436,10 +443,7 @@ class Coordinator:
     def snapshot_due(self, step: int) -> bool:
         """Whether the stages' state goes to disk after ``step`` because ``runtime.snapshot_every_s`` of training
         passed since it last did (a step that writes a checkpoint anyway, or the last, needs none)."""
-        train = self.plan.train
-        if self.snapshot_every_s <= 0 or step + 1 >= train.steps:
-            return False
-        if train.checkpoint_every > 0 and (step + 1) % train.checkpoint_every == 0:
+        if self.snapshot_every_s <= 0 or checkpoint_due(self.plan.train, step):
             return False
         return time.perf_counter() - self.saved_at >= self.snapshot_every_s
 
@@ -488,15 +492,14 @@ class Coordinator:
                 progress.update(step, line["loss"], line["tokens_per_s"])
                 self.records.record_eval()
                 payloads = None
-                snapshot = self.snapshot_step == step
-                if payload_due(train, self.plan.eval.every, step) or snapshot:
+                snapshot, due = self.snapshot_step == step, payload_due(train, self.plan.eval.every, step)
+                if due or snapshot:
                     payloads = self._gather("checkpoint", step, timeout)
-                    if payload_due(train, self.plan.eval.every, step):
+                    if due:
                         self.records.save_payloads(step, payloads)
                     if snapshot:
                         self.records.write_checkpoint(step + 1, payloads, snapshot=True)
-                    if snapshot or step + 1 == train.steps or (
-                            train.checkpoint_every > 0 and (step + 1) % train.checkpoint_every == 0):
+                    if snapshot or checkpoint_due(train, step):
                         self.saved_at = time.perf_counter()
                     write_run_profile(self.plan, self.run_dir, self.result)  # RUN_DIR/profile.json (issue 22)
                 self.mover.observe(step, done)

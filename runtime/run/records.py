@@ -24,11 +24,15 @@ if TYPE_CHECKING:
     import torch
 
 
+def checkpoint_due(train: TrainSpec, step: int) -> bool:
+    """Whether a checkpoint is written after ``step`` whatever the clock says: the last step, or train.checkpoint_every's."""
+    done = step + 1
+    return done == train.steps or (train.checkpoint_every > 0 and done % train.checkpoint_every == 0)
+
+
 def payload_due(train: TrainSpec, eval_every: int, step: int) -> bool:
     """After ``step``, do the stages send their state (a checkpoint, the adapter for evaluation, the last)?"""
-    done = step + 1
-    return (done == train.steps or (train.checkpoint_every > 0 and done % train.checkpoint_every == 0)
-            or (eval_every > 0 and done % eval_every == 0))
+    return checkpoint_due(train, step) or (eval_every > 0 and (step + 1) % eval_every == 0)
 
 
 @dataclass
@@ -164,7 +168,7 @@ class RunRecords:
         if self.evaluator is not None and (final or (step + 1) % every == 0):
             # The last step's evaluation waits for the one before (training is over).
             self.record_eval(self.evaluator.request(step, state, wait_s=self._eval_wait_s() if final else 0.0))
-        if final or (train.checkpoint_every > 0 and (step + 1) % train.checkpoint_every == 0):
+        if checkpoint_due(train, step):
             self.write_checkpoint(step + 1, payloads)
         if final:
             self._save_adapter(state)

@@ -81,12 +81,13 @@ def compile_hetero(model_dir: Path, data: Path, steps: int, work: Path, extra: t
 
 
 def run_plan(plan: Path, steps: int, work: Path, peak: dict[str, float] | None = None,
-             detail: dict[str, Any] | None = None, engine: str = "hetero") -> tuple[list[float] | None, str]:
-    """`hetero run plan.json --engine ENGINE`; returns (per-step seconds, note). ``peak``: filled with the largest
-    process peak RSS (MiB); ``detail``: with the median per-op seconds of each stage over steps 3..N."""
+             detail: dict[str, Any] | None = None, engine: str = "hetero",
+             run_args: tuple[str, ...] = ()) -> tuple[list[float] | None, str]:
+    """`hetero run plan.json --engine ENGINE [run_args]`; returns (per-step seconds, note). ``peak``: filled with the
+    largest process peak RSS (MiB); ``detail``: with the median per-op seconds of each stage over steps 3..N."""
     run_dir = work / "run"
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = hetero_cmd() + ["run", str(plan), "--run-dir", str(run_dir), "--no-progress", "--engine", engine]
+    cmd = hetero_cmd() + ["run", str(plan), "--run-dir", str(run_dir), "--no-progress", "--engine", engine, *run_args]
     proc = subprocess.run([sys.executable, "-c", PEAK_RSS, *cmd], capture_output=True, text=True, cwd=work,
                           timeout=1800)
     if proc.returncode != 0:

@@ -33,6 +33,7 @@ from hetero.planner.baselines import predict
 from hetero.planner.cost import CostTable, build_cost_table, training_fleet
 from hetero.planner.cost_model import CostModel, RooflineCostModel
 from hetero.planner.objective import Evaluation, Placement, evaluate, split_spans
+from hetero.specs import ClusterSpec
 
 ENUMERATE_LIMIT = 3000  # splits of one device order scored one by one; above, the split DP's and neighbours
 Spans = tuple[tuple[int, int], ...]
@@ -65,13 +66,16 @@ class Replanner:
     Plans that stream weights from host RAM never get here: which layers stream and the resident cap were
     planned for each stage's own span (runtime/wire/rules.py's can_rebalance keeps runtime.rebalance off)."""
 
-    def __init__(self, plan: Plan, cost_model: CostModel | None = None) -> None:
+    def __init__(self, plan: Plan, cost_model: CostModel | None = None, cluster: ClusterSpec | None = None,
+                 order: list[str] | None = None) -> None:
+        """``cluster`` and ``order`` (device names in pipeline order): another fleet and stage order than the plan's
+        (a run that lost a device: planner/recovery.py)."""
         self.plan = plan
         cost_model = cost_model or RooflineCostModel(efficiency=plan.planner.efficiency)
-        self.table = build_cost_table(plan.graph, plan.model, training_fleet(plan.cluster, plan.eval.device), plan.train,
-                                      plan.planner, cost_model)
+        self.table = build_cost_table(plan.graph, plan.model, training_fleet(cluster or plan.cluster, plan.eval.device),
+                                      plan.train, plan.planner, cost_model)
         names = [d.name for d in self.table.devices]
-        self.devices = tuple(names.index(s.device) for s in plan.stages)
+        self.devices = tuple(names.index(name) for name in (order or [s.device for s in plan.stages]))
         self.decoders = plan.graph.decoder_indices()
         self.num_nodes = len(plan.graph.nodes)
 
@@ -115,9 +119,14 @@ class Replanner:
             ev = evaluate(table, Placement(self.devices, spans))
             if ev.feasible:
                 opt = self._option(table, ev)
-                if best is None or opt.step_s < best.step_s * (1 - 1e-9):
+                if best is None or opt.step_s < best.step_s * (1 - 1e-9) or (
+                        opt.step_s <= best.step_s * (1 + 1e-9) and self._evener(opt.spans, best.spans)):
                     best = opt
         return best
+
+    def _evener(self, a: Spans, b: Spans) -> bool:
+        """Whether split ``a`` spreads the decoder layers more evenly than ``b`` (the tie-break of equal times)."""
+        return max(self.counts(a)) < max(self.counts(b))
 
     def _candidates(self, table: CostTable) -> list[Spans]:
         """Every split of the decoder layers over the stages when few, else the split DP's and their neighbours."""

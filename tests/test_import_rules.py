@@ -120,8 +120,10 @@ def test_the_coordinator_does_not_load_pulp() -> None:
     # The coordinator re-plans a rebalancing run with the planner's cost table, search and simulator, and
     # writes the run's profile with its cost model: none of that may pull in PuLP (DESIGN.md: runtime never
     # imports pulp). The ILP module is imported only when the ILP runs.
+    # A run that lost a device re-plans in the coordinator too (runtime.elastic: planner/recovery.py).
     code = ("import sys, hetero.runtime.run.coordinator, hetero.runtime.run.moves, hetero.runtime.run.run_profile, "
-            "hetero.planner.rebalance; assert 'pulp' not in sys.modules, 'pulp loaded'")
+            "hetero.runtime.run.elastic, hetero.planner.rebalance, hetero.planner.recovery; "
+            "assert 'pulp' not in sys.modules, 'pulp loaded'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
 

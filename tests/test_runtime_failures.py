@@ -36,7 +36,8 @@ STEPS = 10
 TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=STEPS, lr=1e-3)
 # Given to the interrupted runs only: `--resume` must take them from the checkpoint.
 SETTINGS = ["lr=2e-3", "scheduler=cosine", "warmup_steps=2", "max_grad_norm=0.5"]
-RUNTIME = [f"runtime.failure_timeout_s={FAILURE_TIMEOUT_S:g}"]
+# runtime.elastic=off: these runs stop at a lost stage (tests/test_elastic.py has the runs that go on without it).
+RUNTIME = [f"runtime.failure_timeout_s={FAILURE_TIMEOUT_S:g}", "runtime.elastic=off"]
 
 # -- the control plane, in one process ---------------------------------------------------------------
 
@@ -101,15 +102,22 @@ def test_exit_causes_read_like_a_person_would_say_them() -> None:
 def test_runtime_options_are_checked_in_one_line() -> None:
     rest, values = split_run_options(["lr=1e-4", "runtime.failure_timeout_s=5", "runtime.load_timeout_s=30",
                                       "runtime.rebalance=off", "runtime.step_timeout_s=120",
-                                      "runtime.snapshot_every_s=0"])
+                                      "runtime.snapshot_every_s=0", "runtime.elastic=off", "runtime.max_recoveries=0"])
     assert rest == ["lr=1e-4"] and values == {"failure_timeout_s": 5.0, "load_timeout_s": 30.0, "rebalance": "off",
-                                              "step_timeout_s": 120.0, "snapshot_every_s": 0.0}
+                                              "step_timeout_s": 120.0, "snapshot_every_s": 0.0, "elastic": "off",
+                                              "max_recoveries": 0}
     assert set(values) == set(RUN_OPTIONS)
     with pytest.raises(ConfigError, match=r"unknown run option 'runtime.colour'; `hetero run` accepts "
-                                          r"runtime.failure_timeout_s, runtime.load_timeout_s, runtime.rebalance"):
+                                          r"runtime.elastic, runtime.failure_timeout_s, runtime.load_timeout_s, "
+                                          r"runtime.max_recoveries, runtime.rebalance"):
         split_run_options(["runtime.colour=red"])
     with pytest.raises(ConfigError, match=r"runtime.rebalance must be one of auto, off, got 'sometimes'"):
         split_run_options(["runtime.rebalance=sometimes"])
+    with pytest.raises(ConfigError, match=r"runtime.elastic must be one of auto, off, got 'on'"):
+        split_run_options(["runtime.elastic=on"])
+    for bad in ("runtime.max_recoveries=-1", "runtime.max_recoveries=2.5", "runtime.max_recoveries=many"):
+        with pytest.raises(ConfigError, match=r"runtime.max_recoveries must be a whole number from 0 to 1000"):
+            split_run_options([bad])
     for bad in ("runtime.failure_timeout_s=soon", "runtime.failure_timeout_s=0.2", "runtime.failure_timeout_s"):
         with pytest.raises(ConfigError, match="must be a number of seconds >= 1"):
             split_run_options([bad])

@@ -20,7 +20,12 @@ from hetero.config import check_eval, check_run_length
 from hetero.errors import CheckpointError, ConfigError
 from hetero.plan import Plan, plan_path
 from hetero.protocol import FAILURE_TIMEOUT_S, LOAD_TIMEOUT_S
-from hetero.runtime.run.options import SNAPSHOT_EVERY_S, STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_MIN_S
+from hetero.runtime.run.options import (
+    MAX_RECOVERIES,
+    SNAPSHOT_EVERY_S,
+    STEP_TIMEOUT_FACTOR,
+    STEP_TIMEOUT_MIN_S,
+)
 from hetero.security import key_dirs
 from hetero.serde import from_dict, to_dict
 from hetero.specs import RUNTIME_OVERRIDABLE, EvalSpec, TrainSpec, check_ranges
@@ -31,8 +36,12 @@ if TYPE_CHECKING:
 PLACEMENT_SECTIONS = ("model", "lora", "hardware", "cluster", "planner", "data")
 # `hetero run runtime.KEY=VALUE`: how the run watches its processes and devices (not training settings).
 RUN_OPTIONS = {
+    "elastic": "auto (default): when a stage's device is lost, re-plan on the devices left and go on from the last "
+               "state copied off the stages; off: stop with the resume command",
     "failure_timeout_s": f"a working stage or coordinator silent this long is dead (default {FAILURE_TIMEOUT_S:g})",
     "load_timeout_s": f"the same while a stage loads its weights (default {LOAD_TIMEOUT_S:g})",
+    "max_recoveries": f"lost devices a runtime.elastic=auto run goes on without before it stops (default "
+                      f"{MAX_RECOVERIES})",
     "rebalance": "auto (default): move layers between stages when a device's speed changes for good; off: keep "
                  "the plan's split",
     "snapshot_every_s": f"seconds of training between the run's own checkpoints (default {SNAPSHOT_EVERY_S:g}; 0: "
@@ -41,6 +50,7 @@ RUN_OPTIONS = {
                       f"{STEP_TIMEOUT_FACTOR:g}x the plan's predicted step, at least {STEP_TIMEOUT_MIN_S:g})",
 }
 REBALANCE_MODES = ("auto", "off")
+MODES = {"rebalance": REBALANCE_MODES, "elastic": ("auto", "off")}
 
 
 def _take_prefixed(pairs: list[str], prefix: str) -> tuple[list[str], list[tuple[str, str, str, str]]]:
@@ -64,10 +74,15 @@ def split_run_options(pairs: list[str]) -> tuple[list[str], dict[str, Any]]:
         if name not in RUN_OPTIONS:
             raise ConfigError(f"unknown run option '{key}'; `hetero run` accepts "
                               f"{', '.join('runtime.' + n for n in sorted(RUN_OPTIONS))}")
-        if name == "rebalance":
-            if raw not in REBALANCE_MODES:
-                raise ConfigError(f"{key} must be one of {', '.join(REBALANCE_MODES)}, got {raw!r}")
+        if name in MODES:
+            if raw not in MODES[name]:
+                raise ConfigError(f"{key} must be one of {', '.join(MODES[name])}, got {raw!r}")
             values[name] = raw
+            continue
+        if name == "max_recoveries":
+            if not (raw.isdigit() and int(raw) <= 1000):
+                raise ConfigError(f"{key} must be a whole number from 0 to 1000 (0: never recover), got {raw!r}")
+            values[name] = int(raw)
             continue
         try:
             value = float(raw) if sep else math.nan
@@ -167,7 +182,7 @@ def default_run_dir(plan: Plan) -> Path:
 
 def main_run(argv: list[str]) -> int:
     """`hetero run plan.json [key=value ...] [--run-dir D] [--host NAME] [--port P]`."""
-    from hetero.runtime.run.coordinator import Coordinator
+    from hetero.runtime.run.elastic import run_elastic
     from hetero.runtime.run.launcher import StageLauncher
     from hetero.runtime.run.rundir import RunDirWriteError
 
@@ -181,7 +196,8 @@ def main_run(argv: list[str]) -> int:
         plan, plan_path, options = _prepare_run(plan, args, checkpoint, timeouts)
         print(startup_line(plan, options.run_dir), flush=True)
         try:
-            result = Coordinator(plan, plan_path, replace(options, launcher=launcher)).run()
+            # runtime.elastic=auto: a lost device is left out and the run goes on, on a new plan (elastic.py).
+            plan, plan_path, result = run_elastic(plan, plan_path, replace(options, launcher=launcher))
         except KeyboardInterrupt:  # a second Ctrl-C (or the first, before training): stopped at once
             print(_stopped_at_once(plan_path, options), file=sys.stderr)
             return 130

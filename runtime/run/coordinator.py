@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shlex
 import signal
 import sys
@@ -49,6 +50,7 @@ from hetero.runtime.run.handshake import HandshakeWatch, connect_stages
 from hetero.runtime.run.moves import split_of
 from hetero.runtime.run.options import RunOptions, coordinator_endpoint, step_timeout_hint, step_timeout_s
 from hetero.runtime.run.processes import (
+    LostStage,
     StageFailedError,
     exit_cause,
     is_stopped,
@@ -85,6 +87,9 @@ __all__ = ["Coordinator", "RunOptions", "RunResult", "StageFailedError", "coordi
 
 
 log = logging.getLogger("hetero.run")
+# runtime.elastic=auto copies the stages' state to the coordinator's memory this seldom: a copy's measured cost at most
+# this share of the steps' time between copies.
+MEMORY_COPY_SHARE = 0.01
 
 class Coordinator:
     """Drives one training run of a plan; see the module docstring."""
@@ -132,6 +137,11 @@ class Coordinator:
         self.step_timeout_s = step_timeout_s(plan, options.step_timeout_s)
         self.snapshot_every_s = options.snapshot_every_s  # 0: no time-based checkpoints
         self.saved_at = time.perf_counter()  # when the stages' state last went to disk (or training began)
+        # runtime.elastic=auto: the stages' state, copied off them every ``memory_every`` steps (runtime/run/elastic.py)
+        self.elastic = options.elastic == "auto"
+        self.memory: tuple[dict[str, Any], dict[str, Any]] | None = None  # the union of the newest payloads
+        self.memory_every = 1  # steps between copies: set from what a copy costs against a step
+        self.snapshot_to_disk = False
         self.result = self.records.result
         from hetero.runtime.run.moves import Mover
 
@@ -197,6 +207,8 @@ class Coordinator:
     def _abort(self, exc: BaseException) -> HeteroError | None:
         """Stop every stage after ``exc``; returns the one-line error to raise instead (None: ``exc`` itself)."""
         self.heartbeat.stopped.set()
+        if not isinstance(exc, KeyboardInterrupt):
+            self._save_memory()  # before the error line: its resume command names the newest checkpoint
         error = self._explain(exc)
         reason = "interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else f"run failed: {error or exc}"
         self._broadcast(Stop(reason=reason))
@@ -239,6 +251,20 @@ class Coordinator:
         print(f"hetero run: {self.stop_signal}: stopping after this step with a checkpoint "
               "(Ctrl-C again to quit at once, from the newest complete one)", file=sys.stderr, flush=True)
 
+    def _save_memory(self) -> None:
+        """The state copied off the stages (runtime.elastic), to disk as a snapshot when no checkpoint there is as new."""
+        from hetero.runtime.run.rundir import checkpoint_step, latest_checkpoint
+
+        if self.memory is None or int(self.memory[1]["step"]) <= 0:
+            return
+        newest = latest_checkpoint(self.run_dir)
+        if newest is not None and checkpoint_step(newest) >= int(self.memory[1]["step"]):
+            return
+        try:
+            self.records.write_state(self.memory)
+        except HeteroError as exc:  # a full disk: the failure's own line says what to do
+            log.warning("could not keep the run's state on disk: %s", exc)
+
     def _explain(self, exc: BaseException) -> HeteroError | None:
         """The one-line error for a failed run; None: re-raise ``exc`` as it is."""
         if isinstance(exc, RunDirWriteError):
@@ -259,7 +285,8 @@ class Coordinator:
             self.hung.add(k)
             if k in self.procs and is_stopped(self.procs[k].pid):
                 cause = cause.replace("(hung or stopped?)", "(the process is stopped: SIGSTOP or Ctrl-Z?)")
-        return StageFailedError(self._failure_line(k, "stopped responding", cause))
+        return StageFailedError(self._failure_line(k, "stopped responding", cause),
+                                lost=LostStage(k, "stopped responding", cause))
 
     def _failure_line(self, k: int, what: str, cause: str) -> str:
         """``stage 1 exited on host h (pid 42): killed by SIGKILL; continue from step 4 with `...` (log: ...)``."""
@@ -305,7 +332,10 @@ class Coordinator:
                 cause = exit_cause(code)
                 if code > 0 and (line := last_error_line(self.run_dir / "logs" / f"stage{k}.log")):
                     cause += f": {line}"
-                raise StageFailedError(self._failure_line(k, "exited", cause))
+                # Killed by a signal (SIGKILL, the OOM killer, a crash): its device is lost; an exit code is an
+                # error the stage met itself, which a new split would meet again.
+                raise StageFailedError(self._failure_line(k, "exited", cause),
+                                       lost=LostStage(k, "exited", cause) if code < 0 else None)
         if self.ssh is not None and (ended := self.ssh.ended()) is not None:
             host, cause = ended
             hint = f"; {self._resume_hint()}" if self.trained else ""
@@ -377,10 +407,11 @@ class Coordinator:
         self.greeting.close()  # its watch on our own dials: the mailbox's watch takes them over
         self.mailbox.watch_connections(self.names)
         resume = None
-        if self.options.resume is not None:
+        if self.options.resume is not None or self.options.checkpoint is not None:  # a checkpoint, or a recovery
             from hetero.runtime.run.checkpoint import load_checkpoint_union
 
             resume = self.options.checkpoint or load_checkpoint_union(self.options.resume)
+            self.memory = resume
             self.start_step = int(resume[1]["step"])
             if self.start_step >= self.plan.train.steps:
                 raise StageFailedError(f"{self.options.resume} is after step {self.start_step}, train.steps is "
@@ -447,9 +478,19 @@ class Coordinator:
             return False
         return time.perf_counter() - self.saved_at >= self.snapshot_every_s
 
+    def memory_due(self, step: int) -> bool:
+        """Whether the stages' state is copied to this coordinator's memory after ``step`` (runtime.elastic=auto):
+        every ``memory_every`` steps since the newest copy; not after the last step, which writes the adapter."""
+        if not self.elastic or step + 1 >= self.plan.train.steps:
+            return False
+        newest = int(self.memory[1]["step"]) if self.memory is not None else self.start_step
+        return step + 1 - newest >= self.memory_every
+
     def _announce_snapshot(self, step: int) -> None:
-        """Before the step's clip: a snapshot after this step (a stage finds it when the clip has come)."""
-        self.snapshot_step = step if self.snapshot_due(step) else None
+        """Before the step's clip: a snapshot after this step (a stage finds it when the clip has come), to disk
+        (runtime.snapshot_every_s) or to memory (runtime.elastic)."""
+        self.snapshot_to_disk = self.snapshot_due(step)
+        self.snapshot_step = step if self.snapshot_to_disk or self.memory_due(step) else None
         if self.snapshot_step is not None and not payload_due(self.plan.train, self.plan.eval.every, step):
             for name in self.names:
                 self.transport.send(name, Snapshot(), step=step)
@@ -489,15 +530,18 @@ class Coordinator:
                 line["split"] = split_of(self.plan)
                 last = now
                 self.records.step(line)
+                if self.options.recovery is not None and step == self.start_step:
+                    self._record_recovery(dict(self.options.recovery))
                 progress.update(step, line["loss"], line["tokens_per_s"])
                 self.records.record_eval()
                 payloads = None
                 snapshot, due = self.snapshot_step == step, payload_due(train, self.plan.eval.every, step)
                 if due or snapshot:
                     payloads = self._gather("checkpoint", step, timeout)
+                    self._keep_in_memory(payloads, time.perf_counter() - now, line["step_time_s"])
                     if due:
                         self.records.save_payloads(step, payloads)
-                    if snapshot:
+                    if snapshot and self.snapshot_to_disk:
                         self.records.write_checkpoint(step + 1, payloads, snapshot=True)
                     if snapshot or checkpoint_due(train, step):
                         self.saved_at = time.perf_counter()
@@ -505,6 +549,30 @@ class Coordinator:
                 self.mover.observe(step, done)
                 if self.mover.due(step):
                     self._move(step, payloads, max(timeout, self.options.handshake_timeout_s))  # stages rebuild
+
+    def _record_recovery(self, event: dict[str, Any]) -> None:
+        """The recovery this run continues (runtime/run/elastic.py), after its first step on the new split: a
+        metrics.jsonl line with the seconds from the loss to that step."""
+        lost_at = event.pop("lost_at", None)
+        if isinstance(lost_at, float):
+            event["recovery_s"] = round(time.monotonic() - lost_at, 3)
+        self.records.event(event)
+
+    def _keep_in_memory(self, payloads: dict[int, Any], copy_s: float, step_s: float) -> None:
+        """runtime.elastic=auto: the newest state of every stage, kept here (a lost stage cannot take it along), and
+        the steps until the next copy: as many as keep a copy's cost (``copy_s``, the wait for the payloads after
+        the step ended; the stages computed the next step meanwhile) under MEMORY_COPY_SHARE of the steps'."""
+        if not self.elastic:
+            return
+        from hetero.runtime.run.checkpoint import merge_payloads
+
+        first = self.plan.pipelines[0].stages  # replicas hold the same state
+        self.memory = merge_payloads([(payloads[k].tensors, payloads[k].meta) for k in first],
+                                     "the stages' payloads disagree on the step")
+        if step_s > 0:
+            self.memory_every = max(1, math.ceil(copy_s / (MEMORY_COPY_SHARE * step_s)))
+            log.debug("state copied after step %s in %.4f s (step %.4f s): next copy in %d step(s)",
+                      self.memory[1]["step"], copy_s, step_s, self.memory_every)
 
     def _move(self, step: int, payloads: dict[int, Any] | None, timeout: float) -> None:
         """After step ``step``: the stages rebuilt on their new spans with their new layers' state (moves.py)."""

@@ -20,6 +20,7 @@ escaped by restarting it, its share of the layers shrinks.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +78,14 @@ class Mover:
     @property
     def enabled(self) -> bool:
         return self.watch is not None or bool(self.forced)
+
+    def measured_factors(self, last: int = 5) -> dict[str, float]:
+        """Device name -> its compute measured over priced, the median of the last ``last`` steps the watcher saw
+        (empty when it watched none: runtime.rebalance=off, or no step yet)."""
+        if self.watch is None or len(self.watch.history) <= self.watch.skip:
+            return {}
+        rows = self.watch.history[self.watch.skip:][-last:]
+        return {s.device: statistics.median(row[k] for row in rows) for k, s in enumerate(self.plan.stages)}
 
     def started(self, build_s: dict[int, float]) -> None:
         """The stages are built: a move costs about their slowest build (it rebuilds every stage)."""

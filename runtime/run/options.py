@@ -50,6 +50,8 @@ def step_timeout_hint(plan: Plan, timeout_s: float, see: str) -> str:
 # runtime.snapshot_every_s=`; 0: only train.checkpoint_every's and the last), so a run that loses a host, or its
 # coordinator, loses at most this much work. The newest two such snapshots are kept (records.py).
 SNAPSHOT_EVERY_S = 900.0
+# A run recovers from this many lost devices (`hetero run runtime.max_recoveries=`), then stops with the resume command.
+MAX_RECOVERIES = 3
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,9 @@ class RunOptions:
     rebalance: str = "auto"  # runtime.rebalance: move layers when a device's speed changes (runtime/run/moves.py)
     snapshot_every_s: float = SNAPSHOT_EVERY_S  # runtime.snapshot_every_s: a checkpoint after this much training
     moves: dict[int, list[int]] = field(default_factory=dict)  # step -> split to move to after it, whatever the times
+    elastic: str = "auto"  # runtime.elastic: auto: go on without a lost device (runtime/run/elastic.py); off: stop
+    max_recoveries: int = MAX_RECOVERIES  # runtime.max_recoveries: losses a run recovers from before it stops
+    recovery: dict[str, Any] | None = None  # the recovery this run continues: its metrics.jsonl event, to complete
 
     @property
     def rerun(self) -> tuple[str, ...]:

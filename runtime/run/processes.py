@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,24 @@ STOPPED_KILL_S = 30.0  # `hetero worker`: a stage stopped (SIGSTOP) this long is
 log = logging.getLogger("hetero.processes")
 
 
+@dataclass(frozen=True)
+class LostStage:
+    """A stage whose device the run lost, as opposed to one that reported an error of its own: its process was
+    killed by a signal, went silent (hung, stopped, its host unreachable) or its connection dropped for good. A run
+    with runtime.elastic=auto goes on without that device (runtime/run/elastic.py)."""
+
+    stage: int
+    what: str  # "exited", "stopped responding"
+    cause: str  # "killed by SIGKILL", "no heartbeat for 10 s (...)"
+    at: float = field(default_factory=time.monotonic)  # when the coordinator saw it
+
+
 class StageFailedError(HeteroError):
-    """A stage process reported an error, exited, or went silent."""
+    """A stage process reported an error, exited, or went silent; ``lost`` when its device is gone."""
+
+    def __init__(self, message: str, lost: LostStage | None = None) -> None:
+        super().__init__(message)
+        self.lost = lost
 
 
 def exit_cause(code: int) -> str:

@@ -188,6 +188,18 @@ class RunRecords:
             prune_snapshots(self.run_dir)
         return written
 
+    def write_state(self, state: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> Path:
+        """A snapshot of the whole model's state as one union (tensors, meta): what the coordinator kept in memory
+        (runtime.elastic) goes to disk when the run stops on a failure, so its resume command loses nothing."""
+        from hetero.runtime.run.checkpoint import prune_snapshots, write_checkpoint
+
+        tensors, meta = state
+        settings = {k: v for k, v in to_dict(self.plan.train).items() if k in RUNTIME_OVERRIDABLE}
+        written = write_checkpoint(self.run_dir, int(meta["step"]), [(tensors, {**meta, "stage": 0})], 1,
+                                   train=settings, snapshot=True)
+        prune_snapshots(self.run_dir)
+        return written
+
     def _save_adapter(self, state: dict[str, torch.Tensor]) -> None:
         from hetero.runtime.pretrained import adapter_base
         from hetero.runtime.run.adapter import save_adapter

@@ -58,7 +58,8 @@ def build_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, flo
                  events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Summarize metrics.jsonl lines against the predictions: the plan's for its own split (its first step left
     out), each move's for the split it moved to (the move's own step left out). ``steps`` may hold events too."""
-    moves_in = event_lines(steps) + list(events or [])
+    moves_in = event_lines(steps) + event_lines(list(events or []))
+    recoveries = event_lines(steps, "recovery") + event_lines(list(events or []), "recovery")
     steps = step_lines(steps)
     segments = run_segments(plan, steps, moves_in)
     planned = segments[0]
@@ -77,6 +78,8 @@ def build_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, flo
         "stages": _stage_entries(plan, planned, step_time, build_s),
         "segments": [_segment_entry(plan, s) for s in segments],
         "moves": run_moves(segments),
+        # Devices lost and left out (runtime.elastic=auto); the steps above ran on the plan after the last of them.
+        "recoveries": recoveries,
         "telemetry": telemetry_summary(steps, len(plan.stages)),
         # Measured vs predicted per stage, stages >20% off flagged, and the bottleneck in words.
         "comparison": compare_run(plan, steps + moves_in) if steps else [],
@@ -155,7 +158,7 @@ def write_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, flo
     report = build_report(plan, steps, build_s, str(run_dir), events)
     if report["steps"]:
         try:
-            report["picture"] = str(draw_steps(plan, steps, events or [], run_dir / "steps.png"))
+            report["picture"] = str(draw_steps(plan, steps, event_lines(list(events or [])), run_dir / "steps.png"))
         except OSError as exc:  # a full disk costs the picture, not the report
             print(f"hetero run: could not write {run_dir / 'steps.png'}: {exc}", file=sys.stderr)
     write_run_file(run_dir, "report.json", json.dumps(report, indent=1))
@@ -190,11 +193,26 @@ def print_report(report: dict[str, Any]) -> None:
         console.print("[bold]moves[/bold]")
         for move in report["moves"]:
             console.print(f"  {move_line(move)}", highlight=False, markup=False)
+    for event in report.get("recoveries") or []:
+        console.print(recovery_line(event), highlight=False, markup=False)
     for line in (report.get("comparison", []) + telemetry_lines(report.get("telemetry") or [])
                  + streaming_lines(report.get("streaming") or [])):
         console.print(line, highlight=False, markup=False)
     if report.get("picture"):
         console.print(f"step times over the run: {report['picture']}", highlight=False)
+
+
+def recovery_line(event: dict[str, Any]) -> str:
+    """``recovered after step 12: stage 1 (box.cpu1) exited: killed by SIGKILL; split 2/2/2 -> 3/3 on the devices left
+    (plan-recovery-1.json); steps 10-12 trained again; 10.3 s from the loss to the next step``."""
+    first, replayed = event.get("resumed_from_step"), event.get("replayed_steps")
+    again = (f"steps {first}-{first + replayed - 1} trained again" if isinstance(first, int) and isinstance(replayed, int)
+             and replayed > 0 else "no step trained again")
+    took = f"; {event['recovery_s']:.1f} s from the loss to the next step" if isinstance(event.get("recovery_s"),
+                                                                                        (int, float)) else ""
+    return (f"recovered after step {event.get('after_step')}: stage {event.get('stage')} ({event.get('device')}) "
+            f"{event.get('cause')}; split {split_text(event.get('old_split'))} -> {split_text(event.get('new_split'))} "
+            f"on the devices left ({event.get('plan')}); {again}{took}")
 
 
 def tokens_line(report: dict[str, Any]) -> str:

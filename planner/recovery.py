@@ -1,0 +1,67 @@
+"""Re-planning a run that lost a device (`hetero run ... runtime.elastic=auto`, the default: runtime/run/elastic.py).
+
+The stages that are left keep their pipeline order; what changes is how many there are and which layers each
+holds. The split is chosen the way rebalancing chooses one (planner/rebalance.py): every split of the decoder
+layers over the remaining devices (or the split DP's candidates and their neighbours, when there are many),
+simulated with the same cost table, each device's compute scaled by the speed the run measured on it. The
+complete plan (programs for the new stage count, predictions, memory, baselines) is then made by
+``planner.plan`` as a manual split of those devices, so it is checked and priced like any compiled plan.
+
+Neither the ILP nor PuLP runs here: the coordinator calls this while its stages wait.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from hetero.errors import InfeasiblePlanError
+from hetero.plan import Plan
+from hetero.planner.cost_model import RooflineCostModel
+from hetero.planner.rebalance import Replanner
+from hetero.specs import ClusterSpec
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """The plan on the devices that are left, and what the re-plan saw."""
+
+    plan: Plan
+    split: list[int]  # decoder layers per remaining stage
+    devices: list[str]  # the remaining devices, in pipeline order
+    predicted_step_s: float  # the new plan's step time (datasheet costs, as any plan's)
+    simulated_step_s: float  # the same split simulated at the measured speeds
+
+
+def without_devices(cluster: ClusterSpec, lost: set[str]) -> ClusterSpec:
+    """``cluster`` less the devices named in ``lost`` (their hosts stay: the coordinator may run on one)."""
+    return replace(cluster, hosts=[replace(h, devices=[d for d in h.devices if d.name not in lost])
+                                   for h in cluster.hosts])
+
+
+def plan_without(plan: Plan, lost: set[str], factors: dict[str, float] | None = None) -> Recovery:
+    """``plan`` re-planned on its devices less ``lost``, in the same order; ``factors``: device name -> measured
+    compute over priced (1.0 where absent). A one-line InfeasiblePlanError when the devices left cannot hold the
+    model, or none is left."""
+    from hetero.planner import plan as make_plan
+
+    if len(plan.pipelines) != 1:
+        raise InfeasiblePlanError("a plan with data x pipeline replicas is not re-planned after a loss")
+    order = [s.device for s in plan.stages if s.device not in lost]
+    if not order:
+        raise InfeasiblePlanError("no training device is left")
+    fleet = without_devices(plan.cluster, lost)
+    cost_model = RooflineCostModel(efficiency=plan.planner.efficiency)
+    replanner = Replanner(plan, cost_model, cluster=fleet, order=order)
+    speed = [float((factors or {}).get(name, 1.0)) for name in order]
+    best = replanner.best(speed)
+    if best is None:
+        raise InfeasiblePlanError(f"the {len(order)} device(s) left ({', '.join(order)}) cannot hold the model: "
+                                  "no split of its layers fits their memory")
+    split = replanner.counts(best.spans)
+    options = replace(plan.planner, devices=order, split=split, num_stages=None, replicas=1)
+    new = make_plan(plan.model, plan.graph, fleet, plan.train, plan.data, options, cost_model, plan.eval,
+                    plan.config, plan.data_stats)
+    note = (f"Re-planned during the run after losing {', '.join(sorted(lost))}: {len(order)} stage(s) on the devices "
+            f"left, split {'/'.join(map(str, split))} chosen by simulation at the speeds the run measured.")
+    new = replace(new, security=plan.security, verdict=[note, *new.verdict])
+    return Recovery(new, split, order, new.prediction.step_time_s, best.step_s)

@@ -1,0 +1,195 @@
+"""runtime.elastic=auto (the default): a run that loses a stage's device goes on without it, on a plan for the
+devices left, and ends where a run that lost nothing ends: the same per-step losses and the same adapter file.
+
+The process tests run the tiny model as three CPU stages of real `hetero run` processes (one thread each), lose
+stages the ways a home fleet loses them (a process killed, a process stopped), and compare with one undisturbed
+run (module fixture ``reference``). The re-plan itself is checked in-process (planner/recovery.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from procs import clean_up, finish, start
+from test_runtime_failures import (
+    _adapter,
+    _assert_no_process_left,
+    _metrics,
+    _one_error_line,
+    _port,
+    _stage_pids,
+)
+from test_runtime_plans import free_ports, make_plan
+
+from hetero.errors import InfeasiblePlanError
+from hetero.planner.recovery import plan_without
+from hetero.runtime.run.report import recovery_line
+from hetero.runtime.tools.run_compare import event_lines, read_metrics
+from hetero.specs import ModelSpec, TrainSpec
+
+STEPS = 40
+TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=STEPS, lr=1e-3)
+FAILURE_TIMEOUT_S = 5.0
+RUNTIME = [f"runtime.failure_timeout_s={FAILURE_TIMEOUT_S:g}"]
+RECOVERY_BOUND_S = 30.0  # from the loss to the next completed step, on this 2-core machine (issue 33)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers():
+    yield
+    clean_up()
+
+
+@pytest.fixture(scope="module")
+def root(tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("elastic")
+    make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=TRAIN).save(root / "plan.json")
+    return root
+
+
+def _run(root: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
+    return start(["run", str(root / "plan.json"), "--run-dir", str(run_dir), "--port", str(free_ports(1)[0]),
+                  "--no-progress", *RUNTIME, *extra], root.parent)
+
+
+@pytest.fixture(scope="module")
+def reference(root: Path) -> dict:
+    """One run that lost nothing: its per-step losses and its adapter."""
+    run_dir = root / "reference"
+    code, _, err = finish(_run(root, run_dir))
+    assert code == 0, err[-3000:]
+    return {"losses": [m["loss"] for m in _metrics(run_dir)], "adapter": _adapter(run_dir)}
+
+
+def _recoveries(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return event_lines(read_metrics(path), "recovery") if path.is_file() else []
+
+
+def _wait(what: str, ready, run: subprocess.Popen, timeout: float = 120.0) -> float:
+    """Wait until ``ready()``; the seconds it took."""
+    t0 = time.monotonic()
+    while not ready():
+        if run.poll() is not None or time.monotonic() - t0 > timeout:
+            out, err = run.communicate()
+            raise AssertionError(f"{what} never happened (exit {run.returncode})\nstdout:{out[-3000:]}\nstderr:{err[-3000:]}")
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def _lose(run: subprocess.Popen, run_dir: Path, stage: int, sig: signal.Signals, after_step: int,
+          recoveries: int) -> tuple[list[int], float]:
+    """Once step ``after_step`` is done, send ``sig`` to ``stage``; the stage pids then, and the seconds from the
+    signal to the first step completed on the plan that leaves its device out."""
+    _wait(f"step {after_step}", lambda: any(m["step"] >= after_step for m in _metrics(run_dir)), run)
+    pids = _stage_pids(run_dir)
+    os.kill(pids[stage], sig)
+    took = _wait(f"recovery {recoveries + 1}", lambda: len(_recoveries(run_dir)) > recoveries, run,
+                 timeout=RECOVERY_BOUND_S + 60)
+    return pids, took
+
+
+def _assert_same_training(run_dir: Path, reference: dict) -> None:
+    """Every step once, each loss within 1e-5 of the undisturbed run's, and the same adapter file."""
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(STEPS))  # replayed steps are not counted twice
+    for m, want in zip(metrics, reference["losses"], strict=True):
+        assert abs(m["loss"] - want) <= 1e-5, (m["step"], m["loss"], want)
+    state = _adapter(run_dir)
+    assert set(state) == set(reference["adapter"])
+    for key, want in reference["adapter"].items():
+        torch.testing.assert_close(state[key], want, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+def test_a_run_goes_on_without_a_killed_stage_and_then_a_stopped_one(root: Path, reference: dict) -> None:
+    """SIGKILL of stage 1 at step 8: the run goes on on 2 stages; SIGSTOP of a stage of those at step 22: on 1.
+    The losses and the adapter are the undisturbed run's; each recovery is a metrics.jsonl line and a report line."""
+    run_dir = root / "lost-twice"
+    run = _run(root, run_dir)
+    pids, took = _lose(run, run_dir, 1, signal.SIGKILL, 8, 0)
+    print(f"SIGKILL: training went on {took:.1f} s later")
+    first = _recoveries(run_dir)[0]
+    assert took <= RECOVERY_BOUND_S and first["recovery_s"] <= RECOVERY_BOUND_S, first
+    assert first["stage"] == 1 and first["device"] == "localhost.cpu1" and first["cause"] == "exited: killed by SIGKILL"
+    assert first["old_split"] == [2, 2, 2] and len(first["new_split"]) == 2 and sum(first["new_split"]) == 6
+    assert first["devices"] == ["localhost.cpu0", "localhost.cpu2"]
+    assert first["resumed_from_step"] <= first["after_step"] + 1 and first["after_step"] >= 8
+    assert (run_dir / first["plan"]).is_file() and first["plan"] == "plan-recovery-1.json"
+
+    _wait("the new stages' pids", lambda: len(_stage_pids(run_dir)) == 2, run)
+    stopped, took = _lose(run, run_dir, 0, signal.SIGSTOP, 22, 1)
+    print(f"SIGSTOP: training went on {took:.1f} s later (failure_timeout_s {FAILURE_TIMEOUT_S:g})")
+    second = _recoveries(run_dir)[1]
+    assert second["recovery_s"] <= RECOVERY_BOUND_S + FAILURE_TIMEOUT_S, second
+    assert second["device"] == "localhost.cpu0" and second["cause"].startswith("stopped responding: no heartbeat")
+    assert second["new_split"] == [6] and second["devices"] == ["localhost.cpu2"]
+
+    code, out, err = finish(run)
+    assert code == 0, err[-3000:]
+    _assert_same_training(run_dir, reference)
+    said = [ln for ln in err.splitlines() if "going on without it" in ln]
+    assert len(said) == 2 and "stage 1 (localhost.cpu1 on localhost) exited: killed by SIGKILL" in said[0], err
+    assert out.count("recovered after step") == 2, out  # the report names both
+    report = json.loads((run_dir / "report.json").read_text())
+    assert [r["device"] for r in report["recoveries"]] == ["localhost.cpu1", "localhost.cpu0"]
+    _assert_no_process_left(run_dir, [*pids, *stopped])  # the stopped process was killed, not left behind
+
+
+@pytest.mark.slow
+def test_past_max_recoveries_a_loss_stops_the_run_with_its_resume_command(root: Path, reference: dict) -> None:
+    """runtime.max_recoveries=1: the second loss stops the run in one line, with the command that resumes it from the
+    state the coordinator held (written to disk as it stopped); that command finishes the run as if nothing happened."""
+    run_dir = root / "lost-too-often"
+    run = _run(root, run_dir, "runtime.max_recoveries=1")
+    pids, _ = _lose(run, run_dir, 1, signal.SIGKILL, 4, 0)
+    _wait("the new stages' pids", lambda: len(_stage_pids(run_dir)) == 2, run)
+    _wait("step 12", lambda: any(m["step"] >= 12 for m in _metrics(run_dir)), run)
+    again = _stage_pids(run_dir)
+    os.kill(again[1], signal.SIGKILL)
+    code, _, err = finish(run, 60)
+    assert code == 2, err[-3000:]
+    assert "runtime.elastic: 1 recovery made (runtime.max_recoveries=1): not going on without localhost.cpu2" in err
+    line = _one_error_line(err)
+    resume = f"hetero run {run_dir / 'plan-recovery-1.json'} --port {_port(run)} --resume {run_dir}"
+    assert "stage 1 exited on host localhost" in line and "killed by SIGKILL" in line and resume in line, line
+    _assert_no_process_left(run_dir, [*pids, *again])
+
+    code, _, err = finish(start(["run", str(run_dir / "plan-recovery-1.json"), "--resume", str(run_dir), "--port",
+                                 str(free_ports(1)[0]), "--no-progress", *RUNTIME], root.parent))
+    assert code == 0, err[-3000:]
+    _assert_same_training(run_dir, reference)
+
+
+def test_a_re_plan_keeps_the_order_of_the_devices_left_and_fits_their_memory(tiny_model_dir: Path,
+                                                                               tiny_spec: ModelSpec) -> None:
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=TRAIN)
+    recovery = plan_without(plan, {"localhost.cpu1"})
+    new = recovery.plan
+    assert [s.device for s in new.stages] == recovery.devices == ["localhost.cpu0", "localhost.cpu2"]
+    assert recovery.split == [3, 3]  # equal costs: the evenest split
+    assert new.stages[0].first_node == 0 and new.stages[-1].last_node == len(plan.graph.nodes) - 1
+    assert all(a.last_node + 1 == b.first_node for a, b in zip(new.stages, new.stages[1:], strict=False))
+    assert "localhost.cpu1" not in [d.name for d in new.cluster.devices] and new.security == plan.security
+    assert new.verdict[0].startswith("Re-planned during the run after losing localhost.cpu1")
+    # A device measured 3x slower than priced gets fewer layers.
+    assert plan_without(plan, {"localhost.cpu1"}, {"localhost.cpu2": 3.0}).split[1] <= 3
+    assert plan_without(plan, {"localhost.cpu0", "localhost.cpu1"}).split == [6]
+    with pytest.raises(InfeasiblePlanError, match="no training device is left"):
+        plan_without(plan, {"localhost.cpu0", "localhost.cpu1", "localhost.cpu2"})
+
+
+def test_a_recovery_reads_as_a_sentence_in_the_report() -> None:
+    event = {"event": "recovery", "after_step": 12, "stage": 1, "device": "box.cpu1", "cause": "exited: killed by SIGKILL",
+             "old_split": [2, 2, 2], "new_split": [3, 3], "plan": "plan-recovery-1.json", "resumed_from_step": 10,
+             "replayed_steps": 3, "recovery_s": 10.34}
+    assert recovery_line(event) == ("recovered after step 12: stage 1 (box.cpu1) exited: killed by SIGKILL; split 2/2/2 "
+                                    "-> 3/3 on the devices left (plan-recovery-1.json); steps 10-12 trained again; 10.3 s "
+                                    "from the loss to the next step")

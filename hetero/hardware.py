@@ -89,10 +89,14 @@ def load_device_types(extra_dirs: Iterable[Path | str] = ()) -> dict[str, Device
 
 
 def _unknown_type_message(type_name: str, where: str, known: Iterable[str]) -> str:
+    """The known types, the closest one (a typo?), and how to add a card that is not bundled."""
     known = sorted(known)
     close = difflib.get_close_matches(str(type_name), known, n=1, cutoff=0.6)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return f"unknown GPU type '{type_name}' in {where}; known: {', '.join(known)}{hint}"
+    typo = f" (a typo of {close[0]}?)" if close else ""
+    model = importlib.resources.files("hetero.hardware_specs") / f"{close[0] if close else 'rtx3090'}.yaml"
+    return (f"unknown GPU type '{type_name}' in {where}{typo}; known: {', '.join(known)}; for a card not listed, copy "
+            f"{model} to hardware_specs/{type_name}.yaml in your config directory (-cd DIR) and put in its memory, "
+            "bandwidth and TFLOPS with their source")
 
 
 def _check_keys(entry: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
@@ -430,6 +434,14 @@ def build_cluster(
     hosts: list[HostSpec] = []
     for i, entry in enumerate(hosts_cfg):
         hosts.append(_host_spec(entry, f"hardware.hosts[{i}]", types, hosts))
+    if len(hosts) > 1:  # 127.0.0.1 is the default for one host; several must say where the others reach them
+        unset = [(i, h.name) for i, (h, entry) in enumerate(zip(hosts, hosts_cfg, strict=True)) if "address" not in entry]
+        if unset:
+            i, name = unset[0]
+            raise ConfigError(f"hardware.hosts[{i}] ('{name}'): a fleet of {len(hosts)} hosts needs every host's "
+                              f"address (where the others reach it, e.g. address: 192.168.1.20); "
+                              f"{len(unset)} host(s) have none ({', '.join(n for _, n in unset)}). Hosts on one "
+                              "machine for a test: address: 127.0.0.1")
     names = [d.name for h in hosts for d in h.devices]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:

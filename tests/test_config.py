@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -20,7 +21,8 @@ MODELS = {"tiny": 6, "llama8b": 32, "llama70b": 80, "mistral7b": 32, "qwen2_7b":
           "phi4": 40, "mistral_nemo_12b": 40, "gemma3_12b": 48, "qwen3_30b_a3b": 48, "mixtral_8x7b": 32}
 FLEETS = {"local": 2, "homelab": 2, "mixed_fleet": 4, "mining_rig": 6}
 REQUIRED_TYPES = [
-    "rtx3080", "rtx3090", "rtx4090", "rtx5090", "v100_16gb", "v100_32gb", "m40_24gb", "a100_40gb", "a100_80gb",
+    "rtx2080ti", "rtx3060", "rtx3070", "rtx3080", "rtx3090", "rtx3090ti", "rtx4060ti_16gb", "rtx4070", "rtx4070ti",
+    "rtx4080", "rtx4090", "rtx5090", "p40", "v100_16gb", "v100_32gb", "m40_24gb", "a100_40gb", "a100_80gb",
     "h100_sxm", "h200", "mi100", "mi210", "rx7900xtx", "strix_halo", "apple_m2_max", "apple_m3_max", "apple_m4_max", "cpu",
 ]  # fmt: skip
 
@@ -140,6 +142,7 @@ hosts:
       - {type: rtx5090}
       - {type: v100_16gb, memory_gb: 15, name: old}
   - name: strix
+    address: 10.0.0.3
     devices:
       - {type: strix_halo, memory_gb: 64}
 links:
@@ -177,7 +180,8 @@ def test_datasheets_are_complete_and_consistent() -> None:
     for old in ("v100_16gb", "v100_32gb", "m40_24gb"):
         assert not types[old].bf16
     assert types["m40_24gb"].tflops_fp16 == types["m40_24gb"].tflops_fp32  # no tensor cores, no fast fp16
-    for geforce in ("rtx3080", "rtx3090", "rtx4090", "rtx5090"):
+    for geforce in ("rtx3060", "rtx3070", "rtx3080", "rtx3090", "rtx3090ti", "rtx4060ti_16gb", "rtx4070", "rtx4070ti",
+                    "rtx4080", "rtx4090", "rtx5090"):
         # GeForce tensor fp16 with fp32 accumulate is 2x the fp32 rate (the fp16-accumulate figure is 4x)
         assert types[geforce].tflops_fp16 / types[geforce].tflops_fp32 == pytest.approx(2.0, rel=0.01)
     assert all(not t.nf4 for t in types.values() if t.backend == "mps")
@@ -209,8 +213,12 @@ def test_unknown_gpu_type_suggests_the_closest(tmp_path: Path) -> None:
     _write(tmp_path / "hardware" / "typo.yaml", "hosts:\n  - name: a\n    devices: [{type: rtx9090}]\n")
     err = _error(["hardware=typo"], tmp_path)
     assert isinstance(err, UnknownDeviceError)
-    assert str(err).startswith("unknown GPU type 'rtx9090' in hardware.hosts[0].devices[0]; known: a100_40gb")
-    assert str(err).endswith("(did you mean rtx5090?)")
+    assert str(err).startswith("unknown GPU type 'rtx9090' in hardware.hosts[0].devices[0] (a typo of rtx5090?); "
+                               "known: a100_40gb")
+    # ... and how to add a card that is not bundled: a datasheet of its own, beside the user's config.
+    assert re.search(r"; for a card not listed, copy \S+/hardware_specs/rtx5090\.yaml to hardware_specs/rtx9090\.yaml "
+                     r"in your config directory \(-cd DIR\) and put in its memory, bandwidth and TFLOPS with their "
+                     r"source$", str(err)), str(err)
 
 
 def test_unknown_group_option_lists_available() -> None:
@@ -271,9 +279,15 @@ def test_a_malformed_override_on_the_command_line_is_one_line(capsys: pytest.Cap
 
 
 def test_missing_link_and_unknown_fleet_key(tmp_path: Path) -> None:
-    two = "hosts:\n  - name: a\n    devices: [rtx3090]\n  - name: b\n    devices: [rtx4090]\n"
+    two = ("hosts:\n  - name: a\n    address: 10.0.0.1\n    devices: [rtx3090]\n  - name: b\n    address: 10.0.0.2\n"
+           "    devices: [rtx4090]\n")
     _write(tmp_path / "hardware" / "nolink.yaml", two)
     assert "no link between hosts 'a' and 'b'" in str(_error(["hardware=nolink"], tmp_path))
+    # Without addresses, several hosts would all be 127.0.0.1: refused at compile, not found out at run time.
+    _write(tmp_path / "hardware" / "noaddress.yaml", two.replace("    address: 10.0.0.2\n", ""))
+    assert str(_error(["hardware=noaddress"], tmp_path)) == (
+        "hardware.hosts[1] ('b'): a fleet of 2 hosts needs every host's address (where the others reach it, e.g. "
+        "address: 192.168.1.20); 1 host(s) have none (b). Hosts on one machine for a test: address: 127.0.0.1")
     _write(
         tmp_path / "hardware" / "extra.yaml", "hosts:\n  - name: a\n    devices: [{type: rtx3090, vram: 3}]\n"
     )
@@ -372,3 +386,15 @@ def test_the_composed_config_is_frozen_once() -> None:
                              (cfg.cluster.devices[0], "threads", 3), (cfg.train, "lr", 1.0)]:
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(obj, name, value)
+
+
+def test_real_model_presets_train_with_real_run_defaults() -> None:
+    """The tiny demo trains fast at lr 1e-3; a real model's preset gets LoRA/QLoRA's own defaults (warmup, cosine,
+    the QLoRA paper's rates) rather than the demo's."""
+    tiny = load([]).train
+    assert (tiny.lr, tiny.scheduler, tiny.warmup_steps) == (1e-3, "constant", 0)
+    for model, lr in [("llama8b", 2e-4), ("qwen3_8b", 2e-4), ("phi4", 2e-4), ("llama70b", 1e-4),
+                      ("mixtral_8x7b", 1e-4)]:
+        train = load([f"model={model}"]).train
+        assert (train.lr, train.scheduler, train.warmup_steps) == (lr, "cosine", 10), model
+    assert load(["model=llama8b", "train.lr=5e-5"]).train.lr == 5e-5  # still the user's to change

@@ -296,3 +296,29 @@ def test_the_step_limit_is_settable_and_follows_the_plan(tiny_model_dir: Path, t
     assert step_timeout_s(slow) == 250.0  # 20x the predicted step
     assert step_timeout_s(fast) == STEP_TIMEOUT_MIN_S == 60.0  # never below a minute
     assert step_timeout_s(fast, 7.0) == 7.0  # runtime.step_timeout_s wins
+
+
+def test_a_port_in_use_and_an_address_this_machine_lacks_are_told_apart(tiny_model_dir: Path,
+                                                                        tiny_spec: ModelSpec) -> None:
+    """A busy port names another process; an address that is not this machine's (EADDRNOTAVAIL: `hetero run` started
+    on the wrong box, or a wrong hosts.address) names the host and the fix, not a busy port."""
+    import socket
+
+    from hetero.runtime.run.preflight import PortBusyError, check_ports
+
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN, hosts=["alpha", "beta"])
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(PortBusyError, match=rf"the coordinator cannot listen on tcp://127.0.0.1:{port} \(Address "
+                                                r"already in use\): another process \(another run\?\) holds the port"):
+            check_ports(plan, None, port)
+    far = replace(plan, cluster=replace(plan.cluster, hosts=[replace(plan.cluster.hosts[0], address="192.0.2.7"),
+                                                              *plan.cluster.hosts[1:]]))
+    with pytest.raises(PortBusyError) as refused:
+        check_ports(far, None, None)
+    assert re.fullmatch(r"the coordinator cannot listen on tcp://192\.0\.2\.7:\d+ \(Cannot assign requested address\): "
+                        r"this machine does not have alpha's address 192\.0\.2\.7 \(the fleet file's hosts\.address\): "
+                        r"run `hetero run` on alpha itself, or pass --host NAME for the host this machine is \(beta\), "
+                        r"or correct the address and recompile", str(refused.value)), str(refused.value)

@@ -72,6 +72,7 @@ def test_two_hosts_train_and_the_adapter_loads_with_peft(tiny_model_dir: Path, t
     code, out, err = finish(run)
     assert code == 0, err[-3000:]
     assert "waiting for hosts beta" in out
+    assert f"on beta: `hetero worker plan.json --host beta --coordinator {coordinator}`" in out, out  # as it is typed
     assert finish(worker, 60)[0] == 0
 
     metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))

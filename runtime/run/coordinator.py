@@ -182,8 +182,10 @@ class Coordinator:
             self.ssh = SshWorkers(self.options.ssh_hosts, self.run_dir)
             remote = [h for h in remote if h not in self.ssh.hosts]
         if remote:
-            print(f"hetero run: waiting for hosts {', '.join(remote)}: on each, run "
-                  f"`hetero worker plan.json --host NAME --coordinator {self.endpoint}`", flush=True)
+            commands = "; ".join(f"on {h}: `hetero worker plan.json --host {h} --coordinator {self.endpoint}`"
+                                 for h in remote)
+            print(f"hetero run: waiting for hosts {', '.join(remote)}: start each with its copy of this plan.json, "
+                  f"{commands}", flush=True)
 
     def _run(self) -> None:
         """Remote hosts started, handshake, training, last evaluation, and the final stop."""

@@ -211,6 +211,15 @@ def check_ports(plan: Plan, host: str | None, port: int | None) -> None:
                 fix = "pass another --port" if who == "the coordinator" else "recompile with another base port"
                 code = exc.errno or 0
                 reason = os.strerror(code) if code in errno.errorcode else exc.strerror  # without zmq's suffix
+                if code == errno.EADDRNOTAVAIL:  # not "busy": this machine is not that address
+                    address = plan.cluster.host(name).address
+                    others = [h.name for h in plan.cluster.hosts if h.name != name]
+                    where = (f"run `hetero run` on {name} itself, or pass --host NAME for the host this machine is"
+                             f" ({', '.join(others)})" if others and host is None else
+                             f"run it on {name}")
+                    raise PortBusyError(f"{who} cannot listen on {endpoint} ({reason}): this machine does not have "
+                                        f"{name}'s address {address} (the fleet file's hosts.address): {where}, "
+                                        "or correct the address and recompile") from None
                 raise PortBusyError(f"{who} cannot listen on {endpoint} ({reason}): another process (another "
                                     f"run?) holds the port; stop it or {fix}") from None
     finally:

@@ -134,20 +134,28 @@ def test_tokens_format_from_parquet(tiny_model_dir: Path, tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     "content,fmt,match",
     [
-        ('{"instruction": "x"}\n', "alpaca", r"record 0: .*'output'"),
-        ('{"instruction": "a", "output": "b"}\n{"instruction": "x", "output": 3}\n', "alpaca", "record 1"),
-        ('{"text": "hi"}\n{"other": "no"}\n', "text", "record 1: needs a string field 'text'"),
-        ('{"input_ids": []}\n', "tokens", "record 0: tokens format"),
+        ('{"instruction": "x"}\n', "alpaca", r"line 1: .*\(missing 'output'\)$"),
+        # The valid "5" stays a string (no column types inferred across records), and the bad line is the one named.
+        ('{"instruction": "a", "output": "5"}\n\n{"instruction": "x", "output": 3}\n', "alpaca",
+         r"bad.jsonl: line 3: alpaca format needs string fields 'instruction' and 'output' \('output', got 3 \(a "
+         r"number\)\)$"),
+        ('{"text": "hi"}\n{"other": "no"}\n', "text", "line 2: needs a string field 'text'"),
+        ('{"input_ids": []}\n', "tokens", "line 1: tokens format"),
         ('{"input_ids": [1, 2], "labels": [1]}\n', "tokens", "as long as"),
-        ('{"text": "hi"}\n', "chat", "record 0: chat format needs a non-empty list 'messages'"),
+        ('{"text": "hi"}\n', "chat", "line 1: chat format needs a non-empty list 'messages'"),
         ('{"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]}\n', "chat",
-         r"record 0: messages\[1\]\.role must be one of system, user, assistant, got 'tool'"),
+         r"line 1: messages\[1\]\.role must be one of system, user, assistant, got 'tool'"),
         ('{"messages": [{"role": "user", "content": 3}]}\n', "chat",
          r"messages\[0\]\.content must be a string"),
         ('{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}\n', "chat",
-         "record 0: 'messages' has no assistant turn"),
+         "line 1: 'messages' has no assistant turn"),
         ("", "alpaca", "empty"),
-        ("{not json\n", "alpaca", "cannot read"),
+        ("{not json\n", "alpaca", r"bad.jsonl: line 1: invalid JSON \(Expecting property name enclosed in double "
+                                   r"quotes, column 2\)$"),
+        ('{"instruction": "a", "output": "b"}\n{"instruction": "a", "outp', "alpaca",
+         r"line 2: invalid JSON \(Unterminated string starting at, column 22\) \(the line is cut short\?\)$"),
+        ('[{"instruction": "a", "output": "b"}, {"instruction": 1, "output": "b"}]', "alpaca",
+         r"record 2: alpaca format needs .*\('instruction', got 1 \(a number\)\)$"),
     ],
 )
 def test_bad_data(tiny_model_dir: Path, tmp_path: Path, content: str, fmt: str, match: str) -> None:
@@ -249,17 +257,17 @@ def test_chat_refusals(tiny_model_dir: Path, tmp_path: Path) -> None:
     _chat_setup(tiny_model_dir, tmp_path, shortens, [CHAT[1:3], CHAT])
     sb = _batches(tmp_path / "tokenizer", spec, shuffle=False, micro_batch_size=1, num_micro_batches=1)
     assert sb.step(0).num_label_tokens > 0
-    with pytest.raises(ConfigError, match=r"record 1: the chat template renders .* messages\[2\] differently"):
+    with pytest.raises(ConfigError, match=r"line 2: the chat template renders .* messages\[2\] differently"):
         sb.check(0, 1, None)
     loose = _batches(tmp_path / "tokenizer", DataSpec(path=spec.path, format="chat", train_on_prompt=True))
     loose.check(0, 1, None)  # no turns to locate: every token has a label
     _chat_setup(tiny_model_dir, tmp_path, "{{ raise_exception('roles must alternate') }}", [CHAT])
-    refused = "record 0: the tokenizer's chat template refuses this conversation: roles must alternate"
+    refused = "line 1: the tokenizer's chat template refuses this conversation: roles must alternate"
     with pytest.raises(ConfigError, match=refused) as info:
         _batches(tmp_path / "tokenizer", spec).check(0, 1, None)
     assert "\n" not in str(info.value)
     _chat_setup(tiny_model_dir, tmp_path, ROLE_TEMPLATE, [CHAT[2:]])
-    with pytest.raises(ConfigError, match=r"record 0: messages\[0\] is an assistant turn"):
+    with pytest.raises(ConfigError, match=r"line 1: messages\[0\] is an assistant turn"):
         _batches(tmp_path / "tokenizer", spec).check(0, 1, None)
 
 

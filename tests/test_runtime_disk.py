@@ -418,8 +418,8 @@ def test_bad_inputs_are_refused_before_any_stage_starts(tiny_model_dir: Path, ti
     for name, content, fmt, expected in [
         ("missing.jsonl", None, "alpaca", "missing.jsonl': no such file"),
         ("fields.jsonl", '{"instruction": "a", "output": "b"}\n{"instruction": "c"}\n', "alpaca",
-         "record 1: alpaca format needs string fields 'instruction' and 'output' (missing 'output')"),
-        ("vocab.jsonl", '{"input_ids": [1, 2, 3, 900]}\n', "tokens", "record 0: token id 900 is outside the model's "
+         "line 2: alpaca format needs string fields 'instruction' and 'output' (missing 'output')"),
+        ("vocab.jsonl", '{"input_ids": [1, 2, 3, 900]}\n', "tokens", "line 1: token id 900 is outside the model's "
          "vocabulary (vocab_size 512)"),
         ("short.jsonl", '{"instruction": "' + "word " * 60 + '", "output": "b"}\n', "alpaca",
          "step 0 has no label tokens after truncation to seq_len=32"),

@@ -69,26 +69,43 @@ class StepBatch:
 
 def load_records(data: DataSpec) -> tuple[list[dict[str, Any]], str]:
     """The raw records of ``data`` and a display name for error messages."""
+    records, name, _ = load_located(data)
+    return records, name
+
+
+def load_located(data: DataSpec) -> tuple[list[dict[str, Any]], str, list[str]]:
+    """The raw records of ``data``, a display name for error messages, and where each record is in the file:
+    ``line N`` for JSON lines, ``record N`` (from 1) for a JSON array or Parquet.
+
+    JSON is read by hetero itself, line by line: every value stays as the file has it (no column types inferred
+    across records, which turned a valid "5" into 5 and blamed another record), and a bad line is named."""
     if data.path is None:
         if data.format != "alpaca":
             raise ConfigError(f"data.format={data.format} needs data.path=FILE: the bundled demo set "
                               "(used when data.path is unset) is in the alpaca format")
         from hetero.runtime.pretrained import demo_data_text
 
-        return _parse_jsonl(demo_data_text(), DEMO_NAME), DEMO_NAME
+        return (*_read_json(demo_data_text(), DEMO_NAME),)
     path = Path(data.path).expanduser()
     name = str(path)
     if not path.is_file():
         raise ConfigError(f"data.path '{name}': no such file")
     suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        builder = "json"
-    elif suffix == ".parquet":
-        builder = "parquet"
-    else:
+    if suffix not in (".jsonl", ".json", ".parquet"):
         raise ConfigError(f"data.path '{name}': unsupported file type '{suffix}'; use .jsonl, .json or .parquet")
     if path.stat().st_size == 0:
         raise ConfigError(f"data.path '{name}': file is empty")
+    if suffix != ".parquet":
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"data.path '{name}': not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
+        return (*_read_json(text, name),)
+    records = _read_parquet(path, name)
+    return records, name, [f"record {i}" for i in range(1, len(records) + 1)]
+
+
+def _read_parquet(path: Path, name: str) -> list[dict[str, Any]]:
     import tempfile
 
     import datasets
@@ -100,16 +117,35 @@ def load_records(data: DataSpec) -> tuple[list[dict[str, Any]], str]:
         # A private, throwaway Arrow cache: several stage processes read the same file at once, and
         # the records are materialized below anyway.
         with tempfile.TemporaryDirectory(prefix="hetero-data-") as cache_dir:
-            ds = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir)
+            ds = datasets.load_dataset("parquet", data_files=str(path), split="train", cache_dir=cache_dir)
             records = ds.to_list()
     except Exception as exc:  # datasets wraps parse errors in several types; all mean "bad file"
-        raise ConfigError(f"data.path '{name}': cannot read as {builder}: {_first_line(exc)}") from None
+        raise ConfigError(f"data.path '{name}': cannot read as parquet: {_first_line(exc)}") from None
     finally:
         if not bars_were_off:
             datasets.enable_progress_bars()
     if not records:
         raise ConfigError(f"data.path '{name}': no records")
-    return records, name
+    return records
+
+
+def _read_json(text: str, name: str) -> tuple[list[dict[str, Any]], str, list[str]]:
+    """JSON lines (one object per line), or one JSON array of objects (a .json file may be either)."""
+    if text.lstrip().startswith("["):
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{name}: line {exc.lineno}: invalid JSON ({exc.msg}, column {exc.colno})") from None
+        if not isinstance(whole, list):
+            raise ConfigError(f"{name}: expected a JSON array of objects or one JSON object per line")
+        for i, record in enumerate(whole, 1):
+            if not isinstance(record, dict):
+                raise ConfigError(f"{name}: record {i}: expected a JSON object, got {short_repr(record)}")
+        if not whole:
+            raise ConfigError(f"{name}: no records")
+        return whole, name, [f"record {i}" for i in range(1, len(whole) + 1)]
+    records, located = _parse_jsonl(text, name)
+    return records, name, located
 
 
 def _first_line(exc: Exception) -> str:
@@ -117,36 +153,43 @@ def _first_line(exc: Exception) -> str:
     return (text.splitlines()[0] if text else type(exc).__name__)[:200]
 
 
-def _parse_jsonl(text: str, name: str) -> list[dict[str, Any]]:
-    records = []
+def _parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """One JSON object per line (blank lines skipped); the records and ``line N`` for each."""
+    records, located = [], []
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"{name}: line {lineno}: invalid JSON ({exc.msg})") from None
+            short = exc.msg.startswith("Unterminated") or exc.pos >= len(line.rstrip())  # it ends mid-value
+            cut = " (the line is cut short?)" if short else ""
+            raise ConfigError(f"{name}: line {lineno}: invalid JSON ({exc.msg}, column {exc.colno}){cut}") from None
         if not isinstance(record, dict):
-            raise ConfigError(f"{name}: line {lineno}: expected a JSON object")
+            raise ConfigError(f"{name}: line {lineno}: expected a JSON object, got {short_repr(record)}")
         records.append(record)
+        located.append(f"line {lineno}")
     if not records:
         raise ConfigError(f"{name}: no records")
-    return records
+    return records, located
 
 
-def _validate(records: list[dict[str, Any]], data: DataSpec, name: str) -> None:
-    """Fail at startup, not mid-run, on a record the chosen format cannot use."""
+def _validate(records: list[dict[str, Any]], data: DataSpec, name: str, located: list[str] | None = None) -> None:
+    """Fail at startup, not mid-run, on a record the chosen format cannot use; ``located``: where each record is in
+    the file (``line 3``), else ``record N`` from 1."""
     for i, r in enumerate(records):
-        where = f"{name}: record {i}"
+        where = f"{name}: {located[i] if located is not None else f'record {i + 1}'}"
         if data.format == "text":
             if not isinstance(r.get(data.text_field), str):
-                raise ConfigError(f"{where}: needs a string field '{data.text_field}' (data.text_field)")
+                raise ConfigError(f"{where}: needs a string field '{data.text_field}' (data.text_field)"
+                                  + _got(r, data.text_field))
         elif data.format == "alpaca":
             for key in ("instruction", "output"):
                 if not isinstance(r.get(key), str):
-                    raise ConfigError(f"{where}: alpaca format needs string fields 'instruction' and 'output' (missing '{key}')")
+                    raise ConfigError(f"{where}: alpaca format needs string fields 'instruction' and 'output' "
+                                      + (f"(missing '{key}')" if key not in r else f"('{key}'{_got(r, key)})"))
             if r.get("input") is not None and not isinstance(r["input"], str):
-                raise ConfigError(f"{where}: alpaca field 'input' must be a string")
+                raise ConfigError(f"{where}: alpaca field 'input' must be a string{_got(r, 'input')}")
         elif data.format == "chat":
             _validate_chat(r.get("messages"), where)
         else:
@@ -158,6 +201,16 @@ def _validate(records: list[dict[str, Any]], data: DataSpec, name: str) -> None:
                 not isinstance(labels, list) or len(labels) != len(ids) or not all(isinstance(t, int) for t in labels)
             ):
                 raise ConfigError(f"{where}: 'labels' must be a list of ints as long as 'input_ids' (-100 = no loss)")
+
+
+def _got(record: dict[str, Any], key: str) -> str:
+    """``, got 3 (a number)`` for a field of the wrong type ('' when it is missing)."""
+    if key not in record:
+        return ""
+    value = record[key]
+    kind = {bool: "true/false", int: "a number", float: "a number", list: "a list", dict: "an object",
+            type(None): "null"}.get(type(value), type(value).__name__)
+    return f", got {short_repr(value)} ({kind})"
 
 
 def _validate_chat(messages: Any, where: str) -> None:
@@ -247,8 +300,8 @@ class StepBatches:
         self.seed = seed
         self.shuffle = shuffle
         self.packing = data.packing if packing is None else packing
-        self.records, self.source = load_records(data)
-        _validate(self.records, data, self.source)
+        self.records, self.source, self.located = load_located(data)
+        _validate(self.records, data, self.source, self.located)
 
         from transformers import AutoTokenizer
 
@@ -363,7 +416,7 @@ class StepBatches:
         # One tokenization of the whole rendering (as apply_chat_template(tokenize=True) gives it); a token
         # gets a label when its characters overlap an assistant turn. Tokenizing the pieces apart would
         # split tokens that straddle a boundary, e.g. "Assistant: " + "Hi" -> " Hi".
-        text, spans = chat_spans(self.tokenizer, record["messages"], f"{self.source}: record {index}",
+        text, spans = chat_spans(self.tokenizer, record["messages"], f"{self.source}: {self.located[index]}",
                                  locate=not self.data.train_on_prompt)
         if self.data.train_on_prompt:
             ids = self._ids(text)
@@ -387,7 +440,7 @@ class StepBatches:
         the chat template renders every conversation with findable assistant turns."""
         if self.data.format == "chat":
             for i, r in enumerate(self.records):  # renders text only; tokenizing waits for the record's step
-                chat_spans(self.tokenizer, r["messages"], f"{self.source}: record {i}",
+                chat_spans(self.tokenizer, r["messages"], f"{self.source}: {self.located[i]}",
                            locate=not self.data.train_on_prompt)
         if vocab_size is not None and self.data.format == "tokens":
             for i, r in enumerate(self.records):
@@ -395,7 +448,7 @@ class StepBatches:
                 if bad is None and r.get("labels") is not None:
                     bad = next((t for t in r["labels"] if t != IGNORE_INDEX and not 0 <= t < vocab_size), None)
                 if bad is not None:
-                    raise ConfigError(f"{self.source}: record {i}: token id {bad} is outside the model's vocabulary "
+                    raise ConfigError(f"{self.source}: {self.located[i]}: token id {bad} is outside the model's vocabulary "
                                       f"(vocab_size {vocab_size}); tokenize with this model's tokenizer")
         per_step = self.sequences_per_step
         for i in range(first_step, end_step):

@@ -115,7 +115,7 @@ def screen_held_out(path: Path, data: DataSpec, scratch: Path) -> tuple[Path, li
         whole = None
     if isinstance(whole, (list, dict)):  # a JSON array of records (or one record), not JSON lines
         entries: list[tuple[str, Any]] = [(f"record {i}", r) for i, r in enumerate(whole if isinstance(whole, list)
-                                                                                  else [whole])]
+                                                                                  else [whole], 1)]
     else:
         entries = [(f"line {n}", _json_or_error(line)) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     good: list[dict[str, Any]] = []
@@ -130,7 +130,7 @@ def screen_held_out(path: Path, data: DataSpec, scratch: Path) -> tuple[Path, li
         try:
             _validate([record], data, where)
         except ConfigError as exc:
-            bad.append(str(exc).replace(f"{where}: record 0: ", f"{where}: ", 1))
+            bad.append(str(exc).replace(f"{where}: record 1: ", f"{where}: ", 1))
             continue
         good.append(record)
     if not bad:

@@ -3,7 +3,7 @@
     python bench/bench_snapshots.py            # ~ 4 minutes on 2 cores
     python bench/bench_snapshots.py --rounds 3 --steps 40
 
-W1's model and data (bench_runtime.py) compiled once on 3 CPU stages x 1 thread, then run alternately (rounds,
+W1's model and data (bench_runtime.py) compiled once on 2 CPU stages x 1 thread (``--stages``), then run alternately (rounds,
 so a drifting machine slows every setting alike) in three settings:
 
 - ``off``: no snapshot at all (runtime.elastic=off runtime.snapshot_every_s=0), the reference;
@@ -38,11 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="W1: snapshots on vs off")
     ap.add_argument("--rounds", type=int, default=2, help="runs per setting, alternating")
     ap.add_argument("--steps", type=int, default=30, help="optimizer steps per run (mean over 3..N)")
+    ap.add_argument("--stages", type=int, default=2, help="CPU stages x 1 thread (2: one per core, the least noise)")
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="hetero-w1-snapshots-"))
     try:
         model_dir, data = prepare(work, args.steps)
-        plan, note = compile_hetero(model_dir, data, args.steps, work, stages=3)
+        plan, note = compile_hetero(model_dir, data, args.steps, work, stages=args.stages)
         if plan is None:
             print(f"UNAVAILABLE: {note}")
             return 1

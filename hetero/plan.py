@@ -304,9 +304,15 @@ class Plan:
         Path(path).write_text(self.to_json())
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "plan.json") -> Plan:
+    def from_dict(cls, data: Any, where: str = "plan.json", require_security: bool = True) -> Plan:
+        """``require_security``: refuse a plan without its security section (the input hash does not cover it, so a
+        plan that lost it would otherwise run with no authentication, by accident); `hetero keys` repairs one."""
         check_schema_version(data, where=where, what="plan", version=PLAN_SCHEMA_VERSION, error=PlanError,
                              fix=_RECOMPILE)
+        if require_security and not has_security(data):
+            raise PlanError(f"{where}: no 'security' section with a mode (removed by hand?): its processes would accept "
+                            f"anyone; make keys with `hetero keys {where}` (and copy them to every host), or write "
+                            "\"security\": {\"mode\": \"none\"} into it to run without authentication on purpose")
         if isinstance(data, dict) and isinstance(data.get("data"), dict) and "packing" not in data["data"]:
             data = {**data, "data": {**data["data"], "packing": False}}  # compiled before packing: padded rows, as run
         plan = from_dict(cls, data, where, PlanError)
@@ -314,15 +320,20 @@ class Plan:
         return plan
 
     @classmethod
-    def load(cls, path: str | Path) -> Plan:
+    def load(cls, path: str | Path, require_security: bool = True) -> Plan:
         """Read and validate plan.json; every defect becomes a one-line PlanError."""
         p = Path(path)
         data = read_versioned_json(p, what="plan", version=PLAN_SCHEMA_VERSION, error=PlanError, fix=_RECOMPILE,
                                    missing_fix="run `hetero compile` first")
-        plan = cls.from_dict(data, str(p))
+        plan = cls.from_dict(data, str(p), require_security)
         if plan.input_hash and plan.input_hash != compute_input_hash(plan):
             raise PlanError(f"{p}: input hash does not match its contents (edited by hand?); recompile it")
         return plan
+
+
+def has_security(data: Any) -> bool:
+    """Whether a plan's JSON has its security section (with a mode)."""
+    return isinstance(data, dict) and isinstance(data.get("security"), dict) and "mode" in data["security"]
 
 
 def check_plan(plan: Plan, where: str = "plan.json") -> None:

@@ -158,7 +158,8 @@ def test_config_errors_are_one_line_exit_2(tmp_path: Path, capsys: pytest.Captur
     (fleets / "typo.yaml").write_text("hosts:\n  - name: a\n    devices: [{type: rtx9090}]\n")
     (fleets / "broken.yaml").write_text("hosts:\n  - name: a\n    devices: [{type: rtx3090\n")
     code, _, err = run_main(["compile", "-cd", str(tmp_path / "fleets"), "hardware=typo"], capsys)
-    assert_one_line_error(code, err, "unknown GPU type 'rtx9090' in hardware.hosts[0].devices[0]; known:")
+    assert_one_line_error(code, err, "unknown GPU type 'rtx9090' in hardware.hosts[0].devices[0] (a typo of rtx5090?); "
+                                     "known:")
     code, _, err = run_main(["compile", "--config-dir", str(tmp_path / "fleets"), "hardware=broken"], capsys)
     assert_one_line_error(code, err, f"{fleets / 'broken.yaml'}:")
     assert "malformed YAML" in err
@@ -281,3 +282,16 @@ def test_library_warnings_go_to_the_log_and_heteros_own_still_print(tmp_path: Pa
     assert "another library's" in logged and "hetero warning" not in logged
     assert [str(w.message) for w in shown] == ["a hetero warning"]
     assert "Warning" not in capsys.readouterr().err
+
+
+def test_config_dir_and_multirun_may_come_anywhere_on_the_line(monkeypatch) -> None:
+    """Hydra's users write `-cd DIR` and `-m` after overrides too; argparse alone took them only first
+    (`unrecognized arguments: output=x`)."""
+    calls: list[tuple[str | None, list[str], bool]] = []
+    monkeypatch.setattr(cli, "cmd_compile", lambda d, o, multirun=False: calls.append((d, o, multirun)) or 0)
+    monkeypatch.setattr(cli, "cmd_inspect", lambda d, o: calls.append((d, o, False)) or 0)
+    assert cli.main(["compile", "model=tiny", "-cd", "fleets", "output=x"]) == 0
+    assert cli.main(["compile", "model=tiny", "lr=1e-4,2e-4", "-m", "--config-dir=fleets"]) == 0
+    assert cli.main(["inspect", "model=tiny", "--config-dir", "fleets"]) == 0
+    assert calls == [("fleets", ["model=tiny", "output=x"], False), ("fleets", ["model=tiny", "lr=1e-4,2e-4"], True),
+                     ("fleets", ["model=tiny"], False)]

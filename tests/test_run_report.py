@@ -158,6 +158,25 @@ def test_every_reader_skips_event_lines(plan, tmp_path: Path, capsys) -> None:
     print_report(report)
     printed = " ".join(capsys.readouterr().out.split())
     assert "moves" in printed and "gain predicted 2.00x, measured 2.00x" in printed and "steps.png" in printed
+    # loss.png beside it, from every line of metrics.jsonl (the evaluation's too), named in the report.
+    assert report["loss_picture"] == str(run / "loss.png") and (run / "loss.png").stat().st_size > 5000
+    assert f"loss over the run: {run / 'loss.png'}" in printed
+
+
+def test_loss_picture_draws_each_step_once_its_mean_the_evaluations_and_the_recoveries() -> None:
+    from hetero.runtime.run.loss_picture import loss_picture_data
+
+    def step(n: int, loss: float) -> dict:
+        return {"step": n, "loss": loss, "step_time_s": 0.1}
+
+    lines = [step(n, 4.0 - 0.1 * n) for n in range(12)]
+    lines += [{"step": 9, "eval_loss": 3.5}, step(10, 3.0), step(11, float("nan")), step(12, 2.8)]  # 10, 11 again
+    lines += [{"event": "recovery", "after_step": 11, "device": "box.gpu1"}, {"event": "rebalance", "after_step": 4}]
+    data = loss_picture_data(lines, "tiny")
+    assert data.steps == [*range(11), 12]  # step 10 once (its last line), step 11's NaN left out
+    assert data.loss[10] == 3.0 and data.window == 2 and data.mean[1] == pytest.approx((4.0 + 3.9) / 2)
+    assert (data.eval_steps, data.eval_loss) == ([9], [3.5])
+    assert data.events == [(11.5, "lost box.gpu1")]  # recoveries only: moves are steps.png's
 
 
 # -- telemetry ---------------------------------------------------------------------------------------------

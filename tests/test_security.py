@@ -44,6 +44,7 @@ from hetero.runtime.wire.transport import Transport
 from hetero.security import (
     COORDINATOR,
     Identity,
+    default_mode,
     generate,
     install_keys,
     key_dirs,
@@ -589,3 +590,36 @@ def test_keys_are_made_private_again_on_every_write(tmp_path: Path, tiny_model_d
     assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in run_keys.iterdir()} == {
         f"{name}.key": 0o600 for name in names}
     assert all(load_identity(plan.security, name, [run_keys]) is not None for name in names)
+
+
+@pytest.mark.parametrize("removed", ["deleted", "emptied"])
+def test_a_plan_that_lost_its_security_section_does_not_run_unauthenticated(
+        tmp_path: Path, tiny_model_dir: Path, tiny_spec: ModelSpec, capsys: pytest.CaptureFixture[str],
+        removed: str) -> None:
+    """The input hash does not cover the security section: a curve plan whose section was deleted or emptied would
+    run with no authentication and no word. It is refused in one line naming the two ways on; `hetero keys`
+    makes keys for it again (the fleet's default mode), and `"mode": "none"` runs it unauthenticated on purpose."""
+    plan = keyed_plan(tmp_path, tiny_model_dir, tiny_spec, "curve")
+    path = tmp_path / "plan.json"
+    data = json.loads(path.read_text())
+    if removed == "deleted":
+        del data["security"]
+    else:
+        data["security"] = {}
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError) as err:
+        Plan.load(path)
+    assert str(err.value) == (
+        f"{path}: no 'security' section with a mode (removed by hand?): its processes would accept anyone; make keys "
+        f"with `hetero keys {path}` (and copy them to every host), or write \"security\": {{\"mode\": \"none\"}} into "
+        "it to run without authentication on purpose")
+    capsys.readouterr()
+    assert cli.main(["run", str(path), "--no-progress"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1  # one line, before anything starts
+    assert cli.main(["keys", str(path)]) == 0
+    repaired = Plan.load(path)
+    assert repaired.security.mode == default_mode([h.address for h in plan.cluster.hosts])
+    assert repaired.input_hash == plan.input_hash and ident(repaired, tmp_path, "stage1") is not None
+    data["security"] = {"mode": "none"}
+    path.write_text(json.dumps(data))
+    assert Plan.load(path).security.mode == "none"  # said outright: allowed

@@ -127,13 +127,28 @@ def _runtime_entry(command: str) -> Callable[[list[str]], int | None]:
         raise NotBuiltError(f"{module}.{name} is not built yet ({exc})") from None
 
 
+def _options_first(args: list[str]) -> list[str]:
+    """Hydra users write -m and -cd DIR anywhere (`... key=a,b -m`, `... -cd ~/fleets output=x`); argparse takes
+    options only before the overrides: move them there, in their order."""
+    options: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("-cd", "--config-dir") and i + 1 < len(args):
+            options += args[i:i + 2]
+            i += 2
+            continue
+        (options if arg in ("-m", "--multirun") or arg.startswith("--config-dir=") else rest).append(arg)
+        i += 1
+    return options + rest
+
+
 def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] in RUNTIME_COMMANDS:
         return int(_runtime_entry(argv[0])(argv[1:]) or 0)
-    if argv and argv[0] == "compile":
-        # Hydra users write -m anywhere (`... key=a,b -m`); argparse takes it only before the overrides.
-        sweep_flags = [a for a in argv[1:] if a in ("-m", "--multirun")]
-        argv = ["compile", *sweep_flags, *(a for a in argv[1:] if a not in sweep_flags)]
+    if argv and argv[0] in ("compile", "inspect", "profile"):
+        argv = [argv[0], *_options_first(argv[1:])]
     args = build_parser().parse_args(argv)
     if args.command == "compile":
         return cmd_compile(args.config_dir, args.overrides, multirun=args.multirun)

@@ -15,7 +15,7 @@ from typing import Any
 
 from hetero.plan import Plan
 from hetero.runtime.stage.telemetry import telemetry_summary
-from hetero.runtime.tools.run_compare import compare_run, event_lines, step_lines
+from hetero.runtime.tools.run_compare import compare_run, event_lines, read_metrics, step_lines
 from hetero.runtime.tools.run_segments import (
     Segment,
     move_line,
@@ -152,6 +152,7 @@ def _mb(x: float | None) -> str:
 def write_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, float], run_dir: Path,
                  events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """build_report, then steps.png and report.json in the run directory; returns the report."""
+    from hetero.runtime.run.loss_picture import draw_loss
     from hetero.runtime.run.rundir import write_run_file
     from hetero.runtime.run.steps_picture import draw_steps
 
@@ -161,6 +162,12 @@ def write_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, flo
             report["picture"] = str(draw_steps(plan, steps, event_lines(list(events or [])), run_dir / "steps.png"))
         except OSError as exc:  # a full disk costs the picture, not the report
             print(f"hetero run: could not write {run_dir / 'steps.png'}: {exc}", file=sys.stderr)
+        try:  # every step of the run directory's metrics.jsonl: a resumed run's earlier ones too
+            lines = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else steps
+            title = f"{plan.model.name[:60]}: loss over {len(step_lines(lines))} steps"
+            report["loss_picture"] = str(draw_loss(lines, run_dir / "loss.png", title))
+        except (OSError, ValueError) as exc:  # a full disk (or a line cut short by one) costs the picture only
+            print(f"hetero run: could not write {run_dir / 'loss.png'}: {exc}", file=sys.stderr)
     write_run_file(run_dir, "report.json", json.dumps(report, indent=1))
     return report
 
@@ -200,6 +207,8 @@ def print_report(report: dict[str, Any]) -> None:
         console.print(line, highlight=False, markup=False)
     if report.get("picture"):
         console.print(f"step times over the run: {report['picture']}", highlight=False)
+    if report.get("loss_picture"):
+        console.print(f"loss over the run: {report['loss_picture']}", highlight=False)
 
 
 def recovery_line(event: dict[str, Any]) -> str:

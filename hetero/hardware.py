@@ -89,14 +89,15 @@ def load_device_types(extra_dirs: Iterable[Path | str] = ()) -> dict[str, Device
 
 
 def _unknown_type_message(type_name: str, where: str, known: Iterable[str]) -> str:
-    """The known types, the closest one (a typo?), and how to add a card that is not bundled."""
+    """The closest known types (a typo?), and how to add a card that is not bundled; one line, however many types."""
     known = sorted(known)
+    name = short_repr(type_name) if len(str(type_name)) > 40 else f"'{type_name}'"
     close = difflib.get_close_matches(str(type_name), known, n=1, cutoff=0.6)
     typo = f" (a typo of {close[0]}?)" if close else ""
+    nearest = difflib.get_close_matches(str(type_name), known, n=4, cutoff=0.0)
     model = importlib.resources.files("hetero.hardware_specs") / f"{close[0] if close else 'rtx3090'}.yaml"
-    return (f"unknown GPU type '{type_name}' in {where}{typo}; known: {', '.join(known)}; for a card not listed, copy "
-            f"{model} to hardware_specs/{type_name}.yaml in your config directory (-cd DIR) and put in its memory, "
-            "bandwidth and TFLOPS with their source")
+    return (f"unknown GPU type {name} in {where}{typo}; closest of the {len(known)} known: {', '.join(nearest)}; for "
+            f"another card copy {model} to hardware_specs/<type>.yaml beside your fleet (-cd DIR) and edit its figures")
 
 
 def _check_keys(entry: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:

@@ -18,6 +18,8 @@ from hetero.config import GROUPS, available_options
 from hetero.errors import ConfigError
 from hetero.serde import short_repr
 
+MAX_KEY_CHARS = 200  # hetero's longest key is under 40 characters
+
 
 def check_overrides(overrides: list[str], user_dir: Path | None) -> None:
     """Refuse what Hydra would fail on with a traceback, and a config group given something but a file name."""
@@ -45,6 +47,9 @@ def _check_key(override: Any, given: str) -> None:
     key = str(override.key_or_group or "")
     if not key:
         raise ConfigError(f"{short_repr(given)} has no key before '=': write key=value, e.g. train.lr=1e-4")
+    if len(key) > MAX_KEY_CHARS:  # Hydra would look for a config group of that name on disk: a traceback
+        raise ConfigError(f"{short_repr(key)}: no key of hetero is {len(key):,} characters long; `hetero compile "
+                          "--help` lists them")
     if key == "hydra" or key.startswith(("hydra.", "hydra/")):
         raise ConfigError(f"{given}: hetero has no hydra settings (Hydra only composes its config); your own "
                           "config files go in a directory passed with --config-dir DIR")

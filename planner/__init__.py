@@ -296,7 +296,13 @@ def _cost_provenance(cost_model: CostModel) -> tuple[dict[str, str], list[str]]:
     """Where a measured profile's numbers went (plan.cost_sources) and the verdict's line on it; none from
     datasheets alone."""
     if not isinstance(cost_model, ProfileCostModel):
-        return {}, []
+        if not isinstance(cost_model, RooflineCostModel):
+            return {}, []  # a cost model of the caller's own says its own provenance
+        return {}, [f"These costs come from datasheets, not measurements: every device is priced at "
+                    f"{cost_model.efficiency:.0%} of its datasheet TFLOPS (planner.efficiency), whatever its vendor, "
+                    "so the prediction, the comparisons and any proof above hold for that model of the fleet; "
+                    "`hetero profile` measures the fleet, and `hetero compile ... profile=FILE` plans on what it "
+                    "measured (docs/profiling.md)."]
     return {"profile": cost_model.path, **cost_model.sources}, cost_model.summary()
 
 
@@ -323,6 +329,33 @@ def _issue_bound_lines(stages: list[StagePlan], cost_model: CostModel) -> list[s
                        f"{ISSUE_FLOOR_S / per_layer:.0f}x slower than predicted or more; `hetero profile` measures "
                        "it (larger micro-batches amortize it).")
     return out
+
+
+def _unused_lines(fleet: ClusterSpec, stages: list[StagePlan], options: PlannerOptions) -> list[str]:
+    """The fleet's training devices the plan leaves out, named (a card a person owns is not dropped without a word)."""
+    used = {s.device for s in stages}
+    unused = [f"{d.name} ({d.type})" for d in fleet.devices if d.name not in used]
+    if not unused:
+        return []
+    if options.split is not None or options.devices is not None:
+        why = "planner.split/devices name the devices to use"
+    elif options.num_stages is not None:
+        why = f"planner.num_stages={options.num_stages}"
+    else:
+        why = (f"no placement the search found is faster with {'it' if len(unused) == 1 else 'them'}: a stage there "
+               "would slow the pipeline, or not fit")
+    return [f"Not used: {', '.join(unused)} ({why})."]
+
+
+def _experts_lines(graph: LayerGraph, cost_model: CostModel) -> list[str]:
+    """The caveat of a mixture-of-experts plan priced from datasheets: the runtime runs its experts one by one, which
+    the roofline prices at the matmul rate (W6 in docs/benchmarks.md measured a qwen3_moe step at about 2x the
+    prediction, against 1.2-1.6x for the dense families)."""
+    if isinstance(cost_model, ProfileCostModel) or not any(n.expert_params for n in graph.nodes):
+        return []
+    return ["This model routes each token to a few experts, which run one by one; datasheet costs price them at "
+            "the matmul rate and predict its steps too fast (on CPU a mixture-of-experts step took about 2x the "
+            "prediction, dense models 1.2-1.6x): a profile of the fleet prices them as they run."]
 
 
 def _check_attention_devices(model: ModelSpec, stages: list[StagePlan]) -> None:
@@ -372,7 +405,8 @@ def plan(
         model=model, cluster=cluster, train=train, data=data, planner=options, graph=graph, stages=stages,
         prediction=prediction, baselines=base, solver=solver,
         verdict=[*_verdict(prediction, stages, base, solver), *notes, *cost_notes,
-                 *_issue_bound_lines(stages, cost_model)],
+                 *_issue_bound_lines(stages, cost_model), *_experts_lines(graph, cost_model),
+                 *_unused_lines(training_fleet(cluster, evaluation.device), stages, options)],
         config=dict(config or {}),
         cost_sources=cost_sources, eval=evaluation, replicas=replicas if len(replicas) > 1 else [],
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"), data_stats=data_stats,

@@ -1,4 +1,5 @@
-"""A plan's bottleneck, in words: memory-bound, compute-bound on a device, link-bound, or bubble-bound.
+"""A plan's bottleneck, in words: memory-bound, compute-bound on a device, link-bound, bubble-bound (filling and
+draining: more micro-batches help) or imbalance-bound (stages waiting for the slowest: they do not).
 
 In a pipeline's steady state every micro-batch passes the slowest resource once per period:
 a stage's forward + backward, or a link's activation + gradient transfer. The fill and drain
@@ -18,7 +19,7 @@ BUBBLE_HIGH = 0.2  # idle share of device-time above which more micro-batches pa
 
 @dataclass
 class Bottleneck:
-    kind: str  # memory | compute | link | bubble | balanced
+    kind: str  # memory | compute | link | bubble | imbalance | balanced
     where: str  # device name, "hostA<->hostB", or ""
     sentence: str
 
@@ -65,11 +66,26 @@ def diagnose(plan: Plan) -> list[Bottleneck]:
             f"{compute[k]:.3g} s per micro-batch.")))
     bubble = plan.prediction.bubble_fraction
     if len(plan.stages) > 1 and bubble >= BUBBLE_HIGH:
-        m = _micro_batches_for(plan)
-        out.append(Bottleneck("bubble", "", (
-            f"Bubble-bound: the pipeline idles {bubble:.0%} of its device-time filling and draining; fix: more "
-            f"micro-batches (train.num_micro_batches={m} instead of {plan.train.num_micro_batches}), so the "
-            "fill/drain is shared by more work.")))
+        # The idle device-time is the fill and drain, which more micro-batches share out, and the stages waiting
+        # for the slowest one in the steady state, which they do not.
+        depth = max(len(r.stages) for r in plan.pipelines)
+        fill = (depth - 1) / (plan.train.num_micro_batches + depth - 1)
+        uneven = max(0.0, bubble - fill)
+        if fill >= uneven:
+            m = _micro_batches_for(plan)
+            rest = (f"; the other {uneven:.0%} is stages waiting for the slowest one, which more micro-batches do not "
+                    "recover" if uneven >= 0.05 else "")
+            out.append(Bottleneck("bubble", "", (
+                f"Bubble-bound: the pipeline idles {bubble:.0%} of its device-time, {fill:.0%} filling and draining; "
+                f"fix: more micro-batches (train.num_micro_batches={m} instead of {plan.train.num_micro_batches}), so "
+                f"the fill/drain is shared by more work{rest}.")))
+        else:
+            out.append(Bottleneck("imbalance", slowest.device, (
+                f"Imbalance-bound: the pipeline idles {bubble:.0%} of its device-time, {uneven:.0%} of it the other "
+                f"stages waiting for stage {k} on {slowest.device} (whole layers do not split evenly over devices "
+                f"this different); more micro-batches recover only the {fill:.0%} spent filling and draining. Fix: a "
+                f"device closer in speed to the others for stage {k}, or a profile of the fleet (`hetero profile`) so "
+                "the split follows the speeds the devices really have.")))
     tight = [(s.memory.total_gb / s.memory.available_gb, s) for s in plan.stages if s.memory.available_gb > 0]
     full = [(u, s) for u, s in tight if u >= MEMORY_TIGHT]
     if full:

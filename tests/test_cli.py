@@ -159,7 +159,7 @@ def test_config_errors_are_one_line_exit_2(tmp_path: Path, capsys: pytest.Captur
     (fleets / "broken.yaml").write_text("hosts:\n  - name: a\n    devices: [{type: rtx3090\n")
     code, _, err = run_main(["compile", "-cd", str(tmp_path / "fleets"), "hardware=typo"], capsys)
     assert_one_line_error(code, err, "unknown GPU type 'rtx9090' in hardware.hosts[0].devices[0] (a typo of rtx5090?); "
-                                     "known:")
+                                     "closest of the")
     code, _, err = run_main(["compile", "--config-dir", str(tmp_path / "fleets"), "hardware=broken"], capsys)
     assert_one_line_error(code, err, f"{fleets / 'broken.yaml'}:")
     assert "malformed YAML" in err

@@ -184,6 +184,8 @@ def test_moe_presets_compile_in_nf4_and_show_their_experts(preset: str, layers: 
     code, shown, err = run_main(["show", str(out / "plan.json"), "--no-gantt"], capsys)
     assert code == 0, err
     assert "of which experts" in shown
+    # ... and what their prediction rests on: experts priced at the matmul rate run slower than that.
+    assert "This model routes each token to a few experts" in " ".join(shown.split()), shown
 
 
 def test_lora_on_a_router_or_the_experts_is_refused_in_one_line() -> None:

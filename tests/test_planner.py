@@ -71,6 +71,9 @@ def test_plan_is_complete_and_round_trips(tmp_path) -> None:  # type: ignore[no-
     assert p.input_hash == compute_input_hash(p) and p.created
     assert {b.name for b in p.baselines} == {"best_single_device", "even_split", "tflops_proportional"}
     assert p.verdict and "s/step" in p.verdict[0]
+    # What the proof and the comparisons rest on, said where a person reads them: datasheets, until profiled.
+    assert any(line.startswith("These costs come from datasheets, not measurements: every device is priced at 40% of "
+                               "its datasheet TFLOPS") for line in p.verdict), p.verdict
     path = tmp_path / "plan.json"
     p.save(path)
     assert Plan.load(path).stages == p.stages
@@ -82,6 +85,10 @@ def test_single_fast_device_is_recommended_plainly() -> None:
     p = _plan(cluster, make_graph(4))
     assert len(p.stages) == 1 and p.stages[0].device_type == "rtx5090"
     assert any("no pipeline needed" in v for v in p.verdict)
+    # The M40 it leaves out is named, with why (a card a person owns is not dropped without a word).
+    unused = [v for v in p.verdict if v.startswith("Not used: ")]
+    assert unused == [f"Not used: {cluster.devices[1].name} (m40) (no placement the search found is faster with "
+                      "it: a stage there would slow the pipeline, or not fit)."], p.verdict
     # Forced to two stages, it is slower than the 5090 alone, and the verdict says to use it alone.
     p2 = _plan(cluster, make_graph(4), num_stages=2)
     assert len(p2.stages) == 2

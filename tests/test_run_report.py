@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -132,6 +133,11 @@ def test_steps_picture_marks_the_move_and_each_splits_prediction(plan, tmp_path:
     assert [k for k, *_ in data.clocks] == [0]  # only the stage that reports telemetry; the CPU has none
     path = draw_steps(plan, steps, [event], tmp_path / "steps.png")
     assert path.stat().st_size > 5000
+    # A hand-edited plan's 2 MB model name is cut in the title (drawing it whole failed after training).
+    named = replace(plan, model=replace(plan.model, name="m" * 2_000_000))
+    title = steps_picture_data(named, steps, [event]).title
+    assert title.startswith("m" * 59 + "…") and len(title) < 150
+    assert draw_steps(named, steps, [event], tmp_path / "named.png").stat().st_size > 5000
 
 
 def test_every_reader_skips_event_lines(plan, tmp_path: Path, capsys) -> None:

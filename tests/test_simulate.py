@@ -73,6 +73,13 @@ def test_bottleneck_verdicts(tiny_spec, tiny_graph) -> None:
     full = replace(uneven.stages[0], memory=replace(uneven.stages[0].memory, total_gb=9.5, available_gb=10.0))
     tight = replace(uneven, stages=[full, uneven.stages[1]])
     assert diagnose(tight)[0].kind == "memory"
+    # With many micro-batches the fill and drain is small: what idles is the fast stage waiting for the slow one,
+    # and the advice is not "more micro-batches" (which would not recover it).
+    lopsided = a_plan(tiny_spec, tiny_graph, fleet([1, 1]), m=64, split=[1, 5])
+    kinds = [b.kind for b in diagnose(lopsided)]
+    assert "imbalance" in kinds and "bubble" not in kinds, verdict(lopsided)
+    said = next(b for b in diagnose(lopsided) if b.kind == "imbalance")
+    assert said.where == lopsided.stages[1].device and "more micro-batches recover only the 2%" in said.sentence
 
 
 def test_memory_over_time_peaks_at_in_flight(tiny_spec, tiny_graph) -> None:

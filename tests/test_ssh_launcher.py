@@ -46,7 +46,7 @@ def _no_leftovers():
 
 
 def _fleet(ssh: object) -> dict:
-    return {"hosts": [{"name": "alpha", "devices": ["cpu"]},
+    return {"hosts": [{"name": "alpha", "address": "10.0.0.1", "devices": ["cpu"]},
                       {"name": "beta", "address": "10.0.0.2", "devices": ["cpu"], "ssh": ssh}],
             "default_link": {"bandwidth_gbps": 1}}
 

@@ -123,6 +123,23 @@ def test_sweep_compiles_every_point_and_compares_them(tmp_path: Path,
     assert f"fastest predicted step: point {best} ({names[best - 1]})" in captured.out
     assert f"wrote {out_dir / 'sweep.csv'}" in captured.out
     assert "point 3/4" in captured.err  # progress per point on stderr
+    assert "warning:" not in captured.out  # the tiny model leaves its devices nearly empty
+
+    # A point whose tightest stage keeps under 5% of its memory free is warned about under the table.
+    from dataclasses import replace
+
+    from hetero.cli.sweep import Point, PointResult, headroom_lines
+    from hetero.plan import Plan
+
+    plan = Plan.load(out_dir / names[0] / "plan.json")
+    stage = plan.stages[0]
+    full = replace(plan, stages=[replace(stage, memory=replace(stage.memory, total_gb=stage.memory.available_gb))])
+    point = Point(1, (), (), names[0])
+    assert headroom_lines([PointResult(point, plan)]) == []
+    assert headroom_lines([PointResult(point, full)]) == [
+        f"point 1 ({names[0]}): {stage.device} keeps 0.0 GB (0%) of its memory free: it fits on paper only (a longer "
+        "record, fragmentation or another process on the card tips it over); leave room: a shorter model.seq_len, a "
+        "smaller train.micro_batch_size or planner.recompute=full"]
 
     # The CSV: a header and one row per point whose numbers are each plan.json's, to the last bit.
     with (out_dir / "sweep.csv").open(newline="") as f:

@@ -312,6 +312,26 @@ def sweep_table(sweep: Sweep, results: Sequence[PointResult]) -> Table:
     return table
 
 
+# A plan whose tightest stage keeps less than this share of its memory free fits on paper only: a longer record,
+# the allocator's fragmentation or another process on the card tips it over.
+HEADROOM_LOW = 0.05
+
+
+def headroom_lines(results: Sequence[PointResult]) -> list[str]:
+    """One warning per compiled point whose tightest stage has under HEADROOM_LOW of its memory left."""
+    out = []
+    for r in results:
+        if r.plan is None:
+            continue
+        summary = plan_summary(r.plan)
+        if summary.headroom_fraction < HEADROOM_LOW:
+            out.append(f"point {r.point.number} ({r.point.name}): {summary.tightest_device} keeps "
+                       f"{summary.headroom_gb:.1f} GB ({summary.headroom_fraction:.0%}) of its memory free: it fits on "
+                       "paper only (a longer record, fragmentation or another process on the card tips it over); "
+                       "leave room: a shorter model.seq_len, a smaller train.micro_batch_size or planner.recompute=full")
+    return out
+
+
 def failure_lines(results: Sequence[PointResult]) -> list[str]:
     """One line per failed point: its number, directory name and one-line error."""
     return [f"point {r.point.number} ({r.point.name}) failed: {r.error}" for r in results if r.plan is None]
@@ -363,6 +383,8 @@ def run_sweep(overrides: Sequence[str], config_dir: str | None, compile_config: 
     if best is not None and best.plan is not None:
         out.print(f"* fastest predicted step: point {best.point.number} ({best.point.name}), "
                   f"{fmt_time(best.plan.prediction.step_time_s)}/step", highlight=False)
+    for line in headroom_lines(results):
+        out.print(f"warning: {line}", highlight=False, style="yellow", soft_wrap=True)
     failed = failure_lines(results)
     for line in failed:
         out.print(line, highlight=False, style="red", soft_wrap=True)

@@ -154,7 +154,7 @@ def write_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, flo
     """build_report, then steps.png and report.json in the run directory; returns the report."""
     from hetero.runtime.run.loss_picture import draw_loss
     from hetero.runtime.run.rundir import write_run_file
-    from hetero.runtime.run.steps_picture import draw_steps
+    from hetero.runtime.run.steps_picture import draw_steps, label
 
     report = build_report(plan, steps, build_s, str(run_dir), events)
     if report["steps"]:
@@ -164,7 +164,7 @@ def write_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, flo
             print(f"hetero run: could not write {run_dir / 'steps.png'}: {exc}", file=sys.stderr)
         try:  # every step of the run directory's metrics.jsonl: a resumed run's earlier ones too
             lines = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else steps
-            title = f"{plan.model.name[:60]}: loss over {len(step_lines(lines))} steps"
+            title = f"{label(plan.model.name)}: loss over {len(step_lines(lines))} steps"
             report["loss_picture"] = str(draw_loss(lines, run_dir / "loss.png", title))
         except (OSError, ValueError) as exc:  # a full disk (or a line cut short by one) costs the picture only
             print(f"hetero run: could not write {run_dir / 'loss.png'}: {exc}", file=sys.stderr)

@@ -18,6 +18,12 @@ from hetero.runtime.tools.run_compare import event_lines, step_lines
 from hetero.runtime.tools.run_segments import run_moves, run_segments, split_text
 
 MOVE_COLOUR = "#555555"
+LABEL_CHARS = 60  # a name in a picture's title is cut to this (a hand-edited plan's 2 MB name cannot be drawn)
+
+
+def label(name: str) -> str:
+    """``name`` as a picture shows it: at most LABEL_CHARS characters."""
+    return name if len(name) <= LABEL_CHARS else name[:LABEL_CHARS - 1] + "…"
 
 
 @dataclass
@@ -73,7 +79,7 @@ def steps_picture_data(plan: Plan, lines: list[dict[str, Any]], events: list[dic
     moves = [(m["after_step"] + 0.5, _move_label(m)) for m in run_moves(segments) if isinstance(m["after_step"], int)]
     busy = [(f"stage {k} busy ({sp.device})", [float(s["stage_busy"][k]) for s in steps])
             for k, sp in enumerate(plan.stages) if all(k < len(s.get("stage_busy", [])) for s in steps)]
-    title = (f"{plan.model.name} on {plan.cluster.name}: {len(steps)} steps"
+    title = (f"{label(plan.model.name)} on {label(plan.cluster.name)}: {len(steps)} steps"
              + (f", {len(moves)} rebalancing move{'s' if len(moves) != 1 else ''}" if moves else ""))
     steady = [float(s["step_time_s"]) for seg in segments for s in seg.measured]
     # Headroom above the steady steps for the moves' labels.

@@ -1,6 +1,6 @@
 """Workload W1 with and without the run's own snapshots: what keeping a run recoverable costs (issue 33).
 
-    python bench/bench_snapshots.py            # ~ 4 minutes on 2 cores
+    python bench/bench_snapshots.py            # ~ 10 minutes on 2 cores
     python bench/bench_snapshots.py --rounds 3 --steps 40
 
 W1's model and data (bench_runtime.py) compiled once on 2 CPU stages x 1 thread (``--stages``), then run alternately (rounds,

@@ -176,28 +176,24 @@ class RunRecords:
     def write_checkpoint(self, done: int, payloads: dict[int, Any], snapshot: bool = False) -> Path:
         """checkpoints/step-<done>/, with the training settings `--resume` continues with. A ``snapshot`` (the
         run's time-based checkpoint) is marked so, and only the newest SNAPSHOTS_KEPT of them stay."""
-        from hetero.runtime.run.checkpoint import prune_snapshots, write_checkpoint
-
-        settings = {k: v for k, v in to_dict(self.plan.train).items() if k in RUNTIME_OVERRIDABLE}
         # Replicas hold identical LoRA and AdamW state (they apply the same summed gradients): the first
         # replica's stages (0..S-1) are the whole model, in the same key space as any other split.
         first = self.plan.pipelines[0].stages
-        written = write_checkpoint(self.run_dir, done, [(payloads[k].tensors, payloads[k].meta) for k in first],
-                                   len(first), train=settings, snapshot=snapshot)
-        if snapshot:
-            prune_snapshots(self.run_dir)
-        return written
+        return self._write(done, [(payloads[k].tensors, payloads[k].meta) for k in first], snapshot)
 
     def write_state(self, state: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> Path:
         """A snapshot of the whole model's state as one union (tensors, meta): what the coordinator kept in memory
         (runtime.elastic) goes to disk when the run stops on a failure, so its resume command loses nothing."""
+        tensors, meta = state
+        return self._write(int(meta["step"]), [(tensors, {**meta, "stage": 0})], snapshot=True)
+
+    def _write(self, done: int, parts: list[tuple[dict[str, torch.Tensor], dict[str, Any]]], snapshot: bool) -> Path:
         from hetero.runtime.run.checkpoint import prune_snapshots, write_checkpoint
 
-        tensors, meta = state
         settings = {k: v for k, v in to_dict(self.plan.train).items() if k in RUNTIME_OVERRIDABLE}
-        written = write_checkpoint(self.run_dir, int(meta["step"]), [(tensors, {**meta, "stage": 0})], 1,
-                                   train=settings, snapshot=True)
-        prune_snapshots(self.run_dir)
+        written = write_checkpoint(self.run_dir, done, parts, len(parts), train=settings, snapshot=snapshot)
+        if snapshot:
+            prune_snapshots(self.run_dir)
         return written
 
     def _save_adapter(self, state: dict[str, torch.Tensor]) -> None:

@@ -35,17 +35,31 @@ from hetero.specs import (
 )
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on loopback (bound then released; fine for tests)."""
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
+def free_ports(n: int, free_below: tuple[int, ...] = ()) -> list[int]:
+    """n distinct free TCP ports on loopback (bound then released; fine for tests).
+
+    For each index k in ``free_below`` the port just below ``ports[k]`` is free too: a host's coordinator listens on
+    its base port - 1 (coordinator_endpoint), which a port picked alone does not reserve (CI once met it taken)."""
+    for _ in range(100):
+        socks: list[socket.socket] = []
+        try:
+            ports = []
+            for _ in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", 0))
+                ports.append(s.getsockname()[1])
+            for k in free_below:
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", ports[k] - 1))  # OSError when taken, or when it is one of ours
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return ports
+    raise RuntimeError(f"no {n} free loopback ports with the ones below them free")
 
 
 def _graph(model: ModelSpec, state_keys: list[str]) -> LayerGraph:
@@ -98,7 +112,8 @@ def make_plan(
     counts = [len(sp) for sp in splits]
     num_stages = sum(counts)
     host_of = hosts or ["localhost"] * num_stages
-    ports = free_ports(num_stages)
+    firsts = tuple(host_of.index(h) for h in dict.fromkeys(host_of))
+    ports = free_ports(num_stages, free_below=firsts)
     devices_of: dict[str, list[DeviceSpec]] = {}
     first_port: dict[str, int] = {}
     for k, h in enumerate(host_of):

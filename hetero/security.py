@@ -123,15 +123,21 @@ def host_of(identity: str, stage_hosts: list[str]) -> str:
 
 
 def generate(mode: Mode, stage_hosts: list[str], out_dir: Path) -> SecuritySpec:
-    """Fresh keys for every identity, written to ``out_dir/artifacts/<host>/keys/``; returns the plan section.
+    """Fresh keys for every identity of a run, written to ``out_dir/artifacts/<host>/keys/``; returns the plan section.
 
     Old key files of this plan are replaced, so older copies stop working (rotation).
     """
+    return generate_for(mode, {name: host_of(name, stage_hosts) for name in identities(len(stage_hosts))}, out_dir)
+
+
+def generate_for(mode: Mode, hosts: dict[str, str], out_dir: Path) -> SecuritySpec:
+    """Fresh keys for each identity of ``hosts`` (identity -> the host it runs on), in
+    ``out_dir/artifacts/<host>/keys/<identity>.key``; stale key files there are removed. Also `hetero profile`'s."""
     if mode == "none":
         return SecuritySpec(mode="none")
     import zmq
 
-    names = identities(len(stage_hosts))
+    names = list(hosts)
     files: dict[str, dict[str, Any]] = {}
     public: dict[str, str] = {}
     verifiers: dict[str, dict[str, str]] = {}
@@ -145,14 +151,14 @@ def generate(mode: Mode, stage_hosts: list[str], out_dir: Path) -> SecuritySpec:
         files = {name: {"identity": name, "mode": "token", "token": own[name]} for name in names}
         verifiers = {server: {client: token_verifier(peer_token(own[client], server)) for client in names}
                      for server in names}
-    for host in sorted(set(stage_hosts)):
+    for host in sorted(set(hosts.values())):
         folder = out_dir / "artifacts" / host / "keys"
         folder.mkdir(parents=True, exist_ok=True)
         os.chmod(folder, 0o700)
         for stale in folder.glob(f"*{KEY_SUFFIX}"):
             stale.unlink()
     for name, content in files.items():
-        _write_private(out_dir / "artifacts" / host_of(name, stage_hosts) / "keys" / f"{name}{KEY_SUFFIX}",
+        _write_private(out_dir / "artifacts" / hosts[name] / "keys" / f"{name}{KEY_SUFFIX}",
                        json.dumps(content, indent=1))
     return SecuritySpec(mode=mode, public_keys=public, token_verifiers=verifiers)
 

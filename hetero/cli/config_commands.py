@@ -137,7 +137,7 @@ def cmd_profile(config_dir: str | None, overrides: list[str]) -> int:
     out_path = cfg.output if cfg.output.suffix == ".json" else cfg.output / "profile.json"
     warnings_log.log_to(out_path.parent / "profile-logs" / "warnings.log")
     fhash, mhash = fleet_hash(cfg.cluster), model_hash(cfg.model)
-    devices, links = _measure(cfg, fhash + mhash, out_path.parent / "profile-logs")
+    devices, links = _measure(cfg, fhash + mhash, out_path.parent)
     profile = Profile(fleet=cfg.cluster.name, fleet_hash=fhash, model=cfg.model.name, model_hash=mhash,
                       devices=devices, links=links, created=now_iso(),
                       notes=[f"micro_batch_size={cfg.train.micro_batch_size}, seq_len={cfg.model.seq_len}"])
@@ -153,13 +153,14 @@ def cmd_profile(config_dir: str | None, overrides: list[str]) -> int:
     return 0
 
 
-def _measure(cfg: Config, run_hash: str, log_dir: Path) -> tuple[list[DeviceProfile], list[LinkProfile]]:
+def _measure(cfg: Config, run_hash: str, out_dir: Path) -> tuple[list[DeviceProfile], list[LinkProfile]]:
     """The runtime's measurements of every device and link (the runtime, and torch, load only for this
-    command), with a progress bar on stderr."""
+    command), with a progress bar on stderr. Logs go to OUT/profile-logs; the session's keys (the fleet's
+    security mode, as `hetero compile` resolves it) to OUT/profile-session."""
     from rich.progress import Progress
 
     from hetero.profile import MEASURED_PARTS
-    from hetero.runtime.tools.profile_worker import _link_pairs, measure_fleet
+    from hetero.runtime.tools.profile_fleet import _link_pairs, measure_fleet
 
     err = console(stderr=True)
     with Progress(console=err, transient=True) as bar:
@@ -168,12 +169,13 @@ def _measure(cfg: Config, run_hash: str, log_dir: Path) -> tuple[list[DeviceProf
 
         def on_event(line: str) -> None:
             if line.startswith("on host"):
-                err.print(line, highlight=False)
+                err.print(line, highlight=False, markup=False, soft_wrap=True)  # one line, to copy as it is
                 return
             bar.update(task, advance=1, description=line)
 
-        return measure_fleet(cfg.cluster, cfg.model, cfg.train.micro_batch_size, run_hash, log_dir=log_dir,
-                             on_event=on_event)
+        return measure_fleet(cfg.cluster, cfg.model, cfg.train.micro_batch_size, run_hash,
+                             log_dir=out_dir / "profile-logs", session_dir=out_dir / "profile-session",
+                             security=cfg.security, on_event=on_event)
 
 
 def _device_lines(cfg: Config, d: DeviceProfile) -> list[str]:

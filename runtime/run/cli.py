@@ -362,7 +362,8 @@ def _finish_run(plan: Plan, plan_path: Path, options: RunOptions, result: RunRes
         return 130
     report = write_report(plan, result.steps, result.build_s, run_dir, result.events)  # + steps.png
     print_report(report)
-    print(f"adapter: {run_dir / 'adapter'}   metrics: {run_dir / 'metrics.jsonl'}")
+    print(f"adapter: {run_dir / 'adapter'}   metrics: {run_dir / 'metrics.jsonl'}   "
+          f"tensorboard --logdir {run_dir / 'tensorboard'}")
     if (run_dir / "profile.json").is_file():  # the run is a profile: plan the next one from it (docs/profiling.md)
         from hetero.hints import suggest
 

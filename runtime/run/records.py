@@ -91,6 +91,7 @@ class RunRecords:
         self.plan, self.run_dir = plan, run_dir
         self.result = RunResult()
         self.evaluator: Any = None  # EvalClient when eval.every > 0
+        self.board: Any = None  # runtime/run/tensorboard.py's EventWriter, from start_metrics on
 
     def open_evaluator(self, plan_path: Path, host: str) -> None:
         """Start the evaluator on a spare device of ``host`` when the plan evaluates every N steps."""
@@ -103,6 +104,8 @@ class RunRecords:
     def close(self) -> None:
         if self.evaluator is not None:
             self.evaluator.close()
+        if self.board is not None:
+            self.board.close()
 
     def start_metrics(self, start_step: int) -> None:
         """metrics.jsonl: empty for a new run; a resumed one keeps the lines of the steps before it."""
@@ -118,11 +121,18 @@ class RunRecords:
                 if isinstance(step, int) and step < start_step:
                     kept.append(line)
         write_run_file(self.run_dir, "metrics.jsonl", "".join(f"{line}\n" for line in kept))
+        from hetero.runtime.run.tensorboard import EventWriter
+
+        if self.board is not None:
+            self.board.close()
+        self.board = EventWriter(self.run_dir / "tensorboard", start_step)
 
     def step(self, line: dict[str, Any]) -> None:
         """One step's metrics line, kept and appended to metrics.jsonl."""
         self.result.steps.append(line)
         append_run_line(self.run_dir, "metrics.jsonl", json.dumps(line))
+        if self.board is not None:
+            self.board.step(line)
 
     def event(self, line: dict[str, Any]) -> None:
         """An event of the run (``{"event": "rebalance", ...}``), kept and appended to metrics.jsonl."""
@@ -137,6 +147,8 @@ class RunRecords:
             if "eval_loss" in answer:
                 self.result.evals.append(answer)
                 append_run_line(self.run_dir, "metrics.jsonl", json.dumps(answer))
+                if self.board is not None:
+                    self.board.evaluation(answer)
             else:
                 self.result.eval_errors.append(str(answer.get("error", answer)))
                 print(f"hetero run: evaluation: {answer.get('error', answer)}", file=sys.stderr, flush=True)

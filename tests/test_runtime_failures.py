@@ -106,7 +106,7 @@ def test_runtime_options_are_checked_in_one_line() -> None:
     assert rest == ["lr=1e-4"] and values == {"failure_timeout_s": 5.0, "load_timeout_s": 30.0, "rebalance": "off",
                                               "step_timeout_s": 120.0, "snapshot_every_s": 0.0, "elastic": "off",
                                               "max_recoveries": 0}
-    assert set(values) == set(RUN_OPTIONS)
+    assert set(values) | {"wandb"} == set(RUN_OPTIONS)  # runtime.wandb wants wandb installed: test_watching_a_run
     with pytest.raises(ConfigError, match=r"unknown run option 'runtime.colour'; `hetero run` accepts "
                                           r"runtime.elastic, runtime.failure_timeout_s, runtime.load_timeout_s, "
                                           r"runtime.max_recoveries, runtime.rebalance"):

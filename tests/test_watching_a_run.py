@@ -100,3 +100,53 @@ def test_tensorboard_serves_the_run_dir(tmp_path: Path) -> None:
                           text=True, timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "train/loss" in done.stdout, done.stdout[-2000:]
+
+
+def test_runtime_wandb_logs_the_same_steps_to_weights_and_biases(tiny_model_dir: Path, tiny_spec: ModelSpec,
+                                                                  tmp_path: Path, monkeypatch) -> None:
+    """W&B is not installed here (and has no network): a stand-in module records what hetero asks of it."""
+    import importlib.machinery
+    import types
+
+    from hetero.runtime.run.cli import main_run
+
+    calls: list[tuple] = []
+
+    class Run:
+        def log(self, data: dict, step: int) -> None:
+            calls.append(("log", step, dict(data)))
+
+        def finish(self) -> None:
+            calls.append(("finish",))
+
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kwargs: calls.append(("init", kwargs)) or Run()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3],
+                     train=TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=4, lr=1e-3))
+    plan.save(tmp_path / "plan.json")
+    run_dir = tmp_path / "run"
+    assert main_run([str(tmp_path / "plan.json"), "--run-dir", str(run_dir), "--port", str(free_ports(1)[0]),
+                     "--no-progress", "runtime.wandb=home-lab"]) == 0
+    (init, kwargs), *logged, finish = calls
+    assert init == "init" and finish == ("finish",)
+    assert kwargs["project"] == "home-lab" and kwargs["dir"] == str(run_dir) and kwargs["name"] == "run"
+    assert kwargs["resume"] == "allow" and kwargs["config"] == plan.config
+    metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
+    assert [step for _, step, _ in logged] == [1, 2, 3, 4]
+    assert [data["train/loss"] for _, _, data in logged] == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
+
+
+def test_runtime_wandb_is_refused_in_one_line_where_it_cannot_work() -> None:
+    from hetero.errors import ConfigError
+    from hetero.runtime.run.cli import split_run_options
+
+    with pytest.raises(ConfigError, match=r"takes a W&B project name"):
+        split_run_options(["runtime.wandb=my project!"])
+    if "wandb" not in sys.modules:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            with pytest.raises(ConfigError, match=r"which is not installed here: `pip install wandb`"):
+                split_run_options(["runtime.wandb=home-lab"])

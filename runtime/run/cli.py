@@ -48,6 +48,8 @@ RUN_OPTIONS = {
                         "only train.checkpoint_every's and the last)",
     "step_timeout_s": f"the longest one optimizer step may take before the run stops with an error (default "
                       f"{STEP_TIMEOUT_FACTOR:g}x the plan's predicted step, at least {STEP_TIMEOUT_MIN_S:g})",
+    "wandb": "a Weights & Biases project to log the steps to as well (needs `pip install wandb`; TensorBoard files "
+             "are always written)",
 }
 REBALANCE_MODES = ("auto", "off")
 MODES = {"rebalance": REBALANCE_MODES, "elastic": ("auto", "off")}
@@ -78,6 +80,11 @@ def split_run_options(pairs: list[str]) -> tuple[list[str], dict[str, Any]]:
             if raw not in MODES[name]:
                 raise ConfigError(f"{key} must be one of {', '.join(MODES[name])}, got {raw!r}")
             values[name] = raw
+            continue
+        if name == "wandb":
+            from hetero.runtime.run.wandb_log import check_project
+
+            values[name] = check_project(key, raw)
             continue
         if name == "max_recoveries":
             if not (raw.isdigit() and int(raw) <= 1000):
@@ -229,6 +236,9 @@ def _run_on_torch(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
     from hetero.runtime.torch_engine.support import check_supported
 
     backend = check_supported(plan, args.host)  # one line before anything starts
+    if timeouts.get("wandb"):
+        raise ConfigError("runtime.wandb logs from hetero's own engine only: drop --engine torch, or watch the run "
+                          "with TensorBoard (RUN_DIR/tensorboard)")
     if timeouts.get("rebalance") == "auto":  # asked for by name
         print("hetero run: --engine torch keeps the plan's split (layers move between stages only on "
               "--engine hetero)", file=sys.stderr)

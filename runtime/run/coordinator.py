@@ -127,7 +127,8 @@ class Coordinator:
         try:
             connect_stages(self.transport, plan, self.names)  # watched from the first attempt (handshake.py)
             self.mailbox = Mailbox(self.transport, silence_s=options.failure_timeout_s, on_idle=self._check_children)
-            self.records = RunRecords(plan, self.run_dir)  # metrics, evaluations, checkpoints, adapter
+            # metrics, evaluations, checkpoints, adapter, TensorBoard (and W&B)
+            self.records = RunRecords(plan, self.run_dir, wandb=options.wandb)
         except BaseException:
             stop_processes(self.procs, grace_s=0.0)
             self.transport.close()

@@ -76,6 +76,7 @@ class RunOptions:
     elastic: str = "auto"  # runtime.elastic: auto: go on without a lost device (runtime/run/elastic.py); off: stop
     max_recoveries: int = MAX_RECOVERIES  # runtime.max_recoveries: losses a run recovers from before it stops
     recovery: dict[str, Any] | None = None  # the recovery this run continues: its metrics.jsonl event, to complete
+    wandb: str | None = None  # runtime.wandb: a Weights & Biases project to log the steps to (runtime/run/wandb_log.py)
 
     @property
     def rerun(self) -> tuple[str, ...]:

@@ -87,11 +87,13 @@ def metrics_line(plan: Plan, step: int, done: dict[int, Any], grad_norm: float, 
 class RunRecords:
     """The run directory's record of training, and the evaluator client (runtime/tools/evaluator.py) it feeds."""
 
-    def __init__(self, plan: Plan, run_dir: Path) -> None:
+    def __init__(self, plan: Plan, run_dir: Path, wandb: str | None = None) -> None:
         self.plan, self.run_dir = plan, run_dir
+        self.wandb = wandb  # runtime.wandb: a W&B project to log to (runtime/run/wandb_log.py)
         self.result = RunResult()
         self.evaluator: Any = None  # EvalClient when eval.every > 0
-        self.board: Any = None  # runtime/run/tensorboard.py's EventWriter, from start_metrics on
+        # From start_metrics on: TensorBoard's EventWriter (runtime/run/tensorboard.py), and W&B when asked for.
+        self.trackers: list[Any] = []
 
     def open_evaluator(self, plan_path: Path, host: str) -> None:
         """Start the evaluator on a spare device of ``host`` when the plan evaluates every N steps."""
@@ -104,8 +106,7 @@ class RunRecords:
     def close(self) -> None:
         if self.evaluator is not None:
             self.evaluator.close()
-        if self.board is not None:
-            self.board.close()
+        self._close_trackers()
 
     def start_metrics(self, start_step: int) -> None:
         """metrics.jsonl: empty for a new run; a resumed one keeps the lines of the steps before it."""
@@ -123,16 +124,24 @@ class RunRecords:
         write_run_file(self.run_dir, "metrics.jsonl", "".join(f"{line}\n" for line in kept))
         from hetero.runtime.run.tensorboard import EventWriter
 
-        if self.board is not None:
-            self.board.close()
-        self.board = EventWriter(self.run_dir / "tensorboard", start_step)
+        self._close_trackers()
+        self.trackers = [EventWriter(self.run_dir / "tensorboard", start_step)]
+        if self.wandb:
+            from hetero.runtime.run.wandb_log import WandbRun
+
+            self.trackers.append(WandbRun(self.wandb, self.run_dir, self.plan.config))
+
+    def _close_trackers(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
     def step(self, line: dict[str, Any]) -> None:
         """One step's metrics line, kept and appended to metrics.jsonl."""
         self.result.steps.append(line)
         append_run_line(self.run_dir, "metrics.jsonl", json.dumps(line))
-        if self.board is not None:
-            self.board.step(line)
+        for tracker in self.trackers:
+            tracker.step(line)
 
     def event(self, line: dict[str, Any]) -> None:
         """An event of the run (``{"event": "rebalance", ...}``), kept and appended to metrics.jsonl."""
@@ -147,8 +156,8 @@ class RunRecords:
             if "eval_loss" in answer:
                 self.result.evals.append(answer)
                 append_run_line(self.run_dir, "metrics.jsonl", json.dumps(answer))
-                if self.board is not None:
-                    self.board.evaluation(answer)
+                for tracker in self.trackers:
+                    tracker.evaluation(answer)
             else:
                 self.result.eval_errors.append(str(answer.get("error", answer)))
                 print(f"hetero run: evaluation: {answer.get('error', answer)}", file=sys.stderr, flush=True)

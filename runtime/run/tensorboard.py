@@ -96,7 +96,7 @@ def record(data: bytes) -> bytes:
     return length + struct.pack("<I", masked_crc(length)) + data + struct.pack("<I", masked_crc(data))
 
 
-def _numbers(line: dict[str, Any], keys: dict[str, str]) -> dict[str, float]:
+def scalars_of(line: dict[str, Any], keys: dict[str, str]) -> dict[str, float]:
     return {tag: float(line[key]) for key, tag in keys.items()
             if isinstance(line.get(key), (int, float)) and not isinstance(line.get(key), bool)}
 
@@ -120,11 +120,11 @@ class EventWriter:
 
     def step(self, line: dict[str, Any]) -> None:
         """A metrics.jsonl step line's scalars at its step (0-based in metrics.jsonl, 1-based here)."""
-        if isinstance(line.get("step"), int) and (scalars := _numbers(line, STEP_SCALARS)):
+        if isinstance(line.get("step"), int) and (scalars := scalars_of(line, STEP_SCALARS)):
             self._write(event(line["step"] + 1, scalars=scalars))
 
     def evaluation(self, answer: dict[str, Any]) -> None:
-        if isinstance(answer.get("step"), int) and (scalars := _numbers(answer, EVAL_SCALARS)):
+        if isinstance(answer.get("step"), int) and (scalars := scalars_of(answer, EVAL_SCALARS)):
             self._write(event(answer["step"] + 1, scalars=scalars))
 
     def close(self) -> None:

@@ -130,6 +130,12 @@ def test_plans_it_cannot_run_are_refused_in_one_line(tiny_model_dir: Path, tiny_
     mixed = replace(plan, stages=[plan.stages[0], replace(plan.stages[1], backend="cuda")])
     with pytest.raises(EngineUnsupportedError, match=r"different device kinds \(cpu, cuda\)"):
         check_supported(mixed, None)
+    one_host = replace(plan, stages=[replace(s, host="alpha") for s in plan.stages])
+    vendors = replace(one_host, stages=[replace(one_host.stages[0], backend="cuda"),
+                                        replace(one_host.stages[1], backend="rocm")])
+    with pytest.raises(EngineUnsupportedError, match=r"mixes NVIDIA \(cuda\) and AMD \(rocm\) cards, .*"
+                                                     r"run it with `--engine hetero`"):
+        check_supported(vendors, "alpha")
     one = make_plan(tiny_model_dir, tiny_spec.architecture, packing=False, split=[3, 3], train=TRAIN, seq_len=SEQ_LEN)
     assert check_supported(one, None) == "gloo"
     split = make_plan(tiny_model_dir, tiny_spec.architecture, packing=False, split=[[3, 3], [2, 4]], train=TRAIN,  # type: ignore[list-item]
@@ -151,3 +157,42 @@ def test_plans_it_cannot_run_are_refused_in_one_line(tiny_model_dir: Path, tiny_
     with pytest.raises(EngineUnsupportedError):
         main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run"), "--engine", "torch"])
     assert not (tmp_path / "run").exists()
+
+
+def test_a_box_of_amd_cards_compiles_to_a_torch_engine_plan_on_nccl(tmp_path: Path) -> None:
+    """ROCm's torch calls AMD cards "cuda" devices and serves the "nccl" backend with RCCL (tested on the plan: no
+    GPU here)."""
+    from hetero.cli import main
+
+    fleets = tmp_path / "fleets" / "hardware"
+    fleets.mkdir(parents=True)
+    (fleets / "amd.yaml").write_text("name: amd\nhosts:\n  - name: box\n    address: 127.0.0.1\n    port: 29500\n"
+                                     "    devices: [{type: rx7900xtx, count: 2}]\n")
+    assert main(["compile", "model=tiny", "-cd", str(tmp_path / "fleets"), "hardware=amd", "data.packing=false",
+                 f"output={tmp_path / 'out'}", "planner.time_limit_s=20"]) == 0
+    plan = Plan.load(tmp_path / "out" / "plan.json")
+    assert {s.backend for s in plan.stages} == {"rocm"}
+    assert check_supported(plan, None) == "nccl"
+
+
+@pytest.mark.slow
+def test_the_torch_engine_does_not_check_ports_it_never_binds(tiny_model_dir: Path, tiny_spec: ModelSpec,
+                                                               tmp_path: Path) -> None:
+    """Another program on hetero's coordinator port (the plan's base port - 1) stops `--engine hetero` at the
+    pre-check, not `--engine torch`, whose rendezvous takes a free port of its own."""
+    import socket
+
+    from hetero.runtime.run.preflight import PortBusyError
+
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, packing=False, split=[3, 3],
+                     train=replace(TRAIN, steps=2), seq_len=SEQ_LEN)
+    plan.save(tmp_path / "plan.json")
+    port = int(plan.stages[0].endpoint.rsplit(":", 1)[1]) - 1
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        with pytest.raises(PortBusyError, match="another process .* holds the port"):
+            main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "hetero"), "--no-progress"])
+        assert main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "torch"), "--no-progress",
+                         "--engine", "torch"]) == 0
+    assert len(step_lines(read_metrics(tmp_path / "torch" / "metrics.jsonl"))) == 2

@@ -321,7 +321,8 @@ def _prepare_run(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
     run_dir = args.run_dir or default_run_dir(plan)
     if args.run_dir is None and checkpoint is not None and checkpoint != args.resume:
         run_dir = checkpoint.parent.parent  # --resume RUN_DIR goes on in RUN_DIR
-    checked = preflight(plan, run_dir, args.host, args.port, checkpoint)
+    # The torch engine binds none of the plan's ports (its rendezvous takes a free one): only hetero's are checked.
+    checked = preflight(plan, run_dir, args.host, args.port, checkpoint, ports=args.engine != "torch")
     plan = checked.plan or plan  # train.epochs: the steps they make, in the run's plan.json and every stage's welcome
     remote = ssh_hosts(plan, args.plan, host)
     check_ssh_hosts(plan, remote, host)  # each has hetero and this plan

@@ -42,8 +42,10 @@ class Checked:
 
 
 def preflight(plan: Plan, run_dir: Path, host: str | None = None, port: int | None = None,
-              resume: Path | None = None) -> Checked:
-    """Check everything that can fail before a stage starts; returns what was read on the way."""
+              resume: Path | None = None, ports: bool = True) -> Checked:
+    """Check everything that can fail before a stage starts; returns what was read on the way.
+
+    ``ports``: the plan's ports are free (hetero's engine binds them; `--engine torch` binds none of them)."""
     from hetero.runtime.pretrained import resolve_dir
 
     model_dir = resolve_dir(plan.model)
@@ -55,7 +57,8 @@ def preflight(plan: Plan, run_dir: Path, host: str | None = None, port: int | No
         checked.resume, checked.checkpoint = _read_resume(resume, plan, model_dir)
     if plan.model.lora.init_from:
         check_init_from(plan, model_dir)
-    check_ports(plan, host, port)
+    if ports:
+        check_ports(plan, host, port)
     check_creatable(run_dir)
     first_step = int(checked.checkpoint[1]["step"]) if checked.checkpoint is not None else 0
     checked.batches = check_data(plan, model_dir, first_step, checked.batches)

@@ -12,7 +12,8 @@ from hetero.plan import Plan
 
 # The schedules the plan may name and torch.distributed.pipelining's class for each.
 SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
-BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+# ROCm's torch names AMD cards "cuda" devices and serves the "nccl" backend with RCCL.
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "rocm": "nccl"}
 
 
 class EngineUnsupportedError(PlanError):
@@ -27,12 +28,15 @@ def _refuse(what: str) -> EngineUnsupportedError:
 def check_supported(plan: Plan, host: str | None) -> str:
     """The torch.distributed backend for ``plan`` (gloo or nccl); raises EngineUnsupportedError naming what is not."""
     kinds = sorted({s.backend for s in plan.stages})
+    if set(kinds) == {"cuda", "rocm"}:
+        raise _refuse("it mixes NVIDIA (cuda) and AMD (rocm) cards, and one torch build with one collective library "
+                      "(NCCL or RCCL) serves one vendor")
     if len(kinds) > 1:
         raise _refuse(f"its stages run on different device kinds ({', '.join(kinds)}), and one torch.distributed "
                       "backend serves one kind")
     if kinds[0] not in BACKENDS:
         raise _refuse(f"its stages run on '{kinds[0]}' devices; torch.distributed pipelines here on "
-                      f"{' or '.join(BACKENDS)}")
+                      f"{', '.join(BACKENDS)}")
     hosts = sorted({s.host for s in plan.stages})
     here = host or plan.stages[0].host
     if hosts != [here]:

@@ -236,3 +236,32 @@ def test_a_throttling_gpu_is_named_as_the_cause(w1_like_plan: Plan) -> None:
     assert "3.30x slower" in cause["reason"] and cause["reason"].endswith("(thermal slowdown at 87 C, SM clock "
                                                                             "1100 MHz of 1980)")
     assert mover.pending.event["new_split"][0] < mover.pending.event["old_split"][0]
+
+
+def test_moves_back_off_and_stop_at_the_cap(w1_like_plan: Plan, capsys) -> None:
+    """A watcher that proposes a move at every step (a device whose speed keeps changing): the run moves after
+    waits that double, and after MAX_MOVES it keeps its split to the end, saying so once."""
+    from types import SimpleNamespace
+
+    from hetero.runtime.run import moves
+    from hetero.runtime.run.moves import Move, Mover
+
+    plan = replace(w1_like_plan, train=replace(w1_like_plan.train, steps=10_000))
+    mover = Mover(plan, "auto")
+    spans = [[s.first_node, s.last_node] for s in plan.stages]
+    mover.watch = SimpleNamespace(observe=lambda *_: "propose", moved=lambda _p: None)
+    mover._proposed = lambda after, proposal: Move(after, spans, [[] for _ in spans], {"cause": {"reason": "noise"}},  # type: ignore[method-assign]
+                                                   proposal)
+    done = {k: SimpleNamespace(meta={"op_time_s": {"F": 0.1, "B": 0.2}}) for k in range(len(plan.stages))}
+    moved_after = []
+    for step in range(5000):
+        if mover.due(step):
+            mover.moved(0.0)
+            moved_after.append(step)
+        mover.observe(step, done)
+        mover.announce(step + 1, lambda _r: None)
+    assert len(moved_after) == moves.MAX_MOVES and mover.watch is None
+    gaps = [b - a for a, b in zip(moved_after, moved_after[1:])]
+    assert gaps == [moves.MOVE_BACKOFF_STEPS * 2 ** n + 1 for n in range(moves.MAX_MOVES - 1)], gaps
+    err = capsys.readouterr().err
+    assert err.count("the most one run makes") == 1 and err.count("\n") == 1

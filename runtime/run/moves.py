@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,12 @@ from hetero.plan import Plan
 from hetero.protocol import Rebalance
 
 log = logging.getLogger("hetero.run")
+
+# Bounds on the watcher's moves, whatever it proposes (a device whose speed keeps changing, or noise the watcher
+# takes for a change, must not keep the run rebuilding its stages): after the n-th move its proposals wait
+# MOVE_BACKOFF_STEPS x 2^(n-1) steps, and after MAX_MOVES moves the run keeps its split to the end (one line).
+MAX_MOVES = 8
+MOVE_BACKOFF_STEPS = 5
 
 
 def split_of(plan: Plan) -> list[int]:
@@ -70,6 +77,8 @@ class Mover:
         self.pending: Move | None = None
         self.telemetry: list[Any] = []  # per stage: its device's clocks, temperature, throttling (last step)
         self.sent: Move | None = None
+        self.moves = 0  # the watcher's moves so far (MAX_MOVES)
+        self.quiet_until = 0  # no proposal is taken for a move after a step before this one (MOVE_BACKOFF_STEPS)
         if not can_rebalance(plan):
             self.forced = {}
         elif mode == "auto":
@@ -109,7 +118,7 @@ class Mover:
                         type(exc).__name__, exc)
             self.watch = None
             return
-        if proposal is not None:
+        if proposal is not None and step + 1 >= self.quiet_until:
             self.pending = self._proposed(step + 1, proposal)
 
     def announce(self, step: int, send: Callable[[Rebalance], None]) -> None:
@@ -148,9 +157,21 @@ class Mover:
         self.plan = self.plan.with_spans(move.spans, move.recompute)
         if self.watch is not None and move.proposal is not None:
             self.watch.moved(move.proposal)
+            self._bound(move.after_step)
         elif self.watch is not None:
             self.watch.restart(tuple((a, b) for a, b in move.spans), tuple(len(r) for r in move.recompute))
         return self.plan, {**move.event, "move_s": round(move_s, 4), "split": split_of(self.plan)}
+
+    def _bound(self, after_step: int) -> None:
+        """After the watcher's move: the wait before its next one doubles; after MAX_MOVES it stops watching."""
+        self.moves += 1
+        self.quiet_until = after_step + 1 + MOVE_BACKOFF_STEPS * 2 ** (self.moves - 1)
+        if self.moves >= MAX_MOVES:
+            line = (f"hetero run: runtime.rebalance made {self.moves} moves, the most one run makes: the stages keep "
+                    "this split to the end (a device whose speed keeps changing is better left out of the fleet)")
+            log.warning("%s", line)
+            print(line, file=sys.stderr, flush=True)
+            self.watch = None
 
     def _proposed(self, after_step: int, proposal: Any) -> Move:
         """A Move from the watcher's Proposal, with the event line a person reads."""

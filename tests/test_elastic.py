@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -141,6 +142,22 @@ def test_a_run_goes_on_without_a_killed_stage_and_then_a_stopped_one(root: Path,
     report = json.loads((run_dir / "report.json").read_text())
     assert [r["device"] for r in report["recoveries"]] == ["localhost.cpu1", "localhost.cpu0"]
     _assert_no_process_left(run_dir, [*pids, *stopped])  # the stopped process was killed, not left behind
+
+
+@pytest.mark.slow
+def test_a_loss_not_recovered_names_the_state_it_kept(root: Path) -> None:
+    """runtime.max_recoveries=0 (as for a plan recovery cannot re-plan): the loss stops the run at once, and the line
+    names the state copied off the stages, which is on disk by then (it said "no checkpoint yet")."""
+    run_dir = root / "not-recovered"
+    run = _run(root, run_dir, "runtime.max_recoveries=0")
+    _wait("step 6", lambda: any(m["step"] >= 6 for m in _metrics(run_dir)), run)
+    os.kill(_stage_pids(run_dir)[1], signal.SIGKILL)
+    code, _, err = finish(run, 60)
+    assert code == 2, err[-3000:]
+    line = _one_error_line(err)
+    assert "no checkpoint yet" not in line and re.search(r"continue from step (\d+) with `", line), line
+    step = int(re.search(r"continue from step (\d+)", line).group(1))  # type: ignore[union-attr]
+    assert step >= 1 and (run_dir / "checkpoints" / f"step-{step:06d}" / "COMPLETE").is_file()
 
 
 @pytest.mark.slow

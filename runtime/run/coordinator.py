@@ -308,6 +308,9 @@ class Coordinator:
     def _resume_hint(self) -> str:
         from hetero.runtime.run.rundir import checkpoint_step, latest_checkpoint
 
+        # The state copied off the stages goes to disk first, so that the line names it (it said "no checkpoint
+        # yet" when the run stopped without recovering, though the copy was written a moment later).
+        self._save_memory()
         last = latest_checkpoint(self.run_dir)
         if last is not None:
             return (f"continue from step {checkpoint_step(last)} with "

@@ -7,7 +7,10 @@ simulated with the same cost table, each device's compute scaled by the speed th
 complete plan (programs for the new stage count, predictions, memory, baselines) is then made by
 ``planner.plan`` as a manual split of those devices, so it is checked and priced like any compiled plan.
 
-Neither the ILP nor PuLP runs here: the coordinator calls this while its stages wait.
+Neither the ILP nor PuLP runs here for one pipeline: the coordinator calls this while its stages wait. A plan of
+data x pipeline replicas is planned again whole (``planner.plan`` on the devices it trained on, less the lost ones,
+within RECOVERY_TIME_LIMIT_S): how many replicas, how many stages each, which layers where; the math does not
+depend on it (the checkpoint is layout-free, and every micro-batch of a step is still trained once).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from hetero.plan import Plan
 from hetero.planner.cost_model import RooflineCostModel
 from hetero.planner.rebalance import Replanner
 from hetero.specs import ClusterSpec
+
+RECOVERY_TIME_LIMIT_S = 10.0  # the solver's limit when a replicated plan is planned again during the run
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ def plan_without(plan: Plan, lost: set[str], factors: dict[str, float] | None = 
     from hetero.planner import plan as make_plan
 
     if len(plan.pipelines) != 1:
-        raise InfeasiblePlanError("a plan with data x pipeline replicas is not re-planned after a loss")
+        return _replicas_without(plan, lost)
     order = [s.device for s in plan.stages if s.device not in lost]
     if not order:
         raise InfeasiblePlanError("no training device is left")
@@ -65,3 +70,32 @@ def plan_without(plan: Plan, lost: set[str], factors: dict[str, float] | None = 
             f"left, split {'/'.join(map(str, split))} chosen by simulation at the speeds the run measured.")
     new = replace(new, security=plan.security, verdict=[note, *new.verdict])
     return Recovery(new, split, order, new.prediction.step_time_s, best.step_s)
+
+
+def _replicas_without(plan: Plan, lost: set[str]) -> Recovery:
+    """A data x pipeline plan planned again on the devices it trained on, less ``lost`` (devices it left unused stay
+    unused; a held-out evaluation keeps its spare device, so such plans are refused)."""
+    from hetero.planner import plan as make_plan
+
+    if plan.eval.every > 0:
+        raise InfeasiblePlanError("a plan with data x pipeline replicas and eval.every > 0 is not re-planned after a "
+                                  "loss (the solver could take the evaluation's spare device)")
+    used = [s.device for s in plan.stages]
+    left = [name for name in dict.fromkeys(used) if name not in lost]
+    if not left:
+        raise InfeasiblePlanError("no training device is left")
+    fleet = without_devices(plan.cluster, {d.name for d in plan.cluster.devices} - set(left))
+    cost_model = RooflineCostModel(efficiency=plan.planner.efficiency)
+    options = replace(plan.planner, devices=None, split=None, num_stages=None, replicas=None,
+                      time_limit_s=min(plan.planner.time_limit_s, RECOVERY_TIME_LIMIT_S))
+    new = make_plan(plan.model, plan.graph, fleet, plan.train, plan.data, options, cost_model, plan.eval,
+                    plan.config, plan.data_stats)
+    nodes = new.graph.nodes
+    split = [sum(1 for i in range(s.first_node, s.last_node + 1) if nodes[i].kind == "decoder") for s in new.stages]
+    shape = " + ".join(f"{len(r.stages)} stage(s) x {r.num_micro_batches} micro-batch(es)" for r in new.pipelines)
+    devices = [s.device for s in new.stages]
+    note = (f"Re-planned during the run after losing {', '.join(sorted(lost))}: {len(new.pipelines)} replica(s) "
+            f"({shape}) on {len(set(devices))} of the {len(left)} device(s) left, planned again by the solver "
+            "(datasheet or profile costs, not the speeds the run measured).")
+    new = replace(new, security=plan.security, verdict=[note, *new.verdict])
+    return Recovery(new, split, devices, new.prediction.step_time_s, new.prediction.step_time_s)

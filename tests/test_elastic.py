@@ -145,6 +145,30 @@ def test_a_run_goes_on_without_a_killed_stage_and_then_a_stopped_one(root: Path,
 
 
 @pytest.mark.slow
+def test_a_run_of_replicas_goes_on_without_a_killed_one(root: Path, reference: dict, tiny_model_dir: Path,
+                                                       tiny_spec: ModelSpec) -> None:
+    """Three one-stage replicas (what `hardware=local hardware.num_devices=3` compiles to for the tiny model): one
+    killed at step 8, the run is planned again by the solver on the two devices left and trains like the
+    undisturbed pipeline (replicas sum gradients in another order: 1e-4, as tests/test_runtime_replicas.py)."""
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [[6], [6], [6]], train=TRAIN,  # type: ignore[list-item]
+                     shares=[2, 1, 1])
+    plan.save(root / "replicas.json")
+    run_dir = root / "replicas-lost"
+    run = start(["run", str(root / "replicas.json"), "--run-dir", str(run_dir), "--port", str(free_ports(1)[0]),
+                 "--no-progress", *RUNTIME], root.parent)
+    _lose(run, run_dir, 1, signal.SIGKILL, 8, 0)
+    event = _recoveries(run_dir)[0]
+    assert event["device"] == "localhost.cpu1" and event["old_split"] == [6, 6, 6], event
+    assert event["devices"] and "localhost.cpu1" not in event["devices"], event
+    code, out, err = finish(run)
+    assert code == 0, err[-3000:]
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(STEPS))
+    assert [m["loss"] for m in metrics] == pytest.approx(reference["losses"], rel=1e-4)
+    assert "recovered after step" in out
+
+
+@pytest.mark.slow
 def test_a_loss_not_recovered_names_the_state_it_kept(root: Path) -> None:
     """runtime.max_recoveries=0 (as for a plan recovery cannot re-plan): the loss stops the run at once, and the line
     names the state copied off the stages, which is on disk by then (it said "no checkpoint yet")."""

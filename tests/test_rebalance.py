@@ -9,6 +9,7 @@ moving layers twice mid-run gives the reference's losses and LoRA weights.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from dataclasses import replace
@@ -261,7 +262,7 @@ def test_moves_back_off_and_stop_at_the_cap(w1_like_plan: Plan, capsys) -> None:
         mover.observe(step, done)
         mover.announce(step + 1, lambda _r: None)
     assert len(moved_after) == moves.MAX_MOVES and mover.watch is None
-    gaps = [b - a for a, b in zip(moved_after, moved_after[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(moved_after)]
     assert gaps == [moves.MOVE_BACKOFF_STEPS * 2 ** n + 1 for n in range(moves.MAX_MOVES - 1)], gaps
     err = capsys.readouterr().err
     assert err.count("the most one run makes") == 1 and err.count("\n") == 1

@@ -136,6 +136,21 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
         "num_experts", "num_experts_per_tok",
         stored=(("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
                 ("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",))))),
+    # GLM-4 (dense): fused gate_up_proj like Phi-3, norms after attention and after the MLP too, partial rotary.
+    Family("glm4", "GLM-4-9B, GLM-4-32B", lora_targets=ATTENTION + ("gate_up_proj", "down_proj")),
+    # Gemma 1: embeddings scaled inside its embedding module, (1 + w) RMSNorms, GELU.
+    Family("gemma", "Gemma 2B, 7B"),
+    # SmolLM3: Llama-like, with some layers without rotary positions (config.no_rope_layers).
+    Family("smollm3", "SmolLM3-3B"),
+    Family("olmoe", "OLMoE-1B-7B", lora_targets=ATTENTION, experts=Experts(
+        "num_experts", "num_experts_per_tok",
+        stored=(("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
+                ("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",))))),
+    # Qwen1.5/2-MoE: routed experts plus a shared expert (a plain MLP, gated per token) in every layer.
+    Family("qwen2_moe", "Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B", lora_targets=ATTENTION, experts=Experts(
+        "num_experts", "num_experts_per_tok",
+        stored=(("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
+                ("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",))))),
     Family("mixtral", "Mixtral 8x7B, 8x22B", lora_targets=ATTENTION, experts=Experts(
         "num_local_experts", "num_experts_per_tok",
         stored=(("mlp.experts.gate_up_proj", ("block_sparse_moe.experts.{e}.w1.weight",

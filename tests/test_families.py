@@ -57,6 +57,13 @@ TINY = {
                   "num_experts_per_tok": 2, "norm_topk_prob": True},
     "mixtral": {"model_type": "mixtral", "head_dim": 16, "intermediate_size": 48, "num_local_experts": 4,
                 "num_experts_per_tok": 2},
+    "glm4": {"model_type": "glm4", "head_dim": 16, "partial_rotary_factor": 0.5},
+    "gemma": {"model_type": "gemma", "head_dim": 16, "hidden_activation": "gelu_pytorch_tanh"},
+    # Every other layer without rotary positions, as SmolLM3-3B's config has them (1: rotary, 0: none).
+    "smollm3": {"model_type": "smollm3", "no_rope_layers": [1, 0] * 3},
+    "olmoe": {"model_type": "olmoe", "intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {"model_type": "qwen2_moe", "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+                  "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False},
 }
 
 

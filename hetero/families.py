@@ -151,6 +151,11 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
         "num_experts", "num_experts_per_tok",
         stored=(("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
                 ("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",))))),
+    # GLM-4.5: the first first_k_dense_replace layers dense, then routed experts plus shared ones, a biased router.
+    Family("glm4_moe", "GLM-4.5-Air, GLM-4.5", lora_targets=ATTENTION, experts=Experts(
+        "n_routed_experts", "num_experts_per_tok",
+        stored=(("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
+                ("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",))))),
     Family("mixtral", "Mixtral 8x7B, 8x22B", lora_targets=ATTENTION, experts=Experts(
         "num_local_experts", "num_experts_per_tok",
         stored=(("mlp.experts.gate_up_proj", ("block_sparse_moe.experts.{e}.w1.weight",

@@ -64,6 +64,10 @@ TINY = {
     "olmoe": {"model_type": "olmoe", "intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2},
     "qwen2_moe": {"model_type": "qwen2_moe", "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
                   "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False},
+    # The first layer dense, then routed and shared experts (the real models keep 1-3 layers dense).
+    "glm4_moe": {"model_type": "glm4_moe", "head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 1,
+                 "topk_group": 1},
 }
 
 

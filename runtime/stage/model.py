@@ -281,8 +281,8 @@ def _computed_buffers(model: nn.Module) -> None:
     HF keeps the number beside such a buffer as ``scalar_<name>``."""
     for module_name, module in model.named_modules():
         for name, buf in list(module.named_buffers(recurse=False)):
-            if buf is None or not buf.is_meta:
-                continue
+            if buf is None or not buf.is_meta or name not in module._non_persistent_buffers_set:
+                continue  # real already, or in the state dict: loaded from the checkpoint (a router's bias)
             scalar = getattr(module, f"scalar_{name}", None)
             if scalar is None:
                 raise PlanError(f"{module_name}.{name} is a computed buffer the runtime cannot rebuild "

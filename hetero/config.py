@@ -214,15 +214,15 @@ def load(overrides: list[str], config_dir: str | None = None) -> Config:
     _check_manual_split(planner, model, cluster)
     output = raw.get("output", ".")
     if not isinstance(output, str) or not output:
-        raise ConfigError(f"output must be a directory path, got {output!r}")
+        raise ConfigError(f"output must be a directory path, got {short_repr(output)}")
     profile = raw.get("profile")
     profiles = [profile] if isinstance(profile, str) else profile if isinstance(profile, list) else [profile]
     if profile is not None and (not profiles or not all(isinstance(p, str) and p for p in profiles)):
         raise ConfigError(f"profile must be the path of a `hetero profile` file or of a run directory (or a list "
-                          f"of them: profile=[RUN_DIR,profile.json]), got {profile!r}")
+                          f"of them: profile=[RUN_DIR,profile.json]), got {short_repr(profile)}")
     requested = raw.get("security", "auto")
     if not isinstance(requested, str):
-        raise ConfigError(f"security must be one of auto, curve, token, none, got {requested!r}")
+        raise ConfigError(f"security must be one of auto, curve, token, none, got {short_repr(requested)}")
     security = resolve_mode(requested, [h.address for h in cluster.hosts])
     # The command line itself, so every hint built from this config (plan.json's copy) repeats the user's choices.
     raw[COMMAND_LINE] = {"config_dir": str(Path(config_dir).expanduser().resolve()) if config_dir else None,
@@ -274,7 +274,7 @@ def check_eval(evaluation: EvalSpec, cluster: ClusterSpec | None = None) -> None
 def _section(raw: dict[str, Any], key: str) -> dict[str, Any]:
     value = raw.get(key)
     if not isinstance(value, dict):
-        raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        raise ConfigError(f"{key} must be a mapping, got {short_repr(value)}")
     return value
 
 

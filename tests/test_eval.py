@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -40,7 +41,8 @@ def _plan_with_spare(tiny_model_dir: Path, tiny_spec: ModelSpec, train: TrainSpe
     return replace(plan, input_hash=compute_input_hash(plan))
 
 
-def test_spare_device_evaluates_while_training(tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path) -> None:
+def test_spare_device_evaluates_while_training(tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
     train = TrainSpec(micro_batch_size=2, num_micro_batches=2, steps=5, lr=5e-3, seed=1)
     plan = _plan_with_spare(tiny_model_dir, tiny_spec, train)
     plan.save(tmp_path / "plan.json")
@@ -54,9 +56,15 @@ def test_spare_device_evaluates_while_training(tiny_model_dir: Path, tiny_spec: 
     steps = [x for x in lines if "step_time_s" in x]
     evals = [x for x in lines if "eval_loss" in x]
     assert [x["step"] for x in steps] == list(range(5))
-    assert [x["step"] for x in evals] == [1, 3, 4]  # after steps 2 and 4 (eval.every=2) and after the last
+    # After steps 2 and 4 (eval.every=2) and after the last. On a loaded machine the evaluation after step 2 may
+    # still run when step 4 ends: that one is skipped, and the run says so (CI met it while other tests ran).
+    err = capsys.readouterr().err
+    skipped = [int(s) - 1 for s in re.findall(r"evaluation skipped after step\(s\) ([\d, ]+)", err)[0].split(", ")
+               ] if "evaluation skipped" in err else []
+    assert sorted([x["step"] for x in evals] + skipped) == [1, 3, 4] and evals[-1]["step"] == 4, (evals, err)
+    assert len(evals) >= 2
     assert all(x["eval_tokens"] > 0 and x["eval_s"] > 0 for x in evals)
-    assert len({round(x["eval_loss"], 6) for x in evals}) == 3, "the adapter changes between evaluations"
+    assert len({round(x["eval_loss"], 6) for x in evals}) == len(evals), "the adapter changes between evaluations"
     assert (run_dir / "logs" / "eval.log").is_file()
     assert not list((run_dir / "eval").glob("*.safetensors")), "the evaluator deletes the adapters it took"
 

@@ -842,3 +842,16 @@ def test_reported_frames_are_dropped_in_one_line(pipeline_plan: Plan, kind: str,
         assert transport._admit([msgpack.packb(header, use_bin_type=True), *frames[1:]]) is None
         why = transport.last_rejection()
     assert why is not None and f"meta {field!r}" in why and "\n" not in why, why
+
+
+@pytest.mark.parametrize("key", ["profile", "output", "security"])
+def test_a_deeply_nested_value_is_quoted_short(composed: tuple[dict[str, Any], dict[str, Any]], key: str) -> None:
+    """What the fuzzer found (CI, 2026-11-28): profile={'a': {'a': ...}} 38 levels deep made a 401-character line."""
+    raw, types = composed
+    nested: Any = None
+    for _ in range(40):
+        nested = {"a": nested}
+    tree = {**copy.deepcopy(raw), key: nested}
+    with mock.patch.object(config, "compose_raw", lambda overrides, config_dir=None: copy.deepcopy(tree)), \
+            datasheets_read_once(types):
+        load_or_refuse([], tree)

@@ -131,17 +131,23 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma3_text", "Gemma 3", logits_softcap="final_logit_softcapping", rotary_per_layer_type=True,
            stored_prefixes=(("model.", "language_model.model."), ("model.", "model.language_model."),
                             ("lm_head.", "language_model.lm_head.")), text_of="gemma3"),
-    # Mixture of experts: a router picks top-k experts per token; LoRA on attention (the experts are 3-D tensors).
-    Family("qwen3_moe", "Qwen3-30B-A3B, Qwen3-235B-A22B", lora_targets=ATTENTION, experts=Experts(
-        "num_experts", "num_experts_per_tok",
-        stored=(("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
-                ("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",))))),
     # GLM-4 (dense): fused gate_up_proj like Phi-3, norms after attention and after the MLP too, partial rotary.
     Family("glm4", "GLM-4-9B, GLM-4-32B", lora_targets=ATTENTION + ("gate_up_proj", "down_proj")),
     # Gemma 1: embeddings scaled inside its embedding module, (1 + w) RMSNorms, GELU.
     Family("gemma", "Gemma 2B, 7B"),
     # SmolLM3: Llama-like, with some layers without rotary positions (config.no_rope_layers).
     Family("smollm3", "SmolLM3-3B"),
+    # Mixture of experts: a router picks top-k experts per token; LoRA on attention (the experts are 3-D tensors).
+    Family("qwen3_moe", "Qwen3-30B-A3B, Qwen3-235B-A22B", lora_targets=ATTENTION, experts=Experts(
+        "num_experts", "num_experts_per_tok",
+        stored=(("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
+                ("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",))))),
+    Family("mixtral", "Mixtral 8x7B, 8x22B", lora_targets=ATTENTION, experts=Experts(
+        "num_local_experts", "num_experts_per_tok",
+        stored=(("mlp.experts.gate_up_proj", ("block_sparse_moe.experts.{e}.w1.weight",
+                                              "block_sparse_moe.experts.{e}.w3.weight")),
+                ("mlp.experts.down_proj", ("block_sparse_moe.experts.{e}.w2.weight",))),
+        renamed=(("mlp.gate.weight", "block_sparse_moe.gate.weight"),))),
     Family("olmoe", "OLMoE-1B-7B", lora_targets=ATTENTION, experts=Experts(
         "num_experts", "num_experts_per_tok",
         stored=(("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
@@ -156,12 +162,6 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
         "n_routed_experts", "num_experts_per_tok",
         stored=(("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
                 ("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",))))),
-    Family("mixtral", "Mixtral 8x7B, 8x22B", lora_targets=ATTENTION, experts=Experts(
-        "num_local_experts", "num_experts_per_tok",
-        stored=(("mlp.experts.gate_up_proj", ("block_sparse_moe.experts.{e}.w1.weight",
-                                              "block_sparse_moe.experts.{e}.w3.weight")),
-                ("mlp.experts.down_proj", ("block_sparse_moe.experts.{e}.w2.weight",))),
-        renamed=(("mlp.gate.weight", "block_sparse_moe.gate.weight"),))),
 )}
 MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 # Multimodal model_types whose config.json holds a family's text model as text_config.

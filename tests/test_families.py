@@ -122,7 +122,8 @@ def test_a_model_type_outside_the_table_is_one_line(tiny_spec: ModelSpec) -> Non
     from hetero.compiler.fxgraph import build_config
 
     with pytest.raises(UnsupportedModelError, match=r"^model_type 'falcon' is not supported; supported: llama, "
-                       r"mistral, qwen2, qwen3, olmo2, phi3, granite, gemma2, gemma3_text, qwen3_moe, mixtral \(docs/models\.md lists them"):
+                       r"mistral, qwen2, qwen3, olmo2, phi3, granite, gemma2, gemma3_text, glm4, gemma, smollm3, "
+                       r"qwen3_moe, mixtral, olmoe, qwen2_moe, glm4_moe \(docs/models\.md lists them"):
         build_config({**COMMON, "model_type": "falcon"})
 
 

@@ -35,6 +35,16 @@ def _ip(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
 
 
+def netns_refused() -> str | None:
+    """Why this machine cannot make network namespaces (not root, no ``ip netns``), or None when it can."""
+    probe = f"w3-probe-{os.getpid()}"
+    made = _ip("netns", "add", probe)
+    if made.returncode != 0:
+        return (made.stderr or made.stdout).strip() or "ip netns add failed"
+    _ip("netns", "del", probe)
+    return None
+
+
 class LinkPair:
     """Two network namespaces joined by a veth pair, each end rate-limited on egress with tc tbf.
 

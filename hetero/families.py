@@ -115,6 +115,10 @@ class Family:
         return float(value) if value else None
 
 
+# How most checkpoints store fused experts: one gate, up and down weight per expert (Qwen-MoE, OLMoE, GLM-4.5).
+PER_EXPERT = (("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
+              ("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",)))
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "Llama 3.x, SmolLM, TinyLlama"),
     Family("mistral", "Mistral 7B, Mistral-Nemo"),
@@ -139,9 +143,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("smollm3", "SmolLM3-3B"),
     # Mixture of experts: a router picks top-k experts per token; LoRA on attention (the experts are 3-D tensors).
     Family("qwen3_moe", "Qwen3-30B-A3B, Qwen3-235B-A22B", lora_targets=ATTENTION, experts=Experts(
-        "num_experts", "num_experts_per_tok",
-        stored=(("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
-                ("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",))))),
+        "num_experts", "num_experts_per_tok", PER_EXPERT)),
     Family("mixtral", "Mixtral 8x7B, 8x22B", lora_targets=ATTENTION, experts=Experts(
         "num_local_experts", "num_experts_per_tok",
         stored=(("mlp.experts.gate_up_proj", ("block_sparse_moe.experts.{e}.w1.weight",
@@ -149,19 +151,13 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                 ("mlp.experts.down_proj", ("block_sparse_moe.experts.{e}.w2.weight",))),
         renamed=(("mlp.gate.weight", "block_sparse_moe.gate.weight"),))),
     Family("olmoe", "OLMoE-1B-7B", lora_targets=ATTENTION, experts=Experts(
-        "num_experts", "num_experts_per_tok",
-        stored=(("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
-                ("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",))))),
+        "num_experts", "num_experts_per_tok", PER_EXPERT)),
     # Qwen1.5/2-MoE: routed experts plus a shared expert (a plain MLP, gated per token) in every layer.
     Family("qwen2_moe", "Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B", lora_targets=ATTENTION, experts=Experts(
-        "num_experts", "num_experts_per_tok",
-        stored=(("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
-                ("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",))))),
+        "num_experts", "num_experts_per_tok", PER_EXPERT)),
     # GLM-4.5: the first first_k_dense_replace layers dense, then routed experts plus shared ones, a biased router.
     Family("glm4_moe", "GLM-4.5-Air, GLM-4.5", lora_targets=ATTENTION, experts=Experts(
-        "n_routed_experts", "num_experts_per_tok",
-        stored=(("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
-                ("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",))))),
+        "n_routed_experts", "num_experts_per_tok", PER_EXPERT)),
 )}
 MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 # Multimodal model_types whose config.json holds a family's text model as text_config.

@@ -23,10 +23,8 @@ def _netns_names() -> set[str]:
 def test_link_pair_comes_up_and_leaves_nothing_behind() -> None:
     import w3_net
 
-    probe = subprocess.run(["ip", "netns", "add", f"w3-probe-{os.getpid()}"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"ip netns refused: {probe.stderr.strip()}")
-    subprocess.run(["ip", "netns", "del", f"w3-probe-{os.getpid()}"], check=True)
+    if (refused := w3_net.netns_refused()) is not None:
+        pytest.skip(f"ip netns refused: {refused}")
 
     link = w3_net.LinkPair()
     try:

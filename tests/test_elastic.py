@@ -168,36 +168,17 @@ def test_a_run_of_replicas_goes_on_without_a_killed_one(root: Path, reference: d
     assert "recovered after step" in out
 
 
-FORGER = r"""
-import sys, time, zmq
-from hetero.runtime.wire.frames import Message, encode
-endpoint, token = sys.argv[1], sys.argv[2]
-ctx = zmq.Context()
-frames = encode(Message(kind="hello", sender="stage1", step=0, mb=-1, meta={}, tensors={}), token)
-for login in ({}, {"plain_username": b"stage1", "plain_password": b"0" * 64}):
-    sock = ctx.socket(zmq.PUSH)
-    sock.linger = 0
-    for name, value in login.items():
-        setattr(sock, name, value)
-    sock.connect(endpoint)
-    try:
-        sock.send_multipart(frames, flags=zmq.NOBLOCK)
-    except zmq.Again:
-        pass
-time.sleep(3)
-print("sent", flush=True)
-"""
-
-
 @pytest.mark.slow
 def test_a_keyed_run_recovers_and_a_process_without_its_keys_cannot_take_the_lost_stages_place(
         root: Path, reference: dict, tiny_model_dir: Path, tiny_spec: ModelSpec) -> None:
     """Token keys, as `hetero compile` makes for one machine: stage 1 killed at step 8, a process without the keys
     says hello as stage 1 meanwhile; it is refused at the handshake, and the run recovers and trains like the
     undisturbed one."""
-    import sys
     from dataclasses import replace
 
+    from test_security import forgers
+
+    from hetero.runtime.wire.frames import Message, encode
     from hetero.security import generate
 
     keyed = root / "keyed"
@@ -211,9 +192,9 @@ def test_a_keyed_run_recovers_and_a_process_without_its_keys_cannot_take_the_los
                  *RUNTIME], root.parent)
     _wait("step 8", lambda: any(m["step"] >= 8 for m in _metrics(run_dir)), run)
     os.kill(_stage_pids(run_dir)[1], signal.SIGKILL)
-    forger = subprocess.run([sys.executable, "-c", FORGER, f"tcp://127.0.0.1:{port}", plan.input_hash],
-                            capture_output=True, text=True, timeout=60)
-    assert forger.returncode == 0 and "sent" in forger.stdout, forger.stderr[-2000:]
+    hello = encode(Message(kind="hello", sender="stage1", step=0, mb=-1, meta={}, tensors={}), plan.input_hash)
+    with forgers(f"tcp://127.0.0.1:{port}", [{}, {"plain_username": b"stage1", "plain_password": b"0" * 64}], hello):
+        time.sleep(3)
     code, out, err = finish(run)
     assert code == 0, err[-3000:]
     assert "coordinator refused a connection" in err, err[-3000:]

@@ -98,10 +98,8 @@ SECRETS = ("measured_with", "b.cpu0", "decoder")
 def hosts(tmp_path: Path) -> Iterator[object]:
     import w3_net
 
-    probe = subprocess.run(["ip", "netns", "add", f"pp-probe-{os.getpid()}"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"ip netns refused: {probe.stderr.strip()}")
-    subprocess.run(["ip", "netns", "del", f"pp-probe-{os.getpid()}"], check=True)
+    if (refused := w3_net.netns_refused()) is not None:
+        pytest.skip(f"ip netns refused: {refused}")
     link = w3_net.LinkPair()
     try:
         link.up()

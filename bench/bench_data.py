@@ -518,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, help=f"optimizer steps per run (default {FULL.steps}, quick {QUICK.steps})")
     ap.add_argument("--warmup", type=int, help="untimed steps at the start (default 1)")
     ap.add_argument("--trl-micro-batch", type=int, help="TRL per_device_train_batch_size (default 4, hetero's)")
+    ap.add_argument("--hetero-micro-batch", type=int,
+                    help="hetero's train.micro_batch_size (default 4; the rows per step stay the same)")
     ap.add_argument("--trl-threads", type=int, help="TRL's torch threads (default 2: the cores hetero's stages use)")
     ap.add_argument("--only", default=",".join(CASES), help=f"comma-separated runs of {', '.join(CASES)}")
     ap.add_argument("--json", type=Path, help="also write the result here")
@@ -528,6 +530,11 @@ def main(argv: list[str] | None = None) -> int:
                        ("threads", args.trl_threads)):
         if value is not None:
             setup = replace(setup, **{key: value})
+    if args.hetero_micro_batch is not None:
+        if args.hetero_micro_batch < 1 or setup.rows_per_step % args.hetero_micro_batch:
+            ap.error(f"--hetero-micro-batch must divide the {setup.rows_per_step} rows of a step")
+        setup = replace(setup, micro_batch=args.hetero_micro_batch,
+                        num_micro=setup.rows_per_step // args.hetero_micro_batch)
     only = tuple(args.only.split(","))
     unknown = [n for n in only if n not in CASES]
     if unknown:

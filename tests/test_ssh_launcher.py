@@ -137,35 +137,49 @@ def _wait_port(port: int, proc: subprocess.Popen, log: Path) -> None:
     pytest.fail(f"sshd did not listen on port {port}: {log.read_text()[-2000:]}")
 
 
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory: pytest.TempPathFactory):
-    keygen, client = shutil.which("ssh-keygen"), shutil.which("ssh")
-    if not SSHD.is_file() or keygen is None or client is None:
+def needs_sshd() -> None:
+    if not SSHD.is_file() or shutil.which("ssh-keygen") is None or shutil.which("ssh") is None:
         pytest.skip("needs the OpenSSH server /usr/sbin/sshd, ssh and ssh-keygen (Debian: apt-get install "
                     "openssh-server)")
     if os.geteuid() == 0 and not Path("/run/sshd").is_dir():
         # sshd started by root insists on its privilege separation directory (the service unit makes it at boot)
         Path("/run/sshd").mkdir(mode=0o755)
-    root = tmp_path_factory.mktemp("sshd")
+
+
+def write_sshd(root: Path, port: int, listen: str) -> tuple[Path, Path]:
+    """An OpenSSH server's files under ``root`` (host and client keys, authorized_keys, sshd_config for
+    ``listen``:``port``); returns (its config, its log)."""
     for name in ("host_key", "client_key"):
-        subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(root / name)], check=True, timeout=30)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(root / name)], check=True, timeout=30)
     shutil.copy(root / "client_key.pub", root / "authorized_keys")
-    port = free_ports(1)[0]
     (root / "sshd_config").write_text(
-        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {root / 'host_key'}\n"
+        f"Port {port}\nListenAddress {listen}\nHostKey {root / 'host_key'}\n"
         f"AuthorizedKeysFile {root / 'authorized_keys'}\nStrictModes no\nPidFile none\nUsePAM no\n"
         "PasswordAuthentication no\nKbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n"
         "AllowTcpForwarding no\nX11Forwarding no\nPrintMotd no\n")
-    log = root / "sshd.log"
+    return root / "sshd_config", root / "sshd.log"
+
+
+def client_spec(root: Path, address: str, port: int) -> SshSpec:
+    """The fleet file's ssh settings that log in to ``write_sshd(root, ...)``'s server as this user."""
+    options = [f"UserKnownHostsFile={root / 'known_hosts'}", "StrictHostKeyChecking=accept-new", "IdentitiesOnly=yes",
+               "LogLevel=ERROR"]
+    return SshSpec(f"{getpass.getuser()}@{address}", port=port, identity=str(root / "client_key"), options=options,
+                   python=sys.executable)
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory: pytest.TempPathFactory):
+    needs_sshd()
+    root = tmp_path_factory.mktemp("sshd")
+    port = free_ports(1)[0]
+    config, log = write_sshd(root, port, "127.0.0.1")
     with open(log, "wb") as out:
-        proc = subprocess.Popen([str(SSHD), "-D", "-e", "-f", str(root / "sshd_config")], stdout=out,
+        proc = subprocess.Popen([str(SSHD), "-D", "-e", "-f", str(config)], stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         _wait_port(port, proc, log)
-        options = [f"UserKnownHostsFile={root / 'known_hosts'}", "StrictHostKeyChecking=accept-new",
-                   "IdentitiesOnly=yes", "LogLevel=ERROR"]
-        yield Sshd(proc.pid, SshSpec(f"{getpass.getuser()}@127.0.0.1", port=port, identity=str(root / "client_key"),
-                                     options=options, python=sys.executable))
+        yield Sshd(proc.pid, client_spec(root, "127.0.0.1", port))
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -18,6 +18,7 @@ from reference import assert_close_to_scale, reference_run
 from test_runtime_equivalence import RTOL, SEQ_LEN, TRAIN  # the default engine's settings: the same reference
 from test_runtime_plans import make_plan
 
+from hetero.errors import PlanError
 from hetero.plan import Plan
 from hetero.runtime.run.adapter import load_adapter_state
 from hetero.runtime.run.cli import main_run
@@ -124,9 +125,10 @@ def test_plans_it_cannot_run_are_refused_in_one_line(tiny_model_dir: Path, tiny_
                                                      tmp_path: Path) -> None:
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, packing=False, split=[3, 3], train=TRAIN, seq_len=SEQ_LEN,
                      hosts=["alpha", "beta"])
-    with pytest.raises(EngineUnsupportedError, match=r"^--engine torch cannot run this plan: its stages run on hosts "
-                       r"alpha, beta; .* run it with `--engine hetero`"):
-        check_supported(plan, None)
+    assert check_supported(plan, None) == check_supported(plan, "alpha") == "gloo"  # several hosts: from stage 0's
+    with pytest.raises(EngineUnsupportedError, match=r"^--engine torch cannot run this plan: on several hosts it starts "
+                       r"on stage 0's host, 'alpha' .* not on 'beta'; run it with `--engine hetero`"):
+        check_supported(plan, "beta")
     mixed = replace(plan, stages=[plan.stages[0], replace(plan.stages[1], backend="cuda")])
     with pytest.raises(EngineUnsupportedError, match=r"different device kinds \(cpu, cuda\)"):
         check_supported(mixed, None)
@@ -155,7 +157,7 @@ def test_plans_it_cannot_run_are_refused_in_one_line(tiny_model_dir: Path, tiny_
     # Through the command line: one line (HeteroError), before any run directory exists.
     plan.save(tmp_path / "plan.json")
     with pytest.raises(EngineUnsupportedError):
-        main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run"), "--engine", "torch"])
+        main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run"), "--engine", "torch", "--host", "beta"])
     assert not (tmp_path / "run").exists()
 
 
@@ -196,3 +198,19 @@ def test_the_torch_engine_does_not_check_ports_it_never_binds(tiny_model_dir: Pa
         assert main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "torch"), "--no-progress",
                          "--engine", "torch"]) == 0
     assert len(step_lines(read_metrics(tmp_path / "torch" / "metrics.jsonl"))) == 2
+
+
+def test_hosts_outside_private_ranges_are_refused_unless_trusted(tiny_model_dir: Path, tiny_spec: ModelSpec) -> None:
+    from hetero.runtime.torch_engine.launch import addresses, interface_of
+
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, packing=False, split=[3, 3], train=TRAIN, seq_len=SEQ_LEN,
+                     hosts=["alpha", "beta"])
+    assert addresses(plan, trusted=False) == {"alpha": "127.0.0.1", "beta": "127.0.0.1"}
+    public = replace(plan, cluster=replace(plan.cluster, hosts=[replace(h, address="8.8.8.8") if h.name == "beta"
+                                                                  else h for h in plan.cluster.hosts]))
+    with pytest.raises(PlanError, match=r"^--engine torch: host 'beta' is at 8\.8\.8\.8, outside private and loopback "
+                                        r"ranges, .* --engine hetero, or pass --trusted-network") as err:
+        addresses(public, trusted=False)
+    assert "\n" not in str(err.value)
+    assert addresses(public, trusted=True)["beta"] == "8.8.8.8"
+    assert interface_of("127.0.0.1") == "lo" and interface_of("192.0.2.1") is None  # TEST-NET-1: nobody's

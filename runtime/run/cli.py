@@ -245,16 +245,31 @@ def _run_on_torch(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
     plan, plan_path, options = _prepare_run(plan, args, checkpoint, timeouts)
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from hetero.runtime.run.processes import StageFailedError
     from hetero.runtime.torch_engine.launch import run_torch
 
     # torch.distributed has one timeout for every wait, the first (every stage built) included.
     timeout = max(step_timeout_s(plan, options.step_timeout_s), options.load_timeout_s)
     try:
-        result = run_torch(plan, plan_path, options.run_dir, backend, options.resume, options.progress, timeout)
+        result = run_torch(plan, plan_path, options.run_dir, backend, options.resume, options.progress, timeout,
+                           port=args.port, ssh_hosts=options.ssh_hosts, trusted=args.trusted_network)
     except (KeyboardInterrupt, SignalException):  # torch's launcher stops its processes at once
         print(_stopped_at_once(plan_path, options), file=sys.stderr)
         return 130
+    except StageFailedError as exc:  # one line: which rank failed, and how to go on (on either engine)
+        raise StageFailedError(f"{exc}; {_continue_hint(plan_path, options)}") from None
     return _finish_run(plan, plan_path, options, result)
+
+
+def _continue_hint(plan_path: Path, options: RunOptions) -> str:
+    """How to go on after a failed run: from its newest complete checkpoint, or from the start."""
+    from hetero.runtime.run.rundir import checkpoint_step, latest_checkpoint, run_command
+
+    again, newest = run_command(plan_path, options.rerun), latest_checkpoint(options.run_dir)
+    if newest is not None:
+        return (f"continue from step {checkpoint_step(newest)} with "
+                f"`{shlex.join(again + ['--resume', str(options.run_dir)])}`")
+    return f"no checkpoint yet: start again with `{shlex.join(again + ['--run-dir', str(options.run_dir)])}`"
 
 
 def _local_stages(plan: Plan, host: str | None) -> bool:
@@ -276,7 +291,11 @@ def _run_parser() -> argparse.ArgumentParser:
                          "any split of the same model), with its training settings; the run directory defaults to RUN_DIR")
     ap.add_argument("--engine", choices=("hetero", "torch"), default="hetero",
                     help="hetero (default): hetero's ZeroMQ runtime, any mix of devices, hosts and torch versions; "
-                         "torch: torch.distributed.pipelining on one host with one device kind (docs/running.md)")
+                         "torch: torch.distributed.pipelining, one device kind and one torch on every host "
+                         "(docs/running.md)")
+    ap.add_argument("--trusted-network", action="store_true",
+                    help="--engine torch: allow host addresses outside private and loopback ranges (torch.distributed "
+                         "neither authenticates nor encrypts: docs/security.md)")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 

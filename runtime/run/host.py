@@ -104,6 +104,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--watch-stdin", action="store_true",
                     help="with --host: stop this host's stages when stdin closes (how `hetero run` ends workers it "
                          "started over ssh)")
+    ap.add_argument("--engine", choices=("hetero", "torch"), default="hetero",
+                    help="torch: this host's torch launcher of a `hetero run --engine torch` on several hosts")
+    ap.add_argument("--rendezvous", metavar="ADDRESS:PORT", help="--engine torch: node 0's rendezvous")
+    ap.add_argument("--timeout", type=float, default=600.0, help="--engine torch: seconds any collective may wait")
+    ap.add_argument("--trusted-network", action="store_true", help="--engine torch: as `hetero run --trusted-network`")
     return ap
 
 
@@ -123,6 +128,14 @@ def main_worker(argv: list[str]) -> int:
         from hetero.runtime.stage.process import serve_stage
 
         return serve_stage(args.plan, plan, args.stage, coordinator, args.parent_pid)
-    check_host(args.plan, plan, args.host)  # before the run directory exists
     run_dir = args.run_dir or Path("runs") / f"worker-{args.host}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if args.engine == "torch":
+        if args.host is None or args.rendezvous is None:
+            raise PlanError("--engine torch goes with --host NAME and --rendezvous ADDRESS:PORT (as `hetero run` "
+                            "prints them)")
+        from hetero.runtime.torch_engine.launch import serve_torch_node
+
+        return serve_torch_node(args.plan, plan, args.host, run_dir, args.rendezvous, args.timeout, args.watch_stdin,
+                                args.trusted_network)
+    check_host(args.plan, plan, args.host)  # before the run directory exists
     return serve_host(args.plan, plan, args.host, run_dir, coordinator, watch_stdin=args.watch_stdin)

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,10 +227,13 @@ class SshWorkers:
 
     def start(self, coordinator: str) -> None:
         """Start every host's worker, told to reach the coordinator at ``coordinator``."""
+        self.launch(lambda name: ["--coordinator", coordinator, "--run-dir", self.remote_run_dir(name), "--watch-stdin"])
+
+    def launch(self, args_for: Callable[[str], list[str]]) -> None:
+        """Start ``hetero worker PLAN --host NAME ARGS`` on every host, ``args_for(NAME)`` its arguments."""
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         for name, host in self.hosts.items():
-            argv = ssh_argv(host.ssh, worker_command(host, "--coordinator", coordinator,
-                                                     "--run-dir", self.remote_run_dir(name), "--watch-stdin"))
+            argv = ssh_argv(host.ssh, worker_command(host, *args_for(name)))
             with open(self.log(name), "ab") as log:
                 log.write(f"+ {shlex.join(argv)}\n".encode())
                 log.flush()

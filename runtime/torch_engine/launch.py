@@ -1,22 +1,69 @@
-"""The launcher side of `--engine torch`: one process per plan stage, started by torch's elastic launcher.
+"""The launcher side of `--engine torch`: one torch launcher per host, started by `hetero run`.
 
-`torch.distributed.launcher.api.elastic_launch` is what `torchrun` runs: a rendezvous (the static one, on a
-free port of this host), one worker per rank, their exit watched. Ranks other than 0 write their output to
-RUN_DIR/logs/torch; rank 0 draws the progress bar. The run's records are rank 0's files (metrics.jsonl,
-checkpoints, adapter), read back here into the RunResult the end-of-run report is made from.
+`torch.distributed.launcher.api.elastic_launch` is what `torchrun` runs: a rendezvous, one worker per rank on
+its host, their exit watched. hetero uses the static rendezvous (`torchrun --rdzv-backend=static`): its TCP
+store holds plain keys and JSON; the dynamic ones (c10d, etcd) keep serialized Python objects in the store,
+and nothing here deserializes objects a socket holds.
+
+On one host the rendezvous takes a free port of 127.0.0.1. On several, each host is a node (node 0 is stage
+0's host, where `hetero run` runs: rank 0, the rendezvous and the run's records), the rendezvous listens on the
+coordinator port of that host's plan address, and every process binds its collectives to the interface that
+holds its host's plan address (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``). `hetero run` starts the
+launcher of each host with ``ssh:`` in the fleet file as `hetero worker --engine torch` over ssh (stopped
+with the run, as hetero's own workers are: runtime/run/ssh.py), and prints the command for the others.
+
+Ranks other than 0 write their output to RUN_DIR/logs/torch (a host's own run directory elsewhere); rank 0
+draws the progress bar. The run's records are rank 0's files (metrics.jsonl, checkpoints, adapter), read back
+here into the RunResult the end-of-run report is made from.
 """
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import logging
+import os
 import re
+import shlex
+import signal
 import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hetero.errors import PlanError
 from hetero.plan import Plan
 from hetero.runtime.run.processes import StageFailedError
 from hetero.runtime.run.records import RunResult
+
+RENDEZVOUS_TIMEOUT_S = 600.0  # how long node 0 waits for every host's launcher (started by hand, too)
+REMOTE_REPORT_S = 10.0  # after a failure here, how long to wait for a failed host's own line
+# What a rank says when another rank (or its host) went away first: a consequence, not the cause.
+CONSEQUENCE = re.compile(r"closed by peer|Connection reset|Broken pipe|[Tt]imed out|Socket Timeout|ECONNRESET|"
+                         r"Connection refused|DistNetworkError|terminated with signal SIGTERM|SIGTERM")
+
+
+@dataclass(frozen=True)
+class Node:
+    """One host's torch launcher: its node rank, the rendezvous and the processes it starts."""
+
+    plan: Plan
+    rank: int  # node rank: the host's index in rank_order's host order
+    host: str
+    endpoint: str  # ADDRESS:PORT of the static rendezvous (node 0's TCP store)
+    address: str  # this host's address: the agent's, and (through its interface) the collectives'
+    run_dir: Path  # where this host writes its logs (rank 0's host: the run directory)
+
+    @property
+    def ranks(self) -> list[int]:
+        """The global ranks this host runs, in order."""
+        from hetero.runtime.torch_engine.rank import rank_order
+
+        order = rank_order(self.plan)
+        return [r for r, k in enumerate(order) if self.plan.stages[k].host == self.host]
 
 
 def _free_port() -> int:
@@ -25,19 +72,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _config(plan: Plan, run_dir: Path) -> Any:
+def _config(node: Node, nodes: int) -> Any:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
-    world = len(plan.stages)
-    logs = DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "torch"), redirects={r: Std.ALL for r in range(1, world)})
-    # The static rendezvous (torchrun --rdzv-backend=static): its TCP store holds plain keys and numbers. The
-    # dynamic ones (c10d, etcd) keep their state as serialized Python objects in the store, and nothing here
-    # deserializes objects a socket holds.
-    return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"hetero-{plan.input_hash}",
-                        rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"rank": 0},
-                        max_restarts=0, monitor_interval=0.1, start_method="spawn", logs_specs=logs,
-                        local_addr="127.0.0.1")
+    local = len(node.ranks)
+    quiet = range(1, local) if node.rank == 0 else range(local)  # global rank 0 keeps the terminal
+    logs = DefaultLogsSpecs(log_dir=str(node.run_dir / "logs" / "torch"), redirects={r: Std.ALL for r in quiet})
+    return LaunchConfig(min_nodes=nodes, max_nodes=nodes, nproc_per_node=local, run_id=f"hetero-{node.plan.input_hash}",
+                        rdzv_backend="static", rdzv_endpoint=node.endpoint,
+                        rdzv_configs={"rank": node.rank, "timeout": int(RENDEZVOUS_TIMEOUT_S)}, max_restarts=0,
+                        monitor_interval=0.1, start_method="spawn", logs_specs=logs, local_addr=node.address)
 
 
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?")
@@ -54,37 +99,255 @@ def _error_line(text: str) -> str:
     return re.sub(r"\s+", " ", words)
 
 
-def _failure(exc: BaseException, run_dir: Path) -> str:
-    """A failed rank's error, in one line: its exception's last line, or how it ended."""
-    failures = getattr(exc, "failures", {}) or {}
-    for rank, failure in sorted(failures.items()):
-        message = str(getattr(failure, "message", "") or "")
-        if isinstance(getattr(failure, "error_file_data", None), dict):
-            message = str(failure.error_file_data.get("message", {}).get("message", message))
-        line = _error_line(message) or f"exit code {getattr(failure, 'exitcode', '?')}"
-        return f"rank {rank} failed: {line[:400]} (logs: {run_dir / 'logs'})"
-    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''} (logs: {run_dir / 'logs'})"
+def _failure(exc: BaseException, node: Node) -> str:
+    """The first failed rank's error, in one line: which rank (its stage and host), its exception's last line or
+    how it ended, and where its logs are. A rank that only saw another go away comes after one that did not."""
+    from hetero.runtime.torch_engine.rank import rank_order
+
+    logs = node.run_dir / "logs"
+    order = rank_order(node.plan)
+    said = {rank: _said(failure) for rank, failure in (getattr(exc, "failures", {}) or {}).items()}
+    if said:
+        rank = min(said, key=lambda r: (bool(CONSEQUENCE.search(said[r][0])), said[r][1], r))
+        line = said[rank][0]
+        where = f" (stage {order[rank]} on host {node.host})" if 0 <= rank < len(order) else ""
+        return f"rank {rank}{where} failed: {line[:400]} (logs: {logs})"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first} (logs: {logs})"
 
 
-def run_torch(plan: Plan, plan_path: Path, run_dir: Path, backend: str, resume: Path | None,
-              progress: bool, timeout_s: float) -> RunResult:
-    """Train ``plan`` on torch.distributed.pipelining; raises StageFailedError (one line) if a rank fails."""
+def _said(failure: Any) -> tuple[str, float]:
+    """(one line: how a rank ended, when) from torch's ProcessFailure: a signal's name, else its exception."""
+    code = getattr(failure, "exitcode", None)
+    if isinstance(code, int) and code < 0:
+        try:
+            return f"ended by signal {signal.Signals(-code).name}", float(getattr(failure, "timestamp", 0) or 0)
+        except ValueError:
+            pass
+    message = str(getattr(failure, "message", "") or "")
+    data = getattr(failure, "error_file_data", None)
+    inner = data.get("message") if isinstance(data, dict) else None
+    if isinstance(inner, dict):
+        message = str(inner.get("message", message))
+    elif isinstance(inner, str) and inner and inner != "<NONE>":
+        message = inner
+    line = _error_line(message) if message and message != "<NONE>" else ""
+    return line or f"exit code {code}", float(getattr(failure, "timestamp", 0) or 0)
+
+
+def _launch(node: Node, nodes: int, entry_args: tuple[Any, ...]) -> None:
+    """Run this host's ranks to the end; raises StageFailedError (one line) if one fails."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from hetero.runtime.run.rundir import latest_checkpoint
-    from hetero.runtime.tools.run_compare import read_metrics, step_lines
     from hetero.runtime.torch_engine.rank import rank_main
 
     # A failed rank is one line below (with where its log is), not the launcher's own tracebacks.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    (node.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     try:
-        elastic_launch(_config(plan, run_dir), rank_main)(str(plan_path), str(run_dir), backend,
-                                                          str(resume) if resume is not None else None, progress,
-                                                          timeout_s)
+        elastic_launch(_config(node, nodes), rank_main)(*entry_args)
     except ChildFailedError as exc:
-        raise StageFailedError(f"--engine torch: {_failure(exc, run_dir)}") from None
+        raise StageFailedError(f"--engine torch: {_failure(exc, node)}") from None
+
+
+# -- the network of a multi-host run -------------------------------------------------------------------------
+
+
+def _ipv4(address: str) -> str:
+    try:
+        return socket.gethostbyname(address)
+    except OSError as exc:
+        raise PlanError(f"cannot resolve host address '{address}' ({exc.strerror or exc}): fix it in the fleet file") from None
+
+
+def addresses(plan: Plan, trusted: bool) -> dict[str, str]:
+    """Each host's plan address, resolved; refuses one outside private and loopback ranges unless ``trusted``."""
+    from hetero.runtime.torch_engine.rank import node_hosts
+
+    out = {}
+    for name in node_hosts(plan):
+        address = _ipv4(plan.cluster.host(name).address)
+        ip = ipaddress.ip_address(address)
+        if not (ip.is_private or ip.is_loopback) and not trusted:
+            raise PlanError(f"--engine torch: host '{name}' is at {address}, outside private and loopback ranges, and "
+                            "torch.distributed neither authenticates nor encrypts (docs/security.md): use --engine "
+                            "hetero, or pass --trusted-network if this network is yours alone")
+        out[name] = address
+    return out
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface whose IPv4 address is ``address``, or None."""
+    SIOCGIFADDR = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
+
+
+def bind_collectives(backend: str, host: str, address: str) -> None:
+    """Make this host's ranks (which inherit the environment) bind their collectives to ``address``'s interface."""
+    name = interface_of(address)
+    if name is None:
+        raise PlanError(f"host '{host}' has address {address} in the plan, but no network interface of this machine "
+                        "has it: run this host's part where that address is, or fix the fleet file")
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    if backend == "nccl":
+        os.environ["NCCL_SOCKET_IFNAME"] = name
+
+
+# -- `hetero run`'s side ------------------------------------------------------------------------------------
+
+
+def run_torch(plan: Plan, plan_path: Path, run_dir: Path, backend: str, resume: Path | None, progress: bool,
+              timeout_s: float, *, port: int | None = None, ssh_hosts: list[Any] | None = None,
+              trusted: bool = False) -> RunResult:
+    """Train ``plan`` on torch.distributed.pipelining; raises StageFailedError (one line) if a rank fails."""
+    from hetero.runtime.run.rundir import latest_checkpoint
+    from hetero.runtime.tools.run_compare import read_metrics, step_lines
+    from hetero.runtime.torch_engine.rank import node_hosts
+
+    hosts = node_hosts(plan)
+    entry = (str(plan_path), str(run_dir), backend, str(resume) if resume is not None else None, progress, timeout_s)
+    if len(hosts) == 1:
+        _launch(Node(plan, 0, hosts[0], f"127.0.0.1:{_free_port()}", "127.0.0.1", run_dir), 1, entry)
+    else:
+        where = addresses(plan, trusted)
+        endpoint = f"{where[hosts[0]]}:{port if port is not None else plan.cluster.host(hosts[0]).port - 1}"
+        bind_collectives(backend, hosts[0], where[hosts[0]])
+        _run_hosts(Node(plan, 0, hosts[0], endpoint, where[hosts[0]], run_dir), len(hosts), entry, ssh_hosts or [],
+                   timeout_s, trusted)
     result = RunResult()
     result.steps = step_lines(read_metrics(run_dir / "metrics.jsonl"))
     result.checkpoint = latest_checkpoint(run_dir)
     return result
+
+
+def node_args(plan: Plan, endpoint: str, timeout_s: float, trusted: bool) -> list[str]:
+    """`hetero worker PLAN --host NAME` arguments that make a host's torch launcher join this run."""
+    return ["--engine", "torch", "--rendezvous", endpoint, "--timeout", f"{timeout_s:g}",
+            *(["--trusted-network"] if trusted else [])]
+
+
+def _run_hosts(node: Node, nodes: int, entry: tuple[Any, ...], ssh_hosts: list[Any], timeout_s: float,
+               trusted: bool) -> None:
+    """Node 0: start (or name) every other host's launcher, run this host's ranks, and end with the run."""
+    from hetero.runtime.run.ssh import SshWorkers
+
+    plan = node.plan
+    extra = node_args(plan, node.endpoint, timeout_s, trusted)
+    workers = SshWorkers(ssh_hosts, node.run_dir)
+    workers.launch(lambda name: [*extra, "--run-dir", workers.remote_run_dir(name), "--watch-stdin"])
+    started = sorted(workers.procs)
+    if started:
+        print(f"hetero run: started hosts {', '.join(started)} over ssh (their output: {node.run_dir / 'logs'}/host-*.log)",
+              flush=True)
+    from hetero.runtime.torch_engine.rank import node_hosts
+
+    for name in node_hosts(plan)[1:]:
+        if name not in workers.procs:
+            argv = ["hetero", "worker", str(entry[0]), "--host", name, *extra]
+            print(f"hetero run: start host {name}'s part there (within {RENDEZVOUS_TIMEOUT_S:g} s): {shlex.join(argv)}",
+                  flush=True)
+    remote: list[tuple[str, str]] = []
+    watcher = threading.Thread(target=_watch, args=(workers, remote), daemon=True, name="ssh-hosts")
+    watcher.start()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        _launch(node, nodes, entry)
+    except StageFailedError as exc:
+        raise StageFailedError(_root_cause(str(exc), workers, remote)) from None
+    except SignalException:
+        if remote:  # a host's launcher failed and the watcher stopped this one: that host's line
+            raise StageFailedError(remote[0][1]) from None
+        raise
+    finally:
+        remote.append(("", ""))  # the watcher's signal to stop
+        workers.stop()
+
+
+def _watch(workers: Any, remote: list[tuple[str, str]]) -> None:
+    """Stop this host's launcher (SIGTERM: torch's launcher ends its ranks) when a host's ssh session fails."""
+    while not remote:
+        ended = workers.ended()
+        if ended is not None:
+            remote.append((ended[0], _host_line(workers, *ended)))
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        time.sleep(0.5)
+
+
+def _host_line(workers: Any, host: str, ended: str) -> str:
+    """What host ``host``'s launcher said when it failed (its one line), else how its ssh session ended."""
+    from hetero.runtime.run.processes import last_error_line
+
+    said = last_error_line(workers.log(host)) or ended
+    said = re.sub(r"^(--engine torch: )", "", said)
+    return f"--engine torch: {said}" if f"host {host}" in said else f"--engine torch: host {host}: {said}"
+
+
+def _root_cause(local: str, workers: Any, remote: list[tuple[str, str]]) -> str:
+    """The line that names the first failure: a rank here, or a host's own line when a rank here only saw
+    another go away (its connection closed)."""
+    if not CONSEQUENCE.search(local):
+        return local
+    deadline = time.monotonic() + REMOTE_REPORT_S
+    while not remote and time.monotonic() < deadline:
+        ended = workers.ended()
+        if ended is not None:
+            return _host_line(workers, *ended)
+        time.sleep(0.2)
+    if remote and remote[0][0]:
+        return remote[0][1]
+    return f"{local}; a rank on another host may have failed first (see that host's logs)"
+
+
+# -- a host's side: `hetero worker PLAN --host NAME --engine torch --rendezvous ADDRESS:PORT` -----------------
+
+
+def serve_torch_node(plan_path: Path, plan: Plan, host: str, run_dir: Path, endpoint: str, timeout_s: float,
+                     watch_stdin: bool, trusted: bool) -> int:
+    """Run this host's ranks of a multi-host torch-engine run; one line and exit 1 if one fails."""
+    from hetero.runtime.torch_engine.rank import node_hosts
+    from hetero.runtime.torch_engine.support import check_supported
+
+    backend = check_supported(plan, None)
+    hosts = node_hosts(plan)
+    if host not in hosts:
+        raise PlanError(f"host '{host}' runs no stage of this plan; its stages run on: {', '.join(hosts)}")
+    where = addresses(plan, trusted)
+    bind_collectives(backend, host, where[host])
+    if watch_stdin:
+        threading.Thread(target=_stop_on_eof, daemon=True, name="stdin").start()
+    node = Node(plan, hosts.index(host), host, endpoint, where[host], run_dir)
+    print(f"hetero worker: host {host} runs ranks {node.ranks} of --engine torch (logs in {run_dir / 'logs'}); "
+          f"rendezvous {endpoint}", flush=True)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        _launch(node, len(hosts), (str(plan_path), str(run_dir), backend, None, False, timeout_s))
+    except SignalException:  # the run ended elsewhere (ssh closed our stdin) or we were told to stop
+        return 0
+    return 0
+
+
+def _stop_on_eof() -> None:
+    """SIGTERM this process when stdin ends (`hetero run`'s ssh session is gone): its launcher ends its ranks."""
+    try:
+        while os.read(0, 65536):
+            pass
+    except OSError:
+        pass
+    try:
+        print("hetero worker: stdin closed (`hetero run` ended or its ssh session dropped): stopping", flush=True)
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+

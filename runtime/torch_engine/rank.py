@@ -1,22 +1,24 @@
 """One process of `--engine torch`: plan stage k as a torch.distributed.pipelining PipelineStage.
 
-Rank ``r * S + p`` (a row-major (dp, pp) DeviceMesh of R replicas x S stages) runs position p of replica r,
-the plan's stage ``plan.pipelines[r].stages[p]``. Each step:
+The ranks go host by host (``rank_order``); the (dp, pp) DeviceMesh of R replicas x S stages is written out
+from the plan, so position p of replica r is the plan's stage ``plan.pipelines[r].stages[p]`` wherever it
+runs. Each step:
 
 - replica r's first stage feeds its share of the step's micro-batches to the schedule, its last stage the
   labels; the loss of a micro-batch is its summed token cross-entropy over the *whole step's* label tokens
   (every replica's too), as hetero's engine computes it, so the accumulated gradient is the one-GPU one;
 - the LoRA gradients are summed over the replicas (all-reduce on the mesh's dp dimension), the global norm
   is summed over the stages (pp dimension), and every stage clips by it and steps AdamW and the schedule;
-- global rank 0 writes metrics.jsonl and, when due, gathers the stages' state (through files on this host,
-  never serialized Python objects) into hetero's checkpoint and adapter.
+- global rank 0 reads the data and broadcasts each step's batch, writes metrics.jsonl and, when due, gathers
+  the stages' state (as safetensors bytes, never serialized Python objects: transfer.py) into hetero's
+  checkpoint and adapter. Only rank 0's host needs the data and the run directory.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +32,9 @@ from torch import nn
 from hetero.plan import Plan
 from hetero.runtime.run.data import IGNORE_INDEX
 from hetero.runtime.torch_engine.support import SCHEDULES
+from hetero.runtime.torch_engine.transfer import broadcast_batch
 
 log = logging.getLogger("hetero.torch_engine")
-STATE_DIR = ".torch-engine-state"  # RUN_DIR/.torch-engine-state/step-N: the stages' state on its way to rank 0
 
 
 class StageModule(nn.Module):
@@ -71,23 +73,42 @@ class Rank:
         return self.position == len(self.plan.pipelines[0].stages) - 1
 
 
+def rank_order(plan: Plan) -> list[int]:
+    """The plan stage of each global rank: host by host (the hosts in the order of their first stage), each
+    host's stages in plan order. torch's launcher numbers one node's ranks contiguously, node after node."""
+    hosts = list(dict.fromkeys(s.host for s in plan.stages))
+    return [s.index for host in hosts for s in plan.stages if s.host == host]
+
+
+def node_hosts(plan: Plan) -> list[str]:
+    """The hosts in node-rank order (node 0, the host of stage 0, keeps the rendezvous and rank 0)."""
+    return list(dict.fromkeys(s.host for s in plan.stages))
+
+
 def place(plan: Plan, backend: str, timeout_s: float) -> Rank:
-    """Join the process group and the (dp, pp) DeviceMesh; where this rank sits in the plan.
+    """Join the process group and the (dp, pp) DeviceMesh; where this rank sits in the plan (with rank 0's
+    training settings).
 
     ``timeout_s`` bounds every wait of a collective or a transfer (runtime.step_timeout_s): a stage that never
-    answers ends the run with an error instead of a hang."""
+    answers ends the run with an error instead of a hang. The mesh is written out rank by rank: a replica's
+    stages need not have consecutive ranks (two replicas whose first stages share one host)."""
     from datetime import timedelta
 
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hetero.runtime.torch_engine.transfer import shared_settings
 
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    plan = shared_settings(plan)
     rank = dist.get_rank()
-    replicas, stages = len(plan.pipelines), len(plan.pipelines[0].stages)
-    mesh = init_device_mesh("cpu" if backend == "gloo" else "cuda", (replicas, stages), mesh_dim_names=("dp", "pp"))
-    replica, position = divmod(rank, stages)
-    k = plan.pipelines[replica].stages[position]
+    order = rank_order(plan)
+    rank_of = {k: r for r, k in enumerate(order)}
+    grid = torch.tensor([[rank_of[k] for k in rep.stages] for rep in plan.pipelines], dtype=torch.int64)
+    mesh = DeviceMesh("cpu" if backend == "gloo" else "cuda", grid, mesh_dim_names=("dp", "pp"))
+    k = order[rank]
+    replica, position = next((r, rep.stages.index(k)) for r, rep in enumerate(plan.pipelines) if k in rep.stages)
     return Rank(plan, rank, replica, position, k, mesh.get_group("pp"),
-                mesh.get_group("dp") if replicas > 1 else None)
+                mesh.get_group("dp") if len(plan.pipelines) > 1 else None)
 
 
 def build(where: Rank, device: torch.device) -> tuple[Any, Any]:
@@ -217,25 +238,22 @@ def step_totals(where: Rank, loss: StepLoss, lr: float, ops: dict[str, float]) -
     return float(values[0]), float(values[1]), [{"F": f, "B": b, "STEP": st} for f, b, st in per_stage]
 
 
-def gather_state(where: Rank, executor: Any, run_dir: Path, done: int) -> dict[int, Any] | None:
-    """The first replica's stage payloads on rank 0 (None elsewhere): each stage writes its own files on this host."""
-    from hetero.runtime.run.checkpoint import load_stage_checkpoint, save_stage_checkpoint, stage_payload
+def gather_state(where: Rank, executor: Any) -> dict[int, Any] | None:
+    """The first replica's stage payloads on rank 0 (None elsewhere), sent as bytes (ranks share no disk)."""
+    from hetero.runtime.run.checkpoint import stage_payload
+    from hetero.runtime.torch_engine.transfer import pack_payload, recv_bytes, send_bytes, unpack_payload
 
-    folder = run_dir / STATE_DIR / f"step-{done}"
-    if where.rank == 0:
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-    dist.barrier()
-    if where.replica == 0:
-        save_stage_checkpoint(folder, *stage_payload(executor, where.plan.input_hash))
-    dist.barrier()
+    plan = where.plan
+    order = rank_order(plan)
+    mine = pack_payload(*stage_payload(executor, plan.input_hash)) if where.replica == 0 else b""
     if where.rank != 0:
+        if where.replica == 0:
+            send_bytes(mine, 0)
         return None
     payloads = {}
-    for k in where.plan.pipelines[0].stages:
-        tensors, meta = load_stage_checkpoint(folder, k)
-        payloads[k] = Payload(tensors, meta)
-    shutil.rmtree(run_dir / STATE_DIR, ignore_errors=True)
+    for k in plan.pipelines[0].stages:
+        data = mine if order[0] == k else recv_bytes(order.index(k))
+        payloads[k] = Payload(*unpack_payload(data))
     return payloads
 
 
@@ -245,12 +263,28 @@ class Payload:
     meta: dict[str, Any]
 
 
-def restore(where: Rank, executor: Any, resume: Path) -> int:
-    """Load this stage's share of a checkpoint (any split, either engine); returns the steps it had done."""
-    from hetero.runtime.run.checkpoint import load_checkpoint_union, restore_stage, select_payload
+def restore(where: Rank, executor: Any, resume: Path | None) -> int:
+    """Load this stage's share of a checkpoint (any split, either engine); returns the steps it had done.
 
-    tensors, meta = load_checkpoint_union(resume)
-    tensors, meta = select_payload(tensors, meta, list(executor.keys), where.k)
+    Rank 0 reads the checkpoint (it is on rank 0's host) and sends every other rank its share as bytes: each
+    rank first sends the LoRA keys its stage holds."""
+    from hetero.runtime.run.checkpoint import load_checkpoint_union, restore_stage, select_payload
+    from hetero.runtime.torch_engine.transfer import pack_payload, recv_bytes, send_bytes, unpack_payload
+
+    resuming = torch.tensor([int(resume is not None)])
+    dist.broadcast(resuming, 0)  # rank 0's --resume decides (a host elsewhere is not told it)
+    if not int(resuming):
+        return 0
+    order = rank_order(where.plan)
+    if where.rank != 0:
+        send_bytes(json.dumps(list(executor.keys)).encode(), 0)
+        tensors, meta = unpack_payload(recv_bytes(0))
+    else:
+        union, union_meta = load_checkpoint_union(Path(str(resume)))
+        for r in range(1, len(order)):
+            keys = json.loads(recv_bytes(r))
+            send_bytes(pack_payload(*select_payload(union, union_meta, keys, order[r])), r)
+        tensors, meta = select_payload(union, union_meta, list(executor.keys), where.k)
     restore_stage(executor, tensors, meta)
     return int(executor.steps_done)
 
@@ -272,14 +306,15 @@ def train(where: Rank, executor: Any, schedule: Any, loss: StepLoss, device: tor
     from hetero.runtime.run.records import ProgressBar, RunRecords, payload_due
 
     plan = where.plan
-    batches = _batches(plan) if where.first or where.last else None  # rank 0 is a first stage
+    batches = _batches(plan) if where.rank == 0 else None  # rank 0 reads the data and shares each step's batch
+    shape = (plan.train.num_micro_batches, plan.train.micro_batch_size, plan.model.seq_len)
     records = RunRecords(plan, run_dir) if where.rank == 0 else None
     if records is not None:
         records.start_metrics(start)
     with ProgressBar(plan.train.steps, progress and where.rank == 0) as bar:
         for step in range(start, plan.train.steps):
             t0 = time.perf_counter()
-            batch = batches.step(step) if batches is not None else None
+            batch = broadcast_batch(batches.step(step) if batches is not None else None, shape)
             ops.update(F=0.0, B=0.0)
             run_schedule(where, schedule, loss, batch, device)
             t1 = time.perf_counter()
@@ -288,8 +323,8 @@ def train(where: Rank, executor: Any, schedule: Any, loss: StepLoss, device: tor
             loss_sum, lr0, stage_ops = step_totals(where, loss, lr, ops)
             step_time = time.perf_counter() - t0
             due = payload_due(plan.train, 0, step)
-            payloads = gather_state(where, executor, run_dir, step + 1) if due else None
-            if records is not None and batch is not None:
+            payloads = gather_state(where, executor) if due else None
+            if records is not None:
                 line = metrics(plan, step, (loss_sum, lr0, grad_norm, coef, stage_ops), int(batch.num_label_tokens),
                                step_time)
                 records.step(line)
@@ -312,6 +347,7 @@ def rank_main(plan_path: str, run_dir: str, backend: str, resume: str | None, pr
     """The entry point torch's launcher starts once per stage process."""
     plan = Plan.load(Path(plan_path))
     where = place(plan, backend, timeout_s)
+    plan = where.plan
     logging.basicConfig(filename=Path(run_dir) / "logs" / f"stage{where.k}.log", level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(max(1, plan.stages[where.k].threads or 1))
@@ -320,7 +356,7 @@ def rank_main(plan_path: str, run_dir: str, backend: str, resume: str | None, pr
     device = torch.device(device_for(plan, where.k))
     try:
         executor, pipe = build(where, device)
-        start = restore(where, executor, Path(resume)) if resume else 0
+        start = restore(where, executor, Path(resume) if resume else None)
         loss = StepLoss()
         schedule = make_schedule(plan, where.replica, pipe, loss)
         ops = {"F": 0.0, "B": 0.0, "STEP": 0.0}

@@ -1,8 +1,8 @@
 """What `--engine torch` cannot run yet, as one line naming the plan's option and `--engine hetero` (torch-free).
 
 The torch engine is torch.distributed: one backend for every process (gloo on CPU, NCCL on CUDA), one torch
-on every host, processes started by torch's launcher. Plans that need more are hetero's engine's reason to
-exist, and are refused before anything starts.
+on every host, processes started by torch's launcher (one per host). Plans that need more are hetero's
+engine's reason to exist, and are refused before anything starts.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ def _refuse(what: str) -> EngineUnsupportedError:
 
 
 def check_supported(plan: Plan, host: str | None) -> str:
-    """The torch.distributed backend for ``plan`` (gloo or nccl); raises EngineUnsupportedError naming what is not."""
+    """The torch.distributed backend for ``plan`` (gloo or nccl); raises EngineUnsupportedError naming what is not.
+
+    ``host``: where `hetero run` starts it (None: stage 0's host), which must be stage 0's when it spans hosts."""
     kinds = sorted({s.backend for s in plan.stages})
     if set(kinds) == {"cuda", "rocm"}:
         raise _refuse("it mixes NVIDIA (cuda) and AMD (rocm) cards, and one torch build with one collective library "
@@ -37,11 +39,10 @@ def check_supported(plan: Plan, host: str | None) -> str:
     if kinds[0] not in BACKENDS:
         raise _refuse(f"its stages run on '{kinds[0]}' devices; torch.distributed pipelines here on "
                       f"{', '.join(BACKENDS)}")
-    hosts = sorted({s.host for s in plan.stages})
-    here = host or plan.stages[0].host
-    if hosts != [here]:
-        raise _refuse(f"its stages run on hosts {', '.join(hosts)}; this engine starts the processes of one host "
-                      "(multi-host launch is not built yet)")
+    first = plan.stages[0].host
+    if host is not None and host != first and any(s.host != first for s in plan.stages):
+        raise _refuse(f"on several hosts it starts on stage 0's host, '{first}' (rank 0, the rendezvous and the run's "
+                      f"records live there), not on '{host}'")
     if plan.train.schedule not in SCHEDULES:
         raise _refuse(f"train.schedule={plan.train.schedule} (this engine runs {', '.join(SCHEDULES)})")
     sizes = sorted({len(rep.stages) for rep in plan.pipelines})

@@ -40,19 +40,19 @@ def _run(plan: Plan, root: Path, name: str, *extra: str) -> Path:
     return run_dir
 
 
-def _check_against_reference(run_dir: Path, setup: dict, steps: list[int]) -> None:
+def _check_against_reference(run_dir: Path, setup: dict, steps: list[int], rtol: float = RTOL) -> None:
     metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
     assert [m["step"] for m in metrics] == steps
     assert all(m.get("engine") == "torch" for m in metrics)
     for m in metrics:
         want = setup["losses"][m["step"]]
-        assert m["loss"] == pytest.approx(want, rel=RTOL), f"step {m['step']}: loss {m['loss']} vs reference {want}"
+        assert m["loss"] == pytest.approx(want, rel=rtol), f"step {m['step']}: loss {m['loss']} vs reference {want}"
     trained = load_adapter_state(run_dir / "adapter", setup["lora"])
     assert set(trained) == set(setup["state"])
     initial = load_adapter_state(Path(setup["lora"].init_from))
     for key, want in setup["state"].items():
         assert not torch.equal(initial[key], want)
-        assert_close_to_scale(key, trained[key], want, RTOL)
+        assert_close_to_scale(key, trained[key], want, rtol)
 
 
 @pytest.mark.slow
@@ -214,3 +214,45 @@ def test_hosts_outside_private_ranges_are_refused_unless_trusted(tiny_model_dir:
     assert "\n" not in str(err.value)
     assert addresses(public, trusted=True)["beta"] == "8.8.8.8"
     assert interface_of("127.0.0.1") == "lo" and interface_of("192.0.2.1") is None  # TEST-NET-1: nobody's
+
+
+@pytest.mark.slow
+def test_a_host_without_ssh_joins_with_the_command_hetero_run_prints(setup: dict, tiny_model_dir: Path,
+                                                                      tiny_spec: ModelSpec, tmp_path: Path) -> None:
+    """Two plan hosts on this machine's loopback, neither with ``ssh:``: `hetero run` prints beta's command,
+    which, run as printed, trains beta's stage; the run equals the reference. A taken rendezvous port is one
+    line before anything starts."""
+    import shlex
+    import socket
+
+    from procs import clean_up, finish, start
+
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, packing=False, split=[2, 2, 2], train=TRAIN,
+                     lora=setup["lora"], seq_len=SEQ_LEN, hosts=["alpha", "alpha", "beta"])
+    plan.save(tmp_path / "plan.json")
+    port = plan.cluster.host("alpha").port - 1
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        with pytest.raises(PlanError, match=rf"^--engine torch: the rendezvous port 127\.0\.0\.1:{port} on host alpha "
+                                            r"is not free .*: pass another with --port$"):
+            main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run"), "--engine", "torch"])
+    assert not (tmp_path / "run").exists()
+    try:
+        run = start(["run", "plan.json", "--engine", "torch", "--run-dir", "run", "--no-progress"], tmp_path)
+        assert run.stdout is not None
+        printed = ""
+        while "start host beta's part there" not in printed:
+            line = run.stdout.readline()
+            assert line, finish(run)
+            printed = line
+        argv = shlex.split(printed.split(" s): ", 1)[1])
+        assert argv[:3] == ["hetero", "worker", "plan.json"] and "--rendezvous" in argv  # the plan as given
+        beta = start([*argv[1:], "--run-dir", "beta"], tmp_path)
+        code, _, err = finish(run)
+        assert code == 0, err[-3000:]
+        assert finish(beta)[0] == 0
+    finally:
+        clean_up()
+    _check_against_reference(tmp_path / "run", setup, list(range(TRAIN.steps)))
+    assert (tmp_path / "beta" / "logs" / "stage2.log").is_file()

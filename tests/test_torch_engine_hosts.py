@@ -104,8 +104,9 @@ def _finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, str, str
     return proc.returncode, out, err
 
 
-def _in_namespace(hosts: Any, side: int, tmp_path: Path) -> list[int]:
-    """Live processes of this test's plan in namespace ``side`` (torch's launcher, its ranks, ssh, sshd's sessions)."""
+def _in_namespace(hosts: Any, side: int, tmp_path: Path, sessions: bool = True) -> list[int]:
+    """Live processes of this test's plan in namespace ``side`` (torch's launcher, its ranks, ssh, and sshd's
+    sessions unless ``sessions`` is False)."""
     out = subprocess.run(["ip", "netns", "pids", hosts["link"].ns[side]], capture_output=True, text=True).stdout
     found = []
     for pid in map(int, out.split()):
@@ -114,7 +115,7 @@ def _in_namespace(hosts: Any, side: int, tmp_path: Path) -> list[int]:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        session = "sshd:" in cmd and "[listener]" not in cmd
+        session = sessions and "sshd:" in cmd and "[listener]" not in cmd
         if state != "Z" and (str(tmp_path) in cmd or "multiprocessing" in cmd or session):
             found.append(pid)
     return found
@@ -131,17 +132,20 @@ def test_one_command_trains_on_two_hosts_like_one_process(two_hosts: Any, tiny_m
     assert code == 0, f"{out[-3000:]}\n{err[-3000:]}"
     assert "started hosts b over ssh" in out
     run_dir = tmp_path / "run"
-    _check_against_reference(run_dir, two_hosts["reference"], list(range(TRAIN.steps)))
+    _check_against_reference(run_dir, two_hosts["reference"], list(range(TRAIN.steps)), rtol=1e-5)
     beta = (run_dir / "logs" / "host-b.log").read_text()
     assert "hetero worker: host b runs ranks [2, 3] of --engine torch" in beta, beta[-2000:]
     _nothing_left(two_hosts, tmp_path, time.monotonic(), 15)
 
 
-def _nothing_left(hosts: Any, tmp_path: Path, t0: float, within_s: float) -> None:
-    while (_in_namespace(hosts, 0, tmp_path) or _in_namespace(hosts, 1, tmp_path)) and time.monotonic() - t0 < within_s:
+def _nothing_left(hosts: Any, tmp_path: Path, t0: float, within_s: float, sessions: bool = True) -> None:
+    def left() -> list[tuple[int, bytes]]:
+        return [(side, Path(f"/proc/{pid}/cmdline").read_bytes()[:200]) for side in (0, 1)
+                for pid in _in_namespace(hosts, side, tmp_path, sessions)]
+
+    while left() and time.monotonic() - t0 < within_s:
         time.sleep(0.2)
-    left = [Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for side in (0, 1) for pid in _in_namespace(hosts, side, tmp_path)]
-    assert left == [], left
+    assert left() == []
 
 
 def _started(hosts: Any, plan: Plan, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
@@ -208,3 +212,26 @@ def test_ctrl_c_on_the_launching_host_stops_every_host(two_hosts: Any, tiny_mode
     code, _, err = _finish(run, 60)
     assert code == 130 and "hetero: stopped at once; newest checkpoint" in err and "--resume run" in err, err[-3000:]
     _nothing_left(two_hosts, tmp_path, t0, 30)
+
+
+def test_a_host_that_drops_off_the_network_ends_the_run_on_both_hosts(two_hosts: Any, tiny_model_dir: Path,
+                                                                     tiny_spec: ModelSpec, tmp_path: Path) -> None:
+    """The link goes down mid-run (no process dies, no connection is closed): `hetero run` ends within 30 s
+    with one line naming host b (ssh's keep-alives), and host b's launcher stops its ranks when node 0's
+    rendezvous stops answering. (sshd's session on b, waiting on a dead TCP connection, is sshd's, not the run's.)"""
+    plan = _plan(two_hosts, tiny_model_dir, tiny_spec, ["a", "a", "b", "b"], split=[1, 2, 2, 1])
+    run, _ = _started(two_hosts, replace(plan, train=replace(TRAIN, steps=400, checkpoint_every=2)), tmp_path)
+    link = two_hosts["link"]
+    t0 = time.monotonic()
+    subprocess.run(["ip", "-n", link.ns[1], "link", "set", link.veth[1], "down"], check=True, timeout=10)
+    try:
+        code, _, err = _finish(run, 45)
+        took = time.monotonic() - t0
+        lines = [ln for ln in err.splitlines() if ln.startswith("hetero: error:")]
+        assert code != 0 and len(lines) == 1 and took < 30, (took, err[-3000:])
+        assert "host b: its ssh session ended" in lines[0] and "continue from step" in lines[0], lines[0]
+        _nothing_left(two_hosts, tmp_path, t0, 30, sessions=False)
+        print(f"link down: `hetero run` ended {took:.1f} s later ({lines[0]}); nothing of the run left on either host "
+              f"{time.monotonic() - t0:.1f} s after the link went down")
+    finally:
+        subprocess.run(["ip", "-n", link.ns[1], "link", "set", link.veth[1], "up"], timeout=10)

@@ -236,6 +236,9 @@ def _run_on_torch(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
     from hetero.runtime.torch_engine.support import check_supported
 
     backend = check_supported(plan, args.host)  # one line before anything starts
+    from hetero.runtime.torch_engine.launch import check_rendezvous_port
+
+    check_rendezvous_port(plan, args.port)
     if timeouts.get("wandb"):
         raise ConfigError("runtime.wandb logs from hetero's own engine only: drop --engine torch, or watch the run "
                           "with TensorBoard (RUN_DIR/tensorboard)")
@@ -252,7 +255,8 @@ def _run_on_torch(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
     timeout = max(step_timeout_s(plan, options.step_timeout_s), options.load_timeout_s)
     try:
         result = run_torch(plan, plan_path, options.run_dir, backend, options.resume, options.progress, timeout,
-                           port=args.port, ssh_hosts=options.ssh_hosts, trusted=args.trusted_network)
+                           port=args.port, ssh_hosts=options.ssh_hosts, trusted=args.trusted_network,
+                           compiled=args.plan)
     except (KeyboardInterrupt, SignalException):  # torch's launcher stops its processes at once
         print(_stopped_at_once(plan_path, options), file=sys.stderr)
         return 130

@@ -40,7 +40,10 @@ from hetero.runtime.run.processes import StageFailedError
 from hetero.runtime.run.records import RunResult
 
 RENDEZVOUS_TIMEOUT_S = 600.0  # how long node 0 waits for every host's launcher (started by hand, too)
-REMOTE_REPORT_S = 10.0  # after a failure here, how long to wait for a failed host's own line
+REMOTE_REPORT_S = 10.0
+# A host's launcher checks node 0's rendezvous store every WATCH_PERIOD_S, and stops its ranks when it has not
+# answered for LOST_AFTER_S (node 0 notices a host that dropped through ssh's keep-alives: 3 x 5 s).
+WATCH_PERIOD_S, LOST_AFTER_S = 2.5, 15.0  # after a failure here, how long to wait for a failed host's own line
 # What a rank says when another rank (or its host) went away first: a consequence, not the cause.
 CONSEQUENCE = re.compile(r"closed by peer|Connection reset|Broken pipe|[Tt]imed out|Socket Timeout|ECONNRESET|"
                          r"Connection refused|DistNetworkError|terminated with signal SIGTERM|SIGTERM")
@@ -145,10 +148,18 @@ def _launch(node: Node, nodes: int, entry_args: tuple[Any, ...]) -> None:
     # A failed rank is one line below (with where its log is), not the launcher's own tracebacks.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     (node.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    from torch.distributed import DistError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
     try:
         elastic_launch(_config(node, nodes), rank_main)(*entry_args)
     except ChildFailedError as exc:
         raise StageFailedError(f"--engine torch: {_failure(exc, node)}") from None
+    except (RendezvousError, DistError, TimeoutError) as exc:  # before any rank started: the hosts never met
+        said = _error_line(str(exc)) or type(exc).__name__
+        others = "every host's launcher" if node.rank == 0 else "node 0"
+        raise StageFailedError(f"--engine torch: host {node.host} could not meet {others} at the rendezvous "
+                               f"{node.endpoint}: {said[:300]}") from None
 
 
 # -- the network of a multi-host run -------------------------------------------------------------------------
@@ -207,8 +218,10 @@ def bind_collectives(backend: str, host: str, address: str) -> None:
 
 def run_torch(plan: Plan, plan_path: Path, run_dir: Path, backend: str, resume: Path | None, progress: bool,
               timeout_s: float, *, port: int | None = None, ssh_hosts: list[Any] | None = None,
-              trusted: bool = False) -> RunResult:
-    """Train ``plan`` on torch.distributed.pipelining; raises StageFailedError (one line) if a rank fails."""
+              trusted: bool = False, compiled: Path | None = None) -> RunResult:
+    """Train ``plan`` on torch.distributed.pipelining; raises StageFailedError (one line) if a rank fails.
+
+    ``compiled``: the plan file as the user named it (what a host started by hand runs; default ``plan_path``)."""
     from hetero.runtime.run.rundir import latest_checkpoint
     from hetero.runtime.tools.run_compare import read_metrics, step_lines
     from hetero.runtime.torch_engine.rank import node_hosts
@@ -219,14 +232,38 @@ def run_torch(plan: Plan, plan_path: Path, run_dir: Path, backend: str, resume: 
         _launch(Node(plan, 0, hosts[0], f"127.0.0.1:{_free_port()}", "127.0.0.1", run_dir), 1, entry)
     else:
         where = addresses(plan, trusted)
-        endpoint = f"{where[hosts[0]]}:{port if port is not None else plan.cluster.host(hosts[0]).port - 1}"
+        endpoint = rendezvous(plan, port, where[hosts[0]])
         bind_collectives(backend, hosts[0], where[hosts[0]])
-        _run_hosts(Node(plan, 0, hosts[0], endpoint, where[hosts[0]], run_dir), len(hosts), entry, ssh_hosts or [],
-                   timeout_s, trusted)
+        node = Node(plan, 0, hosts[0], endpoint, where[hosts[0]], run_dir)
+        _run_hosts(node, len(hosts), entry, ssh_hosts or [], trusted, compiled or plan_path)
     result = RunResult()
     result.steps = step_lines(read_metrics(run_dir / "metrics.jsonl"))
     result.checkpoint = latest_checkpoint(run_dir)
     return result
+
+
+def rendezvous(plan: Plan, port: int | None, address: str | None = None) -> str:
+    """ADDRESS:PORT of a multi-host run's rendezvous: stage 0's host, at ``port`` or its coordinator port."""
+    host = plan.stages[0].host
+    return f"{address or plan.cluster.host(host).address}:{port if port is not None else plan.cluster.host(host).port - 1}"
+
+
+def check_rendezvous_port(plan: Plan, port: int | None) -> None:
+    """One line before anything starts if a multi-host run's rendezvous port is taken on this host (torch's
+    store would fail later, in a traceback). One host: the rendezvous takes a free port."""
+    from hetero.runtime.torch_engine.rank import node_hosts
+
+    if len(node_hosts(plan)) == 1:
+        return
+    endpoint = rendezvous(plan, port, _ipv4(plan.cluster.host(plan.stages[0].host).address))
+    address, number = endpoint.rsplit(":", 1)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store binds it
+        try:
+            s.bind((address, int(number)))
+        except OSError as exc:
+            raise PlanError(f"--engine torch: the rendezvous port {endpoint} on host {plan.stages[0].host} is not "
+                            f"free ({exc.strerror or exc}): pass another with --port") from None
 
 
 def node_args(plan: Plan, endpoint: str, timeout_s: float, trusted: bool) -> list[str]:
@@ -235,13 +272,13 @@ def node_args(plan: Plan, endpoint: str, timeout_s: float, trusted: bool) -> lis
             *(["--trusted-network"] if trusted else [])]
 
 
-def _run_hosts(node: Node, nodes: int, entry: tuple[Any, ...], ssh_hosts: list[Any], timeout_s: float,
-               trusted: bool) -> None:
+def _run_hosts(node: Node, nodes: int, entry: tuple[Any, ...], ssh_hosts: list[Any], trusted: bool,
+               compiled: Path) -> None:
     """Node 0: start (or name) every other host's launcher, run this host's ranks, and end with the run."""
     from hetero.runtime.run.ssh import SshWorkers
 
     plan = node.plan
-    extra = node_args(plan, node.endpoint, timeout_s, trusted)
+    extra = node_args(plan, node.endpoint, entry[-1], trusted)
     workers = SshWorkers(ssh_hosts, node.run_dir)
     workers.launch(lambda name: [*extra, "--run-dir", workers.remote_run_dir(name), "--watch-stdin"])
     started = sorted(workers.procs)
@@ -252,7 +289,7 @@ def _run_hosts(node: Node, nodes: int, entry: tuple[Any, ...], ssh_hosts: list[A
 
     for name in node_hosts(plan)[1:]:
         if name not in workers.procs:
-            argv = ["hetero", "worker", str(entry[0]), "--host", name, *extra]
+            argv = ["hetero", "worker", str(compiled), "--host", name, *extra]
             print(f"hetero run: start host {name}'s part there (within {RENDEZVOUS_TIMEOUT_S:g} s): {shlex.join(argv)}",
                   flush=True)
     remote: list[tuple[str, str]] = []
@@ -288,7 +325,11 @@ def _host_line(workers: Any, host: str, ended: str) -> str:
     """What host ``host``'s launcher said when it failed (its one line), else how its ssh session ended."""
     from hetero.runtime.run.processes import last_error_line
 
-    said = last_error_line(workers.log(host)) or ended
+    said = last_error_line(workers.log(host))
+    if said is None and ended.startswith("ssh failed"):  # ssh's own exit (255): the connection, not the host's ranks
+        said = ("its ssh session ended (ssh exit 255): the host stopped answering ssh's keep-alives or dropped off "
+                "the network")
+    said = said or ended
     said = re.sub(r"^(--engine torch: )", "", said)
     return f"--engine torch: {said}" if f"host {host}" in said else f"--engine torch: host {host}: {said}"
 
@@ -326,6 +367,8 @@ def serve_torch_node(plan_path: Path, plan: Plan, host: str, run_dir: Path, endp
     bind_collectives(backend, host, where[host])
     if watch_stdin:
         threading.Thread(target=_stop_on_eof, daemon=True, name="stdin").start()
+    lost: list[str] = []
+    threading.Thread(target=_watch_rendezvous, args=(endpoint, lost), daemon=True, name="rendezvous").start()
     node = Node(plan, hosts.index(host), host, endpoint, where[host], run_dir)
     print(f"hetero worker: host {host} runs ranks {node.ranks} of --engine torch (logs in {run_dir / 'logs'}); "
           f"rendezvous {endpoint}", flush=True)
@@ -333,9 +376,36 @@ def serve_torch_node(plan_path: Path, plan: Plan, host: str, run_dir: Path, endp
 
     try:
         _launch(node, len(hosts), (str(plan_path), str(run_dir), backend, None, False, timeout_s))
-    except SignalException:  # the run ended elsewhere (ssh closed our stdin) or we were told to stop
+    except SignalException:  # the run ended elsewhere (ssh closed our stdin), or node 0 is gone
+        if lost:
+            raise StageFailedError(f"--engine torch: host {host}: {lost[0]}; stopped its ranks") from None
         return 0
+    except StageFailedError:
+        if lost:  # a rank here failed because node 0 went away: say that
+            raise StageFailedError(f"--engine torch: host {host}: {lost[0]}; stopped its ranks") from None
+        raise
     return 0
+
+
+def _watch_rendezvous(endpoint: str, lost: list[str]) -> None:
+    """SIGTERM this process (its launcher ends its ranks) when node 0's rendezvous port has not accepted a
+    connection for LOST_AFTER_S: that host dropped off the network (or its launcher is gone), and the ranks here
+    would wait for it until their timeout. A bare TCP connect: the store's own requests wait forever on a peer
+    that went silent, and it takes a connection that closes unopened without a word."""
+    address, port = endpoint.rsplit(":", 1)
+    silent_since = None
+    while True:
+        time.sleep(WATCH_PERIOD_S)
+        try:
+            socket.create_connection((address, int(port)), timeout=WATCH_PERIOD_S).close()
+            silent_since = None
+        except OSError as exc:  # unreachable, refused or timed out
+            silent_since = silent_since or time.monotonic()
+            if time.monotonic() - silent_since >= LOST_AFTER_S:
+                lost.append(f"node 0's rendezvous {endpoint} has not answered for {LOST_AFTER_S:g} s "
+                            f"({exc.strerror or type(exc).__name__})")
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
 
 
 def _stop_on_eof() -> None:

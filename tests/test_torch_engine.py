@@ -201,18 +201,23 @@ def test_the_torch_engine_does_not_check_ports_it_never_binds(tiny_model_dir: Pa
 
 
 def test_hosts_outside_private_ranges_are_refused_unless_trusted(tiny_model_dir: Path, tiny_spec: ModelSpec) -> None:
-    from hetero.runtime.torch_engine.launch import addresses, interface_of
+    from hetero.runtime.torch_engine.network import addresses, interface_of
 
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, packing=False, split=[3, 3], train=TRAIN, seq_len=SEQ_LEN,
                      hosts=["alpha", "beta"])
     assert addresses(plan, trusted=False) == {"alpha": "127.0.0.1", "beta": "127.0.0.1"}
-    public = replace(plan, cluster=replace(plan.cluster, hosts=[replace(h, address="8.8.8.8") if h.name == "beta"
-                                                                  else h for h in plan.cluster.hosts]))
+    public = replace(plan, cluster=replace(plan.cluster, hosts=[replace(h, address="8.8.8.8" if h.name == "beta"
+                                                                          else "10.0.0.1") for h in plan.cluster.hosts]))
     with pytest.raises(PlanError, match=r"^--engine torch: host 'beta' is at 8\.8\.8\.8, outside private and loopback "
                                         r"ranges, .* --engine hetero, or pass --trusted-network") as err:
         addresses(public, trusted=False)
     assert "\n" not in str(err.value)
     assert addresses(public, trusted=True)["beta"] == "8.8.8.8"
+    lan = replace(plan, cluster=replace(plan.cluster, hosts=[replace(h, address="10.0.0.2") if h.name == "beta"
+                                                               else h for h in plan.cluster.hosts]))
+    with pytest.raises(PlanError, match=r"host 'alpha' address '127\.0\.0\.1' is 127\.0\.0\.1 \(loopback\) here, which "
+                                        r"other hosts cannot reach"):
+        addresses(lan, trusted=True)
     assert interface_of("127.0.0.1") == "lo" and interface_of("192.0.2.1") is None  # TEST-NET-1: nobody's
 
 
@@ -234,7 +239,7 @@ def test_a_host_without_ssh_joins_with_the_command_hetero_run_prints(setup: dict
     with socket.socket() as other:
         other.bind(("127.0.0.1", port))
         other.listen()
-        with pytest.raises(PlanError, match=rf"^--engine torch: the rendezvous port 127\.0\.0\.1:{port} on host alpha "
+        with pytest.raises(PlanError, match=rf"^--engine torch: the rendezvous port {port} on host alpha "
                                             r"is not free .*: pass another with --port$"):
             main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run"), "--engine", "torch"])
     assert not (tmp_path / "run").exists()

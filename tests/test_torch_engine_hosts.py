@@ -121,11 +121,13 @@ def _in_namespace(hosts: Any, side: int, tmp_path: Path, sessions: bool = True) 
     return found
 
 
-@pytest.mark.parametrize("layout", ["2 hosts x 2 stages", "2 hosts x (1 stage x 2 replicas)"])
+@pytest.mark.parametrize("layout", ["2 hosts x 2 stages", "2 hosts x (1 stage x 2 replicas)", "a, b, b, a"])
 def test_one_command_trains_on_two_hosts_like_one_process(two_hosts: Any, tiny_model_dir: Path, tiny_spec: ModelSpec,
                                                            tmp_path: Path, layout: str) -> None:
     if layout == "2 hosts x 2 stages":
         plan = _plan(two_hosts, tiny_model_dir, tiny_spec, ["a", "a", "b", "b"], split=[1, 2, 2, 1])
+    elif layout == "a, b, b, a":  # a pipeline that comes back to host a: its ranks 0, 2, 3, 1 are not in order
+        plan = _plan(two_hosts, tiny_model_dir, tiny_spec, ["a", "b", "b", "a"], split=[1, 2, 2, 1])
     else:
         plan = _plan(two_hosts, tiny_model_dir, tiny_spec, ["a", "b", "a", "b"], split=[[3, 3], [3, 3]], shares=[2, 2])
     code, out, err = _finish(_run(two_hosts, plan, tmp_path))
@@ -135,6 +137,7 @@ def test_one_command_trains_on_two_hosts_like_one_process(two_hosts: Any, tiny_m
     _check_against_reference(run_dir, two_hosts["reference"], list(range(TRAIN.steps)), rtol=1e-5)
     beta = (run_dir / "logs" / "host-b.log").read_text()
     assert "hetero worker: host b runs ranks [2, 3] of --engine torch" in beta, beta[-2000:]
+    assert [plan.stages[k].host for k in rank_order(plan)] == ["a", "a", "b", "b"]
     _nothing_left(two_hosts, tmp_path, time.monotonic(), 15)
 
 

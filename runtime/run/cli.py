@@ -236,9 +236,9 @@ def _run_on_torch(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
     from hetero.runtime.torch_engine.support import check_supported
 
     backend = check_supported(plan, args.host)  # one line before anything starts
-    from hetero.runtime.torch_engine.launch import check_rendezvous_port
+    from hetero.runtime.torch_engine.network import check_hosts
 
-    check_rendezvous_port(plan, args.port)
+    check_hosts(plan, args.port, args.trusted_network)  # several hosts: addresses, the rendezvous port
     if timeouts.get("wandb"):
         raise ConfigError("runtime.wandb logs from hetero's own engine only: drop --engine torch, or watch the run "
                           "with TensorBoard (RUN_DIR/tensorboard)")

@@ -19,17 +19,16 @@ here into the RunResult the end-of-run report is made from.
 
 from __future__ import annotations
 
-import fcntl
-import ipaddress
+import contextlib
 import logging
 import os
 import re
 import shlex
 import signal
 import socket
-import struct
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from hetero.errors import PlanError
 from hetero.plan import Plan
 from hetero.runtime.run.processes import StageFailedError
 from hetero.runtime.run.records import RunResult
+from hetero.runtime.torch_engine.network import addresses, answers, bind_collectives, rendezvous
 
 RENDEZVOUS_TIMEOUT_S = 600.0  # how long node 0 waits for every host's launcher (started by hand, too)
 REMOTE_REPORT_S = 10.0
@@ -162,57 +162,6 @@ def _launch(node: Node, nodes: int, entry_args: tuple[Any, ...]) -> None:
                                f"{node.endpoint}: {said[:300]}") from None
 
 
-# -- the network of a multi-host run -------------------------------------------------------------------------
-
-
-def _ipv4(address: str) -> str:
-    try:
-        return socket.gethostbyname(address)
-    except OSError as exc:
-        raise PlanError(f"cannot resolve host address '{address}' ({exc.strerror or exc}): fix it in the fleet file") from None
-
-
-def addresses(plan: Plan, trusted: bool) -> dict[str, str]:
-    """Each host's plan address, resolved; refuses one outside private and loopback ranges unless ``trusted``."""
-    from hetero.runtime.torch_engine.rank import node_hosts
-
-    out = {}
-    for name in node_hosts(plan):
-        address = _ipv4(plan.cluster.host(name).address)
-        ip = ipaddress.ip_address(address)
-        if not (ip.is_private or ip.is_loopback) and not trusted:
-            raise PlanError(f"--engine torch: host '{name}' is at {address}, outside private and loopback ranges, and "
-                            "torch.distributed neither authenticates nor encrypts (docs/security.md): use --engine "
-                            "hetero, or pass --trusted-network if this network is yours alone")
-        out[name] = address
-    return out
-
-
-def interface_of(address: str) -> str | None:
-    """The name of this machine's network interface whose IPv4 address is ``address``, or None."""
-    SIOCGIFADDR = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-            except OSError:  # no IPv4 address
-                continue
-            if socket.inet_ntoa(raw[20:24]) == address:
-                return name
-    return None
-
-
-def bind_collectives(backend: str, host: str, address: str) -> None:
-    """Make this host's ranks (which inherit the environment) bind their collectives to ``address``'s interface."""
-    name = interface_of(address)
-    if name is None:
-        raise PlanError(f"host '{host}' has address {address} in the plan, but no network interface of this machine "
-                        "has it: run this host's part where that address is, or fix the fleet file")
-    os.environ["GLOO_SOCKET_IFNAME"] = name
-    if backend == "nccl":
-        os.environ["NCCL_SOCKET_IFNAME"] = name
-
-
 # -- `hetero run`'s side ------------------------------------------------------------------------------------
 
 
@@ -242,30 +191,6 @@ def run_torch(plan: Plan, plan_path: Path, run_dir: Path, backend: str, resume: 
     return result
 
 
-def rendezvous(plan: Plan, port: int | None, address: str | None = None) -> str:
-    """ADDRESS:PORT of a multi-host run's rendezvous: stage 0's host, at ``port`` or its coordinator port."""
-    host = plan.stages[0].host
-    return f"{address or plan.cluster.host(host).address}:{port if port is not None else plan.cluster.host(host).port - 1}"
-
-
-def check_rendezvous_port(plan: Plan, port: int | None) -> None:
-    """One line before anything starts if a multi-host run's rendezvous port is taken on this host (torch's
-    store would fail later, in a traceback). One host: the rendezvous takes a free port."""
-    from hetero.runtime.torch_engine.rank import node_hosts
-
-    if len(node_hosts(plan)) == 1:
-        return
-    endpoint = rendezvous(plan, port, _ipv4(plan.cluster.host(plan.stages[0].host).address))
-    address, number = endpoint.rsplit(":", 1)
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store binds it
-        try:
-            s.bind((address, int(number)))
-        except OSError as exc:
-            raise PlanError(f"--engine torch: the rendezvous port {endpoint} on host {plan.stages[0].host} is not "
-                            f"free ({exc.strerror or exc}): pass another with --port") from None
-
-
 def node_args(plan: Plan, endpoint: str, timeout_s: float, trusted: bool) -> list[str]:
     """`hetero worker PLAN --host NAME` arguments that make a host's torch launcher join this run."""
     return ["--engine", "torch", "--rendezvous", endpoint, "--timeout", f"{timeout_s:g}",
@@ -275,48 +200,117 @@ def node_args(plan: Plan, endpoint: str, timeout_s: float, trusted: bool) -> lis
 def _run_hosts(node: Node, nodes: int, entry: tuple[Any, ...], ssh_hosts: list[Any], trusted: bool,
                compiled: Path) -> None:
     """Node 0: start (or name) every other host's launcher, run this host's ranks, and end with the run."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from hetero.runtime.run.ssh import SshWorkers
+    from hetero.runtime.torch_engine.rank import node_hosts
 
     plan = node.plan
     extra = node_args(plan, node.endpoint, entry[-1], trusted)
     workers = SshWorkers(ssh_hosts, node.run_dir)
     workers.launch(lambda name: [*extra, "--run-dir", workers.remote_run_dir(name), "--watch-stdin"])
-    started = sorted(workers.procs)
-    if started:
-        print(f"hetero run: started hosts {', '.join(started)} over ssh (their output: {node.run_dir / 'logs'}/host-*.log)",
-              flush=True)
-    from hetero.runtime.torch_engine.rank import node_hosts
-
+    if workers.procs:
+        print(f"hetero run: started hosts {', '.join(sorted(workers.procs))} over ssh (their output: "
+              f"{node.run_dir / 'logs'}/host-*.log)", flush=True)
     for name in node_hosts(plan)[1:]:
         if name not in workers.procs:
             argv = ["hetero", "worker", str(compiled), "--host", name, *extra]
-            print(f"hetero run: start host {name}'s part there (within {RENDEZVOUS_TIMEOUT_S:g} s): {shlex.join(argv)}",
-                  flush=True)
-    remote: list[tuple[str, str]] = []
-    watcher = threading.Thread(target=_watch, args=(workers, remote), daemon=True, name="ssh-hosts")
-    watcher.start()
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
+            print(f"hetero run: start host {name}'s part there, with its copy of the plan (within "
+                  f"{RENDEZVOUS_TIMEOUT_S:g} s): {shlex.join(argv)}", flush=True)
+    stopper = Stopper()
+    threading.Thread(target=_watch, args=(workers, stopper), daemon=True, name="ssh-hosts").start()
     try:
-        _launch(node, nodes, entry)
+        with _sigterm_raises():
+            _launch(node, nodes, entry)
     except StageFailedError as exc:
-        raise StageFailedError(_root_cause(str(exc), workers, remote)) from None
+        stopper.finish()
+        raise StageFailedError(_root_cause(str(exc), workers, stopper)) from None
     except SignalException:
-        if remote:  # a host's launcher failed and the watcher stopped this one: that host's line
-            raise StageFailedError(remote[0][1]) from None
-        raise
+        stopper.finish()
+        if stopper.reasons:  # a host's launcher failed and the watcher stopped this one: that host's line
+            raise StageFailedError(stopper.reasons[0][1]) from None
+        raise  # Ctrl-C or SIGTERM from outside: stopped at once
     finally:
-        remote.append(("", ""))  # the watcher's signal to stop
+        stopper.finish()
         workers.stop()
 
 
-def _watch(workers: Any, remote: list[tuple[str, str]]) -> None:
-    """Stop this host's launcher (SIGTERM: torch's launcher ends its ranks) when a host's ssh session fails."""
-    while not remote:
+class Stopper:
+    """How a watcher thread ends this host's part of the run, once, for one reason: it ends the ranks (torch's
+    launcher then reports them failed, and the main thread names the reason), or, before any rank exists (the
+    rendezvous), this process (SIGTERM, raised in the main thread as torch's SignalException). Never a signal
+    to this process once its ranks ran: it could land in the main thread's own handling of their end."""
+
+    def __init__(self) -> None:
+        self.reasons: list[tuple[str, str]] = []  # (what, one line)
+        self._lock = threading.Lock()
+        self._over = False
+        self._ranks_seen = False
+
+    def stop(self, what: str, line: str) -> None:
+        with self._lock:
+            if self._over or self.reasons:
+                return
+            self.reasons.append((what, line))
+            ranks = _rank_processes()
+            self._ranks_seen = self._ranks_seen or bool(ranks)
+            for pid in ranks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            if not self._ranks_seen:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def note_ranks(self) -> None:
+        if not self._ranks_seen and _rank_processes():
+            self._ranks_seen = True
+
+    def finish(self) -> None:
+        with self._lock:
+            self._over = True
+
+
+def _rank_processes() -> list[int]:
+    """This process's children that are torch launcher ranks (multiprocessing spawn); not its ssh clients."""
+    me, found = str(os.getpid()), []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if fields[1] == me and fields[0] != "Z":
+                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                    if b"spawn_main" in f.read():
+                        found.append(int(entry.name))
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises torch's SignalException in the main thread from now on, as torch's launcher makes it do once
+    its ranks start: before that (the rendezvous) SIGTERM would end this process without a word. The handler
+    before is put back after."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def raise_it(signum: int, frame: Any) -> None:
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    before = signal.signal(signal.SIGTERM, raise_it)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _watch(workers: Any, stopper: Stopper) -> None:
+    """Stop this host's ranks when a host's ssh session fails (its launcher failed, or it dropped off)."""
+    while not stopper.reasons:
+        stopper.note_ranks()
         ended = workers.ended()
         if ended is not None:
-            remote.append((ended[0], _host_line(workers, *ended)))
-            os.kill(os.getpid(), signal.SIGTERM)
+            stopper.stop(ended[0], _host_line(workers, *ended))
             return
         time.sleep(0.5)
 
@@ -334,19 +328,19 @@ def _host_line(workers: Any, host: str, ended: str) -> str:
     return f"--engine torch: {said}" if f"host {host}" in said else f"--engine torch: host {host}: {said}"
 
 
-def _root_cause(local: str, workers: Any, remote: list[tuple[str, str]]) -> str:
+def _root_cause(local: str, workers: Any, stopper: Stopper) -> str:
     """The line that names the first failure: a rank here, or a host's own line when a rank here only saw
-    another go away (its connection closed)."""
+    another go away (its connection closed) or was ended by the watcher."""
+    if stopper.reasons:
+        return stopper.reasons[0][1]
     if not CONSEQUENCE.search(local):
         return local
     deadline = time.monotonic() + REMOTE_REPORT_S
-    while not remote and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
         ended = workers.ended()
         if ended is not None:
             return _host_line(workers, *ended)
         time.sleep(0.2)
-    if remote and remote[0][0]:
-        return remote[0][1]
     return f"{local}; a rank on another host may have failed first (see that host's logs)"
 
 
@@ -356,6 +350,8 @@ def _root_cause(local: str, workers: Any, remote: list[tuple[str, str]]) -> str:
 def serve_torch_node(plan_path: Path, plan: Plan, host: str, run_dir: Path, endpoint: str, timeout_s: float,
                      watch_stdin: bool, trusted: bool) -> int:
     """Run this host's ranks of a multi-host torch-engine run; one line and exit 1 if one fails."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from hetero.runtime.torch_engine.rank import node_hosts
     from hetero.runtime.torch_engine.support import check_supported
 
@@ -365,59 +361,56 @@ def serve_torch_node(plan_path: Path, plan: Plan, host: str, run_dir: Path, endp
         raise PlanError(f"host '{host}' runs no stage of this plan; its stages run on: {', '.join(hosts)}")
     where = addresses(plan, trusted)
     bind_collectives(backend, host, where[host])
+    stopper = Stopper()
     if watch_stdin:
-        threading.Thread(target=_stop_on_eof, daemon=True, name="stdin").start()
-    lost: list[str] = []
-    threading.Thread(target=_watch_rendezvous, args=(endpoint, lost), daemon=True, name="rendezvous").start()
+        threading.Thread(target=_stop_on_eof, args=(stopper,), daemon=True, name="stdin").start()
+    threading.Thread(target=_watch_rendezvous, args=(endpoint, stopper), daemon=True, name="rendezvous").start()
     node = Node(plan, hosts.index(host), host, endpoint, where[host], run_dir)
     print(f"hetero worker: host {host} runs ranks {node.ranks} of --engine torch (logs in {run_dir / 'logs'}); "
           f"rendezvous {endpoint}", flush=True)
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
     try:
-        _launch(node, len(hosts), (str(plan_path), str(run_dir), backend, None, False, timeout_s))
-    except SignalException:  # the run ended elsewhere (ssh closed our stdin), or node 0 is gone
-        if lost:
-            raise StageFailedError(f"--engine torch: host {host}: {lost[0]}; stopped its ranks") from None
-        return 0
-    except StageFailedError:
-        if lost:  # a rank here failed because node 0 went away: say that
-            raise StageFailedError(f"--engine torch: host {host}: {lost[0]}; stopped its ranks") from None
+        with _sigterm_raises():
+            _launch(node, len(hosts), (str(plan_path), str(run_dir), backend, None, False, timeout_s))
+    except (SignalException, StageFailedError) as exc:
+        stopper.finish()
+        what, line = stopper.reasons[0] if stopper.reasons else ("", "")
+        if what == "eof":  # `hetero run` ended (or its ssh session is gone): nothing to report to it
+            return 0
+        if what == "lost" or isinstance(exc, SignalException):
+            raise StageFailedError(f"--engine torch: host {host}: {line or 'its launcher was stopped by SIGTERM'}; "
+                                   "stopped its ranks") from None
         raise
+    finally:
+        stopper.finish()
     return 0
 
 
-def _watch_rendezvous(endpoint: str, lost: list[str]) -> None:
-    """SIGTERM this process (its launcher ends its ranks) when node 0's rendezvous port has not accepted a
-    connection for LOST_AFTER_S: that host dropped off the network (or its launcher is gone), and the ranks here
-    would wait for it until their timeout. A bare TCP connect: the store's own requests wait forever on a peer
-    that went silent, and it takes a connection that closes unopened without a word."""
-    address, port = endpoint.rsplit(":", 1)
+def _watch_rendezvous(endpoint: str, stopper: Stopper) -> None:
+    """Stop this host's ranks when node 0's rendezvous port has not accepted a connection for LOST_AFTER_S: that
+    host dropped off the network (or its launcher is gone), and the ranks here would wait for it until their
+    timeout. A bare TCP connect (network.answers): the store's own requests wait forever on a silent peer."""
     silent_since = None
-    while True:
+    while not stopper.reasons:
         time.sleep(WATCH_PERIOD_S)
-        try:
-            socket.create_connection((address, int(port)), timeout=WATCH_PERIOD_S).close()
+        stopper.note_ranks()
+        failed = answers(endpoint, WATCH_PERIOD_S)
+        if failed is None:
             silent_since = None
-        except OSError as exc:  # unreachable, refused or timed out
-            silent_since = silent_since or time.monotonic()
-            if time.monotonic() - silent_since >= LOST_AFTER_S:
-                lost.append(f"node 0's rendezvous {endpoint} has not answered for {LOST_AFTER_S:g} s "
-                            f"({exc.strerror or type(exc).__name__})")
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
+            continue
+        silent_since = silent_since or time.monotonic()
+        if time.monotonic() - silent_since >= LOST_AFTER_S:
+            stopper.stop("lost", f"node 0's rendezvous {endpoint} has not answered for {LOST_AFTER_S:g} s "
+                                 f"({failed.strerror or type(failed).__name__})")
+            return
 
 
-def _stop_on_eof() -> None:
-    """SIGTERM this process when stdin ends (`hetero run`'s ssh session is gone): its launcher ends its ranks."""
+def _stop_on_eof(stopper: Stopper) -> None:
+    """Stop this host's ranks when stdin ends (`hetero run`'s ssh session is gone, or it ended the run)."""
     try:
         while os.read(0, 65536):
             pass
     except OSError:
         pass
-    try:
+    with contextlib.suppress(OSError):
         print("hetero worker: stdin closed (`hetero run` ended or its ssh session dropped): stopping", flush=True)
-    except OSError:
-        pass
-    os.kill(os.getpid(), signal.SIGTERM)
-
+    stopper.stop("eof", "stdin closed")

@@ -98,7 +98,9 @@ def place(plan: Plan, backend: str, timeout_s: float) -> Rank:
 
     from hetero.runtime.torch_engine.transfer import shared_settings
 
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    # With NCCL, gloo still serves the CPU tensors hetero exchanges (batches, settings, norms, stage state).
+    dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
+                            timeout=timedelta(seconds=timeout_s))
     plan = shared_settings(plan)
     rank = dist.get_rank()
     order = rank_order(plan)
@@ -134,6 +136,11 @@ def build(where: Rank, device: torch.device) -> tuple[Any, Any]:
     y = torch.empty(mb, seq, vocab if where.last else hidden, dtype=stage.dtype, device=meta, requires_grad=True)
     pipe = PipelineStage(module, where.position, len(plan.pipelines[0].stages), device, input_args=(x,),
                          output_args=(y,), group=where.pp)
+    # torch takes position p for rank p of the pp group, whose ranks follow the global ones: not so when a pipeline
+    # comes back to an earlier host (hosts a, b, a: global ranks 0, 2, 1). Each position's group rank, from the plan.
+    order = rank_order(plan)
+    pipe.stage_index_to_group_rank = {p: dist.get_group_rank(where.pp, order.index(k))
+                                      for p, k in enumerate(plan.pipelines[where.replica].stages)}
     return executor, pipe
 
 

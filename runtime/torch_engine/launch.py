@@ -191,7 +191,7 @@ def run_torch(plan: Plan, plan_path: Path, run_dir: Path, backend: str, resume: 
     return result
 
 
-def node_args(plan: Plan, endpoint: str, timeout_s: float, trusted: bool) -> list[str]:
+def node_args(endpoint: str, timeout_s: float, trusted: bool) -> list[str]:
     """`hetero worker PLAN --host NAME` arguments that make a host's torch launcher join this run."""
     return ["--engine", "torch", "--rendezvous", endpoint, "--timeout", f"{timeout_s:g}",
             *(["--trusted-network"] if trusted else [])]
@@ -206,7 +206,7 @@ def _run_hosts(node: Node, nodes: int, entry: tuple[Any, ...], ssh_hosts: list[A
     from hetero.runtime.torch_engine.rank import node_hosts
 
     plan = node.plan
-    extra = node_args(plan, node.endpoint, entry[-1], trusted)
+    extra = node_args(node.endpoint, entry[-1], trusted)
     workers = SshWorkers(ssh_hosts, node.run_dir)
     workers.launch(lambda name: [*extra, "--run-dir", workers.remote_run_dir(name), "--watch-stdin"])
     if workers.procs:
@@ -406,11 +406,9 @@ def _watch_rendezvous(endpoint: str, stopper: Stopper) -> None:
 
 def _stop_on_eof(stopper: Stopper) -> None:
     """Stop this host's ranks when stdin ends (`hetero run`'s ssh session is gone, or it ended the run)."""
-    try:
-        while os.read(0, 65536):
-            pass
-    except OSError:
-        pass
+    from hetero.runtime.run.host import _wait_for_eof
+
+    _wait_for_eof(threading.Event())
     with contextlib.suppress(OSError):
         print("hetero worker: stdin closed (`hetero run` ended or its ssh session dropped): stopping", flush=True)
     stopper.stop("eof", "stdin closed")

@@ -3,7 +3,8 @@
 The ranks of a multi-host run share no file system, so nothing here goes through files. Global rank 0 reads
 the data and broadcasts each step's batch (a few int64 tensors); a checkpoint's stage state travels to rank 0
 (and, on `--resume`, from it) as safetensors bytes in a uint8 tensor, with the stage's JSON metadata in the
-safetensors header. Nothing is pickled: torch.distributed's object collectives are not used.
+safetensors header. No Python object is ever rebuilt from bytes: torch.distributed's object collectives
+are not used.
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@ download) and a tokens-format data file of records of 40 to 500 tokens, then for
   nf4     QLoRA (NF4 base) as two stage processes sharing the one GPU (the wire between them on loopback)
   mixed   the GPU and a CPU stage of this host in one pipeline (the CPU stage gets one decoder layer)
   stream  every layer's frozen weights streamed from pinned host RAM (planner.offload=full)
+  peft    the reference users compare with: plain transformers+peft in one process on the bf16 case's plan
+          (its model, LoRA, optimizer settings and the very same packed rows), step time, tokens/s, and the
+          operators one micro-batch issues (so time per operator on this machine is measured, not assumed)
+  torch   the bf16 case unpacked (data.packing=false, which that engine needs) under `--engine torch`
+          (torch.distributed.pipelining, NCCL on the one card)
 
 The GPU's datasheet is picked by its name (h200.yaml or h100_sxm.yaml; another card: h100_sxm's with the
 card's memory). Each case prints the split, predicted and measured step time (median after the first
@@ -34,7 +39,7 @@ from typing import Any
 
 import torch
 
-CASES = ("bf16", "nf4", "mixed", "stream")
+CASES = ("bf16", "peft", "torch", "nf4", "mixed", "stream")
 HIDDEN, LAYERS, SEQ_LEN = 2048, 12, 512
 ARCH = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": HIDDEN,
@@ -168,6 +173,10 @@ def run_case(out: Path, case: str, data: Path, steps: int, port: int, timeout: f
     if case == "stream":
         args += ["planner.offload=full"]
     row: dict[str, Any] = {"case": case}
+    if case == "peft":  # on the bf16 case's plan
+        return peft_case(out, row, timeout)
+    if case == "torch":
+        args += ["data.packing=false"]
     code, tail = hetero(args, log, timeout)
     if code != 0:
         return dict(row, ok=False, error=f"compile exit {code}: {tail[-600:]}")
@@ -179,8 +188,8 @@ def run_case(out: Path, case: str, data: Path, steps: int, port: int, timeout: f
     gpu_stages = [s for s in plan["stages"] if s["backend"] == "cuda"]
     row["predicted_gpu_gb"] = round(sum(s["memory"]["total_gb"] for s in gpu_stages), 2)
     with GpuMemory() as used:
-        code, tail = hetero(["run", str(plan_dir / "plan.json"), "--run-dir", str(run_dir), "--no-progress"], log,
-                            timeout)
+        code, tail = hetero(["run", str(plan_dir / "plan.json"), "--run-dir", str(run_dir), "--no-progress",
+                             *(["--engine", "torch"] if case == "torch" else [])], log, timeout)
     row["measured_gpu_gb"] = round(used.peak_gb, 2)  # the card's, CUDA contexts included (0.5 GB or so each)
     if code != 0:
         return dict(row, ok=False, error=f"run exit {code}: {tail[-1500:]}")
@@ -195,7 +204,105 @@ def run_case(out: Path, case: str, data: Path, steps: int, port: int, timeout: f
                 loss_last=round(losses[-1], 4), adapter_saved=adapter.is_file(), shares_gpu=len(gpu_stages) > 1)
 
 
+def peft_case(out: Path, row: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """transformers+peft alone (a child process: its own CUDA context) on the bf16 case's plan and rows."""
+    plan_dir, log, result = out / "plan-bf16", out / "peft.log", out / "peft.json"
+    if not (plan_dir / "plan.json").is_file():
+        return dict(row, ok=False, error="needs the bf16 case's plan (run the bf16 case first)")
+    row["predicted_s"] = json.loads((plan_dir / "plan.json").read_text())["prediction"]["step_time_s"]
+    with log.open("w") as f, GpuMemory() as used:
+        code = subprocess.run([sys.executable, __file__, "--peft-child", str(plan_dir / "plan.json"), str(result)],
+                              stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    row["measured_gpu_gb"] = round(used.peak_gb, 2)
+    if code != 0:
+        return dict(row, ok=False, error=f"peft exit {code}: {log.read_text()[-1500:]}")
+    child = json.loads(result.read_text())
+    times = child.pop("step_times")
+    measured = statistics.median(times[1:] or times)
+    return dict(row, **child, ok=child["loss_last"] < child["loss_first"], measured_s=round(measured, 4),
+                ratio=round(measured / row["predicted_s"], 3), first_step_s=round(times[0], 3),
+                tokens_per_s=round(child["label_tokens"] / measured))
+
+
+def peft_child(plan_json: Path, result: Path) -> None:
+    """transformers+peft alone on the plan's model, LoRA, optimizer and packed rows (bf16, SDPA, one process).
+
+    The rows are hetero's own (StepBatches), with each record's positions restarting at 0; SDPA's causal mask spans
+    the whole row (records see the records before them in their row), which costs the same arithmetic as masking them
+    apart and fewer operator calls: a fair lower bound on what hetero's stage could take."""
+    from peft import LoraConfig, get_peft_model
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForCausalLM
+
+    from hetero.plan import Plan
+    from hetero.runtime.pretrained import resolve_dir
+    from hetero.runtime.run.data import StepBatches
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: only to try the script on a machine without one
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    plan = Plan.load(plan_json)
+    model_dir, lora, train = resolve_dir(plan.model), plan.model.lora, plan.train
+    torch.manual_seed(train.seed)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16, attn_implementation="sdpa")
+    model = get_peft_model(base, LoraConfig(r=lora.r, lora_alpha=int(lora.alpha), lora_dropout=lora.dropout,
+                                            target_modules=list(lora.target_modules))).to(dev)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+    batches = StepBatches(plan.data, model_dir, plan.model.seq_len, train.micro_batch_size, train.num_micro_batches,
+                          train.seed, train.shuffle)
+
+    def micro(ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None, n: int) -> torch.Tensor:
+        logits = model(input_ids=ids.to(dev), position_ids=None if positions is None else positions.to(dev)).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(dev),
+                                                 ignore_index=-100, reduction="sum")
+        (loss / n).backward()
+        return loss.detach()
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    times, losses, labels_total = [], [], 0
+    for i in range(train.steps):
+        batch = batches.step(i)
+        sync()
+        t0 = time.perf_counter()
+        total = torch.zeros((), device=dev)
+        for m in range(batch.input_ids.shape[0]):
+            pos = None if batch.position_ids is None else batch.position_ids[m]
+            total += micro(batch.input_ids[m], batch.labels[m], pos, batch.num_label_tokens)
+        torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(total) / batch.num_label_tokens)
+        sync()
+        times.append(time.perf_counter() - t0)
+        labels_total = batch.num_label_tokens
+        print(f"step {i}: loss {losses[-1]:.4f} {times[-1]:.3f} s", flush=True)
+    batch = batches.step(0)
+    pos = None if batch.position_ids is None else batch.position_ids[0]
+    sync()
+    t0 = time.perf_counter()
+    micro(batch.input_ids[0], batch.labels[0], pos, batch.num_label_tokens)
+    sync()
+    one = time.perf_counter() - t0
+    with Count():
+        micro(batch.input_ids[0], batch.labels[0], pos, batch.num_label_tokens)
+    opt.zero_grad(set_to_none=True)
+    result.write_text(json.dumps({
+        "step_times": times, "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
+        "label_tokens": labels_total, "ops_per_micro_batch": Count.calls, "micro_batch_s": round(one, 4),
+        "us_per_op": round(one / max(Count.calls, 1) * 1e6, 1)}))
+
+
 def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--peft-child":
+        peft_child(Path(sys.argv[2]), Path(sys.argv[3]))
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("gpu-check"))
     ap.add_argument("--steps", type=int, default=6)

@@ -16,6 +16,7 @@ flash-attn installed one variable-length kernel call over all segments.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -192,7 +193,26 @@ def _per_segment(base: str, query: torch.Tensor, key: torch.Tensor, value: torch
     # q, k and v gathered in one call: heads side by side, [tokens in bucket order, H + 2 KV, D]
     qkv = torch.cat([t.transpose(1, 2) for t in (query, key, value)], dim=2).reshape(batch * seq, -1, dim)
     rows = qkv.index_select(0, layout.gather).split([count * length for count, length in layout.shapes])
-    outs = []
+    outs: list[torch.Tensor] = []
+    with _shape_free_kernels(query.device):
+        _bucket_attention(base, layout, rows, outs, heads, kv_heads, dim, groups, dropout, scaling, window, softcap)
+    merged = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return merged.index_select(0, layout.scatter).view(batch, seq, heads, dim)
+
+
+def _shape_free_kernels(device: torch.device) -> Any:
+    """On CUDA, SDPA without its cuDNN backend: cuDNN builds an execution plan for every new shape, and buckets
+    change shape with every micro-batch (gpu_attention.py measures it); flash and memory-efficient kernels do not."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _bucket_attention(base: str, layout: Buckets, rows: tuple[torch.Tensor, ...], outs: list[torch.Tensor],
+                      heads: int, kv_heads: int, dim: int, groups: int, dropout: float, scaling: float | None,
+                      window: int | None, softcap: float | None) -> None:
     for (count, length), row in zip(layout.shapes, rows, strict=True):
         q, k, v = (t.transpose(1, 2) for t in row.view(count, length, -1, dim).split([heads, kv_heads, kv_heads], 2))
         if base == "eager" or softcap is not None:
@@ -202,8 +222,6 @@ def _per_segment(base: str, query: torch.Tensor, key: torch.Tensor, value: torch
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                                                  scale=scaling, enable_gqa=groups > 1)
         outs.append(out.transpose(1, 2).reshape(count * length, heads, dim))
-    merged = torch.cat(outs) if len(outs) > 1 else outs[0]
-    return merged.index_select(0, layout.scatter).view(batch, seq, heads, dim)
 
 
 def _window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:

@@ -307,10 +307,14 @@ def _work_per_token(
     if kind == "head":
         # The loss runs in chunks of label tokens (hetero/loss.py): a token keeps its hidden state for backward, and
         # one chunk's logits (stage dtype, fp32 copy, its gradient) exist at a time, not (b+8)V per token.
-        # Backward: the grad of the hidden state only (lm_head is frozen), the chunk's logits computed again.
-        # Only label tokens get logits: per computed token, the label share of that work.
+        # A frozen head (no LoRA on it) computes each chunk's input gradient in forward, while its logits exist:
+        # forward runs the matmul twice (logits, gradient), backward only scales that gradient. With LoRA on the head,
+        # backward computes the chunk's logits again, then the gradients. Only label tokens get logits: per computed
+        # token, the label share of that work.
         act = head_bytes_per_token(h, int(config.vocab_size), dtype_bytes, seq_len)
         share = 1.0 if label_share is None else label_share
+        if not targets:
+            return share * 2 * matmul_fwd, share * 2.0 * h, act, None
         return share * (matmul_fwd + lora_fwd), share * (2 * matmul_fwd + 2 * lora_fwd), act, None
     if kind == "norm":
         return 4.0 * h, 8.0 * h, float(4 * h + 4), None  # square, mean, rsqrt-scale, weight: elementwise, tiny

@@ -19,13 +19,18 @@ def _plain(head, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            reduction="sum")
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable-head", "frozen-head"])
 @pytest.mark.parametrize("softcap", [None, 30.0])
-def test_chunks_equal_the_plain_loss_and_its_gradients(softcap: float | None) -> None:
+def test_chunks_equal_the_plain_loss_and_its_gradients(softcap: float | None, frozen: bool) -> None:
+    """Both paths: a head with trainable parameters (checkpointed chunks) and a frozen one (each chunk's input
+    gradient computed in forward, the head run once per chunk instead of twice)."""
     torch.manual_seed(0)
     vocab = 50_000  # several chunks of label tokens (loss_chunk_tokens(50k) = 335)
-    lm_head = torch.nn.Linear(32, vocab, bias=False)
+    lm_head = torch.nn.Linear(32, vocab, bias=False).requires_grad_(not frozen)
+    calls = []
 
     def head(h: torch.Tensor) -> torch.Tensor:
+        calls.append(h.shape[0])
         out = lm_head(h) / 2.0
         return out if softcap is None else torch.tanh(out / softcap) * softcap
 
@@ -36,11 +41,21 @@ def test_chunks_equal_the_plain_loss_and_its_gradients(softcap: float | None) ->
     assert loss_chunk_tokens(vocab) < int((labels[:, 1:] != -100).sum())
     want = _plain(head, hidden, labels)
     (want_grad,) = torch.autograd.grad(want, hidden)
-    got = chunked_loss_sum(head, hidden, labels, vocab)
+    calls.clear()
+    got = chunked_loss_sum(head, hidden, labels, vocab, frozen_head=frozen)
     (got_grad,) = torch.autograd.grad(got, hidden)
     assert float(got) == pytest.approx(float(want), rel=1e-6)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-6, atol=1e-9)
-    none = chunked_loss_sum(head, hidden, torch.full_like(labels, -100), vocab)
+    labeled = int((labels[:, 1:] != -100).sum())
+    assert sum(calls) == (1 if frozen else 2) * labeled  # the head's tokens: once each frozen, twice checkpointed
+    if not frozen:  # the trainable head's own gradient, as the plain loss gives it
+        lm_head.zero_grad()
+        _plain(head, hidden, labels).backward()
+        want_w = lm_head.weight.grad.clone()
+        lm_head.zero_grad()
+        chunked_loss_sum(head, hidden, labels, vocab).backward()
+        torch.testing.assert_close(lm_head.weight.grad, want_w, rtol=1e-5, atol=1e-8)
+    none = chunked_loss_sum(head, hidden, torch.full_like(labels, -100), vocab, frozen_head=frozen)
     (zero,) = torch.autograd.grad(none, hidden)
     assert float(none) == 0.0 and not bool(zero.any())
 
@@ -55,8 +70,8 @@ head = torch.nn.Linear(hidden, vocab, bias=False).requires_grad_(False)
 h = torch.randn(1, tokens, hidden, requires_grad=True)
 labels = torch.randint(0, vocab, (1, tokens))
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-if sys.argv[1] == "chunked":
-    loss = chunked_loss_sum(head, h, labels, vocab)
+if sys.argv[1] in ("chunked", "frozen"):
+    loss = chunked_loss_sum(head, h, labels, vocab, frozen_head=sys.argv[1] == "frozen")
 else:
     logits = head(h)[:, :-1].float()
     loss = F.cross_entropy(logits.reshape(-1, vocab), labels[:, 1:].reshape(-1), reduction="sum")
@@ -74,8 +89,9 @@ def test_a_128k_vocabulary_head_at_2048_tokens_never_holds_the_fp32_logits() -> 
         return int(out.stdout.split()[-1])
 
     logits_bytes = 2047 * 128_256 * 4
-    plain, chunked = peak("plain"), peak("chunked")
+    plain, chunked, frozen = peak("plain"), peak("chunked"), peak("frozen")
     assert plain - chunked >= logits_bytes, f"plain {plain / 1e9:.2f} GB, chunked {chunked / 1e9:.2f} GB"
+    assert plain - frozen >= logits_bytes, f"plain {plain / 1e9:.2f} GB, gradient in forward {frozen / 1e9:.2f} GB"
     # What the cost model prices per token of the head at llama8b's sizes: the hidden state and one chunk spread over
     # the sequence, instead of (2 + 8) bytes x 128256 per token.
     assert head_bytes_per_token(4096, 128_256, 2, 2048) < 0.1 * (2 + 8) * 128_256

@@ -261,7 +261,7 @@ class Executor:
             # HF causal-LM convention (position t predicts token t+1), fp32 loss whatever the stage dtype, computed
             # in chunks of label tokens: never a whole [tokens, vocab] logits tensor (runtime/stage/loss.py).
             loss_sum = chunked_loss_sum(self.stage.logits, out, self._labels[mb],
-                                        int(self.stage.model.config.vocab_size))
+                                        int(self.stage.model.config.vocab_size), self.stage.frozen_head)
             self._loss_sum += float(loss_sum.detach())
             out = loss_sum
         self._outputs[mb] = out

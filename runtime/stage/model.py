@@ -158,6 +158,12 @@ class Stage:
             h = inner.norm(h)
         return self.logits(h) if self.layout.head and logits else h
 
+    @property
+    def frozen_head(self) -> bool:
+        """Whether the head has no parameter to train (no LoRA on lm_head): its loss gradient is then computed in
+        forward (runtime/stage/loss.py)."""
+        return not any(p.requires_grad for p in self.model.lm_head.parameters())
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The head, and what the family's CausalLM does to its output (a divisor, a soft cap)."""
         h = self.model.lm_head(h)

@@ -1,8 +1,9 @@
 """How the last stage computes the loss, as numbers the cost model and the runtime share (torch-free).
 
 The head never holds a whole micro-batch's ``[tokens, vocab]`` logits: the runtime (runtime/stage/loss.py) runs
-the LM head and the cross-entropy on ``loss_chunk_tokens(vocab)`` label tokens at a time, keeping only each
-chunk's input for backward and computing its logits again there. Tokens without a label get no logits at all.
+the LM head and the cross-entropy on ``loss_chunk_tokens(vocab)`` label tokens at a time. A frozen head computes
+each chunk's input gradient while its logits exist and keeps only that for backward; a head with LoRA keeps each
+chunk's input and computes its logits again in backward. Tokens without a label get no logits at all.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ def loss_chunk_tokens(vocab_size: int) -> int:
 
 
 def head_bytes_per_token(hidden_size: int, vocab_size: int, dtype_bytes: float, seq_len: int) -> float:
-    """Activation bytes per token of the chunked head: its saved input, plus one chunk's logits (in the stage dtype,
-    their fp32 copy and its gradient) spread over a sequence (an upper bound where a micro-batch holds more)."""
+    """Activation bytes per token of the chunked head: its saved input (or, frozen, its input's gradient: the same
+    size), plus one chunk's logits (in the stage dtype, their fp32 copy and its gradient) spread over a sequence (an
+    upper bound where a micro-batch holds more)."""
     chunk = min(loss_chunk_tokens(vocab_size), max(int(seq_len), 1))
     return dtype_bytes * hidden_size + (dtype_bytes + 8) * vocab_size * chunk / max(int(seq_len), 1)

@@ -307,9 +307,10 @@ def _cost_provenance(cost_model: CostModel) -> tuple[dict[str, str], list[str]]:
 
 
 # What a GPU stage takes, at least, to issue one decoder layer's forward and backward for a micro-batch from Python:
-# about 430 operator calls (a Llama layer with LoRA on its 7 projections, counted at torch's dispatcher) at 13-16 us
-# each, measured on an H200 host on 2026-11-28 (docs/gpu.md): 5.5 ms per layer under transformers+peft, 6.9 ms
-# under a hetero stage, where the arithmetic was about 1 ms. Datasheet arithmetic below this is not what runs.
+# about 430 operator calls (a Llama layer with LoRA on its 7 projections, counted at torch's dispatcher), measured on
+# an H200 host on 2026-11-28 (docs/gpu.md): 5.5-6.7 ms per layer under transformers+peft (a synced micro-batch over
+# 12 layers, arithmetic included, about 1 ms of it), 6.9 ms under a hetero stage. Datasheet arithmetic below this
+# is not what runs.
 ISSUE_FLOOR_S = 0.006
 
 

@@ -112,3 +112,18 @@ def test_malformed_parts_are_refused_in_one_line(scheme: str) -> None:
     assert q_dtype == (torch.int8 if scheme == "int8" else torch.uint8) and q_shape[-1] in (192, 96)
     with pytest.raises(ValueError, match="compression scheme 'int2'"):
         encode(torch.zeros(2, 64), "int2")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("shape", [(0, 128), (2, 0, 128), (3, 1e-44)])
+def test_empty_tensors_and_underflowing_tiles(scheme: str, shape: tuple) -> None:
+    """A micro-batch of no rows goes and comes back empty; a tile so small that its scale underflows to 0 goes as
+    zeros (not as NaN levels the receiver would refuse)."""
+    if shape[-1] == 1e-44:
+        x = torch.full((shape[0], 128), 1e-44)
+    else:
+        x = torch.zeros(shape)
+    parts = encode(x, scheme)
+    check(parts, scheme, tuple(x.shape), "act")
+    got = decode(parts, scheme, x.shape[-1], x.dtype)
+    assert got.shape == x.shape and bool((got.abs() <= 1e-40).all())

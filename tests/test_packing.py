@@ -351,3 +351,28 @@ def test_gpu_packed_attention_equals_each_record_alone(attention: str) -> None:
         alone = reference(inputs_embeds=alone_in).logits
         torch.testing.assert_close(packed[:, at:at + n].float(), alone.float(), rtol=2e-2, atol=2e-2)
         at += n
+
+
+def test_bucketed_attention_on_cuda_leaves_out_cudnn_and_nothing_else() -> None:
+    """cuDNN's SDPA plans each new shape (length buckets change shape every micro-batch: 4x slower steps on an H200,
+    docs/gpu.md), so the buckets run without it; whatever else the user's flags or an outer sdpa_kernel allow stays
+    allowed, and a user who allows cuDNN alone keeps it. (The flags are torch's; no GPU is needed to read them.)"""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from hetero.runtime.stage.attention import _shape_free_kernels
+
+    def flags() -> tuple[bool, bool, bool, bool]:
+        cuda = torch.backends.cuda
+        return (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
+                cuda.cudnn_sdp_enabled())
+
+    gpu, before = torch.device("cuda"), flags()
+    with _shape_free_kernels(gpu):
+        assert flags() == (True, True, True, False)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]), _shape_free_kernels(gpu):
+        assert flags() == (True, False, False, False)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), _shape_free_kernels(gpu):
+        assert flags() == (False, False, False, True)
+    with _shape_free_kernels(torch.device("cpu")):
+        assert flags() == before
+    assert flags() == before

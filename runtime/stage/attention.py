@@ -202,12 +202,16 @@ def _per_segment(base: str, query: torch.Tensor, key: torch.Tensor, value: torch
 
 def _shape_free_kernels(device: torch.device) -> Any:
     """On CUDA, SDPA without its cuDNN backend: cuDNN builds an execution plan for every new shape, and buckets
-    change shape with every micro-batch (gpu_attention.py measures it); flash and memory-efficient kernels do not."""
-    if device.type != "cuda":
+    change shape with every micro-batch (bench/gpu_attention.py measures it); flash and memory-efficient kernels do
+    not. The backends already enabled (torch's flags, an outer ``sdpa_kernel``) stay as they are, less cuDNN."""
+    if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    enabled = [backend for backend, on in ((SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
+                                           (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled()),
+                                           (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled())) if on]
+    return sdpa_kernel(enabled) if enabled else contextlib.nullcontext()
 
 
 def _bucket_attention(base: str, layout: Buckets, rows: tuple[torch.Tensor, ...], outs: list[torch.Tensor],

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
@@ -39,6 +38,7 @@ from hetero.errors import HeteroError
 from hetero.families import family, layer_types
 from hetero.profile import DeviceProfile, LayerProfile, LinearFit, fit_line, typical
 from hetero.runtime.stage.lora import share_lora_inputs
+from hetero.runtime.stage.loss import chunked_loss_sum
 from hetero.runtime.stage.memory import kept_bytes
 from hetero.runtime.stage.model import StageLayout, _build_config, _skeleton, attention_masks, rotary_tables
 from hetero.runtime.stage.weights import quantize_nf4
@@ -145,8 +145,10 @@ def _layer_call(probe: Probe, kind: str, batch: int, seq: int, recompute: bool =
         return norm
     if kind == "head":
         def head() -> tuple[Any, Any]:
-            logits = probe.model.lm_head(hidden())[:, :-1].float()
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
+            # As the last stage computes it (runtime/stage/loss.py): in chunks, a frozen head's input gradient in
+            # forward, so forward and backward split the head's work as a run does.
+            frozen = not any(p.requires_grad for p in probe.model.lm_head.parameters())
+            loss = chunked_loss_sum(probe.model.lm_head, hidden(), ids, int(probe.model.config.vocab_size), frozen)
             return loss / ids.numel(), None
         return head
     raise ValueError(f"unknown layer kind {kind!r}")

@@ -10,8 +10,9 @@ scale:
   with ``s = max|y| / 7``, ``q`` in [-7, 7], two values per byte (``q + 8`` in each nibble).
 
 The receiver multiplies back (and rotates back: the normalized Hadamard matrix is its own inverse) into the
-compute dtype. Rounding is to the nearest level, so the same tensor always encodes to the same bytes and a resumed
-run sends what the first one sent. Per value, a tile costs 1 or 0.5 bytes plus 4 / TILE for its scale.
+compute dtype. Rounding is to the nearest level, so on one device and torch build the same tensor always encodes to
+the same bytes and a resumed run sends what the first one sent (int4's rotation is a matmul, whose rounding may
+differ between devices and BLAS builds). Per value, a tile costs 1 or 0.5 bytes plus 4 / TILE for its scale.
 
 ``check`` is the receiver's edge: parts of the wrong dtype or shape, scales that are negative, NaN or inf, and
 levels outside the scheme's range are refused in one line (WireError), like every other bad frame.
@@ -74,7 +75,7 @@ def _tiles(x: torch.Tensor) -> torch.Tensor:
     x = x.float()
     if padded(hidden) != hidden:
         x = torch.nn.functional.pad(x, (0, padded(hidden) - hidden))
-    return x.reshape(*x.shape[:-1], -1, TILE)
+    return x.reshape(*x.shape[:-1], padded(hidden) // TILE, TILE)
 
 
 def encode(x: torch.Tensor, scheme: str) -> dict[str, torch.Tensor]:
@@ -84,13 +85,15 @@ def encode(x: torch.Tensor, scheme: str) -> dict[str, torch.Tensor]:
     if scheme == "int4":
         tiles = tiles @ _hadamard(TILE, str(tiles.device))
     top = LEVELS[scheme]
-    largest = tiles.abs().amax(dim=-1)
-    scale = torch.where(largest > 0, largest / top, torch.ones_like(largest))
-    q = torch.round(tiles / scale.unsqueeze(-1)).clamp_(-top, top)
-    scale = torch.where(largest > 0, scale, torch.zeros_like(scale))  # an all-zero tile: scale 0
+    largest = tiles.abs().amax(dim=-1) if tiles.numel() else tiles.new_zeros(tiles.shape[:-1])
+    scale = largest / top
+    nonzero = scale > 0  # an all-zero tile, or one so small that its scale underflows: levels 0, scale 0
+    q = torch.round(tiles / torch.where(nonzero, scale, torch.ones_like(scale)).unsqueeze(-1)).clamp_(-top, top)
+    q = torch.where(nonzero.unsqueeze(-1), q, torch.zeros_like(q))
+    scale = torch.where(nonzero, scale, torch.zeros_like(scale))
     # A NaN or inf value: a NaN scale, which the receiver refuses as it refuses non-finite tensors sent as they are.
     scale = torch.where(torch.isfinite(largest), scale, torch.full_like(scale, math.nan))
-    q = q.reshape(*q.shape[:-2], -1)
+    q = q.reshape(*q.shape[:-2], q.shape[-2] * TILE)
     if scheme == "int8":
         return {"q": q.to(torch.int8), "scale": scale}
     nibbles = (q + 8).to(torch.uint8)
@@ -101,14 +104,15 @@ def decode(parts: dict[str, torch.Tensor], scheme: str, hidden: int, dtype: torc
     """The ``[..., hidden]`` tensor in ``dtype`` that ``encode`` sent as ``parts`` (checked with ``check`` first)."""
     _check_scheme(scheme)
     q, scale = parts["q"], parts["scale"]
+    width = scale.shape[-1] * TILE
     if scheme == "int8":
         levels = q.float()
     else:
-        levels = torch.stack([(q & 0x0F), (q >> 4)], dim=-1).reshape(*q.shape[:-1], -1).float() - 8
-    tiles = levels.reshape(*levels.shape[:-1], -1, TILE) * scale.unsqueeze(-1)
+        levels = torch.stack([(q & 0x0F), (q >> 4)], dim=-1).reshape(*q.shape[:-1], width).float() - 8
+    tiles = levels.reshape(*levels.shape[:-1], scale.shape[-1], TILE) * scale.unsqueeze(-1)
     if scheme == "int4":
         tiles = tiles @ _hadamard(TILE, str(tiles.device))
-    return tiles.reshape(*tiles.shape[:-2], -1)[..., :hidden].to(dtype)
+    return tiles.reshape(*tiles.shape[:-2], width)[..., :hidden].to(dtype)
 
 
 def check(parts: dict[str, torch.Tensor], scheme: str, shape: tuple[int, ...], what: str) -> None:

@@ -229,7 +229,9 @@ def peft_child(plan_json: Path, result: Path) -> None:
 
     The rows are hetero's own (StepBatches), with each record's positions restarting at 0; SDPA's causal mask spans
     the whole row (records see the records before them in their row), which costs the same arithmetic as masking them
-    apart and fewer operator calls: a fair lower bound on what hetero's stage could take."""
+    apart and fewer operator calls: a fair lower bound on what hetero's stage could take. (That holds because the
+    forward keeps transformers' default use_cache=True: without a cache, transformers reads packed rows from the
+    position ids and builds block-diagonal masks.)"""
     from peft import LoraConfig, get_peft_model
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import AutoModelForCausalLM

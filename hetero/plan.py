@@ -93,6 +93,9 @@ class StagePlan:
     stream_time_s: float = 0.0
     streamed_bytes_per_step: float = 0.0
     frozen_resident_cap_bytes: float = 0.0
+    # The hand-offs to the next stage of its pipeline, and their gradients back, on the wire: none, int8 or int4
+    # (planner.compression; runtime/wire/compress.py). "none" on a pipeline's last stage.
+    compress_out: str = "none"
 
     def stream_summary(self) -> str:
         """``37 layers stream from host RAM (+38 ms/mb, 793 GB/step)``; empty when none streams."""
@@ -408,6 +411,10 @@ def _check_stage_run(plan: Plan, k: int, bad: Callable[[str], PlanError]) -> Non
         raise bad(f"{at} has a negative time or memory")
     if s.threads is not None and s.threads < 1:
         raise bad(f"{at}.threads is {s.threads}")
+    if s.compress_out not in ("none", "int8", "int4"):
+        raise bad(f"{at}.compress_out {s.compress_out!r}: expected none, int8 or int4")
+    if s.compress_out != "none" and plan.next_stage(k) is None:
+        raise bad(f"{at}.compress_out is {s.compress_out!r}, but the stage is its pipeline's last")
     try:
         actions = parse_program(s.program)
     except ValueError as exc:
@@ -483,6 +490,8 @@ def compute_input_hash(plan: Plan) -> str:
         del planner["replicas"]  # likewise
     if planner.get("offload") == "auto":
         del planner["offload"]  # likewise
+    if planner.get("compression") == "none":
+        del planner["compression"]  # likewise
     cluster = canonical(ClusterSpec, plan.cluster)
     for host in cluster["hosts"]:
         del host["ssh"]  # how `hetero run` reaches a host is not placement (and may be added to plan.json)

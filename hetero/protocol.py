@@ -43,7 +43,7 @@ MESSAGE_OVERHEAD_BYTES = 4 << 20  # headers, tensor names, metadata
 BASE_PORT = 29500  # a host's first port: stage k on it listens on BASE_PORT + k, the coordinator on - 1
 
 # Names, stable across torch versions: what the wire carries, and what a stage computes in.
-WIRE_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
+WIRE_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "int64", "int32", "uint8", "bool", "int8")
 COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 

@@ -283,6 +283,9 @@ class PlannerOptions:
     # Data x pipeline: how many pipeline replicas (None: the solver chooses; 1: one pipeline). With
     # num_stages, that many stages per replica.
     replicas: int | None = None
+    # Hand-offs between stages (activations forward, their gradients back) in 8 or 4 bits: none, int8 (per-tile
+    # scales) or int4 (Hadamard-rotated tiles); runtime/wire/compress.py. Applies to every link of the plan.
+    compression: Literal["none", "int8", "int4"] = "none"
 
 
 # Upper bounds past any real run, that keep the planner's work and float arithmetic finite: each stage's

@@ -277,7 +277,7 @@ def _stage_plan(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: 
 
 
 def _stages(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: ClusterSpec, schedule: str,
-            chosen: Chosen) -> tuple[list[StagePlan], list[ReplicaPlan]]:
+            chosen: Chosen, compression: str = "none") -> tuple[list[StagePlan], list[ReplicaPlan]]:
     """Every replica's stages with their programs, numbered in order, and the replicas that group them."""
     stages: list[StagePlan] = []
     replicas: list[ReplicaPlan] = []
@@ -285,8 +285,9 @@ def _stages(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: Clus
         programs = programs_for(schedule, len(ev.placement.devices), share)
         first_stage = len(stages)
         for pos in range(len(ev.placement.devices)):
-            stages.append(_stage_plan(table, graph, model, cluster, ev, pos, len(stages),
-                                      format_program(programs[pos])))
+            stage = _stage_plan(table, graph, model, cluster, ev, pos, len(stages), format_program(programs[pos]))
+            last = pos == len(ev.placement.devices) - 1
+            stages.append(stage if last or compression == "none" else replace(stage, compress_out=compression))
         replicas.append(ReplicaPlan(list(range(first_stage, len(stages))), share,
                                     sum(m for _, m, _ in chosen[:len(replicas)]), own_step))
     return stages, replicas
@@ -396,7 +397,7 @@ def plan(
     pairs = baseline_evaluations(table, graph.decoder_indices())
     chosen, prediction, solver, notes = _choose(table, options, ev, solver, pairs, deadline)
     solver = settle(solver, options, table)
-    stages, replicas = _stages(table, graph, model, cluster, train.schedule, chosen)
+    stages, replicas = _stages(table, graph, model, cluster, train.schedule, chosen, options.compression)
     _check_attention_devices(model, stages)
     fraction = data_stats.label_fraction if data_stats is not None else None
     prediction = with_label_fraction(prediction, fraction)

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 
 from hetero.errors import ConfigError
 from hetero.graph import LayerGraph
-from hetero.planner.cost_model import CostModel, lora_tensors, wire_bytes_per_token
+from hetero.planner.cost_model import (
+    CostModel,
+    codec_s,
+    lora_tensors,
+    wire_bytes_per_token,
+    wire_values_per_token,
+)
 from hetero.planner.stream_costs import stream_columns
 from hetero.specs import ClusterSpec, DeviceSpec, ModelSpec, PlannerOptions, TrainSpec
 
@@ -23,6 +29,7 @@ SYNC_BYTES = 256.0  # a gradient-norm or clip message
 GRAD_WIRE_BYTES_PER_PARAM = 4.0  # replicas reduce LoRA gradients in fp32
 REDUCE_PROBE_BYTES = 64e6  # the message size at which a reduction's per-byte cost is measured
 RECOMPUTE_MODES = ("auto", "none", "full")
+COMPRESSION_MODES = ("none", "int8", "int4")
 
 
 def in_flight(schedule: str, position_from_end: int, num_micro_batches: int) -> int:
@@ -310,6 +317,8 @@ def _check_problem(graph: LayerGraph, cluster: ClusterSpec, train: TrainSpec, op
         raise ConfigError(f"planner.recompute={options.recompute!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
     if options.offload not in RECOMPUTE_MODES:
         raise ConfigError(f"planner.offload={options.offload!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
+    if options.compression not in COMPRESSION_MODES:
+        raise ConfigError(f"planner.compression={options.compression!r}: choose one of {', '.join(COMPRESSION_MODES)}")
 
 
 @dataclass
@@ -357,13 +366,14 @@ def _optimizer_costs(graph: LayerGraph, model: ModelSpec, devices: list[DeviceSp
     return opt_fixed, opt
 
 
-def _wire_kinds(graph: LayerGraph, model: ModelSpec, devices: list[DeviceSpec],
-                tokens: int) -> tuple[list[int], list[list[float]]]:
-    """One wire kind per distinct bytes-per-cut column (a dtype): the kind per device, [node][kind] bytes."""
+def _wire_kinds(graph: LayerGraph, model: ModelSpec, devices: list[DeviceSpec], tokens: int,
+                compression: str = "none") -> tuple[list[int], list[list[float]]]:
+    """One wire kind per distinct bytes-per-cut column (a dtype, or the compression scheme): the kind per device,
+    [node][kind] bytes."""
     n_nodes = len(graph.nodes)
     kinds: dict[tuple[float, ...], int] = {}
-    wire_kind = [kinds.setdefault(tuple(wire_bytes_per_token(graph, i, d, model) * tokens for i in range(n_nodes)),
-                                  len(kinds)) for d in devices]
+    wire_kind = [kinds.setdefault(tuple(wire_bytes_per_token(graph, i, d, model, compression) * tokens
+                                        for i in range(n_nodes)), len(kinds)) for d in devices]
     return wire_kind, [[k[i] for k in kinds] for i in range(n_nodes)]
 
 
@@ -379,9 +389,10 @@ class _LinkCosts:
 
 
 def _link_costs(cluster: ClusterSpec, cost_model: CostModel, hosts: list[str],
-                kind_bytes: list[list[float]]) -> _LinkCosts:
-    """Every cut's transfer per wire kind and host pair, its messages' CPU cost per device, the step's
-    sync round trips and the replicas' gradient reduction per byte."""
+                kind_bytes: list[list[float]], codec: list[list[tuple[float, float]]] | None = None) -> _LinkCosts:
+    """Every cut's transfer per wire kind and host pair, its messages' CPU cost per device (``codec``: plus the
+    [node][device] (encode, decode) seconds of compressed hand-offs), the step's sync round trips and the replicas'
+    gradient reduction per byte."""
     devices, n_nodes, n_kinds = cluster.devices, len(kind_bytes), len(kind_bytes[0])
     link = [[[[float(cost_model.transfer_time_s(cluster, a, b, kind_bytes[i][k])) for b in hosts] for a in hosts]
              for k in range(n_kinds)] for i in range(n_nodes)]
@@ -389,8 +400,10 @@ def _link_costs(cluster: ClusterSpec, cost_model: CostModel, hosts: list[str],
     recvs: list[list[list[float]]] = []
     for i in range(n_nodes):
         per_kind = [[cost_model.message_s(d, kind_bytes[i][k]) for d in devices] for k in range(n_kinds)]
-        sends.append([[float(s) for s, _ in row] for row in per_kind])
-        recvs.append([[float(r) for _, r in row] for row in per_kind])
+        enc = [c[0] for c in codec[i]] if codec else [0.0] * len(devices)
+        dec = [c[1] for c in codec[i]] if codec else [0.0] * len(devices)
+        sends.append([[float(s) + enc[j] for j, (s, _) in enumerate(row)] for row in per_kind])
+        recvs.append([[float(r) + dec[j] for j, (_, r) in enumerate(row)] for row in per_kind])
     sync = [[2.0 * float(cost_model.transfer_time_s(cluster, a, b, SYNC_BYTES)) for b in hosts] for a in hosts]
     # Replicas' gradient reduction: up to the coordinator and the sum back down, each a transfer plus a
     # send and a receive (the slowest device of the sending host stands for the stage, and for the
@@ -425,8 +438,10 @@ def build_cost_table(
     nodes = _node_costs(graph, model, devices, cost_model, tokens)
     opt_fixed, opt = _optimizer_costs(graph, model, devices, cost_model)
     hosts = [h.name for h in cluster.hosts]
-    wire_kind, kind_bytes = _wire_kinds(graph, model, devices, tokens)
-    links = _link_costs(cluster, cost_model, hosts, kind_bytes)
+    wire_kind, kind_bytes = _wire_kinds(graph, model, devices, tokens, options.compression)
+    codec = [[codec_s(d, options.compression, wire_values_per_token(graph, i) * tokens) for d in devices]
+             for i in range(len(graph.nodes))] if options.compression != "none" else None
+    links = _link_costs(cluster, cost_model, hosts, kind_bytes, codec)
     stream = stream_columns(graph, model, cluster, nodes.fwd, options.offload, cost_model)
     return CostTable(
         fwd_s=nodes.fwd, bwd_s=nodes.bwd, weights=nodes.weights, lora=nodes.lora,

@@ -26,6 +26,13 @@ OPTIMIZER_BYTES_PER_PARAM = 32.0
 OPTIMIZER_PER_TENSOR_S = {"cpu": 50e-6}
 OPTIMIZER_PER_TENSOR_DEFAULT_S = 10e-6
 MESSAGE_FIXED_S = 100e-6
+# Compressed hand-offs (planner.compression, runtime/wire/compress.py): bytes of memory traffic per value that
+# encoding (sender) and decoding (receiver) cost, as time = values x bytes / the device's memory bandwidth. Fitted to
+# bench/bench_compress.py on fp32 W1 hand-offs, one CPU thread of the 2-vCPU sandbox (51.2 GB/s datasheet),
+# 2026-11-28: encode int8 7.5 ns a value, decode 0.7; int4 18 and 13 (the 64 x 64 rotation).
+CODEC_BYTES_PER_VALUE = {"int8": (384.0, 36.0), "int4": (920.0, 670.0)}  # (encode, decode)
+# What a value costs on the wire: its level (1 byte, or half of one) and its share of a float32 scale per 64 values.
+WIRE_BYTES_PER_VALUE = {"int8": 1.0 + 4.0 / 64, "int4": 0.5 + 4.0 / 64}
 HOST_COPY_BYTES_PER_S = 12e9  # PCIe 4.0 x16 in practice
 # Pinned host-to-device copies reach about 80% of PCIe's theoretical rate (CUDA's bandwidthTest on
 # PCIe 4.0 x16: ~25 of 31.5 GB/s); datasheets and fleet files state the theoretical rate.
@@ -135,12 +142,30 @@ def dequant_s(graph: LayerGraph, node: int, device: DeviceSpec, model: ModelSpec
     return graph.nodes[node].linear_params * per_param / (max(device.memory_bandwidth_gbs, 1e-3) * 1e9)
 
 
-def wire_bytes_per_token(graph: LayerGraph, node: int, device: DeviceSpec, model: ModelSpec) -> float:
-    """Bytes per token sent across the cut after ``node`` by a stage on ``device`` (its compute dtype)."""
+def wire_bytes_per_token(graph: LayerGraph, node: int, device: DeviceSpec, model: ModelSpec,
+                         compression: str = "none") -> float:
+    """Bytes per token sent across the cut after ``node`` by a stage on ``device`` (its compute dtype, or the
+    ``compression`` scheme's levels and scales)."""
     if node >= len(graph.edges):
         return 0.0
+    if compression != "none":
+        return wire_values_per_token(graph, node) * WIRE_BYTES_PER_VALUE[compression]
     scale = dtype_bytes(compute_dtype(device, model)) / dtype_bytes(graph.dtype)
     return graph.edges[node].bytes_per_token * scale
+
+
+def wire_values_per_token(graph: LayerGraph, node: int) -> float:
+    """Values per token crossing the cut after ``node`` (its hidden state: bytes at the graph's dtype / that size)."""
+    return graph.edges[node].bytes_per_token / dtype_bytes(graph.dtype) if node < len(graph.edges) else 0.0
+
+
+def codec_s(device: DeviceSpec, compression: str, values: float) -> tuple[float, float]:
+    """(encode, decode) seconds of ``values`` hand-off values on ``device`` under ``compression`` (0 for none)."""
+    if compression == "none" or values <= 0:
+        return 0.0, 0.0
+    rate = max(device.memory_bandwidth_gbs, 1e-3) * 1e9
+    encode, decode = CODEC_BYTES_PER_VALUE[compression]
+    return values * encode / rate, values * decode / rate
 
 
 class RooflineCostModel:

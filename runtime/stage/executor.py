@@ -28,6 +28,7 @@ from hetero.runtime.stage.lr import make_scheduler
 from hetero.runtime.stage.model import Stage
 from hetero.runtime.stage.telemetry import open_telemetry
 from hetero.runtime.stage.telemetry import sample as sample_telemetry
+from hetero.runtime.wire import compress
 from hetero.security import COORDINATOR, stage_name
 from hetero.specs import TrainSpec
 
@@ -123,9 +124,11 @@ class Executor:
     action_observers: ClassVar[list[Callable[[int, str, int, int, float, float], None]]] = []
 
     def __init__(self, stage: Stage, program: list[Action], wire: Wire, train: TrainSpec,
-                 neighbours: tuple[int | None, int | None] | None = None, replicated: bool = False) -> None:
+                 neighbours: tuple[int | None, int | None] | None = None, replicated: bool = False,
+                 compression: tuple[str, str] = ("none", "none")) -> None:
         """``neighbours``: the stages before and after this one in its pipeline (default: index -+ 1);
-        ``replicated``: other replicas hold the same layers, and STEP sums gradients with them."""
+        ``replicated``: other replicas hold the same layers, and STEP sums gradients with them; ``compression``:
+        the scheme of the link from the previous stage and of the link to the next (runtime/wire/compress.py)."""
         self.stage = stage
         self.program = program
         self.wire = wire
@@ -134,6 +137,8 @@ class Executor:
         self.prev = stage_name(prev) if not stage.is_first and prev is not None else None
         self.next = stage_name(nxt) if not stage.is_last and nxt is not None else None
         self.replicated = replicated
+        self.link_in, self.link_out = compression
+        self.hidden = int(stage.model.config.hidden_size)
         self.params = stage.lora_parameters()
         # Whole-model PEFT keys of the LoRA parameters (checkpoint keys; gradients travel under them).
         self.keys = [peft_key(name) for name, _ in stage.lora_named_parameters()]
@@ -227,7 +232,7 @@ class Executor:
 
     def _recv_activation(self, step: int, mb: int) -> None:
         msg = self._timed_recv("act", step, mb, self.prev)
-        x = msg.tensors["h"].to(self.stage.device, self.stage.dtype)  # cast: a bf16 peer can feed fp16
+        x = _unpack(msg.tensors, "h", self.link_in, self.hidden).to(self.stage.device, self.stage.dtype)  # a bf16 peer can feed fp16
         self._inputs[mb] = x.requires_grad_(True)
         if "pos" in msg.tensors:
             self._mb_positions[mb] = msg.tensors["pos"]
@@ -270,7 +275,7 @@ class Executor:
     def _send_activation(self, step: int, mb: int) -> None:
         out = self._outputs[mb].detach()
         _check_finite(out, "activations", self.stage.index, step, mb)
-        tensors = {"h": out}
+        tensors = _pack(out, "h", self.link_out)
         positions = self._mb_positions.pop(mb, None)
         if positions is not None:
             tensors["pos"] = positions
@@ -279,7 +284,7 @@ class Executor:
     def _recv_grad(self, step: int, mb: int) -> None:
         msg = self._timed_recv("grad", step, mb, self.next)
         out = self._outputs[mb]
-        self._grads[mb] = msg.tensors["g"].to(out.device, out.dtype)
+        self._grads[mb] = _unpack(msg.tensors, "g", self.link_out, self.hidden).to(out.device, out.dtype)
 
     def _backward(self, step: int, mb: int) -> None:
         out = self._outputs.pop(mb)
@@ -299,7 +304,7 @@ class Executor:
         x = self._inputs.pop(mb)
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
         _check_finite(grad, "input gradients", self.stage.index, step, mb)
-        self.wire.send(self.prev, Grad(sent=time.time()), step=step, mb=mb, tensors={"g": grad})
+        self.wire.send(self.prev, Grad(sent=time.time()), step=step, mb=mb, tensors=_pack(grad, "g", self.link_in))
 
     def _optimizer_step(self, step: int, mb: int) -> None:
         if self.replicated:
@@ -349,3 +354,21 @@ def _check_finite(t: torch.Tensor, what: str, k: int, step: int, mb: int) -> Non
     if not bool(torch.isfinite(t).all()):
         raise TrainingDivergedError(f"stage {k} computed NaN/inf {what} at step {step}, micro-batch {mb}: "
                                     f"{DIVERGED_HINT}")
+
+
+def _pack(t: torch.Tensor, name: str, scheme: str) -> dict[str, torch.Tensor]:
+    """A hand-off tensor as sent on a link of ``scheme``: itself under ``name``, or its compressed parts under
+    ``name``_q and ``name``_scale (runtime/wire/compress.py; the receiver's rules check them)."""
+    if scheme == "none":
+        return {name: t}
+    parts = compress.encode(t, scheme)
+    return {f"{name}_q": parts["q"], f"{name}_scale": parts["scale"]}
+
+
+def _unpack(tensors: dict[str, torch.Tensor], name: str, scheme: str, hidden: int) -> torch.Tensor:
+    """What ``_pack`` sent: the tensor, decoded in float32 when compressed (the caller casts to its dtype)."""
+    if scheme == "none":
+        return tensors[name]
+    parts = {"q": tensors[f"{name}_q"], "scale": tensors[f"{name}_scale"]}
+    return compress.decode(parts, scheme, hidden, torch.float32)
+

@@ -190,8 +190,10 @@ def _build(plan: Plan, k: int, device: Any, mailbox: Mailbox, neighbours: tuple[
 
     t0 = time.perf_counter()
     stage = build_stage(plan, k, device)
+    prev = neighbours[0]
+    links = (plan.stages[prev].compress_out if prev is not None else "none", plan.stages[k].compress_out)
     executor = Executor(stage, plan.stages[k].actions(), mailbox, plan.train, neighbours,
-                        replicated=len(plan.pipelines) > 1)
+                        replicated=len(plan.pipelines) > 1, compression=links)
     n_lora = sum(p.numel() for p in executor.params)
     log.info("stage %d built in %.1f s: layers %s, %d LoRA parameters", k, time.perf_counter() - t0,
              stage.layout.layers, n_lora)

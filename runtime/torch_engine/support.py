@@ -43,6 +43,10 @@ def check_supported(plan: Plan, host: str | None) -> str:
     if host is not None and host != first and any(s.host != first for s in plan.stages):
         raise _refuse(f"on several hosts it starts on stage 0's host, '{first}' (rank 0, the rendezvous and the run's "
                       f"records live there), not on '{host}'")
+    squeezed = next((s.compress_out for s in plan.stages if s.compress_out != "none"), None)
+    if squeezed is not None:
+        raise _refuse(f"planner.compression={squeezed} (torch's pipeline stages hand tensors to each other as they "
+                      "are)")
     if plan.train.schedule not in SCHEDULES:
         raise _refuse(f"train.schedule={plan.train.schedule} (this engine runs {', '.join(SCHEDULES)})")
     sizes = sorted({len(rep.stages) for rep in plan.pipelines})

@@ -26,6 +26,7 @@ import torch
 
 from hetero.errors import WireError
 from hetero.protocol import MESSAGE_OVERHEAD_BYTES, MESSAGE_SIZE_MARGIN, RECORDS, UNSTEPPED, Record
+from hetero.runtime.wire import compress
 from hetero.runtime.wire.frames import DTYPES, Message
 from hetero.security import COORDINATOR, stage_name
 
@@ -58,6 +59,9 @@ class Rules:
     open_tensors: frozenset[str] = frozenset({"state", "checkpoint", "grads", "reduced"})
     num_micro_batches: int = 1
     step: int | None = None  # the step in progress; None before training (only duplicates are refused)
+    # Compressed hand-offs (runtime/wire/compress.py): kind -> (tensor name, scheme, the uncompressed shape); the
+    # parts <name>_q and <name>_scale are in ``tensors``, and their levels and scales are checked here too.
+    compressed: dict[str, tuple[str, str, tuple[int, ...]]] = field(default_factory=dict)
     max_pending: int = 64
 
     def check(self, msg: Message, pending: list[Message]) -> None:
@@ -109,6 +113,10 @@ class Rules:
                 # A pipeline stage never emits inf/NaN activations or gradients from finite LoRA training
                 # without the loss going NaN first, which the coordinator reports; drop, do not train on it.
                 raise WireError(f"{msg.describe()}: tensor {name!r} holds NaN or inf")
+        if msg.kind in self.compressed:
+            name, scheme, shape = self.compressed[msg.kind]
+            compress.check({"q": msg.tensors[f"{name}_q"], "scale": msg.tensors[f"{name}_scale"]}, scheme, shape,
+                           msg.describe())
 
 
 def positions_well_formed(position_ids: torch.Tensor) -> bool:
@@ -136,6 +144,7 @@ def stage_rules(plan: Any, k: int) -> Rules:
     if can_rebalance(plan):
         senders["rebalance"] = frozenset({COORDINATOR})
     tensors: dict[str, dict[str, TensorRule]] = {}
+    compressed: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     m = plan.micro_batches_of(k)
     ids = (m, train.micro_batch_size, model.seq_len)
     prev, nxt = plan.prev_stage(k), plan.next_stage(k)
@@ -148,7 +157,9 @@ def stage_rules(plan: Any, k: int) -> Rules:
             tensors["batch"]["position_ids"] = TensorRule(ids, "int64", 0, model.seq_len, positions=True)
     else:
         senders["act"] = frozenset({stage_name(prev)})
-        tensors["act"] = {"h": TensorRule(shape, plan.stages[prev].dtype)}
+        tensors["act"] = _handoff("h", shape, plan.stages[prev].dtype, plan.stages[prev].compress_out)
+        if plan.stages[prev].compress_out != "none":
+            compressed["act"] = ("h", plan.stages[prev].compress_out, shape)
         if packed:
             tensors["act"]["pos"] = TensorRule(shape[:2], "int64", 0, model.seq_len, positions=True)
     if nxt is None:
@@ -156,9 +167,20 @@ def stage_rules(plan: Any, k: int) -> Rules:
         tensors["labels"] = {"labels": TensorRule(ids, "int64", 0, vocab or None, extra_low=-100)}
     else:
         senders["grad"] = frozenset({stage_name(nxt)})
-        tensors["grad"] = {"g": TensorRule(shape, plan.stages[nxt].dtype)}
+        tensors["grad"] = _handoff("g", shape, plan.stages[nxt].dtype, plan.stages[k].compress_out)
+        if plan.stages[k].compress_out != "none":
+            compressed["grad"] = ("g", plan.stages[k].compress_out, shape)
     # Pending at most: both steps' micro-batches from each neighbour, the step inputs, control messages.
-    return Rules(me=stage_name(k), senders=senders, tensors=tensors, num_micro_batches=m, max_pending=4 * m + 16)
+    return Rules(me=stage_name(k), senders=senders, tensors=tensors, num_micro_batches=m, max_pending=4 * m + 16,
+                 compressed=compressed)
+
+
+def _handoff(name: str, shape: tuple[int, ...], dtype: str, scheme: str) -> dict[str, TensorRule]:
+    """The rule for a hand-off tensor as its link carries it: itself, or its compressed parts."""
+    if scheme == "none":
+        return {name: TensorRule(shape, dtype)}
+    parts = compress.part_shapes(shape, scheme)
+    return {f"{name}_{part}": TensorRule(s, str(d).removeprefix("torch.")) for part, (s, d) in parts.items()}
 
 
 def coordinator_rules(plan: Any) -> Rules:

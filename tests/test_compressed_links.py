@@ -1,0 +1,113 @@
+"""planner.compression: hand-offs between stages in 8 or 4 bits, priced by the planner, enforced by the receiving
+stage's rules, and trained through (issue 37)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from reference import reference_run
+from test_runtime_plans import make_plan
+
+from hetero import cli
+from hetero.errors import WireError
+from hetero.plan import Plan, compute_input_hash
+from hetero.runtime.run.adapter import load_adapter_state
+from hetero.runtime.run.cli import main_run
+from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.runtime.wire import compress
+from hetero.runtime.wire.frames import Message
+from hetero.runtime.wire.rules import stage_rules
+from hetero.specs import ModelSpec, TrainSpec
+
+SEQ_LEN = 32
+TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=4, lr=2e-3, seed=3, shuffle=True)
+
+
+def _compressed(plan: Plan, schemes: list[str]) -> Plan:
+    """``plan`` with stage k's outgoing link compressed by ``schemes[k]``."""
+    stages = [replace(s, compress_out=schemes[k]) for k, s in enumerate(plan.stages)]
+    plan = replace(plan, stages=stages)
+    return replace(plan, input_hash=compute_input_hash(plan))
+
+
+def _fleet(root: Path, gbps: float) -> Path:
+    """Two hosts of one CPU each, joined by a link of ``gbps``."""
+    fleets = root / "fleets"
+    (fleets / "hardware").mkdir(parents=True, exist_ok=True)
+    hosts = [{"name": name, "address": f"10.0.0.{i + 1}", "port": 29500,
+              "devices": [{"type": "cpu", "threads": 1, "memory_gb": 8}]} for i, name in enumerate(("a", "b"))]
+    (fleets / "hardware" / "slow.yaml").write_text(json.dumps(
+        {"name": "slow", "hosts": hosts, "links": [{"a": "a", "b": "b", "bandwidth_gbps": gbps, "latency_us": 500}]}))
+    return fleets
+
+
+def _compile(root: Path, fleets: Path, scheme: str) -> Plan:
+    out = root / f"plan-{scheme}"
+    assert cli.main(["compile", "--config-dir", str(fleets), "hardware=slow", "model=tiny", "model.seq_len=256",
+                     "train.micro_batch_size=8", "planner.split=[3,3]", "planner.devices=[a.cpu0,b.cpu0]",
+                     f"planner.compression={scheme}", f"output={out}", "planner.time_limit_s=5"]) == 0
+    return Plan.load(out / "plan.json")
+
+
+def test_the_planner_prices_a_compressed_link_and_marks_it(tmp_path: Path) -> None:
+    """On a 20 Mbit/s link a compressed hand-off predicts a faster step (fewer bytes, some encode/decode time); the
+    plan names the link's scheme on the stage that sends forward, and the option is part of the plan's identity."""
+    fleets = _fleet(tmp_path, 0.02)
+    plans = {scheme: _compile(tmp_path, fleets, scheme) for scheme in ("none", "int8", "int4")}
+    assert [s.compress_out for s in plans["int8"].stages] == ["int8", "none"]
+    assert [s.compress_out for s in plans["none"].stages] == ["none", "none"]
+    steps = {k: p.prediction.step_time_s for k, p in plans.items()}
+    assert steps["int4"] < steps["int8"] < 0.75 * steps["none"], steps
+    send = {k: p.stages[0].send_time_s for k, p in plans.items()}
+    assert send["int8"] == pytest.approx(send["none"] * (1 + 4 / 64) / 4, rel=0.05)  # fp32 -> 1 + 4/64 bytes
+    assert len({p.input_hash for p in plans.values()}) == 3
+    # The receiver decodes and the sender encodes: their messages cost more CPU time than plain ones.
+    assert plans["int8"].stages[1].overhead_s["RA"] > plans["none"].stages[1].overhead_s["RA"]
+
+
+def test_a_compressed_links_receiver_takes_only_its_parts(tmp_path: Path, tiny_model_dir: Path,
+                                                          tiny_spec: ModelSpec) -> None:
+    """Stage 1 of a plan whose first link is int8 refuses a plain activation and malformed parts, in one line."""
+    plan = _compressed(make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN, seq_len=SEQ_LEN,
+                                 packing=False), ["int8", "none"])
+    rules = stage_rules(plan, 1)
+    h = torch.randn(TRAIN.micro_batch_size, SEQ_LEN, 64)
+    parts = compress.encode(h, "int8")
+    good = {"h_q": parts["q"], "h_scale": parts["scale"]}
+    rules.check(Message("act", "stage0", step=0, mb=0, meta={"sent": 1.0}, tensors=good), [])
+    with pytest.raises(WireError, match=r"carries tensors \['h'\], expected \['h_q', 'h_scale'\]"):
+        rules.check(Message("act", "stage0", step=0, mb=1, meta={"sent": 1.0}, tensors={"h": h}), [])
+    bad = {**good, "h_scale": -good["h_scale"]}
+    with pytest.raises(WireError, match=r"^'act' step 0 mb 2 from stage0: compressed \(int8\) scales must be finite"):
+        rules.check(Message("act", "stage0", step=0, mb=2, meta={"sent": 1.0}, tensors=bad), [])
+    # Its gradients go back the same way; stage 0 expects them so.
+    assert set(stage_rules(plan, 0).tensors["grad"]) == {"g_q", "g_scale"}
+    _compressed(plan, ["int8", "int8"]).save(tmp_path / "bad.json")
+    with pytest.raises(Exception, match="compress_out is 'int8', but the stage is its pipeline's last"):
+        Plan.load(tmp_path / "bad.json")
+
+
+@pytest.mark.slow
+def test_training_through_compressed_links_follows_the_reference(tmp_path: Path, tiny_model_dir: Path,
+                                                                  tiny_spec: ModelSpec) -> None:
+    """Three CPU stage processes, an int8 link then an int4 link, against transformers+peft in one process: the run
+    trains (its losses stay within a few percent of the reference's and fall), and the saved adapter's LoRA tensors
+    stay near the reference's. The receiving stages accept nothing but compressed parts, so the run finishing means
+    every hand-off crossed compressed."""
+    setup = reference_run(tiny_model_dir, tmp_path / "ref", TRAIN, SEQ_LEN, packing=False)
+    plan = _compressed(make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=TRAIN, lora=setup["lora"],
+                                 seq_len=SEQ_LEN, packing=False), ["int8", "int4", "none"])
+    plan.save(tmp_path / "plan.json")
+    run_dir = tmp_path / "run"
+    assert main_run([str(tmp_path / "plan.json"), "--run-dir", str(run_dir), "--no-progress"]) == 0
+    losses = [m["loss"] for m in step_lines(read_metrics(run_dir / "metrics.jsonl"))]
+    assert losses == pytest.approx(setup["losses"], rel=0.03), (losses, setup["losses"])
+    trained = load_adapter_state(run_dir / "adapter", setup["lora"])
+    initial = load_adapter_state(Path(setup["lora"].init_from))
+    for key, want in setup["state"].items():
+        moved = (want - initial[key]).norm()
+        assert float((trained[key] - want).norm()) < 0.25 * float(moved) + 1e-6, key

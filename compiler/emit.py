@@ -178,6 +178,9 @@ def stage_manifest(plan: Plan, k: int) -> dict[str, Any]:
         "endpoint": stage.endpoint,
         "prev": _peer(plan, prev),
         "next": _peer(plan, nxt),
+        # The links' hand-offs on the wire (planner.compression): from the previous stage, and to the next.
+        "compression": {"in": plan.stages[prev].compress_out if prev is not None else "none",
+                        "out": stage.compress_out},
         "schedule": plan.train.schedule,
         "micro_batch_size": plan.train.micro_batch_size,
         "num_micro_batches": plan.micro_batches_of(k),

@@ -512,7 +512,8 @@ def compute_input_hash(plan: Plan) -> str:
         "graph_version": plan.graph.version,
         "stages": [(s.device, s.first_node, s.last_node, s.dtype, s.quantization, s.program)
                    + ((s.recompute_layers,) if s.recompute_layers else ())
-                   + ((s.stream_layers,) if s.stream_layers else ()) for s in plan.stages],
+                   + ((s.stream_layers,) if s.stream_layers else ())
+                   + ((s.compress_out,) if s.compress_out != "none" else ()) for s in plan.stages],
         "schema_version": plan.schema_version,
     }
     if plan.data.packing:  # the stages expect packed rows' positions (plans from before packing: rows of one record)

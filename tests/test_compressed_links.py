@@ -74,6 +74,8 @@ def test_a_compressed_links_receiver_takes_only_its_parts(tmp_path: Path, tiny_m
     """Stage 1 of a plan whose first link is int8 refuses a plain activation and malformed parts, in one line."""
     plan = _compressed(make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN, seq_len=SEQ_LEN,
                                  packing=False), ["int8", "none"])
+    plain = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN, seq_len=SEQ_LEN, packing=False)
+    assert plan.input_hash != plain.input_hash  # a stage's wire format is part of the plan's identity
     rules = stage_rules(plan, 1)
     h = torch.randn(TRAIN.micro_batch_size, SEQ_LEN, 64)
     parts = compress.encode(h, "int8")

@@ -123,7 +123,8 @@ def stage_table(plan: Plan) -> Table:
             f"{s.dtype}{quant}",
             fmt_time(s.fwd_time_s),
             fmt_time(s.bwd_time_s),
-            fmt_time(s.send_time_s) if s.send_time_s else "-",
+            (fmt_time(s.send_time_s) + (f" {s.compress_out}" if s.compress_out != "none" else "")) if s.send_time_s
+            else "-",
             Text(f"{mem.total_gb:.1f} / {mem.available_gb:.1f}", style=mem_style),
             f"{busy[s.index]:.0%}" if s.index < len(busy) else "-",
         )

@@ -129,6 +129,8 @@ def run_links(plan: Plan, lines: list[dict[str, Any]], prior: Profile | None, or
             if not both:
                 continue
             sa, sb = plan.stages[a], plan.stages[b]
+            if sa.compress_out != "none":  # its messages carry other bytes, and encode/decode in their CPU times
+                continue
             num_bytes = _message_bytes(plan, sa)
             own = (_per_message(lines, a, sa, ("SA", "RG")) + _per_message(lines, b, sb, ("SG", "RA"))) / 2
             key = (min(sa.host, sb.host), max(sa.host, sb.host))
@@ -318,6 +320,14 @@ def _device_profile(plan: Plan, k: int, ops: dict[str, float], cpu: dict[str, fl
         sources["message_recv"] = origin + " (CPU time)"
     elif recv is not None and prior is not None:
         sources["message_recv"] = prior.origin or "profile"
+    prev = plan.prev_stage(k)
+    if sp.compress_out != "none" or (prev is not None and plan.stages[prev].compress_out != "none"):
+        # Its messages were compressed: their CPU times hold encode/decode and their bytes are not a plain send's.
+        # What a plain message costs stays what was known before this run (the planner adds the codec itself).
+        send, recv = (before.message_send, before.message_recv) if before is not None else (None, None)
+        kept = (prior.origin or "profile") if before is not None and prior is not None else "not measured"
+        sources.update({"message_send": f"{kept} (this run's hand-offs were compressed)",
+                        "message_recv": f"{kept} (this run's hand-offs were compressed)"})
     return DeviceProfile(
         device=sp.device, host=sp.host, type=sp.device_type, backend=sp.backend, dtype=sp.dtype,
         quantization=sp.quantization, threads=sp.threads, usable_memory_gb=None, seq_len=plan.model.seq_len,

@@ -232,7 +232,9 @@ class Executor:
 
     def _recv_activation(self, step: int, mb: int) -> None:
         msg = self._timed_recv("act", step, mb, self.prev)
-        x = _unpack(msg.tensors, "h", self.link_in, self.hidden).to(self.stage.device, self.stage.dtype)  # a bf16 peer can feed fp16
+        # cast: a bf16 peer can feed fp16; compressed parts are decoded on this stage's device
+        x = _unpack(msg.tensors, "h", self.link_in, self.hidden, self.stage.device).to(self.stage.device,
+                                                                                       self.stage.dtype)
         self._inputs[mb] = x.requires_grad_(True)
         if "pos" in msg.tensors:
             self._mb_positions[mb] = msg.tensors["pos"]
@@ -284,7 +286,7 @@ class Executor:
     def _recv_grad(self, step: int, mb: int) -> None:
         msg = self._timed_recv("grad", step, mb, self.next)
         out = self._outputs[mb]
-        self._grads[mb] = _unpack(msg.tensors, "g", self.link_out, self.hidden).to(out.device, out.dtype)
+        self._grads[mb] = _unpack(msg.tensors, "g", self.link_out, self.hidden, out.device).to(out.device, out.dtype)
 
     def _backward(self, step: int, mb: int) -> None:
         out = self._outputs.pop(mb)
@@ -365,10 +367,12 @@ def _pack(t: torch.Tensor, name: str, scheme: str) -> dict[str, torch.Tensor]:
     return {f"{name}_q": parts["q"], f"{name}_scale": parts["scale"]}
 
 
-def _unpack(tensors: dict[str, torch.Tensor], name: str, scheme: str, hidden: int) -> torch.Tensor:
-    """What ``_pack`` sent: the tensor, decoded in float32 when compressed (the caller casts to its dtype)."""
+def _unpack(tensors: dict[str, torch.Tensor], name: str, scheme: str, hidden: int,
+            device: torch.device) -> torch.Tensor:
+    """What ``_pack`` sent: the tensor; compressed, its parts copied to ``device`` (the compressed bytes cross the
+    host link, not the decoded ones) and decoded there in float32 (the caller casts to its dtype)."""
     if scheme == "none":
         return tensors[name]
-    parts = {"q": tensors[f"{name}_q"], "scale": tensors[f"{name}_scale"]}
+    parts = {"q": tensors[f"{name}_q"].to(device), "scale": tensors[f"{name}_scale"].to(device)}
     return compress.decode(parts, scheme, hidden, torch.float32)
 

@@ -183,6 +183,7 @@ def build_evaluator(plan: Plan, device_name: str) -> Any:
                     backend=spec.backend, dtype=compute_dtype(spec, plan.model),
                     quantization=spec.quantization(plan.model.quantization), first_node=0,
                     last_node=len(nodes) - 1, node_names=[n.name for n in nodes], recompute_layers=[],
+                    compress_out="none",
                     # stage 0's streaming was planned for stage 0's device and layers, not for this one
                     stream_layers=[], stream_time_s=0.0, streamed_bytes_per_step=0.0, frozen_resident_cap_bytes=0.0)
     one = replace(plan, stages=[whole], replicas=[])

@@ -284,8 +284,9 @@ class PlannerOptions:
     # num_stages, that many stages per replica.
     replicas: int | None = None
     # Hand-offs between stages (activations forward, their gradients back) in 8 or 4 bits: none, int8 (per-tile
-    # scales) or int4 (Hadamard-rotated tiles); runtime/wire/compress.py. Applies to every link of the plan.
-    compression: Literal["none", "int8", "int4"] = "none"
+    # scales) or int4 (Hadamard-rotated tiles) on every link; or auto: int8 on each link between hosts where the
+    # planner predicts it faster (runtime/wire/compress.py).
+    compression: Literal["none", "int8", "int4", "auto"] = "none"
 
 
 # Upper bounds past any real run, that keep the planner's work and float arithmetic finite: each stage's

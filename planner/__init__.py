@@ -21,7 +21,7 @@ from hetero.plan import (
     with_label_fraction,
 )
 from hetero.planner.baselines import baseline_evaluations, candidate_placements, predict
-from hetero.planner.cost import GB, CostTable, build_cost_table, training_fleet
+from hetero.planner.cost import AUTO_SCHEME, GB, CostTable, build_cost_table, training_fleet
 from hetero.planner.cost_model import CostModel, RooflineCostModel, compute_dtype, expert_weight_bytes
 from hetero.planner.deadline import share_of
 from hetero.planner.feasibility import check_single_nodes, explain_infeasible
@@ -286,11 +286,24 @@ def _stages(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: Clus
         first_stage = len(stages)
         for pos in range(len(ev.placement.devices)):
             stage = _stage_plan(table, graph, model, cluster, ev, pos, len(stages), format_program(programs[pos]))
-            last = pos == len(ev.placement.devices) - 1
-            stages.append(stage if last or compression == "none" else replace(stage, compress_out=compression))
+            scheme = "none" if pos == len(ev.placement.devices) - 1 else _link_scheme(table, ev, pos, compression)
+            stages.append(stage if scheme == "none" else replace(stage, compress_out=scheme))
         replicas.append(ReplicaPlan(list(range(first_stage, len(stages))), share,
                                     sum(m for _, m, _ in chosen[:len(replicas)]), own_step))
     return stages, replicas
+
+
+def _link_scheme(table: CostTable, ev: Evaluation, pos: int, compression: str) -> str:
+    """What the link after position ``pos`` of a placement carries: planner.compression's scheme, or under auto the
+    scheme where the cost table priced that link compressed (planner/cost.py ``_auto_links``)."""
+    if compression != "auto":
+        return compression
+    if not table.link_compress:
+        return "none"
+    here, there = ev.placement.devices[pos], ev.placement.devices[pos + 1]
+    node = ev.placement.spans[pos][1]
+    squeezed = table.link_compress[node][table.wire_kind[here]][table.host_of[here]][table.host_of[there]]
+    return AUTO_SCHEME if squeezed else "none"
 
 
 def _cost_provenance(cost_model: CostModel) -> tuple[dict[str, str], list[str]]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from hetero.errors import ConfigError
 from hetero.graph import LayerGraph
 from hetero.planner.cost_model import (
+    WIRE_BYTES_PER_VALUE,
     CostModel,
     codec_s,
     lora_tensors,
@@ -29,7 +30,8 @@ SYNC_BYTES = 256.0  # a gradient-norm or clip message
 GRAD_WIRE_BYTES_PER_PARAM = 4.0  # replicas reduce LoRA gradients in fp32
 REDUCE_PROBE_BYTES = 64e6  # the message size at which a reduction's per-byte cost is measured
 RECOMPUTE_MODES = ("auto", "none", "full")
-COMPRESSION_MODES = ("none", "int8", "int4")
+COMPRESSION_MODES = ("none", "int8", "int4", "auto")
+AUTO_SCHEME = "int8"  # what planner.compression=auto puts on a link it compresses
 
 
 def in_flight(schedule: str, position_from_end: int, num_micro_batches: int) -> int:
@@ -78,6 +80,9 @@ class CostTable:
     # sized as [kind] sends it (gradients going back are costed at the same size).
     message_send_s: list[list[list[float]]] = field(default_factory=list)  # [node][kind][device]
     message_recv_s: list[list[list[float]]] = field(default_factory=list)  # [node][kind][device]
+    # planner.compression=auto: [node][kind][host a][host b] whether link_s is the compressed hand-off's (AUTO_SCHEME,
+    # its encode and decode included); empty otherwise.
+    link_compress: list[list[list[list[bool]]]] = field(default_factory=list)
     sync_round_trip_s: list[list[float]] = field(default_factory=list)  # [host][coordinator's host]
     # Outside the layers (see CostModel.optimizer_step_s):
     opt_s: list[list[float]] = field(default_factory=list)  # [node][device] its share of the optimizer step
@@ -386,16 +391,20 @@ class _LinkCosts:
     message_recv_s: list[list[list[float]]]
     sync_round_trip_s: list[list[float]]
     reduce_s_per_byte: list[list[float]]
+    link_compress: list[list[list[list[bool]]]]
 
 
 def _link_costs(cluster: ClusterSpec, cost_model: CostModel, hosts: list[str],
-                kind_bytes: list[list[float]], codec: list[list[tuple[float, float]]] | None = None) -> _LinkCosts:
+                kind_bytes: list[list[float]], codec: list[list[tuple[float, float]]] | None = None,
+                auto: tuple[list[float], list[list[tuple[float, float]]]] | None = None) -> _LinkCosts:
     """Every cut's transfer per wire kind and host pair, its messages' CPU cost per device (``codec``: plus the
     [node][device] (encode, decode) seconds of compressed hand-offs), the step's sync round trips and the replicas'
-    gradient reduction per byte."""
+    gradient reduction per byte. ``auto``: the compressed bytes per node and the [node][host] (encode, decode)
+    seconds of its slowest device; a link between hosts takes the compressed hand-off where that is faster."""
     devices, n_nodes, n_kinds = cluster.devices, len(kind_bytes), len(kind_bytes[0])
     link = [[[[float(cost_model.transfer_time_s(cluster, a, b, kind_bytes[i][k])) for b in hosts] for a in hosts]
              for k in range(n_kinds)] for i in range(n_nodes)]
+    choice = _auto_links(cluster, cost_model, hosts, link, auto) if auto is not None else []
     sends: list[list[list[float]]] = []
     recvs: list[list[list[float]]] = []
     for i in range(n_nodes):
@@ -412,7 +421,38 @@ def _link_costs(cluster: ClusterSpec, cost_model: CostModel, hosts: list[str],
                         default=0.0) / REDUCE_PROBE_BYTES for h in hosts]
     reduce = [[2.0 * float(cost_model.transfer_time_s(cluster, a, b, REDUCE_PROBE_BYTES)) / REDUCE_PROBE_BYTES
                + 2.0 * cpu_per_byte[i] for b in hosts] for i, a in enumerate(hosts)]
-    return _LinkCosts(link, sends, recvs, sync, reduce)
+    return _LinkCosts(link, sends, recvs, sync, reduce, choice)
+
+
+def _auto_links(cluster: ClusterSpec, cost_model: CostModel, hosts: list[str], link: list[list[list[list[float]]]],
+                auto: tuple[list[float], list[list[tuple[float, float]]]]) -> list[list[list[list[bool]]]]:
+    """planner.compression=auto: each link between two hosts compressed where the compressed bytes' transfer plus the
+    encode (the sending host's slowest device) and decode (the receiving host's) beat the plain transfer; ``link`` is
+    updated in place, and the choice returned as [node][kind][host a][host b]."""
+    comp_bytes, host_codec = auto
+    choice = [[[[False] * len(hosts) for _ in hosts] for _ in per_node] for per_node in link]
+    for i, per_node in enumerate(link):
+        squeezed = [[float(cost_model.transfer_time_s(cluster, a, b, comp_bytes[i])) + host_codec[i][ia][0]
+                     + host_codec[i][ib][1] for ib, b in enumerate(hosts)] for ia, a in enumerate(hosts)]
+        for k, rows in enumerate(per_node):
+            for ia in range(len(hosts)):
+                for ib in range(len(hosts)):
+                    if ia != ib and comp_bytes[i] > 0 and squeezed[ia][ib] < rows[ia][ib]:
+                        rows[ia][ib], choice[i][k][ia][ib] = squeezed[ia][ib], True
+    return choice
+
+
+def _auto_inputs(graph: LayerGraph, cluster: ClusterSpec, tokens: int
+                 ) -> tuple[list[float], list[list[tuple[float, float]]]]:
+    """What planner.compression=auto weighs per node: the compressed hand-off's bytes, and per host the (encode,
+    decode) seconds of its slowest device."""
+    comp, per_host = [], []
+    for i in range(len(graph.nodes)):
+        values = wire_values_per_token(graph, i) * tokens
+        comp.append(values * WIRE_BYTES_PER_VALUE[AUTO_SCHEME])
+        costs = [[codec_s(d, AUTO_SCHEME, values) for d in host.devices] for host in cluster.hosts]
+        per_host.append([(max((c[0] for c in cs), default=0.0), max((c[1] for c in cs), default=0.0)) for cs in costs])
+    return comp, per_host
 
 
 def training_fleet(cluster: ClusterSpec, eval_device: str | None) -> ClusterSpec:
@@ -438,10 +478,12 @@ def build_cost_table(
     nodes = _node_costs(graph, model, devices, cost_model, tokens)
     opt_fixed, opt = _optimizer_costs(graph, model, devices, cost_model)
     hosts = [h.name for h in cluster.hosts]
-    wire_kind, kind_bytes = _wire_kinds(graph, model, devices, tokens, options.compression)
-    codec = [[codec_s(d, options.compression, wire_values_per_token(graph, i) * tokens) for d in devices]
-             for i in range(len(graph.nodes))] if options.compression != "none" else None
-    links = _link_costs(cluster, cost_model, hosts, kind_bytes, codec)
+    fixed = options.compression if options.compression != "auto" else "none"  # one scheme on every link
+    wire_kind, kind_bytes = _wire_kinds(graph, model, devices, tokens, fixed)
+    codec = [[codec_s(d, fixed, wire_values_per_token(graph, i) * tokens) for d in devices]
+             for i in range(len(graph.nodes))] if fixed != "none" else None
+    links = _link_costs(cluster, cost_model, hosts, kind_bytes, codec,
+                        _auto_inputs(graph, cluster, tokens) if options.compression == "auto" else None)
     stream = stream_columns(graph, model, cluster, nodes.fwd, options.offload, cost_model)
     return CostTable(
         fwd_s=nodes.fwd, bwd_s=nodes.bwd, weights=nodes.weights, lora=nodes.lora,
@@ -458,6 +500,7 @@ def build_cost_table(
         link_s=links.link_s,
         message_send_s=links.message_send_s,
         message_recv_s=links.message_recv_s,
+        link_compress=links.link_compress,
         sync_round_trip_s=links.sync_round_trip_s,
         opt_s=opt,
         opt_fixed_s=opt_fixed,

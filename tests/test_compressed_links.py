@@ -69,6 +69,19 @@ def test_the_planner_prices_a_compressed_link_and_marks_it(tmp_path: Path) -> No
     assert plans["int8"].stages[1].overhead_s["RA"] > plans["none"].stages[1].overhead_s["RA"]
 
 
+@pytest.mark.parametrize(("gbps", "want"), [(0.02, "int8"), (10.0, "none")])
+def test_auto_compresses_a_link_only_where_the_step_gets_faster(tmp_path: Path, gbps: float, want: str) -> None:
+    """planner.compression=auto weighs each link between hosts: on 20 Mbit/s it compresses (int8) and predicts the
+    step of int8 everywhere; on 10 Gbit/s the encode and decode cost more than the bytes they save, and it leaves the
+    link plain, predicting the plain step."""
+    fleets = _fleet(tmp_path, gbps)
+    auto, fixed = _compile(tmp_path, fleets, "auto"), _compile(tmp_path, fleets, want)
+    assert [s.compress_out for s in auto.stages] == [want, "none"]
+    assert auto.prediction.step_time_s == pytest.approx(fixed.prediction.step_time_s, rel=0.02)
+    if want == "none":  # forced int8 on the fast link predicts slower
+        assert _compile(tmp_path, fleets, "int8").prediction.step_time_s > auto.prediction.step_time_s
+
+
 def test_a_compressed_links_receiver_takes_only_its_parts(tmp_path: Path, tiny_model_dir: Path,
                                                           tiny_spec: ModelSpec) -> None:
     """Stage 1 of a plan whose first link is int8 refuses a plain activation and malformed parts, in one line."""

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from hetero import __version__
 from hetero.errors import PlanError
 from hetero.graph import LayerGraph
 from hetero.program import Action, parse_program
-from hetero.security import SecuritySpec
+from hetero.security import SecuritySpec, stage_name
 from hetero.serde import check_schema_version, from_dict, read_versioned_json, short_repr, to_dict
 from hetero.specs import (
     BYTES_PER_DTYPE,
@@ -96,6 +97,10 @@ class StagePlan:
     # The hand-offs to the next stage of its pipeline, and their gradients back, on the wire: none, int8 or int4
     # (planner.compression; runtime/wire/compress.py). "none" on a pipeline's last stage.
     compress_out: str = "none"
+    # The process name this stage's process runs under: its key file, its transport name, its peers' name for it.
+    # Empty: stage<index>. A plan re-planned during a run (runtime.elastic) keeps each device's name from the plan
+    # it replaces, so a host's key files, and a worker started with the first plan.json, stay valid for it.
+    name: str = ""
 
     def stream_summary(self) -> str:
         """``37 layers stream from host RAM (+38 ms/mb, 793 GB/step)``; empty when none streams."""
@@ -280,6 +285,20 @@ class Plan:
         _, rep, pos = self.replica_of(k)
         return rep.stages[pos + 1] if pos + 1 < len(rep.stages) else None
 
+    def stage_id(self, k: int) -> str:
+        """Stage k's process name (stage<k> unless the plan names it otherwise: StagePlan.name)."""
+        return self.stages[k].name or stage_name(k)
+
+    def stage_ids(self) -> list[str]:
+        return [self.stage_id(k) for k in range(len(self.stages))]
+
+    def stage_named(self, name: str) -> int | None:
+        """The index of the stage whose process is ``name``; None when no stage of this plan is."""
+        for k in range(len(self.stages)):
+            if self.stage_id(k) == name:
+                return k
+        return None
+
     def micro_batches_of(self, k: int) -> int:
         """Micro-batches stage k runs per optimizer step (its replica's share)."""
         return self.replica_of(k)[1].num_micro_batches
@@ -371,6 +390,21 @@ def check_plan(plan: Plan, where: str = "plan.json") -> None:
     for k in range(len(plan.stages)):
         _check_stage_place(plan, k, bad)
         _check_stage_run(plan, k, bad)
+    _check_stage_names(plan, bad)
+
+
+def _check_stage_names(plan: Plan, bad: Callable[[str], PlanError]) -> None:
+    """Every stage's process name is stage<N>, used once, and (with keys) one the plan holds keys for."""
+    names = plan.stage_ids()
+    for k, name in enumerate(names):
+        if not re.fullmatch(r"stage[0-9]{1,6}", name):
+            raise bad(f"stages[{k}].name {short_repr(name)} is not stage<N>")
+        if names.index(name) != k:
+            raise bad(f"stages[{names.index(name)}] and stages[{k}] both run as {name}")
+        known = plan.security.public_keys if plan.security.mode == "curve" else plan.security.token_verifiers
+        if plan.security.mode != "none" and known and name not in known:
+            raise bad(f"stages[{k}] runs as {name}, which has no key in the plan's security section: "
+                      "run `hetero keys plan.json`")
 
 
 def _check_stage_place(plan: Plan, k: int, bad: Callable[[str], PlanError]) -> None:
@@ -513,7 +547,8 @@ def compute_input_hash(plan: Plan) -> str:
         "stages": [(s.device, s.first_node, s.last_node, s.dtype, s.quantization, s.program)
                    + ((s.recompute_layers,) if s.recompute_layers else ())
                    + ((s.stream_layers,) if s.stream_layers else ())
-                   + ((s.compress_out,) if s.compress_out != "none" else ()) for s in plan.stages],
+                   + ((s.compress_out,) if s.compress_out != "none" else ())
+                   + ((f"as {s.name}",) if s.name else ()) for s in plan.stages],
         "schema_version": plan.schema_version,
     }
     if plan.data.packing:  # the stages expect packed rows' positions (plans from before packing: rows of one record)

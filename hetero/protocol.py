@@ -26,7 +26,7 @@ from hetero.errors import WireError
 
 # -- constants: defined here once, imported wherever they are used ------------------------------------
 
-WIRE_VERSION: int = 5  # bump on any change of the header or of a record below (5: snapshot)
+WIRE_VERSION: int = 6  # bump on any change of the header or of a record below (5: snapshot; 6: stop with a re-plan)
 
 # Liveness (runtime/wire/control.py; `hetero run runtime.failure_timeout_s=` / `runtime.load_timeout_s=`).
 SLICE_S = 0.5  # a blocking receive wakes up this often to look at control messages
@@ -39,6 +39,10 @@ LOST_GRACE_S = 2.0  # a dropped connection that stays down this long is a lost p
 MAX_HEADER_BYTES = 1 << 20
 MESSAGE_SIZE_MARGIN = 1.25
 MESSAGE_OVERHEAD_BYTES = 4 << 20  # headers, tensor names, metadata
+
+# A stage told to stop because the run goes on under a new plan (Stop.plan) exits with this code once it has written
+# that plan where its `hetero worker` looks (runtime/run/host.py), which then starts the host's stages of it.
+EXIT_REPLAN = 75
 
 BASE_PORT = 29500  # a host's first port: stage k on it listens on BASE_PORT + k, the coordinator on - 1
 
@@ -236,13 +240,18 @@ class State(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class Stop(Record):
-    """End the run (``reason``), or with ``checkpoint`` = N first send the state after N steps."""
+    """End the run (``reason``), or with ``checkpoint`` = N first send the state after N steps.
+
+    With ``plan`` (runtime.elastic): the run goes on under that plan (plan.json's text), the ``replan``-th plan of
+    the run; a stage started by `hetero worker` leaves it to its worker, which starts this host's stages of it."""
 
     KIND: ClassVar[str] = "stop"
     OPEN: ClassVar[bool] = True
     STEPPED: ClassVar[bool] = False
     reason: str | None = check(optional=True)
     checkpoint: int | None = check(optional=True, low=0)
+    plan: str | None = check(optional=True)
+    replan: int | None = check(optional=True, low=1, high=1_000_000)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -68,8 +68,24 @@ def plan_without(plan: Plan, lost: set[str], factors: dict[str, float] | None = 
                     plan.config, plan.data_stats)
     note = (f"Re-planned during the run after losing {', '.join(sorted(lost))}: {len(order)} stage(s) on the devices "
             f"left, split {'/'.join(map(str, split))} chosen by simulation at the speeds the run measured.")
-    new = replace(new, security=plan.security, verdict=[note, *new.verdict])
+    new = named_like(replace(new, security=plan.security, verdict=[note, *new.verdict]), plan)
     return Recovery(new, split, order, new.prediction.step_time_s, best.step_s)
+
+
+def simulated_step_s(plan: Plan, lost: set[str], factors: dict[str, float]) -> float | None:
+    """The best split of ``plan``'s layers over its devices less ``lost``, simulated at the measured speeds
+    ``factors`` (device -> measured compute over priced): what a re-plan would choose, without making the plan (so
+    a plan with a device back and the plan without it compare at the same speeds). None for a plan of replicas,
+    or when no split fits."""
+    if len(plan.pipelines) != 1:
+        return None
+    order = [s.device for s in plan.stages if s.device not in lost]
+    if not order:
+        return None
+    replanner = Replanner(plan, RooflineCostModel(efficiency=plan.planner.efficiency),
+                          cluster=without_devices(plan.cluster, lost), order=order)
+    best = replanner.best([float(factors.get(name, 1.0)) for name in order])
+    return None if best is None else best.step_s
 
 
 def _replicas_without(plan: Plan, lost: set[str]) -> Recovery:
@@ -97,5 +113,23 @@ def _replicas_without(plan: Plan, lost: set[str]) -> Recovery:
     note = (f"Re-planned during the run after losing {', '.join(sorted(lost))}: {len(new.pipelines)} replica(s) "
             f"({shape}) on {len(set(devices))} of the {len(left)} device(s) left, planned again by the solver "
             "(datasheet or profile costs, not the speeds the run measured).")
-    new = replace(new, security=plan.security, verdict=[note, *new.verdict])
+    new = named_like(replace(new, security=plan.security, verdict=[note, *new.verdict]), plan)
     return Recovery(new, split, devices, new.prediction.step_time_s, new.prediction.step_time_s)
+
+
+def named_like(new: Plan, *before: Plan) -> Plan:
+    """``new`` with each stage running under the process name its device had in ``before`` (the plans of the run,
+    newest first): a host's key files and its worker's first plan.json stay valid, whatever the stage's index now.
+    The input hash covers the names (a stage of the old plan cannot say hello to the new one by mistake)."""
+    from hetero.plan import compute_input_hash
+
+    names: dict[str, str] = {}
+    for old in reversed(before):  # the newest plan's name wins
+        names.update({s.device: old.stage_id(k) for k, s in enumerate(old.stages)})
+    stages = []
+    for s in new.stages:
+        if s.device not in names:
+            raise InfeasiblePlanError(f"device {s.device} ran no stage of this run: it has no process name (key)")
+        stages.append(replace(s, name=names[s.device]))
+    named = replace(new, stages=stages)
+    return replace(named, input_hash=compute_input_hash(named))

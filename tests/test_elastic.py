@@ -28,6 +28,7 @@ from test_runtime_failures import (
     _stage_pids,
 )
 from test_runtime_plans import free_ports, make_plan
+from test_ssh_launcher import sshd  # noqa: F401 (a fixture: an OpenSSH server on loopback)
 
 from hetero.errors import InfeasiblePlanError
 from hetero.planner.recovery import plan_without
@@ -202,6 +203,187 @@ def test_a_keyed_run_recovers_and_a_process_without_its_keys_cannot_take_the_los
     _assert_same_training(run_dir, reference)
 
 
+def _heavy_layers(plan):
+    """``plan`` whose decoder layers cost a billion flops a token on paper (the hand-built graph says 0): compute
+    outweighs the per-message costs, so the planner predicts three stages faster than two, as for a real model (the
+    tiny model's real work does not change)."""
+    from dataclasses import replace
+
+    from hetero.plan import compute_input_hash
+
+    nodes = [replace(n, fwd_flops_per_token=1e9, bwd_flops_per_token=2e9) if n.kind == "decoder" else n
+             for n in plan.graph.nodes]
+    heavy = replace(plan, graph=replace(plan.graph, nodes=nodes))
+    return replace(heavy, input_hash=compute_input_hash(heavy))
+
+
+@pytest.mark.slow
+def test_a_run_of_three_hosts_loses_one_goes_on_and_takes_it_back(
+        root: Path, reference: dict, tiny_model_dir: Path, tiny_spec: ModelSpec) -> None:
+    """Hosts alpha (coordinator, stage 0), beta (stage 1) and gamma (stage 2), each with token keys of its own
+    stages only. beta's stage is killed at step 8: the run re-plans on alpha and gamma, and gamma's worker starts its
+    stage of that plan (stage 1 now, under its old name and key). beta's worker is started again with the run's
+    first plan.json: its stage is seen, the run copies its state at the next step boundary and goes on on three
+    stages again, with no step trained twice. The losses and the adapter are the undisturbed run's."""
+    from dataclasses import replace
+
+    from hetero.plan import Plan
+    from hetero.security import generate
+
+    folder = root / "three-hosts"
+    folder.mkdir()
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=TRAIN, hosts=["alpha", "beta", "gamma"])
+    plan = _heavy_layers(replace(plan, security=generate("token", [s.host for s in plan.stages], folder)))
+    plan.save(folder / "plan.json")
+    assert [p.name for p in (folder / "artifacts" / "gamma" / "keys").iterdir()] == ["stage2.key"]
+    port = free_ports(1)[0]
+
+    def worker(host: str) -> subprocess.Popen:
+        return start(["worker", "plan.json", "--host", host, "--coordinator", f"tcp://127.0.0.1:{port}",
+                      "--run-dir", str(folder / host)], folder)
+
+    gamma, beta = worker("gamma"), worker("beta")
+    run_dir = folder / "run"
+    run = start(["run", "plan.json", "--run-dir", str(run_dir), "--port", str(port), "--no-progress", *RUNTIME], folder)
+    pids, took = _lose(run, run_dir, 1, signal.SIGKILL, 8, 0)
+    print(f"SIGKILL on host beta: training went on {took:.1f} s later")
+    lost = _recoveries(run_dir)[0]
+    assert took <= RECOVERY_BOUND_S and lost["host"] == "beta" and lost["device"] == "beta.cpu1", lost
+    assert lost["devices"] == ["alpha.cpu0", "gamma.cpu2"], lost
+    code, _, err = finish(beta, 60)
+    assert code != 0 and "stage 1 exited" in err, err[-2000:]  # its only stage was killed
+
+    beta = worker("beta")  # the host is back, with the run's first plan.json
+    took = _wait("the rejoin", lambda: len(_recoveries(run_dir)) > 1, run, timeout=180)
+    back = _recoveries(run_dir)[1]
+    print(f"beta back: on three stages {took:.1f} s after its worker started")
+    assert back["kind"] == "rejoin" and back["device"] == "beta.cpu1" and back["replayed_steps"] == 0, back
+    assert back["devices"] == ["alpha.cpu0", "beta.cpu1", "gamma.cpu2"], back
+    assert len(back["new_split"]) == 3 and sum(back["new_split"]) == 6, back  # at the speeds measured: any fit
+    assert back["step_s_after"] < back["step_s_before"], back  # simulated at the speeds the run measured
+    code, out, err = finish(run)
+    assert code == 0, err[-3000:]
+    _assert_same_training(run_dir, reference)
+    assert _metrics(run_dir)[-1]["split"] == back["new_split"]
+    print("\n".join(ln for ln in [*err.splitlines(), *out.splitlines()] if "is back" in ln))
+    assert "beta.cpu1 is back" in err and out.count("recovered after step") + out.count("rejoined after step") == 2, out
+    for proc, host, stages in ((gamma, "gamma", ("[1]", "[2]")), (beta, "beta", ("[1]",))):
+        code, said, err = finish(proc, 60)
+        assert code == 0, err[-3000:]
+        for number, k in enumerate(stages, 1 if host == "gamma" else 2):
+            assert f"the run goes on under plan-recovery-{number}.json: host {host} now runs stages {k}" in said, said
+    assert Plan.load(folder / "gamma" / "plan-recovery-1.json").stage_ids() == ["stage0", "stage2"]
+    assert Plan.load(folder / "beta" / "plan-recovery-2.json").input_hash == \
+        Plan.load(run_dir / "plan-recovery-2.json").input_hash
+    _assert_no_process_left(run_dir, pids)
+
+
+@pytest.mark.slow
+def test_a_host_started_over_ssh_follows_the_new_plan(root: Path, reference: dict, tiny_model_dir: Path,
+                                                      tiny_spec: ModelSpec, sshd) -> None:  # noqa: F811
+    """`hetero run` starts host beta (stages 1 and 2) over ssh (a real sshd on loopback). Stage 1 is killed at step 8:
+    the run re-plans, beta's worker starts its stage of the new plan in the same ssh session, and the run trains like
+    the undisturbed one; afterwards nothing is left on either host."""
+    from test_ssh_launcher import _assert_nothing_left, _with_host
+
+    folder = root / "over-ssh"
+    folder.mkdir()
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=TRAIN, hosts=["alpha", "beta", "beta"])
+    _with_host(plan, "beta", ssh=sshd.ssh).save(folder / "plan.json")
+    run_dir = folder / "run"
+    run = start(["run", "plan.json", "--run-dir", str(run_dir), "--port", str(free_ports(1)[0]), "--no-progress",
+                 *RUNTIME], folder)
+    pids, took = _lose(run, run_dir, 1, signal.SIGKILL, 8, 0)
+    print(f"SIGKILL on the ssh host: training went on {took:.1f} s later")
+    event = _recoveries(run_dir)[0]
+    assert event["devices"] == ["alpha.cpu0", "beta.cpu2"] and took <= RECOVERY_BOUND_S, event
+    code, out, err = finish(run)
+    assert code == 0, err[-3000:]
+    _assert_same_training(run_dir, reference)
+    said = (run_dir / "logs" / "host-beta.log").read_text()
+    assert "the run goes on under plan-recovery-1.json: host beta now runs stages [1]" in said, said
+    assert said.count("+ ssh") == 1  # one ssh session all along
+    _assert_nothing_left(sshd, folder)
+
+
+def _at_addresses(plan, addresses: dict[str, str]):
+    """``plan`` with each host at ``addresses[host]`` (its stages' endpoints too), hashed again."""
+    from dataclasses import replace
+
+    from hetero.plan import compute_input_hash
+
+    hosts = [replace(h, address=addresses[h.name]) for h in plan.cluster.hosts]
+    stages = [replace(s, endpoint=f"tcp://{addresses[s.host]}:{s.endpoint.rsplit(':', 1)[1]}") for s in plan.stages]
+    moved = replace(plan, cluster=replace(plan.cluster, hosts=hosts), stages=stages)
+    return replace(moved, input_hash=compute_input_hash(moved))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root (ip netns)")
+def test_a_host_cut_off_is_left_out_and_the_run_goes_on(root: Path, reference: dict, tiny_model_dir: Path,
+                                                        tiny_spec: ModelSpec) -> None:
+    """Three hosts on two network namespaces joined by a veth pair, CurveZMQ keys as for any fleet off loopback:
+    alpha (coordinator, stage 0) and beta (stage 2) on one side, gamma (stage 1) on the other. At step 8 gamma's
+    link goes down: the run re-plans on alpha and beta, beta's worker follows, the losses are the undisturbed run's,
+    and nothing of the run is left running behind the cut."""
+    import sys
+    from dataclasses import replace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import w3_net
+    from procs import HETERO, STARTED
+
+    from hetero.security import generate
+
+    if (refused := w3_net.netns_refused()) is not None:
+        pytest.skip(f"ip netns refused: {refused}")
+    folder = root / "cut-off"
+    folder.mkdir()
+    link = w3_net.LinkPair()
+    try:
+        link.up()
+        beta_ip = "10.77.0.3"  # a second address on alpha's side: beta is another host there
+        link._check(w3_net._ip("-n", link.ns[0], "addr", "add", f"{beta_ip}/24", "dev", link.veth[0]))
+        plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=TRAIN,
+                         hosts=["alpha", "gamma", "beta"])
+        plan = _at_addresses(plan, {"alpha": w3_net.IPS[0], "gamma": w3_net.IPS[1], "beta": beta_ip})
+        plan = replace(plan, security=generate("curve", [s.host for s in plan.stages], folder))
+        plan.save(folder / "plan.json")
+        port = free_ports(1)[0]
+        coordinator = f"tcp://{w3_net.IPS[0]}:{port}"
+
+        def launch(side: int, args: list[str]) -> subprocess.Popen:
+            proc = subprocess.Popen(link.exec(side, [*HETERO, *args]), cwd=folder, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            STARTED.append(proc)
+            return proc
+
+        workers = {host: launch(side, ["worker", "plan.json", "--host", host, "--coordinator", coordinator,
+                                       "--run-dir", str(folder / host)]) for host, side in (("gamma", 1), ("beta", 0))}
+        run_dir = folder / "run"
+        run = launch(0, ["run", "plan.json", "--run-dir", str(run_dir), "--port", str(port), "--no-progress",
+                         *RUNTIME])
+        _wait("step 8", lambda: any(m["step"] >= 8 for m in _metrics(run_dir)), run)
+        link._check(w3_net._ip("-n", link.ns[1], "link", "set", link.veth[1], "down"))
+        took = _wait("the recovery", lambda: len(_recoveries(run_dir)) > 0, run, timeout=RECOVERY_BOUND_S + 60)
+        print(f"link down: training went on {took:.1f} s later (failure_timeout_s {FAILURE_TIMEOUT_S:g})",
+              file=sys.stderr)
+        event = _recoveries(run_dir)[0]
+        assert event["host"] == "gamma" and event["devices"] == ["alpha.cpu0", "beta.cpu2"], event
+        assert event["recovery_s"] <= RECOVERY_BOUND_S + FAILURE_TIMEOUT_S, event
+        code, out, err = finish(run)
+        assert code == 0, err[-3000:]
+        _assert_same_training(run_dir, reference)
+        beta_code, beta_out, beta_err = finish(workers["beta"], 60)
+        assert beta_code == 0 and "host beta now runs stages [1]" in beta_out, beta_out + beta_err[-2000:]
+        # Behind the cut, gamma's stage hears nothing from its coordinator and ends; its worker says so.
+        gamma_code, _, gamma_err = finish(workers["gamma"], 120)
+        assert gamma_code != 0 and "stage 1" in gamma_err, gamma_err[-2000:]
+        assert set(link.pids()) <= {p.pid for p in link._sleepers}, "a process of the run is left in a namespace"
+    finally:
+        link.down()
+
+
 @pytest.mark.slow
 def test_a_loss_not_recovered_names_the_state_it_kept(root: Path) -> None:
     """runtime.max_recoveries=0 (as for a plan recovery cannot re-plan): the loss stops the run at once, and the line
@@ -261,6 +443,41 @@ def test_a_re_plan_keeps_the_order_of_the_devices_left_and_fits_their_memory(tin
         plan_without(plan, {"localhost.cpu0", "localhost.cpu1", "localhost.cpu2"})
 
 
+def test_a_re_planned_stage_keeps_its_process_name_and_key(tiny_model_dir: Path, tiny_spec: ModelSpec,
+                                                            tmp_path: Path) -> None:
+    """A re-plan renumbers the stages; each keeps the process name (and key) its device had, names are checked, and
+    `hetero keys` on such a plan makes keys under those names."""
+    from dataclasses import replace
+
+    from hetero.cli import main
+    from hetero.errors import PlanError
+    from hetero.plan import Plan, check_plan, compute_input_hash
+    from hetero.security import generate
+
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=TRAIN)
+    plan = replace(plan, security=generate("token", [s.host for s in plan.stages], tmp_path))
+    new = plan_without(plan, {"localhost.cpu1"}).plan
+    assert new.stage_ids() == ["stage0", "stage2"] and new.stage_named("stage2") == 1
+    unnamed = replace(new, stages=[replace(s, name="") for s in new.stages])
+    assert compute_input_hash(unnamed) != new.input_hash == compute_input_hash(new)  # the names are in the hash
+    back = plan_without(plan, set()).plan  # the device back: its first name again
+    assert back.stage_ids() == ["stage0", "stage1", "stage2"]
+    twice = replace(new, stages=[replace(new.stages[0], name="stage2"), new.stages[1]])
+    with pytest.raises(PlanError, match=r"stages\[0\] and stages\[1\] both run as stage2"):
+        check_plan(twice)
+    with pytest.raises(PlanError, match=r"stages\[0\].name 'worker' is not stage<N>"):
+        check_plan(replace(new, stages=[replace(new.stages[0], name="worker"), new.stages[1]]))
+    keyless = replace(new, stages=[new.stages[0], replace(new.stages[1], name="stage7")])
+    with pytest.raises(PlanError, match="runs as stage7, which has no key"):
+        check_plan(keyless)
+    new.save(tmp_path / "re-planned.json")
+    assert main(["keys", str(tmp_path / "re-planned.json")]) == 0
+    keyed = Plan.load(tmp_path / "re-planned.json")
+    assert sorted(keyed.security.token_verifiers) == ["coordinator", "stage0", "stage2"]
+    assert sorted(p.name for p in (tmp_path / "artifacts" / "localhost" / "keys").iterdir()) == [
+        "coordinator.key", "stage0.key", "stage2.key"]
+
+
 def test_a_recovery_reads_as_a_sentence_in_the_report() -> None:
     event = {"event": "recovery", "after_step": 12, "stage": 1, "device": "box.cpu1", "cause": "exited: killed by SIGKILL",
              "old_split": [2, 2, 2], "new_split": [3, 3], "plan": "plan-recovery-1.json", "resumed_from_step": 10,
@@ -268,3 +485,8 @@ def test_a_recovery_reads_as_a_sentence_in_the_report() -> None:
     assert recovery_line(event) == ("recovered after step 12: stage 1 (box.cpu1) exited: killed by SIGKILL; split 2/2/2 "
                                     "-> 3/3 on the devices left (plan-recovery-1.json); steps 10-12 trained again; 10.3 s "
                                     "from the loss to the next step")
+    back = {"event": "recovery", "kind": "rejoin", "after_step": 22, "device": "beta.cpu1", "old_split": [3, 3],
+            "new_split": [2, 2, 2], "plan": "plan-recovery-2.json", "resumed_from_step": 23, "replayed_steps": 0,
+            "recovery_s": 1.04}
+    assert recovery_line(back) == ("rejoined after step 22: beta.cpu1 is back; split 3/3 -> 2/2/2 (plan-recovery-2.json); "
+                                   "no step trained again; 1.0 s from seeing it back to the next step")

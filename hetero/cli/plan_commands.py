@@ -22,13 +22,15 @@ if TYPE_CHECKING:
 def cmd_keys(plan_path: Path, mode: str | None) -> int:
     """New key files under the plan's artifacts/<host>/keys and the new public keys in plan.json."""
     from hetero.plan import Plan, has_security
-    from hetero.security import generate, resolve_mode
+    from hetero.security import COORDINATOR, generate_for, resolve_mode
 
     old = Plan.load(plan_path, require_security=False)  # a plan that lost its security section is repaired here
     addresses = [old.cluster.host(s.host).address for s in old.stages]
     lost = not has_security(json.loads(Path(plan_path).read_text()))
     chosen = resolve_mode(mode or "auto", addresses) if mode is not None or lost else old.security.mode
-    plan = replace(old, security=generate(chosen, [s.host for s in old.stages], plan_path.parent))
+    # Each stage's key under its process name (a re-planned run's plan keeps the names its devices had).
+    names = {COORDINATOR: old.stages[0].host, **{old.stage_id(k): s.host for k, s in enumerate(old.stages)}}
+    plan = replace(old, security=generate_for(chosen, names, plan_path.parent))
     plan.save(plan_path)
     out = console()
     if chosen == "none":

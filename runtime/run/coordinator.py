@@ -30,7 +30,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from hetero.protocol import (
     Stop,
     Welcome,
 )
+from hetero.runtime.run.elastic import Rejoining
 from hetero.runtime.run.handshake import HandshakeWatch, connect_stages
 from hetero.runtime.run.moves import split_of
 from hetero.runtime.run.options import RunOptions, coordinator_endpoint, step_timeout_hint, step_timeout_s
@@ -80,7 +81,7 @@ from hetero.runtime.wire.control import (
     heartbeat_interval,
     is_timeout,
 )
-from hetero.security import COORDINATOR, stage_name
+from hetero.security import COORDINATOR
 from hetero.serde import to_dict
 
 __all__ = ["Coordinator", "RunOptions", "RunResult", "StageFailedError", "coordinator_endpoint"]
@@ -107,7 +108,7 @@ class Coordinator:
         from hetero.security import install_keys, load_identity
 
         # This host's keys go to RUN_DIR/keys, where the local stages (started from RUN_DIR/plan.json) look.
-        local_names = [COORDINATOR, *(stage_name(s.index) for s in plan.stages if s.host == self.host)]
+        local_names = [COORDINATOR, *(plan.stage_id(s.index) for s in plan.stages if s.host == self.host)]
         install_keys(plan.security, local_names, [*options.key_dirs, self.run_dir / "keys"], self.run_dir / "keys")
         identity = load_identity(plan.security, COORDINATOR, [self.run_dir / "keys"])
         # This host's stages first: their keys are in place, and a failure below stops them.
@@ -116,7 +117,7 @@ class Coordinator:
         self.procs = (launcher.spawn(plan_path, local, self.run_dir, self.endpoint) if launcher is not None
                       else spawn_stages(plan_path, local, self.run_dir, self.endpoint))
         self.pids = {k: p.pid for k, p in self.procs.items()}  # stage -> pid (remote ones: from their hello)
-        self.names = [stage_name(k) for k in range(self.num_stages)]
+        self.names = plan.stage_ids()
         try:
             self.transport = Transport(COORDINATOR, self.endpoint, plan.input_hash, recv_timeout_s=300.0,
                                        identity=identity, peer_keys=plan.security.public_keys,
@@ -153,6 +154,14 @@ class Coordinator:
         self.stop_signal: str | None = None  # the first SIGINT/SIGTERM received while training
         self.hung: set[int] = set()  # stages to kill rather than ask to stop
         self.ssh: Any = None  # runtime/run/ssh.py SshWorkers: the workers of the hosts started over ssh
+        # runtime.elastic (runtime/run/elastic.py): called with a failure, returns how the run goes on (the next
+        # plan, its path, the options) or None; ``recovered`` keeps its answer, for run_elastic.
+        self.on_loss: Callable[[StageFailedError], tuple[Plan, Path, RunOptions] | None] | None = None
+        self.recovered: tuple[Plan, Path, RunOptions] | None = None
+        # ... and at a step boundary, whether a device that was lost is back (a Rejoining to go on with it, or None)
+        self.on_return: Callable[[], Rejoining | None] | None = None
+        self.rejected_seen = 0  # the transport's drop count when on_return last looked
+        self.handed_over = False  # the run goes on under another plan: the ssh workers stay (they follow it)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -177,12 +186,18 @@ class Coordinator:
         """The evaluator, and which remote hosts to wait for (or start over ssh); this host's stages run already."""
         remote = sorted({s.host for s in self.plan.stages if s.host != self.host})
         self.records.open_evaluator(self.plan_path, self.host)
-        if self.options.ssh_hosts:
+        if self.options.ssh_workers is not None:  # a re-planned run: the workers follow its plan (host.py)
+            self.ssh = self.options.ssh_workers
+            remote = [h for h in remote if h not in self.ssh.hosts]
+        elif self.options.ssh_hosts:
             from hetero.runtime.run.ssh import SshWorkers
 
             self.ssh = SshWorkers(self.options.ssh_hosts, self.run_dir)
             remote = [h for h in remote if h not in self.ssh.hosts]
-        if remote:
+        if remote and self.options.recovery is not None:
+            print(f"hetero run: waiting for hosts {', '.join(remote)}: their `hetero worker` starts its stages of "
+                  f"{self.plan_path.name}", flush=True)
+        elif remote:
             commands = "; ".join(f"on {h}: `hetero worker plan.json --host {h} --coordinator {self.endpoint}`"
                                  for h in remote)
             print(f"hetero run: waiting for hosts {', '.join(remote)}: start each with its copy of this plan.json, "
@@ -190,7 +205,7 @@ class Coordinator:
 
     def _run(self) -> None:
         """Remote hosts started, handshake, training, last evaluation, and the final stop."""
-        if self.ssh is not None:
+        if self.ssh is not None and self.options.ssh_workers is None:
             self.ssh.start(self.endpoint)
             print(f"hetero run: started hosts {', '.join(self.ssh.hosts)} over ssh (their output: "
                   f"{self.run_dir / 'logs'}/host-NAME.log)", flush=True)
@@ -214,7 +229,16 @@ class Coordinator:
             self._save_memory()  # before the error line: its resume command names the newest checkpoint
         error = self._explain(exc)
         reason = "interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else f"run failed: {error or exc}"
-        self._broadcast(Stop(reason=reason))
+        failed = error if error is not None else exc
+        if self.on_loss is not None and isinstance(failed, StageFailedError):
+            self.recovered = self.on_loss(failed)
+        if isinstance(exc, Rejoining):
+            self._hand_over(exc.plan, exc.path, None, exc.joiners)
+        elif self.recovered is not None:
+            lost = failed.lost.stage if isinstance(failed, StageFailedError) and failed.lost is not None else None
+            self._hand_over(self.recovered[0], self.recovered[1], lost)
+        else:
+            self._broadcast(Stop(reason=reason))
         stop_processes(self.procs, grace_s=3.0, kill_now=self.hung)
         # Dead stages never take what is queued for them: give live remote ones a second, not 10,
         # and the local ones (all gone now) nothing.
@@ -225,7 +249,7 @@ class Coordinator:
     def _close(self, restore_signals: Callable[[], None]) -> None:
         """Whatever happened: the evaluator, the ssh workers, signal handlers, heartbeats, sockets."""
         self.records.close()
-        if self.ssh is not None:
+        if self.ssh is not None and not self.handed_over:
             self.ssh.stop()  # after the stop broadcast: each remote worker ends, or is ended
         restore_signals()
         self.heartbeat.finish()
@@ -322,6 +346,27 @@ class Coordinator:
                 f"training, and every train.checkpoint_every steps): start again with "
                 f"`{self._command()} --run-dir {shlex.quote(str(self.run_dir))}`")
 
+    def _hand_over(self, plan: Plan, path: Path, lost: int | None, joiners: Sequence[Any] = ()) -> None:
+        """Stop every stage; the remote ones that are left, and the stages of devices that came back (``joiners``,
+        elastic.Joiner: told under the plan they run), learn the plan the run goes on under: their `hetero worker`
+        starts its stages of it (runtime/run/host.py). This host's stages are restarted by run_elastic."""
+        self.handed_over = True
+        number = int(path.stem.rsplit("-", 1)[-1])
+        text = path.read_text()
+        follow = Stop(reason=f"the run goes on under {path.name}", plan=text, replan=number)
+        for k, name in enumerate(self.names):
+            remote = self.plan.stages[k].host != self.host and k != lost
+            try:
+                self.transport.send(name, follow if remote else Stop(reason=f"the run goes on under {path.name}"))
+            except Exception:  # best effort: a stage that misses it ends on the coordinator's silence
+                pass
+        for joiner in joiners:
+            try:
+                self.transport.connect(joiner.name, joiner.endpoint)
+                self.transport.send(joiner.name, follow, plan_hash=joiner.plan_hash)
+            except Exception as exc:  # it says hello again, and is seen again
+                log.warning("could not tell %s the run's plan: %s", joiner.name, exc)
+
     def _broadcast(self, record: Record) -> None:
         for name in self.names:
             try:
@@ -342,11 +387,14 @@ class Coordinator:
                 # error the stage met itself, which a new split would meet again.
                 raise StageFailedError(self._failure_line(k, "exited", cause),
                                        lost=LostStage(k, "exited", cause) if code < 0 else None)
-        if self.ssh is not None and (ended := self.ssh.ended()) is not None:
+        if self.ssh is not None and (ended := self.ssh.ended({s.host for s in self.plan.stages})) is not None:
             host, cause = ended
             hint = f"; {self._resume_hint()}" if self.trained else ""
+            # Its stages are gone with it: a loss of that host's devices (runtime.elastic goes on without them).
+            gone = [s.index for s in self.plan.stages if s.host == host]
             raise StageFailedError(f"host {host}'s `hetero worker`, started over ssh, ended: {cause}{hint} "
-                                   f"(log: {self.ssh.log(host)})")
+                                   f"(log: {self.ssh.log(host)})",
+                                   lost=LostStage(gone[0], "ended with its host's worker", cause, others=tuple(gone[1:])))
 
     def _gather(self, kind: str, step: int, timeout_s: float) -> dict[int, Any]:
         """One ``kind`` message for ``step`` from every stage, keyed by stage index."""
@@ -523,6 +571,11 @@ class Coordinator:
                 if self.stop_signal is not None:  # Ctrl-C / SIGTERM: `step` steps are done
                     self._checkpoint_and_stop(step)
                     return
+                if self.on_return is not None and self.transport.rejected != self.rejected_seen:
+                    self.rejected_seen = self.transport.rejected  # something was dropped: a lost device back?
+                    if (back := self.on_return()) is not None:
+                        self._state_after(step)
+                        raise back
                 self.transport.rules.step = step  # reports for other steps than this and the next are dropped
                 # The next step's data travels while this step computes (every stage is in this step: the last
                 # one's stepdone came), so no stage waits for its batch or labels at the step boundary.
@@ -589,6 +642,16 @@ class Coordinator:
             lambda payloads: self.records.write_checkpoint(step + 1, payloads))
         self.records.event(event)
         log.info("rebalanced after step %d: %s", step, event["cause"]["reason"])
+
+    def _state_after(self, done: int) -> None:
+        """Every stage's state after ``done`` steps into this coordinator's memory (a re-plan goes on from it): as
+        after Ctrl-C, no clip went out for the step in progress, so that is the state each stage holds now."""
+        if done == 0 or (self.memory is not None and int(self.memory[1]["step"]) == done):
+            return
+        self.training = False
+        for name in self.names:
+            self.transport.send(name, Stop(reason="the run re-plans: send your state", checkpoint=done))
+        self._keep_in_memory(self._gather("checkpoint", done - 1, self.step_timeout_s), 0.0, 0.0)
 
     def _checkpoint_and_stop(self, done: int) -> None:
         """After Ctrl-C: every stage's state after ``done`` steps into checkpoints/step-<done>/."""

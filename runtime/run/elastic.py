@@ -12,27 +12,48 @@ silent past runtime.failure_timeout_s, its connection gone for good), the run:
    the step after it: the steps since the copy are trained again, with the same data (a function of the step
    number), so the losses are those of a run that lost nothing.
 
-Each recovery is a line in metrics.jsonl (``"event": "recovery"``) and in the report. A stage that failed with
-an error of its own (an exception, an exit code) is not a lost device: the run stops, as with
-runtime.elastic=off. After runtime.max_recoveries recoveries the next loss stops the run with the resume command.
+Stages on other hosts follow too: the coordinator's stop tells each of them the new plan (plan.json's text,
+on the authenticated wire), the stage leaves it in its worker's run directory and exits with EXIT_REPLAN, and the
+worker (`hetero worker --host`, runtime/run/host.py) starts its host's stages of it. A stage keeps its process name
+(its key) on every plan of the run, whatever its index (StagePlan.name), so each host's keys stay valid.
 
-Recovery restarts stages on this host only: a plan whose remaining stages run on other hosts stops as before
-(their `hetero worker` would need the new plan), and says so.
+Rejoin: a lost device's stage started again (its host's `hetero worker` with the run's first plan.json, or any plan
+of the run) says hello under that plan; the coordinator cannot take it, but it learns from the drop, authenticated
+by the stage's key, that the device is back. At the next step boundary it plans the run on the devices it has and
+the ones back, and when that plan is predicted faster (REJOIN_GAIN), it copies the stages' state at that boundary
+and goes on under it: the stage that came back is told the plan under its own plan's hash, and its worker starts
+it. No step is trained twice. A device lost MAX_DEVICE_LOSSES times is not taken back (said once).
+
+Each recovery and rejoin is a line in metrics.jsonl (``"event": "recovery"``, ``"kind": "rejoin"`` for a return)
+and in the report. A stage that failed with an error of its own (an exception, an exit code) is not a lost device:
+the run stops, as with runtime.elastic=off. After runtime.max_recoveries re-plans the next loss stops the run with
+the resume command.
+
+Hosts that `hetero run` started over ssh (runtime/run/ssh.py) follow the same way: their workers keep their ssh
+sessions across plans (the next coordinator takes them over), and a host whose worker ended is a loss of its devices.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from hetero.errors import HeteroError
 from hetero.plan import Plan
+from hetero.protocol import MAX_HEADER_BYTES
 from hetero.runtime.run.moves import split_of
 from hetero.runtime.run.options import RunOptions
 from hetero.runtime.run.processes import StageFailedError
 from hetero.runtime.run.records import RunResult
+
+REJOIN_GAIN = 0.97  # a device that is back is taken when the plan with it is predicted this much faster, or more
+MAX_DEVICE_LOSSES = 2  # a device lost this often is not taken back
+
+MAX_PLAN_BYTES = MAX_HEADER_BYTES - (64 << 10)  # a re-plan travels in a stop message's header, with room for the rest
 
 
 def run_elastic(plan: Plan, plan_path: Path, options: RunOptions) -> tuple[Plan, Path, RunResult]:
@@ -41,26 +62,172 @@ def run_elastic(plan: Plan, plan_path: Path, options: RunOptions) -> tuple[Plan,
     does not recover from."""
     from hetero.runtime.run.coordinator import Coordinator
 
-    done = 0  # recoveries made
+    done = 0  # re-plans made
     earlier: list[dict[str, Any]] = []  # the recovery lines that the coordinators before the last one wrote
+    history = Lineage([plan])
     while True:
         coordinator = Coordinator(plan, plan_path, options)
+        coordinator.on_loss = lambda exc, c=coordinator, o=options, n=done: _recover(c, exc, o, n, history)  # type: ignore[misc]
+        if options.elastic == "auto":
+            coordinator.on_return = lambda c=coordinator, o=options, n=done: _rejoin(c, history, o, n)  # type: ignore[misc]
         try:
             result = coordinator.run()
-        except StageFailedError as exc:
-            recovered = _recover(coordinator, exc, options, done)
+        except StageFailedError:
+            recovered = coordinator.recovered  # planned while the stages stopped: the remote ones got its plan
             if recovered is None:
                 raise
-            earlier += [e for e in coordinator.result.events if e.get("event") == "recovery"]
-            plan, plan_path, options = recovered
-            done += 1
+            history.losses[recovered[2].recovery["device"]] += 1  # type: ignore[index]
+        except Rejoining as back:
+            where = options.host if options.host is not None else coordinator.host
+            recovered = (back.plan, back.path, replace(options, host=where, resume=None, checkpoint=coordinator.memory,
+                                                       recovery=back.event, launcher=None,
+                                                       ssh_workers=coordinator.ssh))
+        else:
+            result.events[:0] = earlier
+            return plan, plan_path, result
+        earlier += [e for e in coordinator.result.events if e.get("event") == "recovery"]
+        plan, plan_path, options = recovered
+        history.plans.append(plan)
+        done += 1
+
+
+class Lineage:
+    """The plans a run went through (its first first), and how often each device was lost."""
+
+    def __init__(self, plans: list[Plan]) -> None:
+        self.plans = plans
+        self.losses: Counter[str] = Counter()
+        self.said: set[str] = set()  # lines said once
+        self.declined: set[tuple[str, frozenset[str]]] = set()  # (plan hash, devices back) not worth a re-plan
+        self.factors: dict[str, float] = {}  # device -> compute measured over priced, newest measurement
+
+    def speeds(self, coordinator: Any) -> dict[str, float]:
+        """Every device's measured speed factor: this coordinator's measurements over earlier ones; a device never
+        measured (or not since the run's plans changed) gets the median of the others (priced as wrong as they are)."""
+        self.factors.update(coordinator.mover.measured_factors())
+        known = sorted(self.factors.values())
+        typical = known[len(known) // 2] if known else 1.0
+        return {s.device: self.factors.get(s.device, typical) for s in self.plans[0].stages}
+
+    def say(self, line: str) -> None:
+        if line not in self.said:
+            self.said.add(line)
+            print(f"hetero run: runtime.elastic: {line}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Joiner:
+    """A stage of an earlier plan of the run that says hello again: where it listens, and under which plan."""
+
+    name: str
+    device: str
+    endpoint: str
+    plan_hash: str
+
+
+class Rejoining(Exception):  # noqa: N818 (a turn of the run, not an error)
+    """Raised by the coordinator at a step boundary, with the stages' state copied: the run goes on under ``plan``,
+    with the devices that came back."""
+
+    def __init__(self, plan: Plan, path: Path, event: dict[str, Any], joiners: list[Joiner]) -> None:
+        super().__init__(f"the run goes on under {path.name} with {', '.join(j.device for j in joiners)}")
+        self.plan, self.path, self.event, self.joiners = plan, path, event, joiners
+
+
+def returning(coordinator: Any, history: Lineage) -> list[Joiner]:
+    """The lost devices whose stage says hello again under an earlier plan of the run (the coordinator's transport
+    dropped it for its plan hash; with keys, the drop names the process the key proves)."""
+    from hetero.runtime.wire.frames import plan_mismatch
+
+    plan: Plan = coordinator.plan
+    current, devices = set(plan.stage_ids()), {s.device for s in plan.stages}
+    by_hash = {p.input_hash: p for p in history.plans}
+    keyed = plan.security.mode != "none"
+    found: dict[str, Joiner] = {}
+    for peer, why in list(coordinator.transport.rejections):
+        mismatch = plan_mismatch(why)
+        if mismatch is None:
             continue
-        result.events[:0] = earlier
-        return plan, plan_path, result
+        name = peer if keyed else mismatch[0]
+        old = by_hash.get(mismatch[1])
+        k = old.stage_named(name) if old is not None and name not in current else None
+        if old is None or k is None or old.stages[k].device in devices:
+            continue
+        device = old.stages[k].device
+        if history.losses[device] >= MAX_DEVICE_LOSSES:
+            history.say(f"{device} is back, but it was lost {history.losses[device]} times: left out of the run")
+            continue
+        found[name] = Joiner(name, device, old.stages[k].endpoint, mismatch[1])
+    return list(found.values())
 
 
-def _recover(coordinator: Any, exc: StageFailedError, options: RunOptions,
-             done: int) -> tuple[Plan, Path, RunOptions] | None:
+def _rejoin(coordinator: Any, history: Lineage, options: RunOptions, done: int) -> Rejoining | None:
+    """The plan with the devices that came back, when it is predicted faster than the current one (saved as the
+    run's next plan); None to go on as it is."""
+    from hetero.planner.recovery import plan_without, simulated_step_s
+
+    joiners = returning(coordinator, history)
+    if not joiners:
+        return None
+    back = ", ".join(j.device for j in joiners)
+    asked = (coordinator.plan.input_hash, frozenset(j.device for j in joiners))
+    if asked in history.declined:  # its heartbeats keep being dropped: decided already
+        return None
+    history.declined.add(asked)  # taken back below when it is not declined
+    if done >= options.max_recoveries:
+        history.say(f"{back} is back, but the run re-planned {done} times (runtime.max_recoveries="
+                    f"{options.max_recoveries}): going on without it")
+        return None
+    plan: Plan = coordinator.plan
+    first = history.plans[0]
+    everyone = {s.device for s in first.stages}
+    keep = {s.device for s in plan.stages} | {j.device for j in joiners}
+    speeds = history.speeds(coordinator)
+    # Compared at the speeds the run measured (the plan without it re-simulated the same way), or, for replicas,
+    # as the solver prices both plans.
+    before = simulated_step_s(first, everyone - {s.device for s in plan.stages}, speeds)
+    after = simulated_step_s(first, everyone - keep, speeds)
+    if before is None or after is None:
+        before, after = plan.prediction.step_time_s, None
+    if after is not None and after > before * REJOIN_GAIN:
+        history.say(f"{back} is back; the plan with it simulates {after:.3g} s a step against {before:.3g} s now "
+                    "(at the speeds this run measured): going on without it")
+        return None
+    try:
+        new = plan_without(first, everyone - keep, speeds)
+    except HeteroError as why:
+        history.say(f"{back} is back, but cannot be planned in: {why}")
+        return None
+    if after is None:
+        after = new.plan.prediction.step_time_s
+        if after > before * REJOIN_GAIN:
+            history.say(f"{back} is back; the plan with it predicts {after:.3g} s a step against {before:.3g} s now: "
+                        "going on without it")
+            return None
+    history.declined.discard(asked)
+    number = done + 1
+    path = options.run_dir / f"plan-recovery-{number}.json"
+    new.plan.save(path)
+    steps = coordinator.result.steps
+    last = int(steps[-1]["step"]) if steps else coordinator.start_step - 1
+    devices = {s.device: s for s in first.stages}
+    event = {
+        "event": "recovery", "kind": "rejoin", "after_step": last, "recovery": number,
+        "device": back, "host": ", ".join(sorted({devices[j.device].host for j in joiners})),
+        "cause": "back: its stage said hello again", "resumed_from_step": last + 1, "replayed_steps": 0,
+        "old_split": split_of(plan), "new_split": new.split, "devices": new.devices, "plan": path.name,
+        "step_s_before": before, "step_s_after": after, "predicted_step_s_after": new.plan.prediction.step_time_s,
+        "lost_at": time.monotonic(),
+    }
+    print(f"hetero run: {back} is back: going on with it after step {last}, split {'/'.join(map(str, new.split))} "
+          f"on {len(new.devices)} stage(s), {after:.3g} s a step against {before:.3g} s now (simulated at the speeds "
+          f"this run measured); plan {path}",
+          file=sys.stderr, flush=True)
+    return Rejoining(new.plan, path, event, joiners)
+
+
+def _recover(coordinator: Any, exc: StageFailedError, options: RunOptions, done: int,
+             history: Lineage) -> tuple[Plan, Path, RunOptions] | None:
     """The plan, its path and the options to go on with after ``exc``; None (said on stderr when it is a loss) to
     stop with ``exc``."""
     from hetero.planner.recovery import plan_without
@@ -77,19 +244,18 @@ def _recover(coordinator: Any, exc: StageFailedError, options: RunOptions,
         return None
     host = coordinator.host
     try:
-        recovery = plan_without(plan, {device}, coordinator.mover.measured_factors())
+        recovery = plan_without(plan, {device, *(plan.stages[j].device for j in lost.others)},
+                                history.speeds(coordinator))
     except HeteroError as why:
         print(f"hetero run: runtime.elastic: cannot go on without {device}: {why}", file=sys.stderr, flush=True)
-        return None
-    remote = sorted({s.host for s in recovery.plan.stages if s.host != host})
-    if remote or coordinator.ssh is not None:
-        print(f"hetero run: runtime.elastic: cannot go on without {device}: stages left on "
-              f"{', '.join(remote) or 'hosts started over ssh'} would need the new plan (recovery restarts stages on "
-              "this host only)", file=sys.stderr, flush=True)
         return None
     number = done + 1
     path = options.run_dir / f"plan-recovery-{number}.json"
     recovery.plan.save(path)
+    if len(path.read_bytes()) > MAX_PLAN_BYTES:
+        print(f"hetero run: runtime.elastic: cannot go on without {device}: the new plan ({path}) is larger than a "
+              f"message may carry to the other hosts", file=sys.stderr, flush=True)
+        return None
     memory = coordinator.memory
     resumed = int(memory[1]["step"]) if memory is not None else 0
     last = coordinator.result.steps[-1]["step"] if coordinator.result.steps else resumed - 1
@@ -107,5 +273,6 @@ def _recover(coordinator: Any, exc: StageFailedError, options: RunOptions,
     # The coordinator stays where it was (its endpoint is the one every stage dials), whichever stage is first now.
     where = options.host if options.host is not None or recovery.plan.stages[0].host == host else host
     # The launcher forks once (launcher.py): the new stages start as fresh interpreters.
+    # Workers started over ssh follow the new plan: the next coordinator keeps their sessions.
     return recovery.plan, path, replace(options, host=where, resume=None, checkpoint=memory, recovery=event,
-                                        launcher=None)
+                                        launcher=None, ssh_workers=coordinator.ssh)

@@ -15,6 +15,7 @@ from typing import Any
 
 from hetero.errors import PlanError
 from hetero.plan import Plan, plan_path
+from hetero.protocol import EXIT_REPLAN
 from hetero.runtime.run.coordinator import coordinator_endpoint
 from hetero.runtime.run.processes import (
     last_error_line,
@@ -23,7 +24,7 @@ from hetero.runtime.run.processes import (
     stop_processes,
     supervise,
 )
-from hetero.security import key_dirs, load_identity
+from hetero.security import install_keys, key_dirs, load_identity
 
 
 def check_host(plan_path: Path, plan: Plan, host: str) -> list[int]:
@@ -33,7 +34,7 @@ def check_host(plan_path: Path, plan: Plan, host: str) -> list[int]:
         hosts = sorted({s.host for s in plan.stages})
         raise PlanError(f"host '{host}' runs no stage of this plan; its stages run on: {', '.join(hosts)}")
     for k in stages:  # every key this host needs, before any process starts
-        load_identity(plan.security, f"stage{k}", key_dirs(plan_path, host))
+        load_identity(plan.security, plan.stage_id(k), key_dirs(plan_path, host))
     return stages
 
 
@@ -51,10 +52,14 @@ def serve_host(plan_path: Path, plan: Plan, host: str, run_dir: Path, coordinato
                watch_stdin: bool = False) -> int:
     """Start every stage of ``host`` (one process per device) and wait for them; returns an exit code.
 
-    ``watch_stdin``: also stop them when stdin closes (a worker that `hetero run` started over ssh)."""
+    ``watch_stdin``: also stop them when stdin closes (a worker that `hetero run` started over ssh).
+
+    When the run goes on under a new plan after a lost device (runtime.elastic), this host's stages exit with
+    EXIT_REPLAN, having left that plan in ``run_dir``; the worker then starts this host's stages of it."""
     stages = check_host(plan_path, plan, host)
     raise_open_file_limit()  # the stages it starts inherit it (and raise their own)
-    procs = spawn_stages(plan_path, stages, run_dir, coordinator)
+    # This host's keys go to RUN_DIR/keys, where its stages of a plan the coordinator sends later look.
+    install_keys(plan.security, [plan.stage_id(k) for k in stages], key_dirs(plan_path, host), run_dir / "keys")
     closed = threading.Event()
     if watch_stdin:
         threading.Thread(target=_wait_for_eof, args=(closed,), daemon=True, name="stdin").start()
@@ -63,13 +68,47 @@ def serve_host(plan_path: Path, plan: Plan, host: str, run_dir: Path, coordinato
         raise KeyboardInterrupt  # SIGTERM: stop the stages in order, like Ctrl-C
 
     signal.signal(signal.SIGTERM, on_term)
-    print(f"hetero worker: host {host} runs stages {stages} (logs in {run_dir / 'logs'}); coordinator {coordinator}",
-          flush=True)
-    try:
-        codes = supervise(procs, until=closed)
-    except KeyboardInterrupt:
-        stop_processes(procs)
-        raise
+    while True:
+        started = time.time()
+        procs = spawn_stages(plan_path, stages, run_dir, coordinator, replan_dir=run_dir)
+        print(f"hetero worker: host {host} runs stages {stages} of {plan_path.name} (logs in {run_dir / 'logs'}); "
+              f"coordinator {coordinator}", flush=True)
+        try:
+            codes = supervise(procs, until=closed)
+        except KeyboardInterrupt:
+            stop_processes(procs)
+            raise
+        if len(codes) < len(procs) or EXIT_REPLAN not in codes.values():
+            return _ended(procs, codes, stages, run_dir)
+        following = _next_plan(run_dir, plan, host, started)
+        if following is None:
+            return 0
+        plan_path, plan, stages = following
+
+
+def _next_plan(run_dir: Path, plan: Plan, host: str, since: float) -> tuple[Path, Plan, list[int]] | None:
+    """The plan this host's stages left in ``run_dir`` after ``since`` (the run goes on under it: the highest number,
+    so a run directory used before cannot mislead), and this host's stages of it; None (said) when it has none here."""
+    numbered = sorted((p for p in run_dir.glob("plan-recovery-*.json")
+                       if p.stem.rsplit("-", 1)[-1].isdigit() and p.stat().st_mtime >= since - 1.0),
+                      key=lambda p: int(p.stem.rsplit("-", 1)[-1]))
+    if not numbered:
+        raise PlanError(f"a stage said the run goes on under a new plan, but none is in {run_dir}")
+    path = numbered[-1]
+    new = Plan.load(path, require_security=plan.security.mode != "none")
+    if new.security != plan.security:
+        raise PlanError(f"{path}: the coordinator's new plan has other keys than {host}'s plan.json: restart this "
+                        "worker with the run's plan.json and keys")
+    stages = [s.index for s in new.stages if s.host == host]
+    if not stages:
+        print(f"hetero worker: the run goes on under {path.name} without host {host}: done", flush=True)
+        return None
+    print(f"hetero worker: the run goes on under {path.name}: host {host} now runs stages {stages}", flush=True)
+    return path, new, stages
+
+
+def _ended(procs: dict[int, Any], codes: dict[int, int], stages: list[int], run_dir: Path) -> int:
+    """The worker's exit code once its stages ended (or stdin closed first: then it stops them)."""
     if len(codes) < len(procs):  # stdin closed first: the run is over or its coordinator is gone
         try:  # the ssh session that reads this may be gone
             print(f"hetero worker: stdin closed (`hetero run` ended or its ssh session dropped): stopping stages "

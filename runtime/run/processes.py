@@ -35,6 +35,7 @@ class LostStage:
     what: str  # "exited", "stopped responding"
     cause: str  # "killed by SIGKILL", "no heartbeat for 10 s (...)"
     at: float = field(default_factory=time.monotonic)  # when the coordinator saw it
+    others: tuple[int, ...] = ()  # stages lost with it (its host's worker, started over ssh, ended)
 
 
 class StageFailedError(HeteroError):
@@ -81,9 +82,11 @@ def is_stopped(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[:1] in (["T"], ["t"])
 
 
-def spawn_stages(plan_path: Path, stages: list[int], run_dir: Path, coordinator: str) -> dict[int, Any]:
+def spawn_stages(plan_path: Path, stages: list[int], run_dir: Path, coordinator: str,
+                 replan_dir: Path | None = None) -> dict[int, Any]:
     """One ``python -m hetero.runtime.stage.process`` per stage, logging to run_dir/logs/stage<k>.log
-    (`hetero run` forks its stages from a launcher instead where it can: runtime/run/launcher.py)."""
+    (`hetero run` forks its stages from a launcher instead where it can: runtime/run/launcher.py); ``replan_dir``:
+    where a stage leaves the run's next plan (`hetero worker`)."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     procs: dict[int, Any] = {}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -92,7 +95,8 @@ def spawn_stages(plan_path: Path, stages: list[int], run_dir: Path, coordinator:
             # start_new_session: a terminal Ctrl-C reaches only the parent, which stops stages in order.
             procs[k] = subprocess.Popen(
                 [sys.executable, "-m", "hetero.runtime.stage.process", str(plan_path), "--stage", str(k),
-                 "--coordinator", coordinator, "--parent-pid", str(os.getpid())],
+                 "--coordinator", coordinator, "--parent-pid", str(os.getpid()),
+                 *(["--replan-dir", str(replan_dir)] if replan_dir is not None else [])],
                 stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     return procs
 

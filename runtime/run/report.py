@@ -219,6 +219,11 @@ def recovery_line(event: dict[str, Any]) -> str:
              and replayed > 0 else "no step trained again")
     took = f"; {event['recovery_s']:.1f} s from the loss to the next step" if isinstance(event.get("recovery_s"),
                                                                                         (int, float)) else ""
+    if event.get("kind") == "rejoin":
+        took = took.replace("from the loss", "from seeing it back")
+        return (f"rejoined after step {event.get('after_step')}: {event.get('device')} is back; split "
+                f"{split_text(event.get('old_split'))} -> {split_text(event.get('new_split'))} ({event.get('plan')}); "
+                f"{again}{took}")
     return (f"recovered after step {event.get('after_step')}: stage {event.get('stage')} ({event.get('device')}) "
             f"{event.get('cause')}; split {split_text(event.get('old_split'))} -> {split_text(event.get('new_split'))} "
             f"on the devices left ({event.get('plan')}); {again}{took}")

@@ -242,9 +242,11 @@ class SshWorkers:
                 self.procs[name] = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log,
                                                     stderr=subprocess.STDOUT, start_new_session=True)
 
-    def ended(self) -> tuple[str, str] | None:
-        """(host, one line) for the first ssh session that ended with an error, or None."""
+    def ended(self, hosts: set[str] | None = None) -> tuple[str, str] | None:
+        """(host, one line) for the first ssh session (of ``hosts``, default all) that ended with an error, or None."""
         for name, proc in self.procs.items():
+            if hosts is not None and name not in hosts:
+                continue  # a host the run went on without (runtime.elastic)
             code = proc.poll()
             if code is not None and code != 0:
                 from hetero.runtime.run.processes import exit_cause, last_error_line

@@ -124,9 +124,10 @@ class Executor:
     action_observers: ClassVar[list[Callable[[int, str, int, int, float, float], None]]] = []
 
     def __init__(self, stage: Stage, program: list[Action], wire: Wire, train: TrainSpec,
-                 neighbours: tuple[int | None, int | None] | None = None, replicated: bool = False,
+                 neighbours: tuple[int | str | None, int | str | None] | None = None, replicated: bool = False,
                  compression: tuple[str, str] = ("none", "none")) -> None:
-        """``neighbours``: the stages before and after this one in its pipeline (default: index -+ 1);
+        """``neighbours``: the stages before and after this one in its pipeline, by index or process name (default:
+        index -+ 1);
         ``replicated``: other replicas hold the same layers, and STEP sums gradients with them; ``compression``:
         the scheme of the link from the previous stage and of the link to the next (runtime/wire/compress.py)."""
         self.stage = stage
@@ -134,8 +135,8 @@ class Executor:
         self.wire = wire
         self.train = train
         prev, nxt = neighbours if neighbours is not None else (stage.index - 1, stage.index + 1)
-        self.prev = stage_name(prev) if not stage.is_first and prev is not None else None
-        self.next = stage_name(nxt) if not stage.is_last and nxt is not None else None
+        self.prev = _peer(prev) if not stage.is_first and prev is not None else None
+        self.next = _peer(nxt) if not stage.is_last and nxt is not None else None
         self.replicated = replicated
         self.link_in, self.link_out = compression
         self.hidden = int(stage.model.config.hidden_size)
@@ -376,3 +377,7 @@ def _unpack(tensors: dict[str, torch.Tensor], name: str, scheme: str, hidden: in
     parts = {"q": tensors[f"{name}_q"].to(device), "scale": tensors[f"{name}_scale"].to(device)}
     return compress.decode(parts, scheme, hidden, torch.float32)
 
+
+def _peer(stage: int | str) -> str:
+    """A neighbour's process name: given, or stage<k> for an index."""
+    return stage if isinstance(stage, str) else stage_name(stage)

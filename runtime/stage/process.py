@@ -27,7 +27,7 @@ from typing import Any
 
 from hetero.errors import HeteroError, PlanError, WireError
 from hetero.plan import Plan
-from hetero.protocol import FAILURE_TIMEOUT_S, Error, Hello, Rebalance, Start, StepDone
+from hetero.protocol import EXIT_REPLAN, FAILURE_TIMEOUT_S, Error, Hello, Rebalance, Start, StepDone
 from hetero.runtime.wire.control import (
     Heartbeat,
     Mailbox,
@@ -37,7 +37,7 @@ from hetero.runtime.wire.control import (
     heartbeat_interval,
     is_timeout,
 )
-from hetero.security import COORDINATOR, key_dirs, stage_name
+from hetero.security import COORDINATOR, key_dirs
 from hetero.serde import from_dict, to_dict
 from hetero.specs import TrainSpec
 
@@ -80,15 +80,16 @@ def stage_transport(plan: Plan, k: int, keys: list[Path]) -> Any:
     from hetero.runtime.wire.transport import Transport
     from hetero.security import load_identity
 
-    identity = load_identity(plan.security, stage_name(k), keys)
-    return Transport(stage_name(k), plan.stages[k].endpoint, plan.input_hash, recv_timeout_s=300.0,
+    identity = load_identity(plan.security, plan.stage_id(k), keys)
+    return Transport(plan.stage_id(k), plan.stages[k].endpoint, plan.input_hash, recv_timeout_s=300.0,
                      identity=identity, peer_keys=plan.security.public_keys,
                      max_message_bytes=max_message_bytes(plan, k), rules=stage_rules(plan, k))
 
 
 def run_stage(plan: Plan, k: int, coordinator: str, parent_pid: int | None = None,
-              keys: list[Path] | None = None) -> int:
-    """Run stage k until the coordinator says stop; returns the process exit code."""
+              keys: list[Path] | None = None, replan_dir: Path | None = None) -> int:
+    """Run stage k until the coordinator says stop; returns the process exit code. ``replan_dir``: where a stop
+    that carries the run's next plan (runtime.elastic) leaves it for this host's `hetero worker` (EXIT_REPLAN)."""
     # Import the heavy libraries before hello: once the coordinator watches our heartbeats, a long
     # import holding the import lock or the GIL must not look like a dead stage.
     import torch
@@ -112,6 +113,8 @@ def run_stage(plan: Plan, k: int, coordinator: str, parent_pid: int | None = Non
     except StopRequested as stop:
         log.info("stopping: %s", stop)
         linger_ms = 0
+        if stop.plan is not None and stop.replan is not None and replan_dir is not None:
+            return _leave_plan(replan_dir, stop.replan, stop.plan)
         return 0
     except PeerLost as lost:  # the coordinator is gone: nobody is left to tell
         log.error("stage %d: coordinator %s: exiting", k, lost.cause)
@@ -131,13 +134,23 @@ def run_stage(plan: Plan, k: int, coordinator: str, parent_pid: int | None = Non
     return 0
 
 
+def _leave_plan(folder: Path, number: int, text: str) -> int:
+    """Write the run's next plan (from the coordinator, authenticated) for this host's worker; EXIT_REPLAN."""
+    from hetero.runtime.run.rundir import write_run_file
+
+    name = f"plan-recovery-{number}.json"
+    write_run_file(folder, name, text)
+    log.info("the run goes on under %s: left for this host's worker", folder / name)
+    return EXIT_REPLAN
+
+
 def _connect(transport: Any, plan: Plan, k: int, coordinator: str) -> tuple[int | None, int | None]:
     """Connect to the coordinator and to k's neighbours within its pipeline replica; returns them."""
     transport.connect(COORDINATOR, coordinator)
     neighbours = (plan.prev_stage(k), plan.next_stage(k))
     for j in neighbours:
         if j is not None:
-            transport.connect(stage_name(j), plan.stages[j].endpoint)
+            transport.connect(plan.stage_id(j), plan.stages[j].endpoint)
     return neighbours
 
 
@@ -192,7 +205,8 @@ def _build(plan: Plan, k: int, device: Any, mailbox: Mailbox, neighbours: tuple[
     stage = build_stage(plan, k, device)
     prev = neighbours[0]
     links = (plan.stages[prev].compress_out if prev is not None else "none", plan.stages[k].compress_out)
-    executor = Executor(stage, plan.stages[k].actions(), mailbox, plan.train, neighbours,
+    names = tuple(plan.stage_id(j) if j is not None else None for j in neighbours)
+    executor = Executor(stage, plan.stages[k].actions(), mailbox, plan.train, names,  # type: ignore[arg-type]
                         replicated=len(plan.pipelines) > 1, compression=links)
     n_lora = sum(p.numel() for p in executor.params)
     log.info("stage %d built in %.1f s: layers %s, %d LoRA parameters", k, time.perf_counter() - t0,
@@ -326,7 +340,8 @@ def _move(executor: Any, move: Any, rebuild: Callable[[Any], Any], mailbox: Mail
     return rebuilt
 
 
-def serve_stage(plan_path: Path, plan: Plan, k: int, coordinator: str, parent_pid: int | None = None) -> int:
+def serve_stage(plan_path: Path, plan: Plan, k: int, coordinator: str, parent_pid: int | None = None,
+                replan_dir: Path | None = None) -> int:
     """Run stage k of the plan at ``plan_path`` in this process, logging to stderr; returns the exit code."""
     from hetero.runtime.run.processes import raise_open_file_limit
 
@@ -336,7 +351,7 @@ def serve_stage(plan_path: Path, plan: Plan, k: int, coordinator: str, parent_pi
                         format=f"%(asctime)s stage{k} %(levelname)s %(message)s")
     if not 0 <= k < len(plan.stages):
         raise PlanError(f"--stage {k}: the plan has stages 0..{len(plan.stages) - 1}")
-    return run_stage(plan, k, coordinator, parent_pid, key_dirs(plan_path, plan.stages[k].host))
+    return run_stage(plan, k, coordinator, parent_pid, key_dirs(plan_path, plan.stages[k].host), replan_dir)
 
 
 def main_stage(argv: list[str]) -> int:
@@ -347,8 +362,10 @@ def main_stage(argv: list[str]) -> int:
     ap.add_argument("--stage", type=int, required=True)
     ap.add_argument("--coordinator", required=True, help="tcp://ADDRESS:PORT of `hetero run`")
     ap.add_argument("--parent-pid", type=int, help="exit when this process is gone")
+    ap.add_argument("--replan-dir", type=Path, help="where a stop with the run's next plan leaves it (hetero worker)")
     args = ap.parse_args(argv)
-    return serve_stage(args.plan, Plan.load(args.plan), args.stage, args.coordinator, args.parent_pid)
+    return serve_stage(args.plan, Plan.load(args.plan), args.stage, args.coordinator, args.parent_pid,
+                       args.replan_dir)
 
 
 def _exit_now(code: int) -> None:

@@ -35,7 +35,12 @@ def heartbeat_interval(failure_timeout_s: float) -> float:
 
 
 class StopRequested(Exception):
-    """The coordinator asked this process to stop (normal end, Ctrl-C, or another stage failed)."""
+    """The coordinator asked this process to stop (normal end, Ctrl-C, or another stage failed); ``plan`` and
+    ``replan``: the plan the run goes on under after a lost device (runtime.elastic), and its number."""
+
+    def __init__(self, reason: str, plan: str | None = None, replan: int | None = None) -> None:
+        super().__init__(reason)
+        self.plan, self.replan = plan, replan
 
 
 class PeerError(HeteroError):
@@ -218,7 +223,9 @@ class Mailbox:
             if isinstance(done, int) and self.on_checkpoint is not None:
                 self.on_checkpoint(done)  # then keep waiting: the state must not change until the final stop
             else:
-                raise StopRequested(str(msg.meta.get("reason", "stop requested")))
+                plan, replan = msg.meta.get("plan"), msg.meta.get("replan")
+                raise StopRequested(str(msg.meta.get("reason", "stop requested")), plan if isinstance(plan, str) else None,
+                                    replan if isinstance(replan, int) else None)
         if (msg := self._take("error")) is not None:
             raise PeerError(msg.sender, str(msg.meta.get("message", "failed")))
         if self.on_idle is not None:

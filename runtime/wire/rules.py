@@ -28,7 +28,7 @@ from hetero.errors import WireError
 from hetero.protocol import MESSAGE_OVERHEAD_BYTES, MESSAGE_SIZE_MARGIN, RECORDS, UNSTEPPED, Record
 from hetero.runtime.wire import compress
 from hetero.runtime.wire.frames import DTYPES, Message
-from hetero.security import COORDINATOR, stage_name
+from hetero.security import COORDINATOR
 
 
 def check_meta(msg: Message) -> Record:
@@ -156,7 +156,7 @@ def stage_rules(plan: Any, k: int) -> Rules:
         if packed:
             tensors["batch"]["position_ids"] = TensorRule(ids, "int64", 0, model.seq_len, positions=True)
     else:
-        senders["act"] = frozenset({stage_name(prev)})
+        senders["act"] = frozenset({plan.stage_id(prev)})
         tensors["act"] = _handoff("h", shape, plan.stages[prev].dtype, plan.stages[prev].compress_out)
         if plan.stages[prev].compress_out != "none":
             compressed["act"] = ("h", plan.stages[prev].compress_out, shape)
@@ -166,12 +166,12 @@ def stage_rules(plan: Any, k: int) -> Rules:
         senders["labels"] = frozenset({COORDINATOR})
         tensors["labels"] = {"labels": TensorRule(ids, "int64", 0, vocab or None, extra_low=-100)}
     else:
-        senders["grad"] = frozenset({stage_name(nxt)})
+        senders["grad"] = frozenset({plan.stage_id(nxt)})
         tensors["grad"] = _handoff("g", shape, plan.stages[nxt].dtype, plan.stages[k].compress_out)
         if plan.stages[k].compress_out != "none":
             compressed["grad"] = ("g", plan.stages[k].compress_out, shape)
     # Pending at most: both steps' micro-batches from each neighbour, the step inputs, control messages.
-    return Rules(me=stage_name(k), senders=senders, tensors=tensors, num_micro_batches=m, max_pending=4 * m + 16,
+    return Rules(me=plan.stage_id(k), senders=senders, tensors=tensors, num_micro_batches=m, max_pending=4 * m + 16,
                  compressed=compressed)
 
 
@@ -185,7 +185,7 @@ def _handoff(name: str, shape: tuple[int, ...], dtype: str, scheme: str) -> dict
 
 def coordinator_rules(plan: Any) -> Rules:
     """What the coordinator accepts: lifecycle and per-step reports from the plan's stages only."""
-    stages = frozenset(stage_name(k) for k in range(len(plan.stages)))
+    stages = frozenset(plan.stage_ids())
     step_end = "grads" if len(plan.pipelines) > 1 else "gradnorm"
     kinds = ("hello", "start", step_end, "stepdone", "checkpoint", "error", "heartbeat")
     return Rules(me=COORDINATOR, senders={kind: stages for kind in kinds}, num_micro_batches=1,

@@ -257,8 +257,10 @@ class Transport:
             push.plain_password = ident.token_for(peer).encode()  # a password per peer (hetero/security.py)
 
     def send(self, peer: str, kind: str | Record, *, step: int = 0, mb: int = -1,
-             tensors: dict[str, torch.Tensor] | None = None, meta: dict | None = None) -> None:
-        """Queue a message to ``peer`` and return at once.
+             tensors: dict[str, torch.Tensor] | None = None, meta: dict | None = None,
+             plan_hash: str | None = None) -> None:
+        """Queue a message to ``peer`` and return at once (under ``plan_hash``, default this process's plan: the
+        coordinator tells a stage of another plan of its run to follow the current one, runtime/run/elastic.py).
 
         ``kind`` is a hetero.protocol record (``Clip(coef=..., grad_norm=...)``: the kind and its meta)
         or a kind's name (a message of tensors only); a kind the protocol does not define is refused. Tensors go out zero-copy from their own memory (GPU tensors are first copied to CPU
@@ -271,7 +273,7 @@ class Transport:
             kind, meta = kind.KIND, kind.to_wire()
         record_type(kind)  # refuses a kind the protocol does not define
         msg = Message(kind=kind, sender=self.name, step=step, mb=mb, meta=meta or {}, tensors=tensors or {})
-        frames = encode(msg, self.plan_hash)
+        frames = encode(msg, plan_hash or self.plan_hash)
         deadline = time.monotonic() + SEND_STALL_S
         while True:
             with self._send_lock:

@@ -146,6 +146,11 @@ class Prediction:
     # tokens per second that makes; None: no data statistics, only computed tokens are known.
     label_fraction: float | None = None
     trained_tokens_per_s: float | None = None
+    # runtime.elastic=auto copies the stages' state to the coordinator's memory every ``state_copy_every`` steps,
+    # ``state_copy_s`` a copy (planner/state_copy.py); 0: not priced (plans from before).
+    state_copy_bytes: float = 0.0
+    state_copy_s: float = 0.0
+    state_copy_every: int = 0
 
 
 def with_label_fraction(prediction: Prediction, label_fraction: float | None) -> Prediction:

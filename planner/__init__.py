@@ -39,6 +39,7 @@ from hetero.planner.replica_choice import choose_replicas as _replicas
 from hetero.planner.schedules import gpipe, one_f_one_b, programs_for
 from hetero.planner.simulator import ScheduleError, Timeline, simulate, simulate_plan
 from hetero.planner.solve import PROVEN, solve_simulated
+from hetero.planner.state_copy import state_copy
 from hetero.program import format_program, parse_program
 from hetero.specs import ClusterSpec, DataSpec, EvalSpec, ModelSpec, PlannerOptions, TrainSpec
 from hetero.stream_buffer import copies_per_step
@@ -413,7 +414,9 @@ def plan(
     stages, replicas = _stages(table, graph, model, cluster, train.schedule, chosen, options.compression)
     _check_attention_devices(model, stages)
     fraction = data_stats.label_fraction if data_stats is not None else None
-    prediction = with_label_fraction(prediction, fraction)
+    copy = state_copy(stages, graph, cluster, prediction.step_time_s, replicas[0].stages if replicas else None)
+    prediction = replace(with_label_fraction(prediction, fraction), state_copy_bytes=copy.bytes,
+                         state_copy_s=copy.seconds, state_copy_every=copy.every)
     base = [replace(b, prediction=with_label_fraction(b.prediction, fraction)) if b.prediction is not None else b
             for b, _ in pairs]
     cost_sources, cost_notes = _cost_provenance(cost_model)

@@ -478,6 +478,35 @@ def test_a_re_planned_stage_keeps_its_process_name_and_key(tiny_model_dir: Path,
         "coordinator.key", "stage0.key", "stage2.key"]
 
 
+def test_the_plan_prices_the_state_copies_and_spaces_them(tiny_model_dir: Path, tiny_spec: ModelSpec) -> None:
+    """runtime.elastic's copies of the stages' state are priced with the plan: their bytes (LoRA weights and AdamW's
+    two moments, fp32), their seconds over the links to the coordinator, and the steps between copies that keep them
+    under 1 % of the steps' time; `hetero show` says so."""
+    import math
+    from dataclasses import replace
+
+    from hetero.cli.show import prediction_lines
+    from hetero.planner.state_copy import state_copy
+
+    hand = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=TRAIN, hosts=["alpha", "beta", "beta"])
+    nodes = [replace(n, lora_params=50_000) if n.kind == "decoder" else n for n in hand.graph.nodes]  # (it says 0)
+    plan = plan_without(replace(hand, graph=replace(hand.graph, nodes=nodes)), set()).plan  # made by the planner
+    lora = 6 * 50_000
+    p = plan.prediction
+    assert p.state_copy_bytes == 12 * lora and p.state_copy_s > 0 and p.state_copy_every >= 1
+    assert any(f"({12 * lora / 1e6:.3g} MB) is copied to the coordinator's memory" in line
+               for line in prediction_lines(plan))
+    # beta's two stages share a 20 Mbit/s link to the coordinator on alpha: that transfer is the copy's time.
+    slow = replace(plan.cluster, links=[replace(link, bandwidth_gbps=0.02, latency_us=1000.0)
+                                        for link in plan.cluster.links])
+    beta = sum(plan.graph.nodes[i].lora_params for s in plan.stages[1:] for i in range(s.first_node, s.last_node + 1))
+    copy = state_copy(plan.stages, plan.graph, slow, step_time_s=2.0)
+    wire = 12 * beta * 8 / 0.02e9 + 1e-3
+    assert wire <= copy.seconds <= wire * 1.05, (copy.seconds, wire)
+    assert copy.every == math.ceil(copy.seconds / (0.01 * 2.0)) > 1
+    assert state_copy(plan.stages, plan.graph, slow, step_time_s=1e4).every == 1  # long steps: a copy every step
+
+
 def test_a_recovery_reads_as_a_sentence_in_the_report() -> None:
     event = {"event": "recovery", "after_step": 12, "stage": 1, "device": "box.cpu1", "cause": "exited: killed by SIGKILL",
              "old_split": [2, 2, 2], "new_split": [3, 3], "plan": "plan-recovery-1.json", "resumed_from_step": 10,

@@ -236,7 +236,18 @@ def prediction_lines(plan: Plan) -> list[str]:
         f"= {p.tokens_per_step} tokens per optimizer step",
         f"predicted step {fmt_time(p.step_time_s)}, {rate_line(p)}, pipeline bubble {p.bubble_fraction:.0%}",
         *replica_lines(plan),
+        *state_copy_lines(p),
     ]
+
+
+def state_copy_lines(p: Prediction) -> list[str]:
+    """What keeping the run recoverable costs (runtime.elastic=auto), when the plan priced it."""
+    if p.state_copy_every <= 0:
+        return []
+    every = "every step" if p.state_copy_every == 1 else f"every {p.state_copy_every} steps"
+    return [f"runtime.elastic: the stages' state ({p.state_copy_bytes / 1e6:,.3g} MB) is copied to the coordinator's "
+            f"memory {every}, {fmt_time(p.state_copy_s)} a copy (at most 1% of the steps' time); a lost device costs "
+            f"at most the steps since"]
 
 
 def rate_line(p: Prediction) -> str:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shlex
 import signal
 import sys
@@ -36,6 +35,7 @@ from typing import Any
 
 from hetero.errors import HeteroError, WireError
 from hetero.plan import Plan
+from hetero.planner.state_copy import copy_every
 from hetero.protocol import (
     WIRE_VERSION,
     Clip,
@@ -88,9 +88,6 @@ __all__ = ["Coordinator", "RunOptions", "RunResult", "StageFailedError", "coordi
 
 
 log = logging.getLogger("hetero.run")
-# runtime.elastic=auto copies the stages' state to the coordinator's memory this seldom: a copy's measured cost at most
-# this share of the steps' time between copies.
-MEMORY_COPY_SHARE = 0.01
 
 class Coordinator:
     """Drives one training run of a plan; see the module docstring."""
@@ -142,7 +139,9 @@ class Coordinator:
         # runtime.elastic=auto: the stages' state, copied off them every ``memory_every`` steps (runtime/run/elastic.py)
         self.elastic = options.elastic == "auto"
         self.memory: tuple[dict[str, Any], dict[str, Any]] | None = None  # the union of the newest payloads
-        self.memory_every = 1  # steps between copies: set from what a copy costs against a step
+        # Steps between copies: the first comes after one step (it protects the run early and is measured), the next
+        # ones as far apart as what a copy measured against a step requires (the plan's prediction is shown only).
+        self.memory_every = 1
         self.snapshot_to_disk = False
         self.result = self.records.result
         from hetero.runtime.run.moves import Mover
@@ -620,7 +619,8 @@ class Coordinator:
     def _keep_in_memory(self, payloads: dict[int, Any], copy_s: float, step_s: float) -> None:
         """runtime.elastic=auto: the newest state of every stage, kept here (a lost stage cannot take it along), and
         the steps until the next copy: as many as keep a copy's cost (``copy_s``, the wait for the payloads after
-        the step ended; the stages computed the next step meanwhile) under MEMORY_COPY_SHARE of the steps'."""
+        the step ended; the stages computed the next step meanwhile) under STATE_COPY_SHARE of the steps'
+        (planner/state_copy.py)."""
         if not self.elastic:
             return
         from hetero.runtime.run.checkpoint import merge_payloads
@@ -629,7 +629,7 @@ class Coordinator:
         self.memory = merge_payloads([(payloads[k].tensors, payloads[k].meta) for k in first],
                                      "the stages' payloads disagree on the step")
         if step_s > 0:
-            self.memory_every = max(1, math.ceil(copy_s / (MEMORY_COPY_SHARE * step_s)))
+            self.memory_every = copy_every(copy_s, step_s)
             log.debug("state copied after step %s in %.4f s (step %.4f s): next copy in %d step(s)",
                       self.memory[1]["step"], copy_s, step_s, self.memory_every)
 

@@ -278,7 +278,7 @@ class Executor:
     def _send_activation(self, step: int, mb: int) -> None:
         out = self._outputs[mb].detach()
         _check_finite(out, "activations", self.stage.index, step, mb)
-        tensors = _pack(out, "h", self.link_out)
+        tensors = compress.pack(out, "h", self.link_out)
         positions = self._mb_positions.pop(mb, None)
         if positions is not None:
             tensors["pos"] = positions
@@ -307,7 +307,7 @@ class Executor:
         x = self._inputs.pop(mb)
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
         _check_finite(grad, "input gradients", self.stage.index, step, mb)
-        self.wire.send(self.prev, Grad(sent=time.time()), step=step, mb=mb, tensors=_pack(grad, "g", self.link_in))
+        self.wire.send(self.prev, Grad(sent=time.time()), step=step, mb=mb, tensors=compress.pack(grad, "g", self.link_in))
 
     def _optimizer_step(self, step: int, mb: int) -> None:
         if self.replicated:
@@ -359,22 +359,13 @@ def _check_finite(t: torch.Tensor, what: str, k: int, step: int, mb: int) -> Non
                                     f"{DIVERGED_HINT}")
 
 
-def _pack(t: torch.Tensor, name: str, scheme: str) -> dict[str, torch.Tensor]:
-    """A hand-off tensor as sent on a link of ``scheme``: itself under ``name``, or its compressed parts under
-    ``name``_q and ``name``_scale (runtime/wire/compress.py; the receiver's rules check them)."""
-    if scheme == "none":
-        return {name: t}
-    parts = compress.encode(t, scheme)
-    return {f"{name}_q": parts["q"], f"{name}_scale": parts["scale"]}
-
-
 def _unpack(tensors: dict[str, torch.Tensor], name: str, scheme: str, hidden: int,
             device: torch.device) -> torch.Tensor:
-    """What ``_pack`` sent: the tensor; compressed, its parts copied to ``device`` (the compressed bytes cross the
+    """What compress.pack sent: the tensor; compressed, its parts copied to ``device`` (the compressed bytes cross the
     host link, not the decoded ones) and decoded there in float32 (the caller casts to its dtype)."""
     if scheme == "none":
         return tensors[name]
-    parts = {"q": tensors[f"{name}_q"].to(device), "scale": tensors[f"{name}_scale"].to(device)}
+    parts = {part: t.to(device) for part, t in compress.parts_of(tensors, name, scheme).items()}
     return compress.decode(parts, scheme, hidden, torch.float32)
 
 

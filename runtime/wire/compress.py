@@ -52,6 +52,28 @@ def part_shapes(shape: tuple[int, ...], scheme: str) -> dict[str, tuple[tuple[in
             "scale": ((*lead, width // TILE), torch.float32)}
 
 
+def wire_names(name: str, scheme: str) -> dict[str, str]:
+    """Part -> the message's tensor name it travels under, for a hand-off ``name`` (``h``, ``g``) on a link of
+    ``scheme``: ``{"": name}`` uncompressed, else ``{"q": name_q, "scale": name_scale}``."""
+    if scheme == "none":
+        return {"": name}
+    return {part: f"{name}_{part}" for part in part_shapes((TILE,), scheme)}
+
+
+def pack(t: torch.Tensor, name: str, scheme: str) -> dict[str, torch.Tensor]:
+    """A hand-off tensor as a message carries it on a link of ``scheme``: itself under ``name``, or its encoded parts
+    under wire_names (the receiver's rules check them: ``parts_of`` + check)."""
+    if scheme == "none":
+        return {name: t}
+    parts = encode(t, scheme)
+    return {wire: parts[part] for part, wire in wire_names(name, scheme).items()}
+
+
+def parts_of(tensors: dict[str, torch.Tensor], name: str, scheme: str) -> dict[str, torch.Tensor]:
+    """The encoded parts of hand-off ``name`` in a message's ``tensors`` (what ``pack`` sent), by part name."""
+    return {part: tensors[wire] for part, wire in wire_names(name, scheme).items()}
+
+
 def wire_bytes(shape: tuple[int, ...], scheme: str, dtype_bytes: float) -> float:
     """Bytes a ``shape`` tensor of ``dtype_bytes`` per value puts on the wire under ``scheme`` (``none``: as is)."""
     if scheme == "none":

@@ -60,7 +60,7 @@ class Rules:
     num_micro_batches: int = 1
     step: int | None = None  # the step in progress; None before training (only duplicates are refused)
     # Compressed hand-offs (runtime/wire/compress.py): kind -> (tensor name, scheme, the uncompressed shape); the
-    # parts <name>_q and <name>_scale are in ``tensors``, and their levels and scales are checked here too.
+    # parts (compress.wire_names) are in ``tensors``, and their levels and scales are checked here too.
     compressed: dict[str, tuple[str, str, tuple[int, ...]]] = field(default_factory=dict)
     max_pending: int = 64
 
@@ -115,8 +115,7 @@ class Rules:
                 raise WireError(f"{msg.describe()}: tensor {name!r} holds NaN or inf")
         if msg.kind in self.compressed:
             name, scheme, shape = self.compressed[msg.kind]
-            compress.check({"q": msg.tensors[f"{name}_q"], "scale": msg.tensors[f"{name}_scale"]}, scheme, shape,
-                           msg.describe())
+            compress.check(compress.parts_of(msg.tensors, name, scheme), scheme, shape, msg.describe())
 
 
 def positions_well_formed(position_ids: torch.Tensor) -> bool:
@@ -180,7 +179,8 @@ def _handoff(name: str, shape: tuple[int, ...], dtype: str, scheme: str) -> dict
     if scheme == "none":
         return {name: TensorRule(shape, dtype)}
     parts = compress.part_shapes(shape, scheme)
-    return {f"{name}_{part}": TensorRule(s, str(d).removeprefix("torch.")) for part, (s, d) in parts.items()}
+    return {wire: TensorRule(parts[part][0], str(parts[part][1]).removeprefix("torch."))
+            for part, wire in compress.wire_names(name, scheme).items()}
 
 
 def coordinator_rules(plan: Any) -> Rules:

@@ -4,8 +4,8 @@ While it trains, the coordinator copies every stage's state (its LoRA weights an
 checkpoint payload) into its own memory at a step boundary, so a lost stage cannot take the run's state along. A
 copy costs each stage the serialization of its state (a copy off a GPU over the host link, or through CPU memory)
 and the transfer to the coordinator's host; the stages of one host share its link. The copies are spaced so that
-they cost at most STATE_COPY_SHARE of the steps' time between them: every ``every`` steps. The plan shows both; the
-coordinator starts from the plan's spacing and keeps it to what it measures.
+they cost at most STATE_COPY_SHARE of the steps' time between them: every ``every`` steps. The plan shows both, as
+what to expect; the coordinator copies after the first step, measures that copy and spaces the next ones by it.
 """
 
 from __future__ import annotations

@@ -132,7 +132,8 @@ class Coordinator:
             self.transport.close()
             raise
         self.heartbeat = Heartbeat(self.transport, self.names, interval_s=heartbeat_interval(options.failure_timeout_s))
-        self.greeting = HandshakeWatch(plan, self.transport, self.names, self.endpoint, plan_path)  # other plans
+        self.greeting = HandshakeWatch(plan, self.transport, self.names, self.endpoint, plan_path,  # other plans
+                                       earlier=set(options.earlier_plans))
         self.step_timeout_s = step_timeout_s(plan, options.step_timeout_s)
         self.snapshot_every_s = options.snapshot_every_s  # 0: no time-based checkpoints
         self.saved_at = time.perf_counter()  # when the stages' state last went to disk (or training began)
@@ -223,14 +224,21 @@ class Coordinator:
 
     def _abort(self, exc: BaseException) -> HeteroError | None:
         """Stop every stage after ``exc``; returns the one-line error to raise instead (None: ``exc`` itself)."""
-        self.heartbeat.stopped.set()
-        if not isinstance(exc, KeyboardInterrupt):
+        if isinstance(exc, KeyboardInterrupt):
+            self.heartbeat.stopped.set()
+        else:  # heartbeats go on while the state is written and a re-plan is made: the stages left must not time out
             self._save_memory()  # before the error line: its resume command names the newest checkpoint
         error = self._explain(exc)
         reason = "interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else f"run failed: {error or exc}"
         failed = error if error is not None else exc
         if self.on_loss is not None and isinstance(failed, StageFailedError):
-            self.recovered = self.on_loss(failed)
+            try:
+                self.recovered = self.on_loss(failed)
+            except Exception as why:  # a re-plan that fails ends the run with the loss's own line
+                log.warning("runtime.elastic: could not re-plan: %s: %s", type(why).__name__, why)
+                print(f"hetero run: runtime.elastic: could not re-plan ({type(why).__name__}: {why}): stopping",
+                      file=sys.stderr, flush=True)
+        self.heartbeat.stopped.set()  # nothing may queue behind the stop for stages about to exit
         if isinstance(exc, Rejoining):
             self._hand_over(exc.plan, exc.path, None, exc.joiners)
         elif self.recovered is not None:
@@ -363,7 +371,7 @@ class Coordinator:
             try:
                 self.transport.connect(joiner.name, joiner.endpoint)
                 self.transport.send(joiner.name, follow, plan_hash=joiner.plan_hash)
-            except Exception as exc:  # it says hello again, and is seen again
+            except Exception as exc:  # it keeps its old plan: the new plan's handshake waits for it, then names it
                 log.warning("could not tell %s the run's plan: %s", joiner.name, exc)
 
     def _broadcast(self, record: Record) -> None:
@@ -572,7 +580,7 @@ class Coordinator:
                     return
                 if self.on_return is not None and self.transport.rejected != self.rejected_seen:
                     self.rejected_seen = self.transport.rejected  # something was dropped: a lost device back?
-                    if (back := self.on_return()) is not None:
+                    if (back := self._returned()) is not None:
                         self._state_after(step)
                         raise back
                 self.transport.rules.step = step  # reports for other steps than this and the next are dropped
@@ -642,6 +650,16 @@ class Coordinator:
             lambda payloads: self.records.write_checkpoint(step + 1, payloads))
         self.records.event(event)
         log.info("rebalanced after step %d: %s", step, event["cause"]["reason"])
+
+    def _returned(self) -> Rejoining | None:
+        """on_return's answer; a failure to plan with a device that came back is said, and the run goes on as it is."""
+        try:
+            return self.on_return() if self.on_return is not None else None
+        except Exception as why:
+            print(f"hetero run: runtime.elastic: a device is back, but planning with it failed ({type(why).__name__}: "
+                  f"{why}): going on without it", file=sys.stderr, flush=True)
+            self.on_return = None  # once: it would fail again at every step
+            return None
 
     def _state_after(self, done: int) -> None:
         """Every stage's state after ``done`` steps into this coordinator's memory (a re-plan goes on from it): as

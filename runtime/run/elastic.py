@@ -76,7 +76,7 @@ def run_elastic(plan: Plan, plan_path: Path, options: RunOptions) -> tuple[Plan,
             recovered = coordinator.recovered  # planned while the stages stopped: the remote ones got its plan
             if recovered is None:
                 raise
-            history.losses[recovered[2].recovery["device"]] += 1  # type: ignore[index]
+            history.losses.update(recovered[2].recovery["lost_devices"])  # type: ignore[index]
         except Rejoining as back:
             where = options.host if options.host is not None else coordinator.host
             recovered = (back.plan, back.path, replace(options, host=where, resume=None, checkpoint=coordinator.memory,
@@ -88,6 +88,7 @@ def run_elastic(plan: Plan, plan_path: Path, options: RunOptions) -> tuple[Plan,
         earlier += [e for e in coordinator.result.events if e.get("event") == "recovery"]
         plan, plan_path, options = recovered
         history.plans.append(plan)
+        options = replace(options, earlier_plans=tuple(p.input_hash for p in history.plans[:-1]))
         done += 1
 
 
@@ -208,6 +209,11 @@ def _rejoin(coordinator: Any, history: Lineage, options: RunOptions, done: int) 
     number = done + 1
     path = options.run_dir / f"plan-recovery-{number}.json"
     new.plan.save(path)
+    if len(path.read_bytes()) > MAX_PLAN_BYTES:
+        history.say(f"{back} is back, but the plan with it ({path}) is larger than a message may carry to the other "
+                    "hosts: going on without it")
+        history.declined.add(asked)
+        return None
     steps = coordinator.result.steps
     last = int(steps[-1]["step"]) if steps else coordinator.start_step - 1
     devices = {s.device: s for s in first.stages}
@@ -244,8 +250,8 @@ def _recover(coordinator: Any, exc: StageFailedError, options: RunOptions, done:
         return None
     host = coordinator.host
     try:
-        recovery = plan_without(plan, {device, *(plan.stages[j].device for j in lost.others)},
-                                history.speeds(coordinator))
+        gone = [device, *(plan.stages[j].device for j in lost.others)]
+        recovery = plan_without(plan, set(gone), history.speeds(coordinator))
     except HeteroError as why:
         print(f"hetero run: runtime.elastic: cannot go on without {device}: {why}", file=sys.stderr, flush=True)
         return None
@@ -261,6 +267,7 @@ def _recover(coordinator: Any, exc: StageFailedError, options: RunOptions, done:
     last = coordinator.result.steps[-1]["step"] if coordinator.result.steps else resumed - 1
     event = {
         "event": "recovery", "after_step": int(last), "recovery": number, "stage": lost.stage, "device": device,
+        "lost_devices": gone,
         "host": plan.stages[lost.stage].host, "cause": f"{lost.what}: {lost.cause}", "resumed_from_step": resumed,
         "replayed_steps": max(0, int(last) + 1 - resumed), "old_split": split_of(plan),
         "new_split": recovery.split, "devices": recovery.devices, "plan": path.name,

@@ -68,6 +68,7 @@ def serve_host(plan_path: Path, plan: Plan, host: str, run_dir: Path, coordinato
         raise KeyboardInterrupt  # SIGTERM: stop the stages in order, like Ctrl-C
 
     signal.signal(signal.SIGTERM, on_term)
+    first = plan
     while True:
         started = time.time()
         procs = spawn_stages(plan_path, stages, run_dir, coordinator, replan_dir=run_dir)
@@ -80,7 +81,7 @@ def serve_host(plan_path: Path, plan: Plan, host: str, run_dir: Path, coordinato
             raise
         if len(codes) < len(procs) or EXIT_REPLAN not in codes.values():
             return _ended(procs, codes, stages, run_dir)
-        following = _next_plan(run_dir, plan, host, started)
+        following = _next_plan(run_dir, first, host, started)
         if following is None:
             return 0
         plan_path, plan, stages = following
@@ -88,7 +89,11 @@ def serve_host(plan_path: Path, plan: Plan, host: str, run_dir: Path, coordinato
 
 def _next_plan(run_dir: Path, plan: Plan, host: str, since: float) -> tuple[Path, Plan, list[int]] | None:
     """The plan this host's stages left in ``run_dir`` after ``since`` (the run goes on under it: the highest number,
-    so a run directory used before cannot mislead), and this host's stages of it; None (said) when it has none here."""
+    so a run directory used before cannot mislead), and this host's stages of it; None (said) when it has none here.
+
+    It must be a re-plan of ``plan``, the plan this worker was started with: the same keys and model, on devices of
+    its fleet, each stage under the process name its device had (with keys, only the coordinator could have sent
+    it; without, this keeps a stranger's plan from running here)."""
     numbered = sorted((p for p in run_dir.glob("plan-recovery-*.json")
                        if p.stem.rsplit("-", 1)[-1].isdigit() and p.stat().st_mtime >= since - 1.0),
                       key=lambda p: int(p.stem.rsplit("-", 1)[-1]))
@@ -99,6 +104,12 @@ def _next_plan(run_dir: Path, plan: Plan, host: str, since: float) -> tuple[Path
     if new.security != plan.security:
         raise PlanError(f"{path}: the coordinator's new plan has other keys than {host}'s plan.json: restart this "
                         "worker with the run's plan.json and keys")
+    devices = {d.name for d in plan.cluster.devices}
+    names = {s.device: plan.stage_id(k) for k, s in enumerate(plan.stages)}
+    if new.model != plan.model or any(s.device not in devices or names.get(s.device, new.stage_id(k)) != new.stage_id(k)
+                                      for k, s in enumerate(new.stages)):
+        raise PlanError(f"{path} is not a re-plan of {host}'s plan.json (another model, devices or stage names): "
+                        "not running it")
     stages = [s.index for s in new.stages if s.host == host]
     if not stages:
         print(f"hetero worker: the run goes on under {path.name} without host {host}: done", flush=True)

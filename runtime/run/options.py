@@ -69,6 +69,7 @@ class RunOptions:
     batches: Any = None  # the run's StepBatches, if already built (`hetero run` checks the data first)
     key_dirs: list[Path] = field(default_factory=list)  # where this host's key files are (hetero/security.py)
     ssh_hosts: list[Any] = field(default_factory=list)  # runtime/run/ssh.py SshHost: hosts this run starts over ssh
+    earlier_plans: tuple[str, ...] = ()  # input hashes of the plans this run went through before (runtime.elastic)
     ssh_workers: Any = None  # runtime/run/ssh.py SshWorkers already running: a re-planned run keeps them (elastic.py)
     launcher: Any = None  # runtime/run/launcher.py StageLauncher: forks this host's stages (None: fresh interpreters)
     rebalance: str = "auto"  # runtime.rebalance: move layers when a device's speed changes (runtime/run/moves.py)

@@ -183,6 +183,9 @@ def _serve(plan: Plan, k: int, device: Any, mailbox: Mailbox, heartbeat: Heartbe
     train_steps(executor, mailbox, plan.input_hash, int(welcome.meta.get("start_step", 0)),
                 eval_every=int(welcome.meta.get("eval_every", 0)), rebuild=rebuild)
     stop = mailbox.recv("stop", sender=COORDINATOR, timeout_s=None)
+    plan_text, replan = stop.meta.get("plan"), stop.meta.get("replan")
+    if isinstance(plan_text, str) and isinstance(replan, int):  # lost a device after the last step: go on there
+        raise StopRequested(str(stop.meta.get("reason", "stop requested")), plan_text, replan)
     log.info("stopping: %s", stop.meta.get("reason", "stop requested"))
 
 

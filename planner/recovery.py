@@ -16,6 +16,7 @@ depend on it (the checkpoint is layout-free, and every micro-batch of a step is 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from hetero.errors import InfeasiblePlanError
 from hetero.plan import Plan
@@ -56,9 +57,7 @@ def plan_without(plan: Plan, lost: set[str], factors: dict[str, float] | None = 
         raise InfeasiblePlanError("no training device is left")
     fleet = without_devices(plan.cluster, lost)
     cost_model = RooflineCostModel(efficiency=plan.planner.efficiency)
-    replanner = Replanner(plan, cost_model, cluster=fleet, order=order)
-    speed = [float((factors or {}).get(name, 1.0)) for name in order]
-    best = replanner.best(speed)
+    replanner, best = _best_split(plan, order, fleet, cost_model, factors or {})
     if best is None:
         raise InfeasiblePlanError(f"the {len(order)} device(s) left ({', '.join(order)}) cannot hold the model: "
                                   "no split of its layers fits their memory")
@@ -77,15 +76,20 @@ def simulated_step_s(plan: Plan, lost: set[str], factors: dict[str, float]) -> f
     ``factors`` (device -> measured compute over priced): what a re-plan would choose, without making the plan (so
     a plan with a device back and the plan without it compare at the same speeds). None for a plan of replicas,
     or when no split fits."""
-    if len(plan.pipelines) != 1:
-        return None
     order = [s.device for s in plan.stages if s.device not in lost]
-    if not order:
+    if len(plan.pipelines) != 1 or not order:
         return None
-    replanner = Replanner(plan, RooflineCostModel(efficiency=plan.planner.efficiency),
-                          cluster=without_devices(plan.cluster, lost), order=order)
-    best = replanner.best([float(factors.get(name, 1.0)) for name in order])
+    _, best = _best_split(plan, order, without_devices(plan.cluster, lost),
+                          RooflineCostModel(efficiency=plan.planner.efficiency), factors)
     return None if best is None else best.step_s
+
+
+def _best_split(plan: Plan, order: list[str], fleet: ClusterSpec, cost_model: RooflineCostModel,
+                factors: dict[str, float]) -> tuple[Replanner, Any]:
+    """The split search of one pipeline over the devices ``order`` of ``fleet``, and its best split at the speeds
+    ``factors`` (1.0 where absent; None when no split fits)."""
+    replanner = Replanner(plan, cost_model, cluster=fleet, order=order)
+    return replanner, replanner.best([float(factors.get(name, 1.0)) for name in order])
 
 
 def _replicas_without(plan: Plan, lost: set[str]) -> Recovery:

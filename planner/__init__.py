@@ -36,10 +36,11 @@ from hetero.planner.objective import (
 from hetero.planner.profile_cost import ProfileCostModel
 from hetero.planner.replica_choice import Chosen, predict_replicas, searches_replicas, settle, settle_single
 from hetero.planner.replica_choice import choose_replicas as _replicas
-from hetero.planner.schedules import gpipe, one_f_one_b, programs_for
+from hetero.planner.schedules import gpipe, one_f_one_b
 from hetero.planner.simulator import ScheduleError, Timeline, simulate, simulate_plan
 from hetero.planner.solve import PROVEN, solve_simulated
 from hetero.planner.state_copy import state_copy
+from hetero.planner.step_form import programs_for
 from hetero.program import format_program, parse_program
 from hetero.specs import ClusterSpec, DataSpec, EvalSpec, ModelSpec, PlannerOptions, TrainSpec
 from hetero.stream_buffer import copies_per_step

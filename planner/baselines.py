@@ -5,8 +5,8 @@ from __future__ import annotations
 from hetero.plan import Baseline, Prediction
 from hetero.planner.cost import GB, CostTable
 from hetero.planner.objective import Evaluation, Placement, evaluate, split_spans
-from hetero.planner.schedules import programs_for
 from hetero.planner.simulator import Timeline, simulate
+from hetero.planner.step_form import programs_for
 
 # Baselines recompute whatever layers make them fit, as a single-GPU trainer with gradient
 # checkpointing would, whatever planner.recompute says for the plan itself: a baseline that

@@ -22,6 +22,7 @@ from hetero.planner.cost_model import (
     wire_bytes_per_token,
     wire_values_per_token,
 )
+from hetero.planner.step_form import StepForm, step_form
 from hetero.planner.stream_costs import stream_columns
 from hetero.specs import ClusterSpec, DeviceSpec, ModelSpec, PlannerOptions, TrainSpec
 
@@ -35,13 +36,9 @@ AUTO_SCHEME = "int8"  # what planner.compression=auto puts on a link it compress
 
 
 def in_flight(schedule: str, position_from_end: int, num_micro_batches: int) -> int:
-    """Micro-batches whose activations a stage holds at its peak; position 0 is the last stage.
-
-    1F1B: stage k of S holds min(S - k, m), i.e. min(position_from_end + 1, m). GPipe: all m.
-    """
-    if schedule == "gpipe":
-        return num_micro_batches
-    return min(position_from_end + 1, num_micro_batches)
+    """Micro-batches whose activations a stage holds at its peak; position 0 is the last stage (the
+    schedule's step form says: 1F1B holds min(position_from_end + 1, m), GPipe all m)."""
+    return step_form(schedule).held(position_from_end, num_micro_batches)
 
 
 def _rows(values: object) -> list[list[float]]:
@@ -210,6 +207,11 @@ class CostTable:
         if mode == "full":
             return [count]
         return list(range(count + 1))
+
+    @property
+    def form(self) -> StepForm:
+        """The schedule's step algebra (planner/step_form.py): what the solvers read about it."""
+        return step_form(self.schedule)
 
     @property
     def num_nodes(self) -> int:

@@ -198,7 +198,7 @@ class _StreamSpans:
 class _Path:
     stages: list[tuple[int, int, int, int, int]]  # (class, first, last, recompute, stream)
     total_s: float  # sum_k (f_k + b_k) + 2 sum_k c_k
-    periods: tuple[float, ...]  # 1F1B: (P,); GPipe: (P_f, P_b)
+    periods: tuple[float, ...]  # one per period group of the step form (1F1B: (P,); GPipe: (P_f, P_b))
 
 
 @dataclass
@@ -219,7 +219,7 @@ class ThresholdDP:
         self.table, self.deadline = table, deadline
         n, m = table.num_nodes, table.num_micro_batches
         self.n, self.m = n, m
-        self.gpipe = table.schedule == "gpipe"
+        self.form = table.form
         classes = table.device_classes()
         self.num_classes = nc = max(classes) + 1
         self.members = [[d for d, c in enumerate(classes) if c == k] for k in range(nc)]
@@ -237,7 +237,7 @@ class ThresholdDP:
     def prepare(self) -> None:
         """Stage and link cost arrays and the multiset bookkeeping (raises OutOfTime past the deadline)."""
         table, n, m, nc, avail = self.table, self.n, self.m, self.num_classes, self.avail
-        self.helds = [m] if self.gpipe else list(range(1, min(m, self.most_stages) + 1))
+        self.helds = self.form.helds(m, self.most_stages)
         fwd, bwd, rec, stream = [], [], [], []
         for mem in self.members:
             check(self.deadline)
@@ -256,8 +256,10 @@ class ThresholdDP:
         idx = np.arange(num)
         counts = np.stack([(idx // self.stride[c]) % (avail[c] + 1) for c in range(nc)], axis=1)
         self.size = counts.sum(axis=1)
-        # The stage added in front of multiset M has |M| stages after it: min(|M| + 1, m) in flight.
-        self.held_index = np.zeros(num, dtype=np.int64) if self.gpipe else np.minimum(self.size, len(self.helds) - 1)
+        # The stage added in front of multiset M has |M| stages after it (1F1B: min(|M| + 1, m) in flight).
+        most = self.most_stages
+        slots = np.array([self.form.slot(p, m, most) for p in range(most)], dtype=np.int64)
+        self.held_index = slots[np.minimum(self.size, most - 1)]
         addable = np.stack([(counts[:, c] < avail[c]) & (self.size < self.most_stages) for c in range(nc)])
         self.addable = addable  # [class][multiset]: one more stage of this class is allowed
         # A lower bound on the time of nodes 0..i-1 wherever they run (for pruning against a cutoff).
@@ -268,11 +270,9 @@ class ThresholdDP:
     def candidates(self) -> list[np.ndarray]:
         """Sorted distinct values each period can take: stage terms and link terms."""
         links = self.link[:-1][np.isfinite(self.link[:-1])] if self.n > 1 else np.zeros(0)
-        if self.gpipe:
-            ok = np.isfinite(self.time)
-            return [np.unique(np.concatenate([self.fwd[ok], links])),
-                    np.unique(np.concatenate([self.bwd[ok], links]))]
-        return [np.unique(np.concatenate([self.time[np.isfinite(self.time)], 2.0 * links]))]
+        ok = np.isfinite(self.time)
+        return [np.unique(np.concatenate([g.stage(self.fwd[ok], self.bwd[ok]), g.link * links]))
+                for g in self.form.groups]
 
     def run(self, limits: tuple[float, ...], cutoff: float = np.inf) -> _Path | None:
         """The placement with the smallest sum whose every period term is <= ``limits``; None if none.
@@ -280,12 +280,10 @@ class ThresholdDP:
         With a ``cutoff``, partial pipelines that cannot finish below it are dropped: the result is
         exact if its sum is below the cutoff, and otherwise only says that nothing is."""
         n, nc, num = self.n, self.num_classes, self.num_multisets
-        if self.gpipe:
-            ok = (self.fwd <= limits[0]) & (self.bwd <= limits[1])
-            link_ok = self.link <= min(limits)
-        else:
-            ok = self.time <= limits[0]
-            link_ok = 2.0 * self.link <= limits[0]
+        ok, link_ok = np.isfinite(self.time), np.ones(self.link.shape, dtype=bool)
+        for g, limit in zip(self.form.groups, limits, strict=True):
+            ok &= g.stage(self.fwd, self.bwd) <= limit
+            link_ok &= g.link * self.link <= limit
         time = np.where(ok, self.time, np.inf)
         link = np.where(link_ok, 2.0 * self.link, np.inf)
         # value[j][c][M]: the smallest sum of stages covering nodes j.. with classes M, the first of
@@ -351,11 +349,7 @@ class ThresholdDP:
                 break
             link_terms.append(float(self.link[nxt - 1, c, c_next]))
             c, multiset, j = c_next, rest, nxt
-        if self.gpipe:
-            periods: tuple[float, ...] = (max([f for f, _ in stage_terms] + link_terms),
-                                          max([b for _, b in stage_terms] + link_terms))
-        else:
-            periods = (max([f + b for f, b in stage_terms] + [2.0 * x for x in link_terms]),)
+        periods = tuple(self.form.periods([f for f, _ in stage_terms], [b for _, b in stage_terms], link_terms))
         return _Path(stages, total, periods)
 
     def placement(self, path: _Path) -> Placement:

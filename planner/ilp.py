@@ -30,6 +30,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import pulp
 
@@ -47,6 +48,7 @@ from hetero.planner.network import (
 )
 from hetero.planner.objective import Evaluation, Placement, evaluate
 from hetero.planner.splits import dp_starts
+from hetero.planner.step_form import PeriodGroup
 
 __all__ = ["IlpResult", "build_network", "canonical", "solve_ilp"]
 
@@ -161,14 +163,12 @@ class _Model:
             prob += pos_a + ub <= pos_b + self.table.num_nodes * (1 - ub)
         return by_device
 
-    def _period_weights(self) -> tuple[list[Callable[[StageArc], float]], float]:
-        """Make the period variables (GPipe: forward and backward apart); the arc time each one bounds
-        and how many times a link counts in it."""
-        if self.table.schedule == "gpipe":
-            self.periods = [pulp.LpVariable("period_fwd", 0), pulp.LpVariable("period_bwd", 0)]
-            return [lambda a: a.fwd, lambda a: a.bwd], 1.0
-        self.periods = [pulp.LpVariable("period", 0)]
-        return [lambda a: a.fwd + a.bwd], 2.0
+    def _period_weights(self) -> tuple[list[Callable[[StageArc], float]], list[float]]:
+        """Make one period variable per period group of the schedule's step form; the arc time each one
+        bounds and how many times a link counts in it."""
+        groups = self.table.form.groups
+        self.periods = [pulp.LpVariable(f"period{p}", 0) for p in range(len(groups))]
+        return [partial(_group_time, g) for g in groups], [g.link for g in groups]
 
     def _period_rows(self, prob: pulp.LpProblem, by_device: dict[int, list[StageArc]]) -> None:
         """The max terms, bounded by every set of arcs of which at most one (unit) is used: the arcs of
@@ -181,9 +181,9 @@ class _Model:
         links_at: dict[int, list[LinkArc]] = defaultdict(list)
         for a in self.net.links:
             links_at[a.cut].append(a)
-        weights, link_factor = self._period_weights()
+        weights, link_factors = self._period_weights()
         self.covers: list[tuple[list[pulp.LpVariable], object]] = []
-        for p, (period, weight) in enumerate(zip(self.periods, weights, strict=True)):
+        for p, (period, weight, link_factor) in enumerate(zip(self.periods, weights, link_factors, strict=True)):
             for arcs in by_device.values():
                 prob += _expr((self.y[a], weight(a)) for a in arcs) <= period
             for arcs in links_at.values():
@@ -234,17 +234,17 @@ class _Model:
         table, net = self.table, self.net
         pl = ev.placement
         num = len(pl.devices)
-        gpipe = table.schedule == "gpipe"
+        by_position = table.form.by_position
         chosen: set[tuple[int, int, int, int, int, int]] = set()
         links: set[tuple[int, int, int, str]] = set()
         downs: set[tuple[int, int]] = set()
         for k, (d, (a, b)) in enumerate(zip(pl.devices, pl.spans, strict=True)):
-            q = 1 if gpipe else min(num - k, net.cap)
+            q = min(num - k, net.cap) if by_position else 1
             chosen.add((d, a, b, q, ev.recompute[k] if ev.recompute else 0, ev.stream[k] if ev.stream else 0))
             if k > 0:
                 prev = pl.devices[k - 1]
                 links.add((a, q, net.group_of[prev], table.host_of[d]))
-                if not gpipe and q < net.cap and min(num - k + 1, net.cap) == net.cap:
+                if by_position and q < net.cap and min(num - k + 1, net.cap) == net.cap:
                     downs.add((a, net.group_of[prev]))
         ys = {(a.device, a.first, a.last, a.state, a.recompute, a.stream): v for a, v in self.y.items()}
         zs = {(a.cut, a.state, a.group, a.host): v for a, v in self.z.items()}
@@ -263,13 +263,10 @@ class _Model:
                 if (a.device, a.first, a.last, a.state, a.recompute, a.stream) in chosen:
                     for k in range(a.first, a.last + 1):
                         covers[k].setInitialValue(weight(a))  # type: ignore[operator]
-        link_times = [0.0] + [s / net.unit for s in ev.send_s[:-1]]
-        if gpipe:
-            self.periods[0].setInitialValue(max(f / net.unit for f in ev.fwd_s + link_times))
-            self.periods[1].setInitialValue(max(b / net.unit for b in ev.bwd_s + link_times))
-        else:
-            stage = [(f + b) / net.unit for f, b in zip(ev.fwd_s, ev.bwd_s, strict=True)]
-            self.periods[0].setInitialValue(max(stage + [2 * c for c in link_times]))
+        periods = table.form.periods([f / net.unit for f in ev.fwd_s], [b / net.unit for b in ev.bwd_s],
+                                     [c / net.unit for c in ev.send_s[:-1]])
+        for var, value in zip(self.periods, periods, strict=True):
+            var.setInitialValue(value)
         return True
 
     def extract(self) -> Evaluation:
@@ -285,6 +282,11 @@ CBC_GRACE_S = 0.5
 # Exact search: no gap, and a new solution need only be this much better (in units of Network.unit,
 # i.e. relative to a lower bound on the step time) than the last, instead of CBC's absolute 1e-5.
 CBC_INCREMENT = 1e-9
+
+
+def _group_time(group: PeriodGroup, arc: StageArc) -> float:
+    """A stage arc's time in one period group."""
+    return float(group.stage(arc.fwd, arc.bwd))
 
 
 def run_cbc(prob: pulp.LpProblem, warm: bool, deadline: float) -> tuple[bool, str]:

@@ -152,8 +152,7 @@ def _scale(table: CostTable, num_stages: int | None, upper_s: float | None) -> _
     most_stages = num_stages or min(n, nd)
     fastest = [t / unit for t in fastest_s]
     bound = float("inf") if upper_s is None else upper_s / unit * (1 + PRUNE_TOL) + 1e-12
-    return _Scale(unit, fastest, sum(fastest), bound, most_stages,
-                  m if table.schedule == "gpipe" else min(m, most_stages))
+    return _Scale(unit, fastest, sum(fastest), bound, most_stages, table.form.most_held(m, most_stages))
 
 
 # A stage candidate: (device, first, last, fwd s, bwd s, [(recompute, stream) holding 1..most_held]).
@@ -166,7 +165,7 @@ def _stage_candidates(table: CostTable, scale: _Scale, deadline: float | None) -
     Running sums add in evaluate's order. Recomputation is chosen per arc, not by a variable: for a
     given stage and micro-batches in flight the fewest layers that fit is also the fastest choice."""
     n, nd, m = table.num_nodes, table.num_devices, table.num_micro_batches
-    gpipe = table.schedule == "gpipe"
+    by_position = table.form.by_position
     pareto = ram_may_bind(table)
     cands = []
     for d in range(nd):
@@ -192,14 +191,15 @@ def _stage_candidates(table: CostTable, scale: _Scale, deadline: float | None) -
                 if m * t + (scale.all_fastest - rest) > scale.bound:
                     break  # longer spans only take longer
                 by_held = _recompute_by_held(table, d, i, j, w, lo, scale.most_held, working, pareto)
-                if not gpipe or by_held[m - 1] is not None:
+                if by_position or by_held[table.form.held(0, m) - 1] is not None:
                     cands.append((d, i, j, f, b, by_held))
     return cands
 
 
-def _capped_state(cands: list[_Candidate], most_held: int, gpipe: bool) -> int:
-    """The smallest Q past which no arc's recomputation (or fitting at all) changes any more."""
-    if gpipe:
+def _capped_state(cands: list[_Candidate], most_held: int, by_position: bool) -> int:
+    """The smallest Q past which no arc's recomputation (or fitting at all) changes any more (1 when
+    every stage holds alike, wherever it is)."""
+    if not by_position:
         return 1
     cap = 1
     for *_, by_held in cands:
@@ -213,9 +213,9 @@ def _capped_state(cands: list[_Candidate], most_held: int, gpipe: bool) -> int:
 def _variants(by_held: list[tuple[tuple[int, int], ...] | None], table: CostTable, cap: int, flat: bool,
               most_held: int) -> list[tuple[int, int, tuple[tuple[int, int], ...] | None]]:
     """The (state, held, (recompute, stream)) arcs of one candidate."""
-    m = table.num_micro_batches
-    if table.schedule == "gpipe":
-        return [(1, m, by_held[m - 1])]
+    if not table.form.by_position:
+        held = table.form.held(0, table.num_micro_batches)
+        return [(1, held, by_held[held - 1])]
     if flat:
         # One arc per recomputation that is the fewest for some micro-batch count, holding the
         # most micro-batches it fits; the rows bound the stages after it.
@@ -312,7 +312,7 @@ def build_network(
         return build_network(table, num_stages, upper_s, False, deadline)
     scale = _scale(table, num_stages, upper_s)
     cands = _stage_candidates(table, scale, deadline)
-    cap = _capped_state(cands, scale.most_held, table.schedule == "gpipe")
+    cap = _capped_state(cands, scale.most_held, table.form.by_position)
     flat = not layered and cap > 1
     if flat:
         cap = 1

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from hetero.plan import MemoryBreakdown
 from hetero.planner.cost import GB, CostTable, in_flight
 from hetero.planner.simulator import CoreShare, core_share
+from hetero.planner.step_form import step_form
 from hetero.planner.stream_costs import BUFFER_LAYERS
 
 
@@ -39,12 +40,7 @@ def pipeline_step_time(
     schedule: str, num_micro_batches: int, fwd_s: list[float], bwd_s: list[float], comm_s: list[float]
 ) -> float:
     """Closed-form step time; ``comm_s[k]`` is the link from stage k to k+1 (len S - 1)."""
-    m = num_micro_batches
-    base = sum(fwd_s) + sum(bwd_s) + 2.0 * sum(comm_s)
-    if schedule == "gpipe":
-        return base + (m - 1) * (max(list(fwd_s) + list(comm_s)) + max(list(bwd_s) + list(comm_s)))
-    period = max([f + b for f, b in zip(fwd_s, bwd_s, strict=False)] + [2.0 * c for c in comm_s])
-    return base + (m - 1) * period
+    return step_form(schedule).closed_form(num_micro_batches, fwd_s, bwd_s, comm_s)
 
 
 @dataclass(frozen=True)

@@ -87,14 +87,14 @@ class FrontEnumerator:
         """Class k's [first][last][held - 1] forward and backward seconds at share m (gpipe: held = m only)."""
         if (k, m) not in self._costs:
             table = self.table_for(m)
-            helds = [m] if table.schedule == "gpipe" else list(range(1, min(m, table.num_devices) + 1))
+            helds = table.form.helds(m, table.num_devices)
             fwd, bwd, *_ = stage_costs(table, self.members[k][0], helds)
             self._costs[(k, m)] = (fwd, bwd)
         return self._costs[(k, m)]
 
     def enumerate(self, counts: tuple[int, ...], m: int, tau_max: float) -> Frontier | None:
         """Every placement on the multiset's devices at share m with T <= tau_max, as (T, reduction) fronts."""
-        table, n, gpipe = self.table_for(m), self.table.num_nodes, self.table.schedule == "gpipe"
+        table, n, form = self.table_for(m), self.table.num_nodes, self.table.form
         grad = np.concatenate([[0.0], np.cumsum(table.grad_bytes)])
         per_class = np.array([[table.reduce_s_per_byte[h][c] for c in self.coordinators] for h in self.host])
         times, reds, parts = [], [], []
@@ -106,22 +106,24 @@ class FrontEnumerator:
             combos = list(itertools.combinations(range(1, n), s - 1))
             cuts = np.array(combos, dtype=np.int64).reshape(len(combos), s - 1)
             bounds = np.concatenate([np.zeros((len(cuts), 1), np.int64), cuts, np.full((len(cuts), 1), n)], axis=1)
-            total, period, pf, pb = (np.zeros(len(cuts)) for _ in range(4))
+            total = np.zeros(len(cuts))
+            periods = [np.zeros(len(cuts)) for _ in form.groups]  # the step form's bottlenecks
             red = np.zeros((len(cuts), len(self.coordinators)))
             for k, c in enumerate(seq):
                 first, last = bounds[:, k], bounds[:, k + 1] - 1
                 fwd, bwd = self.stage_arrays(c, m)
-                f, b = (x[first, last, 0 if gpipe else min(s - k, m) - 1] for x in (fwd, bwd))
+                h = form.slot(s - 1 - k, m, table.num_devices)
+                f, b = fwd[first, last, h], bwd[first, last, h]
                 total += f + b
-                period, pf, pb = np.maximum(period, f + b), np.maximum(pf, f), np.maximum(pb, b)
+                periods = [np.maximum(p, g.stage(f, b)) for p, g in zip(periods, form.groups, strict=True)]
                 red += (grad[last + 1] - grad[first])[:, None] * per_class[c][None, :]
                 if k < s - 1:
                     a, z = self.members[c][0], self.members[seq[k + 1]][0]
                     link = np.array([table.transfer_s(e, a, z) for e in range(n)])[last]
                     total += 2.0 * link
-                    period, pf, pb = np.maximum(period, 2.0 * link), np.maximum(pf, link), np.maximum(pb, link)
+                    periods = [np.maximum(p, g.link * link) for p, g in zip(periods, form.groups, strict=True)]
             ok = np.isfinite(total)
-            step = np.where(ok, total + (m - 1) * np.where(ok, pf + pb if gpipe else period, 0.0), INF)
+            step = np.where(ok, total + (m - 1) * np.where(ok, sum(periods), 0.0), INF)
             keep = step <= tau_max * (1 + REL_TOL)
             times.append(step[keep])
             reds.append(red[keep])

@@ -1,5 +1,8 @@
 """Pipeline schedules as data: per-stage programs of hetero.program Actions (1F1B, GPipe).
 
+The generators only: each schedule's step algebra (what it holds, its closed form) is its step form in
+planner/step_form.py, which registers the generators and serves ``programs_for``.
+
 A schedule is a pure function of (num_stages, num_micro_batches). Each forward is wrapped as
 ``RA F SA`` and each backward as ``RG B SG``, with the receives/sends a stage does not have left
 out (stage 0 receives no activation and sends no gradient; the last stage sends no activation and
@@ -8,12 +11,8 @@ receives no gradient, because its F computes the loss and its B starts from it).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from hetero.errors import ConfigError
 from hetero.program import Action, Op
-
-SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
 
 
 def _forward(stage: int, num_stages: int, mb: int) -> list[Action]:
@@ -83,15 +82,3 @@ def gpipe(num_stages: int, num_micro_batches: int) -> list[list[Action]]:
         prog.append(Action(Op.STEP))
         programs.append(prog)
     return programs
-
-
-_GENERATORS: dict[str, Callable[[int, int], list[list[Action]]]] = {"1f1b": one_f_one_b, "gpipe": gpipe}
-
-
-def programs_for(schedule: str, num_stages: int, num_micro_batches: int) -> list[list[Action]]:
-    """The per-stage programs of a named schedule ("1f1b" or "gpipe")."""
-    try:
-        generator = _GENERATORS[schedule.lower()]
-    except KeyError:
-        raise ConfigError(f"unknown schedule '{schedule}': choose one of {', '.join(SCHEDULES)}") from None
-    return generator(num_stages, num_micro_batches)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from hetero.planner.cost import CostTable
 from hetero.planner.objective import Evaluation
+from hetero.planner.step_form import StepForm
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def stage_times(ev: Evaluation) -> StageTimes:
     return StageTimes(phi, beta, list(ev.send_s[:-1]), finish)
 
 
-def barrier_bound(schedule: str, m: int, times: StageTimes) -> float:
+def barrier_bound(form: StepForm, m: int, times: StageTimes) -> float:
     """A lower bound on when the last stage reaches its optimizer step (the module docstring's terms)."""
     phi, beta, link = times.phi, times.beta, times.link
     s = len(phi)
@@ -68,11 +69,11 @@ def barrier_bound(schedule: str, m: int, times: StageTimes) -> float:
     for k in range(s):
         idle = 0.0
         if k < s - 1:
-            q = m if schedule == "gpipe" else min(s - k, m)
+            q = form.held(s - 1 - k, m)
             trip = downstream[k + 1] + 2.0 * link[k]  # D_k: F_i's block end to its gradient's arrival
             first, last = max(0.0, trip - (q - 1) * phi[k]), max(0.0, trip - (q - 1) * beta[k])
             idle = first + last if q < m else max(first, last)
-            if schedule != "gpipe":
+            if form.alternates:
                 cycle = downstream[k]  # Gamma_k = e_k + D_k
                 best = max(best, arrive + ((m - 1) % q) * phi[k] + ((m - 1) // q + 1) * cycle + tail)
         best = max(best, arrive + m * e[k] + idle + tail)
@@ -85,4 +86,4 @@ def barrier_bound(schedule: str, m: int, times: StageTimes) -> float:
 def lower_bound_s(table: CostTable, ev: Evaluation) -> float:
     """A step time the simulator can only meet or exceed for this placement."""
     times = stage_times(ev)
-    return barrier_bound(table.schedule, table.num_micro_batches, times) + times.finish
+    return barrier_bound(table.form, table.num_micro_batches, times) + times.finish

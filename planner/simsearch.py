@@ -32,9 +32,9 @@ from hetero.planner.cost import CostTable
 from hetero.planner.deadline import OutOfTime, check, left
 from hetero.planner.exact import stage_costs
 from hetero.planner.objective import Evaluation, Placement, evaluate
-from hetero.planner.schedules import programs_for
 from hetero.planner.simbound import lower_bound_s
 from hetero.planner.simulator import simulate
+from hetero.planner.step_form import programs_for
 from hetero.program import Action
 
 # A placement must beat the incumbent by this fraction to replace it (float noise in the simulator).
@@ -151,8 +151,10 @@ class SimulatedSearch:
         classes = table.device_classes()
         self.members = [[d for d, c in enumerate(classes) if c == k] for k in range(max(classes) + 1)]
         self.sizes = [num_stages] if num_stages else list(range(1, min(n, table.num_devices) + 1))
-        self.gpipe = table.schedule == "gpipe"
-        self.helds = [m] if self.gpipe else list(range(1, min(m, max(self.sizes)) + 1))
+        self.form = table.form
+        self.helds = self.form.helds(m, max(self.sizes))
+        # slots[p]: the index into helds of what a stage p places from the end holds.
+        self.slots = [self.form.slot(p, m, max(self.sizes)) for p in range(max(self.sizes))]
         self.costs = [stage_costs(table, mem[0], self.helds) for mem in self.members]
         # The least compute each node needs anywhere (no recomputation): what the unplaced nodes cost at least.
         least = [min(table.fwd_s[i][d] + table.bwd_s[i][d] for d in range(table.num_devices)) for i in range(n)]
@@ -171,7 +173,7 @@ class SimulatedSearch:
     def _stage(self, part: _Partial, size: int, d: int, c: int, first: int, last: int) -> tuple[float, float, float]:
         """(e_k, 2 c_{k-1}, sync + step) of a stage of device d (class c) on nodes first..last at the next position."""
         table, k = self.table, len(part.stages)
-        h = 0 if self.gpipe else min(size - k, self.m) - 1
+        h = self.slots[size - 1 - k]
         fwd, bwd, *_ = self.costs[c]
         e = float(fwd[first, last, h] + bwd[first, last, h])
         link = 0.0
@@ -199,7 +201,7 @@ class SimulatedSearch:
             if part.used[c] >= len(mem):
                 continue
             d = mem[part.used[c]]
-            h = 0 if self.gpipe else min(size - k, m) - 1
+            h = self.slots[size - 1 - k]
             rec = self.costs[c][2]
             for last in ([n - 1] if last_stage else range(first, n - (size - k - 1))):
                 if rec[first, last, h] < 0:

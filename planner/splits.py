@@ -67,8 +67,9 @@ class _OrderSplits:
         self.n, self.s, self.order, self.pre = n, s, order, pre
         self.ends = [[pre.last_fitting(d, i, in_flight(table.schedule, s - 1 - k, m)) for i in range(n)]
                      for k, d in enumerate(order)]
-        # link[k][i]: 2x the time of the link into stage k when it starts at node i (GPipe: 1x each way).
-        factor = 1.0 if table.schedule == "gpipe" else 2.0
+        # link[k][i]: the time of the link into stage k when it starts at node i, weighed as in the
+        # schedule's period (1F1B: 2x, both ways in one period; GPipe: 1x, one way per phase).
+        factor = table.form.link_weight
         self.link = [[0.0] * n] + [[factor * table.transfer_s(i - 1, order[k - 1], order[k]) if i > 0 else INF
                                     for i in range(n)] for k in range(1, s)]
 

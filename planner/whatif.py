@@ -13,8 +13,8 @@ from hetero.errors import HeteroError
 from hetero.plan import Plan
 from hetero.planner.cost import in_flight
 from hetero.planner.cost_model import CostModel
-from hetero.planner.schedules import SCHEDULES, programs_for
 from hetero.planner.simulator import Timeline, plan_core_share, simulate
+from hetero.planner.step_form import SCHEDULES, programs_for
 
 
 @dataclass

@@ -20,7 +20,7 @@ from hetero.plan import (
     StagePlan,
     compute_input_hash,
 )
-from hetero.planner.schedules import programs_for
+from hetero.planner.step_form import programs_for
 from hetero.program import format_program
 from hetero.specs import (
     ClusterSpec,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hetero.planner.schedules import programs_for
 from hetero.planner.simulator import simulate
+from hetero.planner.step_form import programs_for
 from hetero.program import Action, format_program, parse_program
 
 GOLDEN = Path(__file__).parent / "golden"

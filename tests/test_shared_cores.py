@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from hetero.errors import ConfigError
-from hetero.planner.schedules import programs_for
 from hetero.planner.simulator import CoreShare, core_share, simulate
+from hetero.planner.step_form import programs_for
 from hetero.specs import ModelSpec
 
 

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetero.plan import Plan
+from hetero.planner.step_form import step_form
 from hetero.runtime.run.data import IGNORE_INDEX
-from hetero.runtime.torch_engine.support import SCHEDULES
 from hetero.runtime.torch_engine.transfer import broadcast_batch
 
 log = logging.getLogger("hetero.torch_engine")
@@ -181,7 +181,7 @@ class StepLoss:
 def make_schedule(plan: Plan, replica: int, pipe: Any, loss: StepLoss) -> Any:
     from torch.distributed import pipelining
 
-    cls = getattr(pipelining, SCHEDULES[plan.train.schedule])
+    cls = getattr(pipelining, step_form(plan.train.schedule).torch_class)
     # scale_grads=False: the loss is already over the step's label tokens (torch would divide by the micro-batches).
     return cls(pipe, n_microbatches=plan.pipelines[replica].num_micro_batches, loss_fn=loss, scale_grads=False)
 

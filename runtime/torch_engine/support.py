@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from hetero.errors import PlanError
 from hetero.plan import Plan
+from hetero.planner.step_form import FORMS
 
-# The schedules the plan may name and torch.distributed.pipelining's class for each.
-SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
 # ROCm's torch names AMD cards "cuda" devices and serves the "nccl" backend with RCCL.
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "rocm": "nccl"}
 
@@ -47,8 +46,10 @@ def check_supported(plan: Plan, host: str | None) -> str:
     if squeezed is not None:
         raise _refuse(f"planner.compression={squeezed} (torch's pipeline stages hand tensors to each other as they "
                       "are)")
-    if plan.train.schedule not in SCHEDULES:
-        raise _refuse(f"train.schedule={plan.train.schedule} (this engine runs {', '.join(SCHEDULES)})")
+    form = FORMS.get(plan.train.schedule)
+    if form is None or not form.torch_class:
+        ran = ", ".join(name for name, f in FORMS.items() if f.torch_class)
+        raise _refuse(f"train.schedule={plan.train.schedule} (this engine runs {ran})")
     sizes = sorted({len(rep.stages) for rep in plan.pipelines})
     if len(sizes) > 1:
         raise _refuse(f"its replicas have {' and '.join(map(str, sizes))} stages, and a DeviceMesh is a grid")
@@ -59,10 +60,10 @@ def check_supported(plan: Plan, host: str | None) -> str:
                           "dimension all-reduces the LoRA gradients of stage p of every replica (recompile with "
                           "replicas of one split)")
     short = [r for r, rep in enumerate(plan.pipelines) if rep.num_micro_batches < len(rep.stages)]
-    if plan.train.schedule == "1f1b" and short:
+    if form.torch_needs_full_fill and short:
         rep = plan.pipelines[short[0]]
         raise _refuse(f"replica {short[0]} has {rep.num_micro_batches} micro-batch(es) for {len(rep.stages)} stages, "
-                      "and torch's Schedule1F1B needs at least one per stage (raise train.num_micro_batches)")
+                      f"and torch's {form.torch_class} needs at least one per stage (raise train.num_micro_batches)")
     if plan.data.packing:
         raise _refuse("data.packing=true (every stage needs each packed record's positions, which torch's "
                       "PipelineStage does not carry); recompile with data.packing=false for this engine")

@@ -1,0 +1,92 @@
+"""Each schedule's step form (planner/step_form.py) against its own programs, and the rule that only the
+step forms and the generators name a schedule: the solvers, bounds and searches read the form."""
+
+from __future__ import annotations
+
+import ast
+import random
+import typing
+from pathlib import Path
+
+import pytest
+
+from hetero.errors import ConfigError
+from hetero.planner.simbound import StageTimes, barrier_bound
+from hetero.planner.simulator import simulate
+from hetero.planner.step_form import FORMS, SCHEDULES, step_form
+from hetero.specs import TrainSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+# Where a schedule's name may appear in code (docstrings and comments aside): its form, its generator, and
+# the config schema's literal (checked against the forms below).
+NAMING = {"planner/step_form.py", "planner/schedules.py", "hetero/specs.py"}
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_held_is_what_the_programs_hold_at_their_peak(name: str) -> None:
+    """A form's ``held`` prices each stage's activation memory: it must be the peak the programs reach."""
+    form = step_form(name)
+    rng = random.Random(7)
+    for s in range(1, 6):
+        for m in range(1, 9):
+            fwd = [rng.uniform(0.5, 2.0) for _ in range(s)]
+            bwd = [rng.uniform(1.0, 4.0) for _ in range(s)]
+            send = [rng.uniform(0.0, 0.5) for _ in range(s - 1)] + [0.0]
+            timeline = simulate(form.programs(s, m), fwd, bwd, send)
+            assert timeline.peak_in_flight == [form.held(s - 1 - k, m) for k in range(s)], (name, s, m)
+            slots = form.helds(m, s)
+            assert all(slots[form.slot(p, m, s)] == form.held(p, m) for p in range(s))
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_the_closed_form_and_the_bound_hold_the_simulated_step_between_them(name: str) -> None:
+    """Free links and equal stages: the closed form is the textbook step, which the simulator runs exactly;
+    on random stages the lower bound never passes the simulator."""
+    form = step_form(name)
+    for s, m in ((1, 1), (3, 5), (4, 8), (5, 2)):
+        fwd, bwd = [1.0] * s, [2.0] * s
+        simulated = simulate(form.programs(s, m), fwd, bwd, [0.0] * s).step_time_s
+        assert form.closed_form(m, fwd, bwd, [0.0] * (s - 1)) == pytest.approx(simulated) == (m + s - 1) * 3.0
+    rng = random.Random(11)
+    for _ in range(200):
+        s, m = rng.randint(1, 5), rng.randint(1, 8)
+        fwd = [rng.uniform(0.1, 2.0) for _ in range(s)]
+        bwd = [rng.uniform(0.2, 4.0) for _ in range(s)]
+        link = [rng.choice([0.0, rng.uniform(0.0, 3.0)]) for _ in range(s - 1)]
+        simulated = simulate(form.programs(s, m), fwd, bwd, link + [0.0]).step_time_s
+        assert barrier_bound(form, m, StageTimes(fwd, bwd, link, 0.0)) <= simulated * (1 + 1e-9)
+
+
+def test_gpipe_has_two_periods_and_one_f_one_b_one() -> None:
+    """The forms' period groups are the closed forms the solvers encode (docs/architecture.md)."""
+    fwd, bwd, link = [1.0, 3.0], [2.0, 1.0], [2.5]
+    assert step_form("1f1b").closed_form(4, fwd, bwd, link) == 7.0 + 5.0 + 3 * max(3.0, 4.0, 5.0)
+    assert step_form("gpipe").closed_form(4, fwd, bwd, link) == 7.0 + 5.0 + 3 * (max(3.0, 2.5) + max(2.0, 2.5))
+
+
+def test_the_config_schema_offers_every_schedule_with_a_form() -> None:
+    hint = typing.get_type_hints(TrainSpec)["schedule"]
+    assert set(typing.get_args(hint)) == set(FORMS) == set(SCHEDULES)
+    with pytest.raises(ConfigError, match="unknown schedule 'zb': choose one of 1f1b, gpipe"):
+        step_form("zb")
+
+
+def _names_in_code(path: Path) -> list[tuple[int, str]]:
+    """String constants in a file that are a schedule's name, docstrings and ``__all__`` left out."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+    docstrings |= {id(c) for node in ast.walk(tree) if isinstance(node, ast.Assign)  # __all__ names functions
+                   and any(getattr(t, "id", "") == "__all__" for t in node.targets) for c in ast.walk(node.value)}
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+            and node.value.lower() in SCHEDULES]
+
+
+def test_only_the_step_forms_and_generators_name_a_schedule() -> None:
+    """A solver that branches on ``schedule == "gpipe"`` is where a new schedule silently goes wrong."""
+    found = [f"{path.relative_to(ROOT)}:{line} names '{value}'"
+             for folder in ("planner", "runtime", "compiler", "hetero")
+             for path in sorted((ROOT / folder).rglob("*.py"))
+             if str(path.relative_to(ROOT)) not in NAMING
+             for line, value in _names_in_code(path)]
+    assert found == []

@@ -35,7 +35,7 @@ import numpy as np
 
 from hetero.planner.cost import CostTable
 from hetero.planner.deadline import OutOfTime, check
-from hetero.planner.objective import Placement
+from hetero.planner.objective import Placement, hop_messages_s
 from hetero.planner.stream_costs import BUFFER_LAYERS
 
 # Past this many DP states ((nodes + 1) x multisets x classes) the DP is not attempted: the ILP runs.
@@ -215,8 +215,9 @@ class _Box:
 class ThresholdDP:
     """The DP of one table (see the module docstring); ``run`` solves it for one threshold."""
 
-    def __init__(self, table: CostTable, num_stages: int | None, deadline: float | None = None) -> None:
-        self.table, self.deadline = table, deadline
+    def __init__(self, table: CostTable, num_stages: int | None, deadline: float | None = None,
+                 bound: bool = False) -> None:
+        self.table, self.deadline, self.bound = table, deadline, bound
         n, m = table.num_nodes, table.num_micro_batches
         self.n, self.m = n, m
         self.form = table.form
@@ -248,8 +249,18 @@ class ThresholdDP:
             stream.append(s)
         self.fwd, self.bwd, self.rec, self.stream = np.array(fwd), np.array(bwd), np.array(rec), np.array(stream)
         self.time = self.fwd + self.bwd  # f + b, inf where the stage does not fit
+        # Per max term of the objective (the step form's closed form, or its lower bound): stage and link weights.
+        held = np.array(self.helds, dtype=float)
+        groups = self.form.bound if self.bound else self.form.groups
+        self.terms = [np.broadcast_to(g.stage(self.fwd, self.bwd, held, m) if self.bound else g.stage(self.fwd, self.bwd),
+                                      self.time.shape) for g in groups]
+        self.link_weights = [g.link for g in groups]
         reps = [mem[0] for mem in self.members]
         self.link = np.array([[[table.transfer_s(e, a, b) for b in reps] for a in reps] for e in range(n)])
+        # What a hop adds to the sum: its link both ways, and (for the bound, which must count all the simulator
+        # does) the four messages' CPU time: the sender's SA and RG, the receiver's RA and SG (objective.stage_overheads).
+        self.hop = 2.0 * self.link + (np.array([[[hop_messages_s(table, e, a, b) for b in reps] for a in reps] for e in range(n)])
+                                      if self.bound else 0.0)
         # Multisets as mixed-radix indices: count of class c is (index // stride[c]) % (avail[c] + 1).
         num = self.num_multisets
         self.stride = np.cumprod([1] + [a + 1 for a in avail[:-1]]).astype(np.int64)
@@ -260,6 +271,8 @@ class ThresholdDP:
         most = self.most_stages
         slots = np.array([self.form.slot(p, m, most) for p in range(most)], dtype=np.int64)
         self.held_index = slots[np.minimum(self.size, most - 1)]
+        # The bound's round trips (StepForm.suffix): a stage added in front of multiset M holds helds[held_index[M]].
+        self.held_of = np.array(self.helds, dtype=float)[self.held_index]
         addable = np.stack([(counts[:, c] < avail[c]) & (self.size < self.most_stages) for c in range(nc)])
         self.addable = addable  # [class][multiset]: one more stage of this class is allowed
         # A lower bound on the time of nodes 0..i-1 wherever they run (for pruning against a cutoff).
@@ -271,8 +284,7 @@ class ThresholdDP:
         """Sorted distinct values each period can take: stage terms and link terms."""
         links = self.link[:-1][np.isfinite(self.link[:-1])] if self.n > 1 else np.zeros(0)
         ok = np.isfinite(self.time)
-        return [np.unique(np.concatenate([g.stage(self.fwd[ok], self.bwd[ok]), g.link * links]))
-                for g in self.form.groups]
+        return [np.unique(np.concatenate([term[ok], w * links])) for term, w in zip(self.terms, self.link_weights, strict=True)]
 
     def run(self, limits: tuple[float, ...], cutoff: float = np.inf) -> _Path | None:
         """The placement with the smallest sum whose every period term is <= ``limits``; None if none.
@@ -281,11 +293,11 @@ class ThresholdDP:
         exact if its sum is below the cutoff, and otherwise only says that nothing is."""
         n, nc, num = self.n, self.num_classes, self.num_multisets
         ok, link_ok = np.isfinite(self.time), np.ones(self.link.shape, dtype=bool)
-        for g, limit in zip(self.form.groups, limits, strict=True):
-            ok &= g.stage(self.fwd, self.bwd) <= limit
-            link_ok &= g.link * self.link <= limit
+        for term, w, limit in zip(self.terms, self.link_weights, limits, strict=True):
+            ok &= term <= limit
+            link_ok &= w * self.link <= limit
         time = np.where(ok, self.time, np.inf)
-        link = np.where(link_ok, 2.0 * self.link, np.inf)
+        link = np.where(link_ok, self.hop, np.inf)
         # value[j][c][M]: the smallest sum of stages covering nodes j.. with classes M, the first of
         # class c. Adding class c moves M to M + stride[c]: a shifted slice, masked where not allowed
         # (the padding past num absorbs the masked moves; states are ~90% of the solver's memory).
@@ -304,12 +316,17 @@ class ThresholdDP:
             best = (after[None, :, :] + link[i - 1][:, :, None]).min(axis=1)
             best = np.where(self.addable, best, np.inf)
             stage = time[:, :i, i - 1, :]
-            reach = np.isfinite(stage[:, :, 0])
+            reach = np.asarray(np.isfinite(stage).any(axis=2))  # (the bound's weights fall as a stage holds more)
             for c in range(nc):
                 if not reach[c].any():
                     continue
                 j0 = int(reach[c].argmax())
                 cand = stage[c, j0:, :][:, self.held_index] + best[c][None, :]
+                if self.bound and self.m > 1:  # a stage whose round trips pass (m - 1) x the threshold is out
+                    f, b = (x[c, j0:i, i - 1, :][:, self.held_index] for x in (self.fwd, self.bwd))
+                    with np.errstate(invalid="ignore"):
+                        over = self.form.suffix(cand, f, b, self.held_of[None, :], self.m) > (self.m - 1) * limits[0]
+                    cand = np.where(over, np.inf, cand)
                 shift = int(self.stride[c])
                 view = value[j0:i, c, shift:shift + num]
                 np.minimum(view, cand, out=view)
@@ -328,7 +345,7 @@ class ThresholdDP:
         n = self.n
         total = float(value[j, c, multiset])
         stages: list[tuple[int, int, int, int, int]] = []
-        stage_terms: list[tuple[float, float]] = []
+        stage_terms: list[list[float]] = []
         link_terms: list[float] = []
         while True:
             target = value[j, c, multiset]
@@ -344,12 +361,13 @@ class ThresholdDP:
                 pick = hits[0] if len(hits) else np.unravel_index(np.abs(cand - target).argmin(), cand.shape)
                 nxt, c_next = int(ends[pick[0]]), int(pick[1])
             stages.append((c, j, nxt - 1, int(self.rec[c, j, nxt - 1, h]), int(self.stream[c, j, nxt - 1, h])))
-            stage_terms.append((float(self.fwd[c, j, nxt - 1, h]), float(self.bwd[c, j, nxt - 1, h])))
+            stage_terms.append([float(term[c, j, nxt - 1, h]) for term in self.terms])
             if nxt == n:
                 break
             link_terms.append(float(self.link[nxt - 1, c, c_next]))
             c, multiset, j = c_next, rest, nxt
-        periods = tuple(self.form.periods([f for f, _ in stage_terms], [b for _, b in stage_terms], link_terms))
+        periods = tuple(max([t[g] for t in stage_terms] + [w * x for x in link_terms])
+                        for g, w in enumerate(self.link_weights))
         return _Path(stages, total, periods)
 
     def placement(self, path: _Path) -> Placement:

@@ -344,6 +344,14 @@ def stage_overheads(table: CostTable, placement: Placement) -> tuple[list[dict[s
     return overhead, sync
 
 
+def hop_messages_s(table: CostTable, node: int, sender: int, receiver: int) -> float:
+    """The CPU seconds of one hop's four messages per micro-batch, across the cut after ``node``: the sender's
+    SA and RG, the receiver's RA and SG (``stage_overheads``' terms)."""
+    send, recv = table.message_s(node, sender, receiver)
+    out_send, out_recv = table.message_s(node, sender, sender)
+    return sum(max(0.0, t) for t in (send, recv, out_send, out_recv))
+
+
 def split_spans(num_nodes: int, decoder_counts: list[int], decoder_indices: list[int]) -> list[tuple[int, int]]:
     """Node spans for a split in decoder layers per stage (each >= 1; embedding first, norm/head last)."""
     spans: list[tuple[int, int]] = []

@@ -24,6 +24,7 @@ from hetero.planner.cost import CostTable
 from hetero.planner.exact import ExactResult, solve_exact
 from hetero.planner.objective import Evaluation, Placement, evaluate, ram_may_bind
 from hetero.planner.simsearch import SearchResult, best_simulated, simulated_step_s
+from hetero.planner.step_bound import least_step_bound
 
 # Of the time limit, the exact DP may use this share when the ILP may still need the rest.
 DP_SHARE = 0.6
@@ -32,6 +33,10 @@ EXACT = "exact DP"
 # SEARCH_SHARE of it (the rest is the replica search's, planner._replicas).
 CLOSED_SHARE = 0.4
 SEARCH_SHARE = 0.7
+# Of the time left to the simulated search, the step form's bound (planner/step_bound.py) may use this share;
+# its DPs' best placements, up to BOUND_STARTS, join the search's candidates.
+BOUND_SHARE = 0.3
+BOUND_STARTS = 12
 SEARCH = "simulated search"
 PROVEN = "optimal by the simulated step time"
 
@@ -133,16 +138,34 @@ def solve_simulated(table: CostTable, num_stages: int | None = None, time_limit_
         return closed
     candidates = [closed.evaluation] if closed.evaluation is not None else []
     candidates += [evaluate(table, p) for p in starts or []]
+    # The step form's bound over every placement: what the plan can say when the search is cut off, and
+    # the placements its DPs chose, which simulate fast (planner/step_bound.py).
+    bound = least_step_bound(table, num_stages, time.perf_counter() + BOUND_SHARE * max(0.0, end - time.perf_counter()))
+    candidates += [evaluate(table, p) for p in bound.placements[:BOUND_STARTS]] if bound is not None else []
     found = best_simulated(table, candidates, num_stages, end)
     if found.best is None:
         return closed
+    by_bound = False
+    if bound is not None and not found.proven:
+        found = _with_bound(found, bound.bound_s)
+        by_bound = found.proven
     closed_s = simulated_step_s(table, closed.evaluation) if closed.evaluation is not None else None
-    report = _search_report(closed.report, found, closed_s, time_limit_s, time.perf_counter() - t0)
+    report = _search_report(closed.report, found, closed_s, time_limit_s, time.perf_counter() - t0,
+                            bound.bound_s if bound is not None else None, by_bound)
     return SolveResult(found.best.evaluation, report)
 
 
+def _with_bound(found: SearchResult, bound_s: float) -> SearchResult:
+    """The search's result with the step form's bound over every placement: proven when the bound meets it."""
+    assert found.best is not None
+    lower = max(found.lower_bound_s or 0.0, bound_s)
+    if lower >= found.best.step_s * (1 - 1e-9):
+        return replace(found, proven=True, lower_bound_s=found.best.step_s)
+    return replace(found, lower_bound_s=lower)
+
+
 def _search_report(closed: SolverReport, found: SearchResult, closed_s: float | None, time_limit_s: float,
-                   elapsed: float) -> SolverReport:
+                   elapsed: float, bound_s: float | None = None, by_bound: bool = False) -> SolverReport:
     """What the simulated search proved (or how far it got), and how the closed form's optimum compares."""
     assert found.best is not None
     step = found.best.step_s
@@ -158,10 +181,14 @@ def _search_report(closed: SolverReport, found: SearchResult, closed_s: float | 
     if found.proven:
         return SolverReport(solver, "Optimal", "Optimal Solution Found", True, 0.0, step, elapsed, time_limit_s,
                             closed.num_variables, closed.num_constraints,
-                            message=f"{PROVEN}: the branch and bound finished ({work}); {versus}")
+                            message=f"{PROVEN}: " + ("the schedule's bound over every placement (planner/step_bound.py) "
+                                                     f"meets it ({work} before that)" if by_bound else
+                                                     f"the branch and bound finished ({work})") + f"; {versus}")
     lower = found.lower_bound_s
     gap = None if lower is None else max(0.0, (step - lower) / step)
     bound = f"; best lower bound {lower:.4g} s/step" if lower is not None else ""
+    if lower is not None and bound_s is not None and lower <= bound_s:
+        bound += " (the schedule's bound over every placement, planner/step_bound.py)"
     return SolverReport(solver, "Not Solved", "Solution Found", False, gap, step, elapsed, time_limit_s,
                         closed.num_variables, closed.num_constraints,
                         message=f"the search by simulated step time was cut off by the time limit ({work}{bound}); "

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from hetero.errors import ConfigError
 from hetero.planner.schedules import gpipe, one_f_one_b
@@ -43,6 +46,17 @@ class PeriodGroup:
 
 
 @dataclass(frozen=True)
+class BoundGroup:
+    """One max term of a schedule's *lower bound* on the simulated step (``StepForm.bound``): the first
+    micro-batch's round trip plus (m - 1) times, per group, the largest stage weight
+    ``stage(f, b, held, m)`` or link weight ``link x c``. Unlike the closed form it never exceeds the
+    simulator, for any placement, so the least of it over all placements bounds the simulated optimum."""
+
+    stage: Callable[[Any, Any, Any, int], Any]  # (fwd_s, bwd_s, held, m) -> seconds; numbers or numpy arrays
+    link: float
+
+
+@dataclass(frozen=True)
 class StepForm:
     """One schedule's step algebra (the module docstring)."""
 
@@ -55,6 +69,11 @@ class StepForm:
     alternates: bool  # a stage's forward of micro-batch i + held waits for its own backward of i
     torch_class: str  # torch.distributed.pipelining's class for it (--engine torch)
     torch_needs_full_fill: bool  # torch's class needs at least one micro-batch per stage
+    bound: tuple[BoundGroup, ...]  # the lower bound's max terms (BoundGroup)
+    # suffix(trip, f, b, held, m): seconds a stage forces beyond the first micro-batch's round trip, from
+    # ``trip``, the sum of it and the stages after it (their f + b, and 2c and messages of the links between):
+    # the bound's first group is at least this over (m - 1). Numbers or numpy arrays.
+    suffix: Callable[[Any, Any, Any, Any, int], Any]
 
     def programs(self, num_stages: int, num_micro_batches: int) -> list[list[Action]]:
         """The per-stage programs (planner/schedules.py)."""
@@ -89,9 +108,62 @@ class StepForm:
         base = sum(fwd_s) + sum(bwd_s) + 2.0 * sum(comm_s)
         return base + (m - 1) * sum(self.periods(fwd_s, bwd_s, comm_s))
 
+    def least_step(self, m: int, fwd_s: Sequence[float], bwd_s: Sequence[float], comm_s: Sequence[float]) -> float:
+        """The lower bound (``bound``) on the simulated step of stages with these times, in pipeline order."""
+        s = len(fwd_s)
+        base = sum(fwd_s) + sum(bwd_s) + 2.0 * sum(comm_s)
+        periods = [max([float(g.stage(f, b, self.held(s - 1 - k, m), m))
+                        for k, (f, b) in enumerate(zip(fwd_s, bwd_s, strict=True))] + [g.link * c for c in comm_s])
+                   for g in self.bound]
+        trip = 0.0  # the round trip of stage k and the stages after it
+        for k in range(s - 1, -1, -1):
+            trip += fwd_s[k] + bwd_s[k] + (2.0 * comm_s[k] if k < s - 1 else 0.0)
+            if m > 1:
+                periods[0] = max(periods[0], float(self.suffix(trip, fwd_s[k], bwd_s[k], self.held(s - 1 - k, m), m))
+                                 / (m - 1))
+        return base + (m - 1) * sum(periods)
+
 
 def _one_f_one_b_held(position_from_end: int, m: int) -> int:
     return min(position_from_end + 1, m)  # stage k of S holds min(S - k, m)
+
+
+def _one_f_one_b_bound(fwd_s: Any, bwd_s: Any, held: Any, m: int) -> Any:
+    """1F1B's lower-bound weight of a stage: max(f, b, (m - q)/(m - 1) (f + b)) for a stage holding q.
+
+    Chains of events the simulator runs one after another: the last micro-batch's forward waits for the
+    stage's m forwards (a flow line: base + (m - 1) f), the first's backward starts its m backwards
+    (base + (m - 1) b), and a stage that holds q < m micro-batches waits out its downstream round trip
+    twice, after its first forward and before its last backward (base + (m - q) (f + b), planner/simbound.py's
+    work term with the round trip dropped). The last stage (q = 1) pays (m - 1)(f + b): the closed form's."""
+    if m <= 1:
+        return np.maximum(fwd_s, bwd_s)
+    with np.errstate(invalid="ignore"):  # (m - m) x inf where a stage does not fit: fmax keeps the inf
+        return np.fmax(np.maximum(fwd_s, bwd_s), (m - np.asarray(held)) / (m - 1) * (np.asarray(fwd_s) + bwd_s))
+
+
+def _one_f_one_b_suffix(trip: Any, fwd_s: Any, bwd_s: Any, held: Any, m: int) -> Any:
+    """What 1F1B's stage holding q < m micro-batches adds to the step, from its round trip G (planner/simbound.py):
+
+    - its forward of micro-batch i + q waits for its backward of i, i.e. for i's trip G: the step runs
+      floor((m - 1) / q) more trips after the first, and ((m - 1) mod q) forwards;
+    - it waits out the trip after it, G - (f + b), after its first forward and again before its last
+      backward, besides its m forwards and backwards: (m - q - 1)(f + b) + G."""
+    q = np.asarray(held)
+    trips = (m - 1) // q * trip + (m - 1) % q * fwd_s
+    return np.where(q < m, np.maximum(trips, (m - q - 1) * (np.asarray(fwd_s) + bwd_s) + trip), 0.0)
+
+
+def _no_suffix(trip: Any, fwd_s: Any, bwd_s: Any, held: Any, m: int) -> Any:
+    return np.zeros_like(np.asarray(trip, dtype=float))
+
+
+def _forward_phase(fwd_s: Any, bwd_s: Any, held: Any, m: int) -> Any:
+    return fwd_s
+
+
+def _backward_phase(fwd_s: Any, bwd_s: Any, held: Any, m: int) -> Any:
+    return bwd_s
 
 
 def _all_held(position_from_end: int, m: int) -> int:
@@ -100,9 +172,12 @@ def _all_held(position_from_end: int, m: int) -> int:
 
 FORMS: dict[str, StepForm] = {
     "1f1b": StepForm("1f1b", one_f_one_b, (PeriodGroup(1.0, 1.0, 2.0),), _one_f_one_b_held, by_position=True,
-                     alternates=True, torch_class="Schedule1F1B", torch_needs_full_fill=True),
+                     alternates=True, torch_class="Schedule1F1B", torch_needs_full_fill=True,
+                     bound=(BoundGroup(_one_f_one_b_bound, 1.0),), suffix=_one_f_one_b_suffix),
     "gpipe": StepForm("gpipe", gpipe, (PeriodGroup(1.0, 0.0, 1.0), PeriodGroup(0.0, 1.0, 1.0)), _all_held,
-                      by_position=False, alternates=False, torch_class="ScheduleGPipe", torch_needs_full_fill=False),
+                      by_position=False, alternates=False, torch_class="ScheduleGPipe", torch_needs_full_fill=False,
+                      # GPipe's closed form is the simulator's step (forward phase, then backward phase).
+                      bound=(BoundGroup(_forward_phase, 1.0), BoundGroup(_backward_phase, 1.0)), suffix=_no_suffix),
 }
 SCHEDULES: tuple[str, ...] = tuple(FORMS)
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from w1_model import LR, MICRO_BATCH, NUM_MICRO, SEQ_LEN, prepare  # the W1 definition, one place
 
-from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.runtime.run.run_compare import read_metrics, step_lines
 
 
 def hetero(*args: str) -> None:
@@ -56,8 +56,8 @@ def replayed_ratio(plan_dir: Path, run_dir: Path) -> float:
     """measured / (the plan's programs replayed with the run's own per-action times): the schedule model alone."""
     from hetero.plan import Plan
     from hetero.planner.simulator import replay_run
+    from hetero.runtime.run.run_compare import median_step_s, stage_timings_from_metrics
     from hetero.runtime.run.run_profile import own_ops, shared_core_stages
-    from hetero.runtime.tools.run_compare import median_step_s, stage_timings_from_metrics
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     measured = median_step_s(metrics)

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hetero.runtime.tools.run_compare import event_lines, read_metrics, step_lines
-from hetero.runtime.tools.run_segments import compute_s
+from hetero.runtime.run.run_compare import event_lines, read_metrics, step_lines
+from hetero.runtime.run.run_segments import compute_s
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))

@@ -154,7 +154,7 @@ def hetero(args: list[str], log: Path, timeout: float) -> tuple[int, str]:
 
 
 def run_case(out: Path, case: str, data: Path, steps: int, port: int, timeout: float) -> dict[str, Any]:
-    from hetero.runtime.tools.run_compare import read_metrics, step_lines
+    from hetero.runtime.run.run_compare import read_metrics, step_lines
 
     name = fleet(out, case, port)
     plan_dir, run_dir, log = out / f"plan-{case}", out / f"run-{case}", out / f"{case}.log"

@@ -19,8 +19,8 @@ import w1_model as w1
 from w3_net import IPS, LinkPair, Sampler
 from w3_timeline import hetero_trace_env, timeline
 
-from hetero.runtime.run.processes import last_line
-from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.runtime.base.processes import last_line
+from hetero.runtime.run.run_compare import read_metrics, step_lines
 
 HOSTS = ("a", "b")  # plan host names: stage 0 (and the coordinator) on a, stage 1 on b
 BASE_PORT = 29500  # fresh namespaces: nothing else can hold it

@@ -102,7 +102,7 @@ def _hub_cache_dir(repo_id: str) -> Path:
 
 def tiny_key(architecture: dict[str, Any]) -> str:
     """Cache key of a tiny model: hash of the architecture, recipe version, demo data and prompt templates."""
-    from hetero.runtime.run.data import PROMPT_NO_INPUT, PROMPT_WITH_INPUT
+    from hetero.runtime.base.prompts import PROMPT_NO_INPUT, PROMPT_WITH_INPUT
 
     # The tokenizer is trained on rendered prompts: the template is part of the recipe.
     recipe = {
@@ -205,7 +205,7 @@ def build_tokenizer(architecture: dict[str, Any], out_dir: Path) -> None:
 
 def _tokenizer_corpus() -> list[str]:
     """Demo records as the data pipeline renders them, so template words become single tokens."""
-    from hetero.runtime.run.data import render_alpaca
+    from hetero.runtime.base.prompts import render_alpaca
 
     lines = []
     for raw in demo_data_text().splitlines():

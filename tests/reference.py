@@ -130,7 +130,7 @@ def make_init_adapter(model_dir: Path, lora: LoraSpec, out_dir: Path, seed: int)
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
     out_dir = Path(out_dir)
-    model.save_pretrained(str(out_dir))  # peft's own writer, independent of hetero.runtime.run.adapter
+    model.save_pretrained(str(out_dir))  # peft's own writer, independent of hetero.runtime.stage.adapter
     return out_dir
 
 

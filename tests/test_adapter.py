@@ -12,7 +12,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from transformers import AutoModelForCausalLM
 
 from hetero.errors import CheckpointError
-from hetero.runtime.run.adapter import layer_prefix, load_adapter_state, save_adapter, select
+from hetero.runtime.stage.adapter import layer_prefix, load_adapter_state, save_adapter, select
 from hetero.specs import LoraSpec, ModelSpec
 
 

@@ -171,11 +171,11 @@ def test_config_errors_are_one_line_exit_2(tmp_path: Path, capsys: pytest.Captur
 
 def test_runtime_commands_get_their_argv_verbatim(monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
     calls: list[tuple[str, list[str]]] = []
-    fake = types.ModuleType("hetero.runtime.run.cli")
+    fake = types.ModuleType("hetero.runtime.cli")
     fake.main_run = lambda argv: calls.append(("run", argv)) or 0  # type: ignore[attr-defined]
     fake.main_worker = lambda argv: calls.append(("worker", argv)) or 3  # type: ignore[attr-defined]
     fake.main_generate = lambda argv: calls.append(("generate", argv)) or None  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "hetero.runtime.run.cli", fake)
+    monkeypatch.setitem(sys.modules, "hetero.runtime.cli", fake)
     assert cli.main(["run", "plan.json", "train.steps=5", "--help"]) == 0
     assert cli.main(["worker", "--host", "strix"]) == 3
     assert cli.main(["generate", "-h"]) == 0
@@ -184,9 +184,9 @@ def test_runtime_commands_get_their_argv_verbatim(monkeypatch, capsys: pytest.Ca
 
 
 def test_missing_runtime_says_not_built(monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setitem(sys.modules, "hetero.runtime.run.cli", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "hetero.runtime.cli", None)  # makes the import fail
     code, _, err = run_main(["run", "plan.json"], capsys)
-    assert_one_line_error(code, err, "hetero.runtime.run.cli.main_run is not built yet")
+    assert_one_line_error(code, err, "hetero.runtime.cli.main_run is not built yet")
 
 
 def test_ctrl_c_exits_130(monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:

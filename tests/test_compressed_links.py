@@ -15,9 +15,9 @@ from test_runtime_plans import make_plan
 from hetero import cli
 from hetero.errors import WireError
 from hetero.plan import Plan, compute_input_hash
-from hetero.runtime.run.adapter import load_adapter_state
-from hetero.runtime.run.cli import main_run
-from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.runtime.cli import main_run
+from hetero.runtime.run.run_compare import read_metrics, step_lines
+from hetero.runtime.stage.adapter import load_adapter_state
 from hetero.runtime.wire import compress
 from hetero.runtime.wire.frames import Message
 from hetero.runtime.wire.rules import stage_rules

@@ -13,8 +13,9 @@ import torch
 from transformers import AutoTokenizer
 
 from hetero.errors import ConfigError
+from hetero.runtime.base.prompts import render_alpaca
 from hetero.runtime.pretrained import demo_data_text
-from hetero.runtime.run.data import IGNORE_INDEX, StepBatches, render_alpaca
+from hetero.runtime.run.data import IGNORE_INDEX, StepBatches
 from hetero.runtime.tools.evaluator import held_out_batches
 from hetero.specs import DataSpec, EvalSpec, ModelSpec, TrainSpec
 

@@ -33,7 +33,7 @@ from test_ssh_launcher import sshd  # noqa: F401 (a fixture: an OpenSSH server o
 from hetero.errors import InfeasiblePlanError
 from hetero.planner.recovery import plan_without
 from hetero.runtime.run.report import recovery_line
-from hetero.runtime.tools.run_compare import event_lines, read_metrics
+from hetero.runtime.run.run_compare import event_lines, read_metrics
 from hetero.specs import ModelSpec, TrainSpec
 
 STEPS = 40

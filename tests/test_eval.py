@@ -20,7 +20,7 @@ from test_runtime_plans import make_plan
 
 from hetero.errors import ConfigError
 from hetero.plan import compute_input_hash
-from hetero.runtime.run.cli import main_run
+from hetero.runtime.cli import main_run
 from hetero.runtime.run.data import IGNORE_INDEX, StepBatches
 from hetero.runtime.tools.evaluator import serve
 from hetero.specs import DataSpec, DeviceSpec, EvalSpec, ModelSpec, TrainSpec

@@ -19,10 +19,10 @@ from test_runtime_plans import make_plan
 
 from hetero.errors import ConfigError, UnsupportedModelError
 from hetero.families import FAMILIES, family
+from hetero.runtime.cli import main_run
 from hetero.runtime.pretrained import resolve_dir
-from hetero.runtime.run.adapter import load_adapter_state
-from hetero.runtime.run.cli import main_run
-from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.runtime.run.run_compare import read_metrics, step_lines
+from hetero.runtime.stage.adapter import load_adapter_state
 from hetero.specs import ModelSpec, TrainSpec
 
 SEQ_LEN = 32

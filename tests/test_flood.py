@@ -29,7 +29,7 @@ from test_runtime_plans import free_ports, make_plan
 
 import hetero.runtime.wire.transport as transport_module
 from hetero.plan import Plan
-from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.runtime.wire.transport import Transport
 from hetero.security import generate
 from hetero.specs import ModelSpec, TrainSpec

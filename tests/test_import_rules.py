@@ -158,3 +158,46 @@ def test_every_contract_module_imports_without_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"cannot import without torch:\n{result.stdout}{result.stderr[-2000:]}"
+
+
+# runtime/'s floors, bottom up: a module imports its own floor and the ones below, never one above. Modules at
+# runtime/'s root sit on a floor of their own: pretrained.py on the ground floor, cli.py (`hetero run`, `hetero
+# worker`, `hetero generate`: the entry points that pick an engine) on the top.
+FLOORS = {"base": 0, "pretrained": 0, "wire": 1, "stage": 2, "run": 3, "tools": 4, "torch_engine": 5, "cli": 6}
+
+
+def _floor_of(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["hetero", "runtime"] or len(parts) < 3:
+        return None
+    return FLOORS[parts[2]]
+
+
+def upward_imports(root: Path = ROOT) -> list[str]:
+    """Every import in runtime/ of a floor above the importing module's."""
+    bad = []
+    for path in sorted((root / "runtime").rglob("*.py")):
+        rel = path.relative_to(root / "runtime")
+        if rel.parts == ("__init__.py",):
+            continue
+        own = FLOORS[rel.parts[0].removesuffix(".py")]
+        package = ".".join(["hetero", "runtime", *rel.with_suffix("").parts[:-1]])
+        for line, module in _imports(ast.parse(path.read_text(), str(path)), package):
+            above = _floor_of(module)
+            if above is not None and above > own:
+                bad.append(f"runtime/{rel}:{line} imports {module}")
+    return sorted(set(bad))
+
+
+def test_runtime_floors_import_nothing_above_them() -> None:
+    assert upward_imports() == []
+
+
+def test_an_upward_import_is_caught(tmp_path: Path) -> None:
+    """The check itself: a stage module that reaches up into the run is named."""
+    for folder in ("stage", "run"):
+        (tmp_path / "runtime" / folder).mkdir(parents=True)
+    (tmp_path / "runtime" / "stage" / "x.py").write_text("def f():\n    from hetero.runtime.run.data import IGNORE_INDEX\n")
+    (tmp_path / "runtime" / "run" / "y.py").write_text("from hetero.runtime.stage.lora import peft_key\n")
+    assert upward_imports(tmp_path) == ["runtime/stage/x.py:2 imports hetero.runtime.run.data",
+                                        "runtime/stage/x.py:2 imports hetero.runtime.run.data.IGNORE_INDEX"]

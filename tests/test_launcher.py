@@ -19,7 +19,7 @@ SCRIPT = """
 import json, os, signal, sys
 from pathlib import Path
 from hetero.runtime.run.launcher import StageLauncher
-from hetero.runtime.run.processes import StageFailedError
+from hetero.runtime.base.processes import StageFailedError
 
 launcher = StageLauncher.start(json.loads(sys.argv[1]))
 assert launcher is not None, "no launcher on Linux"

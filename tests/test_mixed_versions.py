@@ -25,7 +25,7 @@ from reference import assert_close_to_scale, reference_run
 from safetensors.torch import load_file
 from test_runtime_plans import free_ports, make_plan
 
-from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.specs import ModelSpec, TrainSpec
 
 pytestmark = pytest.mark.slow

@@ -272,9 +272,9 @@ def test_a_pipeline_streaming_every_layer_equals_the_reference(recompute: str, r
     from test_runtime_equivalence import TRAIN
     from test_runtime_plans import make_plan
 
-    from hetero.runtime.run.adapter import load_adapter_state
-    from hetero.runtime.run.cli import main_run
-    from hetero.runtime.tools.run_compare import read_metrics, step_lines
+    from hetero.runtime.cli import main_run
+    from hetero.runtime.run.run_compare import read_metrics, step_lines
+    from hetero.runtime.stage.adapter import load_adapter_state
 
     # Stage 0 streams 3 layers, more than its buffer of two: layers really come and go every step.
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 2, 1], train=replace(TRAIN, schedule="1f1b"),

@@ -21,12 +21,12 @@ from test_runtime_plans import make_plan
 
 from hetero.families import family
 from hetero.packing import length_stats, pack_rows
+from hetero.runtime.cli import main_run
 from hetero.runtime.pretrained import resolve_dir
-from hetero.runtime.run.adapter import load_adapter_state
-from hetero.runtime.run.cli import main_run
 from hetero.runtime.run.data import IGNORE_INDEX, StepBatches
+from hetero.runtime.run.run_compare import read_metrics, step_lines
+from hetero.runtime.stage.adapter import load_adapter_state
 from hetero.runtime.stage.attention import implementation, register, segments_of
-from hetero.runtime.tools.run_compare import read_metrics, step_lines
 from hetero.specs import DataSpec, ModelSpec, TrainSpec
 
 

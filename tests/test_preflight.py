@@ -24,11 +24,12 @@ from test_runtime_plans import free_ports, make_plan
 
 from hetero.errors import CheckpointError, ConfigError, WireError
 from hetero.plan import Plan, compute_input_hash
-from hetero.runtime.run.checkpoint import CHECKPOINT_FORMAT, EXP_AVG, EXP_AVG_SQ, LORA, write_checkpoint
-from hetero.runtime.run.cli import split_run_options
+from hetero.runtime.cli import split_run_options
+from hetero.runtime.run.checkpoint import write_checkpoint
 from hetero.runtime.run.options import STEP_TIMEOUT_MIN_S, step_timeout_s
 from hetero.runtime.run.preflight import check_resume, lora_shapes
 from hetero.runtime.stage.process import _await_state
+from hetero.runtime.stage.state import CHECKPOINT_FORMAT, EXP_AVG, EXP_AVG_SQ, LORA
 from hetero.runtime.wire.control import ConnectionWatch, Mailbox
 from hetero.runtime.wire.rules import stage_rules
 from hetero.runtime.wire.transport import Transport

@@ -28,7 +28,7 @@ from hetero.profile import (
     fleet_hash,
     model_hash,
 )
-from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.specs import DataSpec, ModelSpec, PlannerOptions, TrainSpec
 
 
@@ -406,7 +406,7 @@ def test_profile_compile_run_predicts_the_step(tmp_path: Path, capsys, monkeypat
 
     from hetero.cli import main
     from hetero.plan import Plan
-    from hetero.runtime.tools.run_compare import compare_run
+    from hetero.runtime.run.run_compare import compare_run
 
     # A user's datasheet plan with a choice of their own (lora.r=4: a profile for r=8 would be refused).
     monkeypatch.chdir(tmp_path)

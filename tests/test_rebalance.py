@@ -22,7 +22,7 @@ from test_runtime_plans import make_plan
 
 from hetero.plan import Plan
 from hetero.planner.rebalance import Replanner, Watch
-from hetero.runtime.run.adapter import load_adapter_state
+from hetero.runtime.stage.adapter import load_adapter_state
 from hetero.specs import ModelSpec, TrainSpec
 
 SEQ_LEN = 32

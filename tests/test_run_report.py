@@ -22,9 +22,7 @@ from test_simulate import a_plan, fleet
 from hetero.protocol import StepDone
 from hetero.runtime.run.records import metrics_line
 from hetero.runtime.run.report import build_report, print_report, write_report
-from hetero.runtime.run.steps_picture import draw_steps, steps_picture_data
-from hetero.runtime.stage import telemetry as tm
-from hetero.runtime.tools.run_compare import (
+from hetero.runtime.run.run_compare import (
     compare_run,
     event_lines,
     median_step_s,
@@ -32,6 +30,8 @@ from hetero.runtime.tools.run_compare import (
     stage_timings_from_metrics,
     step_lines,
 )
+from hetero.runtime.run.steps_picture import draw_steps, steps_picture_data
+from hetero.runtime.stage import telemetry as tm
 
 
 @pytest.fixture(scope="module")

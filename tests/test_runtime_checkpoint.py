@@ -9,15 +9,10 @@ import torch
 from test_runtime_plans import make_plan, run_in_threads
 
 from hetero.errors import CheckpointError
-from hetero.runtime.run.checkpoint import (
-    load_stage_checkpoint,
-    lora_from_payload,
-    restore_stage,
-    save_stage_checkpoint,
-    stage_payload,
-)
+from hetero.runtime.run.checkpoint import load_stage_checkpoint, lora_from_payload, save_stage_checkpoint
 from hetero.runtime.run.data import StepBatches
 from hetero.runtime.stage.model import build_stage
+from hetero.runtime.stage.state import restore_stage, stage_payload
 from hetero.specs import ModelSpec, TrainSpec
 
 CPU = torch.device("cpu")

@@ -24,6 +24,7 @@ from test_runtime_plans import free_ports, make_plan
 
 from hetero.errors import CheckpointError
 from hetero.plan import Plan, compute_input_hash
+from hetero.runtime.base.rundir import RunDirError, append_run_line, checkpoint_dir
 from hetero.runtime.run.checkpoint import (
     CHECKPOINT_FORMAT,
     EXP_AVG,
@@ -35,8 +36,7 @@ from hetero.runtime.run.checkpoint import (
     write_checkpoint,
 )
 from hetero.runtime.run.preflight import check_init_from, check_resume, lora_shapes
-from hetero.runtime.run.rundir import RunDirError, append_run_line, checkpoint_dir
-from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.specs import DataSpec, LoraSpec, ModelSpec, TrainSpec
 
 HETERO = [sys.executable, "-m", "hetero.cli"]
@@ -135,7 +135,7 @@ def test_a_full_disk_loses_no_checkpoint(tmpfs, tmp_path: Path) -> None:
     assert [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] == [{"step": 0}]
 
     _fill(run, 64 * 1024)  # room for the adapter's config, not its weights
-    from hetero.runtime.run.adapter import save_adapter
+    from hetero.runtime.stage.adapter import save_adapter
 
     state = {k[len(LORA):]: v for k, v in _payload(0, 4, list(range(8)))[0].items() if k.startswith(LORA)}
     with pytest.raises(RunDirError, match=f"cannot write the adapter to {run / 'adapter'} \\(No space left on device\\)"
@@ -149,8 +149,8 @@ def test_a_failed_write_at_any_point_leaves_the_old_state(monkeypatch: pytest.Mo
                                                           fail_on: str) -> None:
     """Injected ENOSPC / EROFS at each file (COMPLETE is last) and at the final rename: nothing changes,
     not even a step directory being written a second time by a resumed run."""
+    import hetero.runtime.base.rundir as rundir
     import hetero.runtime.run.checkpoint as checkpoint
-    import hetero.runtime.run.rundir as rundir
 
     run = tmp_path / "run"
     first, again = _write(run, 2), _write(run, 4)

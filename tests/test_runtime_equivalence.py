@@ -17,9 +17,9 @@ import torch
 from reference import assert_close_to_scale, reference_run
 from test_runtime_plans import make_plan
 
-from hetero.runtime.run.adapter import load_adapter_state
-from hetero.runtime.run.cli import main_run
-from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.runtime.cli import main_run
+from hetero.runtime.run.run_compare import read_metrics, step_lines
+from hetero.runtime.stage.adapter import load_adapter_state
 from hetero.specs import ModelSpec, TrainSpec
 
 pytestmark = pytest.mark.slow

@@ -24,9 +24,9 @@ from procs import PIDS, clean_up, finish, start
 from test_runtime_plans import free_ports, make_plan
 
 from hetero.errors import ConfigError
-from hetero.runtime.run.cli import RUN_OPTIONS, resume_train, split_run_options
-from hetero.runtime.run.processes import exit_cause
-from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.runtime.base.processes import exit_cause
+from hetero.runtime.cli import RUN_OPTIONS, resume_train, split_run_options
+from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.runtime.wire.control import Heartbeat, Mailbox, PeerLost
 from hetero.runtime.wire.transport import Transport
 from hetero.specs import ModelSpec, TrainSpec
@@ -226,7 +226,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
-    from hetero.runtime.run.adapter import load_adapter_state
+    from hetero.runtime.stage.adapter import load_adapter_state
 
     return load_adapter_state(run_dir / "adapter")
 

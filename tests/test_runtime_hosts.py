@@ -14,7 +14,7 @@ from procs import clean_up, finish, start
 from test_runtime_plans import free_ports, make_plan
 
 from hetero.plan import Plan, compute_input_hash
-from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.specs import ModelSpec, TrainSpec
 
 pytestmark = pytest.mark.slow

@@ -20,9 +20,9 @@ from test_runtime_plans import make_plan
 
 from hetero.errors import PlanError
 from hetero.plan import Plan
-from hetero.runtime.run.adapter import load_adapter_state
-from hetero.runtime.run.cli import main_run
-from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.runtime.cli import main_run
+from hetero.runtime.run.run_compare import read_metrics, step_lines
+from hetero.runtime.stage.adapter import load_adapter_state
 from hetero.specs import ModelSpec, TrainSpec
 
 pytestmark = pytest.mark.slow

@@ -36,8 +36,8 @@ from hetero import cli
 from hetero.errors import ConfigError, PlanError, WireError
 from hetero.plan import Plan
 from hetero.protocol import Clip, Rebalance, Record, Stop
-from hetero.runtime.run.adapter import load_adapter_state
-from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.runtime.run.run_compare import read_metrics, step_lines
+from hetero.runtime.stage.adapter import load_adapter_state
 from hetero.runtime.wire.frames import Message, encode
 from hetero.runtime.wire.rules import coordinator_rules, max_message_bytes, stage_rules
 from hetero.runtime.wire.transport import Transport

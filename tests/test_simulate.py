@@ -18,7 +18,7 @@ from hetero.planner.whatif import (
     what_ifs,
     without_device,
 )
-from hetero.runtime.tools.run_compare import compare_run
+from hetero.runtime.run.run_compare import compare_run
 from hetero.specs import DataSpec, ModelSpec, PlannerOptions, TrainSpec
 
 

@@ -197,7 +197,7 @@ def test_mixed_dtype_stages_cast_on_arrival(tiny_model_dir: Path, tiny_spec: Mod
 
 def test_trained_adapter_loads_with_peft(tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path) -> None:
     """The union of stage states saved by save_adapter is a standard PEFT adapter."""
-    from hetero.runtime.run.adapter import save_adapter
+    from hetero.runtime.stage.adapter import save_adapter
 
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3])
     stages = [build_stage(plan, k, CPU) for k in range(2)]

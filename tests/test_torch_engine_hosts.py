@@ -26,7 +26,7 @@ from test_ssh_launcher import SSHD, client_spec, needs_sshd, write_sshd
 from test_torch_engine import _check_against_reference
 
 from hetero.plan import Plan, compute_input_hash
-from hetero.runtime.tools.run_compare import read_metrics, step_lines
+from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.runtime.torch_engine.rank import node_hosts, rank_order
 from hetero.specs import ModelSpec
 

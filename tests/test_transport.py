@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from hetero.errors import WireError
-from hetero.runtime.run.env import describe_environment
+from hetero.runtime.base.env import describe_environment
 from hetero.runtime.wire.frames import WIRE_VERSION, Message, encode
 from hetero.runtime.wire.transport import Transport, bind_address
 

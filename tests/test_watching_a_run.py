@@ -13,8 +13,8 @@ import pytest
 from procs import clean_up, finish, start
 from test_runtime_plans import free_ports, make_plan
 
+from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.runtime.run.tensorboard import EventWriter, crc32c
-from hetero.runtime.tools.run_compare import read_metrics, step_lines
 from hetero.specs import ModelSpec, TrainSpec
 
 STEPS = 24
@@ -108,7 +108,7 @@ def test_runtime_wandb_logs_the_same_steps_to_weights_and_biases(tiny_model_dir:
     import importlib.machinery
     import types
 
-    from hetero.runtime.run.cli import main_run
+    from hetero.runtime.cli import main_run
 
     calls: list[tuple] = []
 
@@ -140,7 +140,7 @@ def test_runtime_wandb_logs_the_same_steps_to_weights_and_biases(tiny_model_dir:
 
 def test_runtime_wandb_is_refused_in_one_line_where_it_cannot_work() -> None:
     from hetero.errors import ConfigError
-    from hetero.runtime.run.cli import split_run_options
+    from hetero.runtime.cli import split_run_options
 
     with pytest.raises(ConfigError, match=r"takes a W&B project name"):
         split_run_options(["runtime.wandb=my project!"])

@@ -26,21 +26,21 @@ from hetero.cli.config_commands import (
     compile_config,
     profile_cost_model,
 )
-from hetero.cli.plan_commands import cmd_keys, cmd_show, cmd_simulate, run_versus_plan
+from hetero.cli.plan_commands import cmd_keys, cmd_show, cmd_simulate
 from hetero.errors import HeteroError
 from hetero.plan import plan_path
 
 __all__ = [
     "RUNTIME_COMMANDS", "build_parser", "cmd_compile", "cmd_inspect", "cmd_keys", "cmd_profile", "cmd_show",
-    "cmd_simulate", "compile_config", "main", "profile_cost_model", "run_versus_plan",
+    "cmd_simulate", "compile_config", "main", "profile_cost_model",
 ]
 
 # Subcommands whose argv goes untouched to a function of the runtime: (module, function, help).
 RUNTIME_COMMANDS = {
-    "run": ("hetero.runtime.run.cli", "main_run", "train a compiled plan: hetero run plan.json [key=value ...]"),
-    "worker": ("hetero.runtime.run.cli", "main_worker",
+    "run": ("hetero.runtime.cli", "main_run", "train a compiled plan: hetero run plan.json [key=value ...]"),
+    "worker": ("hetero.runtime.cli", "main_worker",
                "serve this host's stages of a plan (started by `hetero run` or by hand)"),
-    "generate": ("hetero.runtime.run.cli", "main_generate", "generate text with the base model plus a trained adapter"),
+    "generate": ("hetero.runtime.cli", "main_generate", "generate text with the base model plus a trained adapter"),
     "export": ("hetero.runtime.tools.export", "main_export", "merge a run's adapter into its base model: a standalone "
                "model for serving (hetero export RUN_DIR --out DIR)"),
 }

@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hetero.cli.console import console
-from hetero.errors import ConfigError
 
 if TYPE_CHECKING:
     from hetero.plan import Plan
@@ -81,84 +80,16 @@ def skipped_pictures_line(plan_json: Path, written: list[Path], time_limit_s: fl
             f"pictures, tracing aside): {', '.join(skipped)}; draw them with: hetero show {plan_json} --pictures")
 
 
-def run_versus_plan(plan: Plan, run_dir: Path) -> list[str]:
-    """Lines comparing a finished run with its plan: measured, predicted, and the replay of the run's own times;
-    after a rebalancing move, the steps on each split against that split's prediction, and the move itself."""
-    from hetero.runtime.tools.run_compare import event_lines, step_lines
-    from hetero.runtime.tools.run_segments import move_line, run_moves, run_segments
-
-    lines = _run_metrics(plan, run_dir)
-    steps = step_lines(lines)
-    segments = run_segments(plan, steps, event_lines(lines))
-    if not steps:
-        raise ConfigError(f"{run_dir / 'metrics.jsonl'} has no training steps: pass the --run-dir of a finished `hetero run`")
-    out = _segment_versus_plan(plan, run_dir, segments[0].steps, plan.prediction.step_time_s, None)
-    for segment, move in zip(segments[1:], run_moves(segments), strict=True):
-        out.append(move_line(move))
-        if segment.steps:
-            out += _segment_versus_plan(plan, run_dir, segment.steps, segment.predicted_step_s, move)
-    return out
-
-
-def _segment_versus_plan(plan: Plan, run_dir: Path, steps: list[dict[str, Any]], predicted: float | None,
-                         move: dict[str, Any] | None) -> list[str]:
-    """The steps on one split: measured, predicted (the plan's, or the move's for its split), replayed."""
-    from hetero.planner.simulator import replay_run
-    from hetero.runtime.tools.run_compare import median_step_s, stage_timings_from_metrics
-    from hetero.runtime.tools.run_segments import split_text
-
-    if not steps:
-        return ["no step ran on the plan's own split"]
-    timings = stage_timings_from_metrics(steps)
-    if not timings or len(timings) != len(plan.stages):
-        raise ConfigError(f"{run_dir / 'metrics.jsonl'} has no per-stage timings for this {len(plan.stages)}-stage plan")
-    measured = median_step_s(steps)
-    replayed = replay_run(plan, timings).step_time_s
-    where = "" if move is None else f"  on split {split_text(move.get('new_split'))}: "
-    versus = (f"predicted {predicted:.4g} s (measured/predicted {measured / predicted:.2f})" if predicted
-              else "no prediction for this split")
-    lines = [f"{where}measured {measured:.4g} s/step (median over {len(steps)} steps, the first left out); {versus}; "
-             f"replayed with the run's own per-action times {replayed:.4g} s (measured/replayed {measured / replayed:.2f})"]
-    if abs(measured / replayed - 1) <= 0.10 and predicted and abs(measured / predicted - 1) > 0.10:
-        lines.append(f"{where}The schedule model holds (the replay is within 10%): the per-stage compute estimates were "
-                     "off. Re-profile (`hetero profile`) on a quiet machine, or look for a device slower than profiled.")
-    elif abs(measured / replayed - 1) > 0.10:
-        lines.append(f"{where}Even the run's own per-action times do not add up to its step: it lost time the simulator "
-                     "does not model (transfer latency, stages sharing cores, other load on the hosts).")
-    elif predicted:
-        lines.append(f"{where}The prediction held (within 10%).")
-    return lines
-
-
-def _run_metrics(plan: Plan, run_dir: Path) -> list[dict[str, Any]]:
-    """The lines of a finished run of ``plan`` (metrics.jsonl: steps, evaluations, moves); one line if it is not one."""
-    from hetero.plan import Plan
-
-    metrics_path = run_dir / "metrics.jsonl"
-    try:
-        metrics = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    except FileNotFoundError:
-        raise ConfigError(f"{metrics_path} does not exist: pass the --run-dir of a finished `hetero run`") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{metrics_path} line {exc.lineno}: not JSON ({exc.msg}); is it a hetero run's metrics?") from None
-    if (run_dir / "plan.json").is_file():
-        ran = Plan.load(run_dir / "plan.json")
-        shape = [(s.device, s.first_node, s.last_node, s.program) for s in ran.stages]
-        if shape != [(s.device, s.first_node, s.last_node, s.program) for s in plan.stages]:
-            raise ConfigError(f"{run_dir} ran another plan (other stages, spans or schedule) than this one: "
-                              "compare a run with the plan it ran")
-    return [m for m in metrics if isinstance(m, dict)]
-
-
 def _steps_picture(plan: Plan, run_dir: Path) -> str:
     """The run's steps.png: the one `hetero run` drew, else drawn now from its metrics.jsonl."""
+    from hetero.runtime.run.run_compare import finished_run
     from hetero.runtime.run.steps_picture import draw_steps
 
     path = run_dir / "steps.png"
     if path.is_file():
         return str(path)
     try:
-        return str(draw_steps(plan, _run_metrics(plan, run_dir), None, path))
+        return str(draw_steps(plan, finished_run(plan, run_dir), None, path))
     except OSError as exc:  # a run directory one may read but not write
         return f"not drawn ({path}: {exc.strerror or exc})"
 
@@ -192,7 +123,9 @@ def cmd_simulate(plan_path: Path, width: int = 72, replan: bool = True, picture:
         out.print(f"  {line}", highlight=False)
     if run_dir is not None:
         out.print(f"\n[bold]run {run_dir}[/]")
-        for line in run_versus_plan(plan, run_dir):
+        from hetero.runtime.run.run_compare import versus_plan
+
+        for line in versus_plan(plan, run_dir):
             out.print(f"  {line}", highlight=False)
         out.print(f"  step times over the run: {_steps_picture(plan, run_dir)}", highlight=False)
     path = picture or plan_path.parent / "simulate.png"

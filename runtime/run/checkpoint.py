@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from hetero.errors import CheckpointError
-from hetero.runtime.run.rundir import (
+from hetero.runtime.base.rundir import (
     CHECKPOINTS,
     COMPLETE,
     checkpoint_dir,
@@ -34,77 +34,13 @@ from hetero.runtime.run.rundir import (
     write_bytes,
     write_failure,
 )
-from hetero.runtime.stage.executor import Executor
-from hetero.runtime.stage.lora import peft_key
+from hetero.runtime.stage.state import CHECKPOINT_DTYPE, CHECKPOINT_FORMAT, EXP_AVG, EXP_AVG_SQ, LORA
 
-CHECKPOINT_FORMAT = 1
-# LoRA weights and AdamW moments are float32 on every device (runtime/stage/lora.py), and so in every checkpoint.
-CHECKPOINT_DTYPE = torch.float32
-LORA, EXP_AVG, EXP_AVG_SQ = "lora/", "exp_avg/", "exp_avg_sq/"
 _STAGE_JSON = re.compile(r"stage(\d+)\.json")
 SNAPSHOTS_KEPT = 2  # the newest time-based checkpoints kept: one to fall back on if the newest fails its checks
 SHA256 = "tensors_sha256"  # stage<k>.json: sha256 of stage<k>.safetensors (absent in checkpoints written before it)
 
 
-def stage_payload(executor: Executor, plan_hash: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Everything needed to resume this stage, as named CPU tensors + JSON-able metadata."""
-    tensors: dict[str, torch.Tensor] = {}
-    names = [peft_key(n) for n, _ in executor.stage.lora_named_parameters()]
-    steps: dict[str, float] = {}
-    for key, p in zip(names, executor.params, strict=True):
-        tensors[LORA + key] = p.detach().to("cpu", torch.float32).contiguous()
-        state = executor.optimizer.state.get(p, {}) if executor.optimizer is not None else {}
-        if "exp_avg" in state:
-            tensors[EXP_AVG + key] = state["exp_avg"].detach().to("cpu").contiguous()
-            tensors[EXP_AVG_SQ + key] = state["exp_avg_sq"].detach().to("cpu").contiguous()
-            steps[key] = float(state["step"])
-    meta = {
-        "format": CHECKPOINT_FORMAT,
-        "plan_hash": plan_hash,
-        "stage": executor.stage.index,
-        "step": executor.steps_done,  # optimizer steps completed
-        "keys": names,
-        "adam_steps": steps,
-        "scheduler": _jsonable(executor.scheduler.state_dict()) if executor.scheduler is not None else None,
-    }
-    return tensors, meta
-
-
-def _jsonable(state: dict[str, Any]) -> dict[str, Any]:
-    # LambdaLR's state holds its lambdas as None (functions are not saved); everything else is numbers.
-    return {k: v for k, v in state.items() if isinstance(v, (int, float, str, bool, list, type(None)))}
-
-
-def restore_stage(executor: Executor, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    """Load a stage payload back into a freshly built executor (same stage keys)."""
-    names = [peft_key(n) for n, _ in executor.stage.lora_named_parameters()]
-    k = executor.stage.index
-    missing = [key for key in names if LORA + key not in tensors]
-    if missing:
-        raise CheckpointError(f"checkpoint lacks LoRA tensor {missing[0]} of stage {k}")
-    for key, p in zip(names, executor.params, strict=True):
-        if tuple(tensors[LORA + key].shape) != tuple(p.shape):
-            raise CheckpointError(
-                f"checkpoint tensor {key} has shape {tuple(tensors[LORA + key].shape)}, stage {k}'s LoRA parameter "
-                f"{tuple(p.shape)}: it was trained with another model or another lora.r"
-            )
-    with torch.no_grad():
-        for key, p in zip(names, executor.params, strict=True):
-            p.copy_(tensors[LORA + key].to(p.device, p.dtype))
-            if executor.optimizer is not None and EXP_AVG + key in tensors:
-                executor.optimizer.state[p] = {
-                    "step": torch.tensor(float(meta["adam_steps"][key])),
-                    "exp_avg": tensors[EXP_AVG + key].to(p.device).clone(),
-                    "exp_avg_sq": tensors[EXP_AVG_SQ + key].to(p.device).clone(),
-                }
-    done = int(meta["step"])
-    if executor.optimizer is not None and done > 0:
-        from hetero.runtime.stage.lr import make_scheduler
-
-        # The schedule is a pure function of the step: rebuilding it also sets each group's lr
-        # (LambdaLR.load_state_dict would leave the optimizer at the initial lr).
-        executor.scheduler = make_scheduler(executor.optimizer, executor.train, last_step=done - 1)
-    executor.steps_done = done
 
 
 def save_stage_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:

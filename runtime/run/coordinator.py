@@ -46,11 +46,7 @@ from hetero.protocol import (
     Stop,
     Welcome,
 )
-from hetero.runtime.run.elastic import Rejoining
-from hetero.runtime.run.handshake import HandshakeWatch, connect_stages
-from hetero.runtime.run.moves import split_of
-from hetero.runtime.run.options import RunOptions, coordinator_endpoint, step_timeout_hint, step_timeout_s
-from hetero.runtime.run.processes import (
+from hetero.runtime.base.processes import (
     LostStage,
     StageFailedError,
     exit_cause,
@@ -60,17 +56,15 @@ from hetero.runtime.run.processes import (
     spawn_stages,
     stop_processes,
 )
-from hetero.runtime.run.records import (
-    ProgressBar,
-    RunRecords,
-    RunResult,
-    checkpoint_due,
-    metrics_line,
-    payload_due,
-)
+from hetero.runtime.base.rundir import RunDirWriteError, run_command, write_run_file
+from hetero.runtime.run.elastic import Rejoining
+from hetero.runtime.run.handshake import HandshakeWatch, connect_stages
+from hetero.runtime.run.moves import split_of
+from hetero.runtime.run.options import RunOptions, coordinator_endpoint, step_timeout_hint, step_timeout_s
+from hetero.runtime.run.records import ProgressBar, RunRecords, RunResult, metrics_line
 from hetero.runtime.run.reduce import clip_coef, norm_from_sumsq, norm_of, sum_replica_grads
 from hetero.runtime.run.run_profile import write_run_profile
-from hetero.runtime.run.rundir import RunDirWriteError, run_command, write_run_file
+from hetero.runtime.stage.state import checkpoint_due, payload_due
 from hetero.runtime.wire.control import (
     Heartbeat,
     Mailbox,
@@ -287,7 +281,7 @@ class Coordinator:
 
     def _save_memory(self) -> None:
         """The state copied off the stages (runtime.elastic), to disk as a snapshot when no checkpoint there is as new."""
-        from hetero.runtime.run.rundir import checkpoint_step, latest_checkpoint
+        from hetero.runtime.base.rundir import checkpoint_step, latest_checkpoint
 
         if self.memory is None or int(self.memory[1]["step"]) <= 0:
             return
@@ -337,7 +331,7 @@ class Coordinator:
         return shlex.join(run_command(self.plan_path, self.options.rerun))
 
     def _resume_hint(self) -> str:
-        from hetero.runtime.run.rundir import checkpoint_step, latest_checkpoint
+        from hetero.runtime.base.rundir import checkpoint_step, latest_checkpoint
 
         # The state copied off the stages goes to disk first, so that the line names it (it said "no checkpoint
         # yet" when the run stopped without recovering, though the copy was written a moment later).
@@ -673,7 +667,7 @@ class Coordinator:
 
     def _checkpoint_and_stop(self, done: int) -> None:
         """After Ctrl-C: every stage's state after ``done`` steps into checkpoints/step-<done>/."""
-        from hetero.runtime.run.rundir import COMPLETE, checkpoint_dir
+        from hetero.runtime.base.rundir import COMPLETE, checkpoint_dir
 
         self.training = False  # from here on, Ctrl-C quits at once
         self.result.interrupted_after = done

@@ -32,6 +32,7 @@ import torch
 
 from hetero.errors import ConfigError
 from hetero.packing import pack_rows
+from hetero.runtime.base.prompts import render_alpaca
 from hetero.serde import short_repr
 from hetero.specs import DataSpec
 
@@ -39,19 +40,6 @@ IGNORE_INDEX = -100
 FORMATS = ("text", "alpaca", "tokens", "chat")
 CHAT_ROLES = ("system", "user", "assistant")
 DEMO_NAME = "<bundled demo_alpaca.jsonl>"
-
-# Alpaca-style prompt. Loss is on the response (and EOS) only unless data.train_on_prompt.
-PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-PROMPT_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
-
-
-def render_alpaca(record: dict[str, Any]) -> str:
-    """The prompt text for an alpaca record (instruction, optional input), up to the response."""
-    extra = record.get("input") or ""
-    if extra:
-        return PROMPT_WITH_INPUT.format(instruction=record["instruction"], input=extra)
-    return PROMPT_NO_INPUT.format(instruction=record["instruction"])
-
 
 @dataclass
 class StepBatch:

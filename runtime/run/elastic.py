@@ -45,9 +45,9 @@ from typing import Any
 from hetero.errors import HeteroError
 from hetero.plan import Plan
 from hetero.protocol import MAX_HEADER_BYTES
+from hetero.runtime.base.processes import StageFailedError
 from hetero.runtime.run.moves import split_of
 from hetero.runtime.run.options import RunOptions
-from hetero.runtime.run.processes import StageFailedError
 from hetero.runtime.run.records import RunResult
 
 REJOIN_GAIN = 0.97  # a device that is back is taken when the plan with it is predicted this much faster, or more

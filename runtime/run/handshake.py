@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hetero.plan import Plan
-from hetero.runtime.run.processes import StageFailedError
+from hetero.runtime.base.processes import StageFailedError
 
 UNAUTHENTICATED = "unauthenticated peer "  # how the transport names a peer without keys (transport._peer_address)
 

@@ -4,7 +4,6 @@ host (runtime/stage/process.py) and waits for them; ``--check`` answers `hetero 
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -14,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from hetero.errors import PlanError
-from hetero.plan import Plan, plan_path
+from hetero.plan import Plan
 from hetero.protocol import EXIT_REPLAN
-from hetero.runtime.run.coordinator import coordinator_endpoint
-from hetero.runtime.run.processes import (
+from hetero.runtime.base.processes import (
     last_error_line,
     raise_open_file_limit,
     spawn_stages,
@@ -137,55 +135,3 @@ def _ended(procs: dict[int, Any], codes: dict[int, int], stages: list[int], run_
               file=sys.stderr)
         return 1
     return 0
-
-
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hetero worker", description="Run this host's stages of a plan.")
-    ap.add_argument("plan", type=plan_path, help="plan.json, or the directory hetero compile wrote")
-    group = ap.add_mutually_exclusive_group(required=True)
-    group.add_argument("--host", help="run every stage the plan places on this host")
-    group.add_argument("--stage", type=int, help="run one stage (what --host starts per device)")
-    ap.add_argument("--coordinator", help="tcp://ADDRESS:PORT of `hetero run` (default: stage 0's host, base port - 1)")
-    ap.add_argument("--run-dir", type=Path, help="where this host writes its stage logs (default runs/worker-<host>-<time>)")
-    ap.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--check", action="store_true",
-                    help="with --host: print one line (hetero's version, the plan's hash, or what is missing) and exit; "
-                         "`hetero run` asks this of the hosts it starts over ssh")
-    ap.add_argument("--watch-stdin", action="store_true",
-                    help="with --host: stop this host's stages when stdin closes (how `hetero run` ends workers it "
-                         "started over ssh)")
-    ap.add_argument("--engine", choices=("hetero", "torch"), default="hetero",
-                    help="torch: this host's torch launcher of a `hetero run --engine torch` on several hosts")
-    ap.add_argument("--rendezvous", metavar="ADDRESS:PORT", help="--engine torch: node 0's rendezvous")
-    ap.add_argument("--timeout", type=float, default=600.0, help="--engine torch: seconds any collective may wait")
-    ap.add_argument("--trusted-network", action="store_true", help="--engine torch: as `hetero run --trusted-network`")
-    return ap
-
-
-def main_worker(argv: list[str]) -> int:
-    """`hetero worker plan.json --host NAME` (or --stage k): serve this host's stages of a plan."""
-    args = _parser().parse_args(argv)
-    if args.check:
-        if args.host is None:
-            raise PlanError("--check goes with --host NAME")
-        from hetero.runtime.run.ssh import check_report
-
-        print(check_report(args.plan, args.host), flush=True)
-        return 0
-    plan = Plan.load(args.plan)
-    coordinator = args.coordinator or coordinator_endpoint(plan)
-    if args.stage is not None:
-        from hetero.runtime.stage.process import serve_stage
-
-        return serve_stage(args.plan, plan, args.stage, coordinator, args.parent_pid)
-    run_dir = args.run_dir or Path("runs") / f"worker-{args.host}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if args.engine == "torch":
-        if args.host is None or args.rendezvous is None:
-            raise PlanError("--engine torch goes with --host NAME and --rendezvous ADDRESS:PORT (as `hetero run` "
-                            "prints them)")
-        from hetero.runtime.torch_engine.launch import serve_torch_node
-
-        return serve_torch_node(args.plan, plan, args.host, run_dir, args.rendezvous, args.timeout, args.watch_stdin,
-                                args.trusted_network)
-    check_host(args.plan, plan, args.host)  # before the run directory exists
-    return serve_host(args.plan, plan, args.host, run_dir, coordinator, watch_stdin=args.watch_stdin)

@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from hetero.runtime.run.processes import StageFailedError
+from hetero.runtime.base.processes import StageFailedError
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hetero.picture_style import STEP_COLOUR, save_figure, stage_colour
-from hetero.runtime.tools.run_compare import event_lines, step_lines
+from hetero.runtime.run.run_compare import event_lines, step_lines
 
 MEAN_OF = 10  # the moving mean's window, in steps (shorter runs: a fifth of their steps)
 EVENT_COLOUR = "#555555"

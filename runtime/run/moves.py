@@ -47,7 +47,7 @@ def split_of(plan: Plan) -> list[int]:
 
 def stage_compute_s(done: dict[int, Any]) -> list[float]:
     """Per stage: the step's measured forward + backward seconds (its ``stepdone`` op times)."""
-    from hetero.runtime.tools.run_segments import compute_s
+    from hetero.runtime.run.run_segments import compute_s
 
     return [compute_s(done[k].meta["op_time_s"]) for k in sorted(done)]
 

@@ -11,7 +11,7 @@ from typing import Any
 from hetero.errors import PlanError
 from hetero.plan import Plan
 from hetero.protocol import FAILURE_TIMEOUT_S, LOAD_TIMEOUT_S
-from hetero.runtime.run.rundir import rerun_options
+from hetero.runtime.base.rundir import rerun_options
 
 
 def coordinator_endpoint(plan: Plan, host: str | None = None, port: int | None = None) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 from hetero.errors import CheckpointError, ConfigError, HeteroError
 from hetero.packing import steps_for_epochs
 from hetero.plan import Plan
-from hetero.runtime.run.rundir import check_creatable, check_free_space, create_run_dir, write_run_file
+from hetero.runtime.base.rundir import check_creatable, check_free_space, create_run_dir, write_run_file
 from hetero.specs import MAX_COUNT
 
 PEFT_PREFIX = "base_model.model."  # as in adapter.py (not imported: that module pulls in torch)
@@ -90,7 +90,8 @@ def with_epoch_steps(plan: Plan, batches: Any) -> Plan:
 
 
 def _read_resume(path: Path, plan: Plan, model_dir: Path) -> tuple[Path, tuple[dict[str, Any], dict[str, Any]]]:
-    from hetero.runtime.run.checkpoint import LORA, lora_from_payload, read_checkpoint, resolve_resume
+    from hetero.runtime.run.checkpoint import lora_from_payload, read_checkpoint, resolve_resume
+    from hetero.runtime.stage.state import LORA
 
     directory = resolve_resume(path)
     # Every file is read whole and checked (dtypes, AdamW moments against their LoRA tensor: checkpoint.py), then
@@ -113,7 +114,7 @@ def check_resume(path: Path, plan: Plan, model_dir: Path) -> tuple[Path, int]:
 
 def check_init_from(plan: Plan, model_dir: Path) -> None:
     """``lora.init_from`` is a readable PEFT adapter with the plan's rank, targets and this model's modules."""
-    from hetero.runtime.run.adapter import load_adapter_state
+    from hetero.runtime.stage.adapter import load_adapter_state
 
     lora = plan.model.lora
     assert lora.init_from is not None

@@ -1,7 +1,7 @@
 """What a run keeps and shows of its steps: metrics.jsonl lines, the progress bar, the evaluator's answers,
 checkpoints/step-N/ and, after the last step, adapter/.
 
-``payload_due`` is the rule both sides follow: after which steps the stages send their state (a
+``payload_due`` (runtime/stage/state.py) is the rule both sides follow: after which steps the stages send their state (a
 checkpoint, the adapter for the evaluator, the last) and the coordinator gathers it.
 """
 
@@ -15,24 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hetero.plan import Plan
-from hetero.runtime.run.rundir import append_run_line, write_run_file
+from hetero.runtime.base.rundir import append_run_line, write_run_file
+from hetero.runtime.stage.state import checkpoint_due
 from hetero.runtime.stage.telemetry import clean_telemetry
 from hetero.serde import to_dict
-from hetero.specs import RUNTIME_OVERRIDABLE, TrainSpec
+from hetero.specs import RUNTIME_OVERRIDABLE
 
 if TYPE_CHECKING:
     import torch
-
-
-def checkpoint_due(train: TrainSpec, step: int) -> bool:
-    """Whether a checkpoint is written after ``step`` whatever the clock says: the last step, or train.checkpoint_every's."""
-    done = step + 1
-    return done == train.steps or (train.checkpoint_every > 0 and done % train.checkpoint_every == 0)
-
-
-def payload_due(train: TrainSpec, eval_every: int, step: int) -> bool:
-    """After ``step``, do the stages send their state (a checkpoint, the adapter for evaluation, the last)?"""
-    return checkpoint_due(train, step) or (eval_every > 0 and (step + 1) % eval_every == 0)
 
 
 @dataclass
@@ -98,7 +88,7 @@ class RunRecords:
     def open_evaluator(self, plan_path: Path, host: str) -> None:
         """Start the evaluator on a spare device of ``host`` when the plan evaluates every N steps."""
         if self.plan.eval.every > 0:
-            from hetero.runtime.tools.evaluator import EvalClient, eval_device_name
+            from hetero.runtime.run.eval_client import EvalClient, eval_device_name
 
             device = eval_device_name(self.plan, self.plan.eval, host)
             self.evaluator = EvalClient(plan_path, self.plan, device, self.run_dir)
@@ -219,7 +209,7 @@ class RunRecords:
 
     def _save_adapter(self, state: dict[str, torch.Tensor]) -> None:
         from hetero.runtime.pretrained import adapter_base
-        from hetero.runtime.run.adapter import save_adapter
+        from hetero.runtime.stage.adapter import save_adapter
 
         base = adapter_base(self.plan.model)  # a directory AutoPeftModelForCausalLM can load, or a hub id
         save_adapter({k: v.clone() for k, v in state.items()}, self.plan.model.lora, base, self.run_dir / "adapter")

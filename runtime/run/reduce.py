@@ -11,7 +11,7 @@ import math
 from typing import TYPE_CHECKING
 
 from hetero.plan import Plan
-from hetero.runtime.run.processes import StageFailedError
+from hetero.runtime.base.processes import StageFailedError
 
 if TYPE_CHECKING:
     import torch

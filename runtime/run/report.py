@@ -2,7 +2,7 @@
 each rebalancing move with its predicted and measured gain, and steps.png (runtime/run/steps_picture.py).
 
 A run that rebalanced ran several splits: the steps on each split are compared with the prediction for
-that split (the plan's for the first, the move's event line for the next; runtime/tools/run_segments.py).
+that split (the plan's for the first, the move's event line for the next; runtime/run/run_segments.py).
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from hetero.plan import Plan
-from hetero.runtime.stage.telemetry import telemetry_summary
-from hetero.runtime.tools.run_compare import compare_run, event_lines, read_metrics, step_lines
-from hetero.runtime.tools.run_segments import (
+from hetero.runtime.run.run_compare import compare_run, event_lines, read_metrics, step_lines
+from hetero.runtime.run.run_segments import (
     Segment,
     move_line,
     plan_busy_s,
@@ -24,6 +23,7 @@ from hetero.runtime.tools.run_segments import (
     run_segments,
     split_text,
 )
+from hetero.runtime.stage.telemetry import telemetry_summary
 
 
 def _segment_entry(plan: Plan, segment: Segment) -> dict[str, Any]:
@@ -152,8 +152,8 @@ def _mb(x: float | None) -> str:
 def write_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, float], run_dir: Path,
                  events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """build_report, then steps.png and report.json in the run directory; returns the report."""
+    from hetero.runtime.base.rundir import write_run_file
     from hetero.runtime.run.loss_picture import draw_loss
-    from hetero.runtime.run.rundir import write_run_file
     from hetero.runtime.run.steps_picture import draw_steps, label
 
     report = build_report(plan, steps, build_s, str(run_dir), events)

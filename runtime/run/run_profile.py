@@ -60,7 +60,7 @@ from hetero.profile import (
     now_iso,
     typical,
 )
-from hetero.runtime.run.rundir import write_run_file
+from hetero.runtime.base.rundir import write_run_file
 
 PROFILE_FILE = "profile.json"
 SEND_OPS = ("SA", "SG")

@@ -28,7 +28,7 @@ from typing import Any
 from hetero import __version__
 from hetero.errors import HeteroError
 from hetero.plan import Plan
-from hetero.runtime.run.processes import last_line
+from hetero.runtime.base.processes import last_line
 from hetero.security import is_loopback
 from hetero.specs import SshSpec
 
@@ -249,7 +249,7 @@ class SshWorkers:
                 continue  # a host the run went on without (runtime.elastic)
             code = proc.poll()
             if code is not None and code != 0:
-                from hetero.runtime.run.processes import exit_cause, last_error_line
+                from hetero.runtime.base.processes import exit_cause, last_error_line
 
                 said = last_error_line(self.log(name)) or last_line(self.log(name).read_text(errors="replace"))
                 cause = "ssh failed" if code == 255 else exit_cause(code)

@@ -14,8 +14,8 @@ from typing import Any
 
 from hetero.picture_style import STEP_COLOUR, duration, save_figure, stage_colour
 from hetero.plan import Plan
-from hetero.runtime.tools.run_compare import event_lines, step_lines
-from hetero.runtime.tools.run_segments import run_moves, run_segments, split_text
+from hetero.runtime.run.run_compare import event_lines, step_lines
+from hetero.runtime.run.run_segments import run_moves, run_segments, split_text
 
 MOVE_COLOUR = "#555555"
 LABEL_CHARS = 60  # a name in a picture's title is cut to this (a hand-edited plan's 2 MB name cannot be drawn)

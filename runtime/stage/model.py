@@ -349,7 +349,7 @@ def build_stage(plan: Plan, k: int, device: torch.device, *, seed: int | None = 
                   fam.embedding_multiplier(plan.model.architecture), fam.logits_scale(plan.model.architecture),
                   fam.softcap(model.config), fam.rotary_per_layer_type, streamer=streamer)
     if lora.init_from:
-        from hetero.runtime.run.adapter import load_adapter_state
+        from hetero.runtime.stage.adapter import load_adapter_state
 
         stage.load_lora_state(load_adapter_state(Path(lora.init_from), lora))
     return stage

@@ -136,7 +136,7 @@ def run_stage(plan: Plan, k: int, coordinator: str, parent_pid: int | None = Non
 
 def _leave_plan(folder: Path, number: int, text: str) -> int:
     """Write the run's next plan (from the coordinator, authenticated) for this host's worker; EXIT_REPLAN."""
-    from hetero.runtime.run.rundir import write_run_file
+    from hetero.runtime.base.rundir import write_run_file
 
     name = f"plan-recovery-{number}.json"
     write_run_file(folder, name, text)
@@ -156,7 +156,7 @@ def _connect(transport: Any, plan: Plan, k: int, coordinator: str) -> tuple[int 
 
 def _say_hello(transport: Any, plan: Plan, k: int, device: Any, coordinator: str) -> Mailbox:
     """Tell the coordinator who we are (plan, wire version, pid, environment); returns our Mailbox."""
-    from hetero.runtime.run.env import describe_environment
+    from hetero.runtime.base.env import describe_environment
 
     transport.send(COORDINATOR, Hello(stage=k, input_hash=plan.input_hash, pid=os.getpid(),
                                       env=describe_environment(str(device))))
@@ -222,7 +222,7 @@ def _build(plan: Plan, k: int, device: Any, mailbox: Mailbox, neighbours: tuple[
 
 def _restore(executor: Any, mailbox: Mailbox, k: int) -> None:
     """A resumed run: the coordinator's ``state`` for this stage (LoRA, AdamW, step count)."""
-    from hetero.runtime.run.checkpoint import restore_stage
+    from hetero.runtime.stage.state import restore_stage
 
     state = _await_state(mailbox, 600.0)
     restore_stage(executor, state.tensors, state.meta)
@@ -268,8 +268,7 @@ def train_steps(executor: Any, mailbox: Mailbox, plan_hash: str, start_step: int
 
     Also answers the coordinator's checkpoint request (Ctrl-C on `hetero run`) from wherever it waits.
     """
-    from hetero.runtime.run.checkpoint import stage_payload
-    from hetero.runtime.run.records import payload_due
+    from hetero.runtime.stage.state import payload_due, stage_payload
 
     train, transport = executor.train, mailbox.transport
     current = [executor]  # the executor of the stage's current span (a rebalance replaces it)
@@ -328,7 +327,7 @@ def _move(executor: Any, move: Any, rebuild: Callable[[Any], Any], mailbox: Mail
     """Send this stage's state (unless just sent), drop its layers, build the new span, take its state."""
     import gc
 
-    from hetero.runtime.run.checkpoint import stage_payload
+    from hetero.runtime.stage.state import stage_payload
 
     if not sent:
         tensors, meta = stage_payload(executor, plan_hash)
@@ -346,7 +345,7 @@ def _move(executor: Any, move: Any, rebuild: Callable[[Any], Any], mailbox: Mail
 def serve_stage(plan_path: Path, plan: Plan, k: int, coordinator: str, parent_pid: int | None = None,
                 replan_dir: Path | None = None) -> int:
     """Run stage k of the plan at ``plan_path`` in this process, logging to stderr; returns the exit code."""
-    from hetero.runtime.run.processes import raise_open_file_limit
+    from hetero.runtime.base.processes import raise_open_file_limit
 
     raise_open_file_limit()  # before the inbox listens: a flood of idle connections must not exhaust it
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack to the log

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from hetero.errors import CheckpointError, HeteroError
-from hetero.runtime.run.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
-from hetero.runtime.run.rundir import nearest_existing, staging_dir
+from hetero.runtime.base.rundir import nearest_existing, staging_dir
+from hetero.runtime.stage.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 GB = 1e9

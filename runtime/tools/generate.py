@@ -24,8 +24,8 @@ def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 64, tempera
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hetero.runtime.base.prompts import render_alpaca
     from hetero.runtime.pretrained import resolve_dir
-    from hetero.runtime.run.data import render_alpaca
 
     run_dir = Path(run_dir)
 

@@ -84,7 +84,7 @@ def measure_fleet(
 
     ``local_hosts``: the hosts whose workers are started here (default: the first host, where the coordinator
     listens, and every loopback host)."""
-    from hetero.runtime.run.processes import stop_processes
+    from hetero.runtime.base.processes import stop_processes
     from hetero.runtime.wire.control import Mailbox
 
     say = on_event or (lambda _line: None)

@@ -473,7 +473,7 @@ def profile_device(model: ModelSpec, device_spec: DeviceSpec, torch_device: torc
     host_link = profile_host_link(probe)
     if on_layer is not None:
         on_layer("host link")
-    from hetero.runtime.run.env import describe_environment
+    from hetero.runtime.base.env import describe_environment
 
     return DeviceProfile(
         device=device_spec.name, host=device_spec.host, type=device_spec.type, backend=device_spec.backend,

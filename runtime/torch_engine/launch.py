@@ -35,7 +35,7 @@ from typing import Any
 
 from hetero.errors import PlanError
 from hetero.plan import Plan
-from hetero.runtime.run.processes import StageFailedError
+from hetero.runtime.base.processes import StageFailedError
 from hetero.runtime.run.records import RunResult
 from hetero.runtime.torch_engine.network import addresses, answers, bind_collectives, rendezvous
 
@@ -171,8 +171,8 @@ def run_torch(plan: Plan, plan_path: Path, run_dir: Path, backend: str, resume: 
     """Train ``plan`` on torch.distributed.pipelining; raises StageFailedError (one line) if a rank fails.
 
     ``compiled``: the plan file as the user named it (what a host started by hand runs; default ``plan_path``)."""
-    from hetero.runtime.run.rundir import latest_checkpoint
-    from hetero.runtime.tools.run_compare import read_metrics, step_lines
+    from hetero.runtime.base.rundir import latest_checkpoint
+    from hetero.runtime.run.run_compare import read_metrics, step_lines
     from hetero.runtime.torch_engine.rank import node_hosts
 
     hosts = node_hosts(plan)
@@ -317,7 +317,7 @@ def _watch(workers: Any, stopper: Stopper) -> None:
 
 def _host_line(workers: Any, host: str, ended: str) -> str:
     """What host ``host``'s launcher said when it failed (its one line), else how its ssh session ended."""
-    from hetero.runtime.run.processes import last_error_line
+    from hetero.runtime.base.processes import last_error_line
 
     said = last_error_line(workers.log(host))
     if said is None and ended.startswith("ssh failed"):  # ssh's own exit (255): the connection, not the host's ranks

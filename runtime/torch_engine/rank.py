@@ -247,7 +247,7 @@ def step_totals(where: Rank, loss: StepLoss, lr: float, ops: dict[str, float]) -
 
 def gather_state(where: Rank, executor: Any) -> dict[int, Any] | None:
     """The first replica's stage payloads on rank 0 (None elsewhere), sent as bytes (ranks share no disk)."""
-    from hetero.runtime.run.checkpoint import stage_payload
+    from hetero.runtime.stage.state import stage_payload
     from hetero.runtime.torch_engine.transfer import pack_payload, recv_bytes, send_bytes, unpack_payload
 
     plan = where.plan
@@ -275,7 +275,8 @@ def restore(where: Rank, executor: Any, resume: Path | None) -> int:
 
     Rank 0 reads the checkpoint (it is on rank 0's host) and sends every other rank its share as bytes: each
     rank first sends the LoRA keys its stage holds."""
-    from hetero.runtime.run.checkpoint import load_checkpoint_union, restore_stage, select_payload
+    from hetero.runtime.run.checkpoint import load_checkpoint_union, select_payload
+    from hetero.runtime.stage.state import restore_stage
     from hetero.runtime.torch_engine.transfer import pack_payload, recv_bytes, send_bytes, unpack_payload
 
     resuming = torch.tensor([int(resume is not None)])
@@ -310,7 +311,8 @@ def metrics(plan: Plan, step: int, values: tuple[float, float, float, float, lis
 def train(where: Rank, executor: Any, schedule: Any, loss: StepLoss, device: torch.device, run_dir: Path,
           start: int, progress: bool, ops: dict[str, float]) -> None:
     """Every step from ``start``; rank 0 keeps the records (metrics, checkpoints, adapter)."""
-    from hetero.runtime.run.records import ProgressBar, RunRecords, payload_due
+    from hetero.runtime.run.records import ProgressBar, RunRecords
+    from hetero.runtime.stage.state import payload_due
 
     plan = where.plan
     batches = _batches(plan) if where.rank == 0 else None  # rank 0 reads the data and shares each step's batch

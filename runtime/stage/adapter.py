@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hetero.errors import CheckpointError
-from hetero.runtime.run.rundir import RunDirError, latest_checkpoint, staging_dir, write_bytes
+from hetero.runtime.base.rundir import RunDirError, latest_checkpoint, staging_dir, write_bytes
 from hetero.specs import LoraSpec
 
 ADAPTER_CONFIG = "adapter_config.json"

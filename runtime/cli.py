@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from hetero.config import check_eval, check_run_length
-from hetero.errors import CheckpointError, ConfigError
+from hetero.errors import CheckpointError, ConfigError, PlanError
 from hetero.plan import Plan, plan_path
 from hetero.protocol import FAILURE_TIMEOUT_S, LOAD_TIMEOUT_S
 from hetero.runtime.run.options import (
@@ -189,9 +189,9 @@ def default_run_dir(plan: Plan) -> Path:
 
 def main_run(argv: list[str]) -> int:
     """`hetero run plan.json [key=value ...] [--run-dir D] [--host NAME] [--port P]`."""
+    from hetero.runtime.base.rundir import RunDirWriteError
     from hetero.runtime.run.elastic import run_elastic
     from hetero.runtime.run.launcher import StageLauncher
-    from hetero.runtime.run.rundir import RunDirWriteError
 
     args = _run_parser().parse_intermixed_args(argv)  # overrides may come before or after the options
     plan, checkpoint, timeouts = _run_settings(Plan.load(args.plan), args)
@@ -248,7 +248,7 @@ def _run_on_torch(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
     plan, plan_path, options = _prepare_run(plan, args, checkpoint, timeouts)
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from hetero.runtime.run.processes import StageFailedError
+    from hetero.runtime.base.processes import StageFailedError
     from hetero.runtime.torch_engine.launch import run_torch
 
     # torch.distributed has one timeout for every wait, the first (every stage built) included.
@@ -267,7 +267,7 @@ def _run_on_torch(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
 
 def _continue_hint(plan_path: Path, options: RunOptions) -> str:
     """How to go on after a failed run: from its newest complete checkpoint, or from the start."""
-    from hetero.runtime.run.rundir import checkpoint_step, latest_checkpoint, run_command
+    from hetero.runtime.base.rundir import checkpoint_step, latest_checkpoint, run_command
 
     again, newest = run_command(plan_path, options.rerun), latest_checkpoint(options.run_dir)
     if newest is not None:
@@ -338,7 +338,7 @@ def _prepare_run(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
     host = args.host or plan.stages[0].host
     coordinator_endpoint(plan, args.host, args.port)  # validates --host before anything is created
     if plan.eval.every > 0:
-        from hetero.runtime.tools.evaluator import eval_device_name
+        from hetero.runtime.run.eval_client import eval_device_name
 
         eval_device_name(plan, plan.eval, host)  # a spare device: one line if none
     run_dir = args.run_dir or default_run_dir(plan)
@@ -365,7 +365,7 @@ def _prepare_run(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
 
 def _stopped_at_once(plan_path: Path, options: RunOptions) -> str:
     """The line after a run stopped at once: how to continue from its newest complete checkpoint, if any."""
-    from hetero.runtime.run.rundir import checkpoint_step, latest_checkpoint, run_command
+    from hetero.runtime.base.rundir import checkpoint_step, latest_checkpoint, run_command
 
     run_dir, again = options.run_dir, run_command(plan_path, options.rerun)
     newest = latest_checkpoint(run_dir)  # complete ones only: one cut short by the second Ctrl-C is not there
@@ -381,8 +381,8 @@ def _stopped_at_once(plan_path: Path, options: RunOptions) -> str:
 
 def _finish_run(plan: Plan, plan_path: Path, options: RunOptions, result: RunResult) -> int:
     """After the run: how to continue an interrupted one (exit 130), else the report (exit 0)."""
+    from hetero.runtime.base.rundir import run_command
     from hetero.runtime.run.report import print_report, write_report
-    from hetero.runtime.run.rundir import run_command
 
     run_dir = options.run_dir
     if result.interrupted_after is not None:
@@ -407,11 +407,60 @@ def _finish_run(plan: Plan, plan_path: Path, options: RunOptions, result: RunRes
     return 0
 
 
-def main_worker(argv: list[str]) -> int:
-    """`hetero worker plan.json --host NAME [--coordinator tcp://...]`."""
-    from hetero.runtime.run.host import main_worker as run
+def _worker_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hetero worker", description="Run this host's stages of a plan.")
+    ap.add_argument("plan", type=plan_path, help="plan.json, or the directory hetero compile wrote")
+    group = ap.add_mutually_exclusive_group(required=True)
+    group.add_argument("--host", help="run every stage the plan places on this host")
+    group.add_argument("--stage", type=int, help="run one stage (what --host starts per device)")
+    ap.add_argument("--coordinator", help="tcp://ADDRESS:PORT of `hetero run` (default: stage 0's host, base port - 1)")
+    ap.add_argument("--run-dir", type=Path, help="where this host writes its stage logs (default runs/worker-<host>-<time>)")
+    ap.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--check", action="store_true",
+                    help="with --host: print one line (hetero's version, the plan's hash, or what is missing) and exit; "
+                         "`hetero run` asks this of the hosts it starts over ssh")
+    ap.add_argument("--watch-stdin", action="store_true",
+                    help="with --host: stop this host's stages when stdin closes (how `hetero run` ends workers it "
+                         "started over ssh)")
+    ap.add_argument("--engine", choices=("hetero", "torch"), default="hetero",
+                    help="torch: this host's torch launcher of a `hetero run --engine torch` on several hosts")
+    ap.add_argument("--rendezvous", metavar="ADDRESS:PORT", help="--engine torch: node 0's rendezvous")
+    ap.add_argument("--timeout", type=float, default=600.0, help="--engine torch: seconds any collective may wait")
+    ap.add_argument("--trusted-network", action="store_true", help="--engine torch: as `hetero run --trusted-network`")
+    return ap
 
-    return run(argv)
+
+def main_worker(argv: list[str]) -> int:
+    """`hetero worker plan.json --host NAME` (or --stage k): serve this host's stages of a plan."""
+    args = _worker_parser().parse_args(argv)
+    if args.check:
+        if args.host is None:
+            raise PlanError("--check goes with --host NAME")
+        from hetero.runtime.run.ssh import check_report
+
+        print(check_report(args.plan, args.host), flush=True)
+        return 0
+    from hetero.runtime.run.coordinator import coordinator_endpoint
+
+    plan = Plan.load(args.plan)
+    coordinator = args.coordinator or coordinator_endpoint(plan)
+    if args.stage is not None:
+        from hetero.runtime.stage.process import serve_stage
+
+        return serve_stage(args.plan, plan, args.stage, coordinator, args.parent_pid)
+    run_dir = args.run_dir or Path("runs") / f"worker-{args.host}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if args.engine == "torch":
+        if args.host is None or args.rendezvous is None:
+            raise PlanError("--engine torch goes with --host NAME and --rendezvous ADDRESS:PORT (as `hetero run` "
+                            "prints them)")
+        from hetero.runtime.torch_engine.launch import serve_torch_node
+
+        return serve_torch_node(args.plan, plan, args.host, run_dir, args.rendezvous, args.timeout, args.watch_stdin,
+                                args.trusted_network)
+    from hetero.runtime.run.host import check_host, serve_host
+
+    check_host(args.plan, plan, args.host)  # before the run directory exists
+    return serve_host(args.plan, plan, args.host, run_dir, coordinator, watch_stdin=args.watch_stdin)
 
 
 def main_generate(argv: list[str]) -> int:

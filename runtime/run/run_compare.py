@@ -1,9 +1,11 @@
 """The run report's comparison: measured vs predicted per-stage compute, transfer wait and idle time.
 
 Call at the end of `hetero run` with the plan, the metrics.jsonl lines and the per-stage op timings;
-it returns lines for the report and flags any stage more than 20% off its prediction. Torch-free and
-planner-free (the runtime never imports pulp): predictions are read from the plan's own numbers, and
-after a rebalancing move from the move's event line (runtime/tools/run_segments.py).
+it returns lines for the report and flags any stage more than 20% off its prediction. Torch-free
+(the runtime never imports pulp): predictions are read from the plan's own numbers, and after a
+rebalancing move from the move's event line (runtime/run/run_segments.py). The one home for reading a
+finished run: ``finished_run`` reads a run directory's metrics.jsonl for a plan (refusing a run of
+another plan), and ``versus_plan`` is what `hetero simulate PLAN --run-dir DIR` prints.
 
 metrics.jsonl holds three kinds of line: a step's (``step_time_s``, ``stage_busy``, ...), the
 evaluator's (``eval_loss``) and events (``{"event": "rebalance", "after_step": N, ...}``).
@@ -17,9 +19,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from hetero.errors import ConfigError
 from hetero.hints import suggest
 from hetero.plan import Plan
-from hetero.runtime.tools.run_segments import Segment, compute_s, run_segments, split_text
+from hetero.runtime.run.run_segments import Segment, compute_s, run_segments, split_text
 
 OFF_BY = 0.20  # a stage more than 20% off its prediction is flagged
 
@@ -169,3 +172,67 @@ def run_verdict(plan: Plan, step_time_s: float, timings: list[dict[str, float]])
         j = max(range(len(waits)), key=lambda i: waits[i])
         out.append(f"Measured: transfer-bound, stage {j} waits {waits[j] / step_time_s:.0%} of the step for tensors.")
     return out or [f"Measured: no single bottleneck; the busiest stage ({name}) computes {busy[k]:.0%} of the step."]
+
+
+def versus_plan(plan: Plan, run_dir: Path) -> list[str]:
+    """Lines comparing a finished run with its plan: measured, predicted, and the replay of the run's own times;
+    after a rebalancing move, the steps on each split against that split's prediction, and the move itself."""
+    from hetero.runtime.run.run_segments import move_line, run_moves
+
+    lines = finished_run(plan, run_dir)
+    steps = step_lines(lines)
+    segments = run_segments(plan, steps, event_lines(lines))
+    if not steps:
+        raise ConfigError(f"{run_dir / 'metrics.jsonl'} has no training steps: pass the --run-dir of a finished `hetero run`")
+    out = _segment_versus_plan(plan, run_dir, segments[0].steps, plan.prediction.step_time_s, None)
+    for segment, move in zip(segments[1:], run_moves(segments), strict=True):
+        out.append(move_line(move))
+        if segment.steps:
+            out += _segment_versus_plan(plan, run_dir, segment.steps, segment.predicted_step_s, move)
+    return out
+
+
+def _segment_versus_plan(plan: Plan, run_dir: Path, steps: list[dict[str, Any]], predicted: float | None,
+                         move: dict[str, Any] | None) -> list[str]:
+    """The steps on one split: measured, predicted (the plan's, or the move's for its split), replayed."""
+    from hetero.planner.simulator import replay_run  # (the planner's simulator: no solver, no torch)
+
+    if not steps:
+        return ["no step ran on the plan's own split"]
+    timings = stage_timings_from_metrics(steps)
+    if not timings or len(timings) != len(plan.stages):
+        raise ConfigError(f"{run_dir / 'metrics.jsonl'} has no per-stage timings for this {len(plan.stages)}-stage plan")
+    measured = median_step_s(steps)
+    replayed = replay_run(plan, timings).step_time_s
+    where = "" if move is None else f"  on split {split_text(move.get('new_split'))}: "
+    versus = (f"predicted {predicted:.4g} s (measured/predicted {measured / predicted:.2f})" if predicted
+              else "no prediction for this split")
+    lines = [f"{where}measured {measured:.4g} s/step (median over {len(steps)} steps, the first left out); {versus}; "
+             f"replayed with the run's own per-action times {replayed:.4g} s (measured/replayed {measured / replayed:.2f})"]
+    if abs(measured / replayed - 1) <= 0.10 and predicted and abs(measured / predicted - 1) > 0.10:
+        lines.append(f"{where}The schedule model holds (the replay is within 10%): the per-stage compute estimates were "
+                     "off. Re-profile (`hetero profile`) on a quiet machine, or look for a device slower than profiled.")
+    elif abs(measured / replayed - 1) > 0.10:
+        lines.append(f"{where}Even the run's own per-action times do not add up to its step: it lost time the simulator "
+                     "does not model (transfer latency, stages sharing cores, other load on the hosts).")
+    elif predicted:
+        lines.append(f"{where}The prediction held (within 10%).")
+    return lines
+
+
+def finished_run(plan: Plan, run_dir: Path) -> list[dict[str, Any]]:
+    """The lines of a finished run of ``plan`` (metrics.jsonl: steps, evaluations, moves); one line if it is not one."""
+    metrics_path = run_dir / "metrics.jsonl"
+    try:
+        metrics = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        raise ConfigError(f"{metrics_path} does not exist: pass the --run-dir of a finished `hetero run`") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{metrics_path} line {exc.lineno}: not JSON ({exc.msg}); is it a hetero run's metrics?") from None
+    if (run_dir / "plan.json").is_file():
+        ran = Plan.load(run_dir / "plan.json")
+        shape = [(s.device, s.first_node, s.last_node, s.program) for s in ran.stages]
+        if shape != [(s.device, s.first_node, s.last_node, s.program) for s in plan.stages]:
+            raise ConfigError(f"{run_dir} ran another plan (other stages, spans or schedule) than this one: "
+                              "compare a run with the plan it ran")
+    return [m for m in metrics if isinstance(m, dict)]

@@ -1,0 +1,6 @@
+"""The runtime's ground floor: what every process of a run shares, below the stage and the run.
+
+The run directory's layout and its atomic files (``rundir``), a process's environment (``env``), process
+limits and lines from a process's log (``processes``), and how records become prompt text (``prompts``).
+Nothing here imports another runtime package (tests/test_import_rules.py: floors).
+"""

@@ -297,7 +297,7 @@ def _stages(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: Clus
 
 def _link_scheme(table: CostTable, ev: Evaluation, pos: int, compression: str) -> str:
     """What the link after position ``pos`` of a placement carries: planner.compression's scheme, or under auto the
-    scheme where the cost table priced that link compressed (planner/cost.py ``_auto_links``)."""
+    scheme where the cost table priced that link compressed (planner/link_costs.py ``_auto_links``)."""
     if compression != "auto":
         return compression
     if not table.link_compress:

@@ -27,7 +27,7 @@ import pytest
 from procs import STARTED, clean_up, finish
 from test_runtime_plans import free_ports, make_plan
 
-import hetero.runtime.wire.transport as transport_module
+import hetero.runtime.wire.inbox as inbox_module
 from hetero.plan import Plan
 from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.runtime.wire.transport import Transport
@@ -131,7 +131,7 @@ print(json.dumps(stats), flush=True)
 
 def test_an_idle_connection_without_a_handshake_is_dropped_and_a_real_peer_still_connects(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transport_module, "INBOX_HANDSHAKE_S", 1.0)
+    monkeypatch.setattr(inbox_module, "INBOX_HANDSHAKE_S", 1.0)
     with Transport("stage1", "tcp://127.0.0.1:0", "plan", recv_timeout_s=10) as inbox:
         assert inbox.endpoint
         port = _port(inbox.endpoint)

@@ -802,13 +802,13 @@ def test_fuzzed_frames_are_admitted_or_dropped_in_one_line(workdir: Path, compil
     rng = random.Random(23)
     try:
         for _, rules, header, frames in cases:  # unbroken, every one is admitted: the fuzzer starts from real traffic
-            assert transports[id(rules)]._admit(list(frames)) is not None, (rules.me, header["kind"],
+            assert transports[id(rules)].inbox._admit(list(frames)) is not None, (rules.me, header["kind"],
                                                                             transports[id(rules)].last_rejection())
         for case in range(FRAMES_PER_RUN):
             _, rules, header, frames = cases[rng.randrange(len(cases))]
             broken = mutate_frames(rng, header, frames, sorted(KINDS), names)
             with time_limit(2, (case, rules.me, header["kind"])):
-                msg = transports[id(rules)]._admit(broken)  # anything but a WireError would escape: a traceback
+                msg = transports[id(rules)].inbox._admit(broken)  # anything but a WireError would escape: a traceback
             if msg is None:
                 outcomes["dropped"] += 1
                 continue
@@ -839,7 +839,7 @@ def test_reported_frames_are_dropped_in_one_line(pipeline_plan: Plan, kind: str,
     plan_hash, rules, header, frames = next(c for c in wire_cases([pipeline_plan]) if c[2]["kind"] == kind)
     header = {**header, "meta": {**header["meta"], field: value}}
     with Transport(rules.me, None, plan_hash, rules=rules) as transport:
-        assert transport._admit([msgpack.packb(header, use_bin_type=True), *frames[1:]]) is None
+        assert transport.inbox._admit([msgpack.packb(header, use_bin_type=True), *frames[1:]]) is None
         why = transport.last_rejection()
     assert why is not None and f"meta {field!r}" in why and "\n" not in why, why
 

@@ -26,3 +26,38 @@ def test_mypy_is_clean_on_the_typed_packages() -> None:
     pytest.importorskip("mypy", reason="mypy not installed (pip install -e '.[dev]')")
     proc = _run([sys.executable, "-m", "mypy", "hetero", "planner"])  # warm .mypy_cache: ~2 s; cold: ~50 s
     assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+# docs/architecture.md "Size": a reader sees a function on one screen, a class as one room, a file as one subject.
+MOST_FUNCTION_LINES, MOST_CLASS_LINES, MOST_FILE_LINES = 60, 250, 500
+SIZED = ("hetero", "compiler", "runtime", "planner")
+
+
+def oversized(root: Path = ROOT) -> list[str]:
+    """Every function, class and file past its size in the packages (files in bench/ too)."""
+    import ast
+
+    found = []
+    for folder in (*SIZED, "bench"):
+        for path in sorted((root / folder).rglob("*.py")):
+            text, rel = path.read_text(), path.relative_to(root)
+            if text.count("\n") > MOST_FILE_LINES:
+                found.append(f"{rel}: {text.count(chr(10))} lines (file, most {MOST_FILE_LINES})")
+            if folder == "bench":
+                continue
+            for node in ast.walk(ast.parse(text, str(path))):
+                if not isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                if isinstance(node, ast.ClassDef) and size > MOST_CLASS_LINES:
+                    found.append(f"{rel}:{node.lineno} class {node.name}: {size} lines (most {MOST_CLASS_LINES})")
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > MOST_FUNCTION_LINES:
+                    found.append(f"{rel}:{node.lineno} {node.name}(): {size} lines (most {MOST_FUNCTION_LINES})")
+    return found
+
+
+def test_no_function_class_or_file_is_past_its_size(tmp_path: Path) -> None:
+    assert oversized() == []
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime" / "big.py").write_text("class Big:\n" + "    x = 1\n" * 260)
+    assert oversized(tmp_path) == ["runtime/big.py:1 class Big: 261 lines (most 250)"]

@@ -45,7 +45,9 @@ def test_chunks_equal_the_plain_loss_and_its_gradients(softcap: float | None, fr
     got = chunked_loss_sum(head, hidden, labels, vocab, frozen_head=frozen)
     (got_grad,) = torch.autograd.grad(got, hidden)
     assert float(got) == pytest.approx(float(want), rel=1e-6)
-    torch.testing.assert_close(got_grad, want_grad, rtol=1e-6, atol=1e-9)
+    # fp32 sums in another order (chunks, the vocabulary split otherwise by the BLAS of each CPU): ~1e-7 against
+    # gradients of ~0.1; a token left out or counted twice moves them by ~0.1.
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6)
     labeled = int((labels[:, 1:] != -100).sum())
     assert sum(calls) == (1 if frozen else 2) * labeled  # the head's tokens: once each frozen, twice checkpointed
     if not frozen:  # the trainable head's own gradient, as the plain loss gives it

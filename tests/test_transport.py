@@ -20,8 +20,9 @@ import zmq
 
 from hetero.errors import WireError
 from hetero.runtime.base.env import describe_environment
+from hetero.runtime.wire.endpoints import bind_address
 from hetero.runtime.wire.frames import WIRE_VERSION, Message, encode
-from hetero.runtime.wire.transport import Transport, bind_address
+from hetero.runtime.wire.transport import Transport
 
 PLAN = "9f8e7d6c5b4a39281706"
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -60,7 +60,7 @@ def raise_open_file_limit() -> None:
     """Raise this process's soft limit on open files to its hard limit (every run process, once, at start).
 
     Each TCP connection to a listening socket holds a descriptor until ZeroMQ drops it (an unauthenticated
-    one after transport.INBOX_HANDSHAKE_S): at the common soft limit of 1024, anyone who can reach a port
+    one after inbox.INBOX_HANDSHAKE_S): at the common soft limit of 1024, anyone who can reach a port
     could hold them all open and end the run with EMFILE. Never fails: where the OS refuses, the old limit stays.
     """
     try:

@@ -214,6 +214,13 @@ def _rejoin(coordinator: Any, history: Lineage, options: RunOptions, done: int) 
                     "hosts: going on without it")
         history.declined.add(asked)
         return None
+    return _rejoining(coordinator, first, joiners, new, path, number, before, after)
+
+
+def _rejoining(coordinator: Any, first: Plan, joiners: list[Any], new: Any, path: Path, number: int, before: float,
+               after: float) -> Rejoining:
+    """The run's move onto the plan with the devices that came back: its recovery event, said on stderr."""
+    back = ", ".join(j.device for j in joiners)
     steps = coordinator.result.steps
     last = int(steps[-1]["step"]) if steps else coordinator.start_step - 1
     devices = {s.device: s for s in first.stages}
@@ -221,7 +228,7 @@ def _rejoin(coordinator: Any, history: Lineage, options: RunOptions, done: int) 
         "event": "recovery", "kind": "rejoin", "after_step": last, "recovery": number,
         "device": back, "host": ", ".join(sorted({devices[j.device].host for j in joiners})),
         "cause": "back: its stage said hello again", "resumed_from_step": last + 1, "replayed_steps": 0,
-        "old_split": split_of(plan), "new_split": new.split, "devices": new.devices, "plan": path.name,
+        "old_split": split_of(coordinator.plan), "new_split": new.split, "devices": new.devices, "plan": path.name,
         "step_s_before": before, "step_s_after": after, "predicted_step_s_after": new.plan.prediction.step_time_s,
         "lost_at": time.monotonic(),
     }

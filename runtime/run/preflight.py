@@ -195,7 +195,7 @@ def check_ports(plan: Plan, host: str | None, port: int | None) -> None:
     import zmq
 
     from hetero.runtime.run.coordinator import coordinator_endpoint
-    from hetero.runtime.wire.transport import bind_address
+    from hetero.runtime.wire.endpoints import bind_address
 
     name = host or plan.stages[0].host
     wanted = [("the coordinator", coordinator_endpoint(plan, name, port))]

@@ -91,7 +91,7 @@ class ProfileSession:
 def checked_endpoint(endpoint: Any, address: str, whose: str) -> str:
     """``endpoint`` if it is a concrete port at ``address`` (the fleet file's address of ``whose`` host), else a
     HeteroError: a profile process dials only the processes of its own fleet, where the fleet says they are."""
-    from hetero.runtime.wire.transport import _parse_tcp_endpoint
+    from hetero.runtime.wire.endpoints import _parse_tcp_endpoint
 
     try:
         host, port = _parse_tcp_endpoint(str(endpoint))

@@ -2,15 +2,17 @@
 
 The simulated search (planner/simsearch.py) proves its placement by bounding partial pipelines; on a rig of
 12-16 cards it cannot visit enough of them within the time limit. What it can use instead is the step
-form's lower bound (``StepForm.bound``, ``round_trips``): ``L(P) = base + (m - 1) p(P)`` where ``base`` is
-the first micro-batch's round trip and ``p`` the largest of the stages' bound weights, the links and the
-round trips of each suffix of stages over (m - 1). The simulator never beats L (tests/test_step_form.py),
-so its least value over all placements bounds the simulated optimum from below.
+form's lower bound (``StepForm.bound``, ``StepForm.suffix``): ``L(P) = base + (m - 1) p(P)`` where ``base``
+is the first micro-batch's round trip and ``p`` the largest of the stages' bound weights, the links and the
+round trips of each suffix of stages over (m - 1). The simulator never beats L (tests/test_step_form.py checks
+``StepForm.least_step`` against it on random pipelines), so its least value over all placements bounds the
+simulated optimum from below.
 
 The least L comes from the exact DP (planner/exact.py, ``bound=True``): for a threshold t, S(t) is the
 least ``base`` of the placements whose every term is at most t. A placement first within the grid point
 t_i has p > t_{i-1}, so ``min_i S(t_i) + (m - 1) t_{i-1}`` is a lower bound, within a factor
-(1 + GRID_STEP) of the least L. S only falls as t rises, so a branch and bound over intervals of the
+(1 + GRID_STEP) of the least L for a schedule of one period group (1F1B). Every group shares the grid's
+threshold, so a schedule of two (GPipe: forward and backward phases) gets a looser bound, still a bound. S only falls as t rises, so a branch and bound over intervals of the
 geometric grid needs a few dozen DPs: an interval where S does not change is settled.
 """
 
@@ -83,8 +85,12 @@ def least_step_bound(table: CostTable, num_stages: int | None = None, deadline: 
     values = np.concatenate([term[np.isfinite(term)].ravel() for term in dp.terms])
     if free is None or not len(values):
         return StepBound(math.inf)  # no placement fits
-    # After the barrier every step runs its optimizer: at least the cheapest device's fixed part.
-    finish = min(max(0.0, t) for t in table.opt_fixed_s) if table.opt_fixed_s else 0.0
+    # After the barrier every step runs its optimizer: a stage's STEP is max(0, fixed + its nodes' terms), at least
+    # the cheapest device's fixed part plus every negative node term it could hold (a profile's fit may have them).
+    finish = 0.0
+    if table.opt_fixed_s:
+        finish = min(max(0.0, fixed + sum(min(0.0, row[d]) for row in table.opt_s))
+                     for d, fixed in enumerate(table.opt_fixed_s))
     low = max(float(values.min()), 1e-12)
     # The grid's top: above it, placements are bounded by the free base plus (m - 1) times the top.
     top = max(float(values.max()), (upper_s - free.total_s) / max(dp.m - 1, 1) if upper_s else 0.0, low)

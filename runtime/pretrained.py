@@ -35,7 +35,7 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Names for the special tokens of the tiny tokenizer (Llama convention).
 _SPECIAL_NAMES = {"pad_token_id": "<pad>", "bos_token_id": "<s>", "eos_token_id": "</s>", "unk_token_id": "<unk>"}
 # The tiny tokenizer's chat template (data.format=chat): a user turn and the assistant's reply render as the
-# alpaca prompt and response (runtime/run/data.py), so the demo model reads both formats the same way; a system
+# alpaca prompt and response (runtime/base/prompts.py), so the demo model reads both formats the same way; a system
 # message is plain text before them. Each reply ends with EOS.
 TINY_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"

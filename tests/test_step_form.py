@@ -57,6 +57,28 @@ def test_the_closed_form_and_the_bound_hold_the_simulated_step_between_them(name
         assert barrier_bound(form, m, StageTimes(fwd, bwd, link, 0.0)) <= simulated * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_the_schedules_lower_bound_never_passes_the_simulator(name: str) -> None:
+    """StepForm.least_step (its bound weights and suffix round trips, what planner/step_bound.py minimizes over
+    every placement) on random pipelines, slow links among them: never above the simulated step, and tight
+    where the pipeline is balanced."""
+    form = step_form(name)
+    rng = random.Random(3)
+    ratios = []
+    for _ in range(1500):
+        s, m = rng.randint(1, 7), rng.randint(1, 12)
+        fwd = [rng.uniform(0.1, 2.0) for _ in range(s)]
+        bwd = [rng.uniform(0.1, 4.0) for _ in range(s)]
+        link = [rng.choice([0.0, rng.uniform(0.0, 3.0)]) for _ in range(s - 1)]
+        simulated = simulate(form.programs(s, m), fwd, bwd, link + [0.0]).step_time_s
+        bound = form.least_step(m, fwd, bwd, link)
+        assert bound <= simulated * (1 + 1e-9), (name, s, m, fwd, bwd, link, bound, simulated)
+        ratios.append(bound / simulated)
+    assert sorted(ratios)[len(ratios) // 2] > 0.99  # the median: tight, not merely below
+    for s, m in ((2, 4), (4, 8)):
+        assert form.least_step(m, [1.0] * s, [2.0] * s, [0.0] * (s - 1)) == pytest.approx((m + s - 1) * 3.0)
+
+
 def test_gpipe_has_two_periods_and_one_f_one_b_one() -> None:
     """The forms' period groups are the closed forms the solvers encode (docs/architecture.md)."""
     fwd, bwd, link = [1.0, 3.0], [2.0, 1.0], [2.5]

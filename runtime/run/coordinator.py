@@ -35,6 +35,7 @@ from hetero.protocol import (
     Reduced,
     Stop,
 )
+from hetero.runtime.base.payloads import checkpoint_due, payload_due
 from hetero.runtime.base.processes import (
     StageFailedError,
     raise_open_file_limit,
@@ -51,7 +52,6 @@ from hetero.runtime.run.options import RunOptions, coordinator_endpoint, step_ti
 from hetero.runtime.run.records import ProgressBar, RunRecords, RunResult, metrics_line
 from hetero.runtime.run.reduce import clip_coef, norm_from_sumsq, norm_of, sum_replica_grads
 from hetero.runtime.run.run_profile import write_run_profile
-from hetero.runtime.stage.state import checkpoint_due, payload_due
 from hetero.runtime.wire.control import (
     Heartbeat,
     Mailbox,

@@ -17,8 +17,8 @@ from hetero.protocol import (
     Snapshot,
     Stop,
 )
+from hetero.runtime.base.payloads import checkpoint_due, payload_due
 from hetero.runtime.run.elastic import Rejoining
-from hetero.runtime.stage.state import checkpoint_due, payload_due
 
 log = logging.getLogger("hetero.run")
 

@@ -26,7 +26,7 @@ from typing import Any
 from hetero.plan import Plan
 from hetero.runtime.base.processes import StageFailedError
 
-UNAUTHENTICATED = "unauthenticated peer "  # how the transport names a peer without keys (transport._peer_address)
+UNAUTHENTICATED = "unauthenticated peer "  # how the transport names a peer without keys (runtime/wire/inbox.py, _peer_address)
 
 
 def connect_stages(transport: Any, plan: Plan, names: list[str]) -> None:

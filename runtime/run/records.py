@@ -1,7 +1,7 @@
 """What a run keeps and shows of its steps: metrics.jsonl lines, the progress bar, the evaluator's answers,
 checkpoints/step-N/ and, after the last step, adapter/.
 
-``payload_due`` (runtime/stage/state.py) is the rule both sides follow: after which steps the stages send their state (a
+``payload_due`` (runtime/base/payloads.py) is the rule both sides follow: after which steps the stages send their state (a
 checkpoint, the adapter for the evaluator, the last) and the coordinator gathers it.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hetero.plan import Plan
+from hetero.runtime.base.payloads import checkpoint_due
 from hetero.runtime.base.rundir import append_run_line, write_run_file
-from hetero.runtime.stage.state import checkpoint_due
 from hetero.runtime.stage.telemetry import clean_telemetry
 from hetero.serde import to_dict
 from hetero.specs import RUNTIME_OVERRIDABLE
@@ -75,7 +75,7 @@ def metrics_line(plan: Plan, step: int, done: dict[int, Any], grad_norm: float, 
 
 
 class RunRecords:
-    """The run directory's record of training, and the evaluator client (runtime/tools/evaluator.py) it feeds."""
+    """The run directory's record of training, and the evaluator client (runtime/run/eval_client.py) it feeds."""
 
     def __init__(self, plan: Plan, run_dir: Path, wandb: str | None = None) -> None:
         self.plan, self.run_dir = plan, run_dir

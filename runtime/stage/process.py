@@ -268,7 +268,8 @@ def train_steps(executor: Any, mailbox: Mailbox, plan_hash: str, start_step: int
 
     Also answers the coordinator's checkpoint request (Ctrl-C on `hetero run`) from wherever it waits.
     """
-    from hetero.runtime.stage.state import payload_due, stage_payload
+    from hetero.runtime.base.payloads import payload_due
+    from hetero.runtime.stage.state import stage_payload
 
     train, transport = executor.train, mailbox.transport
     current = [executor]  # the executor of the stage's current span (a rebalance replaces it)

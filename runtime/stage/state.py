@@ -3,7 +3,7 @@
 ``stage_payload`` turns LoRA weights, AdamW moments and the LR schedule's step into named CPU tensors under
 the whole model's PEFT keys plus a JSON-able dict; ``restore_stage`` loads them into a freshly built executor.
 The coordinator writes payloads as checkpoints (runtime/run/checkpoint.py, which also reads and checks them);
-``checkpoint_due`` / ``payload_due`` say after which steps the stages send them.
+runtime/base/payloads.py says after which steps the stages send them.
 """
 
 from __future__ import annotations
@@ -15,23 +15,11 @@ import torch
 from hetero.errors import CheckpointError
 from hetero.runtime.stage.executor import Executor
 from hetero.runtime.stage.lora import peft_key
-from hetero.specs import TrainSpec
 
 CHECKPOINT_FORMAT = 1
 # LoRA weights and AdamW moments are float32 on every device (runtime/stage/lora.py), and so in every checkpoint.
 CHECKPOINT_DTYPE = torch.float32
 LORA, EXP_AVG, EXP_AVG_SQ = "lora/", "exp_avg/", "exp_avg_sq/"
-
-
-def checkpoint_due(train: TrainSpec, step: int) -> bool:
-    """Whether a checkpoint is written after ``step`` whatever the clock says: the last step, or train.checkpoint_every's."""
-    done = step + 1
-    return done == train.steps or (train.checkpoint_every > 0 and done % train.checkpoint_every == 0)
-
-
-def payload_due(train: TrainSpec, eval_every: int, step: int) -> bool:
-    """After ``step``, do the stages send their state (a checkpoint, the adapter for evaluation, the last)?"""
-    return checkpoint_due(train, step) or (eval_every > 0 and (step + 1) % eval_every == 0)
 
 
 def stage_payload(executor: Executor, plan_hash: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -311,8 +311,8 @@ def metrics(plan: Plan, step: int, values: tuple[float, float, float, float, lis
 def train(where: Rank, executor: Any, schedule: Any, loss: StepLoss, device: torch.device, run_dir: Path,
           start: int, progress: bool, ops: dict[str, float]) -> None:
     """Every step from ``start``; rank 0 keeps the records (metrics, checkpoints, adapter)."""
+    from hetero.runtime.base.payloads import payload_due
     from hetero.runtime.run.records import ProgressBar, RunRecords
-    from hetero.runtime.stage.state import payload_due
 
     plan = where.plan
     batches = _batches(plan) if where.rank == 0 else None  # rank 0 reads the data and shares each step's batch

@@ -14,8 +14,8 @@ name is dropped. Every received message is then checked (frames.decode, then ``R
 runtime/wire/rules.py); one that fails is logged with its peer and dropped, and ``recv`` goes on
 waiting for the real peers. ``max_message_bytes`` sets ZeroMQ's MAXMSGSIZE, so an oversized
 message is cut off by ZeroMQ before it is held in memory. A connection that never finishes the
-handshake is dropped after INBOX_HANDSHAKE_S, and an inbox that runs out of descriptors logs it once
-and goes on (``_limit_connections``, gatekeeper.InboxWatch): a flood of idle connections does not stop a run.
+handshake is dropped after inbox.INBOX_HANDSHAKE_S, and an inbox that runs out of descriptors logs it once
+and goes on (inbox.py ``_limit_connections``, gatekeeper.InboxWatch): a flood of idle connections does not stop a run.
 
 What may be sent is hetero/protocol.py: ``send`` takes a record (``Clip(coef=.., grad_norm=..)``: the
 message's kind and meta) or a kind's name (messages of tensors only), and refuses a kind the protocol

@@ -22,6 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 NAMING = {"planner/step_form.py", "planner/schedules.py", "hetero/specs.py"}
 
 
+def _random_pipeline(rng: random.Random, most_stages: int, most_micro_batches: int, least_bwd: float
+                     ) -> tuple[int, int, list[float], list[float], list[float]]:
+    """(stages, micro-batches, forward s, backward s, links): random, a link free half the time."""
+    s, m = rng.randint(1, most_stages), rng.randint(1, most_micro_batches)
+    fwd = [rng.uniform(0.1, 2.0) for _ in range(s)]
+    bwd = [rng.uniform(least_bwd, 4.0) for _ in range(s)]
+    link = [rng.choice([0.0, rng.uniform(0.0, 3.0)]) for _ in range(s - 1)]
+    return s, m, fwd, bwd, link
+
+
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_held_is_what_the_programs_hold_at_their_peak(name: str) -> None:
     """A form's ``held`` prices each stage's activation memory: it must be the peak the programs reach."""
@@ -49,10 +59,7 @@ def test_the_closed_form_and_the_bound_hold_the_simulated_step_between_them(name
         assert form.closed_form(m, fwd, bwd, [0.0] * (s - 1)) == pytest.approx(simulated) == (m + s - 1) * 3.0
     rng = random.Random(11)
     for _ in range(200):
-        s, m = rng.randint(1, 5), rng.randint(1, 8)
-        fwd = [rng.uniform(0.1, 2.0) for _ in range(s)]
-        bwd = [rng.uniform(0.2, 4.0) for _ in range(s)]
-        link = [rng.choice([0.0, rng.uniform(0.0, 3.0)]) for _ in range(s - 1)]
+        s, m, fwd, bwd, link = _random_pipeline(rng, 5, 8, 0.2)
         simulated = simulate(form.programs(s, m), fwd, bwd, link + [0.0]).step_time_s
         assert barrier_bound(form, m, StageTimes(fwd, bwd, link, 0.0)) <= simulated * (1 + 1e-9)
 
@@ -66,10 +73,7 @@ def test_the_schedules_lower_bound_never_passes_the_simulator(name: str) -> None
     rng = random.Random(3)
     ratios = []
     for _ in range(1500):
-        s, m = rng.randint(1, 7), rng.randint(1, 12)
-        fwd = [rng.uniform(0.1, 2.0) for _ in range(s)]
-        bwd = [rng.uniform(0.1, 4.0) for _ in range(s)]
-        link = [rng.choice([0.0, rng.uniform(0.0, 3.0)]) for _ in range(s - 1)]
+        s, m, fwd, bwd, link = _random_pipeline(rng, 7, 12, 0.1)
         simulated = simulate(form.programs(s, m), fwd, bwd, link + [0.0]).step_time_s
         bound = form.least_step(m, fwd, bwd, link)
         assert bound <= simulated * (1 + 1e-9), (name, s, m, fwd, bwd, link, bound, simulated)

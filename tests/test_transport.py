@@ -312,16 +312,24 @@ def test_encoded_frames_are_what_send_puts_on_the_wire(pair) -> None:
 
 
 def test_send_to_a_peer_whose_handshake_fails_errors_instead_of_hanging(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """A port held by a ZeroMQ socket that refuses our handshake (another run's stage, a wrong key):
-    ZeroMQ drops the connection's queue, and a blocking send used to wait forever while holding the
-    send lock (a whole run hung with it, heartbeats included). Now the send fails in one line and
-    sends to other peers go on meanwhile."""
+    """A port held by a ZeroMQ inbox whose gatekeeper refuses us (another run's stage: its ZAP handler
+    does not know this process): ZeroMQ drops the connection's queue and does not retry, and a blocking
+    send used to wait forever while holding the send lock (a whole run hung with it, heartbeats
+    included). Now the send fails in one line and sends to other peers go on meanwhile.
+
+    (A peer that merely closes the connection mid-handshake, a mechanism mismatch, makes ZeroMQ keep
+    the queue and redial: sends queue, and ConnectionWatch.refused says who refuses: test_preflight.)"""
+    from zmq.auth.thread import ThreadAuthenticator
+
     import hetero.runtime.wire.transport as transport_mod
 
     monkeypatch.setattr(transport_mod, "SEND_STALL_S", 1.0)
     ctx = zmq.Context()
+    gate = ThreadAuthenticator(ctx)
+    gate.start()
+    gate.deny("127.0.0.1")  # the other run's gatekeeper: this process is not one of its plan's
     foreign = ctx.socket(zmq.PULL)
-    foreign.plain_server = True  # its handshake is not ours
+    foreign.zap_domain = b"another-run"
     port = foreign.bind_to_random_port("tcp://127.0.0.1")
     outcome: dict[str, object] = {}
     # A failed assertion must not leave sockets that make the interpreter's exit wait for them forever.
@@ -329,6 +337,7 @@ def test_send_to_a_peer_whose_handshake_fails_errors_instead_of_hanging(monkeypa
             Transport("stage1", "tcp://127.0.0.1:0", "planhash", recv_timeout_s=5) as good, \
             contextlib.ExitStack() as cleanup:  # runs first: tr's linger, then the foreign socket and context
         cleanup.callback(ctx.term)
+        cleanup.callback(gate.stop)
         cleanup.callback(foreign.close, 0)
         cleanup.callback(tr.set_linger, 0)
         tr.connect("stage2", f"tcp://127.0.0.1:{port}")

@@ -119,6 +119,9 @@ def _check_stage_run(plan: Plan, k: int, bad: Callable[[str], PlanError]) -> Non
         actions = parse_program(s.program)
     except ValueError as exc:
         raise bad(f"{at}.program: {exc}") from None
+    if any(a.chunk for a in actions):
+        raise bad(f"{at}.program names chunks (an interleaved schedule): a stage process serves one span of "
+                  "layers in this version; compile with train.schedule=1f1b or gpipe")
     m = plan.micro_batches_of(k)
     if any(a.mb >= m for a in actions):
         where = "train.num_micro_batches" if not plan.replicas else "its replica's num_micro_batches"

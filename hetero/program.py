@@ -2,7 +2,11 @@
 
 An action is a small typed value with a text form: ``F3`` (forward micro-batch 3), ``B3``, ``RA3``
 (receive activation), ``SA3`` (send activation), ``RG3`` (receive gradient), ``SG3`` (send gradient)
-and ``STEP`` (clip + optimizer step). The planner generates programs (1F1B, GPipe), its simulator
+and ``STEP`` (clip + optimizer step). Under an interleaved schedule a device holds several chunks of
+layers (virtual stages) and an action names its chunk: ``F3@1`` is the forward of micro-batch 3
+through the device's chunk 1 (chunk 0 is written without ``@``). Chunk c of device d is virtual stage
+``c * devices + d``: activations go from virtual stage j to j + 1, so the last device's chunk c hands
+on to the first device's chunk c + 1. The planner generates programs (1F1B, GPipe), its simulator
 validates them, the plan stores them as text, and the runtime executes them one by one.
 ``parse_program`` is the one parser of the text form; everything that reads a stored program goes
 through it (a plan's stage: ``StagePlan.actions()``).
@@ -37,15 +41,16 @@ class Op(str, Enum):
 
 
 OPS: tuple[str, ...] = tuple(op.value for op in Op)
-_ACTION_RE = re.compile(r"^(RA|SA|RG|SG|F|B)(\d+)$")
+_ACTION_RE = re.compile(r"^(RA|SA|RG|SG|F|B)(\d+)(?:@(\d+))?$")
 
 
 @dataclass(frozen=True)
 class Action:
-    """One instruction of a stage's program: ``op`` on micro-batch ``mb`` (-1 for STEP)."""
+    """One instruction of a stage's program: ``op`` on micro-batch ``mb`` (-1 for STEP) through ``chunk``."""
 
     op: Op
     mb: int = -1  # micro-batch; -1 for STEP
+    chunk: int = 0  # the device's chunk of layers (virtual stage chunk x devices + device); 0 but interleaved
 
     def __post_init__(self) -> None:
         if not isinstance(self.op, Op):  # Action("F", 3) reads as well as Action(Op.F, 3)
@@ -55,7 +60,9 @@ class Action:
                 raise ValueError(f"not an action op: {self.op!r} (expected one of {', '.join(OPS)})") from None
 
     def __str__(self) -> str:
-        return "STEP" if self.op is Op.STEP else f"{self.op.value}{self.mb}"
+        if self.op is Op.STEP:
+            return "STEP"
+        return f"{self.op.value}{self.mb}" + (f"@{self.chunk}" if self.chunk else "")
 
     @staticmethod
     def parse(text: str) -> Action:
@@ -64,8 +71,8 @@ class Action:
             return Action(Op.STEP)
         m = _ACTION_RE.match(text) if isinstance(text, str) else None
         if not m:
-            raise ValueError(f"not an action: {text!r} (expected F3, B3, RA3, SA3, RG3, SG3 or STEP)")
-        return Action(Op(m.group(1)), int(m.group(2)))
+            raise ValueError(f"not an action: {text!r} (expected F3, B3, RA3, SA3, RG3, SG3, F3@1 or STEP)")
+        return Action(Op(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
 
 
 def format_program(actions: Iterable[Action]) -> list[str]:

@@ -14,6 +14,14 @@ Because sends never block and each receive names exactly one tensor, the result 
 on the order in which stages are advanced, so the simulator just advances every stage as far as it
 can and repeats; if no stage can move and some are unfinished, the programs deadlock.
 
+Interleaved programs (hetero.program: actions naming a chunk) run on the same model with virtual
+stages: chunk c of device d is virtual stage c x devices + d; compute and messages are per virtual
+stage (``fwd_s``, ``bwd_s`` and ``send_s`` have one entry per virtual stage, ``send_s[j]`` for
+virtual stage j to j + 1), while a device's clock, overheads and barrier are per device, and the
+directed link between two devices is shared by everything that crosses it that way (the activations
+of one chunk and the gradients of the next, for instance). A hand-off between two chunks of one
+device takes ``send_s`` too (the planner prices it near zero).
+
 Shared CPU cores (``cores``, a CoreShare): CPU stages on one host whose threads together exceed the
 host's cores cannot all compute at once; the OS time-slices them. Stage clocks are then no longer
 independent, and planner/simshare.py replays the same programs in one global clock with processor
@@ -40,6 +48,7 @@ class Event:
     mb: int
     start_s: float
     end_s: float
+    chunk: int = 0  # the device's chunk (interleaved programs)
 
 
 @dataclass
@@ -48,7 +57,8 @@ class Timeline:
     step_time_s: float
     busy_fraction: list[float]  # per stage: compute (F+B) time / step time
     bubble_fraction: float  # 1 - mean busy fraction: idle share of the pipeline's device-time
-    peak_in_flight: list[int] = field(default_factory=list)  # per stage: most micro-batches forwarded, not yet backwarded
+    # per stage: most micro-batches forwarded, not yet backwarded (interleaved: (micro-batch, chunk) units)
+    peak_in_flight: list[int] = field(default_factory=list)
 
     def stage_events(self, stage: int, ops: tuple[str, ...] = ("F", "B")) -> list[Event]:
         """The events of one stage (by default its compute), in time order."""
@@ -84,19 +94,43 @@ def _name(k: int, a: Action) -> str:
     return f"stage {k}: {a}"
 
 
-def _validate_static(programs: list[list[Action]]) -> int:
-    """Structural checks that need no timing; returns the number of micro-batches."""
+def chunks_of(programs: list[list[Action]]) -> int:
+    """How many chunks each device's program runs (1 but for interleaved programs); ScheduleError unless every
+    device runs the same chunks 0..v-1."""
     if not programs:
         raise ScheduleError("no stage programs to simulate")
-    num_stages = len(programs)
-    mbs0 = sorted(a.mb for a in programs[0] if a.op == "F")
-    m = len(mbs0)
-    if m == 0 or mbs0 != list(range(m)):
-        raise ScheduleError(f"stage 0 must run F0..F{max(m - 1, 0)} once each, found forwards {mbs0}")
-    expected = list(range(m))
+    held = [sorted({a.chunk for a in prog if a.op != "STEP"}) for prog in programs]
+    v = max((c[-1] + 1 for c in held if c), default=1)
+    for k, c in enumerate(held):
+        if c != list(range(v)):
+            raise ScheduleError(f"stage {k} runs chunks {c}, but another runs {v}: every device holds chunks 0..{v - 1}")
+    return v
+
+
+def _virtual(programs: list[list[Action]], v: int) -> list[list[Action]]:
+    """The programs of the virtual stages (chunk c of device d is virtual stage c x devices + d)."""
+    p = len(programs)
+    return [[a for a in programs[j % p] if a.op != "STEP" and a.chunk == j // p] for j in range(p * v)]
+
+
+def _validate_static(programs: list[list[Action]]) -> int:
+    """Structural checks that need no timing; returns the number of micro-batches."""
+    v = chunks_of(programs)
     for k, prog in enumerate(programs):
         if not prog or prog[-1].op != "STEP" or sum(a.op == "STEP" for a in prog) != 1:
             raise ScheduleError(f"stage {k}: the program must end with exactly one STEP")
+    virtual = _virtual(programs, v)
+    p, num_stages = len(programs), len(virtual)
+
+    def name(j: int) -> str:
+        return f"stage {j}" if v == 1 else f"stage {j % p} chunk {j // p}"
+
+    mbs0 = sorted(a.mb for a in virtual[0] if a.op == "F")
+    m = len(mbs0)
+    if m == 0 or mbs0 != list(range(m)):
+        raise ScheduleError(f"{name(0)} must run F0..F{max(m - 1, 0)} once each, found forwards {mbs0}")
+    expected = list(range(m))
+    for k, prog in enumerate(virtual):
         for op in ("F", "B"):
             got = sorted(a.mb for a in prog if a.op == op)
             if got != expected:
@@ -104,43 +138,45 @@ def _validate_static(programs: list[list[Action]]) -> int:
                 dup = sorted({mb for mb in got if got.count(mb) > 1})
                 extra = sorted(set(got) - set(expected))
                 raise ScheduleError(
-                    f"stage {k}: every micro-batch needs exactly one {op}; missing {missing}, "
+                    f"{name(k)}: every micro-batch needs exactly one {op}; missing {missing}, "
                     f"duplicated {dup}, unknown {extra}"
                 )
         for a in prog:
             if a.op in ("RA", "SG") and k == 0:
-                raise ScheduleError(f"{_name(k, a)}: the first stage has no previous stage")
+                raise ScheduleError(f"{name(k)}: {a}: the first stage has no previous stage")
             if a.op in ("SA", "RG") and k == num_stages - 1:
-                raise ScheduleError(f"{_name(k, a)}: the last stage has no next stage")
-            if a.op not in ("STEP",) and not 0 <= a.mb < m:
-                raise ScheduleError(f"{_name(k, a)}: micro-batch out of range 0..{m - 1}")
+                raise ScheduleError(f"{name(k)}: {a}: the last stage has no next stage")
+            if not 0 <= a.mb < m:
+                raise ScheduleError(f"{name(k)}: {a}: micro-batch out of range 0..{m - 1}")
         for op in ("RA", "SA", "RG", "SG"):
             got = [a.mb for a in prog if a.op == op]
             if len(set(got)) != len(got):
-                raise ScheduleError(f"stage {k}: a micro-batch is {op}'d twice")
+                raise ScheduleError(f"{name(k)}: a micro-batch is {op}'d twice")
     # Every send must be matched by the neighbour's receive (and vice versa), so nothing is left
     # queued and no receive waits forever for a tensor nobody sends.
     for k in range(num_stages - 1):
-        sa = {a.mb for a in programs[k] if a.op == "SA"}
-        ra = {a.mb for a in programs[k + 1] if a.op == "RA"}
+        sa = {a.mb for a in virtual[k] if a.op == "SA"}
+        ra = {a.mb for a in virtual[k + 1] if a.op == "RA"}
         if sa != ra:
             raise ScheduleError(
-                f"stages {k}->{k + 1}: activations sent {sorted(sa)} but received {sorted(ra)}"
+                f"{name(k)} -> {name(k + 1)}: activations sent {sorted(sa)} but received {sorted(ra)}"
             )
-        rg = {a.mb for a in programs[k] if a.op == "RG"}
-        sg = {a.mb for a in programs[k + 1] if a.op == "SG"}
+        rg = {a.mb for a in virtual[k] if a.op == "RG"}
+        sg = {a.mb for a in virtual[k + 1] if a.op == "SG"}
         if rg != sg:
-            raise ScheduleError(f"stages {k + 1}->{k}: gradients sent {sorted(sg)} but received {sorted(rg)}")
+            raise ScheduleError(f"{name(k + 1)} -> {name(k)}: gradients sent {sorted(sg)} but received {sorted(rg)}")
     return m
 
 
 def _check_times(num_stages: int, fwd_s: list[float], bwd_s: list[float], send_s: list[float],
-                 overhead_s: list[dict[str, float]] | None, sync_s: list[float] | None,
+                 overhead_s: list[dict[str, float]] | None, sync_s: list[float] | None, chunks: int = 1,
                  ) -> tuple[list[dict[str, float]], list[float]]:
-    """One time per stage (one send per link); the overheads and syncs, zero where not given."""
-    if not (len(fwd_s) == len(bwd_s) == num_stages and len(send_s) >= num_stages - 1):
+    """One time per (virtual) stage (one send per link); the overheads and syncs per device, zero where not given."""
+    n = num_stages * chunks
+    if not (len(fwd_s) == len(bwd_s) == n and len(send_s) >= n - 1):
+        what = f"{num_stages} programs" + (f" of {chunks} chunks" if chunks > 1 else "")
         raise ScheduleError(
-            f"{num_stages} programs need {num_stages} fwd/bwd times and {num_stages - 1} send times, "
+            f"{what} need {n} fwd/bwd times and {n - 1} send times, "
             f"got {len(fwd_s)}, {len(bwd_s)}, {len(send_s)}"
         )
     over = list(overhead_s) if overhead_s else [{} for _ in range(num_stages)]
@@ -152,25 +188,26 @@ def _check_times(num_stages: int, fwd_s: list[float], bwd_s: list[float], send_s
 
 
 class _Simulation:
-    """The pipeline being simulated: each stage's program counter and clock, what it has received,
-    forwarded and backwarded, when each link is free, and the events so far."""
+    """The pipeline being simulated: each device's program counter and clock, what each (virtual) stage has
+    received, forwarded and backwarded, when each directed link between devices is free, and the events so far."""
 
     def __init__(self, programs: list[list[Action]], fwd_s: list[float], bwd_s: list[float], send_s: list[float],
-                 over: list[dict[str, float]], sync: list[float]) -> None:
+                 over: list[dict[str, float]], sync: list[float], chunks: int = 1) -> None:
         num_stages = len(programs)
         self.programs, self.fwd_s, self.bwd_s, self.send_s = programs, fwd_s, bwd_s, send_s
-        self.over, self.sync, self.last = over, sync, num_stages - 1
+        self.over, self.sync, self.last = over, sync, num_stages * chunks - 1  # the last virtual stage
         self.pc = [0] * num_stages
         self.clock = [0.0] * num_stages
-        # Arrival time of tensors at their receiver: act[(k, mb)] arrives at stage k, grad[(k, mb)] too.
+        # Arrival time of tensors at their receiver: act[(j, mb)] arrives at virtual stage j, grad[(j, mb)] too.
         self.act_arrival: dict[tuple[int, int], float] = {}
         self.grad_arrival: dict[tuple[int, int], float] = {}
-        self.fwd_link_free = [0.0] * num_stages  # link k -> k+1
-        self.bwd_link_free = [0.0] * num_stages  # link k -> k-1
-        self.received_act: list[set[int]] = [set() for _ in range(num_stages)]
-        self.received_grad: list[set[int]] = [set() for _ in range(num_stages)]
-        self.forwarded: list[set[int]] = [set() for _ in range(num_stages)]
-        self.backwarded: list[set[int]] = [set() for _ in range(num_stages)]
+        self.link_free: dict[tuple[int, int], float] = {}  # (from device, to device) -> when the link is free
+        virtual = num_stages * chunks
+        self.received_act: list[set[int]] = [set() for _ in range(virtual)]
+        self.received_grad: list[set[int]] = [set() for _ in range(virtual)]
+        self.forwarded: list[set[int]] = [set() for _ in range(virtual)]
+        self.backwarded: list[set[int]] = [set() for _ in range(virtual)]
+        self.in_flight = [0] * num_stages  # per device: (micro-batch, chunk) units forwarded, not yet backwarded
         self.peak = [0] * num_stages
         self.busy = [0.0] * num_stages
         self.events: list[Event] = []
@@ -195,81 +232,78 @@ class _Simulation:
         """Execute stage k's next action if it can; False when blocked on a receive or the barrier."""
         a = self.programs[k][self.pc[k]]
         t = self.clock[k]
+        j = a.chunk * len(self.programs) + k  # the virtual stage
         if a.op == "RA":
-            if not self._receive(k, a, t, self.act_arrival, self.received_act, "RA"):
+            if not self._receive(k, j, a, t, self.act_arrival, self.received_act, "RA"):
                 return False
         elif a.op == "RG":
-            if not self._receive(k, a, t, self.grad_arrival, self.received_grad, "RG"):
+            if not self._receive(k, j, a, t, self.grad_arrival, self.received_grad, "RG"):
                 return False
         elif a.op == "F":
-            self._forward(k, a, t)
+            self._forward(k, j, a, t)
         elif a.op == "B":
-            self._backward(k, a, t)
-        elif a.op == "SA":
-            self._send_activation(k, a, t)
-        elif a.op == "SG":
-            self._send_gradient(k, a, t)
+            self._backward(k, j, a, t)
+        elif a.op in ("SA", "SG"):
+            self._send(k, j, a, t)
         elif a.op == "STEP":
             if not self._optimizer_step(k, t):
                 return False
         else:
             raise ScheduleError(f"{_name(k, a)}: unknown action")
         if a.op not in ("SA", "SG"):  # a send's event is its time on the link, recorded by the send
-            self.events.append(Event(k, a.op, a.mb, t, self.clock[k]))
+            self.events.append(Event(k, a.op, a.mb, t, self.clock[k], a.chunk))
         self.pc[k] += 1
         return True
 
-    def _receive(self, k: int, a: Action, t: float, arrival: dict[tuple[int, int], float],
+    def _receive(self, k: int, j: int, a: Action, t: float, arrival: dict[tuple[int, int], float],
                  received: list[set[int]], op: str) -> bool:
         """Wait for the tensor, then decode it; False if it has not been sent yet."""
-        if (k, a.mb) not in arrival:
+        if (j, a.mb) not in arrival:
             return False
-        self.clock[k] = self._overhead(k, max(t, arrival[(k, a.mb)]), op)
-        received[k].add(a.mb)
+        self.clock[k] = self._overhead(k, max(t, arrival[(j, a.mb)]), op)
+        received[j].add(a.mb)
         return True
 
-    def _forward(self, k: int, a: Action, t: float) -> None:
+    def _forward(self, k: int, j: int, a: Action, t: float) -> None:
         """Run a forward: its activation must have been received (but on stage 0)."""
-        if k > 0 and a.mb not in self.received_act[k]:
+        if j > 0 and a.mb not in self.received_act[j]:
             raise ScheduleError(f"{_name(k, a)} runs before its activation is received (RA{a.mb})")
-        self.clock[k] = t + self.fwd_s[k]
-        self.busy[k] += self.fwd_s[k]
-        self.forwarded[k].add(a.mb)
-        self.peak[k] = max(self.peak[k], len(self.forwarded[k] - self.backwarded[k]))
+        self.clock[k] = t + self.fwd_s[j]
+        self.busy[k] += self.fwd_s[j]
+        self.forwarded[j].add(a.mb)
+        self.in_flight[k] += 1
+        self.peak[k] = max(self.peak[k], self.in_flight[k])
 
-    def _backward(self, k: int, a: Action, t: float) -> None:
+    def _backward(self, k: int, j: int, a: Action, t: float) -> None:
         """Run a backward: after its forward and (but on the last stage) its received gradient."""
-        if a.mb not in self.forwarded[k]:
+        if a.mb not in self.forwarded[j]:
             raise ScheduleError(f"{_name(k, a)} runs before F{a.mb}")
-        if k < self.last and a.mb not in self.received_grad[k]:
+        if j < self.last and a.mb not in self.received_grad[j]:
             raise ScheduleError(f"{_name(k, a)} runs before its gradient is received (RG{a.mb})")
-        self.clock[k] = t + self.bwd_s[k]
-        self.busy[k] += self.bwd_s[k]
-        self.backwarded[k].add(a.mb)
+        self.clock[k] = t + self.bwd_s[j]
+        self.busy[k] += self.bwd_s[j]
+        self.backwarded[j].add(a.mb)
+        self.in_flight[k] -= 1
 
     def _overhead(self, k: int, t: float, op: str) -> float:
         """When stage k's CPU work for ``op`` (a message's encode or decode, the optimizer) ready at ``t`` ends."""
         return t + self.over[k].get(op, 0.0)
 
-    def _send_activation(self, k: int, a: Action, t: float) -> None:
-        """Encode, then queue on the link to stage k+1 (one tensor at a time, in program order)."""
-        if a.mb not in self.forwarded[k]:
-            raise ScheduleError(f"{_name(k, a)} sends an activation before F{a.mb}")
-        self.clock[k] = self._overhead(k, t, "SA")
-        start = max(self.clock[k], self.fwd_link_free[k])
-        self.fwd_link_free[k] = start + self.send_s[k]
-        self.act_arrival[(k + 1, a.mb)] = start + self.send_s[k]
-        self.events.append(Event(k, "SA", a.mb, start, start + self.send_s[k]))
-
-    def _send_gradient(self, k: int, a: Action, t: float) -> None:
-        """Encode, then queue on the link to stage k-1 (one tensor at a time, in program order)."""
-        if a.mb not in self.backwarded[k]:
-            raise ScheduleError(f"{_name(k, a)} sends a gradient before B{a.mb}")
-        self.clock[k] = self._overhead(k, t, "SG")
-        start = max(self.clock[k], self.bwd_link_free[k])
-        self.bwd_link_free[k] = start + self.send_s[k - 1]
-        self.grad_arrival[(k - 1, a.mb)] = start + self.send_s[k - 1]
-        self.events.append(Event(k, "SG", a.mb, start, start + self.send_s[k - 1]))
+    def _send(self, k: int, j: int, a: Action, t: float) -> None:
+        """Encode, then queue on the link to the next (SA) or previous (SG) virtual stage's device, one tensor at a
+        time in program order; a link between two devices carries one tensor at a time each way."""
+        forward = a.op == "SA"
+        if a.mb not in (self.forwarded[j] if forward else self.backwarded[j]):
+            what = "an activation" if forward else "a gradient"
+            raise ScheduleError(f"{_name(k, a)} sends {what} before {'F' if forward else 'B'}{a.mb}")
+        to = j + 1 if forward else j - 1
+        seconds = self.send_s[min(j, to)]
+        link = (k, to % len(self.programs))
+        self.clock[k] = self._overhead(k, t, a.op)
+        start = max(self.clock[k], self.link_free.get(link, 0.0))
+        self.link_free[link] = start + seconds
+        (self.act_arrival if forward else self.grad_arrival)[(to, a.mb)] = start + seconds
+        self.events.append(Event(k, a.op, a.mb, start, start + seconds, a.chunk))
 
     def _optimizer_step(self, k: int, t: float) -> bool:
         """The barrier (every stage at its STEP), the clip round trip, then the step; False: not all there yet."""
@@ -295,16 +329,23 @@ def simulate(
     overhead_s: list[dict[str, float]] | None = None, sync_s: list[float] | None = None,
     cores: CoreShare | None = None,
 ) -> Timeline:
-    """Run the programs on a model of the pipeline; raise ScheduleError if they are invalid."""
-    over, sync = _check_times(len(programs), fwd_s, bwd_s, send_s, overhead_s, sync_s)
+    """Run the programs on a model of the pipeline; raise ScheduleError if they are invalid.
+
+    Interleaved programs (actions naming chunks) take one ``fwd_s``/``bwd_s`` per virtual stage and a
+    ``send_s`` per virtual hand-off (the module docstring)."""
+    chunks = chunks_of(programs)
+    over, sync = _check_times(len(programs), fwd_s, bwd_s, send_s, overhead_s, sync_s, chunks)
     _validate_static(programs)
     if cores is not None and not (len(cores.group) == len(cores.need) == len(programs)):
         raise ScheduleError(f"{len(programs)} programs need {len(programs)} core-share entries, got {len(cores.group)}")
     if cores is not None:
+        if chunks > 1:
+            raise ScheduleError("stages that share a host's CPU cores are simulated with one chunk per device: "
+                                "interleaved programs on shared cores are not modelled yet")
         from hetero.planner.simshare import SharedSimulation
 
         return SharedSimulation(programs, fwd_s, bwd_s, send_s, over, sync, cores).run()
-    run = _Simulation(programs, fwd_s, bwd_s, send_s, over, sync)
+    run = _Simulation(programs, fwd_s, bwd_s, send_s, over, sync, chunks)
     run.run()
     return run.timeline()
 

@@ -1,0 +1,199 @@
+"""Interleaved 1F1B (planner/schedules.py interleaved_one_f_one_b): programs whose actions name a chunk of layers.
+
+The simulator's result is compared with a separate evaluation written here: each action's end time as
+the longest path through its device's program order, the send it waits for, and the link it shares,
+with its own mapping of (device, chunk) to virtual stage. Both must agree on every shape and on random
+stage and link times, and the uniform case must give the textbook step m (f + b) + (p - 1)(f + b) / v.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from hetero.errors import ConfigError, PlanError
+from hetero.plan import Plan
+from hetero.planner.schedules import interleaved_one_f_one_b, interleaved_warmup
+from hetero.planner.simulator import ScheduleError, simulate
+from hetero.program import Action, format_program, parse_program
+
+SHAPES = [(p, v, m) for p in range(1, 6) for v in range(1, 5) for m in (p, 2 * p, 3 * p, 4 * p)]
+
+
+def longest_paths(programs: list[list[Action]], fwd_s: list[float], bwd_s: list[float],
+                  send_s: list[float]) -> float:
+    """The step time of these programs by longest paths (no overheads, no sync): an action ends at
+    max(its device's previous action, what it waits for) plus its own time; a send's tensor arrives when
+    its link (one per ordered device pair, taken in the sender's program order) has carried it."""
+    p = len(programs)
+    index = {(k, i): a for k, prog in enumerate(programs) for i, a in enumerate(prog)}
+    sends: dict[tuple[str, int, int], tuple[int, int]] = {}  # (kind, virtual receiver, mb) -> (device, index)
+    link_prev: dict[tuple[int, int], tuple[int, int] | None] = {}
+    previous_on_link: dict[tuple[int, int], tuple[int, int]] = {}
+    for k, prog in enumerate(programs):
+        for i, a in enumerate(prog):
+            if a.op in ("SA", "SG"):
+                stage = a.chunk * p + k + (1 if a.op == "SA" else -1)
+                sends[("act" if a.op == "SA" else "grad", stage, a.mb)] = (k, i)
+                link = (k, stage % p)
+                link_prev[(k, i)] = previous_on_link.get(link)
+                previous_on_link[link] = (k, i)
+
+    @cache
+    def end(k: int, i: int) -> float:
+        a = index[(k, i)]
+        before = end(k, i - 1) if i else 0.0
+        stage = a.chunk * p + k
+        if a.op in ("RA", "RG"):
+            return max(before, arrival(*sends[("act" if a.op == "RA" else "grad", stage, a.mb)]))
+        if a.op == "F":
+            return before + fwd_s[stage]
+        if a.op == "B":
+            return before + bwd_s[stage]
+        return before  # SA, SG (the device only queues it), STEP (its barrier: see below)
+
+    @cache
+    def arrival(k: int, i: int) -> float:
+        a = index[(k, i)]
+        stage = a.chunk * p + k
+        prev = link_prev[(k, i)]
+        start = max(end(k, i), arrival(*prev) if prev else 0.0)
+        return start + send_s[stage if a.op == "SA" else stage - 1]
+
+    return max(end(k, len(prog) - 1) for k, prog in enumerate(programs))
+
+
+@pytest.mark.parametrize(("p", "v", "m"), SHAPES)
+def test_every_shape_runs_every_unit_once_and_takes_the_textbook_step(p: int, v: int, m: int) -> None:
+    programs = interleaved_one_f_one_b(p, m, v)
+    f, b = 1.0, 2.0
+    n = p * v
+    tl = simulate(programs, [f / v] * n, [b / v] * n, [0.0] * n)
+    assert tl.step_time_s == pytest.approx(m * (f + b) + (p - 1) * (f + b) / v)
+    for k, prog in enumerate(programs):
+        units = sorted((a.op.value, a.mb, a.chunk) for a in prog if a.op in ("F", "B"))
+        assert units == sorted((op, mb, c) for op in "FB" for mb in range(m) for c in range(v)), (p, v, m, k)
+        # What a device holds at its peak: its warm-up forwards and the one of its first steady pair.
+        assert tl.peak_in_flight[k] == min(interleaved_warmup(k, p, m, v) + 1, m * v)
+        assert prog[-1] == Action("STEP")
+    # Virtual stage 0 (device 0, chunk 0) reads the batch and the last (device p-1, chunk v-1) takes the loss.
+    assert not any(a.op in ("RA", "SG") and a.chunk == 0 for a in programs[0])
+    assert not any(a.op in ("SA", "RG") and a.chunk == v - 1 for a in programs[-1])
+    assert [parse_program(format_program(prog)) for prog in programs] == programs
+
+
+def torch_order(p: int, m: int, v: int) -> list[list[tuple[str, int, int]]] | None:
+    """Each rank's (F or B, micro-batch, chunk) order under torch.distributed.pipelining's ScheduleInterleaved1F1B
+    (its order alone, computed without a process group); None where this torch lays it out elsewhere."""
+    import types
+
+    from torch.distributed.pipelining import schedules
+
+    single_rank = getattr(schedules.ScheduleInterleaved1F1B, "_calculate_single_rank_operations", None)
+    if single_rank is None:
+        return None
+    order = []
+    for rank in range(p):
+        rounds = max(1, m // p)
+        me = types.SimpleNamespace(n_local_stages=v, microbatches_per_round=m // rounds, pp_group_size=p,
+                                   _n_microbatches=m)
+        order.append([("F" if a.computation_type.name == "FORWARD" else "B", a.microbatch_index, a.stage_index // p)
+                      for a in single_rank(me, rank) if a is not None])
+    return order
+
+
+def test_the_order_is_torchs_interleaved_1f1b() -> None:
+    """The compute order of every device is what torch.distributed.pipelining runs (an independent generator)."""
+    for p, v, m in SHAPES:
+        want = torch_order(p, m, v)
+        if want is None:
+            pytest.skip("this torch's ScheduleInterleaved1F1B has no _calculate_single_rank_operations")
+        got = [[(a.op.value, a.mb, a.chunk) for a in prog if a.op in ("F", "B")]
+               for prog in interleaved_one_f_one_b(p, m, v)]
+        assert got == want, (p, v, m)
+
+
+def test_random_times_agree_with_longest_paths() -> None:
+    rng = random.Random(7)
+    for _ in range(150):
+        p, v = rng.randint(1, 5), rng.randint(1, 4)
+        m = p * rng.randint(1, 4)
+        n = p * v
+        f = [rng.uniform(0.05, 2.0) for _ in range(n)]
+        b = [x * rng.uniform(1.0, 3.0) for x in f]
+        c = [rng.choice([0.0, rng.uniform(0.0, 1.5)]) for _ in range(n - 1)] + [0.0]
+        programs = interleaved_one_f_one_b(p, m, v)
+        got = simulate(programs, f, b, c).step_time_s
+        assert got == pytest.approx(longest_paths(programs, f, b, c), rel=1e-12), (p, v, m)
+        # No device finishes before its own work, nor the step before one micro-batch's trip down and back.
+        assert got >= max(sum(f[j] + b[j] for j in range(k, n, p)) for k in range(p)) * m - 1e-9
+        assert got >= sum(f) + sum(b) + 2 * sum(c) - 1e-9
+
+
+def test_one_link_carries_one_tensor_at_a_time_each_way() -> None:
+    """Two devices, two chunks: device 1 -> 0 carries the gradients of hand-off 0 -> 1 and the activations
+    of the wrap 1 -> 0@1; with slow links they queue behind each other (longest_paths says by how much)."""
+    programs = interleaved_one_f_one_b(2, 4, 2)
+    f, b, c = [0.1] * 4, [0.2] * 4, [1.0, 1.0, 1.0, 0.0]
+    tl = simulate(programs, f, b, c)
+    assert tl.step_time_s == pytest.approx(longest_paths(programs, f, b, c))
+    on_link = sorted((e.start_s, e.end_s) for e in tl.events if e.stage == 1 and e.op in ("SA", "SG"))
+    assert all(b0 >= a1 - 1e-12 for (_, a1), (b0, _) in zip(on_link, on_link[1:], strict=False))
+    # Interleaving pays its extra hand-offs: on these slow links plain 1F1B of the same layers is faster.
+    from hetero.planner.schedules import one_f_one_b
+
+    plain = simulate(one_f_one_b(2, 4), [0.2, 0.2], [0.4, 0.4], [1.0, 0.0])
+    assert plain.step_time_s < tl.step_time_s
+
+
+def test_interleaving_shrinks_the_bubble_on_fast_links() -> None:
+    from hetero.planner.schedules import one_f_one_b
+
+    plain = simulate(one_f_one_b(4, 8), [1.0] * 4, [2.0] * 4, [0.0] * 4)
+    two = simulate(interleaved_one_f_one_b(4, 8, 2), [0.5] * 8, [1.0] * 8, [0.0] * 8)
+    assert two.bubble_fraction < plain.bubble_fraction and two.step_time_s == pytest.approx(28.5)
+    assert plain.step_time_s == pytest.approx(33.0)
+
+
+def test_micro_batches_must_come_in_groups_of_the_devices() -> None:
+    with pytest.raises(ConfigError, match="not a multiple of 4"):
+        interleaved_one_f_one_b(4, 6, 2)
+    with pytest.raises(ConfigError, match="at least 1 chunk"):
+        interleaved_one_f_one_b(2, 4, 0)
+
+
+def test_programs_whose_chunks_disagree_are_refused() -> None:
+    programs = interleaved_one_f_one_b(2, 2, 2)
+    programs[1] = [a for a in programs[1] if a.chunk == 0 or a.op == "STEP"]
+    with pytest.raises(ScheduleError, match="stage 1 runs chunks \\[0\\], but another runs 2"):
+        simulate(programs, [1.0] * 4, [1.0] * 4, [0.0] * 4)
+    good = interleaved_one_f_one_b(2, 2, 2)
+    with pytest.raises(ScheduleError, match="2 programs of 2 chunks need 4 fwd/bwd times"):
+        simulate(good, [1.0] * 2, [1.0] * 2, [0.0] * 2)
+    # A receive moved before the send it waits for can happen is a deadlock, named by device and chunk.
+    bad = interleaved_one_f_one_b(2, 2, 2)
+    first = next(i for i, a in enumerate(bad[0]) if a.op == "RA")
+    bad[0].insert(0, bad[0].pop(first))
+    bad[1].insert(0, bad[1].pop(next(i for i, a in enumerate(bad[1]) if a.op == "RG")))
+    with pytest.raises(ScheduleError, match="deadlock: stage 0 waits at RA0@1; stage 1 waits at RG0"):
+        simulate(bad, [1.0] * 4, [1.0] * 4, [0.0] * 4)
+
+
+def test_a_plan_with_chunked_programs_is_refused_until_stages_serve_chunks(tmp_path: Path) -> None:
+    """The runtime runs one span of layers per stage process: a plan edited to interleave is refused in one line."""
+    from test_planner import _plan
+    from test_planner_ilp import make_cluster, make_graph
+
+    cluster = make_cluster([("a", "rtx4090", None), ("b", "rtx3090", 6.0)])
+    p = _plan(cluster, make_graph(4, rng=random.Random(1)), replicas=1)
+    p.save(tmp_path / "plan.json")
+    data = json.loads((tmp_path / "plan.json").read_text())
+    data["stages"][0]["program"] = [t.replace("F0", "F0@1") for t in data["stages"][0]["program"]]
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=r"stages\[0\]\.program names chunks \(an interleaved schedule\)") as exc:
+        Plan.load(tmp_path / "plan.json")
+    assert "\n" not in str(exc.value)

@@ -26,7 +26,8 @@ from hetero.errors import WireError
 
 # -- constants: defined here once, imported wherever they are used ------------------------------------
 
-WIRE_VERSION: int = 6  # bump on any change of the header or of a record below (5: snapshot; 6: stop with a re-plan)
+# bump on any change of the header or of a record below (5: snapshot; 6: stop with a re-plan; 7: act/grad name a chunk)
+WIRE_VERSION: int = 7
 
 # Liveness (runtime/wire/control.py; `hetero run runtime.failure_timeout_s=` / `runtime.load_timeout_s=`).
 SLICE_S = 0.5  # a blocking receive wakes up this often to look at control messages
@@ -299,6 +300,8 @@ class Act(Record):
     KIND: ClassVar[str] = "act"
     # The sender's wall clock (time.time()) as it handed the message to the wire: the receiver times the link.
     sent: float | None = check(optional=True, finite=True)
+    # Interleaved programs: the receiving device's chunk of layers it is for (hetero/program.py); absent otherwise.
+    chunk: int | None = check(optional=True, low=0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -307,6 +310,7 @@ class Grad(Record):
 
     KIND: ClassVar[str] = "grad"
     sent: float | None = check(optional=True, finite=True)  # as Act's
+    chunk: int | None = check(optional=True, low=0)  # as Act's
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -74,7 +74,7 @@ class Wire(Protocol):
              tensors: dict[str, torch.Tensor] | None = None, meta: dict | None = None) -> None: ...
 
     def recv(self, kind: str | None = None, *, step: int | None = None, mb: int | None = None,
-             sender: str | None = None, timeout_s: Any = ...) -> Any: ...
+             sender: str | None = None, timeout_s: Any = ..., chunk: int | None = None) -> Any: ...
 
 
 @dataclass
@@ -125,9 +125,10 @@ class Executor:
 
     def __init__(self, stage: Stage, program: list[Action], wire: Wire, train: TrainSpec,
                  neighbours: tuple[int | str | None, int | str | None] | None = None, replicated: bool = False,
-                 compression: tuple[str, str] = ("none", "none")) -> None:
+                 compression: tuple[str, str] = ("none", "none"), chunks: tuple[int, int, int] | None = None) -> None:
         """``neighbours``: the stages before and after this one in its pipeline, by index or process name (default:
-        index -+ 1);
+        index -+ 1); ``chunks``: under an interleaved program (runtime/stage/chunks.py), the chunk this stage is of
+        its device and the chunks of the stages before and after it of theirs, which its acts and grads name;
         ``replicated``: other replicas hold the same layers, and STEP sums gradients with them; ``compression``:
         the scheme of the link from the previous stage and of the link to the next (runtime/wire/compress.py)."""
         self.stage = stage
@@ -139,6 +140,7 @@ class Executor:
         self.next = _peer(nxt) if not stage.is_last and nxt is not None else None
         self.replicated = replicated
         self.link_in, self.link_out = compression
+        self.chunk, self.prev_chunk, self.next_chunk = chunks if chunks is not None else (None, None, None)
         self.hidden = int(stage.model.config.hidden_size)
         self.params = stage.lora_parameters()
         # Whole-model PEFT keys of the LoRA parameters (checkpoint keys; gradients travel under them).
@@ -176,21 +178,12 @@ class Executor:
         if streamer is not None:
             streamer.begin_step()
         self._lr = self.scheduler.get_last_lr()[0] if self.scheduler is not None else self.train.lr
-        times: dict[str, float] = defaultdict(float)
         start = time.perf_counter()
         self._step_inputs(step)  # waiting for data is not compute: timed on its own
-        times["data_wait"] = time.perf_counter() - start
-        cpu: dict[str, float] = defaultdict(float)
-        on_cpu = self.stage.device.type == "cpu"
-        for action in self.program:
-            t0, c0 = time.perf_counter(), time.process_time() if on_cpu else 0.0
-            self._handlers[action.op](step, action.mb)
-            t1 = time.perf_counter()
-            times[action.op] += t1 - t0
-            if on_cpu and action.op in CPU_TIMED_OPS:
-                cpu[action.op] += time.process_time() - c0
-            for observe in self.action_observers:
-                observe(self.stage.index, action.op, step, action.mb, t0, t1)
+        data_wait = time.perf_counter() - start
+        times, cpu = run_program(self.program, lambda a: self._handlers[a.op](step, a.mb), self.stage.index, step,
+                                 self.stage.device.type == "cpu", self.action_observers)
+        times["data_wait"] = data_wait
         wall = time.perf_counter() - start
         times["clip_wait"] = self._clip_wait  # inside STEP, but waiting for the other stages
         leftover = len(self._inputs) + len(self._outputs) + len(self._grads) + len(self._mb_positions)
@@ -225,7 +218,7 @@ class Executor:
         the sender's hand-off to here (encode, link, decode; on one clock across hosts only up to their offset,
         which averaging the two directions of a link cancels: runtime/run/run_profile.py)."""
         waiting = time.time()
-        msg = self.wire.recv(kind, step=step, mb=mb, sender=sender)
+        msg = self.wire.recv(kind, step=step, mb=mb, sender=sender, chunk=self.chunk)
         sent = msg.meta.get("sent")
         if isinstance(sent, float) and sent >= waiting:
             self._deliveries[kind].append(time.time() - sent)
@@ -282,7 +275,7 @@ class Executor:
         positions = self._mb_positions.pop(mb, None)
         if positions is not None:
             tensors["pos"] = positions
-        self.wire.send(self.next, Act(sent=time.time()), step=step, mb=mb, tensors=tensors)
+        self.wire.send(self.next, Act(sent=time.time(), chunk=self.next_chunk), step=step, mb=mb, tensors=tensors)
 
     def _recv_grad(self, step: int, mb: int) -> None:
         msg = self._timed_recv("grad", step, mb, self.next)
@@ -307,21 +300,15 @@ class Executor:
         x = self._inputs.pop(mb)
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
         _check_finite(grad, "input gradients", self.stage.index, step, mb)
-        self.wire.send(self.prev, Grad(sent=time.time()), step=step, mb=mb, tensors=compress.pack(grad, "g", self.link_in))
+        self.wire.send(self.prev, Grad(sent=time.time(), chunk=self.prev_chunk), step=step, mb=mb,
+                       tensors=compress.pack(grad, "g", self.link_in))
 
     def _optimizer_step(self, step: int, mb: int) -> None:
         if self.replicated:
             coef = self._reduce_grads(step)
         else:
             self._grad_sumsq = grad_sumsq(self.params)
-            if not math.isfinite(self._grad_sumsq):  # the record would refuse it, without the hint
-                raise TrainingDivergedError(f"stage {self.stage.index} computed NaN/inf LoRA gradients at step "
-                                            f"{step}: {DIVERGED_HINT}")
-            self.wire.send(COORDINATOR, GradNorm(sumsq=self._grad_sumsq), step=step)
-            t0 = time.perf_counter()
-            msg = self.wire.recv("clip", step=step, sender=COORDINATOR)
-            self._clip_wait = time.perf_counter() - t0
-            coef = float(msg.meta["coef"])
+            coef, self._clip_wait = clip_round_trip(self.wire, self._grad_sumsq, step, self.stage.index)
         apply_step(self.params, self.optimizer, self.scheduler, coef)
         self._sync()
 
@@ -350,6 +337,35 @@ class Executor:
 
 
 DIVERGED_HINT = "training diverged; lower train.lr (or raise train.warmup_steps) and resume from the last checkpoint"
+
+
+def run_program(program: list[Action], run: Callable[[Action], None], index: int, step: int, on_cpu: bool,
+                observers: list[Callable[[int, str, int, int, float, float], None]],
+                ) -> tuple[dict[str, float], dict[str, float]]:
+    """Run each action of one step's program; the seconds spent per op (wall, and on a CPU stage process CPU)."""
+    times: dict[str, float] = defaultdict(float)
+    cpu: dict[str, float] = defaultdict(float)
+    for action in program:
+        t0, c0 = time.perf_counter(), time.process_time() if on_cpu else 0.0
+        run(action)
+        t1 = time.perf_counter()
+        times[action.op] += t1 - t0
+        if on_cpu and action.op in CPU_TIMED_OPS:
+            cpu[action.op] += time.process_time() - c0
+        for observe in observers:
+            observe(index, action.op, step, action.mb, t0, t1)
+    return times, cpu
+
+
+def clip_round_trip(wire: Wire, sumsq: float, step: int, index: int) -> tuple[float, float]:
+    """Send this process's squared LoRA gradient norm, wait for the coordinator's clip coefficient; (coefficient,
+    seconds waited)."""
+    if not math.isfinite(sumsq):  # the record would refuse it, without the hint
+        raise TrainingDivergedError(f"stage {index} computed NaN/inf LoRA gradients at step {step}: {DIVERGED_HINT}")
+    wire.send(COORDINATOR, GradNorm(sumsq=sumsq), step=step)
+    t0 = time.perf_counter()
+    msg = wire.recv("clip", step=step, sender=COORDINATOR)
+    return float(msg.meta["coef"]), time.perf_counter() - t0
 
 
 def _check_finite(t: torch.Tensor, what: str, k: int, step: int, mb: int) -> None:

@@ -240,13 +240,13 @@ class Mailbox:
                 raise PeerLost(peer, f"no heartbeat for {bound:g} s (hung or stopped?)", silent=True)
 
     def recv(self, kind: str | None = None, *, step: int | None = None, mb: int | None = None,
-             sender: str | None = None, timeout_s: float | None = None) -> Any:
+             sender: str | None = None, timeout_s: float | None = None, chunk: int | None = None) -> Any:
         """Like Transport.recv, but wakes up every SLICE_S to run poll_control()."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             self.poll_control()
             try:
-                msg = self.transport.recv(kind, step=step, mb=mb, sender=sender, timeout_s=SLICE_S)
+                msg = self.transport.recv(kind, step=step, mb=mb, sender=sender, timeout_s=SLICE_S, chunk=chunk)
             except WireError as exc:
                 if not is_timeout(exc):
                     raise

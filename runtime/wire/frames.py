@@ -258,3 +258,9 @@ def decode(frames: Sequence[Any], expect_plan_hash: str | None) -> Message:
             raise WireError(f"{who} carries tensor {_shown(name)} twice")
         tensors[name] = tensor
     return Message(kind=kind, sender=sender, step=step, mb=mb, meta=meta, tensors=tensors)
+
+
+def chunk_of(msg: Message) -> int:
+    """The chunk an act or grad is for (interleaved programs name it in the meta; any other message: 0)."""
+    chunk = msg.meta.get("chunk") if isinstance(msg.meta, dict) else None
+    return chunk if isinstance(chunk, int) else 0

@@ -21,7 +21,7 @@ import zmq
 
 from hetero.errors import WireError
 from hetero.runtime.wire.endpoints import _join, _parse_tcp_endpoint
-from hetero.runtime.wire.frames import Message, decode
+from hetero.runtime.wire.frames import Message, chunk_of, decode
 from hetero.runtime.wire.gatekeeper import Gatekeeper, InboxWatch
 from hetero.security import Identity
 
@@ -132,8 +132,9 @@ class Inbox:
         return pull
 
     def recv(self, kind: str | None = None, *, step: int | None = None, mb: int | None = None,
-             sender: str | None = None, timeout_s: float | None | Any = _DEFAULT) -> Message:
+             sender: str | None = None, timeout_s: float | None | Any = _DEFAULT, chunk: int | None = None) -> Message:
         """The first message (pending or new) matching every given filter; others are kept for later.
+        ``chunk``: an act or grad for that chunk of an interleaved device (its meta's ``chunk``, absent: 0).
 
         ``timeout_s`` defaults to the transport's ``recv_timeout_s``; ``None`` waits forever. A
         malformed, foreign, spoofed or unexpected message is logged and dropped (see ``rejections``);
@@ -146,7 +147,8 @@ class Inbox:
 
         def matches(m: Message) -> bool:
             return ((kind is None or m.kind == kind) and (step is None or m.step == step)
-                    and (mb is None or m.mb == mb) and (sender is None or m.sender == sender))
+                    and (mb is None or m.mb == mb) and (sender is None or m.sender == sender)
+                    and (chunk is None or chunk_of(m) == chunk))
 
         with self._recv_lock:
             for i, queued in enumerate(self._pending):
@@ -262,3 +264,4 @@ class Inbox:
             self._pending.clear()
         if self._gate is not None:
             self._gate.stop()
+

@@ -27,7 +27,7 @@ import torch
 from hetero.errors import WireError
 from hetero.protocol import MESSAGE_OVERHEAD_BYTES, MESSAGE_SIZE_MARGIN, RECORDS, UNSTEPPED, Record
 from hetero.runtime.wire import compress
-from hetero.runtime.wire.frames import DTYPES, Message
+from hetero.runtime.wire.frames import DTYPES, Message, chunk_of
 from hetero.security import COORDINATOR
 
 
@@ -80,8 +80,8 @@ class Rules:
                 raise WireError(f"{msg.describe()}: micro-batch out of range 0..{self.num_micro_batches - 1}")
         self._check_tensors(msg)
         if msg.kind != "heartbeat":
-            same = (msg.kind, msg.step, msg.mb, msg.sender)
-            if any((m.kind, m.step, m.mb, m.sender) == same for m in pending):
+            same = (msg.kind, msg.step, msg.mb, msg.sender, chunk_of(msg))
+            if any((m.kind, m.step, m.mb, m.sender, chunk_of(m)) == same for m in pending):
                 raise WireError(f"{msg.describe()} duplicates a message still waiting")
         if len(pending) >= self.max_pending:
             raise WireError(f"{msg.describe()}: {len(pending)} messages already wait (limit {self.max_pending})")

@@ -213,13 +213,13 @@ class Transport:
     # -- inbound ----------------------------------------------------------------------------------
 
     def recv(self, kind: str | None = None, *, step: int | None = None, mb: int | None = None,
-             sender: str | None = None, timeout_s: float | None | Any = _DEFAULT) -> Message:
+             sender: str | None = None, timeout_s: float | None | Any = _DEFAULT, chunk: int | None = None) -> Message:
         """The first message (pending or new) matching every given filter; others are kept for later (Inbox.recv).
 
         ``timeout_s`` defaults to the transport's ``recv_timeout_s``; ``None`` waits forever. A malformed, foreign,
         spoofed or unexpected message is logged and dropped (see ``rejections``); the wait goes on."""
         self._check_open()
-        return self.inbox.recv(kind, step=step, mb=mb, sender=sender, timeout_s=timeout_s)
+        return self.inbox.recv(kind, step=step, mb=mb, sender=sender, timeout_s=timeout_s, chunk=chunk)
 
     def last_rejection(self, sender: str | None = None) -> str | None:
         """The newest drop reason (of messages claiming ``sender``, if given), for error messages."""

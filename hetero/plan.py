@@ -52,6 +52,20 @@ class MemoryBreakdown:
 
 
 @dataclass(frozen=True)
+class ChunkPlan:
+    """A further chunk of layers a stage's device holds under an interleaved schedule (hetero/program.py): chunk
+    c >= 1 of stage k of a pipeline of p is virtual stage c x p + k; its predicted times per micro-batch."""
+
+    first_node: int
+    last_node: int
+    node_names: list[str]
+    fwd_time_s: float
+    bwd_time_s: float
+    send_time_s: float  # its activation to the next virtual stage (0 for the pipeline's last)
+    recompute_layers: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class StagePlan:
     index: int
     host: str
@@ -94,6 +108,9 @@ class StagePlan:
     # Empty: stage<index>. A plan re-planned during a run (runtime.elastic) keeps each device's name from the plan
     # it replaces, so a host's key files, and a worker started with the first plan.json, stay valid for it.
     name: str = ""
+    # Under an interleaved schedule, the device's chunks after its first (the first is first_node..last_node, with
+    # fwd_time_s, bwd_time_s and send_time_s its own); its program names each action's chunk. Empty otherwise.
+    chunks: list[ChunkPlan] = field(default_factory=list)
 
     def stream_summary(self) -> str:
         """``37 layers stream from host RAM (+38 ms/mb, 793 GB/step)``; empty when none streams."""
@@ -108,6 +125,18 @@ class StagePlan:
     def actions(self) -> list[Action]:
         """This stage's program parsed (hetero.program's one parser); ValueError names a bad token."""
         return parse_program(self.program)
+
+    def spans(self) -> list[tuple[int, int]]:
+        """The node spans of this stage's chunks, the first (first_node..last_node) first: one but interleaved."""
+        return [(self.first_node, self.last_node)] + [(c.first_node, c.last_node) for c in self.chunks]
+
+    def nodes(self) -> list[int]:
+        """The graph nodes this stage's device holds (every chunk's)."""
+        return [i for a, b in self.spans() for i in range(a, b + 1)]
+
+    def compute_s(self) -> float:
+        """Predicted forward + backward seconds of one micro-batch through all of this stage's chunks."""
+        return self.fwd_time_s + self.bwd_time_s + sum(c.fwd_time_s + c.bwd_time_s for c in self.chunks)
 
 
 @dataclass(frozen=True)
@@ -318,6 +347,9 @@ class Plan:
         for host in data["cluster"]["hosts"]:
             if host.get("ssh") is None:
                 del host["ssh"]  # hosts started by hand: plan.json as before ssh settings existed
+        for stage in data["stages"]:
+            if not stage["chunks"]:
+                del stage["chunks"]  # one chunk per device: plan.json as before interleaved schedules
         return json.dumps(data, indent=1)
 
     def save(self, path: str | Path) -> None:
@@ -396,7 +428,8 @@ def compute_input_hash(plan: Plan) -> str:
                    + ((s.recompute_layers,) if s.recompute_layers else ())
                    + ((s.stream_layers,) if s.stream_layers else ())
                    + ((s.compress_out,) if s.compress_out != "none" else ())
-                   + ((f"as {s.name}",) if s.name else ()) for s in plan.stages],
+                   + ((f"as {s.name}",) if s.name else ())
+                   + ((s.spans(),) if s.chunks else ()) for s in plan.stages],
         "schema_version": plan.schema_version,
     }
     if plan.data.packing:  # the stages expect packed rows' positions (plans from before packing: rows of one record)

@@ -56,7 +56,43 @@ def check_plan(plan: Plan, where: str = "plan.json") -> None:
     for k in range(len(plan.stages)):
         _check_stage_place(plan, k, bad)
         _check_stage_run(plan, k, bad)
+    _check_chunks(plan, bad)
     _check_stage_names(plan, bad)
+
+
+def _check_chunks(plan: Plan, bad: Callable[[str], PlanError]) -> None:
+    """An interleaved pipeline: every device holds as many chunks, its program names them all, and chunk c of
+    stage k of p (virtual stage c x p + k) holds the nodes after virtual stage c x p + k - 1's, up to the last."""
+    v = 1 + len(plan.stages[0].chunks)
+    if all(not s.chunks for s in plan.stages):
+        return
+    if plan.replicas:
+        raise bad("stages hold chunks (an interleaved schedule) in a plan of replicas; an interleaved plan is one "
+                  "pipeline")
+    nodes, p = plan.graph.nodes, len(plan.stages)
+    following = 0
+    for j in range(p * v):
+        k, c = j % p, j // p
+        s, at = plan.stages[k], f"stages[{k}]"
+        if len(s.chunks) != v - 1:
+            raise bad(f"{at} holds {1 + len(s.chunks)} chunks and stages[0] {v}: every device of an interleaved "
+                      "pipeline holds as many")
+        first, last = s.spans()[c]
+        if first != following or not first <= last < len(nodes):
+            raise bad(f"{at}'s chunk {c} covers nodes {first}..{last}; virtual stage {j} must start at node "
+                      f"{following}")
+        following = last + 1
+        if c and s.chunks[c - 1].node_names != [n.name for n in nodes[first:last + 1]]:
+            raise bad(f"{at}.chunks[{c - 1}].node_names do not match graph nodes {first}..{last}")
+        if c and (not set(s.chunks[c - 1].recompute_layers) <= set(s.chunks[c - 1].node_names)
+                  or min(s.chunks[c - 1].fwd_time_s, s.chunks[c - 1].bwd_time_s, s.chunks[c - 1].send_time_s) < 0):
+            raise bad(f"{at}.chunks[{c - 1}] recomputes layers outside it or has a negative time")
+        if s.stream_layers or s.compress_out != "none":
+            raise bad(f"{at} streams weights or compresses its hand-offs: interleaved chunks do neither yet")
+        if sorted({a.chunk for a in s.actions() if a.op != "STEP"}) != list(range(v)):
+            raise bad(f"{at}.program does not run its {v} chunks")
+    if following != len(nodes):
+        raise bad(f"the interleaved pipeline covers nodes 0..{following - 1} of 0..{len(nodes) - 1}")
 
 
 def _check_stage_names(plan: Plan, bad: Callable[[str], PlanError]) -> None:
@@ -86,7 +122,7 @@ def _check_stage_place(plan: Plan, k: int, bad: Callable[[str], PlanError]) -> N
     if s.first_node != next_node or not s.first_node <= s.last_node < len(nodes):
         raise bad(f"{at} covers nodes {s.first_node}..{s.last_node}; the stages of a pipeline must cover nodes "
                   f"0..{len(nodes) - 1} in order")
-    if plan.next_stage(k) is None and s.last_node != len(nodes) - 1:
+    if plan.next_stage(k) is None and s.last_node != len(nodes) - 1 and not s.chunks:
         raise bad(f"the pipeline ending with {at} covers nodes 0..{s.last_node} of 0..{len(nodes) - 1}")
     if s.node_names != [n.name for n in nodes[s.first_node : s.last_node + 1]]:
         raise bad(f"{at}.node_names do not match graph nodes {s.first_node}..{s.last_node}")
@@ -119,9 +155,9 @@ def _check_stage_run(plan: Plan, k: int, bad: Callable[[str], PlanError]) -> Non
         actions = parse_program(s.program)
     except ValueError as exc:
         raise bad(f"{at}.program: {exc}") from None
-    if any(a.chunk for a in actions):
-        raise bad(f"{at}.program names chunks (an interleaved schedule): a stage process serves one span of "
-                  "layers in this version; compile with train.schedule=1f1b or gpipe")
+    if any(a.chunk > len(s.chunks) for a in actions):
+        raise bad(f"{at}.program names chunk {max(a.chunk for a in actions)}, but the stage holds "
+                  f"{1 + len(s.chunks)}")
     m = plan.micro_batches_of(k)
     if any(a.mb >= m for a in actions):
         where = "train.num_micro_batches" if not plan.replicas else "its replica's num_micro_batches"

@@ -31,6 +31,7 @@ sharing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hetero.errors import PlanError
 from hetero.plan import Plan
@@ -391,16 +392,32 @@ def simulate_plan(plan: Plan) -> Timeline:
     timelines = []
     for rep in plan.pipelines:
         stages = [plan.stages[k] for k in rep.stages]
+        fwd, bwd, send = virtual_times(stages)
         timelines.append(simulate(
-            [programs[k] for k in rep.stages],
-            [s.fwd_time_s for s in stages],
-            [s.bwd_time_s for s in stages],
-            [s.send_time_s for s in stages],
+            [programs[k] for k in rep.stages], fwd, bwd, send,
             overhead_s=[dict(s.overhead_s) for s in stages],
             sync_s=[s.step_sync_s for s in stages],
             cores=plan_core_share(plan, rep.stages),
         ))
     return combine_replicas(timelines, plan.prediction.reduce_s if len(timelines) > 1 else 0.0)
+
+
+def virtual_times(stages: list[Any]) -> tuple[list[float], list[float], list[float]]:
+    """A pipeline's predicted forward, backward and send seconds per micro-batch by virtual stage: its stages' own,
+    or under an interleaved schedule chunk c of stage d at c x stages + d (plan StagePlan.chunks)."""
+    chunks = [[(s.fwd_time_s, s.bwd_time_s, s.send_time_s)]
+              + [(c.fwd_time_s, c.bwd_time_s, c.send_time_s) for c in s.chunks] for s in stages]
+    order = [chunks[d][c] for c in range(len(chunks[0])) for d in range(len(stages))]
+    return [t[0] for t in order], [t[1] for t in order], [t[2] for t in order]
+
+
+def _measured(times: list[dict[str, float]], op: str, predicted: list[float], mb: int) -> list[float]:
+    """Each virtual stage's share of its device's measured seconds per micro-batch of ``op``, as the plan predicts
+    the device's chunks (all of them where a device holds one chunk)."""
+    p = len(times)
+    v = len(predicted) // p
+    return [times[j % p].get(op, 0.0) / mb * (x / s if (s := sum(predicted[j % p::p])) > 0 else 1 / v)
+            for j, x in enumerate(predicted)]
 
 
 def plan_core_share(plan: Plan, stages: list[int], usable: dict[str, float] | None = None) -> CoreShare | None:
@@ -429,25 +446,25 @@ def replay_run(plan: Plan, timings: list[dict[str, float]], *, decontended: bool
     a host with too few cores, see runtime/run/run_profile.py), so the replay shares the cores itself;
     else they are wall times that already include the sharing (``usable``: the cores each host's stages get,
     instead of the plan's). A timing's ``RA_own``/``RG_own`` (a receive's own CPU time per step) replace the
-    plan's decode costs.
+    plan's decode costs. An interleaved device's measured F and B are shared among its chunks as the plan
+    predicts them, and its per-message costs among all its chunks' messages.
     """
     if len(timings) != len(plan.stages):
         raise ScheduleError(f"the run has timings for {len(timings)} stages but the plan has {len(plan.stages)}")
     timelines = []
     for rep in plan.pipelines:
-        m = max(1, rep.num_micro_batches)
         stages = [plan.stages[k] for k in rep.stages]
+        mb = max(1, rep.num_micro_batches)
+        m = mb * len(stages[0].spans())  # the actions of a kind a device runs per step
         times = [timings[k] for k in rep.stages]
+        fwd, bwd, send = virtual_times(stages)
         overhead = [{"SA": t.get("SA", 0.0) / m, "SG": t.get("SG", 0.0) / m,
                      "STEP": max(0.0, t.get("STEP", 0.0) - t.get("clip_wait", 0.0)),
                      "RA": t["RA_own"] / m if "RA_own" in t else sp.overhead_s.get("RA", 0.0),
                      "RG": t["RG_own"] / m if "RG_own" in t else sp.overhead_s.get("RG", 0.0)}
                     for t, sp in zip(times, stages, strict=True)]
         timelines.append(simulate(
-            [sp.actions() for sp in stages],
-            [t.get("F", 0.0) / m for t in times],
-            [t.get("B", 0.0) / m for t in times],
-            [sp.send_time_s for sp in stages],
+            [sp.actions() for sp in stages], _measured(times, "F", fwd, mb), _measured(times, "B", bwd, mb), send,
             overhead_s=overhead,
             sync_s=[sp.step_sync_s for sp in stages],
             cores=plan_core_share(plan, rep.stages, usable) if decontended else None,

@@ -183,8 +183,8 @@ def test_programs_whose_chunks_disagree_are_refused() -> None:
         simulate(bad, [1.0] * 4, [1.0] * 4, [0.0] * 4)
 
 
-def test_a_plan_with_chunked_programs_is_refused_until_stages_serve_chunks(tmp_path: Path) -> None:
-    """The runtime runs one span of layers per stage process: a plan edited to interleave is refused in one line."""
+def test_a_plan_whose_program_names_chunks_its_stage_lacks_is_refused(tmp_path: Path) -> None:
+    """A program naming a chunk of layers the stage does not hold (plan.json edited) is refused in one line."""
     from test_planner import _plan
     from test_planner_ilp import make_cluster, make_graph
 
@@ -192,8 +192,9 @@ def test_a_plan_with_chunked_programs_is_refused_until_stages_serve_chunks(tmp_p
     p = _plan(cluster, make_graph(4, rng=random.Random(1)), replicas=1)
     p.save(tmp_path / "plan.json")
     data = json.loads((tmp_path / "plan.json").read_text())
+    assert "chunks" not in data["stages"][0]  # one chunk per device: plan.json as before interleaved schedules
     data["stages"][0]["program"] = [t.replace("F0", "F0@1") for t in data["stages"][0]["program"]]
     (tmp_path / "plan.json").write_text(json.dumps(data))
-    with pytest.raises(PlanError, match=r"stages\[0\]\.program names chunks \(an interleaved schedule\)") as exc:
+    with pytest.raises(PlanError, match=r"stages\[0\]\.program names chunk 1, but the stage holds 1") as exc:
         Plan.load(tmp_path / "plan.json")
     assert "\n" not in str(exc.value)

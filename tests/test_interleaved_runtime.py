@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,10 +19,16 @@ import torch
 from reference import assert_close_to_scale, reference_run
 from test_runtime_plans import make_plan
 
+from hetero.plan import ChunkPlan, Plan, compute_input_hash
 from hetero.planner.schedules import interleaved_one_f_one_b
+from hetero.program import format_program
+from hetero.runtime.cli import main_run
 from hetero.runtime.run.data import StepBatches
+from hetero.runtime.run.run_compare import read_metrics, step_lines
+from hetero.runtime.stage.adapter import load_adapter_state
 from hetero.runtime.stage.chunks import ChunkedExecutor
 from hetero.runtime.stage.model import build_stage
+from hetero.runtime.stage.state import restore_stage, stage_payload
 from hetero.runtime.wire.transport import Transport
 from hetero.security import COORDINATOR, stage_name
 from hetero.specs import ModelSpec, TrainSpec
@@ -37,14 +45,14 @@ def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 
 
 def train_interleaved(devices: list[ChunkedExecutor], wires: list[Transport], coord: Transport,
-                      batches: StepBatches, steps: int) -> tuple[list[float], list[float]]:
-    """Train the devices for ``steps`` steps as the coordinator does; (per-step losses, clip coefficients)."""
+                      batches: StepBatches, steps: int, start: int = 0) -> tuple[list[float], list[float]]:
+    """Train the devices for steps ``start``..``steps`` as the coordinator does; (per-step losses, clip coefficients)."""
     errors: list[BaseException] = []
     names = [stage_name(d) for d in range(len(devices))]
 
     def work(d: int) -> None:
         try:
-            for step in range(steps):
+            for step in range(start, steps):
                 stats = devices[d].run_step(step)
                 wires[d].send(COORDINATOR, "stepdone", step=step, meta=stats.to_meta())
         except BaseException as exc:  # surfaced by the main thread
@@ -55,7 +63,7 @@ def train_interleaved(devices: list[ChunkedExecutor], wires: list[Transport], co
         t.start()
     losses, coefs = [], []
     try:
-        for step in range(steps):
+        for step in range(start, steps):
             batch = batches.step(step)
             inputs = {"input_ids": batch.input_ids}
             if batch.position_ids is not None:
@@ -79,12 +87,13 @@ def train_interleaved(devices: list[ChunkedExecutor], wires: list[Transport], co
     return losses, coefs
 
 
-@pytest.mark.parametrize(("num_devices", "chunks", "split"), [(2, 2, [2, 1, 1, 2]), (2, 3, [1, 1, 1, 1, 1, 1])])
-def test_interleaved_devices_train_like_one_process(num_devices: int, chunks: int, split: list[int], setup: dict,
-                                                    tiny_model_dir: Path, tiny_spec: ModelSpec) -> None:
-    plan = make_plan(tiny_model_dir, tiny_spec.architecture, split, train=TRAIN, lora=setup["lora"], seq_len=SEQ_LEN)
+def run_devices(plan: Plan, num_devices: int, chunks: int, steps: int, start: int = 0,
+                prepare: Callable[[list[ChunkedExecutor]], None] | None = None,
+                ) -> tuple[list[float], list[float], list[ChunkedExecutor]]:
+    """Build the plan's p x v virtual stages as ``num_devices`` devices of ``chunks`` chunks, ``prepare`` them (a
+    restore), and train steps ``start``..``steps``; (losses, clip coefficients, the devices)."""
     virtual = [build_stage(plan, j, CPU) for j in range(num_devices * chunks)]
-    programs = interleaved_one_f_one_b(num_devices, TRAIN.num_micro_batches, chunks)
+    programs = interleaved_one_f_one_b(num_devices, plan.train.num_micro_batches, chunks)
     names = [stage_name(d) for d in range(num_devices)]
     coord = Transport(COORDINATOR, "tcp://127.0.0.1:0", plan.input_hash, recv_timeout_s=120)
     wires = [Transport(name, "tcp://127.0.0.1:0", plan.input_hash, recv_timeout_s=120) for name in names]
@@ -94,18 +103,51 @@ def test_interleaved_devices_train_like_one_process(num_devices: int, chunks: in
             w.connect(COORDINATOR, coord.endpoint)
             for e in {(d - 1) % num_devices, (d + 1) % num_devices} - {d}:  # the ring: the last hands on to the first
                 w.connect(names[e], wires[e].endpoint)
-        devices = [ChunkedExecutor([virtual[c * num_devices + d] for c in range(chunks)], programs[d], wires[d], TRAIN,
-                                   d, num_devices) for d in range(num_devices)]
-        batches = StepBatches(plan.data, tiny_model_dir, SEQ_LEN, TRAIN.micro_batch_size, TRAIN.num_micro_batches,
-                              TRAIN.seed, TRAIN.shuffle)
-        losses, coefs = train_interleaved(devices, wires, coord, batches, TRAIN.steps)
+        devices = [ChunkedExecutor([virtual[c * num_devices + d] for c in range(chunks)], programs[d], wires[d],
+                                   plan.train, d, num_devices) for d in range(num_devices)]
+        if prepare is not None:
+            prepare(devices)
+        batches = StepBatches(plan.data, plan.model.pretrained, SEQ_LEN, plan.train.micro_batch_size,
+                              plan.train.num_micro_batches, plan.train.seed, plan.train.shuffle)
+        losses, coefs = train_interleaved(devices, wires, coord, batches, steps, start)
     finally:
         for w in [*wires, coord]:
             w.close()
+    return losses, coefs, devices
+
+
+@pytest.mark.parametrize(("num_devices", "chunks", "split"), [(2, 2, [2, 1, 1, 2]), (2, 3, [1, 1, 1, 1, 1, 1])])
+def test_interleaved_devices_train_like_one_process(num_devices: int, chunks: int, split: list[int], setup: dict,
+                                                    tiny_model_dir: Path, tiny_spec: ModelSpec) -> None:
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, split, train=TRAIN, lora=setup["lora"], seq_len=SEQ_LEN)
+    losses, coefs, devices = run_devices(plan, num_devices, chunks, TRAIN.steps)
     assert min(coefs) < 0.99, "the test only means something if clipping acts"
     assert losses == pytest.approx(setup["losses"], rel=1e-5)
-    trained = {key: value for stage in virtual for key, value in stage.lora_state().items()}
+    trained = {key: value for d in devices for ex in d.executors for key, value in ex.stage.lora_state().items()}
     assert set(trained) == set(setup["state"])
+    for key, want in setup["state"].items():
+        assert_close_to_scale(key, trained[key], want, 1e-5)
+
+
+def test_a_device_of_chunks_checkpoints_and_resumes_exactly(setup: dict, tiny_model_dir: Path,
+                                                            tiny_spec: ModelSpec) -> None:
+    """A device's payload holds every chunk's LoRA weights and AdamW moments; restored into freshly built chunks,
+    the run goes on to the reference's last loss and weights."""
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 1, 1, 2], train=TRAIN, lora=setup["lora"],
+                     seq_len=SEQ_LEN)
+    _, _, first = run_devices(plan, 2, 2, TRAIN.steps - 1)
+    payloads = [stage_payload(d, plan.input_hash) for d in first]
+    assert [meta["stage"] for _, meta in payloads] == [0, 1] and all(m["step"] == TRAIN.steps - 1 for _, m in payloads)
+    assert all(len(meta["keys"]) == len({k for ex in d.executors for k in ex.stage.lora_state()})
+               for (_, meta), d in zip(payloads, first, strict=True))
+
+    def restore(devices: list[ChunkedExecutor]) -> None:
+        for d, (tensors, meta) in zip(devices, payloads, strict=True):
+            restore_stage(d, tensors, meta)
+
+    losses, _, rest = run_devices(plan, 2, 2, TRAIN.steps, start=TRAIN.steps - 1, prepare=restore)
+    assert losses == pytest.approx(setup["losses"][-1:], rel=1e-5)
+    trained = {key: value for d in rest for ex in d.executors for key, value in ex.stage.lora_state().items()}
     for key, want in setup["state"].items():
         assert_close_to_scale(key, trained[key], want, 1e-5)
 
@@ -124,3 +166,38 @@ def test_an_act_is_received_by_the_chunk_it_names() -> None:
         got = rx.recv("act", step=0, mb=2, sender="stage0", chunk=1)
         assert got.meta["chunk"] == 1 and float(got.tensors["h"][0, 0, 0]) == 1.0
         tx.set_linger(0)
+
+
+def interleave(plan: Plan, num_devices: int) -> Plan:
+    """A hand-built plan of p x v one-chunk stages (tests/test_runtime_plans.py make_plan) folded into p devices of v
+    chunks: virtual stage c x p + d becomes device d's chunk c, each device runs its interleaved program."""
+    virtual = plan.stages
+    chunks = len(virtual) // num_devices
+    programs = interleaved_one_f_one_b(num_devices, plan.train.num_micro_batches, chunks)
+    stages = [replace(virtual[d], program=format_program(programs[d]), chunks=[
+        ChunkPlan(s.first_node, s.last_node, list(s.node_names), s.fwd_time_s, s.bwd_time_s, s.send_time_s,
+                  list(s.recompute_layers)) for s in virtual[d + num_devices::num_devices]]) for d in range(num_devices)]
+    folded = replace(plan, stages=stages)
+    return replace(folded, input_hash=compute_input_hash(folded))
+
+
+def test_hetero_run_of_an_interleaved_plan_trains_like_one_process(setup: dict, tiny_model_dir: Path,
+                                                                   tiny_spec: ModelSpec) -> None:
+    """`hetero run` of a plan whose 2 stage processes hold 2 chunks each (the last hands on to the first): the
+    losses and the saved adapter file are the reference's, and a checkpoint holds every chunk's LoRA weights."""
+    plan = interleave(make_plan(tiny_model_dir, tiny_spec.architecture, [2, 1, 1, 2], train=TRAIN, lora=setup["lora"],
+                                seq_len=SEQ_LEN), 2)
+    run_dir = setup["root"] / "run-interleaved"
+    run_dir.mkdir()
+    plan.save(setup["root"] / "plan-interleaved.json")
+    assert Plan.load(setup["root"] / "plan-interleaved.json").stages == plan.stages
+    assert main_run([str(setup["root"] / "plan-interleaved.json"), "--run-dir", str(run_dir), "--no-progress",
+                     "checkpoint_every=2"]) == 0
+    metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
+    assert [m["loss"] for m in metrics] == pytest.approx(setup["losses"], rel=1e-4)
+    assert min(m["clip_coef"] for m in metrics) < 0.99
+    trained = load_adapter_state(run_dir / "adapter", setup["lora"])
+    assert set(trained) == set(setup["state"])
+    for key, want in setup["state"].items():
+        assert_close_to_scale(key, trained[key], want, 1e-4)
+    assert (run_dir / "checkpoints" / "step-000002" / "COMPLETE").is_file()

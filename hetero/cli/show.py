@@ -110,7 +110,7 @@ def stage_table(plan: Plan) -> Table:
         share = mem.total_gb / mem.available_gb if mem.available_gb > 0 else float("inf")
         mem_style = "red" if share > 1 else ("yellow" if share > 0.9 else "")
         quant = "" if s.quantization == "none" else f"+{s.quantization}"
-        holds = f"{describe_span(plan.graph, s.first_node, s.last_node)} ({decoder_count(plan.graph, s.first_node, s.last_node)}L)"
+        holds = " + ".join(f"{describe_span(plan.graph, a, b)} ({decoder_count(plan.graph, a, b)}L)" for a, b in s.spans())
         if s.recompute_layers:
             holds += f", {len(s.recompute_layers)} recompute (+{fmt_time(s.recompute_time_s)} bwd)"
         if s.stream_layers:
@@ -121,8 +121,8 @@ def stage_table(plan: Plan) -> Table:
             f"{s.device} [dim]({s.device_type}, {s.backend})[/]",
             holds,
             f"{s.dtype}{quant}",
-            fmt_time(s.fwd_time_s),
-            fmt_time(s.bwd_time_s),
+            fmt_time(s.fwd_time_s + sum(c.fwd_time_s for c in s.chunks)),  # every chunk's: the device's work
+            fmt_time(s.bwd_time_s + sum(c.bwd_time_s for c in s.chunks)),
             (fmt_time(s.send_time_s) + (f" {s.compress_out}" if s.compress_out != "none" else "")) if s.send_time_s
             else "-",
             Text(f"{mem.total_gb:.1f} / {mem.available_gb:.1f}", style=mem_style),
@@ -170,7 +170,7 @@ def baseline_table(plan: Plan) -> Table:
     table.add_row(
         "[bold]this plan[/]",
         ", ".join(s.device for s in plan.stages),
-        "/".join(str(decoder_count(plan.graph, s.first_node, s.last_node)) for s in plan.stages),
+        "/".join(str(sum(decoder_count(plan.graph, a, b) for a, b in s.spans())) for s in plan.stages),
         fmt_time(mine),
         trained_rate(plan.prediction),
         "1.00x",

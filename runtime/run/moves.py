@@ -42,7 +42,7 @@ MOVE_BACKOFF_STEPS = 5
 def split_of(plan: Plan) -> list[int]:
     """Decoder layers per stage."""
     nodes = plan.graph.nodes
-    return [sum(1 for i in range(s.first_node, s.last_node + 1) if nodes[i].kind == "decoder") for s in plan.stages]
+    return [sum(1 for i in s.nodes() if nodes[i].kind == "decoder") for s in plan.stages]
 
 
 def stage_compute_s(done: dict[int, Any]) -> list[float]:

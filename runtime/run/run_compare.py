@@ -106,7 +106,7 @@ def plan_lines(plan: Plan, metrics: list[dict[str, Any]], stage_timings: list[di
         m = plan.micro_batches_of(k)  # its replica's share of the step
         ops = timings[k] if k < len(timings) else {}
         compute = compute_s(ops)
-        predicted_compute = m * (sp.fwd_time_s + sp.bwd_time_s)
+        predicted_compute = m * sp.compute_s()
         # Sends are asynchronous, so a transfer shows up as the receiver's wait for its tensor.
         wait = ops.get("RA", 0.0) + ops.get("RG", 0.0)
         other = ops.get("SA", 0.0) + ops.get("SG", 0.0) + ops.get("STEP", 0.0) - ops.get("clip_wait", 0.0)
@@ -231,8 +231,8 @@ def finished_run(plan: Plan, run_dir: Path) -> list[dict[str, Any]]:
         raise ConfigError(f"{metrics_path} line {exc.lineno}: not JSON ({exc.msg}); is it a hetero run's metrics?") from None
     if (run_dir / "plan.json").is_file():
         ran = Plan.load(run_dir / "plan.json")
-        shape = [(s.device, s.first_node, s.last_node, s.program) for s in ran.stages]
-        if shape != [(s.device, s.first_node, s.last_node, s.program) for s in plan.stages]:
+        shape = [(s.device, s.spans(), s.program) for s in ran.stages]
+        if shape != [(s.device, s.spans(), s.program) for s in plan.stages]:
             raise ConfigError(f"{run_dir} ran another plan (other stages, spans or schedule) than this one: "
                               "compare a run with the plan it ran")
     return [m for m in metrics if isinstance(m, dict)]

@@ -193,7 +193,7 @@ def prior_profile(plan: Plan) -> Profile | None:
 def _split(plan: Plan) -> list[int]:
     """Decoder layers per stage (what metrics.jsonl's ``split`` records for each step)."""
     nodes = plan.graph.nodes
-    return [sum(1 for i in range(s.first_node, s.last_node + 1) if nodes[i].kind == "decoder") for s in plan.stages]
+    return [sum(1 for i in s.nodes() if nodes[i].kind == "decoder") for s in plan.stages]
 
 
 def _stage_ops(lines: list[dict[str, Any]], k: int) -> dict[str, float]:
@@ -363,10 +363,11 @@ def _layers(plan: Plan, sp: StagePlan, before: DeviceProfile | None, fwd_mb: flo
     """Per kind, the prior's fits scaled so the stage's layers sum to its measured forward and backward."""
     tokens = plan.train.micro_batch_size * plan.model.seq_len
     priors = _node_priors(plan, sp, before)
-    nodes = [plan.graph.nodes[i] for i in range(sp.first_node, sp.last_node + 1)]
+    nodes = [plan.graph.nodes[i] for i in sp.nodes()]
+    recompute = set(sp.recompute_layers).union(*(c.recompute_layers for c in sp.chunks))
     prior_f = sum(priors[n.kind][0].at(tokens) for n in nodes)
     # A recomputing layer runs its forward again inside the backward: the measured B includes it.
-    prior_b = sum(priors[n.kind][1].at(tokens) + (priors[n.kind][0].at(tokens) if n.name in sp.recompute_layers
+    prior_b = sum(priors[n.kind][1].at(tokens) + (priors[n.kind][0].at(tokens) if n.name in recompute
                                                    else 0.0) for n in nodes)
     speed_f = fwd_mb / prior_f if prior_f > 0 and fwd_mb > 0 else 1.0
     speed_b = bwd_mb / prior_b if prior_b > 0 and bwd_mb > 0 else 1.0
@@ -397,7 +398,7 @@ def _layer_profile(plan: Plan, kind: str, fwd: LinearFit, bwd: LinearFit, before
 def _stage_overheads(plan: Plan, sp: StagePlan, ops: dict[str, float], before: DeviceProfile | None
                      ) -> tuple[LinearFit | None, LinearFit | None]:
     """The stage's optimizer step (against its LoRA parameters) and one send's CPU time (against its bytes)."""
-    lora = float(sum(plan.graph.nodes[i].lora_params for i in range(sp.first_node, sp.last_node + 1)))
+    lora = float(sum(plan.graph.nodes[i].lora_params for i in sp.nodes()))
     step = max(0.0, ops.get("STEP", 0.0) - ops.get("clip_wait", 0.0))
     optimizer = scaled(before.optimizer if before else None, lora, step, through_origin=True) if step > 0 else None
     sends = sum(1 for a in sp.actions() if a.op in SEND_OPS)

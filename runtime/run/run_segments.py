@@ -72,12 +72,13 @@ def _step_of(line: dict[str, Any], position: int) -> int:
 
 def plan_split(plan: Plan) -> list[int]:
     """Decoder layers per stage as the plan placed them."""
-    return [sum(1 for n in sp.node_names if n.startswith("layers.")) for sp in plan.stages]
+    return [sum(1 for names in [sp.node_names, *(c.node_names for c in sp.chunks)] for n in names
+                if n.startswith("layers.")) for sp in plan.stages]
 
 
 def plan_compute_s(plan: Plan) -> list[float]:
     """Per stage, the plan's forward + backward seconds per step (its replica's share of the micro-batches)."""
-    return [plan.micro_batches_of(k) * (sp.fwd_time_s + sp.bwd_time_s) for k, sp in enumerate(plan.stages)]
+    return [plan.micro_batches_of(k) * sp.compute_s() for k, sp in enumerate(plan.stages)]
 
 
 def plan_busy_s(plan: Plan) -> list[float]:

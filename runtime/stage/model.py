@@ -42,14 +42,17 @@ class StageLayout:
     head: bool
 
 
-def stage_layout(plan: Plan, k: int) -> StageLayout:
-    """Read stage k's node span from the plan's LayerGraph."""
+def stage_layout(plan: Plan, k: int, chunk: int = 0) -> StageLayout:
+    """Read stage k's node span (of its ``chunk``, under an interleaved schedule) from the plan's LayerGraph."""
     if not 0 <= k < len(plan.stages):
         raise PlanError(f"stage {k} does not exist: the plan has {len(plan.stages)} stages (0..{len(plan.stages) - 1})")
-    sp = plan.stages[k]
-    nodes = plan.graph.nodes[sp.first_node : sp.last_node + 1]
+    spans = plan.stages[k].spans()
+    if not 0 <= chunk < len(spans):
+        raise PlanError(f"stage {k} holds {len(spans)} chunks, not chunk {chunk}")
+    first, last = spans[chunk]
+    nodes = plan.graph.nodes[first : last + 1]
     if not nodes:
-        raise PlanError(f"stage {k}: empty node span {sp.first_node}..{sp.last_node}; recompile the plan")
+        raise PlanError(f"stage {k}: empty node span {first}..{last}; recompile the plan")
     layout = StageLayout(embed=False, layers=[], norm=False, head=False)
     for node in nodes:
         if node.kind == "embedding":
@@ -68,9 +71,11 @@ def stage_layout(plan: Plan, k: int) -> StageLayout:
     return layout
 
 
-def recompute_indices(plan: Plan, k: int, layout: StageLayout) -> frozenset[int]:
-    """Decoder layer indices of stage k that the plan says recompute; they must be the stage's own."""
-    return _own_layers(plan.stages[k].recompute_layers, "recompute_layers", k, layout)
+def recompute_indices(plan: Plan, k: int, layout: StageLayout, chunk: int = 0) -> frozenset[int]:
+    """Decoder layer indices of stage k (its ``chunk``) that the plan says recompute; they must be its own."""
+    sp = plan.stages[k]
+    names = sp.recompute_layers if chunk == 0 else sp.chunks[chunk - 1].recompute_layers
+    return _own_layers(names, "recompute_layers", k, layout)
 
 
 def stream_indices(plan: Plan, k: int, layout: StageLayout) -> frozenset[int]:
@@ -331,9 +336,10 @@ def _base_model(plan: Plan, k: int, layout: StageLayout, dtype: torch.dtype, dev
     return model, streamer
 
 
-def build_stage(plan: Plan, k: int, device: torch.device, *, seed: int | None = None) -> Stage:
-    """Build stage k of the plan on ``device``: its weights only, cast/quantized, with LoRA added."""
-    layout = stage_layout(plan, k)
+def build_stage(plan: Plan, k: int, device: torch.device, *, seed: int | None = None, chunk: int = 0) -> Stage:
+    """Build stage k of the plan on ``device``: its weights only, cast/quantized, with LoRA added (under an
+    interleaved schedule, one of its chunks: build_chunks)."""
+    layout = stage_layout(plan, k, chunk)
     sp = plan.stages[k]
     if sp.dtype not in TORCH_DTYPES:
         raise PlanError(f"stage {k}: unknown dtype '{sp.dtype}'; expected one of {sorted(TORCH_DTYPES)}")
@@ -345,7 +351,7 @@ def build_stage(plan: Plan, k: int, device: torch.device, *, seed: int | None = 
         lora_model.to(device)
         lora_model.train()  # as peft's model.train(): LoRA dropout on (and any dropout of the base)
     fam = family(plan.model.model_type)
-    stage = Stage(k, device, dtype, layout, model, lora_model, sp.quantization, recompute_indices(plan, k, layout),
+    stage = Stage(k, device, dtype, layout, model, lora_model, sp.quantization, recompute_indices(plan, k, layout, chunk),
                   fam.embedding_multiplier(plan.model.architecture), fam.logits_scale(plan.model.architecture),
                   fam.softcap(model.config), fam.rotary_per_layer_type, streamer=streamer)
     if lora.init_from:
@@ -353,3 +359,8 @@ def build_stage(plan: Plan, k: int, device: torch.device, *, seed: int | None = 
 
         stage.load_lora_state(load_adapter_state(Path(lora.init_from), lora))
     return stage
+
+
+def build_chunks(plan: Plan, k: int, device: torch.device, *, seed: int | None = None) -> list[Stage]:
+    """Every chunk of stage k (one Stage each; one chunk but under an interleaved schedule)."""
+    return [build_stage(plan, k, device, seed=seed, chunk=c) for c in range(len(plan.stages[k].spans()))]

@@ -145,12 +145,15 @@ def _leave_plan(folder: Path, number: int, text: str) -> int:
 
 
 def _connect(transport: Any, plan: Plan, k: int, coordinator: str) -> tuple[int | None, int | None]:
-    """Connect to the coordinator and to k's neighbours within its pipeline replica; returns them."""
+    """Connect to the coordinator and to k's neighbours within its pipeline replica; returns them. Under an
+    interleaved schedule the pipeline is a ring: the last device hands its chunks on to the first device's next."""
     transport.connect(COORDINATOR, coordinator)
     neighbours = (plan.prev_stage(k), plan.next_stage(k))
-    for j in neighbours:
-        if j is not None:
-            transport.connect(plan.stage_id(j), plan.stages[j].endpoint)
+    peers = set(neighbours)
+    if plan.stages[k].chunks:
+        peers |= {(k - 1) % len(plan.stages), (k + 1) % len(plan.stages)}
+    for j in sorted(j for j in peers - {None, k} if j is not None):
+        transport.connect(plan.stage_id(j), plan.stages[j].endpoint)
     return neighbours
 
 
@@ -205,6 +208,8 @@ def _build(plan: Plan, k: int, device: Any, mailbox: Mailbox, neighbours: tuple[
     from hetero.runtime.stage.model import build_stage
 
     t0 = time.perf_counter()
+    if plan.stages[k].chunks:
+        return _build_chunks(plan, k, device, mailbox, t0)
     stage = build_stage(plan, k, device)
     prev = neighbours[0]
     links = (plan.stages[prev].compress_out if prev is not None else "none", plan.stages[k].compress_out)
@@ -215,6 +220,24 @@ def _build(plan: Plan, k: int, device: Any, mailbox: Mailbox, neighbours: tuple[
     log.info("stage %d built in %.1f s: layers %s, %d LoRA parameters", k, time.perf_counter() - t0,
              stage.layout.layers, n_lora)
     keys = [peft_key(n) for n, _ in stage.lora_named_parameters()]
+    mailbox.transport.send(COORDINATOR, Start(stage=k, build_s=time.perf_counter() - t0, lora_params=n_lora,
+                                              keys=keys))
+    return executor
+
+
+def _build_chunks(plan: Plan, k: int, device: Any, mailbox: Mailbox, t0: float) -> Any:
+    """Stage k's chunks under an interleaved schedule (runtime/stage/chunks.py), and its executor."""
+    from hetero.runtime.stage.chunks import ChunkedExecutor
+    from hetero.runtime.stage.lora import peft_key
+    from hetero.runtime.stage.model import build_chunks
+
+    stages = build_chunks(plan, k, device)
+    executor = ChunkedExecutor(stages, plan.stages[k].actions(), mailbox, plan.train, k,  # type: ignore[arg-type]
+                               len(plan.stages), names=plan.stage_id)
+    n_lora = sum(p.numel() for ex in executor.executors for p in ex.params)
+    log.info("stage %d built in %.1f s: chunks of layers %s, %d LoRA parameters", k, time.perf_counter() - t0,
+             [s.layout.layers for s in stages], n_lora)
+    keys = [peft_key(n) for s in stages for n, _ in s.lora_named_parameters()]
     mailbox.transport.send(COORDINATOR, Start(stage=k, build_s=time.perf_counter() - t0, lora_params=n_lora,
                                               keys=keys))
     return executor

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from hetero.errors import CheckpointError
-from hetero.runtime.stage.executor import Executor
 from hetero.runtime.stage.lora import peft_key
 
 CHECKPOINT_FORMAT = 1
@@ -22,9 +21,23 @@ CHECKPOINT_DTYPE = torch.float32
 LORA, EXP_AVG, EXP_AVG_SQ = "lora/", "exp_avg/", "exp_avg_sq/"
 
 
-def stage_payload(executor: Executor, plan_hash: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Everything needed to resume this stage, as named CPU tensors + JSON-able metadata."""
-    tensors: dict[str, torch.Tensor] = {}
+def stage_payload(executor: Any, plan_hash: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Everything needed to resume this stage, as named CPU tensors + JSON-able metadata (an interleaved device's:
+    the union of its chunks', whose keys are disjoint)."""
+    chunks = getattr(executor, "executors", None)  # runtime/stage/chunks.py's ChunkedExecutor
+    if chunks is not None:
+        tensors, meta = {}, None
+        for part in chunks:
+            more, its = stage_payload(part, plan_hash)
+            tensors.update(more)
+            if meta is None:
+                meta = its
+            else:
+                meta["keys"] += its["keys"]
+                meta["adam_steps"].update(its["adam_steps"])
+        assert meta is not None
+        return tensors, {**meta, "stage": executor.device, "step": executor.steps_done}
+    tensors = {}
     names = [peft_key(n) for n, _ in executor.stage.lora_named_parameters()]
     steps: dict[str, float] = {}
     for key, p in zip(names, executor.params, strict=True):
@@ -51,8 +64,15 @@ def _jsonable(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in state.items() if isinstance(v, (int, float, str, bool, list, type(None)))}
 
 
-def restore_stage(executor: Executor, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    """Load a stage payload back into a freshly built executor (same stage keys)."""
+def restore_stage(executor: Any, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """Load a stage payload back into a freshly built executor (same stage keys; an interleaved device's chunks each
+    take theirs)."""
+    chunks = getattr(executor, "executors", None)
+    if chunks is not None:
+        for part in chunks:
+            restore_stage(part, tensors, meta)
+        executor.steps_done = int(meta["step"])
+        return
     names = [peft_key(n) for n, _ in executor.stage.lora_named_parameters()]
     k = executor.stage.index
     missing = [key for key in names if LORA + key not in tensors]

@@ -154,24 +154,29 @@ def stage_rules(plan: Any, k: int) -> Rules:
         tensors["batch"] = {"input_ids": TensorRule(ids, "int64", 0, vocab or None)}
         if packed:
             tensors["batch"]["position_ids"] = TensorRule(ids, "int64", 0, model.seq_len, positions=True)
-    else:
+    ring = len(plan.stages) > 1 and bool(plan.stages[k].chunks)  # interleaved: the last device feeds the first's chunks
+    if ring:
+        prev = prev if prev is not None else len(plan.stages) - 1
+        nxt = nxt if nxt is not None else 0
+    if prev is not None:
         senders["act"] = frozenset({plan.stage_id(prev)})
         tensors["act"] = _handoff("h", shape, plan.stages[prev].dtype, plan.stages[prev].compress_out)
         if plan.stages[prev].compress_out != "none":
             compressed["act"] = ("h", plan.stages[prev].compress_out, shape)
         if packed:
             tensors["act"]["pos"] = TensorRule(shape[:2], "int64", 0, model.seq_len, positions=True)
-    if nxt is None:
+    if plan.next_stage(k) is None:
         senders["labels"] = frozenset({COORDINATOR})
         tensors["labels"] = {"labels": TensorRule(ids, "int64", 0, vocab or None, extra_low=-100)}
-    else:
+    if nxt is not None:
         senders["grad"] = frozenset({plan.stage_id(nxt)})
         tensors["grad"] = _handoff("g", shape, plan.stages[nxt].dtype, plan.stages[k].compress_out)
         if plan.stages[k].compress_out != "none":
             compressed["grad"] = ("g", plan.stages[k].compress_out, shape)
-    # Pending at most: both steps' micro-batches from each neighbour, the step inputs, control messages.
-    return Rules(me=plan.stage_id(k), senders=senders, tensors=tensors, num_micro_batches=m, max_pending=4 * m + 16,
-                 compressed=compressed)
+    # Pending at most: both steps' micro-batches (through each chunk) from each neighbour, the step inputs, control.
+    chunks = len(plan.stages[k].spans())
+    return Rules(me=plan.stage_id(k), senders=senders, tensors=tensors, num_micro_batches=m,
+                 max_pending=4 * m * chunks + 16, compressed=compressed)
 
 
 def _handoff(name: str, shape: tuple[int, ...], dtype: str, scheme: str) -> dict[str, TensorRule]:
@@ -194,8 +199,10 @@ def coordinator_rules(plan: Any) -> Rules:
 
 def can_rebalance(plan: Any) -> bool:
     """Whether layers of this plan may move between stages during the run (one pipeline of two or more stages, no
-    weight streaming: which layers stream, and the resident cap, were planned for each stage's own span)."""
-    return len(plan.pipelines) == 1 and len(plan.stages) > 1 and not any(s.stream_layers for s in plan.stages)
+    weight streaming: which layers stream, and the resident cap, were planned for each stage's own span; one chunk
+    per device: a rebalance moves the edges of contiguous spans)."""
+    return (len(plan.pipelines) == 1 and len(plan.stages) > 1
+            and not any(s.stream_layers or s.chunks for s in plan.stages))
 
 
 def max_message_bytes(plan: Any, k: int | None) -> int:
@@ -209,7 +216,7 @@ def max_message_bytes(plan: Any, k: int | None) -> int:
     ids = 3 * train.num_micro_batches * train.micro_batch_size * model.seq_len * 8  # ids (+ positions), labels
 
     def state(stage: Any) -> int:
-        return 3 * 4 * sum(plan.graph.nodes[i].lora_params for i in range(stage.first_node, stage.last_node + 1))
+        return 3 * 4 * sum(plan.graph.nodes[i].lora_params for a, b in stage.spans() for i in range(a, b + 1))
 
     if can_rebalance(plan):  # layers may move: a stage's state may grow to all but one layer per other stage
         return int(3 * 4 * sum(n.lora_params for n in plan.graph.nodes) * MESSAGE_SIZE_MARGIN) + MESSAGE_OVERHEAD_BYTES \

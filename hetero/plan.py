@@ -406,6 +406,8 @@ def compute_input_hash(plan: Plan) -> str:
         del planner["offload"]  # likewise
     if planner.get("compression") == "none":
         del planner["compression"]  # likewise
+    if planner.get("interleave") == "auto":
+        del planner["interleave"]  # likewise
     cluster = canonical(ClusterSpec, plan.cluster)
     for host in cluster["hosts"]:
         del host["ssh"]  # how `hetero run` reaches a host is not placement (and may be added to plan.json)

@@ -287,6 +287,9 @@ class PlannerOptions:
     # scales) or int4 (Hadamard-rotated tiles) on every link; or auto: int8 on each link between hosts where the
     # planner predicts it faster (runtime/wire/compress.py).
     compression: Literal["none", "int8", "int4", "auto"] = "none"
+    # Interleaved 1F1B (each device holds two chunks of layers; planner/interleave.py): auto (planned where it
+    # simulates faster and fits), off, or always (wherever it can run).
+    interleave: Literal["auto", "off", "always"] = "auto"
 
 
 # Upper bounds past any real run, that keep the planner's work and float arithmetic finite: each stage's

@@ -25,6 +25,7 @@ from hetero.planner.cost import AUTO_SCHEME, GB, CostTable, build_cost_table, tr
 from hetero.planner.cost_model import CostModel, RooflineCostModel, compute_dtype, expert_weight_bytes
 from hetero.planner.deadline import share_of
 from hetero.planner.feasibility import check_single_nodes, explain_infeasible
+from hetero.planner.interleave import interleave
 from hetero.planner.objective import (
     Evaluation,
     Placement,
@@ -413,6 +414,11 @@ def plan(
     chosen, prediction, solver, notes = _choose(table, options, ev, solver, pairs, deadline)
     solver = settle(solver, options, table)
     stages, replicas = _stages(table, graph, model, cluster, train.schedule, chosen, options.compression)
+    if len(chosen) == 1:  # one pipeline: interleaved where it wins (planner/interleave.py)
+        manual = options.split is not None or options.devices is not None
+        stages, prediction, said = interleave(table, graph, chosen[0][0], stages, prediction, options.interleave,
+                                              manual, deadline)
+        notes += [said] if said else []
     _check_attention_devices(model, stages)
     fraction = data_stats.label_fraction if data_stats is not None else None
     copy = state_copy(stages, graph, cluster, prediction.step_time_s, replicas[0].stages if replicas else None)

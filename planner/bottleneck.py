@@ -26,7 +26,7 @@ class Bottleneck:
 
 def _period_parts(plan: Plan) -> tuple[list[float], list[float]]:
     """Per stage its compute per micro-batch, and its link to the next stage of its pipeline (0: none)."""
-    compute = [s.fwd_time_s + s.bwd_time_s for s in plan.stages]
+    compute = [s.compute_s() for s in plan.stages]  # every chunk's, where a device holds several
     # activation down + gradient back; a replica's last stage sends nothing
     links = [2.0 * s.send_time_s if plan.next_stage(k) is not None else 0.0 for k, s in enumerate(plan.stages)]
     return compute, links
@@ -35,8 +35,10 @@ def _period_parts(plan: Plan) -> tuple[list[float], list[float]]:
 def _micro_batches_for(plan: Plan, target_bubble: float = 0.1) -> int:
     """Micro-batches per step that bring the fill/drain share to ``target_bubble`` (1F1B rule of thumb)."""
     s = max(len(r.stages) for r in plan.pipelines)  # the longest pipeline (replica)
-    # Balanced 1F1B: bubble = (S - 1) / (m + S - 1); solve for m.
-    return max(plan.train.num_micro_batches + 1, int((s - 1) * (1 - target_bubble) / target_bubble + 0.999))
+    v = len(plan.stages[0].spans())  # chunks per device: interleaved 1F1B fills and drains v times faster
+    # Balanced 1F1B: bubble = (S - 1) / (v m + S - 1); solve for m (interleaved: a multiple of the S devices).
+    m = max(plan.train.num_micro_batches + 1, int((s - 1) * (1 - target_bubble) / (target_bubble * v) + 0.999))
+    return m if v == 1 else -(-m // s) * s
 
 
 def diagnose(plan: Plan) -> list[Bottleneck]:
@@ -58,7 +60,7 @@ def diagnose(plan: Plan) -> list[Bottleneck]:
             "the model where fewer bytes cross (fewer cross-host stages).")))
     elif len(compute) > 1:
         out.append(Bottleneck("compute", slowest.device, (
-            f"Compute-bound on {slowest.device} ({slowest.device_type}, stage {k}, {len(slowest.node_names)} "
+            f"Compute-bound on {slowest.device} ({slowest.device_type}, stage {k}, {len(slowest.nodes())} "
             f"node(s)): {compute[k]:.3g} s of forward+backward per micro-batch{second}; it sets the pipeline's pace.")))
     else:
         out.append(Bottleneck("compute", slowest.device, (
@@ -69,7 +71,8 @@ def diagnose(plan: Plan) -> list[Bottleneck]:
         # The idle device-time is the fill and drain, which more micro-batches share out, and the stages waiting
         # for the slowest one in the steady state, which they do not.
         depth = max(len(r.stages) for r in plan.pipelines)
-        fill = (depth - 1) / (plan.train.num_micro_batches + depth - 1)
+        chunks = len(plan.stages[0].spans())
+        fill = (depth - 1) / (chunks * plan.train.num_micro_batches + depth - 1)
         uneven = max(0.0, bubble - fill)
         if fill >= uneven:
             m = _micro_batches_for(plan)

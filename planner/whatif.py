@@ -13,7 +13,8 @@ from hetero.errors import HeteroError
 from hetero.plan import Plan
 from hetero.planner.cost import in_flight
 from hetero.planner.cost_model import CostModel
-from hetero.planner.simulator import Timeline, plan_core_share, simulate
+from hetero.planner.schedules import interleaved_one_f_one_b
+from hetero.planner.simulator import Timeline, plan_core_share, simulate, virtual_times
 from hetero.planner.step_form import SCHEDULES, programs_for
 
 
@@ -43,8 +44,33 @@ def _stage_times(plan: Plan) -> tuple[list[float], list[float], list[float]]:
             [s.send_time_s for s in plan.stages])
 
 
+def _interleaved_more(plan: Plan, name: str, description: str, m: int) -> WhatIf:
+    """An interleaved plan (stages holding chunks) with ``m`` micro-batches: its programs for them re-simulated on
+    its per-chunk times; each device's activations scale with the (micro-batch, chunk) units it then holds."""
+    p, v = len(plan.stages), len(plan.stages[0].spans())
+    if m % p:
+        return WhatIf(name, description, False, reason=f"interleaving needs a multiple of the {p} devices")
+    fwd, bwd, send = virtual_times(plan.stages)
+    common = {"overhead_s": [dict(s.overhead_s) for s in plan.stages], "sync_s": [s.step_sync_s for s in plan.stages]}
+    now = simulate([s.actions() for s in plan.stages], fwd, bwd, send, **common)  # type: ignore[arg-type]
+    timeline = simulate(interleaved_one_f_one_b(p, m, v), fwd, bwd, send, **common)  # type: ignore[arg-type]
+    peaks = [s.memory.total_gb + s.memory.activations_gb * (new / max(old, 1) - 1)
+             for s, old, new in zip(plan.stages, now.peak_in_flight, timeline.peak_in_flight, strict=True)]
+    reasons = [f"stage {k} on {s.device} would need {peak:.1f} GB of {s.memory.available_gb:.1f} GB"
+               for k, (s, peak) in enumerate(zip(plan.stages, peaks, strict=True)) if peak > s.memory.available_gb]
+    tokens = plan.prediction.tokens_per_step // max(plan.train.num_micro_batches, 1) * m
+    step = timeline.step_time_s
+    return WhatIf(name, description, not reasons, step, tokens / step if step > 0 else None,
+                  timeline.bubble_fraction, peaks, "; ".join(reasons))
+
+
 def _resimulated(plan: Plan, name: str, description: str, schedule: str, m: int) -> WhatIf:
     """The same placement and stage times under another schedule or micro-batch count."""
+    if any(s.chunks for s in plan.stages):
+        if schedule == plan.train.schedule:
+            return _interleaved_more(plan, name, description, m)
+        return WhatIf(name, description, False, reason="the plan's devices hold chunks (interleaved 1F1B); compile "
+                      "with planner.interleave=off to compare schedules of one chunk per device")
     num_stages = len(plan.stages)
     fwd, bwd, send = _stage_times(plan)
     timeline = simulate(programs_for(schedule, num_stages, m), fwd, bwd, send,

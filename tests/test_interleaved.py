@@ -198,3 +198,92 @@ def test_a_plan_whose_program_names_chunks_its_stage_lacks_is_refused(tmp_path: 
     with pytest.raises(PlanError, match=r"stages\[0\]\.program names chunk 1, but the stage holds 1") as exc:
         Plan.load(tmp_path / "plan.json")
     assert "\n" not in str(exc.value)
+
+
+# --- the planner's choice (planner/interleave.py) ------------------------------------------------------------------
+
+
+def _planned(fleet: list, mode: str, m: int = 4, layers: int = 12, seed: int = 3, gbps: float = 10.0,
+             **opts: object) -> Plan:
+    from test_planner import _plan
+    from test_planner_ilp import make_cluster, make_graph
+
+    return _plan(make_cluster(fleet, gbps), make_graph(layers, rng=random.Random(seed)), m=m, replicas=1,
+                 interleave=mode, **opts)
+
+
+ONE_HOST = [("a", "rtx4090", None), ("a", "rtx3090", None)]
+TWO_HOSTS = [("a", "rtx3090", None), ("b", "rtx3090", None)]
+
+
+def test_the_planner_interleaves_inside_a_host_where_it_simulates_faster(tmp_path: Path) -> None:
+    from hetero.planner import simulate_plan
+    from hetero.planner.interleave import GAIN
+
+    plain, auto = _planned(ONE_HOST, "off"), _planned(ONE_HOST, "auto")
+    assert all(len(s.chunks) == 1 for s in auto.stages) and not any(s.chunks for s in plain.stages)
+    assert [s.device for s in auto.stages] == [s.device for s in plain.stages]
+    assert auto.prediction.step_time_s <= plain.prediction.step_time_s * (1 - GAIN)
+    # The prediction is the stored programs simulated with the stored per-chunk times.
+    assert simulate_plan(auto).step_time_s == pytest.approx(auto.prediction.step_time_s, rel=1e-9)
+    said = [v for v in auto.verdict if v.startswith("Interleaved:")]
+    assert said and f"{plain.prediction.step_time_s:.3g} s for one chunk per device" in said[0], auto.verdict
+    auto.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").stages == auto.stages
+
+
+def test_a_slow_link_is_not_interleaved_and_the_plan_says_why() -> None:
+    # Two hosts 0.5 Gbit/s apart: interleaving would send twice the hand-offs over that link.
+    plain = _planned(TWO_HOSTS, "off", num_stages=2, gbps=0.5)
+    auto = _planned(TWO_HOSTS, "auto", num_stages=2, gbps=0.5)
+    forced = _planned(TWO_HOSTS, "always", num_stages=2, gbps=0.5)
+    assert not any(s.chunks for s in auto.stages) and all(s.chunks for s in forced.stages)
+    assert auto.prediction.step_time_s == plain.prediction.step_time_s < forced.prediction.step_time_s
+    assert any(v.startswith("Not interleaved:") and "twice the hand-offs" in v for v in auto.verdict), auto.verdict
+
+
+def test_auto_never_plans_a_slower_step_than_one_chunk_per_device() -> None:
+    fleets = [ONE_HOST, TWO_HOSTS, [("a", "rtx4090", None), ("a", "rtx3090", None), ("a", "rtx3090", None)],
+              [("a", "rtx3090", None), ("a", "v100", None), ("b", "rtx4090", None)]]
+    chosen = 0
+    for fleet in fleets:
+        for m, seed in ((6, 1), (12, 2)):
+            off, auto = _planned(fleet, "off", m=m, seed=seed), _planned(fleet, "auto", m=m, seed=seed)
+            assert auto.prediction.step_time_s <= off.prediction.step_time_s, (fleet, m)
+            chosen += any(s.chunks for s in auto.stages)
+    assert chosen >= 2, "the fleets should include some where interleaving wins"
+
+
+def test_what_cannot_interleave_is_said_and_always_refuses_it() -> None:
+    auto = _planned([*ONE_HOST, ("a", "rtx3090", None)], "auto", m=4, num_stages=3)
+    assert any("not a multiple of 3" in v for v in auto.verdict), auto.verdict
+    with pytest.raises(ConfigError, match="planner.interleave=always, but this pipeline cannot interleave"):
+        _planned([*ONE_HOST, ("a", "rtx3090", None)], "always", m=4, num_stages=3)
+
+
+def test_the_chunking_search_is_near_the_best_chunking_by_brute_force() -> None:
+    """Every way to cut a small graph into 2 devices x 2 chunks, simulated: the local search from even halves
+    finds a step within 5 % of the best of them (and, being one of them, never better)."""
+    import itertools
+
+    from test_planner_ilp import make_cluster, make_graph, table_for
+
+    from hetero.planner.interleave import best_candidate, chunk_spans, price
+    from hetero.planner.objective import Placement, evaluate
+
+    for seed in range(4):
+        graph = make_graph(6, rng=random.Random(seed))
+        plain = _planned(ONE_HOST, "off", layers=6, seed=seed)
+        table, _, _ = table_for(graph, make_cluster(ONE_HOST), m=4, quantization="nf4")
+        names = [d.name for d in table.devices]
+        ev = evaluate(table, Placement(tuple(names.index(s.device) for s in plain.stages),
+                                       tuple((s.first_node, s.last_node) for s in plain.stages)))
+        n = len(graph.nodes)
+        steps = []
+        for cuts in itertools.combinations(range(1, n), 3):
+            flat = [b - a for a, b in zip((0, *cuts), (*cuts, n), strict=True)]
+            cand = price(table, ev, chunk_spans([flat[0::2], flat[1::2]]))
+            if not cand.reasons:
+                steps.append(cand.timeline.step_time_s)
+        found = best_candidate(table, graph, ev, plain.stages).timeline.step_time_s
+        assert min(steps) - 1e-12 <= found <= min(steps) * 1.05, (seed, found, min(steps))

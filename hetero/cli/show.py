@@ -232,7 +232,9 @@ def prediction_lines(plan: Plan) -> list[str]:
         f"model {plan.model.name} ({plan.graph.num_layers} decoder layers, seq {plan.model.seq_len}, "
         f"{plan.model.quantization}) on fleet {plan.cluster.name} ({len(plan.cluster.devices)} devices, "
         f"{len(plan.cluster.hosts)} hosts)",
-        f"schedule {t.schedule}: {t.num_micro_batches} micro-batches x {t.micro_batch_size} sequences "
+        f"schedule {t.schedule}"
+        + (f", interleaved ({len(plan.stages[0].spans())} chunks per device)" if plan.stages[0].chunks else "")
+        + f": {t.num_micro_batches} micro-batches x {t.micro_batch_size} sequences "
         f"= {p.tokens_per_step} tokens per optimizer step",
         f"predicted step {fmt_time(p.step_time_s)}, {rate_line(p)}, pipeline bubble {p.bubble_fraction:.0%}",
         *replica_lines(plan),

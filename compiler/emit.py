@@ -110,8 +110,8 @@ def _check_plan(plan: Plan) -> None:
 def stage_params(graph: LayerGraph, stage: StagePlan) -> list[str]:
     """The state-dict names stage ``stage`` loads, in node order, each once (tied weights dedup)."""
     names: list[str] = []
-    for node in graph.nodes[stage.first_node : stage.last_node + 1]:
-        names += [p for p in node.param_names if p not in names]
+    for i in stage.nodes():  # every chunk's, under an interleaved schedule
+        names += [p for p in graph.nodes[i].param_names if p not in names]
     return names
 
 
@@ -135,15 +135,26 @@ def _peer(plan: Plan, k: int | None) -> dict[str, Any] | None:
     return {"stage": k, "host": s.host, "device": s.device, "endpoint": s.endpoint, "dtype": s.dtype}
 
 
+def _neighbours(plan: Plan, k: int) -> tuple[int | None, int | None]:
+    """The stages before and after stage k in its pipeline replica; under an interleaved schedule a ring (the last
+    device hands on to the first device's next chunk)."""
+    prev, nxt = plan.prev_stage(k), plan.next_stage(k)
+    if plan.stages[k].chunks:
+        prev = prev if prev is not None else len(plan.stages) - 1
+        nxt = nxt if nxt is not None else 0
+    return prev, nxt
+
+
 def stage_manifest(plan: Plan, k: int) -> dict[str, Any]:
     """The stage.json contents of stage ``k``."""
     stage, graph = plan.stages[k], plan.graph
     receives = graph.edges[stage.first_node - 1].tensors if stage.first_node > 0 else []
     sends = graph.edges[stage.last_node].tensors if stage.last_node < len(graph.nodes) - 1 else []
-    prev, nxt = plan.prev_stage(k), plan.next_stage(k)  # within k's pipeline replica
+    prev, nxt = _neighbours(plan, k)
     prev_dtype = plan.stages[prev].dtype if prev is not None else stage.dtype
-    nodes = graph.nodes[stage.first_node : stage.last_node + 1]
+    nodes = [graph.nodes[i] for i in stage.nodes()]
     params = stage_params(graph, stage)
+    spans = stage.spans()
     return {
         "schema_version": STAGE_SCHEMA_VERSION,
         "input_hash": plan.input_hash,
@@ -171,7 +182,9 @@ def stage_manifest(plan: Plan, k: int) -> dict[str, Any]:
         "lora_params": sum(n.lora_params for n in nodes),
         # The stage reads the token ids (first stage) / labels (last stage) from the data itself.
         "reads_input_ids": stage.first_node == 0,
-        "computes_loss": stage.last_node == len(graph.nodes) - 1,
+        "computes_loss": any(last == len(graph.nodes) - 1 for _, last in spans),
+        # Under an interleaved schedule, the device's further chunks (receives and sends above: its first's).
+        "chunks": [{"first_node": c.first_node, "last_node": c.last_node, "nodes": c.node_names} for c in stage.chunks],
         "receives": [_wire(t, prev_dtype) for t in receives if not t.recomputed],
         "sends": [_wire(t, stage.dtype) for t in sends if not t.recomputed],
         "rebuilds": sorted({t.name for t in receives if t.recomputed}),
@@ -186,20 +199,34 @@ def stage_manifest(plan: Plan, k: int) -> dict[str, Any]:
         "num_micro_batches": plan.micro_batches_of(k),
         "seq_len": plan.model.seq_len,
         "program": list(stage.program),
-        "predicted": {
-            "fwd_time_s": stage.fwd_time_s,
-            "bwd_time_s": stage.bwd_time_s,
-            "send_time_s": stage.send_time_s,
-            "memory_gb": stage.memory.total_gb,
-            "available_gb": stage.memory.available_gb,
-        },
+        "predicted": {"fwd_time_s": stage.fwd_time_s, "bwd_time_s": stage.bwd_time_s, "send_time_s": stage.send_time_s,
+                      "memory_gb": stage.memory.total_gb, "available_gb": stage.memory.available_gb},
     }
 
 
 def segment_source(plan: Plan, k: int, traced: TracedModel) -> str:
-    """Stage ``k``'s slice of the traced fx graph as Python, with a header saying what crosses its edges."""
-    stage, graph = plan.stages[k], plan.graph
-    first, last = stage.first_node, stage.last_node
+    """Stage ``k``'s slice of the traced fx graph as Python, with a header saying what crosses its edges (under an
+    interleaved schedule, each of its chunks' slices in turn)."""
+    stage = plan.stages[k]
+    code = [_span_source(plan.graph, traced, first, last) for first, last in stage.spans()]
+    manifest = stage_manifest(plan, k)
+    header = [
+        f"# Stage {k} of {len(plan.stages)} on {stage.host}/{stage.device} ({stage.device_type}), "
+        f"{stage.dtype}, quantization {stage.quantization}",
+        f"# Nodes: {', '.join(manifest['nodes'])}",
+        f"# Receives: {', '.join(_describe(t) for t in manifest['receives']) or 'input_ids from the data'}",
+        f"# Sends:    {', '.join(_describe(t) for t in manifest['sends']) or 'nothing (computes the loss)'}",
+        f"# Rebuilds locally: {', '.join(manifest['rebuilds']) or 'nothing'}",
+        "# Read-only view of the traced torch.fx graph (modules stay the Hugging Face ones).",
+    ]
+    if len(code) > 1:
+        code = [f"# Chunk {c}: nodes {a}..{b}\n{src}" for c, ((a, b), src) in enumerate(zip(stage.spans(), code,
+                                                                                           strict=True))]
+    return "\n".join(header) + "\n" + "\n\n".join(code) + "\n"
+
+
+def _span_source(graph: LayerGraph, traced: TracedModel, first: int, last: int) -> str:
+    """Nodes ``first``..``last`` of the traced fx graph as Python: what they receive become placeholders."""
     nodes = list(traced.module.graph.nodes)
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -242,18 +269,7 @@ def segment_source(plan: Plan, k: int, traced: TracedModel) -> str:
     if last == len(graph.nodes) - 1:
         outputs = [env[next(n for n in keep if n.op == "call_module" and n.target == "head")]]
     sub.output(outputs[0] if len(outputs) == 1 else tuple(outputs))
-    code = sub.python_code(root_module="self").src
-    manifest = stage_manifest(plan, k)
-    header = [
-        f"# Stage {k} of {len(plan.stages)} on {stage.host}/{stage.device} ({stage.device_type}), "
-        f"{stage.dtype}, quantization {stage.quantization}",
-        f"# Nodes: {', '.join(manifest['nodes'])}",
-        f"# Receives: {', '.join(_describe(t) for t in manifest['receives']) or 'input_ids from the data'}",
-        f"# Sends:    {', '.join(_describe(t) for t in manifest['sends']) or 'nothing (computes the loss)'}",
-        f"# Rebuilds locally: {', '.join(manifest['rebuilds']) or 'nothing'}",
-        "# Read-only view of the traced torch.fx graph (modules stay the Hugging Face ones).",
-    ]
-    return "\n".join(header) + "\n" + code.strip("\n") + "\n"
+    return sub.python_code(root_module="self").src.strip("\n")
 
 
 def _live_after(node: fx.Node, traced: TracedModel, first: int) -> bool:

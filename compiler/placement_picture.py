@@ -188,7 +188,8 @@ def _draw_device(ax: Any, plan: Plan, device: Any, stage: Any, x: float, y: floa
     # The replica tag widens the stage label: the device name moves right to make room.
     ax.text(x + (1.5 if plan.replicas else 1.0), top - 0.3,
             fit_text(device.display_name, 30 if plan.replicas else 34), fontsize=8.5, va="center")
-    ax.text(x + 0.12, top - 0.72, span_label(stage.node_names), fontsize=9.5, va="center")
+    held = " + ".join(span_label(names) for names in [stage.node_names, *(c.node_names for c in stage.chunks)])
+    ax.text(x + 0.12, top - 0.72, held, fontsize=9.5, va="center")
     busy = plan.prediction.stage_busy[stage.index] if stage.index < len(plan.prediction.stage_busy) else 0.0
     ax.text(
         x + 0.12,
@@ -264,14 +265,19 @@ def _draw_strip(ax: Any, plan: Plan, stages: list[Any], width: float, y: float, 
     nodes = len(plan.graph.nodes)
     h = 0.6
     ax.text(0, y + h + 0.3, title, fontsize=9, color="#333333")
-    for stage in stages:
-        x0 = width * stage.first_node / nodes
-        x1 = width * (stage.last_node + 1) / nodes
+    # Each chunk of each stage (one but under an interleaved schedule, whose chunks alternate along the strip).
+    pieces = [(first, last, names, send, stage) for stage in stages
+              for (first, last), names, send in zip(stage.spans(), [stage.node_names, *(c.node_names for c in stage.chunks)],
+                                                    [stage.send_time_s, *(c.send_time_s for c in stage.chunks)],
+                                                    strict=True)]
+    pieces.sort(key=lambda piece: piece[0])
+    for first, last, names, send, stage in pieces:
+        x0 = width * first / nodes
+        x1 = width * (last + 1) / nodes
         ax.add_patch(Rectangle((x0, y), x1 - x0, h, fc=stage_colour(stage.index), ec="white", lw=1.5))
-        label = f"{stage.index}: {span_label(stage.node_names)}"
+        label = f"{stage.index}: {span_label(names)}"
         if ax.figure.dpi * (x1 - x0) <= 6 * len(label):  # only when it fits; the boxes above name it anyway
             label = str(stage.index)
         ax.text((x0 + x1) / 2, y + h / 2, label, ha="center", va="center", fontsize=8, color="white")
-        if stage is not stages[-1]:
-            ax.text(x1, y - 0.25, f"send {duration(stage.send_time_s)}", ha="center", va="top", fontsize=7,
-                    color="#555555")
+        if last < nodes - 1:
+            ax.text(x1, y - 0.25, f"send {duration(send)}", ha="center", va="top", fontsize=7, color="#555555")

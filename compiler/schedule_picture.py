@@ -92,7 +92,8 @@ def schedule_figure(plan: Plan, timeline: Timeline) -> Any:
     for k, s in enumerate(plan.stages):
         busy = timeline.busy_fraction[k] if k < len(timeline.busy_fraction) else 0.0
         replica = f" (replica {plan.replica_of(k)[0]})" if plan.replicas else ""
-        labels.append(f"stage {k}{replica}: {s.device}\n{span_label(s.node_names)}  ({busy:.0%} busy)")
+        held = " + ".join(span_label(names) for names in [s.node_names, *(c.node_names for c in s.chunks)])
+        labels.append(f"stage {k}{replica}: {s.device}\n{held}  ({busy:.0%} busy)")
     ax.set_yticks(range(n), labels, fontsize=8)
     ax.set_xlabel("seconds into the step")
     ax.legend(*gantt_legend(plan), loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=6, fontsize=8,

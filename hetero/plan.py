@@ -431,7 +431,7 @@ def compute_input_hash(plan: Plan) -> str:
                    + ((s.stream_layers,) if s.stream_layers else ())
                    + ((s.compress_out,) if s.compress_out != "none" else ())
                    + ((f"as {s.name}",) if s.name else ())
-                   + ((s.spans(),) if s.chunks else ()) for s in plan.stages],
+                   + ((s.spans(), [c.recompute_layers for c in s.chunks]) if s.chunks else ()) for s in plan.stages],
         "schema_version": plan.schema_version,
     }
     if plan.data.packing:  # the stages expect packed rows' positions (plans from before packing: rows of one record)

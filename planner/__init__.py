@@ -416,8 +416,8 @@ def plan(
     stages, replicas = _stages(table, graph, model, cluster, train.schedule, chosen, options.compression)
     if len(chosen) == 1:  # one pipeline: interleaved where it wins (planner/interleave.py)
         manual = options.split is not None or options.devices is not None
-        stages, prediction, said = interleave(table, graph, chosen[0][0], stages, prediction, options.interleave,
-                                              manual, deadline)
+        stages, prediction, said = interleave(table, graph, model, chosen[0][0], stages, prediction,
+                                              options.interleave, manual, deadline)
         notes += [said] if said else []
     _check_attention_devices(model, stages)
     fraction = data_stats.label_fraction if data_stats is not None else None

@@ -27,8 +27,10 @@ class Bottleneck:
 def _period_parts(plan: Plan) -> tuple[list[float], list[float]]:
     """Per stage its compute per micro-batch, and its link to the next stage of its pipeline (0: none)."""
     compute = [s.compute_s() for s in plan.stages]  # every chunk's, where a device holds several
-    # activation down + gradient back; a replica's last stage sends nothing
-    links = [2.0 * s.send_time_s if plan.next_stage(k) is not None else 0.0 for k, s in enumerate(plan.stages)]
+    # activation down + gradient back; a replica's last stage sends nothing (interleaved: each chunk's hand-off,
+    # the last device's first chunk over the ring to the first device)
+    links = [2.0 * (s.send_time_s + sum(c.send_time_s for c in s.chunks)) if plan.next_stage(k) is not None or s.chunks
+             else 0.0 for k, s in enumerate(plan.stages)]
     return compute, links
 
 

@@ -22,10 +22,12 @@ from hetero.errors import ConfigError
 from hetero.graph import LayerGraph
 from hetero.plan import ChunkPlan, MemoryBreakdown, Prediction, StagePlan
 from hetero.planner.cost import GB, CostTable
+from hetero.planner.cost_model import expert_weight_bytes
 from hetero.planner.objective import Evaluation, stage_activations, stage_fits
 from hetero.planner.schedules import interleaved_one_f_one_b
 from hetero.planner.simulator import Timeline, simulate
 from hetero.program import format_program
+from hetero.specs import ModelSpec
 
 CHUNKS = 2  # chunks per device (Megatron-LM's and torch's common choice)
 GAIN = 0.02  # under auto, interleave only where the step is predicted at least this much faster
@@ -142,7 +144,8 @@ def price(table: CostTable, ev: Evaluation, spans: list[list[tuple[int, int]]]) 
         if table.opt_fixed_s:
             ov["STEP"] = table.opt_fixed_s[d] + sum(table.opt_s[i][d] for a, b in spans[k] for i in range(a, b + 1))
         before = spans[(k - 1) % p][0 if k else CHUNKS - 2][1]  # the cut its activations come across
-        ov["RA"], ov["SG"] = table.message_s(before, devices[(k - 1) % p], d)
+        encode, decode = table.message_s(before, devices[(k - 1) % p], d)
+        ov["RA"], ov["SG"] = decode, encode
         ov["SA"], ov["RG"] = table.message_s(spans[k][0][1], d, d)
         overhead.append({op: max(0.0, t) for op, t in ov.items()})
     programs = interleaved_one_f_one_b(p, table.num_micro_batches, CHUNKS)
@@ -163,8 +166,8 @@ def price(table: CostTable, ev: Evaluation, spans: list[list[tuple[int, int]]]) 
     return Candidate(spans, fwd, bwd, send, overhead, timeline, memory, reasons)
 
 
-def interleave(table: CostTable, graph: LayerGraph, ev: Evaluation, stages: list[StagePlan], prediction: Prediction,
-               mode: str, manual: bool = False, deadline: float | None = None,
+def interleave(table: CostTable, graph: LayerGraph, model: ModelSpec, ev: Evaluation, stages: list[StagePlan],
+               prediction: Prediction, mode: str, manual: bool = False, deadline: float | None = None,
                ) -> tuple[list[StagePlan], Prediction, str]:
     """The stages and prediction to plan (interleaved where ``mode`` and the simulation say so) and the verdict line
     that says what was chosen and why ("" under ``off``). ``manual``: the spans are planner.split's, which auto
@@ -187,13 +190,16 @@ def interleave(table: CostTable, graph: LayerGraph, ev: Evaluation, stages: list
     if mode == "auto" and step > plain * (1 - GAIN):
         return stages, prediction, (f"Not interleaved: {words}; the smaller fill and drain do not pay for twice the "
                                     f"hand-offs here (planned only from a {GAIN:.0%} gain).")
-    chosen = _interleaved_stages(graph, stages, cand, table.num_micro_batches)
+    experts = [sum(expert_weight_bytes(graph, i, table.devices[d], model) for a, b in cand.spans[k]
+                   for i in range(a, b + 1)) / GB for k, d in enumerate(ev.placement.devices)]
+    chosen = _interleaved_stages(graph, stages, cand, table.num_micro_batches, experts)
     return chosen, _prediction(prediction, cand), (f"Interleaved: {words}. The chunk boundaries come from a local "
                                                    "search from even halves; a proof above covers placements of one "
                                                    "chunk per device.")
 
 
-def _interleaved_stages(graph: LayerGraph, stages: list[StagePlan], cand: Candidate, m: int) -> list[StagePlan]:
+def _interleaved_stages(graph: LayerGraph, stages: list[StagePlan], cand: Candidate, m: int,
+                        experts_gb: list[float]) -> list[StagePlan]:
     p = len(stages)
     programs = interleaved_one_f_one_b(p, m, CHUNKS)
     out = []
@@ -203,7 +209,7 @@ def _interleaved_stages(graph: LayerGraph, stages: list[StagePlan], cand: Candid
                             cand.send_s[c * p + k]) for c, (f, g) in enumerate(more, start=1)]
         out.append(replace(s, first_node=a, last_node=b, node_names=[n.name for n in graph.nodes[a:b + 1]],
                            fwd_time_s=cand.fwd_s[k], bwd_time_s=cand.bwd_s[k], send_time_s=cand.send_s[k],
-                           memory=replace(cand.memory[k], experts_gb=s.memory.experts_gb),
+                           memory=replace(cand.memory[k], experts_gb=experts_gb[k]),
                            overhead_s=cand.overhead_s[k], program=format_program(programs[k]), chunks=chunks))
     return out
 

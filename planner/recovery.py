@@ -62,7 +62,8 @@ def plan_without(plan: Plan, lost: set[str], factors: dict[str, float] | None = 
         raise InfeasiblePlanError(f"the {len(order)} device(s) left ({', '.join(order)}) cannot hold the model: "
                                   "no split of its layers fits their memory")
     split = replanner.counts(best.spans)
-    options = replace(plan.planner, devices=order, split=split, num_stages=None, replicas=1)
+    # One chunk per device: the split chosen above is of contiguous spans (and interleave=always might refuse).
+    options = replace(plan.planner, devices=order, split=split, num_stages=None, replicas=1, interleave="off")
     new = make_plan(plan.model, plan.graph, fleet, plan.train, plan.data, options, cost_model, plan.eval,
                     plan.config, plan.data_stats)
     note = (f"Re-planned during the run after losing {', '.join(sorted(lost))}: {len(order)} stage(s) on the devices "
@@ -106,12 +107,12 @@ def _replicas_without(plan: Plan, lost: set[str]) -> Recovery:
         raise InfeasiblePlanError("no training device is left")
     fleet = without_devices(plan.cluster, {d.name for d in plan.cluster.devices} - set(left))
     cost_model = RooflineCostModel(efficiency=plan.planner.efficiency)
-    options = replace(plan.planner, devices=None, split=None, num_stages=None, replicas=None,
+    options = replace(plan.planner, devices=None, split=None, num_stages=None, replicas=None, interleave="off",
                       time_limit_s=min(plan.planner.time_limit_s, RECOVERY_TIME_LIMIT_S))
     new = make_plan(plan.model, plan.graph, fleet, plan.train, plan.data, options, cost_model, plan.eval,
                     plan.config, plan.data_stats)
     nodes = new.graph.nodes
-    split = [sum(1 for i in range(s.first_node, s.last_node + 1) if nodes[i].kind == "decoder") for s in new.stages]
+    split = [sum(1 for i in s.nodes() if nodes[i].kind == "decoder") for s in new.stages]
     shape = " + ".join(f"{len(r.stages)} stage(s) x {r.num_micro_batches} micro-batch(es)" for r in new.pipelines)
     devices = [s.device for s in new.stages]
     note = (f"Re-planned during the run after losing {', '.join(sorted(lost))}: {len(new.pipelines)} replica(s) "

@@ -455,14 +455,16 @@ def replay_run(plan: Plan, timings: list[dict[str, float]], *, decontended: bool
     for rep in plan.pipelines:
         stages = [plan.stages[k] for k in rep.stages]
         mb = max(1, rep.num_micro_batches)
-        m = mb * len(stages[0].spans())  # the actions of a kind a device runs per step
         times = [timings[k] for k in rep.stages]
         fwd, bwd, send = virtual_times(stages)
-        overhead = [{"SA": t.get("SA", 0.0) / m, "SG": t.get("SG", 0.0) / m,
-                     "STEP": max(0.0, t.get("STEP", 0.0) - t.get("clip_wait", 0.0)),
-                     "RA": t["RA_own"] / m if "RA_own" in t else sp.overhead_s.get("RA", 0.0),
-                     "RG": t["RG_own"] / m if "RG_own" in t else sp.overhead_s.get("RG", 0.0)}
-                    for t, sp in zip(times, stages, strict=True)]
+        overhead = []
+        for t, sp in zip(times, stages, strict=True):
+            ops = [a.op.value for a in sp.actions()]
+            n = {op: max(1, ops.count(op)) for op in ("SA", "SG", "RA", "RG")}  # a device's messages of a kind
+            overhead.append({"SA": t.get("SA", 0.0) / n["SA"], "SG": t.get("SG", 0.0) / n["SG"],
+                             "STEP": max(0.0, t.get("STEP", 0.0) - t.get("clip_wait", 0.0)),
+                             "RA": t["RA_own"] / n["RA"] if "RA_own" in t else sp.overhead_s.get("RA", 0.0),
+                             "RG": t["RG_own"] / n["RG"] if "RG_own" in t else sp.overhead_s.get("RG", 0.0)})
         timelines.append(simulate(
             [sp.actions() for sp in stages], _measured(times, "F", fwd, mb), _measured(times, "B", bwd, mb), send,
             overhead_s=overhead,

@@ -48,8 +48,7 @@ def state_copy(stages: Sequence, graph: LayerGraph, cluster: ClusterSpec, step_t
     per_host: dict[str, float] = defaultdict(float)
     prepare: dict[str, float] = defaultdict(float)  # per host: its slowest stage's serialization
     for s in chosen:
-        nbytes = STATE_BYTES_PER_LORA_PARAM * sum(graph.nodes[i].lora_params
-                                                  for i in range(s.first_node, s.last_node + 1))
+        nbytes = STATE_BYTES_PER_LORA_PARAM * sum(graph.nodes[i].lora_params for i in s.nodes())
         device = cluster.device(s.device)
         rate = HOST_COPY_BYTES_PER_S if s.backend != "cpu" else device.memory_bandwidth_gbs * 1e9
         per_host[s.host] += nbytes

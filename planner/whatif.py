@@ -142,6 +142,8 @@ def memory_over_time(plan: Plan, timeline: Timeline) -> list[list[tuple[float, f
         mem = sp.memory
         _, rep, pos = plan.replica_of(k)  # in flight within its own pipeline, over its own share of the step
         planned = max(1, in_flight(plan.train.schedule, len(rep.stages) - 1 - pos, rep.num_micro_batches))
+        if sp.chunks:  # interleaved: the planner priced the (micro-batch, chunk) units the device holds at its peak
+            planned = max(1, timeline.peak_in_flight[k])
         per_mb = mem.activations_gb / planned
         fixed = mem.total_gb - mem.activations_gb
         level, points = fixed, [(0.0, fixed)]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hetero.errors import ConfigError, PlanError
+from hetero.errors import ConfigError, PlanError, WireError
 from hetero.plan import Plan
 from hetero.planner.schedules import interleaved_one_f_one_b, interleaved_warmup
 from hetero.planner.simulator import ScheduleError, simulate
@@ -287,3 +287,46 @@ def test_the_chunking_search_is_near_the_best_chunking_by_brute_force() -> None:
                 steps.append(cand.timeline.step_time_s)
         found = best_candidate(table, graph, ev, plain.stages).timeline.step_time_s
         assert min(steps) - 1e-12 <= found <= min(steps) * 1.05, (seed, found, min(steps))
+
+
+def test_the_torch_engine_refuses_an_interleaved_plan_in_one_line() -> None:
+    from hetero.runtime.torch_engine.support import EngineUnsupportedError, check_supported
+
+    with pytest.raises(EngineUnsupportedError, match=r"devices hold chunks of layers \(planner.interleave\)") as exc:
+        check_supported(_planned(ONE_HOST, "always"), None)
+    assert "\n" not in str(exc.value)
+
+
+def test_an_interleaved_plans_readers_count_every_chunk() -> None:
+    """What reads a plan after it is made takes every chunk: the state copy's bytes, the replay of a run that took
+    the predicted times, the memory curve, the stage manifest, and the wire rules' chunk bound."""
+    from hetero.compiler.emit import stage_manifest
+    from hetero.planner import simulate_plan
+    from hetero.planner.simulator import replay_run
+    from hetero.planner.whatif import memory_over_time
+    from hetero.runtime.wire.frames import Message
+    from hetero.runtime.wire.rules import stage_rules
+
+    plain, plan = _planned(ONE_HOST, "off"), _planned(ONE_HOST, "always")
+    assert plan.prediction.state_copy_bytes == pytest.approx(plain.prediction.state_copy_bytes)
+    m = plan.train.num_micro_batches
+    timings = []
+    for s in plan.stages:
+        ops = [a.op.value for a in s.actions()]
+        timings.append({"F": m * (s.fwd_time_s + sum(c.fwd_time_s for c in s.chunks)),
+                        "B": m * (s.bwd_time_s + sum(c.bwd_time_s for c in s.chunks)),
+                        **{op: ops.count(op) * s.overhead_s.get(op, 0.0) for op in ("SA", "SG")},
+                        "STEP": s.overhead_s.get("STEP", 0.0) + 0.5, "clip_wait": 0.5, "RA": 3.0, "RG": 3.0})
+    # Chunks of unequal predicted times get the device's measured seconds in those proportions: here, their own.
+    assert replay_run(plan, timings).step_time_s == pytest.approx(plan.prediction.step_time_s, rel=1e-9)
+    timeline = simulate_plan(plan)
+    for s, points in zip(plan.stages, memory_over_time(plan, timeline), strict=True):
+        assert max(gb for _, gb in points) == pytest.approx(s.memory.total_gb, rel=1e-9)
+    last = stage_manifest(plan, len(plan.stages) - 1)
+    assert last["computes_loss"] and last["next"]["stage"] == 0 and len(last["chunks"]) == 1
+    assert stage_manifest(plan, 0)["prev"]["stage"] == len(plan.stages) - 1
+    assert len(last["nodes"]) == len(plan.stages[-1].nodes())
+    rules = stage_rules(plan, 1)
+    assert rules.chunks == 2
+    with pytest.raises(WireError, match="chunk 2, but stage1 holds 2"):
+        rules.check(Message("act", "stage0", step=0, mb=0, meta={"chunk": 2}), [])

@@ -45,7 +45,8 @@ def _stage_entries(plan: Plan, planned: Segment, step_time: float | None, build_
     for k, (sp, predicted) in enumerate(zip(plan.stages, plan_busy_s(plan), strict=True)):
         busy = planned.median_busy_s(k)
         stages.append({
-            "stage": k, "host": sp.host, "device": sp.device, "layers": sp.node_names,
+            "stage": k, "host": sp.host, "device": sp.device,
+            "layers": [*sp.node_names, *(n for c in sp.chunks for n in c.node_names)],
             "measured_busy_s": busy, "predicted_busy_s": predicted,
             "measured_busy_fraction": (busy / step_time) if busy is not None and step_time else None,
             "predicted_busy_fraction": plan.prediction.stage_busy[k] if k < len(plan.prediction.stage_busy) else None,

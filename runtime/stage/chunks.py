@@ -32,6 +32,7 @@ from hetero.runtime.stage.executor import (
     run_program,
 )
 from hetero.runtime.stage.model import Stage
+from hetero.runtime.stage.telemetry import sample as sample_telemetry
 from hetero.security import stage_name
 from hetero.specs import TrainSpec
 
@@ -94,12 +95,14 @@ class ChunkedExecutor:
         for ex in executors:
             for kind, seconds in ex._deliveries.items():
                 deliveries.setdefault(kind, []).extend(seconds)
+        scheduled = next((ex for ex in executors if ex.scheduler is not None), executors[0])  # a chunk with LoRA
         return StepStats(
             step=step, loss_sum=last._loss_sum if last.stage.is_last else None,
-            num_label_tokens=last._num_label_tokens, grad_sumsq=grad_norm[0], lr=executors[0]._lr,
+            num_label_tokens=last._num_label_tokens, grad_sumsq=grad_norm[0], lr=scheduled._lr,
             busy_s=sum(times[op] for op in COMPUTE_OPS if op in times) - clip_wait[0], wall_s=wall,
             op_time_s=dict(times), op_cpu_s=dict(cpu),
-            link_s={kind: statistics.median(v) for kind, v in deliveries.items() if v})
+            link_s={kind: statistics.median(v) for kind, v in deliveries.items() if v},
+            telemetry=sample_telemetry(executors[0].telemetry))  # after the step's timings: not part of them
 
     def _optimizer_step(self, step: int) -> tuple[float, float]:
         """The device's clip round trip over its chunks' gradients, then every chunk's AdamW step; (the squared

@@ -46,6 +46,9 @@ def check_supported(plan: Plan, host: str | None) -> str:
     if squeezed is not None:
         raise _refuse(f"planner.compression={squeezed} (torch's pipeline stages hand tensors to each other as they "
                       "are)")
+    if any(s.chunks for s in plan.stages):
+        raise _refuse("its devices hold chunks of layers (planner.interleave), and this engine builds one module per "
+                      "rank (or recompile with planner.interleave=off)")
     form = FORMS.get(plan.train.schedule)
     if form is None or not form.torch_class:
         ran = ", ".join(name for name, f in FORMS.items() if f.torch_class)

@@ -63,6 +63,7 @@ class Rules:
     # parts (compress.wire_names) are in ``tensors``, and their levels and scales are checked here too.
     compressed: dict[str, tuple[str, str, tuple[int, ...]]] = field(default_factory=dict)
     max_pending: int = 64
+    chunks: int = 1  # the chunks of layers this process holds (interleaved plans): acts and grads name one of them
 
     def check(self, msg: Message, pending: list[Message]) -> None:
         """Raise WireError (one line) when ``msg`` cannot be part of this run; see the module docstring."""
@@ -78,6 +79,8 @@ class Rules:
                                 f"{self.step + 1})")
             if msg.kind in ("act", "grad") and not 0 <= msg.mb < self.num_micro_batches:
                 raise WireError(f"{msg.describe()}: micro-batch out of range 0..{self.num_micro_batches - 1}")
+            if msg.kind in ("act", "grad") and not chunk_of(msg) < self.chunks:
+                raise WireError(f"{msg.describe()}: chunk {chunk_of(msg)}, but {self.me} holds {self.chunks}")
         self._check_tensors(msg)
         if msg.kind != "heartbeat":
             same = (msg.kind, msg.step, msg.mb, msg.sender, chunk_of(msg))
@@ -176,7 +179,7 @@ def stage_rules(plan: Any, k: int) -> Rules:
     # Pending at most: both steps' micro-batches (through each chunk) from each neighbour, the step inputs, control.
     chunks = len(plan.stages[k].spans())
     return Rules(me=plan.stage_id(k), senders=senders, tensors=tensors, num_micro_batches=m,
-                 max_pending=4 * m * chunks + 16, compressed=compressed)
+                 max_pending=4 * m * chunks + 16, compressed=compressed, chunks=chunks)
 
 
 def _handoff(name: str, shape: tuple[int, ...], dtype: str, scheme: str) -> dict[str, TensorRule]:

@@ -107,7 +107,8 @@ def test_profile_roundtrip_and_refusals(tmp_path: Path, tiny_spec: ModelSpec) ->
 
 def test_profile_moves_layers_away_from_the_slow_device(tiny_spec: ModelSpec, tiny_graph) -> None:
     cluster = local_fleet([2, 1])
-    train, opts = TrainSpec(micro_batch_size=4, num_micro_batches=8), PlannerOptions(time_limit_s=10, replicas=1)
+    train, opts = (TrainSpec(micro_batch_size=4, num_micro_batches=8),
+                   PlannerOptions(time_limit_s=10, replicas=1, interleave="off"))  # the split of one chunk per device
     tokens = train.micro_batch_size * tiny_spec.seq_len
     fast, slow = cluster.devices[0].name, cluster.devices[1].name
     results = {}

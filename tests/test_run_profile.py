@@ -39,7 +39,8 @@ def loop(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     tmp = tmp_path_factory.mktemp("loop")
     prior = _prior(tmp)
-    common = ["model=tiny", "hardware=local", "planner.num_stages=2", "planner.time_limit_s=10"]
+    # One chunk per device: the profile's arithmetic reads each stage's own span.
+    common = ["model=tiny", "hardware=local", "planner.num_stages=2", "planner.time_limit_s=10", "planner.interleave=off"]
     assert main(["compile", *common, f"profile={prior}", f"output={tmp / 'plan'}"]) == 0
     assert main(["run", str(tmp / "plan" / "plan.json"), "steps=4", "--run-dir", str(tmp / "run"), "--no-progress"]) == 0
     return {"tmp": tmp, "prior": prior, "plan": tmp / "plan" / "plan.json", "run": tmp / "run"}
@@ -85,7 +86,8 @@ def test_compile_from_a_run_plans_with_its_measurements(loop: dict[str, Path]) -
     from hetero.cli import main
 
     tmp, run = loop["tmp"], loop["run"]
-    common = ["model=tiny", "hardware=local", "planner.num_stages=2", "planner.time_limit_s=10"]
+    # One chunk per device: the profile's arithmetic reads each stage's own span.
+    common = ["model=tiny", "hardware=local", "planner.num_stages=2", "planner.time_limit_s=10", "planner.interleave=off"]
     assert main(["compile", *common, f"profile={run}", f"output={tmp / 'again'}"]) == 0
     again = Plan.load(tmp / "again" / "plan.json")
     cited = f"run {run.resolve()}, step 4"
@@ -134,7 +136,7 @@ def test_a_plan_without_a_profile_is_split_by_the_roofline(tmp_path: Path, tiny_
 
     graph, cluster = trace(tiny_spec), local_fleet([1, 1])
     plan = make_plan(tiny_spec, graph, cluster, TrainSpec(micro_batch_size=4, num_micro_batches=4), DataSpec(),
-                     PlannerOptions(num_stages=2, time_limit_s=10))
+                     PlannerOptions(num_stages=2, time_limit_s=10, interleave="off"))
     ops = [{"F": 0.4, "B": 0.8, "SA": 0.004, "STEP": 0.05, "clip_wait": 0.01},
            {"F": 0.2, "B": 0.6, "SG": 0.008, "STEP": 0.03, "clip_wait": 0.02}]
     lines = [{"step": s, "stage_ops": ops} for s in range(3)]
@@ -221,7 +223,7 @@ def test_a_link_is_timed_by_its_messages_whatever_the_clock_offset(tmp_path: Pat
     from hetero.specs import DataSpec, PlannerOptions, TrainSpec
 
     plan = make_plan(tiny_spec, trace(tiny_spec), local_fleet([1, 1]), TrainSpec(micro_batch_size=4, num_micro_batches=4),
-                     DataSpec(), PlannerOptions(num_stages=2, time_limit_s=10))
+                     DataSpec(), PlannerOptions(num_stages=2, time_limit_s=10, interleave="off"))
     ops = [{"F": 0.4, "B": 0.8, "SA": 0.004, "RG": 0.3, "STEP": 0.05, "clip_wait": 0.01},
            {"F": 0.2, "B": 0.6, "RA": 0.2, "SG": 0.008, "STEP": 0.03, "clip_wait": 0.02}]
     cpu = [{"F": 0.4, "B": 0.8, "SA": 0.004, "RG": 0.002, "STEP": 0.04}, {"F": 0.2, "B": 0.6, "RA": 0.004, "SG": 0.008,

@@ -35,7 +35,7 @@ from typing import Any
 
 from hetero.errors import PlanError
 from hetero.plan import Plan
-from hetero.program import Action
+from hetero.program import Action, Op
 
 
 class ScheduleError(PlanError):
@@ -202,7 +202,8 @@ class _Simulation:
         # Arrival time of tensors at their receiver: act[(j, mb)] arrives at virtual stage j, grad[(j, mb)] too.
         self.act_arrival: dict[tuple[int, int], float] = {}
         self.grad_arrival: dict[tuple[int, int], float] = {}
-        self.link_free: dict[tuple[int, int], float] = {}  # (from device, to device) -> when the link is free
+        self.devices = num_stages
+        self.link_free = [0.0] * (num_stages * num_stages)  # [from device x devices + to device]: when it is free
         virtual = num_stages * chunks
         self.received_act: list[set[int]] = [set() for _ in range(virtual)]
         self.received_grad: list[set[int]] = [set() for _ in range(virtual)]
@@ -233,26 +234,28 @@ class _Simulation:
         """Execute stage k's next action if it can; False when blocked on a receive or the barrier."""
         a = self.programs[k][self.pc[k]]
         t = self.clock[k]
-        j = a.chunk * len(self.programs) + k  # the virtual stage
-        if a.op == "RA":
+        op = a.op  # identity checks: the simulator runs thousands of times per search
+        j = a.chunk * self.devices + k if a.chunk else k  # the virtual stage
+        if op is Op.RA:
             if not self._receive(k, j, a, t, self.act_arrival, self.received_act, "RA"):
                 return False
-        elif a.op == "RG":
+        elif op is Op.RG:
             if not self._receive(k, j, a, t, self.grad_arrival, self.received_grad, "RG"):
                 return False
-        elif a.op == "F":
+        elif op is Op.F:
             self._forward(k, j, a, t)
-        elif a.op == "B":
+        elif op is Op.B:
             self._backward(k, j, a, t)
-        elif a.op in ("SA", "SG"):
+        elif op is Op.SA or op is Op.SG:
             self._send(k, j, a, t)
-        elif a.op == "STEP":
+            self.pc[k] += 1
+            return True  # a send's event is its time on the link, recorded by the send
+        elif op is Op.STEP:
             if not self._optimizer_step(k, t):
                 return False
         else:
             raise ScheduleError(f"{_name(k, a)}: unknown action")
-        if a.op not in ("SA", "SG"):  # a send's event is its time on the link, recorded by the send
-            self.events.append(Event(k, a.op, a.mb, t, self.clock[k], a.chunk))
+        self.events.append(Event(k, op, a.mb, t, self.clock[k], a.chunk))
         self.pc[k] += 1
         return True
 
@@ -293,15 +296,15 @@ class _Simulation:
     def _send(self, k: int, j: int, a: Action, t: float) -> None:
         """Encode, then queue on the link to the next (SA) or previous (SG) virtual stage's device, one tensor at a
         time in program order; a link between two devices carries one tensor at a time each way."""
-        forward = a.op == "SA"
+        forward = a.op is Op.SA
         if a.mb not in (self.forwarded[j] if forward else self.backwarded[j]):
             what = "an activation" if forward else "a gradient"
             raise ScheduleError(f"{_name(k, a)} sends {what} before {'F' if forward else 'B'}{a.mb}")
         to = j + 1 if forward else j - 1
-        seconds = self.send_s[min(j, to)]
-        link = (k, to % len(self.programs))
+        seconds = self.send_s[j if forward else to]
+        link = k * self.devices + to % self.devices
         self.clock[k] = self._overhead(k, t, a.op)
-        start = max(self.clock[k], self.link_free.get(link, 0.0))
+        start = max(self.clock[k], self.link_free[link])
         self.link_free[link] = start + seconds
         (self.act_arrival if forward else self.grad_arrival)[(to, a.mb)] = start + seconds
         self.events.append(Event(k, a.op, a.mb, start, start + seconds, a.chunk))

@@ -8,8 +8,6 @@ transformers+peft reference (tests/reference.py) within 1e-5, with clipping and 
 
 from __future__ import annotations
 
-import math
-import threading
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from reference import assert_close_to_scale, reference_run
-from test_runtime_plans import make_plan
+from test_runtime_plans import drive, make_plan
 
 from hetero.plan import ChunkPlan, Plan, compute_input_hash
 from hetero.planner.schedules import interleaved_one_f_one_b
@@ -44,49 +42,6 @@ def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     return reference_run(tiny_model_dir, tmp_path_factory.mktemp("interleaved"), TRAIN, SEQ_LEN)
 
 
-def train_interleaved(devices: list[ChunkedExecutor], wires: list[Transport], coord: Transport,
-                      batches: StepBatches, steps: int, start: int = 0) -> tuple[list[float], list[float]]:
-    """Train the devices for steps ``start``..``steps`` as the coordinator does; (per-step losses, clip coefficients)."""
-    errors: list[BaseException] = []
-    names = [stage_name(d) for d in range(len(devices))]
-
-    def work(d: int) -> None:
-        try:
-            for step in range(start, steps):
-                stats = devices[d].run_step(step)
-                wires[d].send(COORDINATOR, "stepdone", step=step, meta=stats.to_meta())
-        except BaseException as exc:  # surfaced by the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(d,), daemon=True) for d in range(len(devices))]
-    for t in threads:
-        t.start()
-    losses, coefs = [], []
-    try:
-        for step in range(start, steps):
-            batch = batches.step(step)
-            inputs = {"input_ids": batch.input_ids}
-            if batch.position_ids is not None:
-                inputs["position_ids"] = batch.position_ids
-            coord.send(names[0], "batch", step=step, tensors=inputs)  # device 0 holds chunk 0
-            coord.send(names[-1], "labels", step=step, tensors={"labels": batch.labels},
-                       meta={"num_label_tokens": batch.num_label_tokens})  # the last device holds the last chunk
-            sumsq = sum(coord.recv("gradnorm", step=step, timeout_s=120).meta["sumsq"] for _ in devices)
-            coef = min(1.0, TRAIN.max_grad_norm / (math.sqrt(sumsq) + 1e-6))
-            coefs.append(coef)
-            for name in names:
-                coord.send(name, "clip", step=step, meta={"coef": coef})
-            done = [coord.recv("stepdone", step=step, timeout_s=120) for _ in devices]
-            last = next(m for m in done if m.sender == names[-1])
-            losses.append(last.meta["loss_sum"] / batch.num_label_tokens)
-    finally:
-        for t in threads:
-            t.join(timeout=30 if not errors else 1)
-    if errors:
-        raise errors[0]
-    return losses, coefs
-
-
 def run_devices(plan: Plan, num_devices: int, chunks: int, steps: int, start: int = 0,
                 prepare: Callable[[list[ChunkedExecutor]], None] | None = None,
                 ) -> tuple[list[float], list[float], list[ChunkedExecutor]]:
@@ -109,7 +64,7 @@ def run_devices(plan: Plan, num_devices: int, chunks: int, steps: int, start: in
             prepare(devices)
         batches = StepBatches(plan.data, plan.model.pretrained, SEQ_LEN, plan.train.micro_batch_size,
                               plan.train.num_micro_batches, plan.train.seed, plan.train.shuffle)
-        losses, coefs = train_interleaved(devices, wires, coord, batches, steps, start)
+        losses, coefs = drive(devices, wires, coord, batches, steps, plan.train.max_grad_norm, start)
     finally:
         for w in [*wires, coord]:
             w.close()

@@ -176,8 +176,6 @@ def run_in_threads(stages: list, plan: Plan, batches, steps: int, on_step=None, 
     ``on_step(k, executor)`` runs in stage k's thread just before its optimizer step (grads are there);
     ``prepare(k, executor)`` runs once before training (e.g. to restore a checkpoint).
     """
-    import math
-    import threading
 
     from hetero.runtime.stage.executor import COORDINATOR, Executor, stage_name
     from hetero.runtime.wire.transport import Transport
@@ -205,22 +203,41 @@ def run_in_threads(stages: list, plan: Plan, batches, steps: int, on_step=None, 
         for k, ex in enumerate(executors):
             if ex.optimizer is not None:
                 ex.optimizer.register_step_pre_hook(lambda opt, a, kw, k=k, ex=ex: on_step(k, ex))
+    try:
+        losses, _ = drive(executors, wires, coord, batches, steps, plan.train.max_grad_norm, start_step)
+    finally:
+        for w in [*wires, coord]:
+            w.close()
+    return losses
+
+
+def drive(executors: list, wires: list, coord, batches, steps: int, max_grad_norm: float,
+          start: int = 0) -> tuple[list[float], list[float]]:
+    """Train ready-made executors (anything with ``run_step``: an Executor, a ChunkedExecutor), one thread each,
+    for steps ``start``..``steps``, with ``coord`` as the coordinator: the batch to the first, the labels to the
+    last, the clip coefficient from every stage's gradient norm; returns (per-step losses, clip coefficients)."""
+    import math
+    import threading
+
+    from hetero.runtime.stage.executor import COORDINATOR, stage_name
+
+    names = [stage_name(k) for k in range(len(executors))]
     errors: list[BaseException] = []
 
     def work(k: int) -> None:
         try:
-            for step in range(start_step, steps):
+            for step in range(start, steps):
                 stats = executors[k].run_step(step)
                 wires[k].send(COORDINATOR, "stepdone", step=step, meta=stats.to_meta())
         except BaseException as exc:  # surfaced by the main thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(n)]
+    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(len(executors))]
     for t in threads:
         t.start()
-    losses = []
+    losses, coefs = [], []
     try:
-        for step in range(start_step, steps):
+        for step in range(start, steps):
             batch = batches.step(step)
             inputs = {"input_ids": batch.input_ids}
             if batch.position_ids is not None:  # packed rows: as the coordinator sends them
@@ -228,19 +245,17 @@ def run_in_threads(stages: list, plan: Plan, batches, steps: int, on_step=None, 
             coord.send(names[0], "batch", step=step, tensors=inputs)
             coord.send(names[-1], "labels", step=step, tensors={"labels": batch.labels},
                        meta={"num_label_tokens": batch.num_label_tokens})
-            sumsq = sum(coord.recv("gradnorm", step=step).meta["sumsq"] for _ in range(n))
-            norm = math.sqrt(sumsq)
-            coef = min(1.0, plan.train.max_grad_norm / (norm + 1e-6)) if plan.train.max_grad_norm > 0 else 1.0
+            sumsq = sum(coord.recv("gradnorm", step=step).meta["sumsq"] for _ in names)
+            coef = min(1.0, max_grad_norm / (math.sqrt(sumsq) + 1e-6)) if max_grad_norm > 0 else 1.0
+            coefs.append(coef)
             for name in names:
                 coord.send(name, "clip", step=step, meta={"coef": coef})
-            done = [coord.recv("stepdone", step=step) for _ in range(n)]
+            done = [coord.recv("stepdone", step=step) for _ in names]
             last = next(d for d in done if d.sender == names[-1])
             losses.append(last.meta["loss_sum"] / batch.num_label_tokens)
     finally:
         for t in threads:
             t.join(timeout=30 if not errors else 1)
-        for w in [*wires, coord]:
-            w.close()
     if errors:
         raise errors[0]
-    return losses
+    return losses, coefs

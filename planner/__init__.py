@@ -23,7 +23,7 @@ from hetero.plan import (
 from hetero.planner.baselines import baseline_evaluations, candidate_placements, predict
 from hetero.planner.cost import AUTO_SCHEME, GB, CostTable, build_cost_table, training_fleet
 from hetero.planner.cost_model import CostModel, RooflineCostModel, compute_dtype, expert_weight_bytes
-from hetero.planner.deadline import share_of
+from hetero.planner.deadline import MAX_RESERVE_S, PLACE_SHARE, RESERVE_SHARE, share_of
 from hetero.planner.feasibility import check_single_nodes, explain_infeasible
 from hetero.planner.interleave import interleave
 from hetero.planner.objective import (
@@ -51,10 +51,6 @@ __all__ = [
     "predict_replicas", "programs_for", "simulate", "simulate_plan",
 ]
 
-# Of what is left of planner.time_limit_s, the placement solve may use this share when replicas are
-# searched after it (the rest is theirs), and this much is kept for everything after the searches.
-PLACE_SHARE = 0.6
-RESERVE_SHARE, MAX_RESERVE_S = 0.1, 1.0
 
 
 def _manual(table: CostTable, graph: LayerGraph, options: PlannerOptions) -> Evaluation:

@@ -1,8 +1,36 @@
-"""The one clock every solver checks: planner.time_limit_s bounds the whole solve, not CBC alone."""
+"""The one clock every solver checks, and the one place that splits it: planner.time_limit_s bounds the whole
+plan (every search, not CBC alone), and the shares below say which search may spend how much of it.
+
+The planner spends the limit L in this order (planner.plan):
+
+1. **Kept back**: min(MAX_RESERVE_S, RESERVE_SHARE x L) for what follows the searches (interleaving,
+   programs, the baselines' simulations).
+2. **The placement** (planner/solve.py solve_simulated): PLACE_SHARE of the rest when replicas are searched
+   after it, else all of it. Inside it:
+   - the closed-form optimum (solve) gets at most CLOSED_SHARE x L; of its own limit the exact DP may take
+     DP_SHARE, the ILP (where the DP cannot answer) the rest;
+   - the schedule's bound over every placement (planner/step_bound.py) BOUND_SHARE of what is then left;
+   - the search by simulated step the remainder (SEARCH_SHARE x L when called without a deadline).
+3. **The replicas** (planner/replica_choice.py): REPLICA_SHARE x L, at least MIN_REPLICA_S, and never past
+   the plan's deadline; when solve_replicas must find the single pipeline itself, that takes SINGLE_SHARE of
+   its time.
+
+A search that is cut off says so in the plan, with its best lower bound (docs/reading-a-plan.md).
+"""
 
 from __future__ import annotations
 
 import time
+
+# The shares of the module docstring, in the order the planner spends them.
+RESERVE_SHARE, MAX_RESERVE_S = 0.1, 1.0
+PLACE_SHARE = 0.55
+CLOSED_SHARE = 0.4
+DP_SHARE = 0.6
+BOUND_SHARE = 0.3
+SEARCH_SHARE = 0.7
+REPLICA_SHARE, MIN_REPLICA_S = 0.3, 2.0
+SINGLE_SHARE = 0.5
 
 
 class OutOfTime(Exception):

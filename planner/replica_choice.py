@@ -23,16 +23,11 @@ from hetero.errors import InfeasiblePlanError
 from hetero.plan import SETTLED_PARTS, Prediction, SolverReport
 from hetero.planner.baselines import predict
 from hetero.planner.cost import CostTable, subtable
-from hetero.planner.deadline import left
+from hetero.planner.deadline import MIN_REPLICA_S, REPLICA_SHARE, left
 from hetero.planner.objective import Evaluation, ram_reasons
 from hetero.planner.replicas import ReplicaSolution, solve_replicas
 from hetero.planner.simulator import combine_replicas
 from hetero.specs import PlannerOptions
-
-# Of planner.time_limit_s, the unforced replica search (and the two-replica comparison) may use this share
-# (at least MIN_REPLICA_S), so a fleet whose replicas cannot be proven does not make every compile wait.
-REPLICA_SHARE = 0.2
-MIN_REPLICA_S = 2.0
 
 Chosen = list[tuple[Evaluation, int, float]]  # per pipeline replica: its placement, micro-batches, own step time
 

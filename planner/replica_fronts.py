@@ -17,7 +17,7 @@ import numpy as np
 
 from hetero.planner.cost import CostTable, subtable
 from hetero.planner.deadline import check
-from hetero.planner.exact import stage_costs
+from hetero.planner.span_costs import stage_costs
 
 REL_TOL = 1e-9
 INF = math.inf

@@ -92,6 +92,7 @@ class _Packing:
         self.sets, self.opts, self.exact_count, self.deadline = sets, opts, exact_count, deadline
         self.memo: dict[_State, tuple[float, tuple | None]] = {}  # type: ignore[type-arg]
         self.useful: dict[tuple[int, int], list[Entry]] = {}
+        self.taken: dict[int, list[int]] = {}
 
     def shares(self, u: int, mu: int) -> list[Entry]:
         """U's entries with share <= mu that no larger share beats on both reductions (a larger
@@ -115,26 +116,33 @@ class _Packing:
         if s == 0 or left == 0:
             return INF
         key = (s, mu, need, left)
-        if key in self.memo:
-            return self.memo[key][0]
+        found = self.memo.get(key)
+        if found is not None:
+            return found[0]
         check(self.deadline)
         nxt = None if left is None else left - 1
-        sets = self.sets
-        best, choice = self.g(s - sets.stride[sets.lowest[s]], mu, need, left), None  # that device idles
-        for u in sets.subs[s]:
-            if u not in self.opts:
-                continue
-            for m, red, red_c, pipe, pipe_c, t, t_c in self.shares(u, mu):
+        sets, g, useful = self.sets, self.g, self.useful
+        best, choice = g(s - sets.stride[sets.lowest[s]], mu, need, left), None  # that device idles
+        for u in self.subs(s):
+            entries = useful.get((u, mu))
+            for m, red, red_c, pipe, pipe_c, t, t_c in (self.shares(u, mu) if entries is None else entries):
                 if need and red_c < best:
-                    v = red_c + self.g(s - u, mu - m, False, nxt)
+                    v = red_c + g(s - u, mu - m, False, nxt)
                     if v < best:
                         best, choice = v, (u, m, pipe_c, True, t_c)
                 if red < best:
-                    v = red + self.g(s - u, mu - m, need, nxt)
+                    v = red + g(s - u, mu - m, need, nxt)
                     if v < best:
                         best, choice = v, (u, m, pipe, False, t)
         self.memo[key] = (best, choice)
         return best
+
+    def subs(self, s: int) -> list[int]:
+        """The replicas S may take next that have options (ClassMultisets.subs, filtered once per packing)."""
+        found = self.taken.get(s)
+        if found is None:
+            found = self.taken[s] = [u for u in self.sets.subs[s] if u in self.opts]
+        return found
 
     def walk(self, state: _State) -> tuple[float, Picked]:
         """The replicas of the least packing from ``state`` (solved by g first), and their largest T."""

@@ -50,9 +50,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetero.planner.cost import CostTable, subtable
-from hetero.planner.deadline import OutOfTime, check, left
+from hetero.planner.deadline import SINGLE_SHARE, OutOfTime, check, left
 from hetero.planner.exact import solve_exact
 from hetero.planner.objective import Evaluation, Placement, evaluate
+from hetero.planner.replica_bound import replica_bounds
 from hetero.planner.replica_fronts import (
     INF,
     REL_TOL,
@@ -63,12 +64,11 @@ from hetero.planner.replica_fronts import (
 )
 from hetero.planner.replica_packing import ClassMultisets, Entry, Options, Picked, front_entry, pack
 from hetero.planner.solve import solve
+from hetero.planner.span_costs import SharedCosts
 
 # Past this many (device order, split) rows per share, a replica over several hosts is not
 # enumerated: its reduction is bounded below by its cheapest host instead.
 ENUMERATE_ROWS = 200_000
-# Of the time limit, the single-pipeline solve may use this share (it is usually done in a second).
-SINGLE_SHARE = 0.5
 # Past this many sub-multisets of the fleet's device classes (prod of count + 1) the exact search is not
 # attempted (its bookkeeping grows as their square): mirrored replicas are tried instead, unproven.
 MAX_MULTISETS = 5_000
@@ -156,6 +156,10 @@ class _Search:
         self.solved: dict[tuple[int, int], ClassPipeline | None] = {}  # None: nothing fits under tau_max
         self.frontiers: dict[tuple[int, int], Frontier] = {}
         self.solves = self.enumerations = self.thresholds = 0
+        self.solved_times: list[float] = []  # every solved pipeline's T, ascending
+        # Per (threshold, coordinator): the packing of solved pipelines only, and what it was computed from.
+        self.achieved: dict[tuple[float, int], tuple[tuple[int, int], tuple[float, float, Picked]]] = {}
+        self.stage_store: dict = {}  # stage cost arrays per (class, held), shared by the solves (SharedCosts)
         self.unproven: list[str] = []
         self.best: float = INF  # the best R >= 2 packing found (or the bar it must beat)
         self.picked: Picked = []
@@ -163,30 +167,15 @@ class _Search:
         self._bounds()
 
     def _bounds(self) -> None:
-        """lb[u][m] <= T(U, m): the layers' least work W and least period P, W + (m - 1) P; inf where
-        U cannot hold the weights. P >= W / |U| (the slowest of at most |U| stages) and >= any node. A layer that may
-        stream needs only its unstreamed part on the device (the buffer and host RAM left out: a looser bound)."""
-        t, sets = self.table, self.sets
-        reps = [mem[0] for mem in sets.members]
-        work = np.array([[t.fwd_s[i][d] + t.bwd_s[i][d] for d in reps] for i in range(self.n)])
-        need = np.array([[t.weights[i][d] - t.stream_bytes[i][d] + t.lora[i][d] for d in reps] for i in range(self.n)])
-        room = np.array([max(0.0, t.usable_bytes[d] - t.workspace_bytes) for d in reps])
-        self.lb = np.full((len(sets.multisets), self.total_mb + 1), INF)
-        self.period = np.full(len(sets.multisets), INF)
-        shares = np.arange(self.total_mb + 1)
-        for u in range(1, sets.full + 1):
-            check(self.deadline)
-            mask = np.array(sets.multisets[u]) > 0
-            least = work[:, mask].min(axis=1)
-            period = max(least.sum() / sets.size[u], least.max())
-            self.period[u] = period
-            if need[:, mask].min(axis=1).sum() <= float(np.dot(sets.multisets[u], room)):
-                self.lb[u, 1:] = least.sum() + (shares[1:] - 1) * period
+        """lb[u][m] <= T(U, m) and period[u] <= the period of any pipeline on U (planner/replica_bound.py)."""
+        self.lb, self.period = replica_bounds(self.table, self.sets, self.deadline)
 
     def record(self, u: int, m: int, pipe: ClassPipeline | None) -> None:
         """A solve's answer, and what it implies for every V <= U at shares >= m: T(V, m') >= T(U, m) +
         (m' - m) P(V) (the same placement at m costs no more), and past tau_max where U is."""
         self.solved[(u, m)] = pipe
+        if pipe is not None:
+            bisect.insort(self.solved_times, pipe.time_s)
         subs = self.sets.subsets[u]
         if pipe is None:
             self.lb[np.ix_(subs, range(m, self.total_mb + 1))] = INF
@@ -214,7 +203,9 @@ class _Search:
         tau_max = self.best - self.two
         devices = [d for k, x in enumerate(self.sets.multisets[u]) for d in self.sets.members[k][:x]]
         upper = tau_max * (1 + REL_TOL) if tau_max < INF else None
-        result = solve_exact(subtable(self.table, m, devices), self.num_stages, deadline=self.deadline, upper_s=upper)
+        shared = SharedCosts([self.sets.classes[d] for d in devices], self.stage_store)
+        result = solve_exact(subtable(self.table, m, devices), self.num_stages, deadline=self.deadline, upper_s=upper,
+                             shared=shared)
         self.solves += 1
         if not result.proven:
             check(self.deadline)
@@ -287,6 +278,15 @@ class _Search:
         coordinator's: (reduction, the largest T among them, the replicas); inf, inf, [] when none do."""
         return pack(self.sets, opts, self.total_mb, not self.flat, self.max_replicas, self.exact_count, self.deadline)
 
+    def pack_solved(self, tau: float, hi: int) -> tuple[float, float, Picked]:
+        """``pack`` over the solved pipelines with T <= tau only (achievable), again only when a solve or an
+        enumeration since the last time could change it."""
+        seen = (bisect.bisect_right(self.solved_times, tau), len(self.frontiers))
+        kept = self.achieved.get((tau, hi))
+        if kept is None or kept[0] != seen:
+            kept = self.achieved[(tau, hi)] = (seen, self.pack(self.options(tau, hi, lower=False)))
+        return kept[1]
+
     def exact(self, picked: Picked) -> bool:
         """Every replica of a relaxed packing is a solved pipeline at its true reduction."""
         return all(pipe is not None and self.kind[u] != "bound" for u, _, pipe, _ in picked)
@@ -316,7 +316,7 @@ class _Search:
                 if slowest + red < self.best * (1 - REL_TOL):
                     todo += [(u, m) for u, m, pipe, _ in pick if pipe is None]
                 if not self.exact(pick):
-                    red, slowest, pick = self.pack(self.options(tau, hi, lower=False))
+                    red, slowest, pick = self.pack_solved(tau, hi)
                 if pick and slowest + red < self.best:
                     self.best, self.picked = slowest + red, pick
             if settled == -INF:

@@ -30,10 +30,10 @@ import numpy as np
 
 from hetero.planner.cost import CostTable
 from hetero.planner.deadline import OutOfTime, check, left
-from hetero.planner.exact import stage_costs
 from hetero.planner.objective import Evaluation, Placement, evaluate
 from hetero.planner.simbound import lower_bound_s
 from hetero.planner.simulator import simulate
+from hetero.planner.span_costs import stage_costs
 from hetero.planner.step_form import programs_for
 from hetero.program import Action
 

@@ -21,21 +21,14 @@ from dataclasses import dataclass, replace
 
 from hetero.plan import SolverReport
 from hetero.planner.cost import CostTable
+from hetero.planner.deadline import BOUND_SHARE, CLOSED_SHARE, DP_SHARE, SEARCH_SHARE
 from hetero.planner.exact import ExactResult, solve_exact
 from hetero.planner.objective import Evaluation, Placement, evaluate, ram_may_bind
 from hetero.planner.simsearch import SearchResult, best_simulated, simulated_step_s
 from hetero.planner.step_bound import least_step_bound
 
-# Of the time limit, the exact DP may use this share when the ILP may still need the rest.
-DP_SHARE = 0.6
 EXACT = "exact DP"
-# Of the time limit, solve_simulated gives the closed-form solve this share and ends its search by
-# SEARCH_SHARE of it (the rest is the replica search's, planner._replicas).
-CLOSED_SHARE = 0.4
-SEARCH_SHARE = 0.7
-# Of the time left to the simulated search, the step form's bound (planner/step_bound.py) may use this share;
-# its DPs' best placements, up to BOUND_STARTS, join the search's candidates.
-BOUND_SHARE = 0.3
+# The step form's bound's best placements, up to this many, join the simulated search's candidates.
 BOUND_STARTS = 12
 SEARCH = "simulated search"
 PROVEN = "optimal by the simulated step time"

@@ -1,0 +1,115 @@
+"""Lower bounds on T(U, m), the best closed-form pipeline on a multiset U of device classes with m micro-batches.
+
+The replica search (planner/replicas.py) enters every T(U, m) it has not solved at a lower bound, and a
+packing of replicas is ruled out when its bounds already lose; the tighter the bound, the fewer pipelines
+the search must solve before it can prove its answer. A pipeline of s stages on U's devices pays, by the
+step form's closed form (planner/step_form.py), the first micro-batch's round trip plus (m - 1) times the
+sum of its period groups' bottlenecks. Each part is bounded from below:
+
+- **the round trip**: every layer's least work on U's classes, plus two hand-offs (down and back) on each
+  of the s - 1 links, each at least the least one-way hand-off between two devices of U over every cut;
+- **a period group's bottleneck**: at least the largest layer's least weighted time, the link weight times
+  the least hand-off when s >= 2, and the group's whole least work over the s stages' joint capacity; and
+  the groups together at least that bound for their weights summed (one stage's weights in every group).
+  A device's capacity is its speed relative to U's fastest per layer (1 / the least ratio, over the
+  layers, of its time to the least time): no stage can do more of the least work per second, so the
+  slowest of s stages takes at least the least work over the sum of the s largest capacities. The same
+  holds for any subset of the layers, so it is also taken over the heavy ones (HEAVY_SHARES): tiny layers
+  every device runs alike would otherwise make a slow device look as fast as the fastest;
+- **memory**: s stages must hold the frozen weights (the part that may stream left out), LoRA and
+  workspace: the s roomiest devices of U must hold the least bytes of every layer.
+
+T(U, m) >= the least, over the s that fit, of round trip(s) + (m - 1) x period(s). With s = |U|, no
+hand-offs and every capacity 1 this is the earlier bound W + (m - 1) max(W / |U|, largest layer); every
+part above only raises it (tests/test_replica_bound.py checks it against solved pipelines).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hetero.planner.cost import CostTable
+from hetero.planner.deadline import check
+from hetero.planner.replica_packing import ClassMultisets
+from hetero.planner.step_form import step_form
+
+INF = float("inf")
+
+
+def _hops(table: CostTable, reps: list[int]) -> np.ndarray:
+    """[class a][class b]: the least one-way hand-off from a device of a to one of b, over every cut."""
+    cuts = range(max(0, table.num_nodes - 1))
+    if not table.link_s or not cuts:
+        return np.zeros((len(reps), len(reps)))
+    host, kind = table.host_of, table.wire_kind
+    return np.array([[min(table.link_s[i][kind[a]][host[a]][host[b]] for i in cuts) for b in reps] for a in reps])
+
+
+# Layer subsets the capacity bound is also taken over: those whose least time is at least this share of the
+# largest. A device's capacity is its least ratio over the layers counted, so tiny layers that every device runs
+# alike (a norm, an embedding lookup) would otherwise make every device look as fast as the fastest.
+HEAVY_SHARES = (0.0, 0.01, 0.1, 0.5)
+
+
+def _capacity_bound(weighted: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """For s = 1..|U| stages: the least work of the layers counted over the s fastest devices' joint capacity."""
+    least = weighted.min(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(least[:, None] > 0, weighted / least[:, None], np.inf)
+    slowest = ratio.min(axis=0)  # per class, its least ratio over the layers (inf: no layer has work)
+    speed = np.where(np.isfinite(slowest), 1.0 / np.maximum(slowest, 1.0), 1.0)
+    return float(least.sum()) / np.cumsum(np.sort(np.repeat(speed, counts))[::-1])
+
+
+def _bottleneck(weighted: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """For s = 1..|U| stages: the least the largest stage's weighted time can be, from [node][class] times on U's
+    classes: the largest layer's least time, and the least work of every heavy subset over the capacity."""
+    least = weighted.min(axis=1)
+    bound = np.full(int(counts.sum()), float(least.max()))
+    for share in HEAVY_SHARES:
+        heavy = least >= share * least.max()
+        if heavy.any():
+            bound = np.maximum(bound, _capacity_bound(weighted[heavy], counts))
+    return bound
+
+
+def replica_bounds(table: CostTable, sets: ClassMultisets, deadline: float) -> tuple[np.ndarray, np.ndarray]:
+    """(lb, period): lb[u][m] <= T(U, m) (inf where no s stages of U hold the model; column 0 unused) and
+    period[u], a lower bound on the period groups' sum of any pipeline on U (finite), by the module's bound."""
+    t, form = table, step_form(table.schedule)
+    reps = [mem[0] for mem in sets.members]
+    fwd = np.array(t.fwd_s, dtype=float)[:, reps]
+    bwd = np.array(t.bwd_s, dtype=float)[:, reps]
+    groups = [(g.stage(fwd, bwd) + np.zeros_like(fwd), g.link) for g in form.groups]
+    work = fwd + bwd
+    combined = sum((weighted for weighted, _ in groups), np.zeros_like(fwd))
+    need = np.array([[t.weights[i][d] - t.stream_bytes[i][d] + t.lora[i][d] for d in reps] for i in range(t.num_nodes)])
+    room = np.array([max(0.0, t.usable_bytes[d] - t.workspace_bytes) for d in reps])
+    hops = _hops(t, reps)
+    total = t.num_micro_batches
+    lb = np.full((len(sets.multisets), total + 1), INF)
+    period = np.zeros(len(sets.multisets))
+    later = np.arange(total)[None, :]  # m - 1 for m = 1..M
+    for u in range(1, len(sets.multisets)):
+        check(deadline)
+        counts = np.array(sets.multisets[u])
+        mask = counts > 0
+        size = int(counts.sum())
+        stages = np.arange(1, size + 1)
+        # The least hand-off between two distinct devices of U (a class with one device does not pair with itself).
+        pairs = hops[np.ix_(mask, mask)] + np.where(np.diag(counts[mask] < 2), INF, 0.0)
+        hop = float(pairs.min()) if size > 1 else 0.0
+        periods = np.zeros(size)
+        for weighted, link in groups:
+            periods += np.maximum(_bottleneck(weighted[:, mask], counts[mask]), np.where(stages >= 2, link * hop, 0.0))
+        # The groups' maxima together are at least one stage's weights together (a layer's least of the sum can
+        # exceed the sum of its least parts).
+        periods = np.maximum(periods, _bottleneck(combined[:, mask], counts[mask]))
+        trip = work[:, mask].min(axis=1).sum() + 2.0 * (stages - 1) * hop
+        period[u] = float(periods.min())
+        roomiest = np.cumsum(np.sort(np.repeat(room[mask], counts[mask]))[::-1])
+        fits = roomiest >= need[:, mask].min(axis=1).sum()
+        if fits.any():
+            steps = trip[fits][:, None] + later * periods[fits][:, None]
+            lb[u, 1:] = steps.min(axis=0)
+    return lb, period

@@ -220,7 +220,7 @@ class TrainSpec:
 
     micro_batch_size: int = 1
     num_micro_batches: int = 8
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    schedule: str = "1f1b"  # a registered step form: planner/step_form.py SCHEDULES (check_ranges checks it)
     steps: int = 100
     # Epochs over the data instead of a step count (0: train.steps counts): `hetero run` trains
     # epochs x steps per epoch (docs/data.md); train.steps is then not used.
@@ -301,6 +301,10 @@ MAX_COUNT = 2**53  # steps and other counters: exact as floats
 
 def check_ranges(model: ModelSpec, train: TrainSpec, planner: PlannerOptions, error: type[Exception]) -> None:
     """Raise ``error`` naming the first number out of its range: one rule book for configs and plan files."""
+    from hetero.planner.step_form import SCHEDULES  # the schedules are the step forms registered there
+
+    if train.schedule not in SCHEDULES:
+        raise error(f"train.schedule must be one of {list(SCHEDULES)}, got {short_repr(train.schedule)}")
     for key, value, high in [
         ("model.seq_len", model.seq_len, MAX_TOKENS),
         ("lora.r", model.lora.r, 2**16),

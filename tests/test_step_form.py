@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import random
-import typing
 from pathlib import Path
 
 import pytest
@@ -17,9 +16,11 @@ from hetero.planner.step_form import FORMS, SCHEDULES, step_form
 from hetero.specs import TrainSpec
 
 ROOT = Path(__file__).resolve().parents[1]
-# Where a schedule's name may appear in code (docstrings and comments aside): its form, its generator, and
-# the config schema's literal (checked against the forms below).
-NAMING = {"planner/step_form.py", "planner/schedules.py", "hetero/specs.py"}
+# Where a schedule's name may appear in code (docstrings and comments aside): its form and its generator. The
+# config schema takes any name and checks it against the registered forms (hetero/specs.py check_ranges); its
+# default is the one name it holds, as a value (no code branches on it).
+NAMING = {"planner/step_form.py", "planner/schedules.py"}
+DEFAULTS = {("hetero/specs.py", "1f1b")}
 
 
 def _random_pipeline(rng: random.Random, most_stages: int, most_micro_batches: int, least_bwd: float
@@ -90,9 +91,22 @@ def test_gpipe_has_two_periods_and_one_f_one_b_one() -> None:
     assert step_form("gpipe").closed_form(4, fwd, bwd, link) == 7.0 + 5.0 + 3 * (max(3.0, 2.5) + max(2.0, 2.5))
 
 
-def test_the_config_schema_offers_every_schedule_with_a_form() -> None:
-    hint = typing.get_type_hints(TrainSpec)["schedule"]
-    assert set(typing.get_args(hint)) == set(FORMS) == set(SCHEDULES)
+def test_the_config_takes_every_schedule_with_a_form_and_refuses_others(tmp_path: Path) -> None:
+    """train.schedule is any registered step form (nothing else lists the names), and an unknown one is a
+    one-line error naming the choices, in a config and in a plan file alike."""
+    from dataclasses import replace
+
+    from hetero import config as config_mod
+    from hetero.errors import PlanError
+    from hetero.specs import ModelSpec, PlannerOptions, check_ranges
+
+    assert set(FORMS) == set(SCHEDULES)
+    for name in SCHEDULES:
+        assert config_mod.load(["model=llama8b", f"train.schedule={name}"]).train.schedule == name
+    with pytest.raises(ConfigError, match=r"train.schedule must be one of \['1f1b', 'gpipe'\], got 'zb'"):
+        config_mod.load(["model=llama8b", "train.schedule=zb"])
+    with pytest.raises(PlanError, match="train.schedule must be one of"):
+        check_ranges(ModelSpec(name="m", architecture={"model_type": "llama"}), replace(TrainSpec(), schedule="zb"), PlannerOptions(), PlanError)
     with pytest.raises(ConfigError, match="unknown schedule 'zb': choose one of 1f1b, gpipe"):
         step_form("zb")
 
@@ -114,5 +128,7 @@ def test_only_the_step_forms_and_generators_name_a_schedule() -> None:
              for folder in ("planner", "runtime", "compiler", "hetero")
              for path in sorted((ROOT / folder).rglob("*.py"))
              if str(path.relative_to(ROOT)) not in NAMING
-             for line, value in _names_in_code(path)]
+             for line, value in _names_in_code(path)
+             if (str(path.relative_to(ROOT)), value) not in DEFAULTS]
     assert found == []
+    assert len(_names_in_code(ROOT / "hetero/specs.py")) == 1, "hetero/specs.py: only TrainSpec.schedule's default"

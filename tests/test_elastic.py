@@ -170,6 +170,30 @@ def test_a_run_of_replicas_goes_on_without_a_killed_one(root: Path, reference: d
 
 
 @pytest.mark.slow
+def test_an_interleaved_run_goes_on_without_a_killed_device(root: Path, reference: dict, tiny_model_dir: Path,
+                                                            tiny_spec: ModelSpec) -> None:
+    """Two stage processes of two chunks each (interleaved 1F1B, the last handing on to the first): the second is
+    killed at step 8; the run is planned again, one chunk per device, on the device left, moves every chunk's
+    LoRA weights and AdamW moments by their keys, and ends with the undisturbed run's losses and adapter."""
+    from test_interleaved_runtime import interleave
+
+    plan = interleave(make_plan(tiny_model_dir, tiny_spec.architecture, [2, 1, 1, 2], train=TRAIN), 2)
+    assert [len(s.spans()) for s in plan.stages] == [2, 2]
+    plan.save(root / "interleaved.json")
+    run_dir = root / "interleaved-lost"
+    run = start(["run", str(root / "interleaved.json"), "--run-dir", str(run_dir), "--port",
+                 str(free_ports(1)[0]), "--no-progress", *RUNTIME], root.parent)
+    pids, _ = _lose(run, run_dir, 1, signal.SIGKILL, 8, 0)
+    event = _recoveries(run_dir)[0]
+    assert event["device"] == "localhost.cpu1" and event["devices"] == ["localhost.cpu0"], event
+    code, out, err = finish(run)
+    assert code == 0, err[-3000:]
+    _assert_same_training(run_dir, reference)
+    assert "recovered after step" in out
+    _assert_no_process_left(run_dir, pids)
+
+
+@pytest.mark.slow
 def test_a_keyed_run_recovers_and_a_process_without_its_keys_cannot_take_the_lost_stages_place(
         root: Path, reference: dict, tiny_model_dir: Path, tiny_spec: ModelSpec) -> None:
     """Token keys, as `hetero compile` makes for one machine: stage 1 killed at step 8, a process without the keys

@@ -26,7 +26,7 @@ from hetero.planner.cost_model import expert_weight_bytes
 from hetero.planner.objective import Evaluation, stage_activations, stage_fits
 from hetero.planner.schedules import interleaved_one_f_one_b
 from hetero.planner.simulator import Timeline, simulate
-from hetero.program import format_program
+from hetero.program import Action, Op, format_program
 from hetero.specs import ModelSpec
 
 CHUNKS = 2  # chunks per device (Megatron-LM's and torch's common choice)
@@ -155,15 +155,31 @@ def price(table: CostTable, ev: Evaluation, spans: list[list[tuple[int, int]]]) 
         nodes = [i for a, b in spans[k] for i in range(a, b + 1)]
         weights = sum(table.weights[i][d] for i in nodes)
         lora = sum(table.lora[i][d] for i in nodes)
-        # Its peak of (micro-batch, chunk) units held, each priced as its largest chunk's: a bound.
-        acts = timeline.peak_in_flight[k] * max(stage_activations(table, d, a, b, 1, 0) for a, b in spans[k])
+        # Its chunks' activations at their peak over its program (each chunk's own bytes per micro-batch).
+        acts = peak_activations(programs[k], [stage_activations(table, d, a, b, 1, 0) for a, b in spans[k]])
         total = weights + lora + acts + table.workspace_bytes
         memory.append(MemoryBreakdown(weights / GB, lora / GB, acts / GB, table.workspace_bytes / GB, total / GB,
                                       table.usable_bytes[d] / GB))
         if not stage_fits(table, d, weights, lora, acts):
-            reasons.append(f"{table.device_name(d)} would need {total / GB:.1f} GB for the activations of "
-                           f"{timeline.peak_in_flight[k]} micro-batch chunks, has {table.usable_bytes[d] / GB:.1f} GB")
+            reasons.append(f"{table.device_name(d)} would need {total / GB:.1f} GB with its chunks' activations at "
+                           f"their peak ({timeline.peak_in_flight[k]} micro-batch chunks), has "
+                           f"{table.usable_bytes[d] / GB:.1f} GB")
     return Candidate(spans, fwd, bwd, send, overhead, timeline, memory, reasons)
+
+
+def peak_activations(program: list[Action], per_chunk: list[float]) -> float:
+    """The most activation bytes a device holds while it runs ``program``: a forward of chunk c adds
+    ``per_chunk[c]`` (one micro-batch through that chunk's layers) until its backward frees it. The order of a
+    device's own forwards and backwards decides it, whatever the timing (the executor keeps a forward's outputs
+    until its backward: runtime/stage/executor.py)."""
+    held = peak = 0.0
+    for a in program:
+        if a.op is Op.F:
+            held += per_chunk[a.chunk]
+            peak = max(peak, held)
+        elif a.op is Op.B:
+            held -= per_chunk[a.chunk]
+    return peak
 
 
 def interleave(table: CostTable, graph: LayerGraph, model: ModelSpec, ev: Evaluation, stages: list[StagePlan],

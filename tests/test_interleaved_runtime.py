@@ -84,6 +84,39 @@ def test_interleaved_devices_train_like_one_process(num_devices: int, chunks: in
         assert_close_to_scale(key, trained[key], want, 1e-5)
 
 
+def test_the_planned_activation_peak_is_what_the_devices_hold(setup: dict, tiny_model_dir: Path,
+                                                              tiny_spec: ModelSpec) -> None:
+    """planner/interleave.py prices a device's activation memory by walking its program (peak_activations):
+    each chunk's forward outputs are held until its backward. The executors of a real run hold exactly that:
+    per device, the peak over the run of the chunks' held outputs, each weighted by its chunk's size (unequal
+    chunks, so a count alone would not do), equals the walk's."""
+    from hetero.planner.interleave import peak_activations
+
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 1, 1, 2], train=TRAIN, lora=setup["lora"],
+                     seq_len=SEQ_LEN)
+    weights = [[2.0, 1.0], [1.0, 2.0]]  # device d's chunk c: layers of virtual stage c x 2 + d
+    peaks = [0.0, 0.0]
+
+    def watch(devices: list[ChunkedExecutor]) -> None:
+        for d, device in enumerate(devices):
+            for ex in device.executors:
+                for name in ("_forward", "_backward"):
+                    run = getattr(ex, name)
+
+                    def counted(step: int, mb: int, run=run, d=d, device=device) -> None:
+                        run(step, mb)
+                        held = sum(w * len(e._outputs) for w, e in zip(weights[d], device.executors, strict=True))
+                        peaks[d] = max(peaks[d], held)
+
+                    setattr(ex, name, counted)
+                    ex._handlers = {op: counted if h == run else h for op, h in ex._handlers.items()}
+
+    run_devices(plan, 2, 2, 1, prepare=watch)
+    programs = interleaved_one_f_one_b(2, TRAIN.num_micro_batches, 2)
+    assert peaks == [peak_activations(programs[d], weights[d]) for d in range(2)]
+    assert peaks[0] > 0 and peaks[0] != peaks[1]
+
+
 def test_a_device_of_chunks_checkpoints_and_resumes_exactly(setup: dict, tiny_model_dir: Path,
                                                             tiny_spec: ModelSpec) -> None:
     """A device's payload holds every chunk's LoRA weights and AdamW moments; restored into freshly built chunks,

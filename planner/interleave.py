@@ -15,6 +15,7 @@ says which, and why.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, replace
 
@@ -23,7 +24,7 @@ from hetero.graph import LayerGraph
 from hetero.plan import ChunkPlan, MemoryBreakdown, Prediction, StagePlan
 from hetero.planner.cost import GB, CostTable
 from hetero.planner.cost_model import expert_weight_bytes
-from hetero.planner.objective import Evaluation, stage_activations, stage_fits
+from hetero.planner.objective import Evaluation, recompute_time_s, stage_activations, stage_fits
 from hetero.planner.schedules import interleaved_one_f_one_b
 from hetero.planner.simulator import Timeline, simulate
 from hetero.program import Action, Op, format_program
@@ -45,6 +46,7 @@ class Candidate:
     timeline: Timeline
     memory: list[MemoryBreakdown]  # per device
     reasons: list[str]  # why it cannot run (memory); empty: it can
+    recompute: list[list[int]]  # per device, per chunk: how many of its first recomputable layers recompute
 
 
 def why_not(table: CostTable, graph: LayerGraph, ev: Evaluation, stages: list[StagePlan]) -> str | None:
@@ -56,8 +58,8 @@ def why_not(table: CostTable, graph: LayerGraph, ev: Evaluation, stages: list[St
     if m % p:
         return (f"interleaving runs micro-batches in groups of the pipeline's {p} devices, and "
                 f"train.num_micro_batches={m} is not a multiple of {p}")
-    if any(s.recompute_layers or s.stream_layers or s.compress_out != "none" for s in stages):
-        return "its stages recompute, stream weights or compress hand-offs, which interleaved chunks do not yet"
+    if any(s.stream_layers or s.compress_out != "none" for s in stages):
+        return "its stages stream weights or compress hand-offs, which interleaved chunks do not yet"
     if any(sum(1 for i in range(s.first_node, s.last_node + 1) if i in decoders) < CHUNKS for s in stages):
         return f"a device holds fewer than {CHUNKS} decoder layers"
     if ev.cores is not None:
@@ -130,56 +132,120 @@ def _by_device(flat: list[int], p: int) -> list[list[int]]:
 
 
 def price(table: CostTable, ev: Evaluation, spans: list[list[tuple[int, int]]]) -> Candidate:
-    """Times, simulated step and memory of the interleaved pipeline with these chunk spans on ev's devices."""
+    """Times, simulated step and memory of the interleaved pipeline with these chunk spans on ev's devices: each
+    chunk recomputes the fewest layers with which its device fits (planner.recompute), where any must."""
     devices = list(ev.placement.devices)
     p = len(devices)
+    programs = interleaved_one_f_one_b(p, table.num_micro_batches, CHUNKS)
+    fits = [chunk_recompute(table, d, spans[k], programs[k]) for k, d in enumerate(devices)]
     order = [(c * p + k, devices[k], spans[k][c]) for c in range(CHUNKS) for k in range(p)]
     fwd = [sum(table.fwd_s[i][d] for i in range(a, b + 1)) for _, d, (a, b) in order]
-    bwd = [sum(table.bwd_s[i][d] for i in range(a, b + 1)) for _, d, (a, b) in order]
+    bwd = [sum(table.bwd_s[i][d] for i in range(a, b + 1)) + recompute_time_s(table, d, a, b, fits[j % p].recompute[j // p])
+           for j, d, (a, b) in order]
     send = [table.transfer_s(b, d, order[j + 1][1]) if j + 1 < len(order) else 0.0
             for j, d, (_, b) in order]
-    overhead = []
-    for k, d in enumerate(devices):
-        ov: dict[str, float] = {}
-        if table.opt_fixed_s:
-            ov["STEP"] = table.opt_fixed_s[d] + sum(table.opt_s[i][d] for a, b in spans[k] for i in range(a, b + 1))
-        before = spans[(k - 1) % p][0 if k else CHUNKS - 2][1]  # the cut its activations come across
-        encode, decode = table.message_s(before, devices[(k - 1) % p], d)
-        ov["RA"], ov["SG"] = decode, encode
-        ov["SA"], ov["RG"] = table.message_s(spans[k][0][1], d, d)
-        overhead.append({op: max(0.0, t) for op, t in ov.items()})
-    programs = interleaved_one_f_one_b(p, table.num_micro_batches, CHUNKS)
+    overhead = [_overheads(table, devices, spans, k) for k in range(p)]
     timeline = simulate(programs, fwd, bwd, send, overhead_s=overhead, sync_s=ev.sync_s or None)
     memory, reasons = [], []
     for k, d in enumerate(devices):
-        nodes = [i for a, b in spans[k] for i in range(a, b + 1)]
-        weights = sum(table.weights[i][d] for i in nodes)
-        lora = sum(table.lora[i][d] for i in nodes)
-        # Its chunks' activations at their peak over its program (each chunk's own bytes per micro-batch).
-        acts = peak_activations(programs[k], [stage_activations(table, d, a, b, 1, 0) for a, b in spans[k]])
-        total = weights + lora + acts + table.workspace_bytes
-        memory.append(MemoryBreakdown(weights / GB, lora / GB, acts / GB, table.workspace_bytes / GB, total / GB,
-                                      table.usable_bytes[d] / GB))
-        if not stage_fits(table, d, weights, lora, acts):
+        fit = fits[k]
+        total = fit.weights + fit.lora + fit.acts + table.workspace_bytes
+        memory.append(MemoryBreakdown(fit.weights / GB, fit.lora / GB, fit.acts / GB, table.workspace_bytes / GB,
+                                      total / GB, table.usable_bytes[d] / GB))
+        if not fit.fits:
+            most = " even with every layer it may recompute recomputing" if any(fit.recompute) else ""
             reasons.append(f"{table.device_name(d)} would need {total / GB:.1f} GB with its chunks' activations at "
-                           f"their peak ({timeline.peak_in_flight[k]} micro-batch chunks), has "
+                           f"their peak ({timeline.peak_in_flight[k]} micro-batch chunks){most}, has "
                            f"{table.usable_bytes[d] / GB:.1f} GB")
-    return Candidate(spans, fwd, bwd, send, overhead, timeline, memory, reasons)
+    return Candidate(spans, fwd, bwd, send, overhead, timeline, memory, reasons,
+                     [fit.recompute for fit in fits])
+
+
+def _overheads(table: CostTable, devices: list[int], spans: list[list[tuple[int, int]]], k: int) -> dict[str, float]:
+    """Device k's CPU seconds per op: its optimizer step, and each message's encode or decode."""
+    p, d = len(devices), devices[k]
+    ov: dict[str, float] = {}
+    if table.opt_fixed_s:
+        ov["STEP"] = table.opt_fixed_s[d] + sum(table.opt_s[i][d] for a, b in spans[k] for i in range(a, b + 1))
+    before = spans[(k - 1) % p][0 if k else CHUNKS - 2][1]  # the cut its activations come across
+    encode, decode = table.message_s(before, devices[(k - 1) % p], d)
+    ov["RA"], ov["SG"] = decode, encode
+    ov["SA"], ov["RG"] = table.message_s(spans[k][0][1], d, d)
+    return {op: max(0.0, t) for op, t in ov.items()}
+
+
+@dataclass(frozen=True)
+class ChunkFit:
+    """A device's chunks in memory: each chunk's recomputing layers, the bytes it holds, and whether it fits."""
+
+    recompute: list[int]  # per chunk: its first this many recomputable layers recompute
+    weights: float
+    lora: float
+    acts: float  # activation bytes at the device's peak (held_counts), with one re-run's working bytes
+    fits: bool
+
+
+def chunk_recompute(table: CostTable, d: int, spans: list[tuple[int, int]], program: list[Action]) -> ChunkFit:
+    """Device d's chunks with the fewest added seconds of recomputation (per chunk its first r recomputable
+    layers, r allowed by planner.recompute) with which it fits; the most allowed where none does."""
+    nodes = [i for a, b in spans for i in range(a, b + 1)]
+    weights, lora = sum(table.weights[i][d] for i in nodes), sum(table.lora[i][d] for i in nodes)
+    counts = held_counts(program, len(spans))
+    choices = [table.recompute_choices(a, b) for a, b in spans]
+
+    def fit_of(rs: tuple[int, ...]) -> ChunkFit:
+        units, working = zip(*(_unit_bytes(table, d, a, b, r) for (a, b), r in zip(spans, rs, strict=True)),
+                             strict=True)
+        acts = max(sum(n * u for n, u in zip(held, units, strict=True)) for held in counts) + max(working)
+        return ChunkFit(list(rs), weights, lora, acts, stage_fits(table, d, weights, lora, acts))
+
+    best: tuple[float, ChunkFit] | None = None
+    settled: set[tuple[int, ...]] = set()  # the other chunks' counts whose last chunk's fewest fitting is found
+    for rs in itertools.product(*choices):  # a few hundred at most: two chunks, their recomputable layers
+        if rs[:-1] in settled:
+            continue  # more recomputing in the last chunk only adds seconds
+        fit = fit_of(rs)
+        if not fit.fits:
+            continue
+        settled.add(rs[:-1])
+        added = sum(recompute_time_s(table, d, a, b, r) for (a, b), r in zip(spans, rs, strict=True))
+        if best is None or added < best[0]:
+            best = (added, fit)
+        if not any(rs):
+            break  # nothing recomputes: nothing is faster
+    return best[1] if best is not None else fit_of(tuple(c[-1] for c in choices))
+
+
+def _unit_bytes(table: CostTable, d: int, first: int, last: int, recompute: int) -> tuple[float, float]:
+    """(bytes one micro-batch keeps in a chunk over first..last whose first ``recompute`` recomputable layers
+    keep only their input, the bytes of one of them re-running its forward in the backward): as
+    objective.stage_activations splits them."""
+    if recompute <= 0:
+        return stage_activations(table, d, first, last, 1, 0), 0.0
+    working = max(table.activations_per_mb[i][d] for i in range(first, last + 1) if table.recomputable[i])
+    return stage_activations(table, d, first, last, 1, recompute, working) - working, working
+
+
+def held_counts(program: list[Action], chunks: int) -> list[tuple[int, ...]]:
+    """The micro-batches a device holds in each chunk after each of its forwards in ``program`` (a forward's
+    outputs stay until its backward: runtime/stage/executor.py), those no other count exceeds in every chunk:
+    the device's activation peak is the largest of them, weighted by the chunks' bytes per micro-batch."""
+    held, seen = [0] * chunks, set()
+    for a in program:
+        if a.op is Op.F:
+            held[a.chunk] += 1
+            seen.add(tuple(held))
+        elif a.op is Op.B:
+            held[a.chunk] -= 1
+    return [h for h in seen if not any(o != h and all(x >= y for x, y in zip(o, h, strict=True)) for o in seen)]
 
 
 def peak_activations(program: list[Action], per_chunk: list[float]) -> float:
     """The most activation bytes a device holds while it runs ``program``: a forward of chunk c adds
     ``per_chunk[c]`` (one micro-batch through that chunk's layers) until its backward frees it. The order of a
-    device's own forwards and backwards decides it, whatever the timing (the executor keeps a forward's outputs
-    until its backward: runtime/stage/executor.py)."""
-    held = peak = 0.0
-    for a in program:
-        if a.op is Op.F:
-            held += per_chunk[a.chunk]
-            peak = max(peak, held)
-        elif a.op is Op.B:
-            held -= per_chunk[a.chunk]
-    return peak
+    device's own forwards and backwards decides it, whatever the timing."""
+    return max((sum(n * b for n, b in zip(held, per_chunk, strict=True)) for held in held_counts(program, len(per_chunk))),
+               default=0.0)
 
 
 def interleave(table: CostTable, graph: LayerGraph, model: ModelSpec, ev: Evaluation, stages: list[StagePlan],
@@ -208,26 +274,35 @@ def interleave(table: CostTable, graph: LayerGraph, model: ModelSpec, ev: Evalua
                                     f"hand-offs here (planned only from a {GAIN:.0%} gain).")
     experts = [sum(expert_weight_bytes(graph, i, table.devices[d], model) for a, b in cand.spans[k]
                    for i in range(a, b + 1)) / GB for k, d in enumerate(ev.placement.devices)]
-    chosen = _interleaved_stages(graph, stages, cand, table.num_micro_batches, experts)
+    chosen = _interleaved_stages(graph, table, list(ev.placement.devices), stages, cand, table.num_micro_batches,
+                                 experts)
     return chosen, _prediction(prediction, cand), (f"Interleaved: {words}. The chunk boundaries come from a local "
                                                    "search from even halves; a proof above covers placements of one "
                                                    "chunk per device.")
 
 
-def _interleaved_stages(graph: LayerGraph, stages: list[StagePlan], cand: Candidate, m: int,
-                        experts_gb: list[float]) -> list[StagePlan]:
+def _interleaved_stages(graph: LayerGraph, table: CostTable, devices: list[int], stages: list[StagePlan],
+                        cand: Candidate, m: int, experts_gb: list[float]) -> list[StagePlan]:
     p = len(stages)
     programs = interleaved_one_f_one_b(p, m, CHUNKS)
     out = []
     for k, s in enumerate(stages):
+        names = [_recomputing(graph, table, f, g, r) for (f, g), r in zip(cand.spans[k], cand.recompute[k], strict=True)]
         (a, b), *more = cand.spans[k]
         chunks = [ChunkPlan(f, g, [n.name for n in graph.nodes[f:g + 1]], cand.fwd_s[c * p + k], cand.bwd_s[c * p + k],
-                            cand.send_s[c * p + k]) for c, (f, g) in enumerate(more, start=1)]
+                            cand.send_s[c * p + k], names[c]) for c, (f, g) in enumerate(more, start=1)]
+        extra = recompute_time_s(table, devices[k], a, b, cand.recompute[k][0])
         out.append(replace(s, first_node=a, last_node=b, node_names=[n.name for n in graph.nodes[a:b + 1]],
                            fwd_time_s=cand.fwd_s[k], bwd_time_s=cand.bwd_s[k], send_time_s=cand.send_s[k],
-                           memory=replace(cand.memory[k], experts_gb=experts_gb[k]),
-                           overhead_s=cand.overhead_s[k], program=format_program(programs[k]), chunks=chunks))
+                           memory=replace(cand.memory[k], experts_gb=experts_gb[k]), recompute_layers=names[0],
+                           recompute_time_s=extra, overhead_s=cand.overhead_s[k], program=format_program(programs[k]),
+                           chunks=chunks))
     return out
+
+
+def _recomputing(graph: LayerGraph, table: CostTable, first: int, last: int, count: int) -> list[str]:
+    """The names of a chunk's first ``count`` recomputable layers (planner.recompute_layers' rule)."""
+    return [graph.nodes[i].name for i in range(first, last + 1) if table.recomputable[i]][:count]
 
 
 def _prediction(prediction: Prediction, cand: Candidate) -> Prediction:

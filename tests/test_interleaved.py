@@ -204,12 +204,12 @@ def test_a_plan_whose_program_names_chunks_its_stage_lacks_is_refused(tmp_path: 
 
 
 def _planned(fleet: list, mode: str, m: int = 4, layers: int = 12, seed: int = 3, gbps: float = 10.0,
-             **opts: object) -> Plan:
+             recomputable: bool = False, **opts: object) -> Plan:
     from test_planner import _plan
     from test_planner_ilp import make_cluster, make_graph
 
-    return _plan(make_cluster(fleet, gbps), make_graph(layers, rng=random.Random(seed)), m=m, replicas=1,
-                 interleave=mode, **opts)
+    return _plan(make_cluster(fleet, gbps), make_graph(layers, rng=random.Random(seed), recompute=recomputable), m=m,
+                 replicas=1, interleave=mode, **opts)
 
 
 ONE_HOST = [("a", "rtx4090", None), ("a", "rtx3090", None)]
@@ -287,6 +287,71 @@ def test_the_chunking_search_is_near_the_best_chunking_by_brute_force() -> None:
                 steps.append(cand.timeline.step_time_s)
         found = best_candidate(table, graph, ev, plain.stages).timeline.step_time_s
         assert min(steps) - 1e-12 <= found <= min(steps) * 1.05, (seed, found, min(steps))
+
+
+def test_a_pipeline_that_recomputes_interleaves_with_its_chunks_recomputing(tmp_path: Path) -> None:
+    """Memory binds (90 % headroom kept back): one chunk per device recomputes 8 layers on the first device. The
+    interleaved pipeline holds more micro-batches on its first device, so its chunks recompute too, each its
+    fewest that fit; it simulates faster and is planned, its memory fits, and the plan round-trips."""
+    from hetero.planner import simulate_plan
+
+    off = _planned(ONE_HOST, "off", recomputable=True, memory_headroom=0.88)
+    auto = _planned(ONE_HOST, "auto", recomputable=True, memory_headroom=0.88)
+    assert any(s.recompute_layers for s in off.stages)
+    assert all(len(s.chunks) == 1 for s in auto.stages), auto.verdict
+    assert any(s.recompute_layers or s.chunks[0].recompute_layers for s in auto.stages)
+    assert auto.prediction.step_time_s < off.prediction.step_time_s
+    assert simulate_plan(auto).step_time_s == pytest.approx(auto.prediction.step_time_s, rel=1e-9)
+    for s in auto.stages:
+        assert s.memory.total_gb <= s.memory.available_gb
+        for names, nodes in ((s.recompute_layers, s.node_names), *((c.recompute_layers, c.node_names) for c in s.chunks)):
+            decoders = [n for n in nodes if n.startswith("layers.")]
+            assert names == decoders[:len(names)]  # a chunk's first recomputable layers
+    auto.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").stages == auto.stages
+
+
+def test_each_device_recomputes_the_fewest_chunk_layers_that_fit_by_brute_force() -> None:
+    """planner/interleave.py chunk_recompute against every (r0, r1) of a device's two chunks: the least added
+    seconds among those that fit, and the activation bytes walked over the program independently."""
+    import itertools
+
+    from test_planner_ilp import make_cluster, make_graph, table_for
+
+    from hetero.planner.interleave import chunk_recompute, peak_activations
+    from hetero.planner.objective import recompute_time_s, stage_activations, stage_fits
+
+    rng = random.Random(5)
+    graph = make_graph(10, rng=rng, recompute=True)
+    programs = interleaved_one_f_one_b(2, 4, 2)
+    checked = recomputed = 0
+    for headroom in (0.5, 0.8, 0.85, 0.88, 0.9, 0.93):
+        table, _, _ = table_for(graph, make_cluster(ONE_HOST), m=4, quantization="nf4", headroom=headroom)
+        for _ in range(6):
+            cuts = sorted(rng.sample(range(1, len(graph.nodes)), 3))
+            bounds = list(zip((0, *cuts), (*cuts, len(graph.nodes)), strict=True))
+            for d in range(2):
+                spans = [(a, b - 1) for a, b in bounds[d::2]]
+                weights = sum(table.weights[i][d] for a, b in spans for i in range(a, b + 1))
+                lora = sum(table.lora[i][d] for a, b in spans for i in range(a, b + 1))
+                best = None
+                for rs in itertools.product(*(table.recompute_choices(a, b) for a, b in spans)):
+                    working = max([max(table.activations_per_mb[i][d] for i in range(a, b + 1) if table.recomputable[i])
+                                   for (a, b), r in zip(spans, rs, strict=True) if r > 0], default=0.0)
+                    units = [stage_activations(table, d, a, b, 1, r, working) - (working if r > 0 else 0.0)
+                             for (a, b), r in zip(spans, rs, strict=True)]
+                    acts = peak_activations(programs[d], units) + working
+                    added = sum(recompute_time_s(table, d, a, b, r) for (a, b), r in zip(spans, rs, strict=True))
+                    if stage_fits(table, d, weights, lora, acts) and (best is None or added < best[0] - 1e-15):
+                        best = (added, acts)
+                fit = chunk_recompute(table, d, spans, programs[d])
+                checked += 1
+                assert fit.fits == (best is not None), (headroom, spans)
+                if best is not None:
+                    added = sum(recompute_time_s(table, d, a, b, r) for (a, b), r in zip(spans, fit.recompute, strict=True))
+                    assert added == pytest.approx(best[0], rel=1e-12, abs=1e-15) and fit.acts <= table.usable_bytes[d]
+                    recomputed += any(fit.recompute)
+    assert checked and recomputed, "the headrooms should include devices that must recompute"
 
 
 def test_the_torch_engine_refuses_an_interleaved_plan_in_one_line() -> None:

@@ -169,17 +169,21 @@ def interleave(plan: Plan, num_devices: int) -> Plan:
     return replace(folded, input_hash=compute_input_hash(folded))
 
 
-def test_hetero_run_of_an_interleaved_plan_trains_like_one_process(setup: dict, tiny_model_dir: Path,
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_hetero_run_of_an_interleaved_plan_trains_like_one_process(recompute: str, setup: dict, tiny_model_dir: Path,
                                                                    tiny_spec: ModelSpec) -> None:
     """`hetero run` of a plan whose 2 stage processes hold 2 chunks each (the last hands on to the first): the
-    losses and the saved adapter file are the reference's, and a checkpoint holds every chunk's LoRA weights."""
+    losses and the saved adapter file are the reference's, and a checkpoint holds every chunk's LoRA weights.
+    ``full``: every chunk's decoder layers recompute their forward in the backward (the plan's chunk lists)."""
     plan = interleave(make_plan(tiny_model_dir, tiny_spec.architecture, [2, 1, 1, 2], train=TRAIN, lora=setup["lora"],
-                                seq_len=SEQ_LEN), 2)
-    run_dir = setup["root"] / "run-interleaved"
+                                seq_len=SEQ_LEN, recompute=recompute), 2)
+    assert all(bool(c.recompute_layers) == (recompute == "full") for s in plan.stages for c in s.chunks)
+    run_dir = setup["root"] / f"run-interleaved-{recompute}"
     run_dir.mkdir()
-    plan.save(setup["root"] / "plan-interleaved.json")
-    assert Plan.load(setup["root"] / "plan-interleaved.json").stages == plan.stages
-    assert main_run([str(setup["root"] / "plan-interleaved.json"), "--run-dir", str(run_dir), "--no-progress",
+    plan_file = setup["root"] / f"plan-interleaved-{recompute}.json"
+    plan.save(plan_file)
+    assert Plan.load(plan_file).stages == plan.stages
+    assert main_run([str(plan_file), "--run-dir", str(run_dir), "--no-progress",
                      "checkpoint_every=2"]) == 0
     metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
     assert [m["loss"] for m in metrics] == pytest.approx(setup["losses"], rel=1e-4)

@@ -7,9 +7,10 @@ step form's closed form (planner/step_form.py), the first micro-batch's round tr
 sum of its period groups' bottlenecks. Each part is bounded from below:
 
 - **the round trip**: every layer's least work on U's classes, plus two hand-offs (down and back) on each
-  of the s - 1 links, each at least the least one-way hand-off between two devices of U over every cut;
+  of the s - 1 links, each at least the least one-way hand-off between two devices of U over every cut, and
+  as many of them as s stages must cross between U's hosts at least the least hand-off between two hosts;
 - **a period group's bottleneck**: at least the largest layer's least weighted time, the link weight times
-  the least hand-off when s >= 2, and the group's whole least work over the s stages' joint capacity; and
+  the least hand-off when s >= 2 (between hosts when s stages must cross), and the group's whole least work over the s stages' joint capacity; and
   the groups together at least that bound for their weights summed (one stage's weights in every group).
   A device's capacity is its speed relative to U's fastest per layer (1 / the least ratio, over the
   layers, of its time to the least time): no stage can do more of the least work per second, so the
@@ -73,6 +74,31 @@ def _bottleneck(weighted: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return bound
 
 
+def _hand_offs(hops: np.ndarray, counts: np.ndarray, host: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """For s = 1..|U| stages on U's devices (counts per class, each class on host[class]): the least seconds of
+    their s - 1 one-way hand-offs, and the least their slowest hand-off can take. s stages span at least h(s)
+    hosts (the fewest whose devices number s), so at least h(s) - 1 hand-offs cross between hosts."""
+    size = int(counts.sum())
+    present = np.flatnonzero(counts > 0)
+    same = np.array([[host[a] == host[b] for b in present] for a in present])
+    # The least hand-off between two distinct devices (a class with one device does not pair with itself) and
+    # between two devices on different hosts.
+    pairs = hops[np.ix_(present, present)] + np.where(np.diag(counts[present] < 2), INF, 0.0)
+    least = float(pairs.min()) if size > 1 else 0.0
+    crossing = np.where(same, INF, np.minimum(hops[np.ix_(present, present)], hops[np.ix_(present, present)].T))
+    across = float(crossing.min()) if crossing.size else INF
+    per_host: dict[int, int] = {}
+    for k in present:
+        per_host[host[k]] = per_host.get(host[k], 0) + int(counts[k])
+    spanned = np.searchsorted(np.cumsum(sorted(per_host.values(), reverse=True)), np.arange(1, size + 1)) + 1
+    crossings = spanned - 1
+    stages = np.arange(1, size + 1)
+    sent = np.where(crossings > 0, crossings * np.where(np.isfinite(across), across, 0.0), 0.0)
+    sent = sent + (stages - 1 - crossings) * least
+    widest = np.where(crossings > 0, across, np.where(stages >= 2, least, 0.0))
+    return sent, widest
+
+
 def replica_bounds(table: CostTable, sets: ClassMultisets, deadline: float) -> tuple[np.ndarray, np.ndarray]:
     """(lb, period): lb[u][m] <= T(U, m) (inf where no s stages of U hold the model; column 0 unused) and
     period[u], a lower bound on the period groups' sum of any pipeline on U (finite), by the module's bound."""
@@ -95,17 +121,14 @@ def replica_bounds(table: CostTable, sets: ClassMultisets, deadline: float) -> t
         counts = np.array(sets.multisets[u])
         mask = counts > 0
         size = int(counts.sum())
-        stages = np.arange(1, size + 1)
-        # The least hand-off between two distinct devices of U (a class with one device does not pair with itself).
-        pairs = hops[np.ix_(mask, mask)] + np.where(np.diag(counts[mask] < 2), INF, 0.0)
-        hop = float(pairs.min()) if size > 1 else 0.0
+        sent, widest = _hand_offs(hops, counts, sets.host)
         periods = np.zeros(size)
         for weighted, link in groups:
-            periods += np.maximum(_bottleneck(weighted[:, mask], counts[mask]), np.where(stages >= 2, link * hop, 0.0))
+            periods += np.maximum(_bottleneck(weighted[:, mask], counts[mask]), link * widest)
         # The groups' maxima together are at least one stage's weights together (a layer's least of the sum can
         # exceed the sum of its least parts).
         periods = np.maximum(periods, _bottleneck(combined[:, mask], counts[mask]))
-        trip = work[:, mask].min(axis=1).sum() + 2.0 * (stages - 1) * hop
+        trip = work[:, mask].min(axis=1).sum() + 2.0 * sent
         period[u] = float(periods.min())
         roomiest = np.cumsum(np.sort(np.repeat(room[mask], counts[mask]))[::-1])
         fits = roomiest >= need[:, mask].min(axis=1).sum()

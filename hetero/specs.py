@@ -303,7 +303,7 @@ def check_ranges(model: ModelSpec, train: TrainSpec, planner: PlannerOptions, er
     """Raise ``error`` naming the first number out of its range: one rule book for configs and plan files."""
     from hetero.planner.step_form import SCHEDULES  # the schedules are the step forms registered there
 
-    if train.schedule not in SCHEDULES:
+    if train.schedule.lower() not in SCHEDULES:  # as step_form reads it
         raise error(f"train.schedule must be one of {list(SCHEDULES)}, got {short_repr(train.schedule)}")
     for key, value, high in [
         ("model.seq_len", model.seq_len, MAX_TOKENS),

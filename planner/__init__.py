@@ -52,7 +52,6 @@ __all__ = [
 ]
 
 
-
 def _manual(table: CostTable, graph: LayerGraph, options: PlannerOptions) -> Evaluation:
     """Validate planner.split / planner.devices and evaluate them with the same cost model."""
     names = [d.name for d in table.devices]

@@ -7,8 +7,9 @@ The planner spends the limit L in this order (planner.plan):
    programs, the baselines' simulations).
 2. **The placement** (planner/solve.py solve_simulated): PLACE_SHARE of the rest when replicas are searched
    after it, else all of it. Inside it:
-   - the closed-form optimum (solve) gets at most CLOSED_SHARE x L; of its own limit the exact DP may take
-     DP_SHARE, the ILP (where the DP cannot answer) the rest;
+   - the closed-form optimum (solve) gets at most CLOSED_SHARE x L (all of the window where host RAM may
+     bind: its optimum is then the plan); of its own limit the exact DP may take DP_SHARE, the ILP (where the
+     DP cannot answer) the rest;
    - the schedule's bound over every placement (planner/step_bound.py) BOUND_SHARE of what is then left;
    - the search by simulated step the remainder (SEARCH_SHARE x L when called without a deadline).
 3. **The replicas** (planner/replica_choice.py): REPLICA_SHARE x L, at least MIN_REPLICA_S, and never past

@@ -17,7 +17,7 @@ import numpy as np
 
 from hetero.planner.cost import CostTable, subtable
 from hetero.planner.deadline import check
-from hetero.planner.span_costs import stage_costs
+from hetero.planner.span_costs import SharedCosts, stage_costs
 
 REL_TOL = 1e-9
 INF = math.inf
@@ -70,8 +70,8 @@ class FrontEnumerator:
     """Enumerates replicas over several hosts at a share, with each class's stage costs cached."""
 
     def __init__(self, table: CostTable, members: list[list[int]], coordinators: list[int],
-                 num_stages: int | None, deadline: float) -> None:
-        self.table, self.members, self.coordinators = table, members, coordinators
+                 num_stages: int | None, deadline: float, shared: SharedCosts | None = None) -> None:
+        self.table, self.members, self.coordinators, self.shared = table, members, coordinators, shared
         self.num_stages, self.deadline = num_stages, deadline
         self.host = [table.host_of[mem[0]] for mem in members]  # per class
         self._tables: dict[int, CostTable] = {}
@@ -88,7 +88,7 @@ class FrontEnumerator:
         if (k, m) not in self._costs:
             table = self.table_for(m)
             helds = table.form.helds(m, table.num_devices)
-            fwd, bwd, *_ = stage_costs(table, self.members[k][0], helds)
+            fwd, bwd, *_ = stage_costs(table, self.members[k][0], helds, self.shared)
             self._costs[(k, m)] = (fwd, bwd)
         return self._costs[(k, m)]
 

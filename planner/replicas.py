@@ -18,8 +18,8 @@ on the restricted table; it may leave devices of U idle, so T falls as U grows a
 For a threshold tau, a DP over (devices left, micro-batches left, coordinator placed?) packs
 replicas with T <= tau into the least total reduction g(tau); the optimum is the least tau + g(tau)
 over the values T takes. Only values below the best single pipeline minus two reductions matter.
-It is lazy: T(U, m) not yet solved enters at a lower bound (least work W plus (m - 1) times the
-least period, raised by every solve of a superset at a smaller share), so the DP gives a lower
+It is lazy: T(U, m) not yet solved enters at a lower bound (planner/replica_bound.py, raised by
+every solve of a superset at a smaller share), so the DP gives a lower
 bound on the optimum; the (U, m) its packings use are solved and the sweep repeats until the bound
 meets the best plan found. g only falls as tau rises and is flat between a packing's slowest
 replica and tau, so one DP per level of g suffices, not one per threshold.
@@ -152,14 +152,15 @@ class _Search:
         self.kind = ["one" if self.flat or len(h) <= 1
                      else "enum" if enumeration_rows(sets.multisets[u], self.n) <= ENUMERATE_ROWS else "bound"
                      for u, h in enumerate(sets.hosts_of)]
-        self.enumerator = FrontEnumerator(table, sets.members, self.coordinators, num_stages, deadline)
+        self.stage_store: dict = {}  # stage cost arrays per (class, held), shared by the solves (SharedCosts)
+        self.enumerator = FrontEnumerator(table, sets.members, self.coordinators, num_stages, deadline,
+                                          SharedCosts(sets.classes, self.stage_store))
         self.solved: dict[tuple[int, int], ClassPipeline | None] = {}  # None: nothing fits under tau_max
         self.frontiers: dict[tuple[int, int], Frontier] = {}
         self.solves = self.enumerations = self.thresholds = 0
         self.solved_times: list[float] = []  # every solved pipeline's T, ascending
         # Per (threshold, coordinator): the packing of solved pipelines only, and what it was computed from.
         self.achieved: dict[tuple[float, int], tuple[tuple[int, int], tuple[float, float, Picked]]] = {}
-        self.stage_store: dict = {}  # stage cost arrays per (class, held), shared by the solves (SharedCosts)
         self.unproven: list[str] = []
         self.best: float = INF  # the best R >= 2 packing found (or the bar it must beat)
         self.picked: Picked = []

@@ -46,7 +46,8 @@ def _stage_times(plan: Plan) -> tuple[list[float], list[float], list[float]]:
 
 def _interleaved_more(plan: Plan, name: str, description: str, m: int) -> WhatIf:
     """An interleaved plan (stages holding chunks) with ``m`` micro-batches: its programs for them re-simulated on
-    its per-chunk times; each device's activations scale with the (micro-batch, chunk) units it then holds."""
+    its per-chunk times; each device's activations scale with the (micro-batch, chunk) units it then holds (an
+    estimate: the plan keeps each device's total, priced per chunk at the chunk's own size, not each chunk's)."""
     p, v = len(plan.stages), len(plan.stages[0].spans())
     if m % p:
         return WhatIf(name, description, False, reason=f"interleaving needs a multiple of the {p} devices")
@@ -142,8 +143,8 @@ def memory_over_time(plan: Plan, timeline: Timeline) -> list[list[tuple[float, f
         mem = sp.memory
         _, rep, pos = plan.replica_of(k)  # in flight within its own pipeline, over its own share of the step
         planned = max(1, in_flight(plan.train.schedule, len(rep.stages) - 1 - pos, rep.num_micro_batches))
-        if sp.chunks:  # interleaved: the planner priced the (micro-batch, chunk) units the device holds at its peak
-            planned = max(1, timeline.peak_in_flight[k])
+        if sp.chunks:  # interleaved: the device's peak spread evenly over the (micro-batch, chunk) units it then
+            planned = max(1, timeline.peak_in_flight[k])  # holds (the planner priced each chunk at its own size)
         per_mb = mem.activations_gb / planned
         fixed = mem.total_gb - mem.activations_gb
         level, points = fixed, [(0.0, fixed)]

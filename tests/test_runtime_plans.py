@@ -176,7 +176,6 @@ def run_in_threads(stages: list, plan: Plan, batches, steps: int, on_step=None, 
     ``on_step(k, executor)`` runs in stage k's thread just before its optimizer step (grads are there);
     ``prepare(k, executor)`` runs once before training (e.g. to restore a checkpoint).
     """
-
     from hetero.runtime.stage.executor import COORDINATOR, Executor, stage_name
     from hetero.runtime.wire.transport import Transport
 

@@ -62,8 +62,6 @@ def why_not(table: CostTable, graph: LayerGraph, ev: Evaluation, stages: list[St
         return "its stages stream weights or compress hand-offs, which interleaved chunks do not yet"
     if any(sum(1 for i in range(s.first_node, s.last_node + 1) if i in decoders) < CHUNKS for s in stages):
         return f"a device holds fewer than {CHUNKS} decoder layers"
-    if ev.cores is not None:
-        return "stages share a host's CPU cores, which the simulator models for one chunk per device only"
     return None
 
 
@@ -145,7 +143,7 @@ def price(table: CostTable, ev: Evaluation, spans: list[list[tuple[int, int]]]) 
     send = [table.transfer_s(b, d, order[j + 1][1]) if j + 1 < len(order) else 0.0
             for j, d, (_, b) in order]
     overhead = [_overheads(table, devices, spans, k) for k in range(p)]
-    timeline = simulate(programs, fwd, bwd, send, overhead_s=overhead, sync_s=ev.sync_s or None)
+    timeline = simulate(programs, fwd, bwd, send, overhead_s=overhead, sync_s=ev.sync_s or None, cores=ev.cores)
     memory, reasons = [], []
     for k, d in enumerate(devices):
         fit = fits[k]

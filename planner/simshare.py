@@ -8,6 +8,8 @@ semantics (asynchronous sends on FIFO full-duplex links, blocking receives, the 
 trip) in one global clock, and every CPU action of a sharing stage (compute, a message's encode or decode,
 the optimizer) progresses at ``min(1, cores / threads of the host's working stages)`` of its own speed.
 Actions only ever slow down, so the step is never below the unshared simulation's (and simbound's bound).
+Interleaved programs run as planner/simulator.py runs them: virtual stage c x devices + d for chunk c of
+device d, one directed link per pair of devices, the cores shared per device (its process's threads).
 """
 
 from __future__ import annotations
@@ -23,16 +25,16 @@ class SharedSimulation:
 
     def __init__(self, programs: list[list[Action]], fwd_s: list[float], bwd_s: list[float], send_s: list[float],
                  over: list[dict[str, float]], sync: list[float], cores: CoreShare) -> None:
-        n = len(programs)
+        n = self.devices = len(programs)
         self.programs, self.fwd_s, self.bwd_s, self.send_s = programs, fwd_s, bwd_s, send_s
         self.over, self.sync, self.cores = over, sync, cores
         self.t = 0.0
         self.pc = [0] * n
         self.work: list[float | None] = [None] * n  # full-speed seconds left of the CPU action under way
         self.began = [0.0] * n  # when the current action began (a receive: when its wait began)
-        self.arrival: dict[tuple[str, int, int], float] = {}  # ("RA"/"RG", receiver, mb) -> when it arrives
-        self.link_free: dict[tuple[str, int], float] = {}
-        self.in_flight: list[set[int]] = [set() for _ in range(n)]
+        self.arrival: dict[tuple[str, int, int], float] = {}  # ("RA"/"RG", virtual stage, mb) -> when it arrives
+        self.link_free: dict[tuple[int, int], float] = {}  # (from device, to device) -> when it is free
+        self.in_flight: list[set[tuple[int, int]]] = [set() for _ in range(n)]  # (mb, chunk) units per device
         self.peak = [0] * n
         self.busy = [0.0] * n
         self.events: list[Event] = []
@@ -87,8 +89,9 @@ class SharedSimulation:
     def _start(self, k: int) -> tuple[bool, float | None]:
         """Begin stage k's next action now if it can: (started, a later time it waits for, if known)."""
         a = self.programs[k][self.pc[k]]
+        j = a.chunk * self.devices + k  # the virtual stage
         if a.op in ("RA", "RG"):
-            at = self.arrival.get((a.op, k, a.mb))
+            at = self.arrival.get((a.op, j, a.mb))
             if at is None or at > self.t + EPS:
                 return False, at
             return self._begin(k, self.over[k].get(a.op, 0.0), keep_began=True), None
@@ -103,7 +106,7 @@ class SharedSimulation:
             if ready > self.t + EPS:
                 return False, ready
             return self._begin(k, self.over[k].get("STEP", 0.0), keep_began=True), None
-        seconds = {"F": self.fwd_s[k], "B": self.bwd_s[k]}.get(a.op, self.over[k].get(a.op, 0.0))
+        seconds = {"F": self.fwd_s[j], "B": self.bwd_s[j]}.get(a.op, self.over[k].get(a.op, 0.0))
         return self._begin(k, seconds), None
 
     def _begin(self, k: int, seconds: float, keep_began: bool = False) -> bool:
@@ -127,19 +130,22 @@ class SharedSimulation:
         self.work[k] = None
         if a.op in ("F", "B"):
             self.busy[k] += self.t - self.began[k]
-            (self.in_flight[k].add if a.op == "F" else self.in_flight[k].discard)(a.mb)
+            (self.in_flight[k].add if a.op == "F" else self.in_flight[k].discard)((a.mb, a.chunk))
             self.peak[k] = max(self.peak[k], len(self.in_flight[k]))
         if a.op in ("SA", "SG"):
             self._send(k, a)
         else:
-            self.events.append(Event(k, a.op, a.mb, self.began[k], self.t))
+            self.events.append(Event(k, a.op, a.mb, self.began[k], self.t, a.chunk))
         self.pc[k] += 1
         self.began[k] = self.t
 
     def _send(self, k: int, a: Action) -> None:
-        """Queue the encoded tensor on its link (one at a time, in program order) and note its arrival."""
-        to, recv, seconds = (k + 1, "RA", self.send_s[k]) if a.op == "SA" else (k - 1, "RG", self.send_s[k - 1])
-        start = max(self.t, self.link_free.get((a.op, k), 0.0))
-        self.link_free[(a.op, k)] = start + seconds
+        """Queue the encoded tensor on the link to the next (SA) or previous (SG) virtual stage's device (one tensor
+        at a time each way between two devices, in program order) and note its arrival."""
+        j = a.chunk * self.devices + k
+        to, recv, seconds = (j + 1, "RA", self.send_s[j]) if a.op == "SA" else (j - 1, "RG", self.send_s[j - 1])
+        link = (k, to % self.devices)
+        start = max(self.t, self.link_free.get(link, 0.0))
+        self.link_free[link] = start + seconds
         self.arrival[(recv, to, a.mb)] = start + seconds
-        self.events.append(Event(k, a.op, a.mb, start, start + seconds))
+        self.events.append(Event(k, a.op, a.mb, start, start + seconds, a.chunk))

@@ -343,9 +343,6 @@ def simulate(
     if cores is not None and not (len(cores.group) == len(cores.need) == len(programs)):
         raise ScheduleError(f"{len(programs)} programs need {len(programs)} core-share entries, got {len(cores.group)}")
     if cores is not None:
-        if chunks > 1:
-            raise ScheduleError("stages that share a host's CPU cores are simulated with one chunk per device: "
-                                "interleaved programs on shared cores are not modelled yet")
         from hetero.planner.simshare import SharedSimulation
 
         return SharedSimulation(programs, fwd_s, bwd_s, send_s, over, sync, cores).run()

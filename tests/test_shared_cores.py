@@ -179,6 +179,37 @@ def test_with_cores_to_spare_the_global_clock_is_the_plain_simulation(schedule: 
     assert roomy.peak_in_flight == plain.peak_in_flight
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_interleaved_programs_with_cores_to_spare_are_the_plain_simulation(seed: int) -> None:
+    """The same for interleaved programs (planner/simulator.py's virtual stages, links per pair of devices): the
+    global clock at full speed gives the plain simulation's step, events and peaks; with one core for the
+    devices' two threads it is slower, never faster."""
+    import random
+
+    from hetero.planner.schedules import interleaved_one_f_one_b
+    from hetero.planner.simshare import SharedSimulation
+    from hetero.planner.simulator import _check_times
+
+    rng = random.Random(seed)
+    p, v = rng.randint(2, 3), rng.randint(2, 3)
+    m = p * rng.randint(1, 3)
+    programs = interleaved_one_f_one_b(p, m, v)
+    fwd, bwd = [rng.uniform(0.1, 1) for _ in range(p * v)], [rng.uniform(0.2, 2) for _ in range(p * v)]
+    send = [rng.choice([0.0, rng.uniform(0, 1.5)]) for _ in range(p * v)]
+    over = [{op: rng.uniform(0, 0.05) for op in ("RA", "SA", "RG", "SG", "STEP")} for _ in range(p)]
+    sync = [rng.uniform(0, 0.1) for _ in range(p)]
+    plain = simulate(programs, fwd, bwd, send, overhead_s=over, sync_s=sync)
+    o, sy = _check_times(p, fwd, bwd, send, over, sync, v)
+    roomy = SharedSimulation(programs, fwd, bwd, send, o, sy, CoreShare((0,) * p, (1,) * p, (p,))).run()
+    assert roomy.step_time_s == pytest.approx(plain.step_time_s)
+    key = lambda e: (e.stage, e.op, e.mb, e.chunk)  # noqa: E731
+    for a, b in zip(sorted(plain.events, key=key), sorted(roomy.events, key=key), strict=True):
+        assert key(a) == key(b) and a.start_s == pytest.approx(b.start_s) and a.end_s == pytest.approx(b.end_s)
+    assert roomy.peak_in_flight == plain.peak_in_flight
+    tight = simulate(programs, fwd, bwd, send, overhead_s=over, sync_s=sync, cores=CoreShare((0,) * p, (1,) * p, (1,)))
+    assert tight.step_time_s >= plain.step_time_s * (1 - 1e-9)
+
+
 def test_a_run_measures_the_cores_its_shared_host_gave_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                           tiny_spec: ModelSpec) -> None:
     """Steps slower than the replay of the stages' own work on 2 cores: the profile says how many cores they got

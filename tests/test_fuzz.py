@@ -626,12 +626,18 @@ def valid_tensors(rules: Any, kind: str) -> dict[str, Any]:
     """The tensors the plan says ``kind`` carries to this process (ids in the vocabulary), or LoRA-like float32 ones."""
     import torch
 
+    from hetero.runtime.wire import compress
     from hetero.runtime.wire.frames import DTYPES
 
     if kind in rules.open_tensors:
         return {"lora_A": torch.randn(4, 8), "lora_B": torch.zeros(8, 4)}
     tensors = {}
+    if kind in rules.compressed:  # a compressed hand-off: the parts its sender's codec makes of a real tensor
+        name, scheme, shape = rules.compressed[kind]
+        tensors = compress.pack(torch.randn(shape), name, scheme)
     for name, rule in rules.tensors.get(kind, {}).items():
+        if name in tensors:
+            continue
         if rule.positions:  # packed rows' positions: records of 5 tokens (each row's last one shorter)
             tensors[name] = (torch.arange(rule.shape[-1]) % 5).expand(rule.shape).contiguous()
         elif rule.low is not None:
@@ -785,6 +791,14 @@ def record_hints(record: type) -> dict[str, Any]:
     return typing.get_type_hints(record)
 
 
+def _with_link(plan: Plan, scheme: str) -> Plan:
+    """``plan`` with its first stage's hand-offs compressed by ``scheme`` (its input hash made again)."""
+    from dataclasses import replace
+
+    squeezed = replace(plan, stages=[replace(s, compress_out=scheme if s.index == 0 else "none") for s in plan.stages])
+    return replace(squeezed, input_hash=compute_input_hash(squeezed))
+
+
 def test_fuzzed_frames_are_admitted_or_dropped_in_one_line(workdir: Path, compiled_plan: dict[str, Any],
                                                             pipeline_plan: Plan) -> None:
     from dataclasses import fields
@@ -792,13 +806,15 @@ def test_fuzzed_frames_are_admitted_or_dropped_in_one_line(workdir: Path, compil
     from hetero.protocol import KINDS, RECORDS
     from hetero.runtime.wire.transport import Transport
 
-    plans = [pipeline_plan, Plan.from_dict(compiled_plan)]  # ... and two one-stage replicas (grads, reduced)
+    # The pipeline with its link compressed (int8, int4: act and grad frames of parts), and two one-stage replicas.
+    plans = [pipeline_plan, *(_with_link(pipeline_plan, scheme) for scheme in ("int8", "int4")),
+             Plan.from_dict(compiled_plan)]
     cases = wire_cases(plans)
     assert {h["kind"] for _, _, h, _ in cases} >= {"act", "grad", "rebalance", "stepdone", "grads", "reduced", "clip"}
     names = ["coordinator", "stage0", "stage1", "stage2", "", "stage0\n", "x" * 300]
     # One receiving Transport per process (no socket: bind=None), checking what it admits with that process's rules.
     transports = {id(rules): Transport(rules.me, None, plan_hash, rules=rules) for plan_hash, rules, _, _ in cases}
-    outcomes = {"accepted": 0, "dropped": 0}
+    outcomes = {"accepted": 0, "dropped": 0, "codec": 0}
     rng = random.Random(23)
     try:
         for _, rules, header, frames in cases:  # unbroken, every one is admitted: the fuzzer starts from real traffic
@@ -811,6 +827,9 @@ def test_fuzzed_frames_are_admitted_or_dropped_in_one_line(workdir: Path, compil
                 msg = transports[id(rules)].inbox._admit(broken)  # anything but a WireError would escape: a traceback
             if msg is None:
                 outcomes["dropped"] += 1
+                why = transports[id(rules)].last_rejection() or ""
+                assert "\n" not in why, why
+                outcomes["codec"] += "compressed (" in why  # refused by the codec's check (runtime/wire/compress.py)
                 continue
             outcomes["accepted"] += 1
             record = RECORDS[msg.kind].from_wire(msg.meta)
@@ -822,6 +841,7 @@ def test_fuzzed_frames_are_admitted_or_dropped_in_one_line(workdir: Path, compil
         for transport in transports.values():
             transport.close()
     assert outcomes["dropped"] > FRAMES_PER_RUN // 2, outcomes  # most breakages are caught, not let through
+    assert outcomes["codec"] > 0, outcomes  # broken compressed parts among them
 
 
 @pytest.mark.parametrize(("kind", "field", "value"), [

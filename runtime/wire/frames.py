@@ -50,8 +50,10 @@ class Message:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def describe(self) -> str:
-        """Short text form for logs and errors, e.g. ``'grad' step 3 mb 2 from stage2``."""
-        return f"{self.kind!r} step {self.step} mb {self.mb} from {self.sender}"
+        """Short text form for logs and errors, e.g. ``'grad' step 3 mb 2 from stage2`` (a sender's name that is not
+        printable text, a line break say, quoted: a log line stays one line whatever a peer claims)."""
+        sender = self.sender if self.sender.isprintable() else repr(self.sender)
+        return f"{self.kind!r} step {self.step} mb {self.mb} from {sender}"
 
 
 def _wire_bytes(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:

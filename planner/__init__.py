@@ -21,6 +21,7 @@ from hetero.plan import (
     with_label_fraction,
 )
 from hetero.planner.baselines import baseline_evaluations, candidate_placements, predict
+from hetero.planner.compress_advice import link_lines
 from hetero.planner.cost import AUTO_SCHEME, GB, CostTable, build_cost_table, training_fleet
 from hetero.planner.cost_model import CostModel, RooflineCostModel, compute_dtype, expert_weight_bytes
 from hetero.planner.deadline import MAX_RESERVE_S, PLACE_SHARE, RESERVE_SHARE, share_of
@@ -318,6 +319,23 @@ def _cost_provenance(cost_model: CostModel) -> tuple[dict[str, str], list[str]]:
     return {"profile": cost_model.path, **cost_model.sources}, cost_model.summary()
 
 
+def _cipher_lines(cost_model: CostModel) -> list[str]:
+    """The verdict's line where links not measured are priced with CurveZMQ's cipher (security=curve)."""
+    roofline = cost_model.fallback if isinstance(cost_model, ProfileCostModel) else cost_model
+    if not isinstance(roofline, RooflineCostModel) or not roofline.cipher_s_per_byte:
+        return []
+    unmeasured = (sorted(k.removeprefix("link ") for k, v in cost_model.sources.items()
+                         if k.startswith("link ") and v.startswith("fleet file"))
+                  if isinstance(cost_model, ProfileCostModel) else None)
+    if unmeasured == []:
+        return []  # every link was measured, under the mode the profile ran in
+    which = "Every link" if unmeasured is None else f"The links not measured ({', '.join(unmeasured)})"
+    return [f"{which} carries CurveZMQ-encrypted messages (security=curve): each hand-off is priced with its transfer "
+            f"plus the cipher's work at {1 / roofline.cipher_s_per_byte / 1e9:.2g} GB/s (measured on a 2-core CPU, "
+            "bench/bench_cipher.py); `hetero profile` measures your links with the cipher, and security=none drops it "
+            "on a network you trust (docs/security.md)."]
+
+
 # What a GPU stage takes, at least, to issue one decoder layer's forward and backward for a micro-batch from Python:
 # about 430 operator calls (a Llama layer with LoRA on its 7 projections, counted at torch's dispatcher), measured on
 # an H200 host on 2026-11-28 (docs/gpu.md): 5.5-6.7 ms per layer under transformers+peft (a synced micro-batch over
@@ -393,12 +411,14 @@ def plan(
     evaluation: EvalSpec | None = None,
     config: dict[str, Any] | None = None,
     data_stats: DataStats | None = None,
+    security: str = "none",
 ) -> Plan:
     """The complete, hashed Plan: the graph placed on the fleet (planner.solve: exact DP or ILP; or the manual
     split), programs, predictions, baselines and verdict. ``evaluation.device`` is kept out of training (it
     evaluates held-out data); ``config`` is the resolved config the plan records; ``data_stats`` (the data as
-    `hetero compile` measured it) turns the predictions' computed tokens/s into trained tokens/s."""
-    cost_model = cost_model or RooflineCostModel(efficiency=options.efficiency)
+    `hetero compile` measured it) turns the predictions' computed tokens/s into trained tokens/s; ``security``: the
+    mode the plan's processes talk in (curve prices the cipher on every link not measured)."""
+    cost_model = cost_model or RooflineCostModel(efficiency=options.efficiency, security=security)
     if isinstance(cost_model, ProfileCostModel):  # the cores a run's shared-core hosts gave, the RAM they have
         cluster = cost_model.with_measured_hosts(cluster)
     evaluation = evaluation or EvalSpec()
@@ -414,6 +434,7 @@ def plan(
         stages, prediction, said = interleave(table, graph, model, chosen[0][0], stages, prediction,
                                               options.interleave, manual, deadline)
         notes += [said] if said else []
+        notes += link_lines(table, cluster, chosen[0][0], options.compression, any(s.chunks for s in stages))
     _check_attention_devices(model, stages)
     fraction = data_stats.label_fraction if data_stats is not None else None
     copy = state_copy(stages, graph, cluster, prediction.step_time_s, replicas[0].stages if replicas else None)
@@ -425,7 +446,7 @@ def plan(
     unhashed = Plan(
         model=model, cluster=cluster, train=train, data=data, planner=options, graph=graph, stages=stages,
         prediction=prediction, baselines=base, solver=solver,
-        verdict=[*_verdict(prediction, stages, base, solver), *notes, *cost_notes,
+        verdict=[*_verdict(prediction, stages, base, solver), *notes, *cost_notes, *_cipher_lines(cost_model),
                  *_issue_bound_lines(stages, cost_model), *_experts_lines(graph, cost_model),
                  *_unused_lines(training_fleet(cluster, evaluation.device), stages, options)],
         config=dict(config or {}),

@@ -10,7 +10,8 @@ model.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from hetero.errors import ConfigError
 from hetero.graph import LayerGraph
@@ -24,6 +25,9 @@ from hetero.planner.cost_model import (
 from hetero.planner.step_form import StepForm, step_form
 from hetero.planner.stream_costs import stream_columns
 from hetero.specs import ClusterSpec, DeviceSpec, ModelSpec, PlannerOptions, TrainSpec
+
+if TYPE_CHECKING:
+    from hetero.planner.link_costs import LinkCosts
 
 GB = 1e9
 SYNC_BYTES = 256.0  # a gradient-norm or clip message
@@ -79,6 +83,10 @@ class CostTable:
     # planner.compression=auto: [node][kind][host a][host b] whether link_s is the compressed hand-off's (AUTO_SCHEME,
     # its encode and decode included); empty otherwise.
     link_compress: list[list[list[list[bool]]]] = field(default_factory=list)
+    # Where hand-offs between hosts may go either way (planner.compression auto or none, several hosts): every link
+    # [node][kind][host a][host b] uncompressed, and with AUTO_SCHEME hand-offs as auto prices them; empty otherwise.
+    link_plain_s: list[list[list[list[float]]]] = field(default_factory=list)
+    link_squeezed_s: list[list[list[list[float]]]] = field(default_factory=list)
     sync_round_trip_s: list[list[float]] = field(default_factory=list)  # [host][coordinator's host]
     # Outside the layers (see CostModel.optimizer_step_s):
     opt_s: list[list[float]] = field(default_factory=list)  # [node][device] its share of the optimizer step
@@ -255,6 +263,15 @@ class CostTable:
         """Seconds to send the cut after ``node`` from device index ``sender`` to ``receiver``."""
         return self.link_s[node][self.wire_kind[sender]][self.host_of[sender]][self.host_of[receiver]]
 
+    def priced_links(self, link_s: list[list[list[list[float]]]], compressed: bool = True) -> CostTable:
+        """This table with other link times (``compressed``: keep which links auto compressed; else none is)."""
+        return replace(self, link_s=link_s, link_compress=self.link_compress if compressed else [],
+                       _prefix={}, _stream_prefix={}, _classes=[])
+
+    def uncompressed(self) -> CostTable:
+        """This table with every hand-off between hosts uncompressed (itself where none is priced compressed)."""
+        return self.priced_links(self.link_plain_s, compressed=False) if self.link_compress else self
+
     def message_s(self, node: int, sender: int, device: int) -> tuple[float, float]:
         """(send, receive) CPU seconds on ``device`` for one message across the cut after ``node``
         (sized as ``sender`` sends it; gradients going back are costed at the same size)."""
@@ -391,6 +408,25 @@ def training_fleet(cluster: ClusterSpec, eval_device: str | None) -> ClusterSpec
                                                for h in cluster.hosts])
 
 
+def _link_table(graph: LayerGraph, model: ModelSpec, cluster: ClusterSpec, tokens: int, compression: str,
+                cost_model: CostModel) -> tuple[list[int], list[list[float]], LinkCosts]:
+    """Each device's wire kind, each kind's bytes per cut, and the links' costs (planner/link_costs.py LinkCosts)
+    under planner.compression."""
+    from hetero.planner.link_costs import auto_inputs, link_costs  # (it reads this module's constants)
+
+    devices = cluster.devices
+    fixed = compression if compression != "auto" else "none"  # one scheme on every link
+    wire_kind, kind_bytes = _wire_kinds(graph, model, devices, tokens, fixed)
+    codec = [[codec_s(d, fixed, wire_values_per_token(graph, i) * tokens) for d in devices]
+             for i in range(len(graph.nodes))] if fixed != "none" else None
+    # Every link between hosts is priced compressed beside plain where hand-offs may go either way (the plan's per-link
+    # advice, planner/compress_advice.py); auto takes the faster per link.
+    weighed = compression in ("auto", "none") and len(cluster.hosts) > 1
+    links = link_costs(cluster, cost_model, [h.name for h in cluster.hosts], kind_bytes, codec,
+                       auto_inputs(graph, cluster, tokens) if weighed else None, auto=compression == "auto")
+    return wire_kind, kind_bytes, links
+
+
 def build_cost_table(
     graph: LayerGraph,
     model: ModelSpec,
@@ -400,20 +436,13 @@ def build_cost_table(
     cost_model: CostModel,
 ) -> CostTable:
     """Evaluate ``cost_model`` for every (node, device) of the fleet and every link the solvers may use."""
-    from hetero.planner.link_costs import auto_inputs, link_costs  # (it reads this module's constants)
-
     _check_problem(graph, cluster, train, options)
     devices = cluster.devices
     tokens = train.micro_batch_size * graph.seq_len
     nodes = _node_costs(graph, model, devices, cost_model, tokens)
     opt_fixed, opt = _optimizer_costs(graph, model, devices, cost_model)
     hosts = [h.name for h in cluster.hosts]
-    fixed = options.compression if options.compression != "auto" else "none"  # one scheme on every link
-    wire_kind, kind_bytes = _wire_kinds(graph, model, devices, tokens, fixed)
-    codec = [[codec_s(d, fixed, wire_values_per_token(graph, i) * tokens) for d in devices]
-             for i in range(len(graph.nodes))] if fixed != "none" else None
-    links = link_costs(cluster, cost_model, hosts, kind_bytes, codec,
-                       auto_inputs(graph, cluster, tokens) if options.compression == "auto" else None)
+    wire_kind, kind_bytes, links = _link_table(graph, model, cluster, tokens, options.compression, cost_model)
     stream = stream_columns(graph, model, cluster, nodes.fwd, options.offload, cost_model)
     return CostTable(
         fwd_s=nodes.fwd, bwd_s=nodes.bwd, weights=nodes.weights, lora=nodes.lora,
@@ -431,6 +460,8 @@ def build_cost_table(
         message_send_s=links.message_send_s,
         message_recv_s=links.message_recv_s,
         link_compress=links.link_compress,
+        link_plain_s=links.link_plain_s,
+        link_squeezed_s=links.link_squeezed_s,
         sync_round_trip_s=links.sync_round_trip_s,
         opt_s=opt,
         opt_fixed_s=opt_fixed,

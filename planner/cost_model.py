@@ -8,7 +8,7 @@ planner.cost evaluates one once per planning problem into a dense ``CostTable``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from hetero.errors import ConfigError
 from hetero.graph import LayerGraph
@@ -33,6 +33,13 @@ MESSAGE_FIXED_S = 100e-6
 CODEC_BYTES_PER_VALUE = {"int8": (384.0, 36.0), "int4": (920.0, 670.0)}  # (encode, decode)
 # What a value costs on the wire: its level (1 byte, or half of one) and its share of a float32 scale per 64 values.
 WIRE_BYTES_PER_VALUE = {"int8": 1.0 + 4.0 / 64, "int4": 0.5 + 4.0 / 64}
+# CurveZMQ (security=curve, the default off loopback) encrypts each message whole in the sender's ZeroMQ I/O thread and
+# decrypts it whole in the receiver's: under it a hand-off takes its transfer plus its bytes at this rate (both ends'
+# work, one after the other). Measured with bench/bench_cipher.py on the 2-vCPU sandbox (pyzmq 27.3, libzmq 4.3.5),
+# 2026-11-29: 0.42 GB/s for 0.5 MiB messages, 0.34 at 16 MiB (an 8B model's bf16 hand-off of 2,048 tokens), 0.29 at
+# 32 MiB. A `hetero profile` measures each link under the mode the plan uses, the cipher included; this prices the
+# links it did not measure.
+CURVE_BYTES_PER_S = 0.35e9
 HOST_COPY_BYTES_PER_S = 12e9  # PCIe 4.0 x16 in practice
 # Pinned host-to-device copies reach about 80% of PCIe's theoretical rate (CUDA's bandwidthTest on
 # PCIe 4.0 x16: ~25 of 31.5 GB/s); datasheets and fleet files state the theoretical rate.
@@ -172,10 +179,12 @@ class RooflineCostModel:
     """time = max(FLOPs / (datasheet TFLOPS x efficiency), bytes touched / memory bandwidth), plus the
     dequantization passes of NF4/int8 linears (DEQUANT_PASSES)."""
 
-    def __init__(self, efficiency: float = 0.4) -> None:
+    def __init__(self, efficiency: float = 0.4, security: str = "none") -> None:
         if not 0.0 < efficiency <= 1.0:
             raise ConfigError(f"planner.efficiency must be in (0, 1], got {efficiency}")
         self.efficiency = efficiency
+        self.security = security  # the plan's security mode: curve encrypts every message (CURVE_BYTES_PER_S)
+        self.cipher_s_per_byte = 1.0 / CURVE_BYTES_PER_S if security == "curve" else 0.0
 
     def _flops_per_s(self, device: DeviceSpec, dtype: str) -> float:
         tflops = device.tflops.get(dtype, 0.0) or device.tflops.get("float32", 0.0)
@@ -218,12 +227,12 @@ class RooflineCostModel:
         )
 
     def transfer_time_s(self, cluster: ClusterSpec, host_a: str, host_b: str, num_bytes: float) -> float:
-        """Bytes over the link's bandwidth plus its latency."""
+        """Bytes over the link's bandwidth plus its latency, and under CurveZMQ the cipher's work on them."""
         try:
             link = cluster.link(host_a, host_b)
         except KeyError as exc:
             raise ConfigError(f"fleet '{cluster.name}': {exc.args[0]}; add it under links:") from None
-        return num_bytes / link.bytes_per_s + link.latency_us * 1e-6
+        return num_bytes / link.bytes_per_s + link.latency_us * 1e-6 + num_bytes * self.cipher_s_per_byte
 
     def optimizer_step_s(self, device: DeviceSpec, model: ModelSpec, lora_params: int, lora_tensors: int) -> float:
         """Per-tensor overhead plus the bytes AdamW touches over the device's memory bandwidth."""
@@ -242,6 +251,11 @@ class RooflineCostModel:
         if device.backend == "cpu":
             return max(device.memory_bandwidth_gbs, 1e-3) * 1e9 / 2.0
         return max(device.host_link_gbs or 0.0, 1e-3) * 1e9 * HOST_LINK_EFFICIENCY
+
+
+def plan_roofline(plan: Any) -> RooflineCostModel:
+    """The datasheet cost model a compiled Plan was priced with: its planner.efficiency and security mode."""
+    return RooflineCostModel(plan.planner.efficiency, plan.security.mode)
 
 
 def lora_tensors(graph: LayerGraph, model: ModelSpec, node: int) -> int:

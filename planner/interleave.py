@@ -22,9 +22,10 @@ from dataclasses import dataclass, replace
 from hetero.errors import ConfigError
 from hetero.graph import LayerGraph
 from hetero.plan import ChunkPlan, MemoryBreakdown, Prediction, StagePlan
+from hetero.planner.baselines import predict
 from hetero.planner.cost import GB, CostTable
 from hetero.planner.cost_model import expert_weight_bytes
-from hetero.planner.objective import Evaluation, recompute_time_s, stage_activations, stage_fits
+from hetero.planner.objective import Evaluation, evaluate, recompute_time_s, stage_activations, stage_fits
 from hetero.planner.schedules import interleaved_one_f_one_b
 from hetero.planner.simulator import Timeline, simulate
 from hetero.program import Action, Op, format_program
@@ -254,21 +255,29 @@ def interleave(table: CostTable, graph: LayerGraph, model: ModelSpec, ev: Evalua
     leaves as they are; ``deadline``: when the chunking search stops (time.perf_counter)."""
     if mode == "off" or (mode == "auto" and (len(stages) < 2 or manual)):
         return stages, prediction, ""
+    planned, against = stages, "one chunk per device"  # ``planned`` is kept where chunks do not win
+    plain = prediction.step_time_s  # one chunk per device, hand-offs uncompressed: what GAIN is measured against
+    if table.link_compress and any(s.compress_out != "none" for s in stages):
+        # planner.compression=auto compressed a link, which chunks cannot yet: weigh them with every link uncompressed,
+        # planned where they gain as much over that as under compression=none, and beat the compressed pipeline.
+        table, stages = table.uncompressed(), [replace(s, compress_out="none") for s in stages]
+        plain = predict(table, evaluate(table, ev.placement))[0].step_time_s
+        against += f" with compressed hand-offs, {plain:.3g} s uncompressed"
     reason = why_not(table, graph, ev, stages)
     if reason is not None:
         if mode == "always":
             raise ConfigError(f"planner.interleave=always, but this pipeline cannot interleave: {reason}")
-        return stages, prediction, f"Interleaved 1F1B not considered: {reason}."
+        return planned, prediction, f"Interleaved 1F1B not considered: {reason}."
     cand = best_candidate(table, graph, ev, stages, deadline=deadline)
-    step, plain = cand.timeline.step_time_s, prediction.step_time_s
+    step, planned_step = cand.timeline.step_time_s, prediction.step_time_s
     if cand.reasons:
         if mode == "always":
             raise ConfigError(f"planner.interleave=always, but the interleaved pipeline does not fit: {cand.reasons[0]}")
-        return stages, prediction, f"Interleaved 1F1B ({CHUNKS} chunks per device) does not fit: {cand.reasons[0]}."
+        return planned, prediction, f"Interleaved 1F1B ({CHUNKS} chunks per device) does not fit: {cand.reasons[0]}."
     words = (f"interleaved 1F1B ({CHUNKS} chunks per device, the last device handing on to the first) simulates at "
-             f"{step:.3g} s/step against {plain:.3g} s for one chunk per device ({(plain - step) / plain:+.1%})")
-    if mode == "auto" and step > plain * (1 - GAIN):
-        return stages, prediction, (f"Not interleaved: {words}; the smaller fill and drain do not pay for twice the "
+             f"{step:.3g} s/step against {planned_step:.3g} s for {against} ({(planned_step - step) / planned_step:+.1%})")
+    if mode == "auto" and (step > plain * (1 - GAIN) or step >= planned_step):
+        return planned, prediction, (f"Not interleaved: {words}; the smaller fill and drain do not pay for twice the "
                                     f"hand-offs here (planned only from a {GAIN:.0%} gain).")
     experts = [sum(expert_weight_bytes(graph, i, table.devices[d], model) for a, b in cand.spans[k]
                    for i in range(a, b + 1)) / GB for k, d in enumerate(ev.placement.devices)]

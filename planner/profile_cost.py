@@ -92,7 +92,8 @@ class ProfileCostModel:
         if link.method.startswith("run "):  # timed by a run: "run DIR, step N (...)"
             self.sources[key] = link.method
         else:
-            self.sources[key] = "profile" if "(from " not in link.method else f"profile ({link.method})"
+            self.sources[key] = ("profile" if "(from " not in link.method else f"profile ({link.method})") + (
+                ", under CurveZMQ" if "security curve" in link.method else "")
         return link.transfer_s(num_bytes)
 
     def optimizer_step_s(self, device: DeviceSpec, model: ModelSpec, lora_params: int, lora_tensors: int) -> float:

@@ -31,7 +31,7 @@ from math import comb
 from hetero.plan import Plan
 from hetero.planner.baselines import predict
 from hetero.planner.cost import CostTable, build_cost_table, training_fleet
-from hetero.planner.cost_model import CostModel, RooflineCostModel
+from hetero.planner.cost_model import CostModel, plan_roofline
 from hetero.planner.objective import Evaluation, Placement, evaluate, split_spans
 from hetero.specs import ClusterSpec
 
@@ -71,7 +71,7 @@ class Replanner:
         """``cluster`` and ``order`` (device names in pipeline order): another fleet and stage order than the plan's
         (a run that lost a device: planner/recovery.py)."""
         self.plan = plan
-        cost_model = cost_model or RooflineCostModel(efficiency=plan.planner.efficiency)
+        cost_model = cost_model or plan_roofline(plan)
         self.table = build_cost_table(plan.graph, plan.model, training_fleet(cluster or plan.cluster, plan.eval.device),
                                       plan.train, plan.planner, cost_model)
         names = [d.name for d in self.table.devices]

@@ -20,7 +20,7 @@ from typing import Any
 
 from hetero.errors import InfeasiblePlanError
 from hetero.plan import Plan
-from hetero.planner.cost_model import RooflineCostModel
+from hetero.planner.cost_model import RooflineCostModel, plan_roofline
 from hetero.planner.rebalance import Replanner
 from hetero.specs import ClusterSpec
 
@@ -56,7 +56,7 @@ def plan_without(plan: Plan, lost: set[str], factors: dict[str, float] | None = 
     if not order:
         raise InfeasiblePlanError("no training device is left")
     fleet = without_devices(plan.cluster, lost)
-    cost_model = RooflineCostModel(efficiency=plan.planner.efficiency)
+    cost_model = plan_roofline(plan)
     replanner, best = _best_split(plan, order, fleet, cost_model, factors or {})
     if best is None:
         raise InfeasiblePlanError(f"the {len(order)} device(s) left ({', '.join(order)}) cannot hold the model: "
@@ -81,7 +81,7 @@ def simulated_step_s(plan: Plan, lost: set[str], factors: dict[str, float]) -> f
     if len(plan.pipelines) != 1 or not order:
         return None
     _, best = _best_split(plan, order, without_devices(plan.cluster, lost),
-                          RooflineCostModel(efficiency=plan.planner.efficiency), factors)
+                          plan_roofline(plan), factors)
     return None if best is None else best.step_s
 
 
@@ -106,7 +106,7 @@ def _replicas_without(plan: Plan, lost: set[str]) -> Recovery:
     if not left:
         raise InfeasiblePlanError("no training device is left")
     fleet = without_devices(plan.cluster, {d.name for d in plan.cluster.devices} - set(left))
-    cost_model = RooflineCostModel(efficiency=plan.planner.efficiency)
+    cost_model = plan_roofline(plan)
     options = replace(plan.planner, devices=None, split=None, num_stages=None, replicas=None, interleave="off",
                       time_limit_s=min(plan.planner.time_limit_s, RECOVERY_TIME_LIMIT_S))
     new = make_plan(plan.model, plan.graph, fleet, plan.train, plan.data, options, cost_model, plan.eval,

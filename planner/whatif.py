@@ -120,7 +120,8 @@ def without_device(plan: Plan, device: str, cost_model: CostModel | None = None,
     options = replace(plan.planner, split=None, devices=None, time_limit_s=min(plan.planner.time_limit_s, time_limit_s),
                       num_stages=None)
     try:
-        other = make_plan(plan.model, plan.graph, cluster, plan.train, plan.data, options, cost_model=cost_model)
+        other = make_plan(plan.model, plan.graph, cluster, plan.train, plan.data, options, cost_model=cost_model,
+                          security=plan.security.mode)
     except HeteroError as exc:
         return WhatIf(name, "re-planned", False, reason=str(exc).split("\n")[0])
     p = other.prediction

@@ -137,14 +137,15 @@ def test_graph_tables_stream_only_where_needed() -> None:
 
 
 # Input hashes of plans compiled before weight streaming existed (commit df2a518): fleets without ram_gb
-# keep them, and their placement, byte for byte (with the padded rows those plans ran: data.packing=false).
+# keep them, and their placement, byte for byte (with the padded rows those plans ran: data.packing=false, and links
+# priced without the CurveZMQ cipher, as they were: security=none).
 BEFORE = {("model=tiny", "hardware=local"): "17b7560cf33d",
           ("model=llama8b", "hardware=homelab"): "9d5bbe18cdfc"}
 
 
 @pytest.mark.parametrize("overrides", list(BEFORE))
 def test_plans_without_ram_keep_hash_and_placement(tmp_path, capsys, overrides) -> None:  # type: ignore[no-untyped-def]
-    code, _, err, plan = compile_plan(tmp_path, capsys, *overrides, "data.packing=false")
+    code, _, err, plan = compile_plan(tmp_path, capsys, *overrides, "data.packing=false", "security=none")
     assert code == 0 and plan is not None, err
     assert plan.input_hash.startswith(BEFORE[overrides])
     assert not any(s.stream_layers or s.memory.host_gb or s.frozen_resident_cap_bytes for s in plan.stages)

@@ -53,7 +53,8 @@ def compile_config(cfg: Config, say: Callable[[str], None],
     say(f"planning {len(graph.nodes)} nodes on {len(cfg.cluster.devices)} devices "
         f"(solver limit {cfg.planner.time_limit_s:.0f} s)")
     planned = make_plan(cfg.model, graph, cfg.cluster, train, cfg.data, cfg.planner,
-                        cost_model=profile_cost_model(cfg), evaluation=cfg.eval, config=cfg.raw, data_stats=stats)
+                        cost_model=profile_cost_model(cfg), evaluation=cfg.eval, config=cfg.raw, data_stats=stats,
+                        security=cfg.security)
     say(f"writing plan and artifacts to {cfg.output}")
     plan = replace(planned, security=generate(cfg.security, [s.host for s in planned.stages], Path(cfg.output)))
     by = None if started is None else started + tracing_s + cfg.planner.time_limit_s + PICTURES_ALLOWANCE_S
@@ -123,7 +124,7 @@ def profile_cost_model(cfg: Config) -> ProfileCostModel | None:
     profiles = [Profile.load(p) for p in paths]
     for path, profile in zip(paths, profiles, strict=True):
         check_profile(profile, cfg.cluster, cfg.model, str(path), rerun)
-    return ProfileCostModel(merge_profiles(profiles), RooflineCostModel(cfg.planner.efficiency),
+    return ProfileCostModel(merge_profiles(profiles), RooflineCostModel(cfg.planner.efficiency, cfg.security),
                             path=" + ".join(str(p) for p in paths))
 
 

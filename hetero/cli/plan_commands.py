@@ -155,10 +155,10 @@ def _what_if_lines(plan: Plan, replan: bool) -> list[str]:
 
     cost_model = None
     if replan and plan.cost_sources.get("profile"):
-        from hetero.planner.cost_model import RooflineCostModel
+        from hetero.planner.cost_model import plan_roofline
         from hetero.planner.profile_cost import ProfileCostModel
         from hetero.profile import load_merged
 
         cost_model = ProfileCostModel(load_merged(plan.cost_sources["profile"]),
-                                      RooflineCostModel(plan.planner.efficiency), path=plan.cost_sources["profile"])
+                                      plan_roofline(plan), path=plan.cost_sources["profile"])
     return [w.versus(plan) for w in what_ifs(plan, cost_model, replan)]

@@ -39,12 +39,13 @@ LINK_REPEATS = 5
 WORKER_SILENCE_S = 30.0
 
 
-def link_from_samples(a: str, b: str, samples: list[list[float]]) -> LinkProfile:
-    """Fit one-way time = latency + bytes / bandwidth over the ping-pong samples."""
+def link_from_samples(a: str, b: str, samples: list[list[float]], mode: str = "none") -> LinkProfile:
+    """Fit one-way time = latency + bytes / bandwidth over the ping-pong samples, taken under security ``mode`` (under
+    curve the fit includes the cipher's work, which the plan's links then need not add)."""
     fit = fit_line([s[0] for s in samples], [s[1] for s in samples])
     latency_s = max(fit.a_s, min(s[1] for s in samples) * 0.5)  # a noisy fit may put the intercept below 0
     per_byte = fit.b_s_per_token if fit.b_s_per_token > 0 else samples[-1][1] / max(samples[-1][0], 1.0)
-    return LinkProfile(a, b, 8.0 / per_byte / 1e9, latency_s * 1e6, samples)
+    return LinkProfile(a, b, 8.0 / per_byte / 1e9, latency_s * 1e6, samples, method=f"zmq ping-pong, security {mode}")
 
 
 def _spawn(device: str, session: Path, log_dir: Path) -> subprocess.Popen:
@@ -109,7 +110,7 @@ def measure_fleet(
                 "op": "link", "peer": worker_name(receiver), "endpoint": endpoints[receiver],
                 "sizes": list(link_sizes), "repeats": link_repeats})
             reply = _await_state(mailbox, sender, say, timeout_s)
-            links.append(link_from_samples(a, b, reply["samples"]))
+            links.append(link_from_samples(a, b, reply["samples"], security))
             say(f"measured link {a}<->{b}")
         return profiles, links
     finally:

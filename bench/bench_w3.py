@@ -26,6 +26,9 @@ Three runs per rate, in this order:
                     CurveZMQ (authenticated, encrypted)
   hetero-none       the same plan switched to ``security=none`` (``hetero keys --mode none``; the
                     placement and the input hash are unchanged): no authentication, plaintext like gloo
+  hetero-auto       compiled with ``planner.compression=auto`` (issue 37: the planner compresses the
+                    hand-offs where that is predicted faster), CurveZMQ like hetero-curve; the report
+                    gives its speed-up over hetero-curve, measured and as the two plans predicted it
 
 Reported per rate and run: median step time over steps 3..N and tokens/s; bytes each direction of
 the link carried per step (veth counters over steps 3..N) and from the model geometry; how much of
@@ -67,7 +70,7 @@ from w1_peer import split_stages  # noqa: E402
 from w3_net import LinkPair, parse_rate, raw_tcp_bps  # noqa: E402
 from w3_runs import OPS, compile_plan, plan_with_security, run_hetero, run_peer, stage_ops  # noqa: E402
 
-RUNS = ("torch-pipelining", "hetero-curve", "hetero-none")
+RUNS = ("torch-pipelining", "hetero-curve", "hetero-none", "hetero-auto")
 # (hidden, seq): W1's own sizes first, then each one raised.
 SIZE_CANDIDATES = ((256, 128), (512, 128), (256, 256))
 TARGET_RATIO = 1 / 3  # one activation message at 1 Gbit/s vs a stage's forward (BENCHMARKS.md)
@@ -127,6 +130,11 @@ def choose_sizes(work: Path, candidates: tuple[tuple[int, int], ...], steps: int
             shutil.rmtree(m["model_dir"].parent, ignore_errors=True)
     w1.use_sizes(chosen["hidden"], chosen["seq"])
     return {**chosen, "reached": bool(reaching), "candidates": measured}
+
+
+def _compression(run: str) -> str:
+    """The planner.compression a run's plan is compiled with."""
+    return "auto" if run == "hetero-auto" else "none"
 
 
 def _quietly(fn: Any) -> None:
@@ -189,10 +197,12 @@ def run_w3(steps: int = 5, rates: tuple[str, ...] = ("1gbit", "100mbit"), skip: 
             tcp = (raw_tcp_bps(link, 0), raw_tcp_bps(link, 1))
             log(f"\n{rate}: {qdisc}; raw TCP payload a->b {tcp[0] / 1e6:.1f} Mbit/s, b->a {tcp[1] / 1e6:.1f} Mbit/s")
             common = dict(base, rate=rate, rate_bps=bits[rate], qdisc=qdisc, raw_tcp_bps=tcp)
-            plan_dir, plan_note, predicted = None, "", None
-            if any(r.startswith("hetero") for r in RUNS if r not in skip):
-                plan_dir, plan_note, predicted = compile_plan(model, bits[rate], steps, work)
-                log(f"  hetero compile: {plan_note}")
+            plans: dict[str, tuple[Path | None, str, float | None]] = {}  # planner.compression -> compiled
+            for run in RUNS:
+                compression = _compression(run)
+                if run.startswith("hetero") and run not in skip and compression not in plans:
+                    plans[compression] = compile_plan(model, bits[rate], steps, work, compression)
+                    log(f"  hetero compile: {plans[compression][1]}")
             for run in RUNS:
                 if run in skip:
                     continue
@@ -201,10 +211,11 @@ def run_w3(steps: int = 5, rates: tuple[str, ...] = ("1gbit", "100mbit"), skip: 
                 try:
                     if run == "torch-pipelining":
                         result = run_peer(link, model, steps, work, timeout, tag, trace)
-                    elif plan_dir is None:
-                        result = {"available": False, "note": plan_note}
+                    elif plans[_compression(run)][0] is None:
+                        result = {"available": False, "note": plans[_compression(run)][1]}
                     else:
-                        mode = run.split("-", 1)[1]
+                        plan_dir, _, predicted = plans[_compression(run)]
+                        mode = "none" if run == "hetero-none" else "curve"
                         result = run_hetero(link, plan_with_security(plan_dir, mode), steps, work, tag, timeout, trace)
                         if result["available"]:
                             result["stage_ops"] = stage_ops(result.pop("rows"))
@@ -285,6 +296,13 @@ def print_report(rows: list[dict[str, Any]]) -> None:
         for run in ("hetero-curve", "hetero-none"):
             if run in by and peer:
                 print(f"  {rate:<8} {run} vs torch-pipelining {peer['step_s'] / by[run]['step_s']:6.2f}x")
+        if "hetero-curve" in by and "hetero-auto" in by:
+            plain, squeezed = by["hetero-curve"], by["hetero-auto"]
+            predicted = (plain["predicted_step_s"] / squeezed["predicted_step_s"]
+                         if plain.get("predicted_step_s") and squeezed.get("predicted_step_s") else float("nan"))
+            measured = plain["step_s"] / squeezed["step_s"]
+            print(f"  {rate:<8} hetero-auto vs hetero-curve (compression=auto vs none) {measured:6.2f}x measured, "
+                  f"{predicted:.2f}x predicted ({measured / predicted - 1:+.0%})")
         if "hetero-curve" in by and "hetero-none" in by:
             print(f"  {rate:<8} hetero-curve vs hetero-none      {by['hetero-none']['step_s'] / by['hetero-curve']['step_s']:6.2f}x")
         exposed = {run: r["step_s"] - max(st["compute_s"] for st in r["timeline"]["stages"])

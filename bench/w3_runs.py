@@ -86,8 +86,10 @@ def run_peer(link: LinkPair, model: dict[str, Any], steps: int, work: Path, time
             "timeline": timeline(trace_dir, sampler, steps) if trace else None}
 
 
-def compile_plan(model: dict[str, Any], rate_bps: float, steps: int, work: Path) -> tuple[Path | None, str, float | None]:
-    """`hetero compile` for the two-host fleet with this link; returns (plan dir, note, predicted step s)."""
+def compile_plan(model: dict[str, Any], rate_bps: float, steps: int, work: Path, compression: str = "none"
+                 ) -> tuple[Path | None, str, float | None]:
+    """`hetero compile` for the two-host fleet with this link and ``planner.compression``; returns (plan dir, note,
+    predicted step s)."""
     conf = work / "conf"
     (conf / "hardware").mkdir(parents=True, exist_ok=True)
     devices = "      - {type: cpu, count: 1, threads: 1}\n"
@@ -96,12 +98,13 @@ def compile_plan(model: dict[str, Any], rate_bps: float, steps: int, work: Path)
     (conf / "hardware" / "w3.yaml").write_text(
         f"name: w3\nhosts:\n{hosts}links:\n  - {{a: {HOSTS[0]}, b: {HOSTS[1]}, bandwidth_gbps: {rate_bps / 1e9:g}, "
         "latency_us: 50}\n")
-    out = work / f"plan-{rate_bps / 1e6:g}mbit"
+    out = work / f"plan-{rate_bps / 1e6:g}mbit-{compression}"
     cmd = HETERO + [
         "compile", "-cd", str(conf), "model=hf", f"model.pretrained={model['model_dir']}", f"model.seq_len={model['seq']}",
         "model.dtype=float32", "lora.r=8", "lora.alpha=16", "hardware=w3", f"train.micro_batch_size={w1.MICRO_BATCH}",
         f"train.num_micro_batches={w1.NUM_MICRO}", f"train.steps={steps}", f"train.lr={w1.LR}", "train.schedule=1f1b",
-        f"data.path={model['data']}", "data.format=tokens", "planner.num_stages=2", f"output={out}",
+        f"data.path={model['data']}", "data.format=tokens", "planner.num_stages=2",
+        f"planner.compression={compression}", f"output={out}",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work, timeout=600)
     if proc.returncode != 0:
@@ -111,9 +114,14 @@ def compile_plan(model: dict[str, Any], rate_bps: float, steps: int, work: Path)
     if hosts_of != list(HOSTS):
         return None, f"plan puts stages on hosts {hosts_of}, not {list(HOSTS)}", None
     predicted = float(plan["prediction"]["step_time_s"])
-    split = "/".join(str(sum(n.startswith("layers.") for n in s["node_names"])) for s in plan["stages"])
-    return out, (f"stage 0 on {hosts_of[0]}, stage 1 on {hosts_of[1]}, layers {split}; predicted {predicted:.3f} "
-                 f"s/step; security {plan['security']['mode']}"), predicted
+    split = "/".join(str(sum(n.startswith("layers.") for n in [*s["node_names"], *(x for c in s.get("chunks", [])
+                                                                          for x in c["node_names"])]))
+                     for s in plan["stages"])
+    split += " (interleaved)" if any(s.get("chunks") for s in plan["stages"]) else ""
+    link = plan["stages"][0].get("compress_out", "none")
+    return out, (f"compression={compression}: stage 0 on {hosts_of[0]}, stage 1 on {hosts_of[1]}, layers {split}; "
+                 f"hand-offs {'uncompressed' if link == 'none' else link}; predicted {predicted:.3f} s/step; "
+                 f"security {plan['security']['mode']}"), predicted
 
 
 def _last_line_of(text: str) -> str:

@@ -29,8 +29,8 @@ from hetero.specs import ClusterSpec, ModelSpec
 # v2 added what a run records (Profile.origin, DeviceProfile.sources); v3 the cores a run's CPU stages got
 # (Profile.host_cores); v4 what weight streaming needs (DeviceProfile.host_link_gbs, .host_ram_gb). Older files
 # load unchanged.
-PROFILE_SCHEMA_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+PROFILE_SCHEMA_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 _REPROFILE = "re-run `hetero profile`"
 LAYER_KINDS = ("embedding", "decoder", "norm", "head")
 MEASURED_PARTS = (*LAYER_KINDS, "optimizer", "messages", "host link")  # what a device's profile reports progress on
@@ -120,6 +120,10 @@ class DeviceProfile:
     # a copy into fresh tensors on CPU), and the host's available RAM (MemAvailable) when measured.
     host_link_gbs: float | None = None
     host_ram_gb: float | None = None
+    # v5, for compressed hand-offs (planner.compression): per scheme, the seconds runtime/wire/compress.py takes to
+    # encode, and to decode, one hand-off on this device at its compute dtype; x = values (empty: not measured).
+    codec_encode: dict[str, LinearFit] = field(default_factory=dict)
+    codec_decode: dict[str, LinearFit] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -271,13 +275,14 @@ def _merge_device(holders: list[tuple[Profile, DeviceProfile]]) -> DeviceProfile
                 layers[kind] = layer
                 sources[kind] = source_of(prof, dev, kind)
         for part in _OTHER_PARTS:
-            if getattr(first, part) is None and part not in fill and getattr(dev, part) is not None:
+            if getattr(first, part) in (None, {}) and part not in fill and getattr(dev, part) not in (None, {}):
                 fill[part] = getattr(dev, part)
                 sources[part] = source_of(prof, dev, part)
     return replace(first, layers=layers, sources=sources, **fill)
 
 
-_OTHER_PARTS = ("optimizer", "message_send", "message_recv", "host_link_gbs", "host_ram_gb")
+_OTHER_PARTS = ("optimizer", "message_send", "message_recv", "host_link_gbs", "host_ram_gb", "codec_encode",
+                "codec_decode")
 
 
 def fleet_hash(cluster: ClusterSpec) -> str:

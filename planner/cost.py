@@ -17,7 +17,6 @@ from hetero.errors import ConfigError
 from hetero.graph import LayerGraph
 from hetero.planner.cost_model import (
     CostModel,
-    codec_s,
     lora_tensors,
     wire_bytes_per_token,
     wire_values_per_token,
@@ -417,13 +416,13 @@ def _link_table(graph: LayerGraph, model: ModelSpec, cluster: ClusterSpec, token
     devices = cluster.devices
     fixed = compression if compression != "auto" else "none"  # one scheme on every link
     wire_kind, kind_bytes = _wire_kinds(graph, model, devices, tokens, fixed)
-    codec = [[codec_s(d, fixed, wire_values_per_token(graph, i) * tokens) for d in devices]
+    codec = [[cost_model.codec_s(d, fixed, wire_values_per_token(graph, i) * tokens) for d in devices]
              for i in range(len(graph.nodes))] if fixed != "none" else None
     # Every link between hosts is priced compressed beside plain where hand-offs may go either way (the plan's per-link
     # advice, planner/compress_advice.py); auto takes the faster per link.
     weighed = compression in ("auto", "none") and len(cluster.hosts) > 1
     links = link_costs(cluster, cost_model, [h.name for h in cluster.hosts], kind_bytes, codec,
-                       auto_inputs(graph, cluster, tokens) if weighed else None, auto=compression == "auto")
+                       auto_inputs(graph, cluster, tokens, cost_model) if weighed else None, auto=compression == "auto")
     return wire_kind, kind_bytes, links
 
 

@@ -108,6 +108,10 @@ class CostModel(Protocol):
         """(send, receive) seconds ``device``'s stage spends on one message of ``num_bytes``."""
         ...
 
+    def codec_s(self, device: DeviceSpec, compression: str, values: float) -> tuple[float, float]:
+        """(encode, decode) seconds of a compressed hand-off of ``values`` values on ``device`` (0 for none)."""
+        ...
+
     def host_copy_bytes_per_s(self, device: DeviceSpec) -> float:
         """Bytes per second at which a streamed layer's frozen weights reach ``device`` from host RAM."""
         ...
@@ -244,6 +248,10 @@ class RooflineCostModel:
         """Encode/decode overhead, plus the copy between a GPU and its host."""
         cost = MESSAGE_FIXED_S + (num_bytes / HOST_COPY_BYTES_PER_S if device.backend != "cpu" else 0.0)
         return cost, cost
+
+    def codec_s(self, device: DeviceSpec, compression: str, values: float) -> tuple[float, float]:
+        """The codec's memory traffic over the device's memory bandwidth (CODEC_BYTES_PER_VALUE)."""
+        return codec_s(device, compression, values)
 
     def host_copy_bytes_per_s(self, device: DeviceSpec) -> float:
         """The host link's share a pinned copy reaches (HOST_LINK_EFFICIENCY); on a CPU, its memcpy rate (read and

@@ -11,7 +11,6 @@ from hetero.planner.cost import AUTO_SCHEME, REDUCE_PROBE_BYTES, SYNC_BYTES
 from hetero.planner.cost_model import (
     WIRE_BYTES_PER_VALUE,
     CostModel,
-    codec_s,
     wire_values_per_token,
 )
 from hetero.specs import ClusterSpec
@@ -95,14 +94,14 @@ def _auto_links(link: list[list[list[list[float]]]], squeezed: list[list[list[li
     return choice
 
 
-def auto_inputs(graph: LayerGraph, cluster: ClusterSpec, tokens: int
-                 ) -> tuple[list[float], list[list[tuple[float, float]]]]:
+def auto_inputs(graph: LayerGraph, cluster: ClusterSpec, tokens: int, cost_model: CostModel
+                ) -> tuple[list[float], list[list[tuple[float, float]]]]:
     """What planner.compression=auto weighs per node: the compressed hand-off's bytes, and per host the (encode,
     decode) seconds of its slowest device."""
     comp, per_host = [], []
     for i in range(len(graph.nodes)):
         values = wire_values_per_token(graph, i) * tokens
         comp.append(values * WIRE_BYTES_PER_VALUE[AUTO_SCHEME])
-        costs = [[codec_s(d, AUTO_SCHEME, values) for d in host.devices] for host in cluster.hosts]
+        costs = [[cost_model.codec_s(d, AUTO_SCHEME, values) for d in host.devices] for host in cluster.hosts]
         per_host.append([(max((c[0] for c in cs), default=0.0), max((c[1] for c in cs), default=0.0)) for cs in costs])
     return comp, per_host

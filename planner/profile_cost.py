@@ -128,6 +128,21 @@ class ProfileCostModel:
             "" if len(parts) == 2 else f"; {'receive' if parts[0][0] == 'send' else 'send'}: roofline (not measured)")
         return send, recv
 
+    def codec_s(self, device: DeviceSpec, compression: str, values: float) -> tuple[float, float]:
+        """The device's measured encode and decode of a ``compression`` hand-off of ``values`` values (a `hetero
+        profile` times runtime/wire/compress.py there), else the roofline's."""
+        dev = self.profile.device(device.name)
+        if compression == "none" or values <= 0:
+            return 0.0, 0.0
+        key = f"codec {device.name}"
+        encode, decode = (None, None) if dev is None else (dev.codec_encode.get(compression),
+                                                         dev.codec_decode.get(compression))
+        if encode is None or decode is None:
+            self.sources[key] = f"roofline ({'device not in the profile' if dev is None else 'not measured'})"
+            return self.fallback.codec_s(device, compression, values)
+        self.sources[key] = self._source(device, "codec_encode")
+        return max(0.0, encode.at(int(values))), max(0.0, decode.at(int(values)))
+
     def host_copy_bytes_per_s(self, device: DeviceSpec) -> float:
         """The rate the profile measured for the runtime's own streaming copy (no efficiency factor: it is what a
         copy reached), else the roofline's."""

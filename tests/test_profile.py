@@ -260,6 +260,36 @@ def test_optimizer_and_message_costs_are_measured(tiny_spec: ModelSpec, monkeypa
     assert all(t > 0 for _, t in send.samples + recv.samples)
 
 
+def test_the_codec_is_measured_and_prices_compressed_hand_offs(tiny_spec: ModelSpec,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hetero profile` times runtime/wire/compress.py's encode and decode of [tokens, hidden] hand-offs per scheme
+    (int4's rotation costs more than int8); a profile that has them prices a compressed link's messages with them,
+    one without falls back to the datasheet estimate, and the plan's sources say which."""
+    import torch
+
+    from hetero.planner.cost_model import codec_s
+    from hetero.runtime.tools import profiler
+
+    monkeypatch.setattr(profiler, "TARGET_S", 0.05)
+    torch.set_num_threads(1)
+    probe = profiler.build_probe(tiny_spec, torch.device("cpu"), "float32", "none")
+    encode, decode = profiler.profile_codec(probe, [256, 2048])
+    assert set(encode) == set(decode) == {"int8", "int4"}
+    assert [x for x, _ in encode["int8"].samples] == [256 * 64.0, 2048 * 64.0]  # values of a [tokens, hidden]
+    assert all(t > 0 for fit in (*encode.values(), *decode.values()) for _, t in fit.samples)
+    assert encode["int4"].at(2048 * 64) > encode["int8"].at(2048 * 64)
+    cluster = local_fleet([1, 1])
+    prof = synthetic_profile(cluster, tiny_spec, {d.name: 1e-5 for d in cluster.devices})
+    first = replace(prof.devices[0], codec_encode={"int8": _fit(0.0, 1e-6)}, codec_decode={"int8": _fit(0.0, 2e-7)})
+    model = ProfileCostModel(replace(prof, devices=[first, *prof.devices[1:]]), RooflineCostModel())
+    measured, unmeasured = cluster.devices
+    assert model.codec_s(measured, "int8", 1e4) == pytest.approx((1e-2, 2e-3))
+    assert model.sources[f"codec {measured.name}"] == "profile"
+    assert model.codec_s(unmeasured, "int8", 1e4) == codec_s(unmeasured, "int8", 1e4)
+    assert model.sources[f"codec {unmeasured.name}"].startswith("roofline")
+    assert model.codec_s(measured, "none", 1e4) == (0.0, 0.0)
+
+
 def test_the_host_link_is_the_runtimes_own_streaming_copy(tiny_spec: ModelSpec,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """`hetero profile` times the WeightStreamer copying the probe's decoder layer: its frozen Linears (no LoRA),
@@ -268,7 +298,8 @@ def test_the_host_link_is_the_runtimes_own_streaming_copy(tiny_spec: ModelSpec,
 
     from hetero.runtime.stage.streaming import WeightStreamer
     from hetero.runtime.tools import profiler
-    from hetero.runtime.tools.profiler import available_ram_gb, build_probe, profile_host_link
+    from hetero.runtime.tools.device_facts import available_ram_gb
+    from hetero.runtime.tools.profiler import build_probe, profile_host_link
 
     monkeypatch.setattr(profiler, "TARGET_S", 0.05)
     torch.set_num_threads(1)

@@ -194,6 +194,10 @@ def _device_lines(cfg: Config, d: DeviceProfile) -> list[str]:
         size = tokens * int(cfg.model.architecture.get("hidden_size", 0)) * BYTES_PER_DTYPE.get(d.dtype, 4)
         extra.append(f"a {size / 1e6:.2g} MB activation costs {d.message_send.at(size) * 1e3:.2f} ms to send, "
                      f"{d.message_recv.at(size) * 1e3:.2f} ms to receive")
+    if "int8" in d.codec_encode and "int8" in d.codec_decode:
+        values = tokens * int(cfg.model.architecture.get("hidden_size", 0))
+        extra.append(f"int8 compression of one costs {d.codec_encode['int8'].at(values) * 1e3:.2f} ms to encode, "
+                     f"{d.codec_decode['int8'].at(values) * 1e3:.2f} ms to decode")
     if d.host_link_gbs is not None:
         extra.append(f"streamed weights reach it at {d.host_link_gbs:.1f} GB/s")
     if d.host_ram_gb is not None:

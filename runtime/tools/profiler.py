@@ -23,8 +23,6 @@ the host's available RAM.
 
 from __future__ import annotations
 
-import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +40,7 @@ from hetero.runtime.stage.loss import chunked_loss_sum
 from hetero.runtime.stage.memory import kept_bytes
 from hetero.runtime.stage.model import StageLayout, _build_config, _skeleton, attention_masks, rotary_tables
 from hetero.runtime.stage.weights import quantize_nf4
+from hetero.runtime.tools.device_facts import available_ram_gb, telemetry, usable_memory_gb
 from hetero.runtime.wire.frames import TORCH_DTYPES
 from hetero.specs import DeviceSpec, ModelSpec, TrainSpec
 
@@ -301,6 +300,26 @@ def profile_optimizer(probe: Probe) -> LinearFit | None:
     return fit_line(xs, ys)
 
 
+def profile_codec(probe: Probe, token_counts: list[int]) -> tuple[dict[str, LinearFit], dict[str, LinearFit]]:
+    """Per compression scheme, the seconds to encode and to decode one hand-off (runtime/wire/compress.py, what a
+    stage runs on a compressed link) against its values (x = values), at the device's compute dtype."""
+    from hetero.runtime.wire import compress
+
+    encode: dict[str, LinearFit] = {}
+    decode: dict[str, LinearFit] = {}
+    for scheme in (s for s in compress.SCHEMES if s != "none"):
+        values, enc_s, dec_s = [], [], []
+        for tokens in token_counts:
+            h = torch.randn(tokens, probe.hidden, device=probe.device, dtype=probe.dtype)
+            parts = compress.encode(h, scheme)
+            values.append(float(h.numel()))
+            enc_s.append(_typical_time(lambda h=h, scheme=scheme: compress.encode(h, scheme), lambda: None, probe.device))
+            dec_s.append(_typical_time(lambda p=parts, scheme=scheme: compress.decode(p, scheme, probe.hidden, probe.dtype),
+                                       lambda: None, probe.device))
+        encode[scheme], decode[scheme] = fit_line(values, enc_s), fit_line(values, dec_s)
+    return encode, decode
+
+
 def profile_messages(probe: Probe, token_counts: list[int]) -> tuple[LinearFit, LinearFit]:
     """CPU seconds to send, and to receive, one activation message against its bytes (x = bytes).
 
@@ -364,67 +383,6 @@ def profile_host_link(probe: Probe) -> float | None:
     return streamer.layer_bytes(0) / max(seconds, 1e-9) / 1e9
 
 
-def available_ram_gb() -> float | None:
-    """The host's available RAM now, GB: MemAvailable (free plus what the kernel can reclaim), else free pages."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 / 1e9
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def usable_memory_gb(device: torch.device, share: int = 1) -> float | None:
-    """Free memory of a GPU now; on CPU the host's available RAM divided among its ``share`` stages."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return free / 1e9
-    avail = available_ram_gb()
-    return None if avail is None else avail / max(1, share)
-
-
-def telemetry(device: torch.device) -> dict[str, float]:
-    """Temperature and clocks where the vendor library is importable (NVML, amdsmi); else empty."""
-    if device.type != "cuda":
-        return {}
-    index = device.index or 0
-    try:
-        import pynvml  # type: ignore[import-not-found]
-
-        pynvml.nvmlInit()
-        try:
-            h = pynvml.nvmlDeviceGetHandleByIndex(index)
-            return {
-                "temperature_c": float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
-                "sm_clock_mhz": float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
-                "memory_clock_mhz": float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)),
-                "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
-            }
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # absent library, no NVIDIA device (a ROCm build), or a driver refusing: try AMD
-        pass
-    try:
-        import amdsmi  # type: ignore[import-not-found]
-
-        amdsmi.amdsmi_init()
-        try:
-            h = amdsmi.amdsmi_get_processor_handles()[index]
-            temp = amdsmi.amdsmi_get_temp_metric(h, amdsmi.AmdSmiTemperatureType.EDGE,
-                                                 amdsmi.AmdSmiTemperatureMetric.CURRENT)
-            clock = amdsmi.amdsmi_get_clock_info(h, amdsmi.AmdSmiClkType.GFX)
-            return {"temperature_c": float(temp), "sm_clock_mhz": float(clock.get("clk", math.nan))}
-        finally:
-            amdsmi.amdsmi_shut_down()
-    except Exception:
-        return {}
-
-
 def decoder_load(model: ModelSpec, device_spec: DeviceSpec, torch_device: torch.device,
                  micro_batch_size: int) -> Callable[[], None]:
     """One forward+backward of a decoder layer at the planned micro-batch: the work a stage repeats in a run.
@@ -470,6 +428,9 @@ def profile_device(model: ModelSpec, device_spec: DeviceSpec, torch_device: torc
     send, recv = profile_messages(probe, tokens)
     if on_layer is not None:
         on_layer("messages")
+    codec_encode, codec_decode = profile_codec(probe, tokens)
+    if on_layer is not None:
+        on_layer("codec")
     host_link = profile_host_link(probe)
     if on_layer is not None:
         on_layer("host link")
@@ -482,5 +443,5 @@ def profile_device(model: ModelSpec, device_spec: DeviceSpec, torch_device: torc
         layers=layers, optimizer=optimizer, message_send=send, message_recv=recv, telemetry=telemetry(torch_device),
         environment={**describe_environment(str(torch_device)), "torch_threads": torch.get_num_threads()},
         seconds=time.perf_counter() - t0, started_unix_s=started, measured_with=list(measured_with or []),
-        host_link_gbs=host_link, host_ram_gb=available_ram_gb(),
+        host_link_gbs=host_link, host_ram_gb=available_ram_gb(), codec_encode=codec_encode, codec_decode=codec_decode,
     )

@@ -27,13 +27,14 @@ from hetero.serde import check_schema_version, from_dict, read_versioned_json, t
 from hetero.specs import ClusterSpec, ModelSpec
 
 # v2 added what a run records (Profile.origin, DeviceProfile.sources); v3 the cores a run's CPU stages got
-# (Profile.host_cores); v4 what weight streaming needs (DeviceProfile.host_link_gbs, .host_ram_gb). Older files
-# load unchanged.
+# (Profile.host_cores); v4 what weight streaming needs (DeviceProfile.host_link_gbs, .host_ram_gb); v5 the codec of
+# compressed hand-offs (DeviceProfile.codec_encode, .codec_decode) and links naming the security mode they were
+# measured in (LinkProfile.method). Older files load unchanged.
 PROFILE_SCHEMA_VERSION = 5
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
 _REPROFILE = "re-run `hetero profile`"
 LAYER_KINDS = ("embedding", "decoder", "norm", "head")
-MEASURED_PARTS = (*LAYER_KINDS, "optimizer", "messages", "host link")  # what a device's profile reports progress on
+MEASURED_PARTS = (*LAYER_KINDS, "optimizer", "messages", "codec", "host link")  # what a device's profile reports progress on
 
 
 class ProfileError(ConfigError):

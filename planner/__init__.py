@@ -319,21 +319,35 @@ def _cost_provenance(cost_model: CostModel) -> tuple[dict[str, str], list[str]]:
     return {"profile": cost_model.path, **cost_model.sources}, cost_model.summary()
 
 
-def _cipher_lines(cost_model: CostModel) -> list[str]:
-    """The verdict's line where links not measured are priced with CurveZMQ's cipher (security=curve)."""
+def _cipher_lines(cost_model: CostModel, plan_: Plan) -> list[str]:
+    """The verdict's line where the plan's hand-offs cross links priced with CurveZMQ's cipher estimate
+    (security=curve; a link a profile measured under the cipher is taken as measured)."""
     roofline = cost_model.fallback if isinstance(cost_model, ProfileCostModel) else cost_model
     if not isinstance(roofline, RooflineCostModel) or not roofline.cipher_s_per_byte:
         return []
-    unmeasured = (sorted(k.removeprefix("link ") for k, v in cost_model.sources.items()
-                         if k.startswith("link ") and v.startswith("fleet file"))
-                  if isinstance(cost_model, ProfileCostModel) else None)
-    if unmeasured == []:
-        return []  # every link was measured, under the mode the profile ran in
-    which = "Every link" if unmeasured is None else f"The links not measured ({', '.join(unmeasured)})"
-    return [f"{which} carries CurveZMQ-encrypted messages (security=curve): each hand-off is priced with its transfer "
+    crossed = sorted({f"{min(a, b)}<->{max(a, b)}" for a, b in _hand_off_hosts(plan_)})
+    if isinstance(cost_model, ProfileCostModel):
+        crossed = [k for k in crossed if "CurveZMQ estimate" in cost_model.sources.get(f"link {k}", "fleet file")
+                   or cost_model.sources.get(f"link {k}", "fleet file").startswith("fleet file")]
+    if not crossed:
+        return []
+    return [f"The links the hand-offs cross ({', '.join(crossed)}) carry CurveZMQ-encrypted messages "
+            "(security=curve), not measured with the cipher: each hand-off is priced with its transfer "
             f"plus the cipher's work at {1 / roofline.cipher_s_per_byte / 1e9:.2g} GB/s (measured on a 2-core CPU, "
             "bench/bench_cipher.py); `hetero profile` measures your links with the cipher, and security=none drops it "
             "on a network you trust (docs/security.md)."]
+
+
+def _hand_off_hosts(plan_: Plan) -> list[tuple[str, str]]:
+    """The (sender, receiver) hosts of every hand-off of ``plan_``: each stage to the next of its pipeline, and under
+    an interleaved schedule the last device to the first."""
+    pairs = []
+    for rep in plan_.pipelines:
+        hosts = [plan_.stages[k].host for k in rep.stages]
+        pairs += list(zip(hosts[:-1], hosts[1:], strict=True))
+        if any(plan_.stages[k].chunks for k in rep.stages):
+            pairs.append((hosts[-1], hosts[0]))
+    return pairs
 
 
 # What a GPU stage takes, at least, to issue one decoder layer's forward and backward for a micro-batch from Python:
@@ -443,14 +457,14 @@ def plan(
     base = [replace(b, prediction=with_label_fraction(b.prediction, fraction)) if b.prediction is not None else b
             for b, _ in pairs]
     cost_sources, cost_notes = _cost_provenance(cost_model)
+    head = [*_verdict(prediction, stages, base, solver), *notes, *cost_notes]
+    tail = [*_issue_bound_lines(stages, cost_model), *_experts_lines(graph, cost_model),
+            *_unused_lines(training_fleet(cluster, evaluation.device), stages, options)]
     unhashed = Plan(
         model=model, cluster=cluster, train=train, data=data, planner=options, graph=graph, stages=stages,
-        prediction=prediction, baselines=base, solver=solver,
-        verdict=[*_verdict(prediction, stages, base, solver), *notes, *cost_notes, *_cipher_lines(cost_model),
-                 *_issue_bound_lines(stages, cost_model), *_experts_lines(graph, cost_model),
-                 *_unused_lines(training_fleet(cluster, evaluation.device), stages, options)],
-        config=dict(config or {}),
+        prediction=prediction, baselines=base, solver=solver, verdict=[*head, *tail], config=dict(config or {}),
         cost_sources=cost_sources, eval=evaluation, replicas=replicas if len(replicas) > 1 else [],
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"), data_stats=data_stats,
     )
+    unhashed = replace(unhashed, verdict=[*head, *_cipher_lines(cost_model, unhashed), *tail])
     return replace(unhashed, input_hash=compute_input_hash(unhashed))

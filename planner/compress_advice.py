@@ -16,7 +16,6 @@ from hetero.planner.objective import Evaluation, evaluate
 from hetero.specs import ClusterSpec
 
 MOST_LINES = 4  # links named one by one; the rest are counted
-WORTH = 0.02  # under none, auto is suggested where compressing a link predicts at least this gain
 
 
 def link_steps(table: CostTable, ev: Evaluation, pos: int) -> tuple[float, float]:
@@ -35,6 +34,23 @@ def link_steps(table: CostTable, ev: Evaluation, pos: int) -> tuple[float, float
     return steps[0], steps[1]
 
 
+def _why(table: CostTable, ev: Evaluation, pos: int, compression: str, interleaved: bool) -> str:
+    """What the plan sends on the link after position ``pos``, and why: auto's rule (the compressed transfer, encoding
+    and decoding included, against the plain one), which under none says what auto would do."""
+    devices, node = ev.placement.devices, ev.placement.spans[pos][1]
+    a, b, kind = table.host_of[devices[pos]], table.host_of[devices[pos + 1]], table.wire_kind[devices[pos]]
+    shorter = table.link_squeezed_s[node][kind][a][b] < table.link_plain_s[node][kind][a][b]
+    if interleaved:
+        return (f"sent uncompressed by the interleaved pipeline planned (planner.compression={compression}; interleaved "
+                "chunks do not compress hand-offs yet)")
+    if compression == "auto":
+        return (f"{AUTO_SCHEME} (auto: its transfer, encoding and decoding included, is shorter than the plain one)"
+                if shorter else "uncompressed (auto: encoding and decoding cost more than the smaller transfer saves)")
+    return ("uncompressed (planner.compression=none); planner.compression=auto would compress it" if shorter else
+            "uncompressed (planner.compression=none), as auto would leave it: encoding and decoding cost more than "
+            "the smaller transfer saves")
+
+
 def link_lines(table: CostTable, cluster: ClusterSpec, ev: Evaluation, compression: str,
                interleaved: bool = False) -> list[str]:
     """The verdict's line per link between hosts of a one-pipeline plan; none where hand-offs are not weighed."""
@@ -50,18 +66,7 @@ def link_lines(table: CostTable, cluster: ClusterSpec, ev: Evaluation, compressi
                  f"{pos + 1}, {cluster.link(a, b).bandwidth_gbps:g} Gbit/s)")
         change = (squeezed - plain) / plain if plain > 0 else 0.0
         both = f"{squeezed:#.3g} s/step with {AUTO_SCHEME} hand-offs, {plain:#.3g} s uncompressed ({change:+.1%})"
-        if compression == "auto":
-            chosen = table.link_compress[ev.placement.spans[pos][1]][table.wire_kind[devices[pos]]][
-                table.host_of[devices[pos]]][table.host_of[devices[pos + 1]]]
-            why = (f"{AUTO_SCHEME} (auto: its transfer, encoding and decoding included, is shorter than the plain one)"
-                   if chosen else "uncompressed (auto: encoding and decoding cost more than the smaller transfer saves)")
-            if interleaved:
-                why = "sent uncompressed in the interleaved pipeline planned (its chunks do not compress hand-offs yet)"
-        elif change <= -WORTH:
-            why = "uncompressed (planner.compression=none); planner.compression=auto would compress it"
-        else:
-            why = "uncompressed (planner.compression=none); compressing it would not pay"
-        lines.append(f"{where}: {both}; {why}.")
+        lines.append(f"{where}: {both}; {_why(table, ev, pos, compression, interleaved)}.")
     if len(crossing) > MOST_LINES:
         lines.append(f"... and {len(crossing) - MOST_LINES} more links between hosts.")
     return lines

@@ -421,8 +421,13 @@ def _link_table(graph: LayerGraph, model: ModelSpec, cluster: ClusterSpec, token
     # Every link between hosts is priced compressed beside plain where hand-offs may go either way (the plan's per-link
     # advice, planner/compress_advice.py); auto takes the faster per link.
     weighed = compression in ("auto", "none") and len(cluster.hosts) > 1
+    sources = getattr(cost_model, "sources", None)  # a profile's record of what it priced (plan.cost_sources)
+    cited = set(sources) if isinstance(sources, dict) else set()
     links = link_costs(cluster, cost_model, [h.name for h in cluster.hosts], kind_bytes, codec,
                        auto_inputs(graph, cluster, tokens, cost_model) if weighed else None, auto=compression == "auto")
+    if compression == "none" and isinstance(sources, dict):  # the codec priced only for the verdict's per-link lines
+        for key in [k for k in sources if k.startswith("codec ") and k not in cited]:
+            del sources[key]
     return wire_kind, kind_bytes, links
 
 

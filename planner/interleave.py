@@ -195,7 +195,7 @@ def chunk_recompute(table: CostTable, d: int, spans: list[tuple[int, int]], prog
     def fit_of(rs: tuple[int, ...]) -> ChunkFit:
         units, working = zip(*(_unit_bytes(table, d, a, b, r) for (a, b), r in zip(spans, rs, strict=True)),
                              strict=True)
-        acts = max(sum(n * u for n, u in zip(held, units, strict=True)) for held in counts) + max(working)
+        acts = _peak(counts, units) + max(working)
         return ChunkFit(list(rs), weights, lora, acts, stage_fits(table, d, weights, lora, acts))
 
     best: tuple[float, ChunkFit] | None = None
@@ -243,8 +243,12 @@ def peak_activations(program: list[Action], per_chunk: list[float]) -> float:
     """The most activation bytes a device holds while it runs ``program``: a forward of chunk c adds
     ``per_chunk[c]`` (one micro-batch through that chunk's layers) until its backward frees it. The order of a
     device's own forwards and backwards decides it, whatever the timing."""
-    return max((sum(n * b for n, b in zip(held, per_chunk, strict=True)) for held in held_counts(program, len(per_chunk))),
-               default=0.0)
+    return _peak(held_counts(program, len(per_chunk)), per_chunk)
+
+
+def _peak(counts: list[tuple[int, ...]], per_chunk: list[float] | tuple[float, ...]) -> float:
+    """The largest of the held counts (``held_counts``) weighted by each chunk's bytes per micro-batch."""
+    return max((sum(n * b for n, b in zip(held, per_chunk, strict=True)) for held in counts), default=0.0)
 
 
 def interleave(table: CostTable, graph: LayerGraph, model: ModelSpec, ev: Evaluation, stages: list[StagePlan],
@@ -255,30 +259,33 @@ def interleave(table: CostTable, graph: LayerGraph, model: ModelSpec, ev: Evalua
     leaves as they are; ``deadline``: when the chunking search stops (time.perf_counter)."""
     if mode == "off" or (mode == "auto" and (len(stages) < 2 or manual)):
         return stages, prediction, ""
-    planned, against = stages, "one chunk per device"  # ``planned`` is kept where chunks do not win
-    plain = prediction.step_time_s  # one chunk per device, hand-offs uncompressed: what GAIN is measured against
-    if table.link_compress and any(s.compress_out != "none" for s in stages):
-        # planner.compression=auto compressed a link, which chunks cannot yet: weigh them with every link uncompressed,
-        # planned where they gain as much over that as under compression=none, and beat the compressed pipeline.
-        table, stages = table.uncompressed(), [replace(s, compress_out="none") for s in stages]
-        plain = predict(table, evaluate(table, ev.placement))[0].step_time_s
-        against += f" with compressed hand-offs, {plain:.3g} s uncompressed"
+    planned, plain = stages, prediction.step_time_s  # ``planned`` is kept where chunks do not win
+    compressed = bool(table.link_compress) and any(s.compress_out != "none" for s in stages)
+    if table.link_compress:
+        # Under planner.compression=auto the table prices each link between hosts at the cheaper of plain and
+        # compressed hand-offs, but chunks send plain (compressed chunks do not exist yet): price them plain, and
+        # where auto compressed a link of this pipeline, weigh them against it plain as well (what none would ask).
+        table = table.uncompressed()
+        if compressed:
+            stages = [replace(s, compress_out="none") for s in stages]
+            plain = predict(table, evaluate(table, ev.placement))[0].step_time_s
     reason = why_not(table, graph, ev, stages)
     if reason is not None:
         if mode == "always":
             raise ConfigError(f"planner.interleave=always, but this pipeline cannot interleave: {reason}")
         return planned, prediction, f"Interleaved 1F1B not considered: {reason}."
     cand = best_candidate(table, graph, ev, stages, deadline=deadline)
-    step, planned_step = cand.timeline.step_time_s, prediction.step_time_s
     if cand.reasons:
         if mode == "always":
             raise ConfigError(f"planner.interleave=always, but the interleaved pipeline does not fit: {cand.reasons[0]}")
         return planned, prediction, f"Interleaved 1F1B ({CHUNKS} chunks per device) does not fit: {cand.reasons[0]}."
-    words = (f"interleaved 1F1B ({CHUNKS} chunks per device, the last device handing on to the first) simulates at "
-             f"{step:.3g} s/step against {planned_step:.3g} s for {against} ({(planned_step - step) / planned_step:+.1%})")
-    if mode == "auto" and (step > plain * (1 - GAIN) or step >= planned_step):
+    step, words = cand.timeline.step_time_s, _words(cand.timeline.step_time_s, prediction.step_time_s, plain, compressed)
+    if mode == "auto" and step > plain * (1 - GAIN):
         return planned, prediction, (f"Not interleaved: {words}; the smaller fill and drain do not pay for twice the "
-                                    f"hand-offs here (planned only from a {GAIN:.0%} gain).")
+                                     f"hand-offs here (planned only from a {GAIN:.0%} gain).")
+    if mode == "auto" and step >= prediction.step_time_s:
+        return planned, prediction, (f"Not interleaved: {words}; compressing one chunk per device's hand-offs gains "
+                                     "more (interleaved chunks send theirs plain).")
     experts = [sum(expert_weight_bytes(graph, i, table.devices[d], model) for a, b in cand.spans[k]
                    for i in range(a, b + 1)) / GB for k, d in enumerate(ev.placement.devices)]
     chosen = _interleaved_stages(graph, table, list(ev.placement.devices), stages, cand, table.num_micro_batches,
@@ -286,6 +293,15 @@ def interleave(table: CostTable, graph: LayerGraph, model: ModelSpec, ev: Evalua
     return chosen, _prediction(prediction, cand), (f"Interleaved: {words}. The chunk boundaries come from a local "
                                                    "search from even halves; a proof above covers placements of one "
                                                    "chunk per device.")
+
+
+def _words(step: float, planned: float, plain: float, compressed: bool) -> str:
+    """What the interleaved pipeline simulates at against one chunk per device (as planned; and plain where the
+    planned one compresses hand-offs)."""
+    return (f"interleaved 1F1B ({CHUNKS} chunks per device, the last device handing on to the first) simulates at "
+            f"{step:.3g} s/step against {planned:.3g} s for one chunk per device"
+            + (f" with compressed hand-offs ({(planned - step) / planned:+.1%}) and {plain:.3g} s with them plain "
+               f"({(plain - step) / plain:+.1%})" if compressed else f" ({(planned - step) / planned:+.1%})"))
 
 
 def _interleaved_stages(graph: LayerGraph, table: CostTable, devices: list[int], stages: list[StagePlan],

@@ -94,6 +94,13 @@ class ProfileCostModel:
         else:
             self.sources[key] = ("profile" if "(from " not in link.method else f"profile ({link.method})") + (
                 ", under CurveZMQ" if "security curve" in link.method else "")
+        # A link measured in plaintext (a profile or run of security none or token) does not include the cipher a
+        # curve plan adds: priced with the datasheet estimate on top. One whose method names no mode (profiles
+        # before v5, runs) was measured in the mode compile chooses, curve between hosts: taken as it is.
+        cipher = getattr(self.fallback, "cipher_s_per_byte", 0.0)
+        if cipher and ("security none" in link.method or "security token" in link.method):
+            self.sources[key] += " + CurveZMQ estimate (measured in plaintext)"
+            return link.transfer_s(num_bytes) + num_bytes * cipher
         return link.transfer_s(num_bytes)
 
     def optimizer_step_s(self, device: DeviceSpec, model: ModelSpec, lora_params: int, lora_tensors: int) -> float:

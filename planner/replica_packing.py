@@ -121,11 +121,10 @@ class _Packing:
             return found[0]
         check(self.deadline)
         nxt = None if left is None else left - 1
-        sets, g, useful = self.sets, self.g, self.useful
+        sets, g = self.sets, self.g
         best, choice = g(s - sets.stride[sets.lowest[s]], mu, need, left), None  # that device idles
         for u in self.subs(s):
-            entries = useful.get((u, mu))
-            for m, red, red_c, pipe, pipe_c, t, t_c in (self.shares(u, mu) if entries is None else entries):
+            for m, red, red_c, pipe, pipe_c, t, t_c in self.shares(u, mu):
                 if need and red_c < best:
                     v = red_c + g(s - u, mu - m, False, nxt)
                     if v < best:

@@ -150,7 +150,9 @@ def _compile_free(root: Path, fleets: Path, scheme: str, *extra: str) -> Plan:
 def test_auto_never_predicts_a_slower_step_than_none(tmp_path: Path, gbps: float) -> None:
     """auto compresses a link where its transfer gets shorter, but compressed chunks cannot interleave yet: where the
     uncompressed interleaved pipeline wins (as compression=none would plan it), auto plans that instead. At 10 Gbit/s
-    under CurveZMQ the cipher makes the compressed link faster, yet interleaving uncompressed is faster still."""
+    under CurveZMQ the cipher makes the compressed link faster, yet interleaving uncompressed is faster still. (On
+    these two hosts both settings find the same placement; in general auto's search, which sees links at its
+    cheaper price, may place stages otherwise.)"""
     fleets = _fleet(tmp_path, gbps)
     auto, plain = _compile_free(tmp_path, fleets, "auto"), _compile_free(tmp_path, fleets, "none")
     assert auto.prediction.step_time_s <= plain.prediction.step_time_s * (1 + 1e-9), (gbps, auto.verdict)
@@ -212,3 +214,42 @@ def test_curve_prices_the_cipher_on_links_it_did_not_measure(tmp_path: Path) -> 
     model = ProfileCostModel(profile, RooflineCostModel(security="curve"))
     assert model.transfer_time_s(curve.cluster, "a", "b", 1e6) == pytest.approx(measured.transfer_s(1e6))
     assert "CurveZMQ" in model.sources["link a<->b"]
+    # Measured in plaintext: the cipher's estimate goes on top, and the source says so.
+    bare_link = replace(measured, method="zmq ping-pong, security none")
+    model = ProfileCostModel(replace(profile, links=[bare_link]), RooflineCostModel(security="curve"))
+    assert model.transfer_time_s(curve.cluster, "a", "b", 1e6) == pytest.approx(
+        bare_link.transfer_s(1e6) + 1e6 / CURVE_BYTES_PER_S)
+    assert "CurveZMQ estimate" in model.sources["link a<->b"]
+    # The verdict names the links the hand-offs cross that were not measured with the cipher, and only those.
+    from hetero.planner import _cipher_lines
+
+    assert "a<->b" in _cipher_lines(model, curve)[0]
+    model.sources["link a<->b"] = "profile, under CurveZMQ"
+    assert _cipher_lines(model, curve) == []
+    assert _cipher_lines(RooflineCostModel(security="none"), curve) == []
+
+
+def test_interleaved_chunks_are_priced_plain_under_auto(tmp_path: Path) -> None:
+    """Under auto the cost table prices each link between hosts at the cheaper of plain and compressed, but chunks
+    send plain: on three hosts whose ring link (c back to a) is slow, the interleaved plan of auto predicts what the
+    same plan under none predicts, not a step with that link compressed."""
+    fleets = tmp_path / "fleets"
+    (fleets / "hardware").mkdir(parents=True)
+    hosts = [{"name": name, "address": f"10.0.0.{i + 1}", "port": 29500,
+              "devices": [{"type": "cpu", "threads": 1, "memory_gb": 8}]} for i, name in enumerate("abc")]
+    links = [{"a": "a", "b": "b", "bandwidth_gbps": 10}, {"a": "b", "b": "c", "bandwidth_gbps": 10},
+             {"a": "a", "b": "c", "bandwidth_gbps": 0.02}]
+    (fleets / "hardware" / "slow.yaml").write_text(json.dumps({"name": "slow", "hosts": hosts, "links": links}))
+    plans = {}
+    for scheme in ("auto", "none"):
+        out = tmp_path / scheme
+        assert cli.main(["compile", "--config-dir", str(fleets), "hardware=slow", "model=tiny", "model.seq_len=256",
+                         "train.micro_batch_size=8", "train.num_micro_batches=6", "planner.split=[2,2,2]",
+                         "planner.devices=[a.cpu0,b.cpu0,c.cpu0]", "planner.interleave=always",
+                         f"planner.compression={scheme}", f"output={out}", "planner.time_limit_s=5",
+                         "security=none"]) == 0  # plaintext: auto leaves the fast links of one chunk per device plain
+        plans[scheme] = Plan.load(out / "plan.json")
+    assert all(s.chunks and s.compress_out == "none" for p in plans.values() for s in p.stages)
+    assert plans["auto"].prediction.step_time_s == pytest.approx(plans["none"].prediction.step_time_s, rel=1e-9)
+    ring = plans["auto"].stages[-1]  # its first chunk hands on to device a's second chunk, over the slow link
+    assert ring.send_time_s == pytest.approx(plans["none"].stages[-1].send_time_s, rel=1e-9)

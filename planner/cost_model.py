@@ -36,8 +36,8 @@ WIRE_BYTES_PER_VALUE = {"int8": 1.0 + 4.0 / 64, "int4": 0.5 + 4.0 / 64}
 # CurveZMQ (security=curve, the default off loopback) encrypts each message whole in the sender's ZeroMQ I/O thread and
 # decrypts it whole in the receiver's: under it a hand-off takes its transfer plus its bytes at this rate (both ends'
 # work, one after the other). Measured with bench/bench_cipher.py on the 2-vCPU sandbox (pyzmq 27.3, libzmq 4.3.5),
-# 2026-11-29: 0.41-0.42 GB/s for 0.5 MiB messages (two runs), 0.34 at 16 MiB (an 8B model's bf16 hand-off of 2,048 tokens), 0.29 at
-# 32 MiB. A `hetero profile` measures each link under the mode the plan uses, the cipher included; this prices the
+# 2026-11-29: 0.41-0.42 GB/s for 0.5 MiB messages (two runs), 0.34 at 16 MiB (an 8B model's bf16 hand-off of 2,048
+# tokens), 0.29 at 32 MiB. A `hetero profile` measures each link under the mode the plan uses, the cipher included; this prices the
 # links it did not measure.
 CURVE_BYTES_PER_S = 0.35e9
 HOST_COPY_BYTES_PER_S = 12e9  # PCIe 4.0 x16 in practice
@@ -187,7 +187,7 @@ class RooflineCostModel:
         if not 0.0 < efficiency <= 1.0:
             raise ConfigError(f"planner.efficiency must be in (0, 1], got {efficiency}")
         self.efficiency = efficiency
-        self.security = security  # the plan's security mode: curve encrypts every message (CURVE_BYTES_PER_S)
+        # ``security``: the plan's mode; curve encrypts every message (CURVE_BYTES_PER_S on each byte sent).
         self.cipher_s_per_byte = 1.0 / CURVE_BYTES_PER_S if security == "curve" else 0.0
 
     def _flops_per_s(self, device: DeviceSpec, dtype: str) -> float:

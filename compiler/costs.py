@@ -39,6 +39,7 @@ class UnitCost:
     recompute_bytes_per_token: float | None = None  # kept per token when recomputed (decoder layers only)
     expert_params: int = 0  # of linear_params, the mixture-of-experts weights (every expert)
     layer_type: str = ""  # a decoder layer's attention kind (hetero/families.py layer_types)
+    dispatch_bytes_per_token: float = 0.0  # a mixture of experts' routing traffic (MoE.dispatch_bytes)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class MoE:
     top_k: int
     params: int
     hidden: int
+    grouped: bool = True  # model.experts_implementation: grouped (sorted once), or eager (transformers' loop)
 
     @property
     def intermediate(self) -> int:  # gate, up [I, H] and down [H, I] per expert
@@ -59,12 +61,25 @@ class MoE:
         """Forward FLOPs per token: the router's logits over every expert, then the top-k experts' matmuls only."""
         return 2.0 * self.experts * self.hidden + 2.0 * self.top_k * self.params / self.experts
 
+    def dispatch_bytes(self, dtype_bytes: float) -> float:
+        """Forward memory traffic per token of the routing around the experts' matmuls (memory-bound kernels that
+        run beside them, not under them): the token's rows gathered per chosen expert (read H, write k H), weighted
+        (read and write k H), put back in token order (read and write k H) and summed (read k H, write H), and the
+        sort's int64 keys, order and inverse order."""
+        return float(dtype_bytes * (2 + 7 * self.top_k) * self.hidden + 4 * 8 * self.top_k)
+
     def activation_bytes(self, dtype_bytes: float) -> float:
-        """What autograd keeps per token for the MoE block (frozen experts, transformers' per-expert loop), as
-        measured in tests/test_experts.py: per chosen expert its gathered input and output (2 H), the gate/up
-        output and the activation (3 I), the routing weight, and the token's row indices (int64, twice); the
-        router's input (H) and its fp32 logits and softmax over every expert, top-k values, indices and sum.
-        NF4 experts keep no input (bitsandbytes saves the weight only): an overestimate of H per chosen expert."""
+        """What autograd keeps per token for the MoE block (frozen experts), as measured in tests/test_experts.py.
+        Grouped: per chosen expert its gathered input (H), the gate/up output and the activation (3 I), the routing
+        weight, its top-k value (fp32) and index, and three int64 row indices (the sort's order, the rows' tokens,
+        the inverse order); the router's input (H), its fp32 logits over every expert and one scalar. Eager
+        (transformers' per-expert loop): per chosen expert also its output (H), two int64 indices, and the router's
+        softmax over every expert. NF4 experts keep no input (bitsandbytes saves the weight only): an overestimate
+        of H per chosen expert."""
+        if self.grouped:
+            per_expert = dtype_bytes * (3 * self.intermediate + self.hidden + 1) + 3 * 8 + 4 + 8
+            router = dtype_bytes * self.hidden + 4 * self.experts + 4
+            return float(self.top_k * per_expert + router)
         per_expert = dtype_bytes * (3 * self.intermediate + 2 * self.hidden + 1) + 2 * 8
         router = dtype_bytes * self.hidden + 2 * 4 * self.experts + (4 + 8) * self.top_k + 4
         return float(self.top_k * per_expert + router)
@@ -129,7 +144,8 @@ def layer_moe(config: Any, params: dict[str, Any]) -> MoE | None:
     if not stacked:
         return None  # a dense layer of a MoE model (Qwen3-MoE's mlp_only_layers)
     count, top_k = int(getattr(config, experts.count)), int(getattr(config, experts.top_k))
-    return MoE(count, top_k, stacked, int(config.hidden_size))
+    grouped = getattr(config, "_experts_implementation", None) != "eager"
+    return MoE(count, top_k, stacked, int(config.hidden_size), grouped)
 
 
 def lora_targets(module: nn.Module, prefix: str, targets: Iterable[str]) -> list[tuple[str, nn.Linear | nn.Embedding]]:
@@ -269,6 +285,7 @@ def unit_cost(
         recompute_bytes_per_token=recompute,
         expert_params=moe.params if moe else 0,
         layer_type=traits.layer_type if kind == "decoder" else "",
+        dispatch_bytes_per_token=moe.dispatch_bytes(dtype_bytes) if moe else 0.0,
     )
 
 

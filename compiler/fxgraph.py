@@ -34,9 +34,9 @@ def cost_dtype(model: ModelSpec) -> str:
     return model.dtype
 
 
-def build_config(architecture: dict[str, Any], attn_implementation: str = "auto") -> Any:
+def build_config(architecture: dict[str, Any], attn_implementation: str = "auto", experts: str = "grouped") -> Any:
     """An HF config object from an architecture dict (config.json contents), computing with ``attn_implementation``
-    (model.attn_implementation); no download."""
+    (model.attn_implementation) and ``experts`` (model.experts_implementation); no download."""
     if not isinstance(architecture, dict):
         raise ConfigError("model.architecture must be a mapping (an HF config.json as a dict)")
     model_type = architecture.get("model_type")
@@ -52,7 +52,7 @@ def build_config(architecture: dict[str, Any], attn_implementation: str = "auto"
     # As the runtime trains it (SDPA, or eager where the family needs it: Gemma 2's class refuses SDPA). Shapes do
     # not depend on it; costs follow it (compiler/costs.py).
     fam = family(model_type)
-    fam.configure(config, attn_implementation)
+    fam.configure(config, attn_implementation, experts)
     if config._attn_implementation in ("flash_attention_2", "flex_attention"):
         # The meta model runs SDPA's shapes (no flash-attn needed here, no flex kernel on the meta device); the
         # costs follow the kernel the stages will run (hetero/families.py attention_in_use).
@@ -77,7 +77,7 @@ def build_meta_model(model: ModelSpec, dtype: str | None = None) -> nn.Module:
     """The full CausalLM on the meta device: real structure and parameter names, no memory, no weights."""
     from transformers import AutoModelForCausalLM
 
-    config = build_config(model.architecture, model.attn_implementation)
+    config = build_config(model.architecture, model.attn_implementation, model.experts_implementation)
     torch_dtype = COMPUTE_DTYPES[dtype or cost_dtype(model)]
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=torch_dtype)

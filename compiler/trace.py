@@ -138,6 +138,7 @@ def _node(
         recompute_bytes_per_token=cost.recompute_bytes_per_token,
         expert_params=cost.expert_params,
         layer_type=cost.layer_type,
+        dispatch_bytes_per_token=cost.dispatch_bytes_per_token,
     )
 
 

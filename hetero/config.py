@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from hetero.errors import ConfigError
-from hetero.families import ATTENTION_CHOICES
+from hetero.families import ATTENTION_CHOICES, EXPERTS_CHOICES
 from hetero.hardware import build_cluster, load_device_types
 from hetero.hints import COMMAND_LINE
 from hetero.safe_yaml import check_interpolations, check_yaml, yaml_error_message
@@ -338,6 +338,9 @@ def _model_spec(model: Any, lora: Any) -> ModelSpec:
     if spec.attn_implementation not in ATTENTION_CHOICES:
         raise ConfigError(f"model.attn_implementation must be one of {', '.join(ATTENTION_CHOICES)}, got "
                           f"{short_repr(spec.attn_implementation)}")
+    if spec.experts_implementation not in EXPERTS_CHOICES:
+        raise ConfigError(f"model.experts_implementation must be one of {', '.join(EXPERTS_CHOICES)}, got "
+                          f"{short_repr(spec.experts_implementation)}")
     if "model_type" not in spec.architecture:
         raise ConfigError("model.architecture has no model_type (it must be an HF config.json as a mapping)")
     _check_architecture(spec.architecture)
@@ -454,8 +457,10 @@ def _composition_message(exc: BaseException) -> str:
         section = key.split(".")[0]
         cls = _SECTION_TYPES.get(section)
         if cls is not None and "." in key:
-            known = ", ".join(f.name for f in fields(cls))
-            return f"unknown key '{key}'; {section} has: {known}"
+            names = [f.name for f in fields(cls)]
+            if key.partition(".")[2] in names:  # a key the file leaves out
+                return f"'{key}' is not in this {section} file: add it with +{key}=<value>"
+            return f"unknown key '{key}'; {section} has: {', '.join(names)}"
         return f"unknown key '{key}'; top-level keys: {', '.join(sorted(_TOP_KEYS))}"
     if m:
         return f"cannot override '{m.group(1)}': {_first_line(cause) if cause else _first_line(exc)}"

@@ -36,6 +36,9 @@ from hetero.errors import ConfigError, UnsupportedModelError
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 # model.attn_implementation: auto = the family's (below), or flash-attn where a CUDA stage has it installed.
 ATTENTION_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
+# model.experts_implementation of a mixture of experts: grouped = tokens sorted by expert once, then grouped matmuls
+# (runtime/stage/experts.py); eager = transformers' loop with a host sync per expert (the reference).
+EXPERTS_CHOICES = ("grouped", "eager")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -89,13 +92,15 @@ class Family:
                               "or flex_attention")
         return choice
 
-    def configure(self, config: Any, choice: str = "auto") -> None:
-        """Set a built HF config to compute as hetero trains the family: its attention implementation, and
-        transformers' per-expert loop for a mixture of experts (what NF4Experts computes and the cost model counts,
-        quantized or not)."""
+    def configure(self, config: Any, choice: str = "auto", experts: str = "grouped") -> None:
+        """Set a built HF config to compute as hetero trains the family: its attention implementation, and for a
+        mixture of experts ``model.experts_implementation``: grouped (transformers' grouped_mm: one routing pass,
+        no host sync; NF4Experts groups the same way) or eager (transformers' per-expert loop)."""
         config._attn_implementation = self.attention_impl(config, choice)
+        if experts not in EXPERTS_CHOICES:
+            raise ConfigError(f"model.experts_implementation={experts!r}: expected one of {', '.join(EXPERTS_CHOICES)}")
         if self.experts is not None:
-            config._experts_implementation = "eager"
+            config._experts_implementation = "grouped_mm" if experts == "grouped" else "eager"
 
     def embedding_multiplier(self, architecture: dict[str, Any]) -> float:
         """What the model forward multiplies the embeddings by (1.0: nothing)."""

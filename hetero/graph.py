@@ -41,6 +41,9 @@ class LayerNode:
     recompute_bytes_per_token: float | None = None
     expert_params: int = 0  # of linear_params, mixture-of-experts weights (every expert; compute counts top-k)
     layer_type: str = ""  # decoder layers: the attention kind ("full_attention", "sliding_attention")
+    # A mixture of experts: forward memory traffic per token of routing outside the matmuls, at the graph's dtype
+    # (gather, weight, reorder, sum; compiler/costs.py MoE.dispatch_bytes). 0: a dense layer, or a graph from before.
+    dispatch_bytes_per_token: float = 0.0
 
 
 @dataclass(frozen=True)

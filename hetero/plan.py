@@ -420,6 +420,8 @@ def compute_input_hash(plan: Plan) -> str:
     model = canonical(ModelSpec, plan.model)
     if model.get("attn_implementation") == "auto":
         del model["attn_implementation"]  # the default: plans from before the option keep their hash
+    if model.get("experts_implementation") == "grouped":
+        del model["experts_implementation"]  # likewise
     payload = {
         "model": model,
         "cluster": cluster,

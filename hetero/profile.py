@@ -23,6 +23,7 @@ from typing import Any
 
 from hetero import __version__
 from hetero.errors import ConfigError
+from hetero.families import FAMILIES
 from hetero.serde import check_schema_version, from_dict, read_versioned_json, to_dict
 from hetero.specs import ClusterSpec, ModelSpec
 
@@ -296,14 +297,21 @@ def fleet_hash(cluster: ClusterSpec) -> str:
 
 
 def model_hash(model: ModelSpec) -> str:
-    """What changes a layer's cost: architecture, dtype, quantization, LoRA rank/targets, sequence length."""
-    payload = {
+    """What changes a layer's cost: architecture, dtype, quantization, LoRA rank/targets, sequence length, and the
+    kernels where they are not the default (the attention) or the model has experts (how they run: a profile of the
+    per-expert loop, from before grouped experts, is not one of grouped experts)."""
+    payload: dict[str, Any] = {
         "architecture": model.architecture,
         "dtype": model.dtype,
         "quantization": model.quantization,
         "lora": [model.lora.r, sorted(model.lora.target_modules)],
         "seq_len": model.seq_len,
     }
+    if model.attn_implementation != "auto":
+        payload["attention"] = model.attn_implementation
+    fam = FAMILIES.get(model.model_type)
+    if fam is not None and fam.experts is not None:
+        payload["experts"] = model.experts_implementation
     return _hash(payload)
 
 
@@ -323,7 +331,7 @@ def check_profile(profile: Profile, cluster: ClusterSpec, model: ModelSpec, wher
     if profile.origin.startswith("run"):  # a run directory: another run, not a profile, is the fix
         if profile.fleet_hash != fleet_hash(cluster) or profile.model_hash != model_hash(model):
             what = ("another fleet" if profile.fleet_hash != fleet_hash(cluster)
-                    else "another model (architecture, dtype, quantization, LoRA or seq_len)")
+                    else "another model (architecture, dtype, quantization, LoRA, seq_len or kernels)")
             raise ProfileError(f"{where} is a run of {what} (fleet '{profile.fleet}', model '{profile.model}') than "
                                f"this compile's (fleet '{cluster.name}', model '{model.name}'): give the directory "
                                "of a run of this fleet and model, or leave out profile=")
@@ -337,7 +345,7 @@ def check_profile(profile: Profile, cluster: ClusterSpec, model: ModelSpec, wher
     if profile.model_hash != model_hash(model):
         raise ProfileError(
             f"{where} was measured for model '{profile.model}' with another architecture, dtype, quantization, "
-            f"LoRA or seq_len than '{model.name}' here: re-run `{rerun}`"
+            f"LoRA, seq_len or kernels than '{model.name}' here: re-run `{rerun}`"
         )
 
 

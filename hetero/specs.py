@@ -208,6 +208,8 @@ class ModelSpec:
     seq_len: int = 2048
     # auto | sdpa | eager | flash_attention_2 | flex_attention (hetero/families.py ATTENTION_CHOICES; docs/data.md)
     attn_implementation: str = "auto"
+    # A mixture of experts: grouped | eager (hetero/families.py EXPERTS_CHOICES; docs/models.md)
+    experts_implementation: str = "grouped"
 
     @property
     def model_type(self) -> str:

@@ -393,14 +393,21 @@ def _unused_lines(fleet: ClusterSpec, stages: list[StagePlan], options: PlannerO
     return [f"Not used: {', '.join(unused)} ({why})."]
 
 
-def _experts_lines(graph: LayerGraph, cost_model: CostModel) -> list[str]:
-    """The caveat of a mixture-of-experts plan priced from datasheets: the runtime runs its experts one by one, which
-    the roofline prices at the matmul rate (W6 in docs/benchmarks.md measured a qwen3_moe step at about 2x the
-    prediction, against 1.2-1.6x for the dense families)."""
+def _experts_lines(graph: LayerGraph, cost_model: CostModel, model: ModelSpec) -> list[str]:
+    """The caveat of a mixture-of-experts plan priced from datasheets: the roofline prices the experts' matmuls at
+    the matmul rate with the tokens spread evenly over the experts (bench/bench_experts.py measured qwen3_moe's
+    step at about 1.7x the prediction with grouped experts and 2.5x with the eager loop, against 1.2-1.6x for the
+    dense families of W6 in docs/benchmarks.md)."""
     if isinstance(cost_model, ProfileCostModel) or not any(n.expert_params for n in graph.nodes):
         return []
-    return ["This model routes each token to a few experts, which run one by one; datasheet costs price them at "
-            "the matmul rate and predict its steps too fast (on CPU a mixture-of-experts step took about 2x the "
+    if model.experts_implementation == "eager":
+        return ["This model routes each token to a few experts, which run one by one "
+                "(model.experts_implementation=eager); datasheet costs price them at the matmul rate and predict its "
+                "steps too fast (on CPU a mixture-of-experts step took about 2.5x the prediction, dense models "
+                "1.2-1.6x): grouped experts run faster, and a profile of the fleet prices them as they run."]
+    return ["This model routes each token to a few experts, run as grouped matmuls; datasheet costs price them at "
+            "the matmul rate with the tokens spread evenly over the experts, which leaves out small groups, uneven "
+            "routing and the routing's own kernels (on CPU a mixture-of-experts step took about 1.7x the "
             "prediction, dense models 1.2-1.6x): a profile of the fleet prices them as they run."]
 
 
@@ -458,7 +465,7 @@ def plan(
             for b, _ in pairs]
     cost_sources, cost_notes = _cost_provenance(cost_model)
     head = [*_verdict(prediction, stages, base, solver), *notes, *cost_notes]
-    tail = [*_issue_bound_lines(stages, cost_model), *_experts_lines(graph, cost_model),
+    tail = [*_issue_bound_lines(stages, cost_model), *_experts_lines(graph, cost_model, model),
             *_unused_lines(training_fleet(cluster, evaluation.device), stages, options)]
     unhashed = Plan(
         model=model, cluster=cluster, train=train, data=data, planner=options, graph=graph, stages=stages,

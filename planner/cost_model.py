@@ -209,12 +209,17 @@ class RooflineCostModel:
         dequant = dequant_s(graph, node, device, model)
         # The matmuls read the weights at the compute dtype (a quantized one dequantized first: dequant_s).
         weights = weight_bytes(graph, node, device, model) if dequant == 0 else dense_weight_bytes(graph, node, dtype)
-        act = n.activation_bytes_per_token * tokens * dtype_bytes(dtype) / dtype_bytes(graph.dtype)
+        scale = dtype_bytes(dtype) / dtype_bytes(graph.dtype)
+        act = n.activation_bytes_per_token * tokens * scale
         # Forward reads the weights once and writes the saved activations; backward reads the
         # weights again (input grads) and reads the saved activations while writing their grads.
         fwd = max(n.fwd_flops_per_token * tokens / flops_per_s, (weights + act) / bandwidth)
         bwd = max(n.bwd_flops_per_token * tokens / flops_per_s, (weights + 2 * act) / bandwidth)
-        return fwd + DEQUANT_PASSES["fwd"] * dequant, bwd + DEQUANT_PASSES["bwd"] * dequant
+        # A mixture of experts' routing kernels run between the matmuls: their traffic adds (backward: its
+        # gradients scattered back and gathered again, twice the forward's).
+        dispatch = n.dispatch_bytes_per_token * tokens * scale / bandwidth
+        return (fwd + dispatch + DEQUANT_PASSES["fwd"] * dequant,
+                bwd + 2 * dispatch + DEQUANT_PASSES["bwd"] * dequant)
 
     def node_memory(
         self, graph: LayerGraph, model: ModelSpec, node: int, device: DeviceSpec, tokens: int

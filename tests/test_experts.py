@@ -32,6 +32,7 @@ from hetero.specs import LoraSpec, ModelSpec
 
 CPU = torch.device("cpu")
 MOE = ["qwen3_moe", "mixtral"]
+EVERY_MOE = sorted(t for t in TINY if family(t).experts is not None)
 
 
 def arch(model_type: str, **more: object) -> dict:
@@ -61,10 +62,30 @@ def test_a_moe_layer_counts_every_expert_in_memory_and_the_top_k_in_compute() ->
     dense = trace(spec("qwen3_moe", num_hidden_layers=1, num_experts_per_tok=8)).nodes[1]
     assert dense.fwd_flops_per_token - node.fwd_flops_per_token == pytest.approx((8 - 2) * 2 * per_expert)
     assert dense.expert_params == node.expert_params  # memory: every expert either way
+    # Routing traffic (fp32): gather, weight, reorder and sum the rows (2 + 7k) H, and the sort's int64 keys.
+    assert node.dispatch_bytes_per_token == 4 * (2 + 7 * top_k) * h + 4 * 8 * top_k
 
 
+def test_the_roofline_adds_the_routing_traffic_to_a_moe_layer() -> None:
+    from hetero.config import load
+    from hetero.planner.cost_model import RooflineCostModel
+
+    model = spec("qwen3_moe", num_hidden_layers=1)
+    graph = trace(model)
+    device = load(["hardware=homelab"]).cluster.devices[0]
+    node = graph.nodes[1]
+    bare = replace(graph, nodes=[*graph.nodes[:1], replace(node, dispatch_bytes_per_token=0.0), *graph.nodes[2:]])
+    tokens = 4096
+    routed = RooflineCostModel().node_time_s(graph, model, 1, device, tokens)
+    unrouted = RooflineCostModel().node_time_s(bare, model, 1, device, tokens)
+    dispatch = node.dispatch_bytes_per_token * tokens / (device.memory_bandwidth_gbs * 1e9)
+    assert routed[0] - unrouted[0] == pytest.approx(dispatch)
+    assert routed[1] - unrouted[1] == pytest.approx(2 * dispatch)
+
+
+@pytest.mark.parametrize("experts", ["grouped", "eager"])
 @pytest.mark.parametrize("model_type", MOE)
-def test_a_moe_layer_keeps_what_the_graph_predicts(model_type: str) -> None:
+def test_a_moe_layer_keeps_what_the_graph_predicts(model_type: str, experts: str) -> None:
     from test_memory import kept_per_token
 
     from hetero.runtime.stage.model import Stage, StageLayout
@@ -72,7 +93,7 @@ def test_a_moe_layer_keeps_what_the_graph_predicts(model_type: str) -> None:
     architecture = arch(model_type, num_hidden_layers=2)
     torch.manual_seed(0)
     # bfloat16, as trained (in float32 the norms' fp32 upcast that the graph counts costs nothing)
-    model = AutoModelForCausalLM.from_config(build_config(architecture), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(build_config(architecture, experts=experts), dtype=torch.bfloat16)
     model.model.layers = torch.nn.ModuleDict({str(i): layer for i, layer in enumerate(model.model.layers)})
     model.requires_grad_(False)
     from peft import LoraConfig, get_peft_model
@@ -85,7 +106,8 @@ def test_a_moe_layer_keeps_what_the_graph_predicts(model_type: str) -> None:
     share_lora_inputs(peft)
     stage = Stage(1, CPU, torch.bfloat16, StageLayout(False, [0, 1], False, False), model, peft, "none")
     measured = kept_per_token(stage, architecture["hidden_size"], seq=32)
-    graph = trace(replace(spec(model_type, num_hidden_layers=1), seq_len=32, dtype="bfloat16"))
+    graph = trace(replace(spec(model_type, num_hidden_layers=1), seq_len=32, dtype="bfloat16",
+                          experts_implementation=experts))
     predicted = graph.nodes[1].activation_bytes_per_token
     assert measured == pytest.approx(predicted, rel=0.10)
 
@@ -104,14 +126,16 @@ def _dequantized(layer: torch.nn.Module, quantized: NF4Experts) -> torch.nn.Modu
     return ref
 
 
+@pytest.mark.parametrize("experts", ["grouped", "eager"])
 @pytest.mark.parametrize("model_type", MOE)
-def test_nf4_experts_compute_as_transformers_with_the_dequantized_weights(model_type: str,
+def test_nf4_experts_compute_as_transformers_with_the_dequantized_weights(model_type: str, experts: str,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import bitsandbytes.nn.modules as bnb_modules
 
     monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)  # the repacking trap (tests/test_stage.py)
     torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(build_config(arch(model_type, num_hidden_layers=1)), dtype=torch.float32)
+    config = build_config(arch(model_type, num_hidden_layers=1), experts=experts)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.model.layers = torch.nn.ModuleDict({"0": model.model.layers[0]})
     model.requires_grad_(False)
     hf_layer = copy.deepcopy(model.model.layers["0"])
@@ -119,9 +143,11 @@ def test_nf4_experts_compute_as_transformers_with_the_dequantized_weights(model_
     layer = model.model.layers["0"]
     assert isinstance(layer.mlp.experts, NF4Experts) and len(layer.mlp.experts.gate_up) == arch(model_type)[
         family(model_type).experts.count]
+    assert layer.mlp.experts.grouped == (experts == "grouped")
     packed = sum(p.numel() * p.element_size() for p in layer.mlp.experts.parameters())
     assert packed == hf_layer.mlp.experts.gate_up_proj.numel() // 2 + hf_layer.mlp.experts.down_proj.numel() // 2
     ref = _dequantized(hf_layer, layer.mlp.experts)
+    ref.mlp.experts.config._experts_implementation = "eager"  # the reference: transformers' per-expert loop
     x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(2))
 
     def run(mlp: torch.nn.Module, eval_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,6 +166,75 @@ def test_nf4_experts_compute_as_transformers_with_the_dequantized_weights(model_
         got, got_grad = run(layer.mlp, eval_first)
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
         assert got_grad.abs().sum() > 0 and torch.allclose(got_grad, want_grad, rtol=1e-4, atol=1e-6)
+
+
+class _HostSyncs(torch.overrides.TorchFunctionMode):
+    """Counts the calls that read a tensor's values to the host (on a GPU each waits for the device), and every
+    torch call (a proxy for kernel launches)."""
+
+    SYNCS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.__bool__,
+             torch.Tensor.__int__, torch.Tensor.unique, torch.unique}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs = self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        self.syncs += func in self.SYNCS or (func is torch.where and len(args) + len(kwargs or {}) == 1)
+        return func(*args, **(kwargs or {}))
+
+
+def _moe_mlp(model_type: str, experts: str, nf4: bool = False, **more: object) -> torch.nn.Module:
+    """The MoE block of a one-layer tiny ``model_type`` (seed 3: the same weights for every ``experts``)."""
+    torch.manual_seed(3)
+    config = build_config(arch(model_type, num_hidden_layers=2, first_k_dense_replace=0, **more), experts=experts)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.model.layers = torch.nn.ModuleDict({"0": model.model.layers[0]})
+    model.requires_grad_(False)
+    if nf4:
+        quantize_nf4(model, torch.float32, CPU, family(model_type).experts)
+    return model.model.layers["0"].mlp
+
+
+def _forward_backward(mlp: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xi = x.clone().requires_grad_(True)
+    out = mlp(xi)
+    out = out[0] if isinstance(out, tuple) else out
+    out.pow(2).sum().backward()
+    return out.detach(), xi.grad
+
+
+@pytest.mark.parametrize("model_type", EVERY_MOE)
+def test_grouped_experts_compute_as_transformers_per_expert_loop(model_type: str) -> None:
+    """model.experts_implementation=grouped (the default) against transformers' eager loop: the block's output and
+    its input gradient (the experts are frozen; the router's weights reach the loss through both)."""
+    x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(4))
+    want, want_grad = _forward_backward(_moe_mlp(model_type, "eager"), x)
+    got, got_grad = _forward_backward(_moe_mlp(model_type, "grouped"), x)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert got_grad.abs().sum() > 0 and torch.allclose(got_grad, want_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("nf4", [False, True], ids=["bf16-experts", "nf4-experts"])
+def test_grouped_experts_read_to_the_host_at_most_once_per_layer(nf4: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eager loop waits for the device once per used expert (and launches ~10 kernels per expert); grouped
+    experts read nothing back (bf16: torch's grouped matmul) or the expert counts once (NF4: a loop over the used
+    experts' rows), and launch a number of kernels that does not grow with the experts for bf16 weights."""
+    import bitsandbytes.nn.modules as bnb_modules
+
+    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)  # the repacking trap (tests/test_stage.py)
+    x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(5))
+    counted = {}
+    for experts, count in (("eager", 8), ("grouped", 8), ("grouped", 32)):
+        mlp = _moe_mlp("qwen3_moe", experts, nf4, num_experts=count)
+        with _HostSyncs() as mode:
+            mlp(x)
+        counted[experts, count] = mode
+    assert counted["eager", 8].syncs >= 8
+    assert counted["grouped", 8].syncs == counted["grouped", 32].syncs == (1 if nf4 else 0)
+    if not nf4:
+        assert counted["grouped", 32].calls == counted["grouped", 8].calls < counted["eager", 8].calls
 
 
 @pytest.mark.slow
@@ -207,3 +302,34 @@ def test_a_router_loss_asked_for_is_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match=r"^model.architecture.output_router_logits is true: hetero trains this "
                        r"mixtral model without the router's auxiliary load-balancing loss; set it to false$"):
         trace(spec("mixtral", num_hidden_layers=1, output_router_logits=True))
+
+
+def test_the_experts_implementation_is_an_option_checked_in_one_line(tmp_path: Path) -> None:
+    """model.experts_implementation: grouped (the default, outside the plan's hash: plans from before keep theirs)
+    or eager; anything else is one line naming the choices."""
+    import json
+
+    from hetero.config import load
+    from hetero.errors import ConfigError
+    from hetero.plan import Plan, compute_input_hash
+
+    with pytest.raises(ConfigError, match=r"^model.experts_implementation must be one of grouped, eager, got 'loop'$"):
+        load(["model=qwen3_30b_a3b", "model.experts_implementation=loop"])
+    assert load(["model=qwen3_30b_a3b"]).model.experts_implementation == "grouped"
+    assert load(["model=qwen3_30b_a3b", "model.experts_implementation=eager"]).model.experts_implementation == "eager"
+    # A model file without the key (a dense preset) says how to add it.
+    with pytest.raises(ConfigError, match=r"^'model.experts_implementation' is not in this model file: add it with "
+                       r"\+model.experts_implementation=<value>$"):
+        load(["model=llama8b", "model.experts_implementation=eager"])
+    assert load(["model=llama8b", "+model.experts_implementation=eager"]).model.experts_implementation == "eager"
+    from test_runtime_plans import make_plan as plan_of
+
+    plan = plan_of(tmp_path, arch("qwen3_moe"), [2, 2, 2])
+    eager = replace(plan, model=replace(plan.model, experts_implementation="eager"))
+    assert compute_input_hash(eager) != compute_input_hash(plan)
+    plan = replace(plan, input_hash=compute_input_hash(plan))
+    plan.save(tmp_path / "plan.json")
+    old = json.loads((tmp_path / "plan.json").read_text())
+    del old["model"]["experts_implementation"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert Plan.load(tmp_path / "old.json").input_hash == plan.input_hash

@@ -238,16 +238,17 @@ def attention_masks(model: nn.Module, h: torch.Tensor, position_ids: torch.Tenso
 
 
 def _build_config(architecture: dict, choice: str = "auto", device: torch.device | None = None,
-                  dtype: torch.dtype | None = None):
-    """The HF config a stage computes with: the family's settings and the attention of ``model.attn_implementation``
-    (``choice``) as it runs on ``device`` at ``dtype`` (auto: flash-attn where a CUDA stage in fp16/bf16 has it)."""
+                  dtype: torch.dtype | None = None, experts: str = "grouped"):
+    """The HF config a stage computes with: the family's settings, the attention of ``model.attn_implementation``
+    (``choice``) as it runs on ``device`` at ``dtype`` (auto: flash-attn where a CUDA stage in fp16/bf16 has it)
+    and the experts of ``model.experts_implementation``."""
     from transformers import AutoConfig
 
     arch = dict(architecture)
     model_type = arch.pop("model_type", None)
     fam = family(model_type)  # hetero/families.py: one line for a family the runtime cannot split
     config = AutoConfig.for_model(model_type, **arch)
-    fam.configure(config, choice)  # SDPA without a mask is causal; layers that need one get it (attention_masks)
+    fam.configure(config, choice, experts)  # SDPA without a mask is causal; layers that need one get it (attention_masks)
     base = runtime_attention(config._attn_implementation, choice, device, dtype)
     # The same implementation, wrapped to keep packed records apart (runtime/stage/attention.py)
     register()
@@ -308,7 +309,8 @@ def _base_model(plan: Plan, k: int, layout: StageLayout, dtype: torch.dtype, dev
     from hetero.runtime.pretrained import resolve_dir
 
     sp = plan.stages[k]
-    config = _build_config(plan.model.architecture, plan.model.attn_implementation, device, dtype)
+    config = _build_config(plan.model.architecture, plan.model.attn_implementation, device, dtype,
+                           plan.model.experts_implementation)
     model = _skeleton(config, layout)
     load_weights(model, resolve_dir(plan.model), dtype, k, tied=bool(getattr(config, "tie_word_embeddings", False)),
                  fam=family(plan.model.model_type))

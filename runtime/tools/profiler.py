@@ -72,7 +72,8 @@ def build_probe(model: ModelSpec, device: torch.device, dtype: str, quantization
     from peft import LoraConfig, get_peft_model
 
     torch_dtype = TORCH_DTYPES[dtype]
-    config = _build_config(model.architecture, model.attn_implementation, device, torch_dtype)
+    config = _build_config(model.architecture, model.attn_implementation, device, torch_dtype,
+                           model.experts_implementation)
     m = _skeleton(config, StageLayout(embed=True, layers=[0], norm=True, head=True))
     m.to_empty(device=device)
     gen = torch.Generator(device="cpu").manual_seed(seed)

@@ -18,7 +18,9 @@ model forward's steps outside the layers) and the LoRA checks (which Linear laye
   store the experts that transformers fuses into 3-D tensors (read by the cost model, compiler/costs.py, the
   weight loader and NF4, runtime/stage/weights.py and experts.py);
 - ``lora_targets``: the Linear layers of a decoder layer LoRA may target, by name (the compiler names them
-  when `lora.target_modules` matches nothing).
+  when `lora.target_modules` matches nothing);
+- ``sinks``: a learned logit per attention head joins every softmax (gpt-oss): eager attention only, with the
+  sink added per packed record (runtime/stage/attention.py).
 
 Parameters, FLOPs and activation bytes are counted from the module structure (compiler/costs.py), so a
 family needs no formula of its own (a mixture of experts counts every expert in memory and top-k in compute).
@@ -54,6 +56,11 @@ class Experts:
     # Other layer-relative names the checkpoint spells differently (Mixtral's router): (HF name, stored name).
     renamed: tuple[tuple[str, str], ...] = ()
     module: str = "mlp.experts"
+    # NF4/int8 experts (runtime/stage/experts.py: [E, out, in] weights without biases); None: why not.
+    unquantizable: str | None = None
+    # How the family's published checkpoints store the experts when not as weights of the compute dtype (gpt-oss:
+    # "MXFP4"); runtime/stage/weights.py dequantizes them on loading.
+    stored_format: str | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,9 @@ class Family:
     stored_prefixes: tuple[tuple[str, str], ...] = ()
     # The model_type of a multimodal config.json whose text_config is this family's (Gemma 3 4B-27B: gemma3).
     text_of: str | None = None
+    # Attention sinks (gpt-oss): a learned logit per head joins every softmax. Eager attention only: SDPA and
+    # flash-attn have no such term (runtime/stage/attention.py adds it per packed record).
+    sinks: bool = False
 
     def attention_impl(self, config: Any, choice: str = "auto") -> str:
         """The attention implementation a model of this family trains with under ``model.attn_implementation``:
@@ -84,6 +94,10 @@ class Family:
         softcap = getattr(config, "attn_logit_softcapping", None)
         if choice not in ATTENTION_CHOICES:
             raise ConfigError(f"model.attn_implementation={choice!r}: expected one of {', '.join(ATTENTION_CHOICES)}")
+        if self.sinks and choice not in ("auto", "eager"):
+            raise ConfigError(f"model.attn_implementation={choice}: this {self.model_type} model adds a learned sink "
+                              "logit to every attention softmax, which only eager attention computes; use auto or "
+                              "eager")
         if choice == "auto":
             return "eager" if softcap else self.attention
         if choice == "sdpa" and softcap:
@@ -163,6 +177,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # GLM-4.5: the first first_k_dense_replace layers dense, then routed experts plus shared ones, a biased router.
     Family("glm4_moe", "GLM-4.5-Air, GLM-4.5", lora_targets=ATTENTION, experts=Experts(
         "n_routed_experts", "num_experts_per_tok", PER_EXPERT)),
+    # gpt-oss: attention sinks, sliding-window and full layers alternating, biased experts stored fused and
+    # transposed ([E, H, 2I], gate and up interleaved) with a clamped SwiGLU, a biased router (softmax over its top-k).
+    Family("gpt_oss", "gpt-oss-20b, gpt-oss-120b", lora_targets=ATTENTION, attention="eager", sinks=True,
+           experts=Experts("num_local_experts", "num_experts_per_tok", stored=(),
+                           unquantizable="its experts carry biases and a transposed layout that hetero's NF4 experts "
+                                         "do not hold yet", stored_format="MXFP4")),
 )}
 MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 # Multimodal model_types whose config.json holds a family's text model as text_config.

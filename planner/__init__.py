@@ -8,6 +8,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from hetero.errors import ConfigError, InfeasiblePlanError
+from hetero.families import family
 from hetero.graph import LayerGraph
 from hetero.plan import (
     Baseline,
@@ -395,19 +396,30 @@ def _unused_lines(fleet: ClusterSpec, stages: list[StagePlan], options: PlannerO
 
 def _experts_lines(graph: LayerGraph, cost_model: CostModel, model: ModelSpec) -> list[str]:
     """The caveat of a mixture-of-experts plan priced from datasheets: the roofline prices the experts' matmuls at
-    the matmul rate with the tokens spread evenly over the experts (bench/bench_experts.py measured qwen3_moe's
-    step at about 1.7x the prediction with grouped experts and 2.5x with the eager loop, against 1.2-1.6x for the
-    dense families of W6 in docs/benchmarks.md)."""
-    if isinstance(cost_model, ProfileCostModel) or not any(n.expert_params for n in graph.nodes):
+    the matmul rate with the tokens spread evenly over the experts (bench/bench_experts.py measured a step at
+    1.0x (mixtral) to 2.0x (qwen3_moe, 128 experts) the prediction with grouped experts and up to 3.3x with the eager
+    loop, against 1.2-1.6x for the dense families of W6 in docs/benchmarks.md). Every MoE plan of a family whose
+    checkpoints store the experts in another format says what the stages hold instead."""
+    if not any(n.expert_params for n in graph.nodes):
         return []
+    experts = family(model.model_type).experts
+    stored = [] if experts is None or experts.stored_format is None else [
+        f"Its published checkpoints store the experts in {experts.stored_format}; each stage dequantizes them while "
+        f"loading and holds them at its compute dtype, as this plan prices them."]
+    if isinstance(cost_model, ProfileCostModel):
+        return stored
+    return stored + _datasheet_experts_lines(model)
+
+
+def _datasheet_experts_lines(model: ModelSpec) -> list[str]:
     if model.experts_implementation == "eager":
         return ["This model routes each token to a few experts, which run one by one "
                 "(model.experts_implementation=eager); datasheet costs price them at the matmul rate and predict its "
-                "steps too fast (on CPU a mixture-of-experts step took about 2.5x the prediction, dense models "
+                "steps too fast (on CPU a mixture-of-experts step took up to 3.3x the prediction, dense models "
                 "1.2-1.6x): grouped experts run faster, and a profile of the fleet prices them as they run."]
     return ["This model routes each token to a few experts, run as grouped matmuls; datasheet costs price them at "
             "the matmul rate with the tokens spread evenly over the experts, which leaves out small groups, uneven "
-            "routing and the routing's own kernels (on CPU a mixture-of-experts step took about 1.7x the "
+            "routing and the routing's own kernels (on CPU a mixture-of-experts step took 1.0-2.0x the "
             "prediction, dense models 1.2-1.6x): a profile of the fleet prices them as they run."]
 
 

@@ -36,7 +36,11 @@ EVERY_MOE = sorted(t for t in TINY if family(t).experts is not None)
 
 
 def arch(model_type: str, **more: object) -> dict:
-    return {**COMMON, **TINY[model_type], **more}
+    """The tiny ``model_type`` of tests/test_families.py, with ``more`` (its layer kinds cut to its layers)."""
+    found = {**COMMON, **TINY[model_type], **more}
+    if "layer_types" in found and "layer_types" not in more:
+        found["layer_types"] = found["layer_types"][:found["num_hidden_layers"]]
+    return found
 
 
 def spec(model_type: str, **more: object) -> ModelSpec:
@@ -84,13 +88,13 @@ def test_the_roofline_adds_the_routing_traffic_to_a_moe_layer() -> None:
 
 
 @pytest.mark.parametrize("experts", ["grouped", "eager"])
-@pytest.mark.parametrize("model_type", MOE)
+@pytest.mark.parametrize("model_type", EVERY_MOE)
 def test_a_moe_layer_keeps_what_the_graph_predicts(model_type: str, experts: str) -> None:
     from test_memory import kept_per_token
 
     from hetero.runtime.stage.model import Stage, StageLayout
 
-    architecture = arch(model_type, num_hidden_layers=2)
+    architecture = arch(model_type, num_hidden_layers=2, first_k_dense_replace=0)  # GLM-4.5: both layers routed
     torch.manual_seed(0)
     # bfloat16, as trained (in float32 the norms' fp32 upcast that the graph counts costs nothing)
     model = AutoModelForCausalLM.from_config(build_config(architecture, experts=experts), dtype=torch.bfloat16)
@@ -106,8 +110,8 @@ def test_a_moe_layer_keeps_what_the_graph_predicts(model_type: str, experts: str
     share_lora_inputs(peft)
     stage = Stage(1, CPU, torch.bfloat16, StageLayout(False, [0, 1], False, False), model, peft, "none")
     measured = kept_per_token(stage, architecture["hidden_size"], seq=32)
-    graph = trace(replace(spec(model_type, num_hidden_layers=1), seq_len=32, dtype="bfloat16",
-                          experts_implementation=experts))
+    graph = trace(replace(spec(model_type, num_hidden_layers=1, first_k_dense_replace=0), seq_len=32,
+                          dtype="bfloat16", experts_implementation=experts))
     predicted = graph.nodes[1].activation_bytes_per_token
     assert measured == pytest.approx(predicted, rel=0.10)
 
@@ -333,3 +337,51 @@ def test_the_experts_implementation_is_an_option_checked_in_one_line(tmp_path: P
     del old["model"]["experts_implementation"]
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert Plan.load(tmp_path / "old.json").input_hash == plan.input_hash
+
+
+def test_gpt_oss_experts_load_from_mxfp4(tmp_path: Path) -> None:
+    """gpt-oss's hub checkpoints store the experts in MXFP4 (``*_blocks``: 4-bit codes two per byte, low nibble
+    first; ``*_scales``: a biased power-of-two exponent per 32 inputs, per output row). A stage loads them as the
+    bf16 tensors [E, in, out] transformers' experts hold: here from codes and exponents drawn at random, written
+    the way the hub lays them out, against the values they encode."""
+    from safetensors.torch import load_file, save_file
+
+    from hetero.runtime.stage.weights import FP4_VALUES, load_weights
+
+    config = build_config(arch("gpt_oss", num_hidden_layers=2))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    expected = {}
+    for name in [n for n in state if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        experts, inputs, outputs = state.pop(name).shape
+        codes = torch.randint(0, 16, (experts, outputs, inputs // 32, 32), generator=gen, dtype=torch.uint8)
+        exponents = torch.randint(120, 131, (experts, outputs, inputs // 32), generator=gen, dtype=torch.uint8)
+        values = torch.tensor(FP4_VALUES)[codes.long()] * 2.0 ** (exponents.float() - 127).unsqueeze(-1)
+        expected[name] = values.reshape(experts, outputs, inputs).transpose(1, 2)
+        state[f"{name}_blocks"] = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        state[f"{name}_scales"] = exponents
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    load_weights(model, tmp_path, torch.bfloat16, 0, tied=False, fam=family("gpt_oss"))
+    loaded = dict(model.named_parameters())
+    assert len(expected) == 4
+    for name, want in expected.items():
+        assert loaded[name].dtype == torch.bfloat16 and torch.equal(loaded[name].float(), want), name
+
+
+def test_gpt_oss_refuses_what_it_cannot_compute_in_one_line() -> None:
+    """gpt-oss's biased, transposed experts are not quantized (yet), and its attention sinks need eager attention:
+    anything else would train another model, so compile refuses it in one line."""
+    from hetero.errors import ConfigError
+
+    for quant in ("nf4", "int8"):
+        with pytest.raises(ConfigError, match=rf"^model.quantization={quant}: this gpt_oss model's experts cannot be "
+                           r"quantized \(its experts carry biases .*\); use model.quantization=none$"):
+            trace(replace(spec("gpt_oss", num_hidden_layers=2), quantization=quant))
+    for choice in ("sdpa", "flash_attention_2", "flex_attention"):
+        with pytest.raises(ConfigError, match=rf"^model.attn_implementation={choice}: this gpt_oss model adds a learned "
+                           r"sink logit to every attention softmax, which only eager attention computes"):
+            trace(replace(spec("gpt_oss", num_hidden_layers=2), attn_implementation=choice))

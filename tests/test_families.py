@@ -64,6 +64,10 @@ TINY = {
     "olmoe": {"model_type": "olmoe", "intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2},
     "qwen2_moe": {"model_type": "qwen2_moe", "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
                   "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False},
+    # Attention sinks, sliding and full layers alternating (a window shorter than the records), biased experts with
+    # the clamped SwiGLU, a biased router.
+    "gpt_oss": {"model_type": "gpt_oss", "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 3},
     # The first layer dense, then routed and shared experts (the real models keep 1-3 layers dense).
     "glm4_moe": {"model_type": "glm4_moe", "head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 1,
@@ -123,7 +127,7 @@ def test_a_model_type_outside_the_table_is_one_line(tiny_spec: ModelSpec) -> Non
 
     with pytest.raises(UnsupportedModelError, match=r"^model_type 'falcon' is not supported; supported: llama, "
                        r"mistral, qwen2, qwen3, olmo2, phi3, granite, gemma2, gemma3_text, glm4, gemma, smollm3, "
-                       r"qwen3_moe, mixtral, olmoe, qwen2_moe, glm4_moe \(docs/models\.md lists them"):
+                       r"qwen3_moe, mixtral, olmoe, qwen2_moe, glm4_moe, gpt_oss \(docs/models\.md lists them"):
         build_config({**COMMON, "model_type": "falcon"})
 
 
@@ -137,7 +141,7 @@ def test_lora_targets_a_family_lacks_name_its_own(tiny_spec: ModelSpec) -> None:
 
 
 PRESETS = ["llama8b", "mistral7b", "qwen2_7b", "qwen3_8b", "qwen3_14b", "phi4", "mistral_nemo_12b", "gemma3_12b",
-           "qwen3_30b_a3b", "mixtral_8x7b"]
+           "smollm3_3b", "glm4_9b", "qwen3_30b_a3b", "mixtral_8x7b", "qwen15_moe_a27b", "olmoe_1b_7b", "glm45_air", "gpt_oss_20b"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -114,7 +114,7 @@ def test_packing_off_keeps_one_record_per_row(tiny_model_dir: Path) -> None:
     assert batch.position_ids is None and len(batch.record_ids) == 6 and sb.rows_per_epoch == sb.num_records
 
 
-FAMILIES = ["llama", "qwen3", "gemma3_text", "phi3", "qwen3_moe"]
+FAMILIES = ["llama", "qwen3", "gemma3_text", "phi3", "qwen3_moe", "gpt_oss"]
 
 
 @pytest.mark.parametrize(("model_type", "attention"), [(f, "auto") for f in FAMILIES] + [

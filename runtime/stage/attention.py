@@ -104,6 +104,10 @@ def _packed(base: str) -> Callable[..., Any]:
                 kwargs["softcap"] = softcap
             return _base_function(base, module)(module, query, key, value, attention_mask, dropout=dropout,
                                                 scaling=scaling, **kwargs)
+        sinks = getattr(module, "sinks", None)  # gpt-oss: its family runs eager attention only
+        if sinks is not None:
+            return _per_segment("eager", query, key, value, hetero_segments, dropout, scaling, sliding_window,
+                                softcap, sinks), None
         if base == "flash_attention_2":
             return _flash_varlen(query, key, value, hetero_segments, dropout, scaling, sliding_window, softcap), None
         if base == "flex_attention":
@@ -176,7 +180,8 @@ def buckets(segments: Segments, seq_len: int, device: torch.device, waste: float
 
 
 def _per_segment(base: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments,
-                 dropout: float, scaling: float | None, window: int | None, softcap: float | None) -> torch.Tensor:
+                 dropout: float, scaling: float | None, window: int | None, softcap: float | None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each segment alone; query ``[B, H, S, D]``, key/value ``[B, KV, S, D]`` -> ``[B, S, H, D]``.
 
     Segments of about the same length run as one batch (``buckets``): a few attention calls per layer however many
@@ -195,7 +200,8 @@ def _per_segment(base: str, query: torch.Tensor, key: torch.Tensor, value: torch
     rows = qkv.index_select(0, layout.gather).split([count * length for count, length in layout.shapes])
     outs: list[torch.Tensor] = []
     with _shape_free_kernels(query.device):
-        _bucket_attention(base, layout, rows, outs, heads, kv_heads, dim, groups, dropout, scaling, window, softcap)
+        _bucket_attention(base, layout, rows, outs, heads, kv_heads, dim, groups, dropout, scaling, window, softcap,
+                          sinks)
     merged = torch.cat(outs) if len(outs) > 1 else outs[0]
     return merged.index_select(0, layout.scatter).view(batch, seq, heads, dim)
 
@@ -216,11 +222,11 @@ def _shape_free_kernels(device: torch.device) -> Any:
 
 def _bucket_attention(base: str, layout: Buckets, rows: tuple[torch.Tensor, ...], outs: list[torch.Tensor],
                       heads: int, kv_heads: int, dim: int, groups: int, dropout: float, scaling: float | None,
-                      window: int | None, softcap: float | None) -> None:
+                      window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> None:
     for (count, length), row in zip(layout.shapes, rows, strict=True):
         q, k, v = (t.transpose(1, 2) for t in row.view(count, length, -1, dim).split([heads, kv_heads, kv_heads], 2))
         if base == "eager" or softcap is not None:
-            out = _eager(q, k, v, dropout, scaling, window, softcap)
+            out = _eager(q, k, v, dropout, scaling, window, softcap, sinks)
         else:
             mask = _window_mask(length, window, q.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
@@ -238,8 +244,9 @@ def _window_mask(length: int, window: int | None, device: torch.device) -> torch
 
 
 def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, scaling: float | None,
-           window: int | None, softcap: float | None) -> torch.Tensor:
-    """The eager attention transformers' modeling files compute, on one segment (heads already matched)."""
+           window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The eager attention transformers' modeling files compute, on one segment (heads already matched); ``sinks``
+    (gpt-oss, one logit per head) join each query's softmax as one more key whose value is nothing."""
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     weights = torch.matmul(q, k.transpose(2, 3)) * scale
     if softcap is not None:
@@ -249,7 +256,11 @@ def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, sc
     if allowed is None:
         allowed = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
     weights = weights.masked_fill(~allowed, torch.finfo(weights.dtype).min)
-    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is not None:
+        sink = sinks.to(weights.dtype).reshape(1, -1, 1, 1).expand(*weights.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([weights, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
+    else:
+        weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
     weights = F.dropout(weights, p=dropout, training=dropout > 0)
     return torch.matmul(weights, v)
 

@@ -249,7 +249,9 @@ def _build_config(architecture: dict, choice: str = "auto", device: torch.device
     fam = family(model_type)  # hetero/families.py: one line for a family the runtime cannot split
     config = AutoConfig.for_model(model_type, **arch)
     fam.configure(config, choice, experts)  # SDPA without a mask is causal; layers that need one get it (attention_masks)
-    base = runtime_attention(config._attn_implementation, choice, device, dtype)
+    # Sinks (gpt-oss): eager only, whatever flash-attn a stage has (hetero/families.py)
+    base = config._attn_implementation if fam.sinks else runtime_attention(config._attn_implementation, choice,
+                                                                             device, dtype)
     # The same implementation, wrapped to keep packed records apart (runtime/stage/attention.py)
     register()
     config._attn_implementation = implementation(base)

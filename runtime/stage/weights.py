@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,7 +42,30 @@ def load_tensors(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-Source = str | tuple[tuple[str, ...], ...]  # a stored name, or per expert the stored parts of a fused tensor
+@dataclass(frozen=True)
+class Mxfp4:
+    """A fused expert tensor stored in MXFP4 (gpt-oss's hub checkpoints): ``{name}_blocks`` [E, out, G, 16] of
+    packed 4-bit E2M1 codes (two per byte, the low nibble first) and ``{name}_scales`` [E, out, G] of shared
+    power-of-two exponents (biased by 127), one per 32 consecutive input values (the OCP microscaling format)."""
+
+    blocks: str
+    scales: str
+
+
+# E2M1 (fp4) values by code: sign bit, two exponent bits, one mantissa bit.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+# a stored name, per expert the stored parts of a fused tensor, or MXFP4 blocks and scales
+Source = str | tuple[tuple[str, ...], ...] | Mxfp4
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 ``blocks`` [E, out, G, 16] and ``scales`` [E, out, G] -> the bf16 tensor [E, in, out] (in = 32 G) that
+    transformers' gpt-oss experts hold (exact: an fp4 value times a power of two fits bf16)."""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [E, out, G, 32]
+    lut = torch.tensor(FP4_VALUES, dtype=torch.bfloat16)
+    scale = torch.exp2(scales.to(torch.float32) - 127).to(torch.bfloat16).unsqueeze(-1)
+    return (lut[codes] * scale).flatten(-2).transpose(1, 2).contiguous()
 
 
 def _stored_as(name: str, experts: Experts | None, num_experts: int) -> Source | None:
@@ -68,6 +92,8 @@ def _sources(wanted: dict[str, tuple[int, ...]], index: dict[str, str], model_di
         if name not in index:
             if tied and name == TIED_HEAD:
                 source = TIED_SOURCE  # tied head: the checkpoint stores the embedding only
+            elif f"{name}_blocks" in index and f"{name}_scales" in index:
+                source = Mxfp4(f"{name}_blocks", f"{name}_scales")
             else:
                 source = _stored_as(name, fam.experts if fam else None, shape[0] if shape else 0) or name
             if isinstance(source, str) and source not in index and fam is not None:
@@ -83,12 +109,16 @@ def _sources(wanted: dict[str, tuple[int, ...]], index: dict[str, str], model_di
 
 
 def _flat(source: Source) -> list[str]:
+    if isinstance(source, Mxfp4):
+        return [source.blocks, source.scales]
     return [source] if isinstance(source, str) else [n for parts in source for n in parts]
 
 
 def _assemble(source: Source, read: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """The tensor ``name`` from what was read: itself (a tied head's own copy), or its experts stacked, each the
-    concatenation of its stored parts (gate and up projections)."""
+    concatenation of its stored parts (gate and up projections), or dequantized from MXFP4."""
+    if isinstance(source, Mxfp4):
+        return dequantize_mxfp4(read[source.blocks], read[source.scales])
     if isinstance(source, str):
         return read[source] if source == name else read[source].clone()
     try:

@@ -52,6 +52,18 @@ FAMILY_KEYS: dict[str, dict[str, Any]] = {
                     "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * (LAYERS // 4)},
     "qwen3_moe": {"moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True},
     "mixtral": {"intermediate_size": 344, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "glm4": {"partial_rotary_factor": 0.5},
+    "gemma": {"hidden_activation": "gelu_pytorch_tanh"},
+    "smollm3": {"no_rope_layers": [1, 1, 1, 0] * (LAYERS // 4)},
+    # The expert shapes of the published checkpoints, scaled to hidden 256 (bench/bench_experts.py does the same).
+    "olmoe": {"intermediate_size": 128, "num_experts": 64, "num_experts_per_tok": 8},
+    "qwen2_moe": {"moe_intermediate_size": 176, "shared_expert_intermediate_size": 704, "num_experts": 60,
+                  "num_experts_per_tok": 4, "norm_topk_prob": False},
+    "glm4_moe": {"intermediate_size": 684, "moe_intermediate_size": 88, "n_routed_experts": 128,
+                 "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+                 "topk_group": 1, "partial_rotary_factor": 0.5},
+    "gpt_oss": {"intermediate_size": 256, "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 64,
+                "layer_types": ["sliding_attention", "full_attention"] * (LAYERS // 2)},
 }
 CONF_MODELS = Path(__file__).resolve().parents[1] / "conf" / "model"
 

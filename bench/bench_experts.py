@@ -1,7 +1,7 @@
 """Mixtures of experts on 3 CPU stages (issue 38): grouped experts against transformers' per-expert loop, and
 measured / predicted step after `hetero profile`.
 
-    python bench/bench_experts.py                 # ~ 15 minutes on 2 cores
+    python bench/bench_experts.py                 # ~ 25 minutes on 2 cores
     python bench/bench_experts.py --families qwen3_moe --rounds 1
 
 Per family, a random-init model of W6's sizes (hidden 256, 8 layers, 8 heads / 4 KV heads of 32, vocab 2048,
@@ -94,14 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="hetero-moe-"))
     try:
         rows = [bench_family(n, args.steps, args.rounds, work) for n in names]
-        print(f"\n{'family':<11}{'eager s':>9}{'grouped s':>11}{'eager/grouped':>15}{'measured/predicted':>20}"
-              f"{'profiled s':>12}{'measured/predicted':>20}")
+        print(f"\n{'family':<11}{'eager s':>9}{'grouped s':>11}{'eager/grouped':>15}{'eager meas/pred':>17}"
+              f"{'grouped meas/pred':>19}{'profiled s':>12}{'profiled meas/pred':>20}")
         for r in rows:
             if "note" in r:
                 print(f"{r['family']:<11}UNAVAILABLE: {r['note']}")
                 continue
             print(f"{r['family']:<11}{r['eager']:>9.3f}{r['grouped']:>11.3f}{r['speedup']:>14.2f}x"
-                  f"{r['grouped_ratio']:>20.2f}{r['profiled']:>12.3f}{r['profiled_ratio']:>20.2f}")
+                  f"{r['eager_ratio']:>17.2f}{r['grouped_ratio']:>19.2f}{r['profiled']:>12.3f}"
+                  f"{r['profiled_ratio']:>20.2f}")
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)

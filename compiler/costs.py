@@ -52,6 +52,7 @@ class MoE:
     params: int
     hidden: int
     grouped: bool = True  # model.experts_implementation: grouped (sorted once), or eager (transformers' loop)
+    gate_kept: int = 3  # intermediates of I per chosen expert its gate keeps (hetero/families.py Experts.gate_kept)
 
     @property
     def intermediate(self) -> int:  # gate, up [I, H] and down [H, I] per expert
@@ -70,17 +71,18 @@ class MoE:
 
     def activation_bytes(self, dtype_bytes: float) -> float:
         """What autograd keeps per token for the MoE block (frozen experts), as measured in tests/test_experts.py.
-        Grouped: per chosen expert its gathered input (H), the gate/up output and the activation (3 I), the routing
+        Grouped: per chosen expert its gathered input (H), the gate/up output and the activation (``gate_kept`` I:
+        3 for SwiGLU, 6 for gpt-oss's clamped one), the routing
         weight, its top-k value (fp32) and index, and three int64 row indices (the sort's order, the rows' tokens,
         the inverse order); the router's input (H), its fp32 logits over every expert and one scalar. Eager
         (transformers' per-expert loop): per chosen expert also its output (H), two int64 indices, and the router's
         softmax over every expert. NF4 experts keep no input (bitsandbytes saves the weight only): an overestimate
         of H per chosen expert."""
         if self.grouped:
-            per_expert = dtype_bytes * (3 * self.intermediate + self.hidden + 1) + 3 * 8 + 4 + 8
+            per_expert = dtype_bytes * (self.gate_kept * self.intermediate + self.hidden + 1) + 3 * 8 + 4 + 8
             router = dtype_bytes * self.hidden + 4 * self.experts + 4
             return float(self.top_k * per_expert + router)
-        per_expert = dtype_bytes * (3 * self.intermediate + 2 * self.hidden + 1) + 2 * 8
+        per_expert = dtype_bytes * (self.gate_kept * self.intermediate + 2 * self.hidden + 1) + 2 * 8
         router = dtype_bytes * self.hidden + 2 * 4 * self.experts + (4 + 8) * self.top_k + 4
         return float(self.top_k * per_expert + router)
 
@@ -145,7 +147,7 @@ def layer_moe(config: Any, params: dict[str, Any]) -> MoE | None:
         return None  # a dense layer of a MoE model (Qwen3-MoE's mlp_only_layers)
     count, top_k = int(getattr(config, experts.count)), int(getattr(config, experts.top_k))
     grouped = getattr(config, "_experts_implementation", None) != "eager"
-    return MoE(count, top_k, stacked, int(config.hidden_size), grouped)
+    return MoE(count, top_k, stacked, int(config.hidden_size), grouped, experts.gate_kept)
 
 
 def lora_targets(module: nn.Module, prefix: str, targets: Iterable[str]) -> list[tuple[str, nn.Linear | nn.Embedding]]:

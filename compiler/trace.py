@@ -9,7 +9,7 @@ import torch
 from torch import fx
 
 from hetero.errors import ConfigError
-from hetero.families import family
+from hetero.families import check_quantization
 from hetero.graph import CutEdge, LayerGraph, LayerNode, TensorSpec
 from hetero.specs import ModelSpec
 
@@ -31,10 +31,7 @@ def trace_with_module(model: ModelSpec, attention_len: float | None = None,
     the share of computed tokens with a label, the only ones the loss head computes logits for (None: all)."""
     if model.seq_len < 1:
         raise ConfigError(f"model.seq_len must be a positive integer, got {model.seq_len}")
-    experts = family(model.model_type).experts
-    if model.quantization != "none" and experts is not None and experts.unquantizable:
-        raise ConfigError(f"model.quantization={model.quantization}: this {model.model_type} model's experts cannot be "
-                          f"quantized ({experts.unquantizable}); use model.quantization=none")
+    check_quantization(model.model_type, model.quantization)
     dtype = cost_dtype(model)
     causal_lm = build_meta_model(model, dtype)
     config = causal_lm.config

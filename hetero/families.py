@@ -36,7 +36,8 @@ from typing import Any
 from hetero.errors import ConfigError, UnsupportedModelError
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-# model.attn_implementation: auto = the family's (below), or flash-attn where a CUDA stage has it installed.
+# model.attn_implementation: auto = the family's (below), or flash-attn where a CUDA stage has it installed (never
+# for a family with attention sinks).
 ATTENTION_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
 # model.experts_implementation of a mixture of experts: grouped = tokens sorted by expert once, then grouped matmuls
 # (runtime/stage/experts.py); eager = transformers' loop with a host sync per expert (the reference).
@@ -58,6 +59,10 @@ class Experts:
     module: str = "mlp.experts"
     # NF4/int8 experts (runtime/stage/experts.py: [E, out, in] weights without biases); None: why not.
     unquantizable: str | None = None
+    # What its gate keeps for backward per chosen expert, in units of the expert's intermediate size: SwiGLU keeps
+    # the gate/up output (2 I) and the activation (I); gpt-oss's clamped SwiGLU also its clamped gate, sigmoid and
+    # up + 1 (6 I; tests/test_experts.py measures both).
+    gate_kept: int = 3
     # How the family's published checkpoints store the experts when not as weights of the compute dtype (gpt-oss:
     # "MXFP4"); runtime/stage/weights.py dequantizes them on loading.
     stored_format: str | None = None
@@ -109,7 +114,8 @@ class Family:
     def configure(self, config: Any, choice: str = "auto", experts: str = "grouped") -> None:
         """Set a built HF config to compute as hetero trains the family: its attention implementation, and for a
         mixture of experts ``model.experts_implementation``: grouped (transformers' grouped_mm: one routing pass,
-        no host sync; NF4Experts groups the same way) or eager (transformers' per-expert loop)."""
+        no host sync; a stage without a fast grouped GEMM, and NF4Experts, sort the rows the same way and read the
+        expert counts once: runtime/stage/experts.py) or eager (transformers' per-expert loop)."""
         config._attn_implementation = self.attention_impl(config, choice)
         if experts not in EXPERTS_CHOICES:
             raise ConfigError(f"model.experts_implementation={experts!r}: expected one of {', '.join(EXPERTS_CHOICES)}")
@@ -182,7 +188,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gpt_oss", "gpt-oss-20b, gpt-oss-120b", lora_targets=ATTENTION, attention="eager", sinks=True,
            experts=Experts("num_local_experts", "num_experts_per_tok", stored=(),
                            unquantizable="its experts carry biases and a transposed layout that hetero's NF4 experts "
-                                         "do not hold yet", stored_format="MXFP4")),
+                                         "do not hold yet", stored_format="MXFP4", gate_kept=6)),
 )}
 MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 # Multimodal model_types whose config.json holds a family's text model as text_config.
@@ -225,6 +231,15 @@ def needs_mask(fam: Family, config: Any, kind: str, seq_len: int) -> bool:
         return True
     window = getattr(config, "sliding_window", None)
     return kind == SLIDING and window is not None and seq_len > int(window)
+
+
+def check_quantization(model_type: Any, quantization: str) -> None:
+    """Refuse, in one line, a quantization a family's experts cannot take (every command reading the config)."""
+    fam = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    experts = fam.experts if fam is not None else None
+    if quantization != "none" and experts is not None and experts.unquantizable:
+        raise ConfigError(f"model.quantization={quantization}: this {model_type} model's experts cannot be quantized "
+                          f"({experts.unquantizable}); use model.quantization=none")
 
 
 def family(model_type: Any) -> Family:

@@ -417,9 +417,15 @@ def _datasheet_experts_lines(model: ModelSpec) -> list[str]:
                 "(model.experts_implementation=eager); datasheet costs price them at the matmul rate and predict its "
                 "steps too fast (on CPU a mixture-of-experts step took up to 3.3x the prediction, dense models "
                 "1.2-1.6x): grouped experts run faster, and a profile of the fleet prices them as they run."]
+    if model.quantization != "none":
+        return [f"This model routes each token to a few experts, in {model.quantization}: each used expert dequantizes "
+                "its weights and runs on its tokens, one after another (there is no grouped matmul for quantized "
+                "experts); datasheet costs price them at the matmul rate with the tokens spread evenly over the "
+                "experts and have not been checked against a measured quantized mixture-of-experts step: a profile "
+                "of the fleet prices them as they run."]
     return ["This model routes each token to a few experts, run as grouped matmuls; datasheet costs price them at "
             "the matmul rate with the tokens spread evenly over the experts, which leaves out small groups, uneven "
-            "routing and the routing's own kernels (on CPU a mixture-of-experts step took 1.0-2.0x the "
+            "routing and the routing kernels' launches (on CPU a mixture-of-experts step took 1.0-2.0x the "
             "prediction, dense models 1.2-1.6x): a profile of the fleet prices them as they run."]
 
 

@@ -92,12 +92,16 @@ def test_the_roofline_adds_the_routing_traffic_to_a_moe_layer() -> None:
 def test_a_moe_layer_keeps_what_the_graph_predicts(model_type: str, experts: str) -> None:
     from test_memory import kept_per_token
 
+    from hetero.runtime.stage.attention import implementation, register
     from hetero.runtime.stage.model import Stage, StageLayout
 
     architecture = arch(model_type, num_hidden_layers=2, first_k_dense_replace=0)  # GLM-4.5: both layers routed
     torch.manual_seed(0)
+    config = build_config(architecture, experts=experts)
+    register()  # the attention a stage runs (gpt-oss: hetero's eager with its sinks)
+    config._attn_implementation = implementation(config._attn_implementation)
     # bfloat16, as trained (in float32 the norms' fp32 upcast that the graph counts costs nothing)
-    model = AutoModelForCausalLM.from_config(build_config(architecture, experts=experts), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.model.layers = torch.nn.ModuleDict({str(i): layer for i, layer in enumerate(model.model.layers)})
     model.requires_grad_(False)
     from peft import LoraConfig, get_peft_model
@@ -113,6 +117,31 @@ def test_a_moe_layer_keeps_what_the_graph_predicts(model_type: str, experts: str
     graph = trace(replace(spec(model_type, num_hidden_layers=1, first_k_dense_replace=0), seq_len=32,
                           dtype="bfloat16", experts_implementation=experts))
     predicted = graph.nodes[1].activation_bytes_per_token
+    assert measured == pytest.approx(predicted, rel=0.10)
+
+
+@pytest.mark.parametrize("experts", ["grouped", "eager"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe", "gpt_oss"])
+def test_a_moe_block_keeps_what_its_formula_says(model_type: str, experts: str) -> None:
+    """The routed MoE block alone (the layer test above dilutes it with attention): what autograd keeps per token
+    against MoE.activation_bytes, in bf16, at 4x the tiny intermediate size so the gate's intermediates weigh (gpt-oss's
+    clamped SwiGLU keeps twice SwiGLU's). Families with shared experts add a dense MLP the layer counts."""
+    from hetero.compiler.costs import layer_moe
+    from hetero.runtime.stage.memory import kept_bytes
+
+    config = build_config(arch(model_type, num_hidden_layers=1, moe_intermediate_size=128,
+                               intermediate_size=128), experts=experts)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.requires_grad_(False)
+    mlp = model.model.layers[0].mlp
+    kept = {}
+    for tokens in (64, 128):
+        x = torch.randn(1, tokens, 64, dtype=torch.bfloat16)
+        kept[tokens] = kept_bytes(lambda x=x: mlp(x.clone().requires_grad_()))
+    measured = (kept[128] - kept[64]) / 64
+    params = {f"model.layers.0.mlp.{n}": p for n, p in mlp.named_parameters()}
+    predicted = layer_moe(config, params).activation_bytes(2)
     assert measured == pytest.approx(predicted, rel=0.10)
 
 
@@ -190,9 +219,16 @@ class _HostSyncs(torch.overrides.TorchFunctionMode):
 
 
 def _moe_mlp(model_type: str, experts: str, nf4: bool = False, **more: object) -> torch.nn.Module:
-    """The MoE block of a one-layer tiny ``model_type`` (seed 3: the same weights for every ``experts``)."""
+    """The MoE block of a one-layer tiny ``model_type`` (seed 3: the same weights for every ``experts``; "sorted":
+    the dense experts over sorted rows that a stage without a fast grouped GEMM runs)."""
+    from hetero.runtime.stage.experts import SORTED, register_sorted
+
     torch.manual_seed(3)
-    config = build_config(arch(model_type, num_hidden_layers=2, first_k_dense_replace=0, **more), experts=experts)
+    config = build_config(arch(model_type, num_hidden_layers=2, first_k_dense_replace=0, **more),
+                          experts="grouped" if experts == "sorted" else experts)
+    if experts == "sorted":
+        register_sorted()
+        config._experts_implementation = SORTED
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.model.layers = torch.nn.ModuleDict({"0": model.model.layers[0]})
     model.requires_grad_(False)
@@ -211,32 +247,36 @@ def _forward_backward(mlp: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tens
 
 @pytest.mark.parametrize("model_type", EVERY_MOE)
 def test_grouped_experts_compute_as_transformers_per_expert_loop(model_type: str) -> None:
-    """model.experts_implementation=grouped (the default) against transformers' eager loop: the block's output and
-    its input gradient (the experts are frozen; the router's weights reach the loss through both)."""
+    """model.experts_implementation=grouped (the default: transformers' grouped_mm, or the sorted rows where a device
+    has no fast grouped GEMM) against transformers' eager loop, in fp32: the block's output and its input gradient
+    (the experts are frozen; the router's weights reach the loss through both)."""
     x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(4))
     want, want_grad = _forward_backward(_moe_mlp(model_type, "eager"), x)
-    got, got_grad = _forward_backward(_moe_mlp(model_type, "grouped"), x)
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-    assert got_grad.abs().sum() > 0 and torch.allclose(got_grad, want_grad, rtol=1e-5, atol=1e-6)
+    for experts in ("grouped", "sorted"):
+        got, got_grad = _forward_backward(_moe_mlp(model_type, experts), x)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), experts
+        assert got_grad.abs().sum() > 0 and torch.allclose(got_grad, want_grad, rtol=1e-5, atol=1e-6), experts
 
 
-@pytest.mark.parametrize("nf4", [False, True], ids=["bf16-experts", "nf4-experts"])
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense-experts", "nf4-experts"])
 def test_grouped_experts_read_to_the_host_at_most_once_per_layer(nf4: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The eager loop waits for the device once per used expert (and launches ~10 kernels per expert); grouped
-    experts read nothing back (bf16: torch's grouped matmul) or the expert counts once (NF4: a loop over the used
-    experts' rows), and launch a number of kernels that does not grow with the experts for bf16 weights."""
+    experts read nothing back (dense: torch's grouped matmul) or the expert counts once (NF4, and dense weights on
+    a device without a fast grouped GEMM: a loop over the used experts' rows), and launch a number of kernels that
+    does not grow with the experts for dense weights."""
     import bitsandbytes.nn.modules as bnb_modules
 
     monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)  # the repacking trap (tests/test_stage.py)
     x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(5))
     counted = {}
-    for experts, count in (("eager", 8), ("grouped", 8), ("grouped", 32)):
+    for experts, count in (("eager", 8), ("grouped", 8), ("grouped", 32), ("sorted", 8), ("sorted", 32)):
         mlp = _moe_mlp("qwen3_moe", experts, nf4, num_experts=count)
         with _HostSyncs() as mode:
             mlp(x)
         counted[experts, count] = mode
     assert counted["eager", 8].syncs >= 8
     assert counted["grouped", 8].syncs == counted["grouped", 32].syncs == (1 if nf4 else 0)
+    assert counted["sorted", 8].syncs == counted["sorted", 32].syncs == 1
     if not nf4:
         assert counted["grouped", 32].calls == counted["grouped", 8].calls < counted["eager", 8].calls
 
@@ -370,6 +410,11 @@ def test_gpt_oss_experts_load_from_mxfp4(tmp_path: Path) -> None:
     assert len(expected) == 4
     for name, want in expected.items():
         assert loaded[name].dtype == torch.bfloat16 and torch.equal(loaded[name].float(), want), name
+    from hetero.errors import CheckpointError
+    from hetero.runtime.stage.weights import dequantize_mxfp4
+
+    with pytest.raises(CheckpointError, match=r"^'x': MXFP4 blocks \(4, 8, 2, 16\) and scales \(4, 8, 3\) do not match"):
+        dequantize_mxfp4(torch.zeros(4, 8, 2, 16, dtype=torch.uint8), torch.zeros(4, 8, 3, dtype=torch.uint8), "x")
 
 
 def test_gpt_oss_refuses_what_it_cannot_compute_in_one_line() -> None:
@@ -385,3 +430,20 @@ def test_gpt_oss_refuses_what_it_cannot_compute_in_one_line() -> None:
         with pytest.raises(ConfigError, match=rf"^model.attn_implementation={choice}: this gpt_oss model adds a learned "
                            r"sink logit to every attention softmax, which only eager attention computes"):
             trace(replace(spec("gpt_oss", num_hidden_layers=2), attn_implementation=choice))
+
+
+def test_a_device_without_a_fast_grouped_gemm_runs_the_sorted_rows() -> None:
+    """transformers' grouped_mm falls back, off CPU and Ampere+ bf16, to an op that computes the frozen experts'
+    weight gradients: such a stage runs the experts over sorted rows instead (the config its stage builds says so)."""
+    from hetero.runtime.stage.experts import SORTED, grouped_fast
+    from hetero.runtime.stage.model import _build_config
+
+    assert grouped_fast(CPU, torch.bfloat16) and grouped_fast(CPU, torch.float32)
+    assert not grouped_fast(torch.device("cuda"), torch.float16)  # Volta/Turing train in fp16: no grouped GEMM
+    assert not grouped_fast(torch.device("cuda"), torch.float32)
+    assert not grouped_fast(torch.device("mps"), torch.bfloat16)
+    assert _build_config(arch("qwen3_moe"), "auto", CPU, torch.float32)._experts_implementation == "grouped_mm"
+    fp16 = _build_config(arch("qwen3_moe"), "auto", torch.device("cuda"), torch.float16)
+    assert fp16._experts_implementation == SORTED
+    assert _build_config(arch("qwen3_moe"), "auto", torch.device("cuda"), torch.float16,
+                         "eager")._experts_implementation == "eager"

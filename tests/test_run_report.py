@@ -278,3 +278,15 @@ def test_telemetry_travels_in_stepdone_and_lands_in_metrics_cleaned(plan) -> Non
                           "throttled_steps": 1, "throttle": ["thermal slowdown"]}
     assert telemetry_lines(summary) == ["device telemetry, stage 0: hottest 87 C, throttled in 1 of 2 steps "
                                         "(thermal slowdown)"]
+
+
+def test_a_metrics_line_still_being_written_is_left_for_the_next_read(tmp_path: Path) -> None:
+    """A live run appends metrics.jsonl while tools and tests read it: a last line cut mid-write is skipped (CI met
+    it as a JSONDecodeError), a whole one without its newline is kept."""
+    from hetero.runtime.run.run_compare import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n\n{"step": 2, "loss": 6.1, "stage_ops": [{"F": 0.02,')
+    assert read_metrics(path) == [{"step": 1}]
+    path.write_text('{"step": 1}\n{"step": 2}')
+    assert read_metrics(path) == [{"step": 1}, {"step": 2}]

@@ -14,6 +14,7 @@ evaluator's (``eval_loss``) and events (``{"event": "rebalance", "after_step": N
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 from pathlib import Path
@@ -28,8 +29,16 @@ OFF_BY = 0.20  # a stage more than 20% off its prediction is flagged
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Every JSON line of a run's metrics.jsonl (steps, evaluations and events; blank lines skipped)."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """Every JSON line of a run's metrics.jsonl (steps, evaluations and events; blank lines skipped). A last line
+    without its newline that does not parse is one a live run is still writing: it is left for the next read."""
+    text = Path(path).read_text()
+    lines = [line for line in text.splitlines() if line.strip()]
+    tail: list[dict[str, Any]] = []
+    if lines and not text.endswith("\n"):
+        last = lines.pop()
+        with contextlib.suppress(ValueError):
+            tail = [json.loads(last)]
+    return [json.loads(line) for line in lines] + tail
 
 
 def step_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:

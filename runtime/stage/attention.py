@@ -59,6 +59,17 @@ def segments_of(position_ids: torch.Tensor) -> Segments:
     return Segments(tuple(rows))
 
 
+_WHOLE: dict[tuple[int, int], Segments] = {}
+
+
+def _whole_rows(batch: int, seq: int) -> Segments:
+    """One record per row (padding, if any, after it: causal attention never reads it), kept per shape so that the
+    bucket layout is built once, not once per layer."""
+    if (batch, seq) not in _WHOLE:
+        _WHOLE[batch, seq] = Segments(tuple(((0, seq),) for _ in range(batch)))
+    return _WHOLE[batch, seq]
+
+
 def implementation(base: str) -> str:
     """The name hetero registers for ``base`` (a transformers attention implementation)."""
     if base not in BASES:
@@ -97,6 +108,11 @@ def _packed(base: str) -> Callable[..., Any]:
                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                   sliding_window: int | None = None, softcap: float | None = None,
                   hetero_segments: Segments | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        sinks = getattr(module, "sinks", None)  # gpt-oss: its family runs eager attention only
+        if sinks is not None:  # hetero's eager with the sink, one record per row unless packed (fp32 softmax)
+            rows = hetero_segments or _whole_rows(query.shape[0], query.shape[2])
+            return _per_segment("eager", query, key, value, rows, dropout, scaling, sliding_window, softcap,
+                                sinks), None
         if hetero_segments is None:
             if sliding_window is not None:
                 kwargs["sliding_window"] = sliding_window
@@ -104,10 +120,6 @@ def _packed(base: str) -> Callable[..., Any]:
                 kwargs["softcap"] = softcap
             return _base_function(base, module)(module, query, key, value, attention_mask, dropout=dropout,
                                                 scaling=scaling, **kwargs)
-        sinks = getattr(module, "sinks", None)  # gpt-oss: its family runs eager attention only
-        if sinks is not None:
-            return _per_segment("eager", query, key, value, hetero_segments, dropout, scaling, sliding_window,
-                                softcap, sinks), None
         if base == "flash_attention_2":
             return _flash_varlen(query, key, value, hetero_segments, dropout, scaling, sliding_window, softcap), None
         if base == "flex_attention":

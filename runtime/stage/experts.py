@@ -8,9 +8,15 @@ experts are frozen; LoRA trains the attention (hetero/families.py).
 It computes as transformers' experts of ``model.experts_implementation`` do:
 - grouped (the default): one routing pass sorts the (token, slot) pairs by expert and reads the per-expert
   counts to the host once per layer; each expert then runs on its contiguous rows (no grouped matmul exists for
-  NF4 weights, so the fewest kernels are one dequantize and two matmuls per used expert) and one index_add puts
-  the weighted rows back;
+  NF4 weights, so the fewest kernels are one dequantize and two matmuls per used expert), and the weighted rows
+  go back to their (token, slot) places, each once (no atomic adds), to be summed per token (``run_sorted``);
 - eager: transformers' per-expert loop (a ``torch.where`` and a host sync per expert), the reference.
+
+Dense (bf16/fp16/fp32) experts run transformers' ``grouped_mm`` where the device has torch's grouped GEMM for
+the dtype (CPU; NVIDIA from Ampere on, in bf16: ``grouped_fast``). Elsewhere (older GPUs, fp16, ROCm, MPS)
+transformers would fall back to a custom op that computes the frozen experts' weight gradients and reads the
+offsets to the host per matmul; the stage runs ``run_sorted`` over the dense weights instead (``hetero_grouped``,
+registered with transformers' experts functions): one host read per layer, no weight gradients.
 """
 
 from __future__ import annotations
@@ -47,24 +53,7 @@ class NF4Experts(nn.Module):
 
     def _grouped(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                  ) -> torch.Tensor:
-        k = top_k_index.size(-1)
-        flat = top_k_index.reshape(-1)
-        with torch.no_grad():
-            order = torch.argsort(flat, stable=True)  # the (token, slot) pairs by expert
-            counts = torch.bincount(flat, minlength=self.num_experts + 1)[:self.num_experts].tolist()  # one sync
-        rows = order[:sum(counts)]  # slots routed nowhere sort last and are dropped
-        token = rows // k
-        x = hidden_states[token]
-        pieces, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                pieces.append(self._expert(e, x[start:start + n]))
-                start += n
-        out = torch.zeros_like(hidden_states)
-        if pieces:
-            y = torch.cat(pieces) * top_k_weights.reshape(-1)[rows, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+        return run_sorted(hidden_states, top_k_index, top_k_weights, self.num_experts, self._expert)
 
     def _eager(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                ) -> torch.Tensor:
@@ -80,6 +69,74 @@ class NF4Experts(nn.Module):
             y = self._expert(e, hidden_states[token]) * top_k_weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
+
+
+def run_sorted(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+               num_experts: int, expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Experts over sorted rows: the (token, slot) pairs sorted by expert once, the expert counts read to the host
+    once, ``expert(e, rows)`` on each used expert's contiguous rows, the weighted rows put back in their pairs'
+    places (each once) and summed per token. A slot routed to ``num_experts`` (nowhere) sorts last and adds 0."""
+    tokens, k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    with torch.no_grad():
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()  # the one host read
+    rows = order[:sum(counts)]
+    x = hidden_states[rows // k]
+    pieces, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            pieces.append(expert(e, x[start:start + n]))
+            start += n
+    out = hidden_states.new_zeros(tokens * k, hidden_states.size(-1))
+    if pieces:
+        y = torch.cat(pieces) * top_k_weights.reshape(-1)[rows, None]
+        out = out.index_copy(0, rows, y.to(out.dtype))
+    return out.view(tokens, k, -1).sum(dim=1)
+
+
+def _dense_expert(experts: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``e`` of transformers' fused experts on its rows ``x``: its (biased, transposed) projections and gate
+    as the module defines them (gpt-oss's clamped SwiGLU included)."""
+    def project(weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+        y = rows @ weight[e] if experts.is_transposed else nn.functional.linear(rows, weight[e])
+        return y if bias is None else y + bias[e]
+
+    gated = experts.has_gate
+    up = project(experts.gate_up_proj if gated else experts.up_proj,
+                 (experts.gate_up_proj_bias if gated else experts.up_proj_bias) if experts.has_bias else None, x)
+    hidden = experts._apply_gate(up) if gated else experts.act_fn(up)
+    return project(experts.down_proj, experts.down_proj_bias if experts.has_bias else None, hidden)
+
+
+def sorted_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts forward as ``hetero_grouped``: ``run_sorted`` over the module's dense weights."""
+    return run_sorted(hidden_states, top_k_index, top_k_weights, self.num_experts,
+                      lambda e, x: _dense_expert(self, e, x))
+
+
+SORTED = "hetero_grouped"
+
+
+def register_sorted() -> None:
+    """Register ``hetero_grouped`` with transformers' experts functions (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if SORTED not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(SORTED, sorted_experts_forward)
+
+
+def grouped_fast(device: torch.device | None, dtype: torch.dtype | None) -> bool:
+    """Whether torch's grouped GEMM runs transformers' ``grouped_mm`` experts here without its slow fallback: on
+    CPU, and on NVIDIA GPUs from Ampere (8.0) on in bf16 (ROCm, MPS and older GPUs: run_sorted)."""
+    if not hasattr(torch.nn.functional, "grouped_mm") and not hasattr(torch, "_grouped_mm"):
+        return False
+    if device is None or device.type == "cpu":
+        return True
+    if device.type != "cuda" or torch.version.hip is not None or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def quantize_experts(layer: nn.Module, module: str, nf4: Callable[[torch.Tensor], nn.Module]) -> bool:

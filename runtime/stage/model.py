@@ -24,6 +24,7 @@ from hetero.errors import PlanError
 from hetero.families import FULL, SLIDING, family, layer_types, needs_mask
 from hetero.plan import Plan
 from hetero.runtime.stage.attention import Segments, implementation, register, runtime_attention, segments_of
+from hetero.runtime.stage.experts import SORTED, grouped_fast, register_sorted
 from hetero.runtime.stage.lora import add_lora, load_lora_state, lora_state
 from hetero.runtime.stage.streaming import WeightStreamer, frozen_device_bytes, stream_layer
 from hetero.runtime.stage.weights import load_weights, quantize_nf4
@@ -255,6 +256,9 @@ def _build_config(architecture: dict, choice: str = "auto", device: torch.device
     # The same implementation, wrapped to keep packed records apart (runtime/stage/attention.py)
     register()
     config._attn_implementation = implementation(base)
+    if getattr(config, "_experts_implementation", None) == "grouped_mm" and not grouped_fast(device, dtype):
+        register_sorted()  # no fast grouped GEMM here: the experts over sorted rows (runtime/stage/experts.py)
+        config._experts_implementation = SORTED
     return config
 
 

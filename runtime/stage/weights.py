@@ -59,13 +59,22 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 Source = str | tuple[tuple[str, ...], ...] | Mxfp4
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str = "experts") -> torch.Tensor:
     """MXFP4 ``blocks`` [E, out, G, 16] and ``scales`` [E, out, G] -> the bf16 tensor [E, in, out] (in = 32 G) that
-    transformers' gpt-oss experts hold (exact: an fp4 value times a power of two fits bf16)."""
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [E, out, G, 32]
+    transformers' gpt-oss experts hold (exact: an fp4 value times a power of two fits bf16), one expert at a time
+    (a whole gpt-oss-120b projection's codes at once would take tens of GB)."""
+    if blocks.dim() != 4 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise CheckpointError(f"'{name}': MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not "
+                              "match ([experts, out, groups, 16] and [experts, out, groups]); the checkpoint is damaged "
+                              "or not gpt-oss's")
+    experts, rows, groups, _ = blocks.shape
     lut = torch.tensor(FP4_VALUES, dtype=torch.bfloat16)
-    scale = torch.exp2(scales.to(torch.float32) - 127).to(torch.bfloat16).unsqueeze(-1)
-    return (lut[codes] * scale).flatten(-2).transpose(1, 2).contiguous()
+    out = torch.empty(experts, groups * 32, rows, dtype=torch.bfloat16)
+    for e in range(experts):
+        codes = torch.stack([blocks[e] & 0x0F, blocks[e] >> 4], dim=-1).flatten(-2).to(torch.int32)  # [out, G, 32]
+        scale = torch.exp2(scales[e].to(torch.float32) - 127).to(torch.bfloat16).unsqueeze(-1)
+        out[e] = (lut[codes] * scale).flatten(-2).t()
+    return out
 
 
 def _stored_as(name: str, experts: Experts | None, num_experts: int) -> Source | None:
@@ -118,7 +127,7 @@ def _assemble(source: Source, read: dict[str, torch.Tensor], name: str) -> torch
     """The tensor ``name`` from what was read: itself (a tied head's own copy), or its experts stacked, each the
     concatenation of its stored parts (gate and up projections), or dequantized from MXFP4."""
     if isinstance(source, Mxfp4):
-        return dequantize_mxfp4(read[source.blocks], read[source.scales])
+        return dequantize_mxfp4(read[source.blocks], read[source.scales], name)
     if isinstance(source, str):
         return read[source] if source == name else read[source].clone()
     try:

@@ -55,7 +55,7 @@ def bench_family(model_type: str, steps: int, rounds: int, work: Path) -> dict[s
     fam_dir = work / model_type
     fam_dir.mkdir()
     model_dir, data = prepare(fam_dir, steps, architecture={**architecture(model_type), **SHAPES[model_type]})
-    lora = (f"lora.target_modules=[{','.join(family(model_type).lora_targets)}]",)
+    lora = (f"lora.target_modules=[{','.join(family(model_type).lora_targets_of(architecture(model_type)))}]",)
     got: dict[str, list[tuple[float, float]]] = {"eager": [], "grouped": [], "profiled": []}
     for r in range(rounds):
         for impl in ("eager", "grouped"):

@@ -62,6 +62,16 @@ FAMILY_KEYS: dict[str, dict[str, Any]] = {
     "glm4_moe": {"intermediate_size": 684, "moe_intermediate_size": 88, "n_routed_experts": 128,
                  "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
                  "topk_group": 1, "partial_rotary_factor": 0.5},
+    # DeepSeek-V2-Lite's latent attention and experts scaled the same way (per head: 32 + 16 rotary for q/k, 32 for v).
+    "deepseek_v2": {"intermediate_size": 1368, "moe_intermediate_size": 176, "n_routed_experts": 64,
+                    "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1, "q_lora_rank": None,
+                    "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+                    "num_key_value_heads": 8},
+    # Moonlight-16B-A3B (DeepSeek-V3's layout at V2-Lite's size) scaled the same way.
+    "deepseek_v3": {"intermediate_size": 1408, "moe_intermediate_size": 176, "n_routed_experts": 64,
+                    "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1, "q_lora_rank": None,
+                    "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+                    "num_key_value_heads": 8, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.446},
     "gpt_oss": {"intermediate_size": 256, "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 64,
                 "layer_types": ["sliding_attention", "full_attention"] * (LAYERS // 2)},
 }
@@ -79,7 +89,7 @@ def bench_family(model_type: str, steps: int, work: Path) -> dict[str, Any]:
     fam_dir = work / model_type
     fam_dir.mkdir()
     model_dir, data = prepare(fam_dir, steps, architecture=architecture(model_type))
-    targets = list(family(model_type).lora_targets)
+    targets = list(family(model_type).lora_targets_of(architecture(model_type)))
     row: dict[str, Any] = {"family": model_type}
     plan, note = compile_hetero(model_dir, data, steps, fam_dir, (f"lora.target_modules=[{','.join(targets)}]",),
                                 stages=3)

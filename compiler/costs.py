@@ -53,6 +53,8 @@ class MoE:
     hidden: int
     grouped: bool = True  # model.experts_implementation: grouped (sorted once), or eager (transformers' loop)
     gate_kept: int = 3  # intermediates of I per chosen expert its gate keeps (hetero/families.py Experts.gate_kept)
+    shared: int = 0  # the intermediate size of the shared experts every token runs (Qwen2-MoE, GLM-4.5, DeepSeek)
+    shared_gated: bool = False  # the shared experts' output scaled by a sigmoid gate per token (Qwen2-MoE)
 
     @property
     def intermediate(self) -> int:  # gate, up [I, H] and down [H, I] per expert
@@ -78,13 +80,16 @@ class MoE:
         (transformers' per-expert loop): per chosen expert also its output (H), two int64 indices, and the router's
         softmax over every expert. NF4 experts keep no input (bitsandbytes saves the weight only): an overestimate
         of H per chosen expert."""
+        # Shared experts: a plain SwiGLU MLP (its gate and up outputs, the activation), and where gated its output
+        # and the gate's sigmoid.
+        shared = dtype_bytes * (3 * self.shared + (self.hidden + 1 if self.shared_gated else 0))
         if self.grouped:
             per_expert = dtype_bytes * (self.gate_kept * self.intermediate + self.hidden + 1) + 3 * 8 + 4 + 8
             router = dtype_bytes * self.hidden + 4 * self.experts + 4
-            return float(self.top_k * per_expert + router)
+            return float(self.top_k * per_expert + router + shared)
         per_expert = dtype_bytes * (self.gate_kept * self.intermediate + 2 * self.hidden + 1) + 2 * 8
         router = dtype_bytes * self.hidden + 2 * 4 * self.experts + (4 + 8) * self.top_k + 4
-        return float(self.top_k * per_expert + router)
+        return float(self.top_k * per_expert + router + shared)
 
 
 @dataclass(frozen=True)
@@ -116,7 +121,8 @@ def layer_traits(config: Any, index: int, seq_len: int, module: nn.Module, param
 def norm_bytes(config: Any, module: nn.Module) -> float:
     """Per token, what the layer's RMSNorms keep (HF computes them in fp32): the fp32 upcast of each input and
     its per-row rsqrt. A norm of the hidden size reads the hidden state; a smaller one (Qwen3's and Gemma 3's q/k
-    norms: per head; OLMo 2's: the whole projection) reads the query or key projection, row by row."""
+    norms: per head; OLMo 2's: the whole projection) reads the query or key projection, row by row; a latent's (MLA)
+    its own width."""
     h = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or h // heads
@@ -127,7 +133,7 @@ def norm_bytes(config: Any, module: nn.Module) -> float:
         if not type(sub).__name__.endswith("RMSNorm") or weight is None:
             continue
         size = int(weight.numel())
-        elements = width.get(name.rsplit(".", 1)[-1], h) if size != h else h
+        elements = width.get(name.rsplit(".", 1)[-1], size) if size != h else h
         total += 4 * elements + 4 * (elements // size)
     return total
 
@@ -147,7 +153,11 @@ def layer_moe(config: Any, params: dict[str, Any]) -> MoE | None:
         return None  # a dense layer of a MoE model (Qwen3-MoE's mlp_only_layers)
     count, top_k = int(getattr(config, experts.count)), int(getattr(config, experts.top_k))
     grouped = getattr(config, "_experts_implementation", None) != "eager"
-    return MoE(count, top_k, stacked, int(config.hidden_size), grouped, experts.gate_kept)
+    # Shared experts: the gate projections of the MLP outside the routed experts ([I, H] each).
+    outside = {name: t for name, t in params.items() if ".mlp." in name and name not in inside}
+    shared = sum(int(t.shape[0]) for name, t in outside.items() if name.endswith("gate_proj.weight") and t.dim() == 2)
+    gated = any(name.endswith("shared_expert_gate.weight") for name in outside)
+    return MoE(count, top_k, stacked, int(config.hidden_size), grouped, experts.gate_kept, shared, gated)
 
 
 def lora_targets(module: nn.Module, prefix: str, targets: Iterable[str]) -> list[tuple[str, nn.Linear | nn.Embedding]]:
@@ -169,20 +179,56 @@ def _lora_shape(sub: nn.Linear | nn.Embedding) -> tuple[int, int]:
     return sub.num_embeddings, sub.embedding_dim  # nn.Embedding: A is r x num_embeddings, B is dim x r
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """The widths per token (summed over heads) of what a decoder layer's attention computes: one head's query/key
+    size (``qk``), the keys and values the kernel reads (``k``, ``v``: its output is as wide as ``v`` over the query
+    heads) and o_proj's input (``out``)."""
+
+    heads: int
+    qk: int
+    k: int
+    v: int
+    out: int
+    latents: tuple[tuple[str, int], ...] = ()  # LoRA input groups of latent projections (MLA): (group, width)
+
+    @property
+    def kernel_out(self) -> int:
+        return self.heads * self.v // max(1, self.k // self.qk)
+
+
+def attention_shape(config: Any) -> AttentionShape:
+    """The attention widths of ``config``: grouped-query attention, or multi-head latent attention (DeepSeek: q and
+    k of nope + rope per head, k and v expanded per head from a latent; the runtime pads the narrower values to the
+    query size for the fused kernels, runtime/stage/attention.py, and o_proj reads them cut back)."""
+    heads = config.num_attention_heads
+    if getattr(config, "kv_lora_rank", None):
+        qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+        latents = [("kv_latent", int(config.kv_lora_rank))]
+        if getattr(config, "q_lora_rank", None):
+            latents.append(("q_latent", int(config.q_lora_rank)))
+        return AttentionShape(heads, qk, heads * qk, heads * qk, heads * config.v_head_dim, tuple(latents))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv = config.num_key_value_heads * head_dim
+    return AttentionShape(heads, head_dim, kv, kv, heads * head_dim)
+
+
 def attention_flops_per_token(config: Any, seq_len: int, causal: bool = True) -> float:
     """QK^T and PV of one layer, per token; causal kernels skip the masked half (average (S+1)/2 keys); with a
     mask tensor (eager attention, a sliding window shorter than the sequence) every key is computed."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    shape = attention_shape(config)
     keys = (seq_len + 1) / 2 if causal else seq_len
-    return 2 * 2 * heads * head_dim * keys
+    return 2 * (shape.heads * shape.qk + shape.kernel_out) * keys
 
 
 # Which Linears read the same input tensor: a LoRA on any of them keeps that input once (the runtime's
 # LoRA path saves the input at the compute dtype, shared; see runtime/stage/lora.py).
 _INPUT_GROUPS = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "attn_out",
                  "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "mlp_mid",
-                 "qkv_proj": "attn_in", "gate_up_proj": "mlp_in"}  # Phi-3's fused projections
+                 "qkv_proj": "attn_in", "gate_up_proj": "mlp_in",  # Phi-3's fused projections
+                 # latent attention (MLA): into the latents, and from the normed latents per head
+                 "q_a_proj": "attn_in", "kv_a_proj_with_mqa": "attn_in", "q_b_proj": "q_latent",
+                 "kv_b_proj": "kv_latent"}
 
 
 def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: float, lora_r: int,
@@ -205,12 +251,10 @@ def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: float
     Rotary cos/sin are per sequence, not per token, and are left out.
     """
     h = config.hidden_size
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    q_dim = heads * head_dim
-    kv_dim = config.num_key_value_heads * head_dim
+    shape = attention_shape(config)
+    heads, q_dim = shape.heads, shape.heads * shape.qk
     inter = config.intermediate_size
-    in_features = {"attn_in": h, "attn_out": q_dim, "mlp_in": h, "mlp_mid": inter}
+    in_features = {"attn_in": h, "attn_out": shape.out, "mlp_in": h, "mlp_mid": inter, **dict(shape.latents)}
     lora_linears = [t for t in targeted if t in _INPUT_GROUPS]
     traits = traits or Traits()
     norms = 2 * (4 * h + 4) if traits.norm_bytes is None else traits.norm_bytes
@@ -219,12 +263,12 @@ def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: float
         lora += sum((LORA_BYTES + 1) * in_features[_INPUT_GROUPS[t]] for t in lora_linears)
     else:
         lora += sum(dtype_bytes * in_features[g] for g in {_INPUT_GROUPS[t] for t in lora_linears})
-    if traits.eager:
+    if traits.eager:  # k and v repeated to every query head
         attention = dtype_bytes * 3 * q_dim + heads * seq_len * (4 + dtype_bytes * (2 if traits.softcap else 1))
     else:
-        attention = dtype_bytes * (2 * q_dim + 2 * kv_dim) + 4 * heads
+        attention = dtype_bytes * (q_dim + shape.k + shape.v + shape.kernel_out) + 4 * heads
     if traits.fused_qkv:
-        attention += dtype_bytes * (q_dim + kv_dim)
+        attention += dtype_bytes * (q_dim + shape.k)
     mlp = dtype_bytes * 3 * inter if traits.moe is None else traits.moe.activation_bytes(dtype_bytes)
     return float(norms + lora + attention + mlp)
 

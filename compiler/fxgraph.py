@@ -90,8 +90,9 @@ class PipelineView(nn.Module):
         super().__init__()
         base = causal_lm.model
         # Families whose rotary embedding gives each layer kind its own cos/sin (hetero/families.py): the kinds.
-        per_kind = family(causal_lm.config.model_type).rotary_per_layer_type
-        self.layer_kinds: list[str] | None = layer_types(causal_lm.config) if per_kind else None
+        fam = family(causal_lm.config.model_type)
+        self.layer_kinds: list[str] | None = layer_types(causal_lm.config) if fam.rotary_per_layer_type else None
+        self.rotary_complex = fam.rotary_complex
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self.layers = base.layers
@@ -101,7 +102,10 @@ class PipelineView(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(input_ids)
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        if self.layer_kinds is None:
+        ropes: list[Any]
+        if self.rotary_complex:  # one complex tensor (DeepSeek): the layers take it whole
+            ropes = [self.rotary(hidden, position_ids)] * len(self.layers)
+        elif self.layer_kinds is None:
             rope = self.rotary(hidden, position_ids)
             ropes = [(rope[0], rope[1])] * len(self.layers)
         else:
@@ -110,9 +114,9 @@ class PipelineView(nn.Module):
                 rope = self.rotary(hidden, position_ids, kind)
                 by_kind[kind] = (rope[0], rope[1])
             ropes = [by_kind[kind] for kind in self.layer_kinds]
-        for layer, (cos, sin) in zip(self.layers, ropes, strict=True):
+        for layer, rope in zip(self.layers, ropes, strict=True):
             # No mask tensor: sdpa applies causality itself (is_causal), which keeps flash kernels usable.
-            hidden = layer(hidden, attention_mask=None, position_embeddings=(cos, sin))
+            hidden = layer(hidden, attention_mask=None, position_embeddings=rope)
         hidden = self.norm(hidden)
         return self.head(hidden)
 
@@ -202,8 +206,11 @@ def trace_model(causal_lm: nn.Module) -> TracedModel:
 
 def _name_rotary_outputs(gm: fx.GraphModule) -> None:
     """Give the rotary getitem nodes readable names (rope_cos, rope_sin; with a rotary per layer kind, the kind
-    follows: rope_cos_sliding_attention) for edges and segment code."""
+    follows: rope_cos_sliding_attention; a complex rotary's one output: rope_freqs) for edges and segment code."""
     for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target == "rotary" and not any(
+                user.target is operator.getitem for user in node.users):
+            node.name = "rope_freqs"  # one complex tensor (hetero/families.py rotary_complex)
         if node.op == "call_function" and node.target is operator.getitem:
             src = node.args[0]
             if isinstance(src, fx.Node) and src.op == "call_module" and src.target == "rotary":

@@ -152,11 +152,12 @@ def _check_lora_targets(causal_lm: Any, targets: list[str], model_type: str) -> 
         n for n, _ in causal_lm.named_modules()
     }
     missing = [t for t in targets if t not in names and not any(n.endswith("." + t) for n in names)]
+    own = family(model_type).lora_targets_of(causal_lm.config)
     if missing or not targets:
         raise ConfigError(
             f"model.lora.target_modules {missing or targets} match no module of this {model_type} model; its "
-            f"decoder layers' Linear layers are {', '.join(family(model_type).lora_targets)} (for example "
-            f"lora.target_modules=[{','.join(family(model_type).lora_targets)}])"
+            f"decoder layers' Linear layers are {', '.join(own)} (for example "
+            f"lora.target_modules=[{','.join(own)}])"
         )
     from torch import nn
 
@@ -167,8 +168,7 @@ def _check_lora_targets(causal_lm: Any, targets: list[str], model_type: str) -> 
                 model_type).experts else ""
             raise ConfigError(
                 f"model.lora.target_modules names '{short}', a {type(module).__name__} in this {model_type} model, "
-                f"not a Linear layer LoRA can wrap{experts}; its decoder layers' Linear layers are "
-                f"{', '.join(family(model_type).lora_targets)}")
+                f"not a Linear layer LoRA can wrap{experts}; its decoder layers' Linear layers are {', '.join(own)}")
 
 
 def _check_partition(nodes: list[LayerNode], state: dict[str, Any], tied: bool) -> None:

@@ -20,7 +20,9 @@ model forward's steps outside the layers) and the LoRA checks (which Linear laye
 - ``lora_targets``: the Linear layers of a decoder layer LoRA may target, by name (the compiler names them
   when `lora.target_modules` matches nothing);
 - ``sinks``: a learned logit per attention head joins every softmax (gpt-oss): eager attention only, with the
-  sink added per packed record (runtime/stage/attention.py).
+  sink added per packed record (runtime/stage/attention.py);
+- ``rotary_complex``: the rotary embedding gives one complex tensor per position (DeepSeek's freqs_cis) that the
+  layers take as their position embeddings (the compiler's trace, compiler/fxgraph.py).
 
 Parameters, FLOPs and activation bytes are counted from the module structure (compiler/costs.py), so a
 family needs no formula of its own (a mixture of experts counts every expert in memory and top-k in compute).
@@ -43,6 +45,9 @@ ATTENTION_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attenti
 # (runtime/stage/experts.py); eager = transformers' loop with a host sync per expert (the reference).
 EXPERTS_CHOICES = ("grouped", "eager")
 MLP = ("gate_proj", "up_proj", "down_proj")
+# Multi-head latent attention (DeepSeek-V2/V3): q straight (q_proj) or through a latent (q_a_proj, q_b_proj); k and v
+# from one shared latent (kv_a_proj_with_mqa, which also carries the rotary part of k), expanded per head (kv_b_proj).
+MLA = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,20 @@ class Family:
     # Attention sinks (gpt-oss): a learned logit per head joins every softmax. Eager attention only: SDPA and
     # flash-attn have no such term (runtime/stage/attention.py adds it per packed record).
     sinks: bool = False
+    # The rotary embedding gives one complex tensor (DeepSeek's freqs_cis), not a cos/sin pair.
+    rotary_complex: bool = False
+    # Multi-head latent attention: the config key that, when set, sends q through a latent (q_a_proj, q_b_proj; no
+    # q_proj), when null straight through q_proj (DeepSeek-V2-Lite).
+    latent_q: str | None = None
+
+    def lora_targets_of(self, config: Any) -> tuple[str, ...]:
+        """The Linear layers of a decoder layer LoRA may target in this model (a built config or an architecture
+        dict): the family's, less the query path its config does not build."""
+        if self.latent_q is None:
+            return self.lora_targets
+        value = config.get(self.latent_q) if isinstance(config, dict) else getattr(config, self.latent_q, None)
+        absent = ("q_proj",) if value else ("q_a_proj", "q_b_proj")
+        return tuple(t for t in self.lora_targets if t not in absent)
 
     def attention_impl(self, config: Any, choice: str = "auto") -> str:
         """The attention implementation a model of this family trains with under ``model.attn_implementation``:
@@ -183,6 +202,15 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # GLM-4.5: the first first_k_dense_replace layers dense, then routed experts plus shared ones, a biased router.
     Family("glm4_moe", "GLM-4.5-Air, GLM-4.5", lora_targets=ATTENTION, experts=Experts(
         "n_routed_experts", "num_experts_per_tok", PER_EXPERT)),
+    # DeepSeek-V2: multi-head latent attention (MLA) with a complex rotary on a slice of each head, the first
+    # first_k_dense_replace layers dense, then routed experts (greedy or group-limited top-k) plus shared ones.
+    Family("deepseek_v2", "DeepSeek-V2-Lite, DeepSeek-V2", lora_targets=MLA, rotary_complex=True,
+           latent_q="q_lora_rank", experts=Experts(
+        "n_routed_experts", "num_experts_per_tok", PER_EXPERT)),
+    # DeepSeek-V3 (and Moonlight, Kimi K2): DeepSeek-V2's latent attention with a (cos, sin) rotary on interleaved
+    # pairs, a sigmoid router with a loaded correction bias and group-limited top-k.
+    Family("deepseek_v3", "Moonlight-16B-A3B, DeepSeek-V3, Kimi K2", lora_targets=MLA, latent_q="q_lora_rank",
+           experts=Experts("n_routed_experts", "num_experts_per_tok", PER_EXPERT)),
     # gpt-oss: attention sinks, sliding-window and full layers alternating, biased experts stored fused and
     # transposed ([E, H, 2I], gate and up interleaved) with a clamped SwiGLU, a biased router (softmax over its top-k).
     Family("gpt_oss", "gpt-oss-20b, gpt-oss-120b", lora_targets=ATTENTION, attention="eager", sinks=True,

@@ -45,7 +45,7 @@ def arch(model_type: str, **more: object) -> dict:
 
 def spec(model_type: str, **more: object) -> ModelSpec:
     return ModelSpec(name=f"tiny-{model_type}", architecture=arch(model_type, **more), dtype="float32", seq_len=64,
-                     lora=LoraSpec(r=8, alpha=16, target_modules=list(family(model_type).lora_targets)))
+                     lora=LoraSpec(r=8, alpha=16, target_modules=list(family(model_type).lora_targets_of(arch(model_type)))))
 
 
 def test_a_moe_layer_counts_every_expert_in_memory_and_the_top_k_in_compute() -> None:
@@ -108,7 +108,7 @@ def test_a_moe_layer_keeps_what_the_graph_predicts(model_type: str, experts: str
 
     from hetero.runtime.stage.lora import share_lora_inputs
 
-    targets = list(family(model_type).lora_targets)
+    targets = list(family(model_type).lora_targets_of(architecture))
     peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
     peft.train()
     share_lora_inputs(peft)

@@ -72,6 +72,18 @@ TINY = {
     "glm4_moe": {"model_type": "glm4_moe", "head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 1,
                  "topk_group": 1},
+    # MLA: q through a latent (DeepSeek-V2; V2-Lite has q_lora_rank null), a shared k/v latent, a rotary slice of 8;
+    # one dense layer, then 8 routed experts (top-2) and a shared one.
+    "deepseek_v2": {"model_type": "deepseek_v2", "q_lora_rank": 24, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 16, "v_head_dim": 16, "num_key_value_heads": 4, "n_routed_experts": 8,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                    "first_k_dense_replace": 1},
+    # V2's latent attention with V3's router (sigmoid scores, a correction bias, 2 groups of which the best 1 is
+    # searched) and interleaved rotary pairs; q straight through q_proj here (Moonlight's q_lora_rank is null).
+    "deepseek_v3": {"model_type": "deepseek_v3", "q_lora_rank": None, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 16, "v_head_dim": 16, "num_key_value_heads": 4, "n_routed_experts": 8,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                    "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5},
 }
 
 
@@ -91,7 +103,7 @@ def test_family_on_three_stages_equals_the_reference(model_type: str, tiny_spec:
     architecture = {**COMMON, **TINY[model_type]}
     model_dir = resolve_dir(replace(tiny_spec, name=f"tiny-{model_type}", architecture=architecture))
     train = replace(TRAIN, max_grad_norm=CLIP.get(model_type, TRAIN.max_grad_norm))
-    setup = reference_run(model_dir, tmp_path, train, SEQ_LEN, targets=list(family(model_type).lora_targets))
+    setup = reference_run(model_dir, tmp_path, train, SEQ_LEN, targets=list(family(model_type).lora_targets_of(architecture)))
     plan = make_plan(model_dir, architecture, [2, 2, 2], train=train, lora=setup["lora"], seq_len=SEQ_LEN)
     assert plan.model.model_type == model_type
     plan.save(tmp_path / "plan.json")
@@ -116,7 +128,7 @@ def test_every_family_compiles(model_type: str) -> None:
     from hetero.specs import LoraSpec
 
     spec = ModelSpec(name=f"tiny-{model_type}", architecture={**COMMON, **TINY[model_type]}, seq_len=SEQ_LEN,
-                     lora=LoraSpec(r=4, alpha=8, target_modules=list(family(model_type).lora_targets)))
+                     lora=LoraSpec(r=4, alpha=8, target_modules=list(family(model_type).lora_targets_of(TINY[model_type]))))
     graph = trace(spec)
     assert [n.kind for n in graph.nodes] == ["embedding", *["decoder"] * COMMON["num_hidden_layers"], "norm", "head"]
     assert all(n.fwd_flops_per_token > 0 and n.lora_params > 0 for n in graph.nodes[1:-2])
@@ -127,7 +139,7 @@ def test_a_model_type_outside_the_table_is_one_line(tiny_spec: ModelSpec) -> Non
 
     with pytest.raises(UnsupportedModelError, match=r"^model_type 'falcon' is not supported; supported: llama, "
                        r"mistral, qwen2, qwen3, olmo2, phi3, granite, gemma2, gemma3_text, glm4, gemma, smollm3, "
-                       r"qwen3_moe, mixtral, olmoe, qwen2_moe, glm4_moe, gpt_oss \(docs/models\.md lists them"):
+                       r"qwen3_moe, mixtral, olmoe, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss \(docs/models\.md lists them"):
         build_config({**COMMON, "model_type": "falcon"})
 
 
@@ -141,7 +153,8 @@ def test_lora_targets_a_family_lacks_name_its_own(tiny_spec: ModelSpec) -> None:
 
 
 PRESETS = ["llama8b", "mistral7b", "qwen2_7b", "qwen3_8b", "qwen3_14b", "phi4", "mistral_nemo_12b", "gemma3_12b",
-           "smollm3_3b", "glm4_9b", "qwen3_30b_a3b", "mixtral_8x7b", "qwen15_moe_a27b", "olmoe_1b_7b", "glm45_air", "gpt_oss_20b"]
+           "smollm3_3b", "glm4_9b", "qwen3_30b_a3b", "mixtral_8x7b", "qwen15_moe_a27b", "olmoe_1b_7b", "glm45_air", "gpt_oss_20b",
+           "deepseek_v2_lite"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -136,7 +136,7 @@ def test_recompute_with_dropout_is_bitwise_the_same(quant: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
 
 
-FAMILY_CASES = ["qwen3", "olmo2", "phi3", "mistral", "gemma2", "gemma3_text"]
+FAMILY_CASES = ["qwen3", "olmo2", "phi3", "mistral", "gemma2", "gemma3_text", "deepseek_v2"]
 
 
 @pytest.mark.parametrize("model_type", FAMILY_CASES)
@@ -153,7 +153,7 @@ def test_each_familys_layer_keeps_what_the_graph_predicts(model_type: str, seq: 
     arch = {**COMMON, **TINY[model_type], "num_hidden_layers": 2}
     if "layer_types" in arch:
         arch["layer_types"] = arch["layer_types"][:2]
-    targets = list(family(model_type).lora_targets)
+    targets = list(family(model_type).lora_targets_of(arch))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_build_config(arch), dtype=torch.bfloat16)
     model.model.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(model.model.layers)})

@@ -114,12 +114,13 @@ def test_packing_off_keeps_one_record_per_row(tiny_model_dir: Path) -> None:
     assert batch.position_ids is None and len(batch.record_ids) == 6 and sb.rows_per_epoch == sb.num_records
 
 
-FAMILIES = ["llama", "qwen3", "gemma3_text", "phi3", "qwen3_moe", "gpt_oss"]
+FAMILIES = ["llama", "qwen3", "gemma3_text", "phi3", "qwen3_moe", "gpt_oss", "deepseek_v2"]
 
 
 @pytest.mark.parametrize(("model_type", "attention"), [(f, "auto") for f in FAMILIES] + [
     ("gemma2", "auto"), ("gemma2", "flex_attention"), ("gemma3_text", "eager"), ("gemma3_text", "flex_attention"),
-    ("qwen3_moe", "flex_attention")])
+    ("qwen3_moe", "flex_attention"), ("deepseek_v2", "eager"), ("deepseek_v2", "flex_attention"),
+    ("deepseek_v3", "auto")])
 def test_a_packed_row_computes_each_record_as_alone(model_type: str, attention: str) -> None:
     """Through transformers' own model with hetero's attention: logits of a packed row equal each record's alone
     (computed by transformers' own implementation of the family), with records longer than the sliding window (16)
@@ -203,7 +204,7 @@ def test_packed_training_equals_the_records_trained_alone(model_type: str, tiny_
                                                          tmp_path: Path) -> None:
     architecture = {**COMMON, **TINY.get(model_type, {"model_type": "llama"})}
     model_dir = resolve_dir(replace(tiny_spec, name=f"tiny-{model_type}", architecture=architecture))
-    setup = reference_run(model_dir, tmp_path, TRAIN, SEQ_LEN, targets=list(family(model_type).lora_targets))
+    setup = reference_run(model_dir, tmp_path, TRAIN, SEQ_LEN, targets=list(family(model_type).lora_targets_of(architecture)))
     plan = make_plan(model_dir, architecture, [3, 3], train=TRAIN, lora=setup["lora"], seq_len=SEQ_LEN)
     assert plan.data.packing
     plan.save(tmp_path / "plan.json")

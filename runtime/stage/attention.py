@@ -113,21 +113,39 @@ def _packed(base: str) -> Callable[..., Any]:
             rows = hetero_segments or _whole_rows(query.shape[0], query.shape[2])
             return _per_segment("eager", query, key, value, rows, dropout, scaling, sliding_window, softcap,
                                 sinks), None
-        if hetero_segments is None:
-            if sliding_window is not None:
-                kwargs["sliding_window"] = sliding_window
-            if softcap is not None:
-                kwargs["softcap"] = softcap
-            return _base_function(base, module)(module, query, key, value, attention_mask, dropout=dropout,
-                                                scaling=scaling, **kwargs)
-        if base == "flash_attention_2":
-            return _flash_varlen(query, key, value, hetero_segments, dropout, scaling, sliding_window, softcap), None
-        if base == "flex_attention":
-            return _flex(query, key, value, hetero_segments, scaling, sliding_window, softcap), None
-        return _per_segment(base, query, key, value, hetero_segments, dropout, scaling, sliding_window, softcap), None
+        narrow = value.shape[-1] if value.shape[-1] < query.shape[-1] and base != "eager" else None
+        if narrow is not None:  # latent attention's values are narrower than its queries (below)
+            value = F.pad(value, (0, query.shape[-1] - narrow))
+        out = _dispatch(base, module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
+                        hetero_segments, **kwargs)
+        return (out if narrow is None else out[..., :narrow]), None
 
     attention.__name__ = f"packed_{base}"
     return attention
+
+
+# Multi-head latent attention (DeepSeek) computes values narrower than its queries and keys (128 against 192 per
+# head). The fused kernels take one head size (flash-attn, torch's CPU flash SDPA), and SDPA falls back to its math
+# path otherwise: fp32 scores of every query and key, kept for backward. The values are padded with zeros to the
+# query size, and the output cut back: exact (the padded columns compute zeros), the PV matmul half as wide again
+# (compiler/costs.py attention_shape prices it so).
+
+
+def _dispatch(base: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float, scaling: float | None, sliding_window: int | None,
+              softcap: float | None, hetero_segments: Segments | None, **kwargs: Any) -> torch.Tensor:
+    if hetero_segments is None:
+        if sliding_window is not None:
+            kwargs["sliding_window"] = sliding_window
+        if softcap is not None:
+            kwargs["softcap"] = softcap
+        return _base_function(base, module)(module, query, key, value, attention_mask, dropout=dropout,
+                                            scaling=scaling, **kwargs)[0]
+    if base == "flash_attention_2":
+        return _flash_varlen(query, key, value, hetero_segments, dropout, scaling, sliding_window, softcap)
+    if base == "flex_attention":
+        return _flex(query, key, value, hetero_segments, scaling, sliding_window, softcap)
+    return _per_segment(base, query, key, value, hetero_segments, dropout, scaling, sliding_window, softcap)
 
 
 # Segments of about the same length share one attention call (``Buckets``): a bucket pads its segments to its
@@ -205,17 +223,17 @@ def _per_segment(base: str, query: torch.Tensor, key: torch.Tensor, value: torch
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
         groups = 1
     batch, heads, seq, dim = query.shape
-    kv_heads = key.shape[1]
     layout = buckets(segments, seq, query.device)
-    # q, k and v gathered in one call: heads side by side, [tokens in bucket order, H + 2 KV, D]
-    qkv = torch.cat([t.transpose(1, 2) for t in (query, key, value)], dim=2).reshape(batch * seq, -1, dim)
+    # q, k and v gathered in one call: each token's heads flattened side by side, [tokens in bucket order,
+    # H D + KV D + KV Dv] (multi-head latent attention's values are narrower than its queries and keys)
+    qkv = torch.cat([t.transpose(1, 2).reshape(batch * seq, -1) for t in (query, key, value)], dim=1)
     rows = qkv.index_select(0, layout.gather).split([count * length for count, length in layout.shapes])
     outs: list[torch.Tensor] = []
     with _shape_free_kernels(query.device):
-        _bucket_attention(base, layout, rows, outs, heads, kv_heads, dim, groups, dropout, scaling, window, softcap,
-                          sinks)
+        _bucket_attention(base, layout, rows, outs, (heads, key.shape[1], dim, value.shape[-1]), groups, dropout,
+                          scaling, window, softcap, sinks)
     merged = torch.cat(outs) if len(outs) > 1 else outs[0]
-    return merged.index_select(0, layout.scatter).view(batch, seq, heads, dim)
+    return merged.index_select(0, layout.scatter).view(batch, seq, heads, value.shape[-1])
 
 
 def _shape_free_kernels(device: torch.device) -> Any:
@@ -233,17 +251,20 @@ def _shape_free_kernels(device: torch.device) -> Any:
 
 
 def _bucket_attention(base: str, layout: Buckets, rows: tuple[torch.Tensor, ...], outs: list[torch.Tensor],
-                      heads: int, kv_heads: int, dim: int, groups: int, dropout: float, scaling: float | None,
+                      shape: tuple[int, int, int, int], groups: int, dropout: float, scaling: float | None,
                       window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> None:
+    heads, kv_heads, dim, v_dim = shape  # query heads, key/value heads, query/key head size, value head size
+    widths = ((heads, dim), (kv_heads, dim), (kv_heads, v_dim))
     for (count, length), row in zip(layout.shapes, rows, strict=True):
-        q, k, v = (t.transpose(1, 2) for t in row.view(count, length, -1, dim).split([heads, kv_heads, kv_heads], 2))
+        parts = row.view(count, length, -1).split([n * d for n, d in widths], dim=2)
+        q, k, v = (t.view(count, length, n, d).transpose(1, 2) for t, (n, d) in zip(parts, widths, strict=True))
         if base == "eager" or softcap is not None:
             out = _eager(q, k, v, dropout, scaling, window, softcap, sinks)
         else:
             mask = _window_mask(length, window, q.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                                                  scale=scaling, enable_gqa=groups > 1)
-        outs.append(out.transpose(1, 2).reshape(count * length, heads, dim))
+        outs.append(out.transpose(1, 2).reshape(count * length, heads, v_dim))
 
 
 def _window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:

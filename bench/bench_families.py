@@ -72,6 +72,11 @@ FAMILY_KEYS: dict[str, dict[str, Any]] = {
                     "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1, "q_lora_rank": None,
                     "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
                     "num_key_value_heads": 8, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.446},
+    # Llama 4 Scout's experts (16, top-1, and a shared one, each 8192 / 5120 of the hidden size) scaled the same way.
+    "llama4_text": {"intermediate_size": 408, "intermediate_size_mlp": 816, "num_local_experts": 16,
+                    "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "use_qk_norm": True,
+                    "no_rope_layers": [1, 1, 1, 0] * (LAYERS // 4),
+                    "layer_types": (["chunked_attention"] * 3 + ["full_attention"]) * (LAYERS // 4)},
     "gpt_oss": {"intermediate_size": 256, "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 64,
                 "layer_types": ["sliding_attention", "full_attention"] * (LAYERS // 2)},
 }

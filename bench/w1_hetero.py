@@ -91,7 +91,8 @@ def run_plan(plan: Path, steps: int, work: Path, peak: dict[str, float] | None =
     proc = subprocess.run([sys.executable, "-c", PEAK_RSS, *cmd], capture_output=True, text=True, cwd=work,
                           timeout=1800)
     if proc.returncode != 0:
-        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        lines = [line for line in (proc.stderr or proc.stdout).strip().splitlines()
+                 if not line.startswith("peak_rss_kib")]  # the wrapper's own last line
         return None, f"`hetero run` failed: {lines[-1] if lines else proc.returncode}"
     for line in proc.stderr.splitlines():
         if line.startswith("peak_rss_kib") and peak is not None:

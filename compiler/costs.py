@@ -105,6 +105,7 @@ class Traits:
     norm_bytes: float | None = None  # None: two hidden-size RMSNorms
     moe: MoE | None = None
     fused_qkv: bool = False  # one qkv_proj (Phi-3): the v that attention keeps is a view of all of q, k and v
+    mlp_inter: int | None = None  # a dense MLP's width where it is not config.intermediate_size (Llama 4's dense layers)
 
 
 def layer_traits(config: Any, index: int, seq_len: int, module: nn.Module, params: dict[str, Any]) -> Traits:
@@ -115,14 +116,16 @@ def layer_traits(config: Any, index: int, seq_len: int, module: nn.Module, param
     return Traits(layer_type=kind, masked=needs_mask(fam, config, kind, seq_len), eager=eager,
                   softcap=eager and bool(getattr(config, "attn_logit_softcapping", None)),
                   norm_bytes=norm_bytes(config, module), moe=layer_moe(config, params),
-                  fused_qkv=any(name.endswith("qkv_proj") for name, _ in module.named_modules()))
+                  fused_qkv=any(name.endswith("qkv_proj") for name, _ in module.named_modules()),
+                  mlp_inter=next((m.in_features for name, m in module.named_modules()
+                                  if name.endswith("down_proj") and isinstance(m, nn.Linear)), None))
 
 
 def norm_bytes(config: Any, module: nn.Module) -> float:
     """Per token, what the layer's RMSNorms keep (HF computes them in fp32): the fp32 upcast of each input and
     its per-row rsqrt. A norm of the hidden size reads the hidden state; a smaller one (Qwen3's and Gemma 3's q/k
     norms: per head; OLMo 2's: the whole projection) reads the query or key projection, row by row; a latent's (MLA)
-    its own width."""
+    its own width. Llama 4's weightless L2 norm keeps q and k per head alike."""
     h = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or h // heads
@@ -130,6 +133,9 @@ def norm_bytes(config: Any, module: nn.Module) -> float:
     total = 0.0
     for name, sub in module.named_modules():
         weight = getattr(sub, "weight", None)
+        if type(sub).__name__.endswith("L2Norm"):  # Llama 4's q/k norm without a weight: q and k per head, in fp32
+            q, k = width["q_norm"], width["k_norm"]
+            total += 4 * (q + k) + 4 * (heads + config.num_key_value_heads)
         if not type(sub).__name__.endswith("RMSNorm") or weight is None:
             continue
         size = int(weight.numel())
@@ -152,7 +158,7 @@ def layer_moe(config: Any, params: dict[str, Any]) -> MoE | None:
     if not stacked:
         return None  # a dense layer of a MoE model (Qwen3-MoE's mlp_only_layers)
     count, top_k = int(getattr(config, experts.count)), int(getattr(config, experts.top_k))
-    grouped = getattr(config, "_experts_implementation", None) != "eager"
+    grouped = (getattr(config, "hetero_experts", None) or getattr(config, "_experts_implementation", None)) != "eager"
     # Shared experts: the gate projections of the MLP outside the routed experts ([I, H] each).
     outside = {name: t for name, t in params.items() if ".mlp." in name and name not in inside}
     shared = sum(int(t.shape[0]) for name, t in outside.items() if name.endswith("gate_proj.weight") and t.dim() == 2)
@@ -253,10 +259,10 @@ def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: float
     h = config.hidden_size
     shape = attention_shape(config)
     heads, q_dim = shape.heads, shape.heads * shape.qk
-    inter = config.intermediate_size
+    traits = traits or Traits()
+    inter = traits.mlp_inter if traits.moe is None and traits.mlp_inter else config.intermediate_size
     in_features = {"attn_in": h, "attn_out": shape.out, "mlp_in": h, "mlp_mid": inter, **dict(shape.latents)}
     lora_linears = [t for t in targeted if t in _INPUT_GROUPS]
-    traits = traits or Traits()
     norms = 2 * (4 * h + 4) if traits.norm_bytes is None else traits.norm_bytes
     lora = LORA_BYTES * lora_r * len(lora_linears)
     if lora_dropout > 0:

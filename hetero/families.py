@@ -71,6 +71,9 @@ class Experts:
     # How the family's published checkpoints store the experts when not as weights of the compute dtype (gpt-oss:
     # "MXFP4"); runtime/stage/weights.py dequantizes them on loading.
     stored_format: str | None = None
+    # The router's weight scales each chosen expert's input, not its output, and transformers computes every expert
+    # for every token (Llama 4): the stage computes the chosen ones only (runtime/stage/routed.py).
+    scaled_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,12 @@ class Family:
         config._attn_implementation = self.attention_impl(config, choice)
         if experts not in EXPERTS_CHOICES:
             raise ConfigError(f"model.experts_implementation={experts!r}: expected one of {', '.join(EXPERTS_CHOICES)}")
-        if self.experts is not None:
+        if self.experts is not None and self.experts.scaled_input:
+            if experts == "eager":  # transformers' block computes every expert for every token: not what is priced
+                raise ConfigError(f"model.experts_implementation=eager: this {self.model_type} model's transformers "
+                                  "block runs every expert on every token; hetero runs the chosen ones, use grouped")
+            config.hetero_experts = "grouped_mm"
+        elif self.experts is not None:
             config._experts_implementation = "grouped_mm" if experts == "grouped" else "eager"
 
     def embedding_multiplier(self, architecture: dict[str, Any]) -> float:
@@ -211,6 +219,14 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # pairs, a sigmoid router with a loaded correction bias and group-limited top-k.
     Family("deepseek_v3", "Moonlight-16B-A3B, DeepSeek-V3, Kimi K2", lora_targets=MLA, latent_q="q_lora_rank",
            experts=Experts("n_routed_experts", "num_experts_per_tok", PER_EXPERT)),
+    # Llama 4 (text): a complex rotary, layers without it (no_rope_layers), chunked attention, q/k L2 norms, routed
+    # experts stored fused and transposed, each fed its input scaled by the router, plus a shared expert.
+    Family("llama4_text", "Llama 4 Scout, Llama 4 Maverick (text)", lora_targets=ATTENTION, rotary_complex=True,
+           stored_prefixes=(("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+           text_of="llama4", experts=Experts(
+               "num_local_experts", "num_experts_per_tok", stored=(), module="feed_forward.experts",
+               unquantizable="its experts are stored transposed and fed inputs the router scales, which hetero's NF4 "
+                             "experts do not hold yet", scaled_input=True)),
     # gpt-oss: attention sinks, sliding-window and full layers alternating, biased experts stored fused and
     # transposed ([E, H, 2I], gate and up interleaved) with a clamped SwiGLU, a biased router (softmax over its top-k).
     Family("gpt_oss", "gpt-oss-20b, gpt-oss-120b", lora_targets=ATTENTION, attention="eager", sinks=True,
@@ -268,6 +284,22 @@ def check_quantization(model_type: Any, quantization: str) -> None:
     if quantization != "none" and experts is not None and experts.unquantizable:
         raise ConfigError(f"model.quantization={quantization}: this {model_type} model's experts cannot be quantized "
                           f"({experts.unquantizable}); use model.quantization=none")
+
+
+def check_seq_len(architecture: dict[str, Any], seq_len: int) -> None:
+    """Refuse, in one line, a sequence longer than what a family computes as plain causal attention here: Llama 4's
+    chunked layers attend within chunks of ``attention_chunk_size`` and its layers without rotary scale queries
+    from position ``floor_scale`` - 1 on; below both, each is plain causal attention (packed or not)."""
+    if architecture.get("model_type") != "llama4_text":
+        return
+    chunk = int(architecture.get("attention_chunk_size") or 8192)
+    limit = chunk
+    if architecture.get("attn_temperature_tuning", True):
+        limit = min(limit, int(architecture.get("floor_scale") or 8192) - 1)
+    if seq_len > limit:
+        raise ConfigError(f"model.seq_len={seq_len}: this llama4_text model's chunked attention (chunks of {chunk}) "
+                          f"and query temperature are computed as plain causal attention up to {limit} tokens only; "
+                          f"use model.seq_len<={limit}")
 
 
 def family(model_type: Any) -> Family:

@@ -87,13 +87,14 @@ def test_the_roofline_adds_the_routing_traffic_to_a_moe_layer() -> None:
     assert routed[1] - unrouted[1] == pytest.approx(2 * dispatch)
 
 
-@pytest.mark.parametrize("experts", ["grouped", "eager"])
-@pytest.mark.parametrize("model_type", EVERY_MOE)
+@pytest.mark.parametrize(("model_type", "experts"), [(m, e) for m in EVERY_MOE for e in ("grouped", "eager")
+                                                     if e == "grouped" or not family(m).experts.scaled_input])
 def test_a_moe_layer_keeps_what_the_graph_predicts(model_type: str, experts: str) -> None:
     from test_memory import kept_per_token
 
     from hetero.runtime.stage.attention import implementation, register
     from hetero.runtime.stage.model import Stage, StageLayout
+    from hetero.runtime.stage.routed import use_routed
 
     architecture = arch(model_type, num_hidden_layers=2, first_k_dense_replace=0)  # GLM-4.5: both layers routed
     torch.manual_seed(0)
@@ -104,6 +105,9 @@ def test_a_moe_layer_keeps_what_the_graph_predicts(model_type: str, experts: str
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.model.layers = torch.nn.ModuleDict({str(i): layer for i, layer in enumerate(model.model.layers)})
     model.requires_grad_(False)
+    moe = family(model_type).experts
+    if moe.scaled_input:  # as a stage runs it: the chosen experts only (runtime/stage/routed.py)
+        use_routed(model, moe.module, grouped=True)
     from peft import LoraConfig, get_peft_model
 
     from hetero.runtime.stage.lora import share_lora_inputs
@@ -222,19 +226,25 @@ def _moe_mlp(model_type: str, experts: str, nf4: bool = False, **more: object) -
     """The MoE block of a one-layer tiny ``model_type`` (seed 3: the same weights for every ``experts``; "sorted":
     the dense experts over sorted rows that a stage without a fast grouped GEMM runs)."""
     from hetero.runtime.stage.experts import SORTED, register_sorted
+    from hetero.runtime.stage.routed import use_routed
 
     torch.manual_seed(3)
+    moe = family(model_type).experts
+    assert moe is not None
+    scaled = moe.scaled_input  # Llama 4: "eager" is transformers' block (every expert for every token)
     config = build_config(arch(model_type, num_hidden_layers=2, first_k_dense_replace=0, **more),
-                          experts="grouped" if experts == "sorted" else experts)
-    if experts == "sorted":
+                          experts="grouped" if experts == "sorted" or scaled else experts)
+    if experts == "sorted" and not scaled:
         register_sorted()
         config._experts_implementation = SORTED
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.model.layers = torch.nn.ModuleDict({"0": model.model.layers[0]})
     model.requires_grad_(False)
     if nf4:
-        quantize_nf4(model, torch.float32, CPU, family(model_type).experts)
-    return model.model.layers["0"].mlp
+        quantize_nf4(model, torch.float32, CPU, moe)
+    if scaled and experts != "eager":
+        assert use_routed(model, moe.module, grouped=experts == "grouped") == 1
+    return model.model.layers["0"].get_submodule(moe.module.rpartition(".")[0])
 
 
 def _forward_backward(mlp: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

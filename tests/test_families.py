@@ -84,6 +84,13 @@ TINY = {
                     "qk_nope_head_dim": 16, "v_head_dim": 16, "num_key_value_heads": 4, "n_routed_experts": 8,
                     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
                     "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5},
+    # Scout's layout: every layer routed (4 experts, top-1, input scaled by the router) plus a shared expert, every
+    # 4th layer without rotary, chunked and full layers, q/k L2 norms.
+    "llama4_text": {"model_type": "llama4_text", "head_dim": 16, "intermediate_size": 32, "intermediate_size_mlp": 64,
+                    "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
+                    "attention_chunk_size": 128, "floor_scale": 128, "use_qk_norm": True,
+                    "no_rope_layers": [1, 1, 1, 0, 1, 1],
+                    "layer_types": ["chunked_attention"] * 3 + ["full_attention"] + ["chunked_attention"] * 2},
 }
 
 
@@ -139,8 +146,22 @@ def test_a_model_type_outside_the_table_is_one_line(tiny_spec: ModelSpec) -> Non
 
     with pytest.raises(UnsupportedModelError, match=r"^model_type 'falcon' is not supported; supported: llama, "
                        r"mistral, qwen2, qwen3, olmo2, phi3, granite, gemma2, gemma3_text, glm4, gemma, smollm3, "
-                       r"qwen3_moe, mixtral, olmoe, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss \(docs/models\.md lists them"):
+                       r"qwen3_moe, mixtral, olmoe, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, llama4_text, gpt_oss \(docs/models\.md lists them"):
         build_config({**COMMON, "model_type": "falcon"})
+
+
+def test_llama4_limits_are_one_line() -> None:
+    """Llama 4's chunked attention and query temperature are plain causal attention below their chunk size and
+    floor scale only, and transformers' own block runs every expert on every token: each refused in one line."""
+    from hetero.compiler.fxgraph import build_config
+    from hetero.families import check_seq_len
+
+    architecture = {**COMMON, **TINY["llama4_text"]}
+    check_seq_len(architecture, 127)
+    with pytest.raises(ConfigError, match=r"^model.seq_len=128: .* up to 127 tokens only; use model.seq_len<=127$"):
+        check_seq_len(architecture, 128)
+    with pytest.raises(ConfigError, match="use grouped$"):
+        build_config(architecture, experts="eager")
 
 
 def test_lora_targets_a_family_lacks_name_its_own(tiny_spec: ModelSpec) -> None:

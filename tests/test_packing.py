@@ -120,7 +120,7 @@ FAMILIES = ["llama", "qwen3", "gemma3_text", "phi3", "qwen3_moe", "gpt_oss", "de
 @pytest.mark.parametrize(("model_type", "attention"), [(f, "auto") for f in FAMILIES] + [
     ("gemma2", "auto"), ("gemma2", "flex_attention"), ("gemma3_text", "eager"), ("gemma3_text", "flex_attention"),
     ("qwen3_moe", "flex_attention"), ("deepseek_v2", "eager"), ("deepseek_v2", "flex_attention"),
-    ("deepseek_v3", "auto")])
+    ("deepseek_v3", "auto"), ("llama4_text", "auto")])
 def test_a_packed_row_computes_each_record_as_alone(model_type: str, attention: str) -> None:
     """Through transformers' own model with hetero's attention: logits of a packed row equal each record's alone
     (computed by transformers' own implementation of the family), with records longer than the sliding window (16)

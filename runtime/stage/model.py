@@ -26,6 +26,7 @@ from hetero.plan import Plan
 from hetero.runtime.stage.attention import Segments, implementation, register, runtime_attention, segments_of
 from hetero.runtime.stage.experts import SORTED, grouped_fast, register_sorted
 from hetero.runtime.stage.lora import add_lora, load_lora_state, lora_state
+from hetero.runtime.stage.routed import use_routed
 from hetero.runtime.stage.streaming import WeightStreamer, frozen_device_bytes, stream_layer
 from hetero.runtime.stage.weights import load_weights, quantize_nf4
 from hetero.runtime.wire.frames import TORCH_DTYPES
@@ -259,6 +260,8 @@ def _build_config(architecture: dict, choice: str = "auto", device: torch.device
     if getattr(config, "_experts_implementation", None) == "grouped_mm" and not grouped_fast(device, dtype):
         register_sorted()  # no fast grouped GEMM here: the experts over sorted rows (runtime/stage/experts.py)
         config._experts_implementation = SORTED
+    if getattr(config, "hetero_experts", None) == "grouped_mm" and not grouped_fast(device, dtype):
+        config.hetero_experts = SORTED  # Llama 4's routed experts per used expert (runtime/stage/routed.py)
     return config
 
 
@@ -291,6 +294,10 @@ def _skeleton(config, layout: StageLayout) -> nn.Module:
     # Real rotary buffers (inv_freq is computed, not loaded): rebuild the module off the meta device.
     inner.rotary_emb = type(inner.rotary_emb)(config=config)
     _computed_buffers(model)
+    experts = family(config.model_type).experts
+    routed = getattr(config, "hetero_experts", "eager")
+    if experts is not None and experts.scaled_input and routed != "eager":  # Llama 4: the chosen experts only
+        use_routed(model, experts.module, grouped=routed == "grouped_mm")
     return model
 
 

@@ -66,12 +66,13 @@ FAMILY_KEYS: dict[str, dict[str, Any]] = {
     "deepseek_v2": {"intermediate_size": 1368, "moe_intermediate_size": 176, "n_routed_experts": 64,
                     "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1, "q_lora_rank": None,
                     "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
-                    "num_key_value_heads": 8},
+                    "num_key_value_heads": 8, "head_dim": 16},
     # Moonlight-16B-A3B (DeepSeek-V3's layout at V2-Lite's size) scaled the same way.
     "deepseek_v3": {"intermediate_size": 1408, "moe_intermediate_size": 176, "n_routed_experts": 64,
                     "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1, "q_lora_rank": None,
                     "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
-                    "num_key_value_heads": 8, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.446},
+                    "num_key_value_heads": 8, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.446,
+                    "head_dim": 16},  # the rotary's width (V3's config keeps a head_dim it is given; W1 gives 32)
     # Llama 4 Scout's experts (16, top-1, and a shared one, each 8192 / 5120 of the hidden size) scaled the same way.
     "llama4_text": {"intermediate_size": 408, "intermediate_size_mlp": 816, "num_local_experts": 16,
                     "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "use_qk_norm": True,

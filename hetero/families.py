@@ -74,6 +74,8 @@ class Experts:
     # The router's weight scales each chosen expert's input, not its output, and transformers computes every expert
     # for every token (Llama 4): the stage computes the chosen ones only (runtime/stage/routed.py).
     scaled_input: bool = False
+    # transformers keeps the fused experts input-major ([E, in, out]: gpt-oss, Llama 4), not [E, out, in].
+    transposed: bool = False
 
 
 @dataclass(frozen=True)
@@ -225,14 +227,13 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            stored_prefixes=(("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
            text_of="llama4", experts=Experts(
                "num_local_experts", "num_experts_per_tok", stored=(), module="feed_forward.experts",
-               unquantizable="its experts are stored transposed and fed inputs the router scales, which hetero's NF4 "
-                             "experts do not hold yet", scaled_input=True)),
+               scaled_input=True, transposed=True)),
     # gpt-oss: attention sinks, sliding-window and full layers alternating, biased experts stored fused and
     # transposed ([E, H, 2I], gate and up interleaved) with a clamped SwiGLU, a biased router (softmax over its top-k).
     Family("gpt_oss", "gpt-oss-20b, gpt-oss-120b", lora_targets=ATTENTION, attention="eager", sinks=True,
            experts=Experts("num_local_experts", "num_experts_per_tok", stored=(),
                            unquantizable="its experts carry biases and a transposed layout that hetero's NF4 experts "
-                                         "do not hold yet", stored_format="MXFP4", gate_kept=6)),
+                                         "do not hold yet", stored_format="MXFP4", gate_kept=6, transposed=True)),
 )}
 MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 # Multimodal model_types whose config.json holds a family's text model as text_config.

@@ -205,6 +205,55 @@ def test_nf4_experts_compute_as_transformers_with_the_dequantized_weights(model_
         assert got_grad.abs().sum() > 0 and torch.allclose(got_grad, want_grad, rtol=1e-4, atol=1e-6)
 
 
+def test_llama4_nf4_experts_compute_as_transformers_block_with_the_dequantized_weights(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama 4's experts in NF4: stored input-major ([E, H, 2I]), quantized per expert matrix as [out, in], run on
+    the chosen tokens only with their inputs scaled by the router (runtime/stage/routed.py); against transformers'
+    block (every expert on every token) holding the dequantized weights: output and input gradient."""
+    import bitsandbytes.functional as bnbf
+    import bitsandbytes.nn.modules as bnb_modules
+
+    from hetero.runtime.stage.routed import use_routed
+
+    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)  # the repacking trap (tests/test_stage.py)
+    moe = family("llama4_text").experts
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(build_config(arch("llama4_text", num_hidden_layers=1, intermediate_size=48)),
+                                             dtype=torch.float32)
+    model.model.layers = torch.nn.ModuleDict({"0": model.model.layers[0]})
+    model.requires_grad_(False)
+    ref = copy.deepcopy(model.model.layers["0"].feed_forward)
+    use_routed(model, moe.module, grouped=True)
+    quantize_nf4(model, torch.float32, CPU, moe)
+    block = model.model.layers["0"].feed_forward
+    assert isinstance(block.experts, NF4Experts) and len(block.experts.gate_up) == 4
+    with torch.no_grad():  # the reference holds what NF4 computes with, transposed back to transformers' layout
+        for fused, parts in ((ref.experts.gate_up_proj, block.experts.gate_up), (ref.experts.down_proj,
+                                                                                  block.experts.down)):
+            fused.copy_(torch.stack([bnbf.dequantize_4bit(q.weight.data, q.weight.quant_state).t() for q in parts]))
+        ref.shared_expert.load_state_dict({k: v for k, v in _plain_state(block.shared_expert).items()})
+        ref.router.weight.copy_(block.router.weight)
+    x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(2))
+    want, want_grad = _forward_backward(ref, x)
+    got, got_grad = _forward_backward(block, x)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert got_grad.abs().sum() > 0 and torch.allclose(got_grad, want_grad, rtol=1e-4, atol=1e-5)
+
+
+def _plain_state(mlp: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """An MLP's weights as plain tensors (its Linears dequantized where NF4)."""
+    import bitsandbytes.functional as bnbf
+
+    out = {}
+    for name, sub in mlp.named_children():
+        w = getattr(sub, "weight", None)
+        if w is None:
+            continue  # the activation
+        out[f"{name}.weight"] = (bnbf.dequantize_4bit(w.data, w.quant_state) if hasattr(w, "quant_state")
+                                 else w.data).float()
+    return out
+
+
 class _HostSyncs(torch.overrides.TorchFunctionMode):
     """Counts the calls that read a tensor's values to the host (on a GPU each waits for the device), and every
     torch call (a proxy for kernel launches)."""

@@ -175,7 +175,7 @@ def test_lora_targets_a_family_lacks_name_its_own(tiny_spec: ModelSpec) -> None:
 
 PRESETS = ["llama8b", "mistral7b", "qwen2_7b", "qwen3_8b", "qwen3_14b", "phi4", "mistral_nemo_12b", "gemma3_12b",
            "smollm3_3b", "glm4_9b", "qwen3_30b_a3b", "mixtral_8x7b", "qwen15_moe_a27b", "olmoe_1b_7b", "glm45_air", "gpt_oss_20b",
-           "deepseek_v2_lite"]
+           "deepseek_v2_lite", "llama4_scout"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -196,12 +196,15 @@ def test_a_presets_cost_model_counts_the_hf_models_parameters(preset: str) -> No
     assert family(spec.model_type).lora_targets  # every preset is a family of the table
 
 
-@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
-def test_gemma3_loads_from_a_multimodal_checkpoint(prefix: str, tiny_spec: ModelSpec, tiny_cache: Path,
-                                                   tmp_path: Path) -> None:
-    """Gemma 3 4B-27B checkpoints are multimodal: config.json is a gemma3 config whose text_config is the language
-    model, whose weights live under language_model.model. (the hub's files) or model.language_model. (saved by
-    transformers 5). hetero reads the text model from both, and its stages load the same weights."""
+@pytest.mark.parametrize(("model_type", "prefix"), [("gemma3_text", "language_model.model."),
+                                                     ("gemma3_text", "model.language_model."),
+                                                     ("llama4_text", "language_model.model.")])
+def test_a_text_model_loads_from_a_multimodal_checkpoint(model_type: str, prefix: str, tiny_spec: ModelSpec,
+                                                         tiny_cache: Path, tmp_path: Path) -> None:
+    """Gemma 3 4B-27B and Llama 4 checkpoints are multimodal: config.json is a gemma3 (llama4) config whose
+    text_config is the language model, whose weights live under language_model.model. (the hub's files) or
+    model.language_model. (saved by transformers 5). hetero reads the text model, and its stages load the same
+    weights."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -209,20 +212,22 @@ def test_gemma3_loads_from_a_multimodal_checkpoint(prefix: str, tiny_spec: Model
     from hetero.compiler.models import resolve_architecture
     from hetero.runtime.stage.model import build_stage
 
-    architecture = {**COMMON, **TINY["gemma3_text"]}
-    plain = resolve_dir(replace(tiny_spec, name="tiny-gemma3_text", architecture=architecture))
-    wrapped = tmp_path / "gemma3-mm"
+    architecture = {**COMMON, **TINY[model_type]}
+    plain = resolve_dir(replace(tiny_spec, name=f"tiny-{model_type}", architecture=architecture))
+    wrapped = tmp_path / "multimodal"
+    outer = family(model_type).text_of
     shutil.copytree(plain, wrapped)
     state = load_file(str(plain / "model.safetensors"))
     head = "language_model.lm_head.weight" if prefix.startswith("language_model.") else "lm_head.weight"
     renamed = {(prefix + k.removeprefix("model.") if k.startswith("model.") else head): v for k, v in state.items()}
     save_file(renamed, str(wrapped / "model.safetensors"))
     text = {k: v for k, v in json.loads((plain / "config.json").read_text()).items() if k != "vocab_size"}
-    (wrapped / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text,
-                                                     "architectures": ["Gemma3ForConditionalGeneration"]}))
+    (wrapped / "config.json").write_text(json.dumps({"model_type": outer, "text_config": text,
+                                                     "architectures": ["MultimodalForConditionalGeneration"]}))
     found = resolve_architecture(None, str(wrapped))
-    assert found["model_type"] == "gemma3_text" and found["hidden_size"] == 64
-    assert found["vocab_size"] == 262208  # the text config's default where config.json leaves it out
+    assert found["model_type"] == model_type and found["hidden_size"] == 64
+    if model_type == "gemma3_text":
+        assert found["vocab_size"] == 262208  # the text config's default where config.json leaves it out
     for k in range(3):
         ours = build_stage(make_plan(wrapped, architecture, [2, 2, 2], seq_len=SEQ_LEN), k, torch.device("cpu"))
         want = build_stage(make_plan(plain, architecture, [2, 2, 2], seq_len=SEQ_LEN), k, torch.device("cpu"))

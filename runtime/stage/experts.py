@@ -139,10 +139,12 @@ def grouped_fast(device: torch.device | None, dtype: torch.dtype | None) -> bool
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def quantize_experts(layer: nn.Module, module: str, nf4: Callable[[torch.Tensor], nn.Module]) -> bool:
+def quantize_experts(layer: nn.Module, module: str, nf4: Callable[[torch.Tensor], nn.Module],
+                     transposed: bool = False) -> bool:
     """Replace the experts at ``module`` (a dotted path inside the decoder layer) with NF4Experts built by ``nf4``
-    (a 2-D weight -> its Linear4bit), computing as the experts' config says (grouped unless eager); False when the
-    layer has none there (a dense layer of a MoE model)."""
+    (a 2-D weight [out, in] -> its Linear4bit; ``transposed``: transformers keeps them [in, out], Llama 4),
+    computing as the experts' config says (grouped unless eager); False when the layer has none there (a dense
+    layer of a MoE model)."""
     parent_name, _, name = module.rpartition(".")
     parent = layer.get_submodule(parent_name) if parent_name else layer
     experts = getattr(parent, name, None)
@@ -150,6 +152,9 @@ def quantize_experts(layer: nn.Module, module: str, nf4: Callable[[torch.Tensor]
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or gate_up.dim() != 3:
         return False
     grouped = getattr(getattr(experts, "config", None), "_experts_implementation", "grouped_mm") != "eager"
-    setattr(parent, name, NF4Experts([nf4(w) for w in gate_up.data], [nf4(w) for w in down.data], experts.act_fn,
-                                     grouped))
+
+    def matrices(fused: torch.Tensor) -> list[nn.Module]:
+        return [nf4(w.t().contiguous() if transposed else w) for w in fused.data]
+
+    setattr(parent, name, NF4Experts(matrices(gate_up), matrices(down), experts.act_fn, grouped))
     return True

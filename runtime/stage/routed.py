@@ -7,8 +7,8 @@ biases, and SiLU(0) is 0), so computing the chosen experts only is exact, gradie
 
 ``routed_input_forward`` takes the block's place (``use_routed``): one routing pass sorts the (token, slot) pairs by
 expert, each pair's input scaled by its score; the experts run as two grouped matmuls over the sorted rows where the
-device has torch's grouped GEMM (runtime/stage/experts.py ``grouped_fast``), otherwise one pair of matmuls per used
-expert after one host read of the counts; the rows go back to their pairs, each once, summed per token, and the
+device has torch's grouped GEMM (runtime/stage/experts.py ``grouped_fast``), otherwise (and for NF4 experts) one pair
+of matmuls per used expert after one host read of the counts; the rows go back to their pairs, each once, summed per token, and the
 shared expert adds its output as transformers' block does.
 """
 
@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from hetero.runtime.stage.experts import NF4Experts
 
 
 def use_routed(model: nn.Module, module: str, grouped: bool) -> int:
@@ -52,20 +54,24 @@ def _run(experts: Any, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Ten
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=experts.num_experts)
     x = h.index_select(0, order // k) * weights.reshape(-1)[order, None].to(h.dtype)
-    gate_up, down = experts.gate_up_proj, experts.down_proj  # [E, H, 2I] and [E, I, H]: input-major
-    if grouped:
+    if grouped and not isinstance(experts, NF4Experts):
         from transformers.integrations.moe import _grouped_mm
 
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        gate, up = _grouped_mm(x, gate_up, offsets).chunk(2, dim=-1)
-        y = _grouped_mm(up * experts.act_fn(gate), down, offsets)
-    else:
+        offsets = torch.cumsum(counts, 0).to(torch.int32)  # [E, H, 2I] and [E, I, H]: input-major, as it takes them
+        gate, up = _grouped_mm(x, experts.gate_up_proj, offsets).chunk(2, dim=-1)
+        y = _grouped_mm(up * experts.act_fn(gate), experts.down_proj, offsets)
+    else:  # NF4 (each used expert dequantizes its matrices on its rows), or no fast grouped GEMM here
+        expert = experts._expert if isinstance(experts, NF4Experts) else (lambda e, rows: _dense(experts, e, rows))
         pieces, start = [], 0
         for e, n in enumerate(counts.tolist()):  # the one host read
             if n:
-                gate, up = (x[start:start + n] @ gate_up[e]).chunk(2, dim=-1)
-                pieces.append((up * experts.act_fn(gate)) @ down[e])
+                pieces.append(expert(e, x[start:start + n]))
                 start += n
         y = torch.cat(pieces)
     out = h.new_zeros(tokens * k, h.size(-1)).index_copy(0, order, y.to(h.dtype))
     return out.view(tokens, k, -1).sum(dim=1)
+
+
+def _dense(experts: Any, e: int, rows: torch.Tensor) -> torch.Tensor:
+    gate, up = (rows @ experts.gate_up_proj[e]).chunk(2, dim=-1)
+    return (up * experts.act_fn(gate)) @ experts.down_proj[e]

@@ -9,7 +9,7 @@ import torch
 from torch import fx
 
 from hetero.errors import ConfigError
-from hetero.families import check_quantization, check_seq_len
+from hetero.families import check_seq_len
 from hetero.graph import CutEdge, LayerGraph, LayerNode, TensorSpec
 from hetero.specs import ModelSpec
 
@@ -31,7 +31,6 @@ def trace_with_module(model: ModelSpec, attention_len: float | None = None,
     the share of computed tokens with a label, the only ones the loss head computes logits for (None: all)."""
     if model.seq_len < 1:
         raise ConfigError(f"model.seq_len must be a positive integer, got {model.seq_len}")
-    check_quantization(model.model_type, model.quantization)
     check_seq_len(model.architecture, model.seq_len)
     dtype = cost_dtype(model)
     causal_lm = build_meta_model(model, dtype)

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from hetero.errors import ConfigError
-from hetero.families import ATTENTION_CHOICES, EXPERTS_CHOICES, check_quantization, check_seq_len
+from hetero.families import ATTENTION_CHOICES, EXPERTS_CHOICES, check_seq_len
 from hetero.hardware import build_cluster, load_device_types
 from hetero.hints import COMMAND_LINE
 from hetero.safe_yaml import check_interpolations, check_yaml, yaml_error_message
@@ -343,7 +343,6 @@ def _model_spec(model: Any, lora: Any) -> ModelSpec:
                           f"{short_repr(spec.experts_implementation)}")
     if "model_type" not in spec.architecture:
         raise ConfigError("model.architecture has no model_type (it must be an HF config.json as a mapping)")
-    check_quantization(spec.model_type, spec.quantization)
     check_seq_len(spec.architecture, spec.seq_len)
     _check_architecture(spec.architecture)
     positions = spec.architecture.get("max_position_embeddings")

@@ -62,8 +62,6 @@ class Experts:
     # Other layer-relative names the checkpoint spells differently (Mixtral's router): (HF name, stored name).
     renamed: tuple[tuple[str, str], ...] = ()
     module: str = "mlp.experts"
-    # NF4/int8 experts (runtime/stage/experts.py: [E, out, in] weights without biases); None: why not.
-    unquantizable: str | None = None
     # What its gate keeps for backward per chosen expert, in units of the expert's intermediate size: SwiGLU keeps
     # the gate/up output (2 I) and the activation (I); gpt-oss's clamped SwiGLU also its clamped gate, sigmoid and
     # up + 1 (6 I; tests/test_experts.py measures both).
@@ -231,9 +229,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # gpt-oss: attention sinks, sliding-window and full layers alternating, biased experts stored fused and
     # transposed ([E, H, 2I], gate and up interleaved) with a clamped SwiGLU, a biased router (softmax over its top-k).
     Family("gpt_oss", "gpt-oss-20b, gpt-oss-120b", lora_targets=ATTENTION, attention="eager", sinks=True,
-           experts=Experts("num_local_experts", "num_experts_per_tok", stored=(),
-                           unquantizable="its experts carry biases and a transposed layout that hetero's NF4 experts "
-                                         "do not hold yet", stored_format="MXFP4", gate_kept=6, transposed=True)),
+           experts=Experts("num_local_experts", "num_experts_per_tok", stored=(), stored_format="MXFP4", gate_kept=6,
+                           transposed=True)),
 )}
 MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 # Multimodal model_types whose config.json holds a family's text model as text_config.
@@ -276,15 +273,6 @@ def needs_mask(fam: Family, config: Any, kind: str, seq_len: int) -> bool:
         return True
     window = getattr(config, "sliding_window", None)
     return kind == SLIDING and window is not None and seq_len > int(window)
-
-
-def check_quantization(model_type: Any, quantization: str) -> None:
-    """Refuse, in one line, a quantization a family's experts cannot take (every command reading the config)."""
-    fam = FAMILIES.get(model_type) if isinstance(model_type, str) else None
-    experts = fam.experts if fam is not None else None
-    if quantization != "none" and experts is not None and experts.unquantizable:
-        raise ConfigError(f"model.quantization={quantization}: this {model_type} model's experts cannot be quantized "
-                          f"({experts.unquantizable}); use model.quantization=none")
 
 
 def check_seq_len(architecture: dict[str, Any], seq_len: int) -> None:

@@ -403,9 +403,11 @@ def _experts_lines(graph: LayerGraph, cost_model: CostModel, model: ModelSpec) -
     if not any(n.expert_params for n in graph.nodes):
         return []
     experts = family(model.model_type).experts
+    held = ("quantizes them again to NF4 (a second rounding of the experts)" if model.quantization == "nf4"
+            else "holds them at its compute dtype")
     stored = [] if experts is None or experts.stored_format is None else [
         f"Its published checkpoints store the experts in {experts.stored_format}; each stage dequantizes them while "
-        f"loading and holds them at its compute dtype, as this plan prices them."]
+        f"loading and {held}, as this plan prices them."]
     if isinstance(cost_model, ProfileCostModel):
         return stored
     return stored + _datasheet_experts_lines(model)

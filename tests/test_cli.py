@@ -152,7 +152,8 @@ def test_show_draws_the_simulated_schedule(
 
 def test_config_errors_are_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_main(["compile", "model=llama9b"], capsys)
-    assert_one_line_error(code, err, "unknown model 'llama9b'; available: gemma3_12b, glm45_air, glm4_9b, gpt_oss_20b, hf, llama70b")
+    assert_one_line_error(code, err, "unknown model 'llama9b'; available: deepseek_v2_lite, gemma3_12b, glm45_air, "
+                          "glm4_9b, gpt_oss_120b, gpt_oss_20b, hf, llama4_scout, llama70b")
     fleets = tmp_path / "fleets" / "hardware"
     fleets.mkdir(parents=True)
     (fleets / "typo.yaml").write_text("hosts:\n  - name: a\n    devices: [{type: rtx9090}]\n")

@@ -20,7 +20,7 @@ from hetero.hardware import build_cluster, load_device_types
 MODELS = {"tiny": 6, "llama8b": 32, "llama70b": 80, "mistral7b": 32, "qwen2_7b": 28, "qwen3_8b": 36, "qwen3_14b": 40,
           "phi4": 40, "mistral_nemo_12b": 40, "gemma3_12b": 48, "qwen3_30b_a3b": 48, "mixtral_8x7b": 32,
           "smollm3_3b": 36, "glm4_9b": 40, "qwen15_moe_a27b": 24, "olmoe_1b_7b": 16, "glm45_air": 46, "gpt_oss_20b": 24,
-          "deepseek_v2_lite": 27, "llama4_scout": 48}
+          "deepseek_v2_lite": 27, "llama4_scout": 48, "gpt_oss_120b": 36}
 FLEETS = {"local": 2, "homelab": 2, "mixed_fleet": 4, "mining_rig": 6}
 REQUIRED_TYPES = [
     "rtx2080ti", "rtx3060", "rtx3070", "rtx3080", "rtx3090", "rtx3090ti", "rtx4060ti_16gb", "rtx4070", "rtx4070ti",
@@ -50,7 +50,7 @@ def test_real_model_architectures_match_their_parameter_counts() -> None:
     # 14.8B, Phi-4 14.7B, Mistral-Nemo 12.2B from their model cards; Gemma 3 12B's 12.2B less its 0.42B SigLIP
     # vision encoder; Qwen3-30B-A3B 30.5B, Mixtral 8x7B 46.7B; SmolLM3-3B 3.08B, GLM-4-9B-0414 9.4B,
     # Qwen1.5-MoE-A2.7B 14.3B, OLMoE-1B-7B 6.92B, GLM-4.5-Air 106B without its multi-token-prediction layer,
-    # gpt-oss-20b 20.9B, DeepSeek-V2-Lite 15.7B; Llama 4 Scout 109B on its model card, of which its language model
+    # gpt-oss-20b 20.9B, gpt-oss-120b 116.8B, DeepSeek-V2-Lite 15.7B; Llama 4 Scout 109B on its model card, of which its language model
     # is 107.8B, the rest its vision encoder).
     def params(arch: dict) -> float:
         h, i, v, n = (
@@ -82,7 +82,7 @@ def test_real_model_architectures_match_their_parameter_counts() -> None:
                 "qwen3_14b": 14.77, "phi4": 14.66, "mistral_nemo_12b": 12.25, "gemma3_12b": 11.77,
                 "qwen3_30b_a3b": 30.53, "mixtral_8x7b": 46.70, "smollm3_3b": 3.08, "glm4_9b": 9.4,
                 "qwen15_moe_a27b": 14.3, "olmoe_1b_7b": 6.92, "glm45_air": 106.0, "gpt_oss_20b": 20.9,
-                "deepseek_v2_lite": 15.7, "llama4_scout": 107.8}
+                "deepseek_v2_lite": 15.7, "llama4_scout": 107.8, "gpt_oss_120b": 116.8}
     for model, billions in expected.items():
         arch = load([f"model={model}"]).model.architecture
         assert params(arch) == pytest.approx(billions, rel=0.01), model
@@ -237,8 +237,8 @@ def test_unknown_gpu_type_suggests_the_closest(tmp_path: Path) -> None:
 
 def test_unknown_group_option_lists_available() -> None:
     assert str(_error(["model=llama9b"])) == (
-        "unknown model 'llama9b'; available: deepseek_v2_lite, gemma3_12b, glm45_air, glm4_9b, gpt_oss_20b, hf, "
-        "llama4_scout, llama70b, llama8b, mistral7b, mistral_nemo_12b, mixtral_8x7b, olmoe_1b_7b, phi4, qwen15_moe_a27b, qwen2_7b, qwen3_14b, "
+        "unknown model 'llama9b'; available: deepseek_v2_lite, gemma3_12b, glm45_air, glm4_9b, gpt_oss_120b, "
+        "gpt_oss_20b, hf, llama4_scout, llama70b, llama8b, mistral7b, mistral_nemo_12b, mixtral_8x7b, olmoe_1b_7b, phi4, qwen15_moe_a27b, qwen2_7b, qwen3_14b, "
         "qwen3_30b_a3b, qwen3_8b, smollm3_3b, tiny"
     )
     assert "add --config-dir" in str(_error(["hardware=myfleet"]))

@@ -31,7 +31,7 @@ from hetero.runtime.stage.weights import quantize_nf4
 from hetero.specs import LoraSpec, ModelSpec
 
 CPU = torch.device("cpu")
-MOE = ["qwen3_moe", "mixtral"]
+MOE = ["qwen3_moe", "mixtral", "gpt_oss"]
 EVERY_MOE = sorted(t for t in TINY if family(t).experts is not None)
 
 
@@ -157,9 +157,12 @@ def _dequantized(layer: torch.nn.Module, quantized: NF4Experts) -> torch.nn.Modu
         return bnbf.dequantize_4bit(q.weight.data, q.weight.quant_state).to(torch.float32)
 
     ref = copy.deepcopy(layer)
-    with torch.no_grad():
-        ref.mlp.experts.gate_up_proj.copy_(torch.stack([weight(q) for q in quantized.gate_up]))
-        ref.mlp.experts.down_proj.copy_(torch.stack([weight(q) for q in quantized.down]))
+    experts = ref.mlp.experts
+    with torch.no_grad():  # gpt-oss keeps its experts input-major: NF4 holds each matrix as [out, in]
+        experts.gate_up_proj.copy_(torch.stack([weight(q).t() if experts.is_transposed else weight(q)
+                                                for q in quantized.gate_up]))
+        experts.down_proj.copy_(torch.stack([weight(q).t() if experts.is_transposed else weight(q)
+                                             for q in quantized.down]))
     return ref
 
 
@@ -171,17 +174,18 @@ def test_nf4_experts_compute_as_transformers_with_the_dequantized_weights(model_
 
     monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)  # the repacking trap (tests/test_stage.py)
     torch.manual_seed(1)
-    config = build_config(arch(model_type, num_hidden_layers=1), experts=experts)
+    more = {"intermediate_size": 48} if model_type == "gpt_oss" else {}  # [E, H, 2I] not square: a transpose shows
+    config = build_config(arch(model_type, num_hidden_layers=2, **more), experts=experts)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.model.layers = torch.nn.ModuleDict({"0": model.model.layers[0]})
     model.requires_grad_(False)
     hf_layer = copy.deepcopy(model.model.layers["0"])
     assert quantize_nf4(model, torch.float32, CPU, family(model_type).experts) == 1 + 4  # the experts, q/k/v/o
     layer = model.model.layers["0"]
-    assert isinstance(layer.mlp.experts, NF4Experts) and len(layer.mlp.experts.gate_up) == arch(model_type)[
-        family(model_type).experts.count]
+    assert isinstance(layer.mlp.experts, NF4Experts) and len(layer.mlp.experts.gate_up) == config.num_experts
     assert layer.mlp.experts.grouped == (experts == "grouped")
-    packed = sum(p.numel() * p.element_size() for p in layer.mlp.experts.parameters())
+    packed = sum(q.weight.numel() * q.weight.element_size() for q in [*layer.mlp.experts.gate_up,
+                                                                        *layer.mlp.experts.down])
     assert packed == hf_layer.mlp.experts.gate_up_proj.numel() // 2 + hf_layer.mlp.experts.down_proj.numel() // 2
     ref = _dequantized(hf_layer, layer.mlp.experts)
     ref.mlp.experts.config._experts_implementation = "eager"  # the reference: transformers' per-expert loop
@@ -195,6 +199,7 @@ def test_nf4_experts_compute_as_transformers_with_the_dequantized_weights(model_
             mlp.train()
         xi = x.clone().requires_grad_(True)
         out = mlp(xi)
+        out = out[0] if isinstance(out, tuple) else out  # gpt-oss: (output, router scores)
         out.pow(2).sum().backward()
         return out.detach(), xi.grad
 
@@ -360,7 +365,8 @@ def test_a_moe_pipeline_in_nf4_trains_on_three_stages(tiny_spec: ModelSpec, tiny
 
 @pytest.mark.parametrize("hardware", ["homelab", "mining_rig"])
 @pytest.mark.parametrize(("preset", "layers", "experts", "hidden", "inter"),
-                         [("qwen3_30b_a3b", 48, 128, 2048, 768), ("mixtral_8x7b", 32, 8, 4096, 14336)])
+                         [("qwen3_30b_a3b", 48, 128, 2048, 768), ("mixtral_8x7b", 32, 8, 4096, 14336),
+                          ("gpt_oss_120b", 36, 128, 2880, 2880)])
 def test_moe_presets_compile_in_nf4_and_show_their_experts(preset: str, layers: int, experts: int, hidden: int,
                                                            inter: int, hardware: str, tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
@@ -384,6 +390,9 @@ def test_moe_presets_compile_in_nf4_and_show_their_experts(preset: str, layers: 
     assert "of which experts" in shown
     # ... and what their prediction rests on: experts priced at the matmul rate run slower than that.
     assert "This model routes each token to a few experts" in " ".join(shown.split()), shown
+    if preset == "gpt_oss_120b":  # what the stages hold: the hub's MXFP4 experts, dequantized, then NF4
+        assert "store the experts in MXFP4; each stage dequantizes them while loading and quantizes them again to " \
+               "NF4" in " ".join(shown.split()), shown
 
 
 def test_lora_on_a_router_or_the_experts_is_refused_in_one_line() -> None:
@@ -477,14 +486,10 @@ def test_gpt_oss_experts_load_from_mxfp4(tmp_path: Path) -> None:
 
 
 def test_gpt_oss_refuses_what_it_cannot_compute_in_one_line() -> None:
-    """gpt-oss's biased, transposed experts are not quantized (yet), and its attention sinks need eager attention:
-    anything else would train another model, so compile refuses it in one line."""
+    """gpt-oss's attention sinks need eager attention: anything else would train another model, so compile refuses
+    it in one line."""
     from hetero.errors import ConfigError
 
-    for quant in ("nf4", "int8"):
-        with pytest.raises(ConfigError, match=rf"^model.quantization={quant}: this gpt_oss model's experts cannot be "
-                           r"quantized \(its experts carry biases .*\); use model.quantization=none$"):
-            trace(replace(spec("gpt_oss", num_hidden_layers=2), quantization=quant))
     for choice in ("sdpa", "flash_attention_2", "flex_attention"):
         with pytest.raises(ConfigError, match=rf"^model.attn_implementation={choice}: this gpt_oss model adds a learned "
                            r"sink logit to every attention softmax, which only eager attention computes"):

@@ -175,7 +175,7 @@ def test_lora_targets_a_family_lacks_name_its_own(tiny_spec: ModelSpec) -> None:
 
 PRESETS = ["llama8b", "mistral7b", "qwen2_7b", "qwen3_8b", "qwen3_14b", "phi4", "mistral_nemo_12b", "gemma3_12b",
            "smollm3_3b", "glm4_9b", "qwen3_30b_a3b", "mixtral_8x7b", "qwen15_moe_a27b", "olmoe_1b_7b", "glm45_air", "gpt_oss_20b",
-           "deepseek_v2_lite", "llama4_scout"]
+           "deepseek_v2_lite", "llama4_scout", "gpt_oss_120b"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -21,6 +21,8 @@ registered with transformers' experts functions): one host read per layer, no we
 
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Callable
 
 import torch
@@ -31,16 +33,20 @@ class NF4Experts(nn.Module):
     """Every expert of one MoE layer, each matrix an NF4 Linear4bit; computes as transformers' experts."""
 
     def __init__(self, gate_up: list[nn.Module], down: list[nn.Module], act_fn: Callable[[torch.Tensor], torch.Tensor],
-                 grouped: bool = True):
+                 grouped: bool = True, gate: Callable[[torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
         self.num_experts = len(gate_up)
         self.gate_up = nn.ModuleList(gate_up)
         self.down = nn.ModuleList(down)
         self.act_fn = act_fn
         self.grouped = grouped
+        self.gate = gate  # the family's own gate of the gate/up output (gpt-oss's clamped SwiGLU); None: SwiGLU
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up[e](x).chunk(2, dim=-1)
+        gate_up = self.gate_up[e](x)
+        if self.gate is not None:
+            return self.down[e](self.gate(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down[e](self.act_fn(gate) * up)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -139,12 +145,12 @@ def grouped_fast(device: torch.device | None, dtype: torch.dtype | None) -> bool
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def quantize_experts(layer: nn.Module, module: str, nf4: Callable[[torch.Tensor], nn.Module],
-                     transposed: bool = False) -> bool:
+def quantize_experts(layer: nn.Module, module: str,
+                     nf4: Callable[[torch.Tensor, torch.Tensor | None], nn.Module], transposed: bool = False) -> bool:
     """Replace the experts at ``module`` (a dotted path inside the decoder layer) with NF4Experts built by ``nf4``
-    (a 2-D weight [out, in] -> its Linear4bit; ``transposed``: transformers keeps them [in, out], Llama 4),
-    computing as the experts' config says (grouped unless eager); False when the layer has none there (a dense
-    layer of a MoE model)."""
+    (a 2-D weight [out, in] and its bias -> its Linear4bit; ``transposed``: transformers keeps them [in, out],
+    gpt-oss and Llama 4), computing as the experts' config says (grouped unless eager) with the family's own gate;
+    False when the layer has none there (a dense layer of a MoE model)."""
     parent_name, _, name = module.rpartition(".")
     parent = layer.get_submodule(parent_name) if parent_name else layer
     experts = getattr(parent, name, None)
@@ -153,8 +159,24 @@ def quantize_experts(layer: nn.Module, module: str, nf4: Callable[[torch.Tensor]
         return False
     grouped = getattr(getattr(experts, "config", None), "_experts_implementation", "grouped_mm") != "eager"
 
-    def matrices(fused: torch.Tensor) -> list[nn.Module]:
-        return [nf4(w.t().contiguous() if transposed else w) for w in fused.data]
+    def matrices(fused: torch.Tensor, bias: torch.Tensor | None) -> list[nn.Module]:
+        return [nf4(w.t().contiguous() if transposed else w, None if bias is None else bias.data[e])
+                for e, w in enumerate(fused.data)]
 
-    setattr(parent, name, NF4Experts(matrices(gate_up), matrices(down), experts.act_fn, grouped))
+    biases = [getattr(experts, f"{n}_bias", None) for n in ("gate_up_proj", "down_proj")]
+    setattr(parent, name, NF4Experts(matrices(gate_up, biases[0]), matrices(down, biases[1]),
+                                     getattr(experts, "act_fn", None), grouped, _own_gate(experts)))
     return True
+
+
+def _own_gate(experts: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The gate a family's experts class defines for itself (gpt-oss: interleaved gate/up, clamped, (up + 1) times a
+    sigmoid-gated gate), bound to a copy of its settings (not its weights, which NF4 replaces); None for
+    transformers' default SwiGLU gate."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    own = type(experts).__dict__.get("_apply_gate")
+    if own is None or own is _default_apply_gate:
+        return None
+    settings = {k: v for k, v in vars(experts).items() if not k.startswith("_") and not isinstance(v, torch.Tensor)}
+    return functools.partial(own, types.SimpleNamespace(**settings))

@@ -167,7 +167,7 @@ def quantize_nf4(model: nn.Module, dtype: torch.dtype, device: torch.device, exp
 
     count = 0
     for index, layer in model.model.layers.items():
-        if experts is not None and quantize_experts(layer, experts.module, lambda w: _nf4(w, None, dtype, device),
+        if experts is not None and quantize_experts(layer, experts.module, lambda w, b: _nf4(w, b, dtype, device),
                                                     experts.transposed):
             count += 1
         for parent in list(layer.modules()):

@@ -159,8 +159,10 @@ def layer_moe(config: Any, params: dict[str, Any]) -> MoE | None:
         return None  # a dense layer of a MoE model (Qwen3-MoE's mlp_only_layers)
     count, top_k = int(getattr(config, experts.count)), int(getattr(config, experts.top_k))
     grouped = (getattr(config, "hetero_experts", None) or getattr(config, "_experts_implementation", None)) != "eager"
-    # Shared experts: the gate projections of the MLP outside the routed experts ([I, H] each).
-    outside = {name: t for name, t in params.items() if ".mlp." in name and name not in inside}
+    # Shared experts: the gate projections of the block outside the routed experts ([I, H] each; the block is the
+    # experts' parent: mlp, or Llama 4's feed_forward).
+    block = f".{experts.module.rpartition('.')[0]}."
+    outside = {name: t for name, t in params.items() if block in name and name not in inside}
     shared = sum(int(t.shape[0]) for name, t in outside.items() if name.endswith("gate_proj.weight") and t.dim() == 2)
     gated = any(name.endswith("shared_expert_gate.weight") for name in outside)
     return MoE(count, top_k, stacked, int(config.hidden_size), grouped, experts.gate_kept, shared, gated)
@@ -260,7 +262,7 @@ def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: float
     shape = attention_shape(config)
     heads, q_dim = shape.heads, shape.heads * shape.qk
     traits = traits or Traits()
-    inter = traits.mlp_inter if traits.moe is None and traits.mlp_inter else config.intermediate_size
+    inter = traits.mlp_inter or config.intermediate_size  # the dense or shared MLP's down_proj input
     in_features = {"attn_in": h, "attn_out": shape.out, "mlp_in": h, "mlp_mid": inter, **dict(shape.latents)}
     lora_linears = [t for t in targeted if t in _INPUT_GROUPS]
     norms = 2 * (4 * h + 4) if traits.norm_bytes is None else traits.norm_bytes

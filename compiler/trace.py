@@ -69,7 +69,8 @@ def _notes(model: ModelSpec, config: Any, nodes: list[LayerNode], tied: bool) ->
         "Nodes: embed, layers.0..N-1, norm, head; costs per token at seq_len with the attention the runtime "
         "trains with (causal SDPA kernels skip the masked half); activation_bytes_per_token without recomputation, "
         "recompute_bytes_per_token (decoder layers) what a recomputed layer keeps: its input.",
-        "rope_cos/rope_sin cross every decoder cut but are recomputed=True: each stage rebuilds them from "
+        "rope_cos/rope_sin (a complex rotary's rope_freqs) cross every decoder cut but are recomputed=True: each "
+        "stage rebuilds them from "
         "positions (rotary embedding), so only hidden_states goes on the wire. Attention masks never travel: "
         "SDPA is causal without one, and each stage builds those its layers need (docs/models.md).",
         "FLOPs count matmuls (2 per multiply-add); backward = input grads through frozen weights + "
@@ -163,7 +164,9 @@ def _check_lora_targets(causal_lm: Any, targets: list[str], model_type: str) -> 
 
     for name, module in causal_lm.named_modules():
         short = name.rsplit(".", 1)[-1]
-        if (short in targets or name in targets) and not isinstance(module, (nn.Linear, nn.Embedding)):
+        # A router that subclasses Linear (Llama 4's returns its scores and logits) is no Linear for LoRA either
+        router = type(module).__name__.endswith("Router")
+        if (short in targets or name in targets) and (router or not isinstance(module, (nn.Linear, nn.Embedding))):
             experts = " (a mixture of experts' router and experts get no LoRA here: docs/models.md)" if family(
                 model_type).experts else ""
             raise ConfigError(

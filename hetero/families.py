@@ -281,14 +281,20 @@ def check_seq_len(architecture: dict[str, Any], seq_len: int) -> None:
     from position ``floor_scale`` - 1 on; below both, each is plain causal attention (packed or not)."""
     if architecture.get("model_type") != "llama4_text":
         return
-    chunk = int(architecture.get("attention_chunk_size") or 8192)
-    limit = chunk
-    if architecture.get("attn_temperature_tuning", True):
-        limit = min(limit, int(architecture.get("floor_scale") or 8192) - 1)
-    if seq_len > limit:
-        raise ConfigError(f"model.seq_len={seq_len}: this llama4_text model's chunked attention (chunks of {chunk}) "
-                          f"and query temperature are computed as plain causal attention up to {limit} tokens only; "
-                          f"use model.seq_len<={limit}")
+    limits = []  # transformers' defaults where the config leaves a key out; a null chunk size: no chunked layers
+    try:
+        chunk = architecture.get("attention_chunk_size", 8192)
+        if chunk is not None:
+            limits.append(int(chunk))
+        if architecture.get("attn_temperature_tuning", True):
+            limits.append(int(architecture.get("floor_scale", 8192)) - 1)
+    except (TypeError, ValueError):
+        raise ConfigError("model.architecture: attention_chunk_size and floor_scale of a llama4_text model must be "
+                          "integers") from None
+    if limits and seq_len > min(limits):
+        raise ConfigError(f"model.seq_len={seq_len}: this llama4_text model's chunked attention and query temperature "
+                          f"are computed as plain causal attention up to {min(limits)} tokens only; use "
+                          f"model.seq_len<={min(limits)}")
 
 
 def family(model_type: Any) -> Family:

@@ -403,8 +403,8 @@ def _experts_lines(graph: LayerGraph, cost_model: CostModel, model: ModelSpec) -
     if not any(n.expert_params for n in graph.nodes):
         return []
     experts = family(model.model_type).experts
-    held = ("quantizes them again to NF4 (a second rounding of the experts)" if model.quantization == "nf4"
-            else "holds them at its compute dtype")
+    held = ("quantizes them again to NF4 where its device takes nf4 (a second rounding of the experts)"
+            if model.quantization == "nf4" else "holds them at its compute dtype")
     stored = [] if experts is None or experts.stored_format is None else [
         f"Its published checkpoints store the experts in {experts.stored_format}; each stage dequantizes them while "
         f"loading and {held}, as this plan prices them."]

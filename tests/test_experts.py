@@ -48,6 +48,46 @@ def spec(model_type: str, **more: object) -> ModelSpec:
                      lora=LoraSpec(r=8, alpha=16, target_modules=list(family(model_type).lora_targets_of(arch(model_type)))))
 
 
+@pytest.mark.parametrize(("model_type", "width"), [("qwen2_moe", 48), ("glm4_moe", 32), ("deepseek_v2", 32),
+                                                   ("deepseek_v3", 32), ("llama4_text", 32), ("qwen3_moe", 0)])
+def test_the_shared_experts_every_token_runs_are_priced(model_type: str, width: int) -> None:
+    """A shared expert (Qwen2-MoE's gated one, GLM-4.5's and DeepSeek's n_shared_experts, Llama 4's in its
+    feed_forward block) is a plain MLP beside the routed experts: its width reaches the layer's kept bytes."""
+    from hetero.compiler.costs import layer_moe
+
+    config = build_config(arch(model_type, num_hidden_layers=2, first_k_dense_replace=0))
+    with torch.device("meta"):
+        layer = AutoModelForCausalLM.from_config(config).model.layers[0]
+    moe = layer_moe(config, dict(layer.named_parameters(prefix="model.layers.0.")))
+    assert moe is not None and moe.shared == width
+    assert moe.shared_gated == (model_type == "qwen2_moe")
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3", "glm4_moe"])
+def test_routers_transformers_keeps_in_fp32_stay_fp32_on_a_bf16_stage(model_type: str, tiny_spec: ModelSpec,
+                                                                      tiny_cache: Path) -> None:
+    """transformers keeps these families' routers (and correction biases) in fp32 whatever the dtype: rounded to
+    bf16 they would route tokens to other experts than the model was trained with."""
+    from hetero.runtime.stage.model import StageLayout, _build_config, _skeleton
+    from hetero.runtime.stage.weights import load_weights
+
+    architecture = arch(model_type)
+    model_dir = resolve_dir(replace(tiny_spec, name=f"tiny-{model_type}", architecture=architecture))
+    model = _skeleton(_build_config(architecture), StageLayout(True, [0, 1, 2], False, False))
+    load_weights(model, model_dir, torch.bfloat16, 0, False, family(model_type))
+    dtypes = {name: t.dtype for name, t in model.state_dict().items() if not name.endswith("inv_freq")}
+    kept = {name for name in dtypes if name.endswith(("mlp.gate.weight", "e_score_correction_bias"))}
+    assert kept and all(dtypes[name] == torch.float32 for name in kept)
+    assert all(dtype == torch.bfloat16 for name, dtype in dtypes.items() if name not in kept)
+    h = model.model.embed_tokens(torch.randint(3, 500, (2, 16)))  # a bf16 step runs through the fp32 routers
+    positions = torch.arange(16).expand(2, 16)
+    rope = model.model.rotary_emb(h, positions)
+    for layer in model.model.layers.values():
+        h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rope)
+        h = h[0] if isinstance(h, tuple) else h
+    assert h.dtype == torch.bfloat16 and torch.isfinite(h.float()).all()
+
+
 def test_a_moe_layer_counts_every_expert_in_memory_and_the_top_k_in_compute() -> None:
     """Qwen3-MoE, hidden 64, 8 experts of intermediate 32, top-2; attention 4 query and 2 key-value heads of 16."""
     node = trace(spec("qwen3_moe", num_hidden_layers=1)).nodes[1]
@@ -404,6 +444,9 @@ def test_lora_on_a_router_or_the_experts_is_refused_in_one_line() -> None:
         with pytest.raises(ConfigError, match=rf"names '{target}', a Qwen3Moe\w+ in this qwen3_moe model, not a "
                            r"Linear layer LoRA can wrap \(a mixture of experts' router and experts get no LoRA"):
             trace(bad)
+    base = spec("llama4_text", num_hidden_layers=1)  # Llama 4's router subclasses Linear, yet returns two tensors
+    with pytest.raises(ConfigError, match=r"names 'router', a Llama4Router in this llama4_text model, not a Linear "):
+        trace(replace(base, lora=replace(base.lora, target_modules=["q_proj", "router"])))
 
 
 def test_a_router_loss_asked_for_is_refused_in_one_line() -> None:

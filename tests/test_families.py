@@ -162,6 +162,21 @@ def test_llama4_limits_are_one_line() -> None:
         check_seq_len(architecture, 128)
     with pytest.raises(ConfigError, match="use grouped$"):
         build_config(architecture, experts="eager")
+    with pytest.raises(ConfigError, match=r"^model.architecture: attention_chunk_size and floor_scale .* integers$"):
+        check_seq_len({**architecture, "floor_scale": "8k"}, 64)
+    check_seq_len({**architecture, "attention_chunk_size": None, "attn_temperature_tuning": False}, 100_000)
+
+
+def test_llama4_under_eager_attention_gets_its_chunked_layers_masks() -> None:
+    """Eager attention takes an explicit mask per layer kind: Llama 4's chunked layers get transformers' own."""
+    from hetero.runtime.stage.model import StageLayout, _build_config, _skeleton, attention_masks
+
+    model = _skeleton(_build_config({**COMMON, **TINY["llama4_text"]}, "eager"),
+                      StageLayout(True, [0, 1, 2, 3], False, False))
+    h = torch.zeros(2, 16, COMMON["hidden_size"])
+    masks = attention_masks(model, h, torch.arange(16).unsqueeze(0), {"chunked_attention", "full_attention"})
+    assert set(masks) == {"chunked_attention", "full_attention"}
+    assert all(m is not None for m in masks.values())
 
 
 def test_lora_targets_a_family_lacks_name_its_own(tiny_spec: ModelSpec) -> None:

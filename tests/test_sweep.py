@@ -46,7 +46,7 @@ def test_expand_choice_glob_and_directory_names() -> None:
     # a/b and a_b sanitize to the same directory: the later point falls back to its number.
     assert [p.name for p in sweep.points] == ["data.text_field=text,data.path=a_b", "point-02",
                                               "data.text_field=my_field,data.path=a_b", "point-04"]
-    assert [p.values[0][1] for p in expand(["model=glob(llama*)"]).points] == ["llama70b", "llama8b"]
+    assert [p.values[0][1] for p in expand(["model=glob(llama*)"]).points] == ["llama4_scout", "llama70b", "llama8b"]
     single = expand(["model=tiny"])  # -m without a sweep: one point
     assert [(p.name, p.overrides) for p in single.points] == [("point-01", ("model=tiny",))]
     assert single.output == Path(".")  # conf/config.yaml's default

@@ -175,8 +175,10 @@ def _own_gate(experts: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | No
     transformers' default SwiGLU gate."""
     from transformers.integrations.moe import _default_apply_gate
 
-    own = type(experts).__dict__.get("_apply_gate")
+    own = getattr(type(experts), "_apply_gate", None)
     if own is None or own is _default_apply_gate:
         return None
     settings = {k: v for k, v in vars(experts).items() if not k.startswith("_") and not isinstance(v, torch.Tensor)}
+    # Weightless submodules too (an activation): the fused weights are what NF4 replaces
+    settings.update({k: m for k, m in experts.named_children() if not any(True for _ in m.parameters())})
     return functools.partial(own, types.SimpleNamespace(**settings))

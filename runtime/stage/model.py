@@ -228,9 +228,14 @@ def attention_masks(model: nn.Module, h: torch.Tensor, position_ids: torch.Tenso
     wanted = sorted(k for k in kinds if needs_mask(fam, config, k, h.shape[1]))
     if not wanted:
         return {}
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from transformers.masking_utils import (
+        create_causal_mask,
+        create_chunked_causal_mask,
+        create_sliding_window_causal_mask,
+    )
 
-    build = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
+    build = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask,
+             "chunked_attention": create_chunked_causal_mask}  # Llama 4
     unknown = [k for k in wanted if k not in build]
     if unknown:
         raise PlanError(f"layer kind '{unknown[0]}' of this {config.model_type} model is not one hetero builds masks "

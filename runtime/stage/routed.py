@@ -67,8 +67,10 @@ def _run(experts: Any, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Ten
             if n:
                 pieces.append(expert(e, x[start:start + n]))
                 start += n
-        y = torch.cat(pieces)
-    out = h.new_zeros(tokens * k, h.size(-1)).index_copy(0, order, y.to(h.dtype))
+        y = torch.cat(pieces) if pieces else x.new_zeros(0, h.size(-1))
+    out = h.new_zeros(tokens * k, h.size(-1))
+    if y.numel():
+        out = out.index_copy(0, order, y.to(h.dtype))
     return out.view(tokens, k, -1).sum(dim=1)
 
 

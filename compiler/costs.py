@@ -205,26 +205,28 @@ class AttentionShape:
         return self.heads * self.v // max(1, self.k // self.qk)
 
 
-def attention_shape(config: Any) -> AttentionShape:
+def attention_shape(config: Any, eager: bool = False) -> AttentionShape:
     """The attention widths of ``config``: grouped-query attention, or multi-head latent attention (DeepSeek: q and
-    k of nope + rope per head, k and v expanded per head from a latent; the runtime pads the narrower values to the
-    query size for the fused kernels, runtime/stage/attention.py, and o_proj reads them cut back)."""
+    k of nope + rope per head, k and v expanded per head from a latent; except under ``eager`` attention the runtime
+    pads the narrower values to the query size for the fused kernels, runtime/stage/attention.py, and o_proj reads
+    them cut back)."""
     heads = config.num_attention_heads
     if getattr(config, "kv_lora_rank", None):
         qk = config.qk_nope_head_dim + config.qk_rope_head_dim
         latents = [("kv_latent", int(config.kv_lora_rank))]
         if getattr(config, "q_lora_rank", None):
             latents.append(("q_latent", int(config.q_lora_rank)))
-        return AttentionShape(heads, qk, heads * qk, heads * qk, heads * config.v_head_dim, tuple(latents))
+        v = heads * (config.v_head_dim if eager else qk)
+        return AttentionShape(heads, qk, heads * qk, v, heads * config.v_head_dim, tuple(latents))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv = config.num_key_value_heads * head_dim
     return AttentionShape(heads, head_dim, kv, kv, heads * head_dim)
 
 
-def attention_flops_per_token(config: Any, seq_len: int, causal: bool = True) -> float:
+def attention_flops_per_token(config: Any, seq_len: int, causal: bool = True, eager: bool = False) -> float:
     """QK^T and PV of one layer, per token; causal kernels skip the masked half (average (S+1)/2 keys); with a
     mask tensor (eager attention, a sliding window shorter than the sequence) every key is computed."""
-    shape = attention_shape(config)
+    shape = attention_shape(config, eager)
     keys = (seq_len + 1) / 2 if causal else seq_len
     return 2 * (shape.heads * shape.qk + shape.kernel_out) * keys
 
@@ -259,9 +261,9 @@ def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: float
     Rotary cos/sin are per sequence, not per token, and are left out.
     """
     h = config.hidden_size
-    shape = attention_shape(config)
-    heads, q_dim = shape.heads, shape.heads * shape.qk
     traits = traits or Traits()
+    shape = attention_shape(config, traits.eager)
+    heads, q_dim = shape.heads, shape.heads * shape.qk
     inter = traits.mlp_inter or config.intermediate_size  # the dense or shared MLP's down_proj input
     in_features = {"attn_in": h, "attn_out": shape.out, "mlp_in": h, "mlp_mid": inter, **dict(shape.latents)}
     lora_linears = [t for t in targeted if t in _INPUT_GROUPS]
@@ -272,7 +274,8 @@ def decoder_activation_bytes(config: Any, targeted: set[str], dtype_bytes: float
     else:
         lora += sum(dtype_bytes * in_features[g] for g in {_INPUT_GROUPS[t] for t in lora_linears})
     if traits.eager:  # k and v repeated to every query head
-        attention = dtype_bytes * 3 * q_dim + heads * seq_len * (4 + dtype_bytes * (2 if traits.softcap else 1))
+        scores = heads * seq_len * (4 + dtype_bytes * (2 if traits.softcap else 1))
+        attention = dtype_bytes * (2 * q_dim + shape.kernel_out) + scores
     else:
         attention = dtype_bytes * (q_dim + shape.k + shape.v + shape.kernel_out) + 4 * heads
     if traits.fused_qkv:
@@ -363,12 +366,12 @@ def _work_per_token(
     h = config.hidden_size
     if kind == "decoder":
         span = min(attention_len or seq_len, seq_len)
-        attn = attention_flops_per_token(config, span, causal=not traits.masked)
+        attn = attention_flops_per_token(config, span, causal=not traits.masked, eager=traits.eager)
         window = getattr(config, "sliding_window", None)
         if attention_len and window and traits.layer_type == SLIDING and \
                 attention_in_use(family(config.model_type), config) in ("flash_attention_2", "flex_attention"):
             # These kernels skip what the window leaves out; per-record SDPA computes a long record's band whole.
-            attn = min(attn, attention_flops_per_token(config, 2 * int(window) - 1, causal=True))
+            attn = min(attn, attention_flops_per_token(config, 2 * int(window) - 1, causal=True, eager=traits.eager))
         # Input grads through the frozen matmuls (~1x), attention backward, LoRA input + weight grads (2x).
         bwd = matmul_fwd + ATTENTION_BWD_FACTOR * attn + 2 * lora_fwd
         short = {name.rsplit(".", 1)[-1] for name, _ in targets}

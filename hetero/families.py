@@ -77,6 +77,30 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class SeqLimit:
+    """A config key that bounds the sequence a family computes as plain causal attention here: ``seq_len`` may be at
+    most its value + ``offset`` (transformers' ``default`` where the config leaves the key out; a null value: no
+    limit). ``switch``: a boolean config key (true by default) without which the limit does not apply."""
+
+    key: str
+    default: int
+    what: str  # what it bounds, for the refusal
+    offset: int = 0
+    switch: str | None = None
+
+    def of(self, architecture: dict[str, Any]) -> int | None:
+        """The longest plain-causal sequence this key allows (None: no limit); ValueError where it is no integer."""
+        if self.switch is not None and not architecture.get(self.switch, True):
+            return None
+        value = architecture.get(self.key, self.default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+            raise ValueError(self.key)
+        return int(value) + self.offset
+
+
+@dataclass(frozen=True)
 class Family:
     model_type: str
     examples: str  # the checkpoints people fine-tune, for docs and errors
@@ -104,6 +128,9 @@ class Family:
     # Multi-head latent attention: the config key that, when set, sends q through a latent (q_a_proj, q_b_proj; no
     # q_proj), when null straight through q_proj (DeepSeek-V2-Lite).
     latent_q: str | None = None
+    # What bounds the sequence it computes as plain causal attention, packed or not (Llama 4: its chunked layers
+    # attend within chunks of attention_chunk_size; its layers without rotary scale queries from floor_scale - 1 on).
+    seq_limits: tuple[SeqLimit, ...] = ()
 
     def lora_targets_of(self, config: Any) -> tuple[str, ...]:
         """The Linear layers of a decoder layer LoRA may target in this model (a built config or an architecture
@@ -225,7 +252,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            stored_prefixes=(("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
            text_of="llama4", experts=Experts(
                "num_local_experts", "num_experts_per_tok", stored=(), module="feed_forward.experts",
-               scaled_input=True, transposed=True)),
+               scaled_input=True, transposed=True),
+           seq_limits=(SeqLimit("attention_chunk_size", 8192, "chunked attention"),  # transformers' defaults
+                       SeqLimit("floor_scale", 8192, "query temperature", -1, switch="attn_temperature_tuning"))),
     # gpt-oss: attention sinks, sliding-window and full layers alternating, biased experts stored fused and
     # transposed ([E, H, 2I], gate and up interleaved) with a clamped SwiGLU, a biased router (softmax over its top-k).
     Family("gpt_oss", "gpt-oss-20b, gpt-oss-120b", lora_targets=ATTENTION, attention="eager", sinks=True,
@@ -276,25 +305,24 @@ def needs_mask(fam: Family, config: Any, kind: str, seq_len: int) -> bool:
 
 
 def check_seq_len(architecture: dict[str, Any], seq_len: int) -> None:
-    """Refuse, in one line, a sequence longer than what a family computes as plain causal attention here: Llama 4's
-    chunked layers attend within chunks of ``attention_chunk_size`` and its layers without rotary scale queries
-    from position ``floor_scale`` - 1 on; below both, each is plain causal attention (packed or not)."""
-    if architecture.get("model_type") != "llama4_text":
+    """Refuse, in one line, a sequence longer than what the model's family computes as plain causal attention here
+    (``Family.seq_limits``)."""
+    fam = FAMILIES.get(str(architecture.get("model_type")))
+    if fam is None or not fam.seq_limits:
         return
-    limits = []  # transformers' defaults where the config leaves a key out; a null chunk size: no chunked layers
-    try:
-        chunk = architecture.get("attention_chunk_size", 8192)
-        if chunk is not None:
-            limits.append(int(chunk))
-        if architecture.get("attn_temperature_tuning", True):
-            limits.append(int(architecture.get("floor_scale", 8192)) - 1)
-    except (TypeError, ValueError):
-        raise ConfigError("model.architecture: attention_chunk_size and floor_scale of a llama4_text model must be "
-                          "integers") from None
+    limits = []
+    for limit in fam.seq_limits:
+        try:
+            got = limit.of(architecture)
+        except ValueError:
+            keys = " and ".join(x.key for x in fam.seq_limits)
+            raise ConfigError(f"model.architecture: {keys} of a {fam.model_type} model must be integers") from None
+        if got is not None:
+            limits.append(got)
     if limits and seq_len > min(limits):
-        raise ConfigError(f"model.seq_len={seq_len}: this llama4_text model's chunked attention and query temperature "
-                          f"are computed as plain causal attention up to {min(limits)} tokens only; use "
-                          f"model.seq_len<={min(limits)}")
+        what = " and ".join(x.what for x in fam.seq_limits)
+        raise ConfigError(f"model.seq_len={seq_len}: this {fam.model_type} model's {what} are computed as plain causal "
+                          f"attention up to {min(limits)} tokens only; use model.seq_len<={min(limits)}")
 
 
 def family(model_type: Any) -> Family:

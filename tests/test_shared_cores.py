@@ -246,3 +246,42 @@ def test_a_run_measures_the_cores_its_shared_host_gave_it(monkeypatch: pytest.Mo
     assert again.cluster.hosts[0].usable_cores == got
     assert again.cost_sources["cores localhost"].startswith(f"run {tmp_path.resolve()}, step 4")
     assert again.prediction.step_time_s == pytest.approx(on_two * 1.15, rel=0.05)
+
+
+def test_a_profile_timed_under_load_is_not_shared_again(monkeypatch: pytest.MonkeyPatch, tiny_spec: ModelSpec) -> None:
+    """`hetero profile` times each of a host's CPU stages while the others run, so on 2 cores its times already
+    include the waits for a core: a plan from it does not make the stages wait again (the same step as on a fleet
+    that does not know the cores), and says why. A profile timed in CPU time, or one of a single stage, does."""
+    from dataclasses import replace
+
+    from test_profile import synthetic_profile
+
+    from hetero.compiler.trace import trace
+    from hetero.planner import plan as make_plan
+    from hetero.planner.cost_model import RooflineCostModel
+    from hetero.planner.profile_cost import ProfileCostModel
+    from hetero.specs import DataSpec, PlannerOptions, TrainSpec
+
+    graph = trace(tiny_spec)
+    short = _fleet([{"name": "localhost", "cores": 2, "devices": [{"type": "cpu", "threads": 1, "count": 3}]}])
+    unknown = _fleet([{"name": "localhost", "devices": [{"type": "cpu", "threads": 1, "count": 3}]}])
+    names = [d.name for d in short.devices]
+    loaded = synthetic_profile(short, tiny_spec, dict.fromkeys(names, 2e-5))
+    loaded = replace(loaded, devices=[replace(d, measured_with=[n for n in names if n != d.device])
+                                      for d in loaded.devices])
+    cpu_timed = replace(loaded, devices=[replace(d, sources={"decoder": "profile (CPU time: ...)"})
+                                         for d in loaded.devices])
+    train = TrainSpec(micro_batch_size=4, num_micro_batches=8)
+    options = PlannerOptions(num_stages=3, time_limit_s=10, replicas=1, interleave="off")
+
+    def planned(cluster, prof):
+        return make_plan(tiny_spec, graph, cluster, train, DataSpec(), options,
+                         ProfileCostModel(prof, RooflineCostModel(), path="profile.json"))
+
+    again, plain, shared = planned(short, loaded), planned(unknown, loaded), planned(short, cpu_timed)
+    assert again.cluster.hosts[0].cores is None
+    assert "not shared again" in again.cost_sources["cores localhost"]
+    assert again.prediction.step_time_s == pytest.approx(plain.prediction.step_time_s)
+    assert shared.cluster.hosts[0].cores == 2 and "cores localhost" not in shared.cost_sources
+    alone = replace(loaded, devices=[replace(d, measured_with=[]) for d in loaded.devices])
+    assert planned(short, alone).cluster.hosts[0].cores == 2

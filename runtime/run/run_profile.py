@@ -333,6 +333,8 @@ def _device_profile(plan: Plan, k: int, ops: dict[str, float], cpu: dict[str, fl
         quantization=sp.quantization, threads=sp.threads, usable_memory_gb=None, seq_len=plan.model.seq_len,
         token_counts=[tokens], layers=layers, optimizer=optimizer, message_send=send, message_recv=recv,
         environment=dict(env), seconds=sum(float(v) for op, v in ops.items() if op in ("F", "B", "STEP")),
+        measured_with=[s.device for s in plan.stages if sp.backend == "cpu" and s.backend == "cpu"
+                       and s.host == sp.host and s.device != sp.device],  # its host's CPU stages ran beside it
         sources={**sources, **({"codec_encode": prior.origin or "profile"} if before and before.codec_encode else {})},
         # A run does not time the codec apart from its messages: the prior profile's figures stay.
         codec_encode=dict(before.codec_encode) if before is not None else {},

@@ -32,6 +32,7 @@ docs/models.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,7 +96,8 @@ class SeqLimit:
         value = architecture.get(self.key, self.default)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+                or int(value) != value:
             raise ValueError(self.key)
         return int(value) + self.offset
 

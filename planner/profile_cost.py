@@ -195,12 +195,16 @@ class ProfileCostModel:
         while the others ran (`hetero profile`'s load): the simulator must not make them wait for a core again.
         Measured on bench_experts' qwen3_moe, 3 one-thread stages on 2 cores (docs/benchmarks.md, 2026-11-29): the
         processor sharing on top of those times predicted a step 1.3x too slow (measured / predicted 0.77)."""
-        cpus = [d for d in host.devices if d.backend == "cpu"]
-        if not cpus or sum(d.threads or 1 for d in cpus) <= (host.cores or 0):
+        cpus = {d.name: d.threads or 1 for d in host.devices if d.backend == "cpu"}
+        if not cpus or sum(cpus.values()) <= (host.cores or 0):
             return False
-        timed = [self.profile.device(d.name) for d in cpus]
-        return all(t is not None and t.measured_with and "CPU time" not in source_of(self.profile, t, "decoder")
-                   for t in timed)
+
+        def waited(name: str) -> bool:  # timed in wall time beside more threads than the host has cores
+            t = self.profile.device(name)
+            return (t is not None and "CPU time" not in source_of(self.profile, t, "decoder")
+                    and cpus[name] + sum(cpus.get(n, 0) for n in set(t.measured_with) - {name}) > (host.cores or 0))
+
+        return all(waited(name) for name in cpus)
 
     def usable_memory_gb(self, device: DeviceSpec) -> float | None:
         """The device's measured free memory, when the profile has it."""

@@ -164,6 +164,8 @@ def test_llama4_limits_are_one_line() -> None:
         build_config(architecture, experts="eager")
     with pytest.raises(ConfigError, match=r"^model.architecture: attention_chunk_size and floor_scale of a llama4_text model must be integers$"):
         check_seq_len({**architecture, "floor_scale": "8k"}, 64)
+    with pytest.raises(ConfigError, match=r"must be integers$"):
+        check_seq_len({**architecture, "attention_chunk_size": float("inf")}, 64)
     check_seq_len({**architecture, "attention_chunk_size": None, "attn_temperature_tuning": False}, 100_000)
 
 

@@ -142,11 +142,13 @@ def test_a_shared_core_stage_is_profiled_by_its_cpu_time(monkeypatch: pytest.Mon
                 sum(cpu[op] for op in ("RA", "RG") if any(a.op == op for a in sp.actions())) / receives)
             assert "CPU time" in dev.sources["message_recv"]
         assert "CPU time" in dev.sources["decoder"]
+        assert dev.measured_with == [s.device for s in plan.stages if s.device != sp.device]  # they ran beside it
     older = [{"step": s, "stage_ops": [wall] * 3} for s in range(3)]
     prof = run_profile(plan, tmp_path, older)
     assert prof is not None
     dev = prof.device(plan.stages[0].device)
     assert dev is not None
+    assert "CPU time" not in dev.sources["decoder"]  # wall times, said as such (a plan from them shares no more)
     kinds = [plan.graph.nodes[i].kind for i in range(plan.stages[0].first_node, plan.stages[0].last_node + 1)]
     assert sum(dev.layers[kind].fwd.at(tokens) for kind in kinds) == pytest.approx(wall["F"] / 4)
 
@@ -251,7 +253,8 @@ def test_a_run_measures_the_cores_its_shared_host_gave_it(monkeypatch: pytest.Mo
 def test_a_profile_timed_under_load_is_not_shared_again(monkeypatch: pytest.MonkeyPatch, tiny_spec: ModelSpec) -> None:
     """`hetero profile` times each of a host's CPU stages while the others run, so on 2 cores its times already
     include the waits for a core: a plan from it does not make the stages wait again (the same step as on a fleet
-    that does not know the cores), and says why. A profile timed in CPU time, or one of a single stage, does."""
+    that does not know the cores), and says why. A profile timed in CPU time, or without the others running, or
+    one whose times did not all wait for a core, does."""
     from dataclasses import replace
 
     from test_profile import synthetic_profile
@@ -283,5 +286,10 @@ def test_a_profile_timed_under_load_is_not_shared_again(monkeypatch: pytest.Monk
     assert "not shared again" in again.cost_sources["cores localhost"]
     assert again.prediction.step_time_s == pytest.approx(plain.prediction.step_time_s)
     assert shared.cluster.hosts[0].cores == 2 and "cores localhost" not in shared.cost_sources
-    alone = replace(loaded, devices=[replace(d, measured_with=[]) for d in loaded.devices])
+    alone = replace(loaded, devices=[replace(d, measured_with=[]) for d in loaded.devices])  # an older file
     assert planned(short, alone).cluster.hosts[0].cores == 2
+    # Merged: two devices timed beside each other only (2 threads on 2 cores: no wait in their times) and a third
+    # timed beside both: the first two never waited, so the cores are still shared.
+    merged = replace(loaded, devices=[replace(d, measured_with=[n for n in names[:2] if n != d.device])
+                                      if d.device in names[:2] else d for d in loaded.devices])
+    assert planned(short, merged).cluster.hosts[0].cores == 2

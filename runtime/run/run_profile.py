@@ -102,7 +102,8 @@ def run_profile(plan: Plan, run_dir: Path, steps: list[dict[str, Any]],
     warm = lines[1:] if len(lines) > 1 else lines  # the first step warms allocators and caches up
     shared = shared_core_stages(plan)
     devices = [_device_profile(plan, k, own_ops(warm, k, plan.stages[k].threads) if k in shared else _stage_ops(warm, k),
-                               cpu_ops(warm, k), prior, origin + (SHARED_NOTE if k in shared else ""),
+                               cpu_ops(warm, k), prior,
+                               origin + (SHARED_NOTE if k in shared and cpu_ops(warm, k) is not None else ""),
                                (environments or {}).get(f"stage{k}", {}))
                for k in range(len(plan.stages))]
     measured = run_links(plan, warm, prior, origin)
@@ -333,8 +334,9 @@ def _device_profile(plan: Plan, k: int, ops: dict[str, float], cpu: dict[str, fl
         quantization=sp.quantization, threads=sp.threads, usable_memory_gb=None, seq_len=plan.model.seq_len,
         token_counts=[tokens], layers=layers, optimizer=optimizer, message_send=send, message_recv=recv,
         environment=dict(env), seconds=sum(float(v) for op, v in ops.items() if op in ("F", "B", "STEP")),
-        measured_with=[s.device for s in plan.stages if sp.backend == "cpu" and s.backend == "cpu"
-                       and s.host == sp.host and s.device != sp.device],  # its host's CPU stages ran beside it
+        measured_with=list(dict.fromkeys(  # its host's CPU stages ran beside it (every replica's)
+            s.device for s in plan.stages if sp.backend == "cpu" and s.backend == "cpu" and s.host == sp.host
+            and s.device != sp.device)),
         sources={**sources, **({"codec_encode": prior.origin or "profile"} if before and before.codec_encode else {})},
         # A run does not time the codec apart from its messages: the prior profile's figures stay.
         codec_encode=dict(before.codec_encode) if before is not None else {},

@@ -49,6 +49,11 @@ class MemoryBreakdown:
     # Frozen weights of streamed layers kept in host RAM (not in total_gb); weights_gb counts what is resident on
     # the device: the other layers' frozen weights plus the streaming buffer.
     host_gb: float = 0.0
+    # An interleaved device (planner/interleave.py): per chunk, chunk 0 first, what one micro-batch keeps through
+    # it, and what one recomputing layer's re-run needs besides (0: none recomputes). activations_gb is their peak
+    # over the device's program. Empty: one chunk per device, or a plan from before they were recorded.
+    chunk_gb_per_mb: list[float] = field(default_factory=list)
+    working_gb: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -350,6 +355,8 @@ class Plan:
         for stage in data["stages"]:
             if not stage["chunks"]:
                 del stage["chunks"]  # one chunk per device: plan.json as before interleaved schedules
+                if not stage["memory"]["chunk_gb_per_mb"] and not stage["memory"]["working_gb"]:
+                    del stage["memory"]["chunk_gb_per_mb"], stage["memory"]["working_gb"]  # likewise
         return json.dumps(data, indent=1)
 
     def save(self, path: str | Path) -> None:

@@ -142,7 +142,8 @@ def _check_stage_run(plan: Plan, k: int, bad: Callable[[str], PlanError]) -> Non
         raise bad(f"{at}.endpoint {s.endpoint!r} is not tcp://<address>:<port>")
     costs = [s.fwd_time_s, s.bwd_time_s, s.send_time_s, s.recompute_time_s, s.step_sync_s, s.stream_time_s,
              s.streamed_bytes_per_step, s.frozen_resident_cap_bytes,
-             *s.overhead_s.values(), *vars(s.memory).values()]
+             *s.overhead_s.values(), *(v for v in vars(s.memory).values() if not isinstance(v, list)),
+             *s.memory.chunk_gb_per_mb]
     if min(costs) < 0:
         raise bad(f"{at} has a negative time or memory")
     if s.threads is not None and s.threads < 1:

@@ -150,7 +150,8 @@ def price(table: CostTable, ev: Evaluation, spans: list[list[tuple[int, int]]]) 
         fit = fits[k]
         total = fit.weights + fit.lora + fit.acts + table.workspace_bytes
         memory.append(MemoryBreakdown(fit.weights / GB, fit.lora / GB, fit.acts / GB, table.workspace_bytes / GB,
-                                      total / GB, table.usable_bytes[d] / GB))
+                                      total / GB, table.usable_bytes[d] / GB,
+                                      chunk_gb_per_mb=[u / GB for u in fit.units], working_gb=fit.working / GB))
         if not fit.fits:
             most = " even with every layer it may recompute recomputing" if any(fit.recompute) else ""
             reasons.append(f"{table.device_name(d)} would need {total / GB:.1f} GB with its chunks' activations at "
@@ -182,6 +183,8 @@ class ChunkFit:
     lora: float
     acts: float  # activation bytes at the device's peak (held_counts), with one re-run's working bytes
     fits: bool
+    units: tuple[float, ...] = ()  # per chunk: the bytes one micro-batch keeps through it
+    working: float = 0.0  # the bytes one recomputing layer's re-run needs (0: none recomputes)
 
 
 def chunk_recompute(table: CostTable, d: int, spans: list[tuple[int, int]], program: list[Action]) -> ChunkFit:
@@ -195,8 +198,8 @@ def chunk_recompute(table: CostTable, d: int, spans: list[tuple[int, int]], prog
     def fit_of(rs: tuple[int, ...]) -> ChunkFit:
         units, working = zip(*(_unit_bytes(table, d, a, b, r) for (a, b), r in zip(spans, rs, strict=True)),
                              strict=True)
-        acts = _peak(counts, units) + max(working)
-        return ChunkFit(list(rs), weights, lora, acts, stage_fits(table, d, weights, lora, acts))
+        acts = weighted_peak(counts, units) + max(working)
+        return ChunkFit(list(rs), weights, lora, acts, stage_fits(table, d, weights, lora, acts), units, max(working))
 
     best: tuple[float, ChunkFit] | None = None
     settled: set[tuple[int, ...]] = set()  # the other chunks' counts whose last chunk's fewest fitting is found
@@ -243,10 +246,10 @@ def peak_activations(program: list[Action], per_chunk: list[float]) -> float:
     """The most activation bytes a device holds while it runs ``program``: a forward of chunk c adds
     ``per_chunk[c]`` (one micro-batch through that chunk's layers) until its backward frees it. The order of a
     device's own forwards and backwards decides it, whatever the timing."""
-    return _peak(held_counts(program, len(per_chunk)), per_chunk)
+    return weighted_peak(held_counts(program, len(per_chunk)), per_chunk)
 
 
-def _peak(counts: list[tuple[int, ...]], per_chunk: list[float] | tuple[float, ...]) -> float:
+def weighted_peak(counts: list[tuple[int, ...]], per_chunk: list[float] | tuple[float, ...]) -> float:
     """The largest of the held counts (``held_counts``) weighted by each chunk's bytes per micro-batch."""
     return max((sum(n * b for n, b in zip(held, per_chunk, strict=True)) for held in counts), default=0.0)
 

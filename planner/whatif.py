@@ -13,6 +13,7 @@ from hetero.errors import HeteroError
 from hetero.plan import Plan
 from hetero.planner.cost import in_flight
 from hetero.planner.cost_model import CostModel
+from hetero.planner.interleave import held_counts, weighted_peak
 from hetero.planner.schedules import interleaved_one_f_one_b
 from hetero.planner.simulator import Timeline, plan_core_share, simulate, virtual_times
 from hetero.planner.step_form import SCHEDULES, programs_for
@@ -46,17 +47,24 @@ def _stage_times(plan: Plan) -> tuple[list[float], list[float], list[float]]:
 
 def _interleaved_more(plan: Plan, name: str, description: str, m: int) -> WhatIf:
     """An interleaved plan (stages holding chunks) with ``m`` micro-batches: its programs for them re-simulated on
-    its per-chunk times; each device's activations scale with the (micro-batch, chunk) units it then holds (an
-    estimate: the plan keeps each device's total, priced per chunk at the chunk's own size, not each chunk's)."""
+    its per-chunk times, and each device's activations at the peak of its new program, each chunk at the bytes per
+    micro-batch the plan priced it at (planner/interleave.py). A plan without those (from before they were
+    recorded) scales each device's activations with the (micro-batch, chunk) units it then holds: an estimate."""
     p, v = len(plan.stages), len(plan.stages[0].spans())
     if m % p:
         return WhatIf(name, description, False, reason=f"interleaving needs a multiple of the {p} devices")
     fwd, bwd, send = virtual_times(plan.stages)
     common = {"overhead_s": [dict(s.overhead_s) for s in plan.stages], "sync_s": [s.step_sync_s for s in plan.stages]}
-    now = simulate([s.actions() for s in plan.stages], fwd, bwd, send, **common)  # type: ignore[arg-type]
-    timeline = simulate(interleaved_one_f_one_b(p, m, v), fwd, bwd, send, **common)  # type: ignore[arg-type]
-    peaks = [s.memory.total_gb + s.memory.activations_gb * (new / max(old, 1) - 1)
-             for s, old, new in zip(plan.stages, now.peak_in_flight, timeline.peak_in_flight, strict=True)]
+    programs = interleaved_one_f_one_b(p, m, v)
+    timeline = simulate(programs, fwd, bwd, send, **common)  # type: ignore[arg-type]
+    if all(len(s.memory.chunk_gb_per_mb) == v for s in plan.stages):
+        peaks = [s.memory.total_gb - s.memory.activations_gb + s.memory.working_gb
+                 + weighted_peak(held_counts(program, v), s.memory.chunk_gb_per_mb)
+                 for s, program in zip(plan.stages, programs, strict=True)]
+    else:
+        now = simulate([s.actions() for s in plan.stages], fwd, bwd, send, **common)  # type: ignore[arg-type]
+        peaks = [s.memory.total_gb + s.memory.activations_gb * (new / max(old, 1) - 1)
+                 for s, old, new in zip(plan.stages, now.peak_in_flight, timeline.peak_in_flight, strict=True)]
     reasons = [f"stage {k} on {s.device} would need {peak:.1f} GB of {s.memory.available_gb:.1f} GB"
                for k, (s, peak) in enumerate(zip(plan.stages, peaks, strict=True)) if peak > s.memory.available_gb]
     tokens = plan.prediction.tokens_per_step // max(plan.train.num_micro_batches, 1) * m
@@ -146,18 +154,20 @@ def memory_over_time(plan: Plan, timeline: Timeline) -> list[list[tuple[float, f
         planned = max(1, in_flight(plan.train.schedule, len(rep.stages) - 1 - pos, rep.num_micro_batches))
         if sp.chunks:  # interleaved: the device's peak spread evenly over the (micro-batch, chunk) units it then
             planned = max(1, timeline.peak_in_flight[k])  # holds (the planner priced each chunk at its own size)
-        per_mb = mem.activations_gb / planned
+        per_mb = [mem.activations_gb / planned] * len(sp.spans())
         fixed = mem.total_gb - mem.activations_gb
+        if sp.chunks and len(mem.chunk_gb_per_mb) == len(sp.spans()):  # each chunk at its own bytes per micro-batch,
+            per_mb, fixed = list(mem.chunk_gb_per_mb), fixed + mem.working_gb  # a re-run's working bytes kept aside
         level, points = fixed, [(0.0, fixed)]
         for e in timeline.stage_events(k):
             # Activations are saved as the forward runs and freed when the backward finishes.
             if e.op == "F":
                 points.append((e.start_s, level))
-                level += per_mb
+                level += per_mb[e.chunk]
                 points.append((e.end_s, level))
             elif e.op == "B":
                 points.append((e.end_s, level))
-                level -= per_mb
+                level -= per_mb[e.chunk]
                 points.append((e.end_s, level))
         points.append((timeline.step_time_s, level))
         out.append(points)

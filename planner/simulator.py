@@ -372,7 +372,7 @@ def combine_replicas(timelines: list[Timeline], reduce_s: float = 0.0) -> Timeli
         n = len(t.busy_fraction)
         for e in t.events:
             end = barrier + (e.end_s - max(e.start_s, mine)) if e.op == "STEP" else e.end_s
-            events.append(Event(e.stage + offset, e.op, e.mb, e.start_s, end))
+            events.append(Event(e.stage + offset, e.op, e.mb, e.start_s, end, e.chunk))
         busy_s += [f * t.step_time_s for f in t.busy_fraction]
         peak += list(t.peak_in_flight)
         offset += n

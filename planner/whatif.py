@@ -48,8 +48,9 @@ def _stage_times(plan: Plan) -> tuple[list[float], list[float], list[float]]:
 def _interleaved_more(plan: Plan, name: str, description: str, m: int) -> WhatIf:
     """An interleaved plan (stages holding chunks) with ``m`` micro-batches: its programs for them re-simulated on
     its per-chunk times, and each device's activations at the peak of its new program, each chunk at the bytes per
-    micro-batch the plan priced it at (planner/interleave.py). A plan without those (from before they were
-    recorded) scales each device's activations with the (micro-batch, chunk) units it then holds: an estimate."""
+    micro-batch the plan priced it at, with the plan's recomputing layers (planner/interleave.py; where the device
+    would not fit, the planner might recompute more). A plan without those (from before they were recorded) scales
+    each device's activations with the (micro-batch, chunk) units it then holds: an estimate."""
     p, v = len(plan.stages), len(plan.stages[0].spans())
     if m % p:
         return WhatIf(name, description, False, reason=f"interleaving needs a multiple of the {p} devices")

@@ -398,9 +398,10 @@ def test_an_interleaved_plans_readers_count_every_chunk() -> None:
 
 
 def test_an_interleaved_plans_more_micro_batches_what_if_prices_each_chunk_as_the_planner_does() -> None:
-    """`hetero simulate`'s "num_micro_batches=8" for an interleaved plan: each device's memory is what the planner
-    prices for those chunks at 8 micro-batches (planner/interleave.py price on a table for 8), not a scaled
-    estimate; with recomputing chunks, the peak of the memory curve walked over the new programs' events."""
+    """`hetero simulate`'s "num_micro_batches=4" for an interleaved plan of 2: each device's memory is what the
+    planner prices for the same chunks, with the same recomputing layers, at 4 micro-batches (planner/interleave.py
+    price on a table for 4, where the first device holds more than at 2), not a scaled estimate; the memory curve
+    walked over the new programs' events peaks there too."""
     from dataclasses import replace
 
     from test_planner_ilp import make_model
@@ -410,29 +411,30 @@ def test_an_interleaved_plans_more_micro_batches_what_if_prices_each_chunk_as_th
     from hetero.planner.cost_model import RooflineCostModel
     from hetero.planner.interleave import price
     from hetero.planner.objective import Placement, evaluate
+    from hetero.planner.schedules import interleaved_one_f_one_b
     from hetero.planner.simulator import virtual_times
     from hetero.planner.whatif import memory_over_time, more_micro_batches
 
-    plan = _planned(ONE_HOST, "always")
-    assert all(len(s.memory.chunk_gb_per_mb) == 2 for s in plan.stages)
-    for s, points in zip(plan.stages, memory_over_time(plan, simulate_plan(plan)), strict=True):
-        assert max(gb for _, gb in points) == pytest.approx(s.memory.total_gb, rel=1e-9)  # its own peak, exactly
-    eight = more_micro_batches(plan, (2,))[0]
-    table = build_cost_table(plan.graph, make_model("nf4"), plan.cluster, replace(plan.train, num_micro_batches=8),
-                             plan.planner, RooflineCostModel())
-    names = [d.name for d in table.devices]
-    devices = tuple(names.index(s.device) for s in plan.stages)
-    spans = [s.spans() for s in plan.stages]
-    n = len(plan.graph.nodes)  # price() reads the placement's devices only; its chunks are the plan's spans
-    ev = evaluate(table, Placement(devices, ((0, n // 2 - 1), (n // 2, n - 1))))
-    priced = price(table, ev, spans)
-    assert eight.peak_memory_gb == pytest.approx([m.total_gb for m in priced.memory], rel=1e-9)
-
-    tight = _planned(ONE_HOST, "always", recomputable=True, memory_headroom=0.88)
-    assert any(s.memory.working_gb > 0 for s in tight.stages)
-    from hetero.planner.schedules import interleaved_one_f_one_b as programs_of
-
-    fwd, bwd, send = virtual_times(tight.stages)
-    timeline = simulate(programs_of(len(tight.stages), 8, 2), fwd, bwd, send)
-    walked = [max(gb for _, gb in points) for points in memory_over_time(tight, timeline)]
-    assert more_micro_batches(tight, (2,))[0].peak_memory_gb == pytest.approx(walked, rel=1e-9)
+    plain = _planned(ONE_HOST, "always", m=2, split=[6, 6])
+    tight = _planned(ONE_HOST, "always", m=2, split=[6, 6], recomputable=True, memory_headroom=0.88)
+    assert tight.stages[0].recompute_layers and tight.stages[0].memory.working_gb > 0
+    for plan in (plain, tight):
+        assert all(len(s.memory.chunk_gb_per_mb) == 2 for s in plan.stages)
+        for s, points in zip(plan.stages, memory_over_time(plan, simulate_plan(plan)), strict=True):
+            assert max(gb for _, gb in points) == pytest.approx(s.memory.total_gb, rel=1e-9)  # its own peak
+        four = more_micro_batches(plan, (2,))[0]
+        table = build_cost_table(plan.graph, make_model("nf4"), plan.cluster, replace(plan.train, num_micro_batches=4),
+                                 plan.planner, RooflineCostModel())
+        names = [d.name for d in table.devices]
+        n = len(plan.graph.nodes)  # price() reads the placement's devices only; its chunks are the plan's spans
+        ev = evaluate(table, Placement(tuple(names.index(s.device) for s in plan.stages),
+                                       ((0, n // 2 - 1), (n // 2, n - 1))))
+        priced = price(table, ev, [s.spans() for s in plan.stages])
+        assert priced.recompute == [[len(s.recompute_layers), *(len(c.recompute_layers) for c in s.chunks)]
+                                    for s in plan.stages]  # the same recomputing layers at 4
+        assert four.peak_memory_gb == pytest.approx([m.total_gb for m in priced.memory], rel=1e-9)
+        assert four.peak_memory_gb[0] > plan.stages[0].memory.total_gb  # the first device holds more at 4
+        fwd, bwd, send = virtual_times(plan.stages)
+        timeline = simulate(interleaved_one_f_one_b(len(plan.stages), 4, 2), fwd, bwd, send)
+        walked = [max(gb for _, gb in points) for points in memory_over_time(plan, timeline)]
+        assert four.peak_memory_gb == pytest.approx(walked, rel=1e-9)

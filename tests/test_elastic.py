@@ -31,9 +31,10 @@ from test_runtime_plans import free_ports, make_plan
 from test_ssh_launcher import sshd  # noqa: F401 (a fixture: an OpenSSH server on loopback)
 
 from hetero.errors import InfeasiblePlanError
+from hetero.plan import Plan
 from hetero.planner.recovery import plan_without
 from hetero.runtime.run.report import recovery_line
-from hetero.runtime.run.run_compare import event_lines, read_metrics
+from hetero.runtime.run.run_compare import event_lines, read_metrics, step_lines
 from hetero.specs import ModelSpec, TrainSpec
 
 STEPS = 40
@@ -79,8 +80,8 @@ def _wait(what: str, ready, run: subprocess.Popen, timeout: float = 120.0) -> fl
     """Wait until ``ready()``; the seconds it took."""
     t0 = time.monotonic()
     while not ready():
-        if run.poll() is not None or time.monotonic() - t0 > timeout:
-            out, err = run.communicate()
+        if (run.poll() is not None and not ready()) or time.monotonic() - t0 > timeout:  # ready() again: it may
+            out, err = run.communicate()  # have come true just before the run ended
             raise AssertionError(f"{what} never happened (exit {run.returncode})\nstdout:{out[-3000:]}\nstderr:{err[-3000:]}")
         time.sleep(0.05)
     return time.monotonic() - t0
@@ -558,3 +559,26 @@ def test_a_recovery_reads_as_a_sentence_in_the_report() -> None:
             "recovery_s": 1.04}
     assert recovery_line(back) == ("rejoined after step 22: beta.cpu1 is back; split 3/3 -> 2/2/2 (plan-recovery-2.json); "
                                    "no step trained again; 1.0 s from seeing it back to the next step")
+
+
+def test_a_later_resume_keeps_the_recovery_lines_and_drops_the_steps_trained_again(root: Path, tmp_path: Path) -> None:
+    """A second loss may resume from a state copy older than the first loss (copies are spaced by their cost): the
+    steps after that copy are trained again, but the first recovery's line stays in metrics.jsonl (CI of stop 48
+    lost it, and with it the loss picture's mark and the test's count of recoveries)."""
+    from hetero.runtime.run.records import RunRecords
+
+    plan = Plan.load(root / "plan.json")
+    lines = [{"step": s, "loss": 6.0, "step_time_s": 0.1} for s in range(9)]
+    lines.insert(9, {"event": "recovery", "after_step": 8, "recovery": 1, "device": "localhost.cpu1"})
+    lines.insert(9, {"event": "rebalance", "after_step": 8, "old_split": [2, 2, 2], "new_split": [3, 2, 1]})
+    lines += [{"step": s, "loss": 6.0, "step_time_s": 0.1} for s in range(9, 12)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    records = RunRecords(plan, tmp_path)
+    try:
+        records.start_metrics(7)
+    finally:
+        records.close()
+    kept = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in step_lines(kept)] == list(range(7))
+    assert event_lines(kept, "recovery") == [lines[10]]
+    assert event_lines(kept) == []  # a move in the steps trained again is undone with them

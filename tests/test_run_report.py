@@ -167,6 +167,20 @@ def test_every_reader_skips_event_lines(plan, tmp_path: Path, capsys) -> None:
     # loss.png beside it, from every line of metrics.jsonl (the evaluation's too), named in the report.
     assert report["loss_picture"] == str(run / "loss.png") and (run / "loss.png").stat().st_size > 5000
     assert f"loss over the run: {run / 'loss.png'}" in printed
+    assert "run " + str(run) + ": 12 steps, loss 2.000 -> 1.890" in printed  # this plan trained them all
+
+
+def test_the_headline_of_a_resumed_or_re_planned_run_counts_the_whole_run(plan, tmp_path: Path, capsys) -> None:
+    """After `--resume` or a re-plan (runtime.elastic), this plan trained the last steps only: the headline says the
+    run's steps and its first loss from metrics.jsonl (stop 48's CI run read "33 steps, loss 6.033" for 40 from
+    6.213), and how many steps this plan trained."""
+    steps, _, _, _ = _run(plan)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in steps))
+    report = write_report(plan, steps[7:], {}, tmp_path)
+    assert (report["steps"], report["run_steps"], report["run_first_loss"]) == (5, 12, 2.0)
+    print_report(report)
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"run {tmp_path}: 12 steps (the last 5 on this plan), loss 2.000 -> 1.890" in printed
 
 
 def test_loss_picture_draws_each_step_once_its_mean_the_evaluations_and_the_recoveries() -> None:

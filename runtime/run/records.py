@@ -99,7 +99,9 @@ class RunRecords:
         self._close_trackers()
 
     def start_metrics(self, start_step: int) -> None:
-        """metrics.jsonl: empty for a new run; a resumed one keeps the lines of the steps before it."""
+        """metrics.jsonl: empty for a new run; a resumed one keeps the lines of the steps before it, and every
+        recovery line (runtime.elastic): a device lost is history even where the steps around the loss are trained
+        again (a second loss may resume from a copy older than the first)."""
         path = self.run_dir / "metrics.jsonl"
         kept: list[str] = []
         if start_step > 0 and path.is_file():
@@ -109,7 +111,7 @@ class RunRecords:
                     step = row["step"] if "event" not in row else row["after_step"]
                 except (ValueError, KeyError, TypeError):
                     continue  # a line cut short by a crash
-                if isinstance(step, int) and step < start_step:
+                if (isinstance(step, int) and step < start_step) or row.get("event") == "recovery":
                     kept.append(line)
         write_run_file(self.run_dir, "metrics.jsonl", "".join(f"{line}\n" for line in kept))
         from hetero.runtime.run.tensorboard import EventWriter

@@ -158,14 +158,21 @@ def write_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, flo
     from hetero.runtime.run.steps_picture import draw_steps, label
 
     report = build_report(plan, steps, build_s, str(run_dir), events)
+    try:  # every step of the run directory's metrics.jsonl: a resumed run's earlier ones too
+        lines = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else steps
+    except (OSError, ValueError) as exc:  # a line cut short by a full disk costs the whole run's headline only
+        print(f"hetero run: could not read {run_dir / 'metrics.jsonl'}: {exc}", file=sys.stderr)
+        lines = steps
+    whole = step_lines(lines)
+    if len(whole) > report["steps"]:  # resumed, or re-planned after a loss: the headline counts the whole run
+        report["run_steps"], report["run_first_loss"] = len(whole), whole[0]["loss"]
     if report["steps"]:
         try:
             report["picture"] = str(draw_steps(plan, steps, event_lines(list(events or [])), run_dir / "steps.png"))
         except OSError as exc:  # a full disk costs the picture, not the report
             print(f"hetero run: could not write {run_dir / 'steps.png'}: {exc}", file=sys.stderr)
-        try:  # every step of the run directory's metrics.jsonl: a resumed run's earlier ones too
-            lines = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else steps
-            title = f"{label(plan.model.name)}: loss over {len(step_lines(lines))} steps"
+        try:
+            title = f"{label(plan.model.name)}: loss over {len(whole)} steps"
             report["loss_picture"] = str(draw_loss(lines, run_dir / "loss.png", title))
         except (OSError, ValueError) as exc:  # a full disk (or a line cut short by one) costs the picture only
             print(f"hetero run: could not write {run_dir / 'loss.png'}: {exc}", file=sys.stderr)
@@ -184,8 +191,11 @@ def print_report(report: dict[str, Any]) -> None:
 
     # The compile summary's width policy: the terminal's width, 140 columns when piped.
     console = Console(width=None if sys.stdout.isatty() else 140)
-    console.print(f"[bold]run[/bold] {report['run_dir']}: {report['steps']} steps, loss "
-                  f"{_fmt(report['first_loss'], '')} -> {_fmt(report['final_loss'], '')}", highlight=False)
+    first, steps = report["first_loss"], f"{report['steps']} steps"
+    if report.get("run_steps"):  # the earlier steps came from a checkpoint or from the plan before a re-plan
+        first, steps = report["run_first_loss"], f"{report['run_steps']} steps (the last {report['steps']} on this plan)"
+    console.print(f"[bold]run[/bold] {report['run_dir']}: {steps}, loss {_fmt(first, '')} -> "
+                  f"{_fmt(report['final_loss'], '')}", highlight=False)
     moved = " on the plan's split" if report.get("moves") else ""
     console.print(f"step time{moved}: measured {_fmt(report['measured_step_time_s'])} (median), predicted "
                   f"{_fmt(report['predicted_step_time_s'])}", highlight=False)

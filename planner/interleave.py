@@ -25,7 +25,14 @@ from hetero.plan import ChunkPlan, MemoryBreakdown, Prediction, StagePlan
 from hetero.planner.baselines import predict
 from hetero.planner.cost import GB, CostTable
 from hetero.planner.cost_model import expert_weight_bytes
-from hetero.planner.objective import Evaluation, evaluate, recompute_time_s, stage_activations, stage_fits
+from hetero.planner.objective import (
+    Evaluation,
+    evaluate,
+    largest_recomputable,
+    recompute_time_s,
+    stage_activations,
+    stage_fits,
+)
 from hetero.planner.schedules import interleaved_one_f_one_b
 from hetero.planner.simulator import Timeline, simulate
 from hetero.program import Action, Op, format_program
@@ -48,6 +55,7 @@ class Candidate:
     memory: list[MemoryBreakdown]  # per device
     reasons: list[str]  # why it cannot run (memory); empty: it can
     recompute: list[list[int]]  # per device, per chunk: how many of its first recomputable layers recompute
+    recompute_s: list[float]  # per virtual stage: the seconds its backward re-runs forwards (in bwd_s)
 
 
 def why_not(table: CostTable, graph: LayerGraph, ev: Evaluation, stages: list[StagePlan]) -> str | None:
@@ -139,8 +147,8 @@ def price(table: CostTable, ev: Evaluation, spans: list[list[tuple[int, int]]]) 
     fits = [chunk_recompute(table, d, spans[k], programs[k]) for k, d in enumerate(devices)]
     order = [(c * p + k, devices[k], spans[k][c]) for c in range(CHUNKS) for k in range(p)]
     fwd = [sum(table.fwd_s[i][d] for i in range(a, b + 1)) for _, d, (a, b) in order]
-    bwd = [sum(table.bwd_s[i][d] for i in range(a, b + 1)) + recompute_time_s(table, d, a, b, fits[j % p].recompute[j // p])
-           for j, d, (a, b) in order]
+    again = [recompute_time_s(table, d, a, b, fits[j % p].recompute[j // p]) for j, d, (a, b) in order]
+    bwd = [sum(table.bwd_s[i][d] for i in range(a, b + 1)) + again[j] for j, d, (a, b) in order]
     send = [table.transfer_s(b, d, order[j + 1][1]) if j + 1 < len(order) else 0.0
             for j, d, (_, b) in order]
     overhead = [_overheads(table, devices, spans, k) for k in range(p)]
@@ -158,7 +166,7 @@ def price(table: CostTable, ev: Evaluation, spans: list[list[tuple[int, int]]]) 
                            f"their peak ({timeline.peak_in_flight[k]} micro-batch chunks){most}, has "
                            f"{table.usable_bytes[d] / GB:.1f} GB")
     return Candidate(spans, fwd, bwd, send, overhead, timeline, memory, reasons,
-                     [fit.recompute for fit in fits])
+                     [fit.recompute for fit in fits], again)
 
 
 def _overheads(table: CostTable, devices: list[int], spans: list[list[tuple[int, int]]], k: int) -> dict[str, float]:
@@ -224,7 +232,7 @@ def _unit_bytes(table: CostTable, d: int, first: int, last: int, recompute: int)
     objective.stage_activations splits them."""
     if recompute <= 0:
         return stage_activations(table, d, first, last, 1, 0), 0.0
-    working = max(table.activations_per_mb[i][d] for i in range(first, last + 1) if table.recomputable[i])
+    working = largest_recomputable(table, d, first, last)
     return stage_activations(table, d, first, last, 1, recompute, working) - working, working
 
 
@@ -291,8 +299,7 @@ def interleave(table: CostTable, graph: LayerGraph, model: ModelSpec, ev: Evalua
                                      "more (interleaved chunks send theirs plain).")
     experts = [sum(expert_weight_bytes(graph, i, table.devices[d], model) for a, b in cand.spans[k]
                    for i in range(a, b + 1)) / GB for k, d in enumerate(ev.placement.devices)]
-    chosen = _interleaved_stages(graph, table, list(ev.placement.devices), stages, cand, table.num_micro_batches,
-                                 experts)
+    chosen = _interleaved_stages(graph, table, stages, cand, table.num_micro_batches, experts)
     return chosen, _prediction(prediction, cand), (f"Interleaved: {words}. The chunk boundaries come from a local "
                                                    "search from even halves; a proof above covers placements of one "
                                                    "chunk per device.")
@@ -307,8 +314,8 @@ def _words(step: float, planned: float, plain: float, compressed: bool) -> str:
                f"({(plain - step) / plain:+.1%})" if compressed else f" ({(planned - step) / planned:+.1%})"))
 
 
-def _interleaved_stages(graph: LayerGraph, table: CostTable, devices: list[int], stages: list[StagePlan],
-                        cand: Candidate, m: int, experts_gb: list[float]) -> list[StagePlan]:
+def _interleaved_stages(graph: LayerGraph, table: CostTable, stages: list[StagePlan], cand: Candidate, m: int,
+                        experts_gb: list[float]) -> list[StagePlan]:
     p = len(stages)
     programs = interleaved_one_f_one_b(p, m, CHUNKS)
     out = []
@@ -317,12 +324,11 @@ def _interleaved_stages(graph: LayerGraph, table: CostTable, devices: list[int],
         (a, b), *more = cand.spans[k]
         chunks = [ChunkPlan(f, g, [n.name for n in graph.nodes[f:g + 1]], cand.fwd_s[c * p + k], cand.bwd_s[c * p + k],
                             cand.send_s[c * p + k], names[c]) for c, (f, g) in enumerate(more, start=1)]
-        extra = recompute_time_s(table, devices[k], a, b, cand.recompute[k][0])
         out.append(replace(s, first_node=a, last_node=b, node_names=[n.name for n in graph.nodes[a:b + 1]],
                            fwd_time_s=cand.fwd_s[k], bwd_time_s=cand.bwd_s[k], send_time_s=cand.send_s[k],
                            memory=replace(cand.memory[k], experts_gb=experts_gb[k]), recompute_layers=names[0],
-                           recompute_time_s=extra, overhead_s=cand.overhead_s[k], program=format_program(programs[k]),
-                           chunks=chunks))
+                           recompute_time_s=cand.recompute_s[k], overhead_s=cand.overhead_s[k],
+                           program=format_program(programs[k]), chunks=chunks))
     return out
 
 

@@ -109,9 +109,14 @@ def stage_activations(table: CostTable, d: int, first: int, last: int, held: int
     if recompute <= 0:
         return held * total
     if working is None:
-        working = max(table.activations_per_mb[i][d] for i in range(first, last + 1) if table.recomputable[i])
+        working = largest_recomputable(table, d, first, last)
     k = rank[first]
     return held * (total - (saved[k + recompute] - saved[k])) + working
+
+
+def largest_recomputable(table: CostTable, d: int, first: int, last: int) -> float:
+    """The bytes one of the stage's recomputable layers needs while it re-runs its forward: the largest's."""
+    return max(table.activations_per_mb[i][d] for i in range(first, last + 1) if table.recomputable[i])
 
 
 def stage_fits(table: CostTable, d: int, weights: float, lora: float, acts: float) -> bool:

@@ -13,7 +13,7 @@ from hetero.errors import HeteroError
 from hetero.plan import Plan
 from hetero.planner.cost import in_flight
 from hetero.planner.cost_model import CostModel
-from hetero.planner.interleave import held_counts, weighted_peak
+from hetero.planner.interleave import peak_activations
 from hetero.planner.schedules import interleaved_one_f_one_b
 from hetero.planner.simulator import Timeline, plan_core_share, simulate, virtual_times
 from hetero.planner.step_form import SCHEDULES, programs_for
@@ -60,7 +60,7 @@ def _interleaved_more(plan: Plan, name: str, description: str, m: int) -> WhatIf
     timeline = simulate(programs, fwd, bwd, send, **common)  # type: ignore[arg-type]
     if all(len(s.memory.chunk_gb_per_mb) == v for s in plan.stages):
         peaks = [s.memory.total_gb - s.memory.activations_gb + s.memory.working_gb
-                 + weighted_peak(held_counts(program, v), s.memory.chunk_gb_per_mb)
+                 + peak_activations(program, list(s.memory.chunk_gb_per_mb))
                  for s, program in zip(plan.stages, programs, strict=True)]
     else:
         now = simulate([s.actions() for s in plan.stages], fwd, bwd, send, **common)  # type: ignore[arg-type]
@@ -146,19 +146,25 @@ def what_ifs(plan: Plan, cost_model: CostModel | None = None, replan: bool = Tru
     return out
 
 
+def _per_micro_batch(plan: Plan, k: int, timeline: Timeline) -> tuple[list[float], float]:
+    """Stage k's GB per micro-batch in each of its chunks, and the GB it holds whatever is in flight."""
+    sp, mem = plan.stages[k], plan.stages[k].memory
+    fixed = mem.total_gb - mem.activations_gb
+    if sp.chunks and len(mem.chunk_gb_per_mb) == len(sp.spans()):  # each chunk at its own bytes per micro-batch,
+        return list(mem.chunk_gb_per_mb), fixed + mem.working_gb  # a re-run's working bytes kept aside
+    if sp.chunks:  # an interleaved plan from before those were recorded: the device's peak spread evenly over the
+        planned = max(1, timeline.peak_in_flight[k])  # (micro-batch, chunk) units it then holds
+    else:  # in flight within its own pipeline, over its own share of the step
+        _, rep, pos = plan.replica_of(k)
+        planned = max(1, in_flight(plan.train.schedule, len(rep.stages) - 1 - pos, rep.num_micro_batches))
+    return [mem.activations_gb / planned] * len(sp.spans()), fixed
+
+
 def memory_over_time(plan: Plan, timeline: Timeline) -> list[list[tuple[float, float]]]:
     """Per stage, (time, GB) points: fixed memory plus saved activations of micro-batches in flight."""
     out = []
-    for k, sp in enumerate(plan.stages):
-        mem = sp.memory
-        _, rep, pos = plan.replica_of(k)  # in flight within its own pipeline, over its own share of the step
-        planned = max(1, in_flight(plan.train.schedule, len(rep.stages) - 1 - pos, rep.num_micro_batches))
-        if sp.chunks:  # interleaved: the device's peak spread evenly over the (micro-batch, chunk) units it then
-            planned = max(1, timeline.peak_in_flight[k])  # holds (the planner priced each chunk at its own size)
-        per_mb = [mem.activations_gb / planned] * len(sp.spans())
-        fixed = mem.total_gb - mem.activations_gb
-        if sp.chunks and len(mem.chunk_gb_per_mb) == len(sp.spans()):  # each chunk at its own bytes per micro-batch,
-            per_mb, fixed = list(mem.chunk_gb_per_mb), fixed + mem.working_gb  # a re-run's working bytes kept aside
+    for k in range(len(plan.stages)):
+        per_mb, fixed = _per_micro_batch(plan, k, timeline)
         level, points = fixed, [(0.0, fixed)]
         for e in timeline.stage_events(k):
             # Activations are saved as the forward runs and freed when the backward finishes.

@@ -114,6 +114,9 @@ class DeviceProfile:
     seconds: float = 0.0  # how long profiling this device took
     started_unix_s: float = 0.0  # wall clock when it began (0: not recorded)
     measured_with: list[str] = field(default_factory=list)  # this host's stages running a load meanwhile
+    # Its compute times are process CPU time per thread, not wall time (a run's profile of a host whose stages
+    # share too few cores: runtime/run/run_profile.py), so a plan shares the host's cores on top of them.
+    cpu_time: bool = False
     # Where each part came from when not measured by `hetero profile` (a run: "run", "run, scaled"; see
     # hetero.runtime.run.run_profile); a part absent here was measured as the profile's origin says.
     sources: dict[str, str] = field(default_factory=dict)
@@ -212,12 +215,25 @@ def load_merged(paths: str) -> Profile:
     return merge_profiles([Profile.load(p) for p in paths.split(" + ") if p])
 
 
+# What a run's profile said in a device's sources where its times were CPU time, before ``cpu_time`` said it.
+SHARED_CORES_NOTE = " (CPU time: the host has fewer cores than its stages' threads)"
+
+
 def _upgraded(data: Any) -> Any:
     """An older profile as the current version: the fields each version added have defaults, so only the version
-    number changes."""
+    number changes; a device from before ``cpu_time`` has it from its sources' note."""
     if isinstance(data, dict) and data.get("schema_version") in READABLE_VERSIONS[:-1]:
-        return {**data, "schema_version": PROFILE_SCHEMA_VERSION}
+        data = {**data, "schema_version": PROFILE_SCHEMA_VERSION}
+    if isinstance(data, dict) and isinstance(data.get("devices"), list):
+        data = {**data, "devices": [_with_cpu_time(d) for d in data["devices"]]}
     return data
+
+
+def _with_cpu_time(device: Any) -> Any:
+    if not isinstance(device, dict) or "cpu_time" in device or not isinstance(device.get("sources"), dict):
+        return device
+    said = any(isinstance(v, str) and SHARED_CORES_NOTE in v for v in device["sources"].values())
+    return {**device, "cpu_time": said} if said else device
 
 
 def typical(samples: list[float], trim: float = 0.1) -> float:

@@ -201,7 +201,7 @@ class ProfileCostModel:
 
         def waited(name: str) -> bool:  # timed in wall time beside more threads than the host has cores
             t = self.profile.device(name)
-            return (t is not None and "CPU time" not in source_of(self.profile, t, "decoder")
+            return (t is not None and not t.cpu_time
                     and cpus[name] + sum(cpus.get(n, 0) for n in set(t.measured_with) - {name}) > (host.cores or 0))
 
         return all(waited(name) for name in cpus)

@@ -11,6 +11,8 @@ import pytest
 from hetero.errors import ConfigError
 from hetero.planner.simulator import CoreShare, core_share, simulate
 from hetero.planner.step_form import programs_for
+from hetero.profile import SHARED_CORES_NOTE, Profile
+from hetero.serde import to_dict
 from hetero.specs import ModelSpec
 
 
@@ -141,14 +143,14 @@ def test_a_shared_core_stage_is_profiled_by_its_cpu_time(monkeypatch: pytest.Mon
             assert dev.message_recv.at(dev.message_recv.samples[0][0]) == pytest.approx(
                 sum(cpu[op] for op in ("RA", "RG") if any(a.op == op for a in sp.actions())) / receives)
             assert "CPU time" in dev.sources["message_recv"]
-        assert "CPU time" in dev.sources["decoder"]
+        assert "CPU time" in dev.sources["decoder"] and dev.cpu_time
         assert dev.measured_with == [s.device for s in plan.stages if s.device != sp.device]  # they ran beside it
     older = [{"step": s, "stage_ops": [wall] * 3} for s in range(3)]
     prof = run_profile(plan, tmp_path, older)
     assert prof is not None
     dev = prof.device(plan.stages[0].device)
     assert dev is not None
-    assert "CPU time" not in dev.sources["decoder"]  # wall times, said as such (a plan from them shares no more)
+    assert "CPU time" not in dev.sources["decoder"] and not dev.cpu_time  # wall times (a plan shares no more)
     kinds = [plan.graph.nodes[i].kind for i in range(plan.stages[0].first_node, plan.stages[0].last_node + 1)]
     assert sum(dev.layers[kind].fwd.at(tokens) for kind in kinds) == pytest.approx(wall["F"] / 4)
 
@@ -272,8 +274,7 @@ def test_a_profile_timed_under_load_is_not_shared_again(monkeypatch: pytest.Monk
     loaded = synthetic_profile(short, tiny_spec, dict.fromkeys(names, 2e-5))
     loaded = replace(loaded, devices=[replace(d, measured_with=[n for n in names if n != d.device])
                                       for d in loaded.devices])
-    cpu_timed = replace(loaded, devices=[replace(d, sources={"decoder": "profile (CPU time: ...)"})
-                                         for d in loaded.devices])
+    cpu_timed = replace(loaded, devices=[replace(d, cpu_time=True) for d in loaded.devices])
     train = TrainSpec(micro_batch_size=4, num_micro_batches=8)
     options = PlannerOptions(num_stages=3, time_limit_s=10, replicas=1, interleave="off")
 
@@ -286,6 +287,13 @@ def test_a_profile_timed_under_load_is_not_shared_again(monkeypatch: pytest.Monk
     assert "not shared again" in again.cost_sources["cores localhost"]
     assert again.prediction.step_time_s == pytest.approx(plain.prediction.step_time_s)
     assert shared.cluster.hosts[0].cores == 2 and "cores localhost" not in shared.cost_sources
+    # A run's profile from before DeviceProfile.cpu_time said it in its sources only: read back, it is CPU time.
+    older = to_dict(replace(loaded, devices=[replace(d, sources={"decoder": "run r, step 9" + SHARED_CORES_NOTE})
+                                             for d in loaded.devices]))
+    for device in older["devices"]:
+        del device["cpu_time"]
+    assert all(d.cpu_time for d in Profile.from_dict(older).devices)
+    assert not any(d.cpu_time for d in Profile.from_dict(to_dict(loaded)).devices)
     alone = replace(loaded, devices=[replace(d, measured_with=[]) for d in loaded.devices])  # an older file
     assert planned(short, alone).cluster.hosts[0].cores == 2
     # Merged: two devices timed beside each other only (2 threads on 2 cores: no wait in their times) and a third

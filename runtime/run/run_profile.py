@@ -47,6 +47,7 @@ from typing import Any
 from hetero.plan import Plan, StagePlan
 from hetero.profile import (
     LAYER_KINDS,
+    SHARED_CORES_NOTE,
     DeviceProfile,
     LayerProfile,
     LinearFit,
@@ -101,10 +102,10 @@ def run_profile(plan: Plan, run_dir: Path, steps: list[dict[str, Any]],
     prior = prior_profile(plan)
     warm = lines[1:] if len(lines) > 1 else lines  # the first step warms allocators and caches up
     shared = shared_core_stages(plan)
+    timed_cpu = {k for k in shared if cpu_ops(warm, k) is not None}  # own_ops: CPU time per thread there
     devices = [_device_profile(plan, k, own_ops(warm, k, plan.stages[k].threads) if k in shared else _stage_ops(warm, k),
-                               cpu_ops(warm, k), prior,
-                               origin + (SHARED_NOTE if k in shared and cpu_ops(warm, k) is not None else ""),
-                               (environments or {}).get(f"stage{k}", {}))
+                               cpu_ops(warm, k), prior, origin + (SHARED_NOTE if k in timed_cpu else ""),
+                               (environments or {}).get(f"stage{k}", {}), k in timed_cpu)
                for k in range(len(plan.stages))]
     measured = run_links(plan, warm, prior, origin)
     links = measured + [replace_method(lk, prior) for lk in (prior.links if prior is not None else [])
@@ -203,7 +204,7 @@ def _stage_ops(lines: list[dict[str, Any]], k: int) -> dict[str, float]:
     return {op: typical([float(line["stage_ops"][k].get(op, 0.0)) for line in lines]) for op in ops}
 
 
-SHARED_NOTE = " (CPU time: the host has fewer cores than its stages' threads)"
+SHARED_NOTE = SHARED_CORES_NOTE  # in the sources, for a reader; DeviceProfile.cpu_time for the planner
 
 
 def shared_core_stages(plan: Plan) -> set[int]:
@@ -305,8 +306,9 @@ def scaled(prior: LinearFit | None, x: float, y: float, *, through_origin: bool)
 
 
 def _device_profile(plan: Plan, k: int, ops: dict[str, float], cpu: dict[str, float] | None, prior: Profile | None,
-                    origin: str, env: dict[str, Any]) -> DeviceProfile:
-    """Stage k's device as this run measured it (see the module docstring)."""
+                    origin: str, env: dict[str, Any], cpu_time: bool) -> DeviceProfile:
+    """Stage k's device as this run measured it (see the module docstring); ``cpu_time``: ``ops`` are process CPU
+    time per thread."""
     sp = plan.stages[k]
     tokens = plan.train.micro_batch_size * plan.model.seq_len
     before = prior.device(sp.device) if prior is not None else None
@@ -334,6 +336,7 @@ def _device_profile(plan: Plan, k: int, ops: dict[str, float], cpu: dict[str, fl
         quantization=sp.quantization, threads=sp.threads, usable_memory_gb=None, seq_len=plan.model.seq_len,
         token_counts=[tokens], layers=layers, optimizer=optimizer, message_send=send, message_recv=recv,
         environment=dict(env), seconds=sum(float(v) for op, v in ops.items() if op in ("F", "B", "STEP")),
+        cpu_time=cpu_time,
         measured_with=list(dict.fromkeys(  # its host's CPU stages ran beside it (every replica's)
             s.device for s in plan.stages if sp.backend == "cpu" and s.backend == "cpu" and s.host == sp.host
             and s.device != sp.device)),

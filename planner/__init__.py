@@ -486,6 +486,7 @@ def plan(
     cost_sources, cost_notes = _cost_provenance(cost_model)
     head = [*_verdict(prediction, stages, base, solver), *notes, *cost_notes]
     tail = [*_issue_bound_lines(stages, cost_model), *_experts_lines(graph, cost_model, model),
+            *(cost_model.loaded_lines(stages, prediction.stage_busy) if isinstance(cost_model, ProfileCostModel) else []),
             *_unused_lines(training_fleet(cluster, evaluation.device), stages, options)]
     unhashed = Plan(
         model=model, cluster=cluster, train=train, data=data, planner=options, graph=graph, stages=stages,

@@ -10,6 +10,7 @@ profile, or "roofline (why)"), so the plan can say which numbers came from where
 from __future__ import annotations
 
 from hetero.graph import LayerGraph
+from hetero.plan import StagePlan
 from hetero.planner.cost_model import CostModel, NodeMemory, RooflineCostModel, compute_dtype
 from hetero.profile import LayerProfile, Profile, check_profile, source_of
 from hetero.specs import ClusterSpec, DeviceSpec, HostSpec, ModelSpec
@@ -205,6 +206,28 @@ class ProfileCostModel:
                     and cpus[name] + sum(cpus.get(n, 0) for n in set(t.measured_with) - {name}) > (host.cores or 0))
 
         return all(waited(name) for name in cpus)
+
+    def loaded_lines(self, stages: list[StagePlan], busy: list[float]) -> list[str]:
+        """The verdict's caveat per host whose CPU stages were each profiled in wall time beside a load on fewer
+        cores than the threads (`hetero profile` runs the others without pause): in a pipeline they idle in its
+        bubbles and wait for a core less, so the prediction leans slow (docs/profiling.md)."""
+        out = []
+        for host in dict.fromkeys(s.host for s in stages if s.backend == "cpu"):
+            ks = [k for k, s in enumerate(stages) if s.backend == "cpu" and s.host == host]
+            timed = [self.profile.device(stages[k].device) for k in ks]
+            if any(t is None or t.cpu_time or not t.measured_with for t in timed):
+                continue
+            cores = max(int(t.environment.get("cpu_count") or 0) for t in timed if t is not None)
+            threads = max(sum(n.threads or 1 for n in map(self.profile.device, [t.device, *t.measured_with])
+                              if n is not None) for t in timed if t is not None)
+            idle = 1.0 - sum(busy[k] for k in ks if k < len(busy)) / len(ks)
+            if 0 < cores < threads and idle >= 0.05:
+                out.append(f"{host}'s CPU stages were profiled each while the host's other CPU stages ran without "
+                           f"pause ({threads} threads on {cores} cores), so their times include waits for a core; "
+                           f"in this pipeline they idle {idle:.0%} of the step and wait less: expect the step faster "
+                           "than predicted (three one-thread stages on 2 cores ran at 0.73-0.96x their prediction, "
+                           "docs/profiling.md).")
+        return out
 
     def usable_memory_gb(self, device: DeviceSpec) -> float | None:
         """The device's measured free memory, when the profile has it."""

@@ -572,13 +572,21 @@ def test_a_later_resume_keeps_the_recovery_lines_and_drops_the_steps_trained_aga
     lines.insert(9, {"event": "recovery", "after_step": 8, "recovery": 1, "device": "localhost.cpu1"})
     lines.insert(9, {"event": "rebalance", "after_step": 8, "old_split": [2, 2, 2], "new_split": [3, 2, 1]})
     lines += [{"step": s, "loss": 6.0, "step_time_s": 0.1} for s in range(9, 12)]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
-    records = RunRecords(plan, tmp_path)
-    try:
-        records.start_metrics(7)
-    finally:
-        records.close()
-    kept = read_metrics(tmp_path / "metrics.jsonl")
+    metrics = "".join(json.dumps(m) + "\n" for m in lines)
+
+    def started(start: int, recovering: bool) -> list[dict]:
+        (tmp_path / "metrics.jsonl").write_text(metrics)
+        records = RunRecords(plan, tmp_path)
+        try:
+            records.start_metrics(start, recovering=recovering)
+        finally:
+            records.close()
+        return read_metrics(tmp_path / "metrics.jsonl")
+
+    kept = started(7, recovering=True)
     assert [m["step"] for m in step_lines(kept)] == list(range(7))
     assert event_lines(kept, "recovery") == [lines[10]]
     assert event_lines(kept) == []  # a move in the steps trained again is undone with them
+    assert started(0, recovering=True) == [lines[10]]  # no copy yet: from step 0, the loss stays
+    # `--resume` from an earlier checkpoint is another attempt: the losses after it did not happen to this one.
+    assert [m.get("event") for m in started(7, recovering=False)] == [None] * 7

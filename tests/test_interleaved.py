@@ -304,6 +304,8 @@ def test_a_pipeline_that_recomputes_interleaves_with_its_chunks_recomputing(tmp_
     assert simulate_plan(auto).step_time_s == pytest.approx(auto.prediction.step_time_s, rel=1e-9)
     for s in auto.stages:
         assert s.memory.total_gb <= s.memory.available_gb
+        # A device's first chunk says the seconds its backward re-runs forwards (inside bwd_time_s), as price() did.
+        assert (s.recompute_time_s > 0) == bool(s.recompute_layers) and s.recompute_time_s < s.bwd_time_s
         for names, nodes in ((s.recompute_layers, s.node_names), *((c.recompute_layers, c.node_names) for c in s.chunks)):
             decoders = [n for n in nodes if n.startswith("layers.")]
             assert names == decoders[:len(names)]  # a chunk's first recomputable layers

@@ -272,8 +272,8 @@ def test_a_profile_timed_under_load_is_not_shared_again(monkeypatch: pytest.Monk
     unknown = _fleet([{"name": "localhost", "devices": [{"type": "cpu", "threads": 1, "count": 3}]}])
     names = [d.name for d in short.devices]
     loaded = synthetic_profile(short, tiny_spec, dict.fromkeys(names, 2e-5))
-    loaded = replace(loaded, devices=[replace(d, measured_with=[n for n in names if n != d.device])
-                                      for d in loaded.devices])
+    loaded = replace(loaded, devices=[replace(d, measured_with=[n for n in names if n != d.device],
+                                              environment={**d.environment, "cpu_count": 2}) for d in loaded.devices])
     cpu_timed = replace(loaded, devices=[replace(d, cpu_time=True) for d in loaded.devices])
     train = TrainSpec(micro_batch_size=4, num_micro_batches=8)
     options = PlannerOptions(num_stages=3, time_limit_s=10, replicas=1, interleave="off")
@@ -296,6 +296,13 @@ def test_a_profile_timed_under_load_is_not_shared_again(monkeypatch: pytest.Monk
     assert not any(d.cpu_time for d in Profile.from_dict(to_dict(loaded)).devices)
     alone = replace(loaded, devices=[replace(d, measured_with=[]) for d in loaded.devices])  # an older file
     assert planned(short, alone).cluster.hosts[0].cores == 2
+    # The verdict says which way such a profile leans: its stages idle in the bubbles and wait less than profiled.
+    leans = [v for v in again.verdict if "were profiled each while" in v]
+    assert len(leans) == 1 and "(3 threads on 2 cores)" in leans[0] and "expect the step faster" in leans[0]
+    idle = 1 - sum(again.prediction.stage_busy) / 3
+    assert f"idle {idle:.0%} of the step" in leans[0] and idle >= 0.05
+    assert any("were profiled each while" in v for v in plain.verdict)  # the fleet need not know the cores
+    assert not any("were profiled each while" in v for p in (shared, planned(short, alone)) for v in p.verdict)
     # Merged: two devices timed beside each other only (2 threads on 2 cores: no wait in their times) and a third
     # timed beside both: the first two never waited, so the cores are still shared.
     merged = replace(loaded, devices=[replace(d, measured_with=[n for n in names[:2] if n != d.device])

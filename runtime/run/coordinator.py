@@ -263,7 +263,7 @@ class Coordinator(FailureHandling, StateKeeping, Greeting):
         """Steps start_step.. : data out, the step's reduction, ``stepdone`` in, the records; Ctrl-C stops
         at the next step boundary with a checkpoint."""
         train, timeout = self.plan.train, self.step_timeout_s
-        self.records.start_metrics(self.start_step)
+        self.records.start_metrics(self.start_step, recovering=self.options.recovery is not None)
         self.training = self.trained = True
         label_tokens = {self.start_step: self._send_data(batches, self.start_step)}
         last = self.saved_at = time.perf_counter()

@@ -98,20 +98,21 @@ class RunRecords:
             self.evaluator.close()
         self._close_trackers()
 
-    def start_metrics(self, start_step: int) -> None:
-        """metrics.jsonl: empty for a new run; a resumed one keeps the lines of the steps before it, and every
-        recovery line (runtime.elastic): a device lost is history even where the steps around the loss are trained
-        again (a second loss may resume from a copy older than the first)."""
+    def start_metrics(self, start_step: int, recovering: bool = False) -> None:
+        """metrics.jsonl: empty for a new run; a resumed one keeps the lines of the steps before it. A run that goes
+        on after a lost device (``recovering``: runtime.elastic) keeps every recovery line too: a device lost is
+        history even where the steps around the loss are trained again (a second loss may resume from a copy older
+        than the first, or from step 0)."""
         path = self.run_dir / "metrics.jsonl"
         kept: list[str] = []
-        if start_step > 0 and path.is_file():
+        if (start_step > 0 or recovering) and path.is_file():
             for line in path.read_text(errors="replace").splitlines():
                 try:
                     row = json.loads(line)
                     step = row["step"] if "event" not in row else row["after_step"]
                 except (ValueError, KeyError, TypeError):
                     continue  # a line cut short by a crash
-                if (isinstance(step, int) and step < start_step) or row.get("event") == "recovery":
+                if (isinstance(step, int) and step < start_step) or (recovering and row.get("event") == "recovery"):
                     kept.append(line)
         write_run_file(self.run_dir, "metrics.jsonl", "".join(f"{line}\n" for line in kept))
         from hetero.runtime.run.tensorboard import EventWriter

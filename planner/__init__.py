@@ -22,6 +22,7 @@ from hetero.plan import (
     with_label_fraction,
 )
 from hetero.planner.baselines import baseline_evaluations, candidate_placements, predict
+from hetero.planner.caveats import issue_bound_lines
 from hetero.planner.compress_advice import link_lines
 from hetero.planner.cost import AUTO_SCHEME, GB, CostTable, build_cost_table, training_fleet
 from hetero.planner.cost_model import CostModel, RooflineCostModel, compute_dtype, expert_weight_bytes
@@ -351,33 +352,6 @@ def _hand_off_hosts(plan_: Plan) -> list[tuple[str, str]]:
     return pairs
 
 
-# What a GPU stage takes, at least, to issue one decoder layer's forward and backward for a micro-batch from Python:
-# about 430 operator calls (a Llama layer with LoRA on its 7 projections, counted at torch's dispatcher), measured on
-# an H200 host on 2026-11-28 (docs/gpu.md): 5.5-6.7 ms per layer under transformers+peft (a synced micro-batch over
-# 12 layers, arithmetic included, about 1 ms of it), 6.9 ms under a hetero stage. Datasheet arithmetic below this
-# is not what runs.
-ISSUE_FLOOR_S = 0.006
-
-
-def _issue_bound_lines(stages: list[StagePlan], cost_model: CostModel) -> list[str]:
-    """The verdict's warning where datasheet costs put a GPU stage's layers under what issuing them takes."""
-    if isinstance(cost_model, ProfileCostModel):  # measured layers include what issuing them cost
-        return []
-    out = []
-    for s in stages:
-        layers = sum(1 for name in s.node_names if name.startswith("layers."))
-        if s.backend == "cpu" or layers == 0:
-            continue
-        per_layer = (s.fwd_time_s + s.bwd_time_s) / layers
-        if per_layer < ISSUE_FLOOR_S / 2:  # at least twice off: within that, the pipeline's overlap may hide it
-            out.append(f"Stage {s.index} ({s.device}): the datasheet prices a decoder layer's forward and backward "
-                       f"at {per_layer * 1e3:.2g} ms per micro-batch, under the ~6 ms a GPU host took to issue its "
-                       "~430 operators from Python (an H200's, docs/gpu.md): expect this stage "
-                       f"{ISSUE_FLOOR_S / per_layer:.0f}x slower than predicted or more; `hetero profile` measures "
-                       "it (larger micro-batches amortize it).")
-    return out
-
-
 def _unused_lines(fleet: ClusterSpec, stages: list[StagePlan], options: PlannerOptions) -> list[str]:
     """The fleet's training devices the plan leaves out, named (a card a person owns is not dropped without a word)."""
     used = {s.device for s in stages}
@@ -485,7 +459,7 @@ def plan(
             for b, _ in pairs]
     cost_sources, cost_notes = _cost_provenance(cost_model)
     head = [*_verdict(prediction, stages, base, solver), *notes, *cost_notes]
-    tail = [*_issue_bound_lines(stages, cost_model), *_experts_lines(graph, cost_model, model),
+    tail = [*issue_bound_lines(stages, cost_model), *_experts_lines(graph, cost_model, model),
             *(cost_model.loaded_lines(stages, prediction.stage_busy) if isinstance(cost_model, ProfileCostModel) else []),
             *_unused_lines(training_fleet(cluster, evaluation.device), stages, options)]
     unhashed = Plan(

@@ -10,6 +10,7 @@ import pytest
 from hetero.hardware import build_cluster, load_device_types
 from hetero.planner import plan as make_plan
 from hetero.planner.bottleneck import diagnose, verdict
+from hetero.planner.cost_model import RooflineCostModel
 from hetero.planner.simulator import simulate_plan
 from hetero.planner.whatif import (
     memory_over_time,
@@ -181,3 +182,22 @@ def test_memory_over_time_counts_in_flight_per_replica(tiny_spec, tiny_graph) ->
     curves = memory_over_time(p, timeline)
     for k, sp in enumerate(p.stages):
         assert max(gb for _, gb in curves[k]) == pytest.approx(sp.memory.total_gb, rel=1e-6), k
+
+
+def test_a_cpu_stage_of_tiny_layers_is_said_to_be_bound_by_its_operators(tiny_spec, tiny_graph) -> None:
+    """The README demo's datasheet plan predicted 0.077 s for a step measured at 0.31 s: a tiny layer's ~300
+    operators take longer to call on a CPU than its arithmetic (planner/caveats.py). The verdict says so before the
+    run does, with the factor; a profiled plan measures it and says nothing."""
+    from hetero.planner.caveats import CPU_ISSUE_FLOOR_S, issue_bound_lines
+    from hetero.planner.profile_cost import ProfileCostModel
+
+    p = a_plan(tiny_spec, tiny_graph, fleet([1, 1]), m=4, split=[3, 3])
+    lines = [v for v in p.verdict if "operators one after another" in v]
+    per_layer = [(s.fwd_time_s + s.bwd_time_s) / 3 for s in p.stages]  # 3 decoder layers each (and the head on 1)
+    under = [k for k, t in enumerate(per_layer) if t < CPU_ISSUE_FLOOR_S / 2]
+    assert under and [line.split(":")[0] for line in lines] == [f"Stage {k} ({p.stages[k].device})" for k in under]
+    per_layer = per_layer[under[0]]
+    assert f"expect this stage {CPU_ISSUE_FLOOR_S / per_layer:.0f}x slower than predicted or more on such a CPU" in lines[0]
+    slow = [replace(s, fwd_time_s=s.fwd_time_s * 20, bwd_time_s=s.bwd_time_s * 20) for s in p.stages]
+    assert issue_bound_lines(slow, RooflineCostModel()) == []  # layers priced above half the floor: no line
+    assert issue_bound_lines(p.stages, ProfileCostModel.__new__(ProfileCostModel)) == []

@@ -9,6 +9,8 @@ profile, or "roofline (why)"), so the plan can say which numbers came from where
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hetero.graph import LayerGraph
 from hetero.plan import StagePlan
 from hetero.planner.cost_model import CostModel, NodeMemory, RooflineCostModel, compute_dtype
@@ -199,34 +201,44 @@ class ProfileCostModel:
         cpus = {d.name: d.threads or 1 for d in host.devices if d.backend == "cpu"}
         if not cpus or sum(cpus.values()) <= (host.cores or 0):
             return False
+        return all(self._waited(name, host.cores or 0, lambda n: cpus.get(n, 0)) is not None for name in cpus)
 
-        def waited(name: str) -> bool:  # timed in wall time beside more threads than the host has cores
-            t = self.profile.device(name)
-            return (t is not None and not t.cpu_time
-                    and cpus[name] + sum(cpus.get(n, 0) for n in set(t.measured_with) - {name}) > (host.cores or 0))
+    def _waited(self, name: str, cores: int, threads_of: Callable[[str], int]) -> int | None:
+        """The threads device ``name`` was timed beside (its own included, each ``threads_of``) where its profile is
+        wall time taken with more of them than ``cores``: its times include waits for a core. None where not."""
+        t = self.profile.device(name)
+        if t is None or t.cpu_time:
+            return None
+        threads = sum(threads_of(n) for n in dict.fromkeys([name, *t.measured_with]))
+        return threads if threads > cores else None
 
-        return all(waited(name) for name in cpus)
+    def _profiled_threads(self, name: str) -> int:
+        t = self.profile.device(name)
+        return 0 if t is None else t.threads or 1
 
     def loaded_lines(self, stages: list[StagePlan], busy: list[float]) -> list[str]:
-        """The verdict's caveat per host whose CPU stages were each profiled in wall time beside a load on fewer
-        cores than the threads (`hetero profile` runs the others without pause): in a pipeline they idle in its
-        bubbles and wait for a core less, so the prediction leans slow (docs/profiling.md)."""
+        """The verdict's caveat per host whose CPU stages were all profiled by `hetero profile` beside the others
+        running without pause, on fewer cores than the threads (``_waited``): in this plan fewer threads compute at a
+        time (the stages idle in its bubbles, or some of the profiled devices are not used), so they wait less for
+        a core and the prediction leans slow (docs/profiling.md). A run's own profile timed them at its own duty
+        cycle: no caveat."""
         out = []
         for host in dict.fromkeys(s.host for s in stages if s.backend == "cpu"):
             ks = [k for k, s in enumerate(stages) if s.backend == "cpu" and s.host == host]
             timed = [self.profile.device(stages[k].device) for k in ks]
-            if any(t is None or t.cpu_time or not t.measured_with for t in timed):
+            cores = min((int(t.environment.get("cpu_count") or 0) for t in timed if t is not None), default=0)
+            waited = [self._waited(stages[k].device, cores, self._profiled_threads) for k in ks]
+            if (not cores or any(w is None for w in waited) or any(  # a run's profile: "run DIR, step N"
+                    source_of(self.profile, t, "decoder").startswith("run ") for t in timed if t is not None)):
                 continue
-            cores = max(int(t.environment.get("cpu_count") or 0) for t in timed if t is not None)
-            threads = max(sum(n.threads or 1 for n in map(self.profile.device, [t.device, *t.measured_with])
-                              if n is not None) for t in timed if t is not None)
-            idle = 1.0 - sum(busy[k] for k in ks if k < len(busy)) / len(ks)
-            if 0 < cores < threads and idle >= 0.05:
+            profiled = max(w for w in waited if w is not None)
+            computing = sum(min(1.0, busy[k] if k < len(busy) else 1.0) * (stages[k].threads or 1) for k in ks)
+            if computing <= 0.95 * profiled:
                 out.append(f"{host}'s CPU stages were profiled each while the host's other CPU stages ran without "
-                           f"pause ({threads} threads on {cores} cores), so their times include waits for a core; "
-                           f"in this pipeline they idle {idle:.0%} of the step and wait less: expect the step faster "
-                           "than predicted (three one-thread stages on 2 cores ran at 0.73-0.96x their prediction, "
-                           "docs/profiling.md).")
+                           f"pause ({profiled} threads on {cores} cores), so their times include waits for a core; "
+                           f"in this plan {computing:.1f} threads compute at a time on average and wait less: expect "
+                           "the step faster than predicted (three one-thread stages on 2 cores ran at 0.73-0.96x "
+                           "their prediction, docs/profiling.md).")
         return out
 
     def usable_memory_gb(self, device: DeviceSpec) -> float | None:

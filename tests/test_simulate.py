@@ -185,19 +185,20 @@ def test_memory_over_time_counts_in_flight_per_replica(tiny_spec, tiny_graph) ->
 
 
 def test_a_cpu_stage_of_tiny_layers_is_said_to_be_bound_by_its_operators(tiny_spec, tiny_graph) -> None:
-    """The README demo's datasheet plan predicted 0.077 s for a step measured at 0.31 s: a tiny layer's ~300
-    operators take longer to call on a CPU than its arithmetic (planner/caveats.py). The verdict says so before the
-    run does, with the factor; a profiled plan measures it and says nothing."""
-    from hetero.planner.caveats import CPU_ISSUE_FLOOR_S, issue_bound_lines
+    """The README demo's datasheet plan predicted 0.077 s for a step measured at 0.31 s: calling a tiny layer's ~300
+    operators on a CPU costs more than its arithmetic (planner/caveats.py). The verdict says so before the run
+    does, with the factor; a profiled plan measures it and says nothing."""
+    from hetero.planner.caveats import CPU_CALLS_S, issue_bound_lines
     from hetero.planner.profile_cost import ProfileCostModel
 
     p = a_plan(tiny_spec, tiny_graph, fleet([1, 1]), m=4, split=[3, 3])
     lines = [v for v in p.verdict if "operators one after another" in v]
-    per_layer = [(s.fwd_time_s + s.bwd_time_s) / 3 for s in p.stages]  # 3 decoder layers each (and the head on 1)
-    under = [k for k, t in enumerate(per_layer) if t < CPU_ISSUE_FLOOR_S / 2]
+    per_layer = [s.compute_s() / 3 for s in p.stages]  # 3 decoder layers each (and the head on stage 1)
+    factors = [(t + CPU_CALLS_S) / t for t in per_layer]
+    under = [k for k, f in enumerate(factors) if f >= 2]
     assert under and [line.split(":")[0] for line in lines] == [f"Stage {k} ({p.stages[k].device})" for k in under]
-    per_layer = per_layer[under[0]]
-    assert f"expect this stage {CPU_ISSUE_FLOOR_S / per_layer:.0f}x slower than predicted or more on such a CPU" in lines[0]
+    assert f"expect this stage {factors[under[0]]:.0f}x slower than predicted or more on such a CPU" in lines[0]
+    assert 2 <= factors[0] < 3  # the demo's stages: measured 3.7x (docs/profiling.md)
     slow = [replace(s, fwd_time_s=s.fwd_time_s * 20, bwd_time_s=s.bwd_time_s * 20) for s in p.stages]
-    assert issue_bound_lines(slow, RooflineCostModel()) == []  # layers priced above half the floor: no line
+    assert issue_bound_lines(slow, RooflineCostModel()) == []  # layers priced above the calls: no line
     assert issue_bound_lines(p.stages, ProfileCostModel.__new__(ProfileCostModel)) == []

@@ -440,3 +440,23 @@ def test_an_interleaved_plans_more_micro_batches_what_if_prices_each_chunk_as_th
         timeline = simulate(interleaved_one_f_one_b(len(plan.stages), 4, 2), fwd, bwd, send)
         walked = [max(gb for _, gb in points) for points in memory_over_time(plan, timeline)]
         assert four.peak_memory_gb == pytest.approx(walked, rel=1e-9)
+
+
+def test_the_issue_caveat_counts_every_chunk_of_a_device() -> None:
+    """planner/caveats.py prices a device's decoder layer over all its chunks: a device whose second chunk holds the
+    slow layers is not called issue-bound for its fast first chunk alone."""
+    from dataclasses import replace
+
+    from hetero.planner.caveats import ISSUE_FLOOR_S, issue_bound_lines
+    from hetero.planner.cost_model import RooflineCostModel
+
+    plan = _planned(ONE_HOST, "always", split=[6, 6])
+    s = plan.stages[0]
+    assert s.chunks
+    layers = sum(1 for n in s.node_names + [n for c in s.chunks for n in c.node_names] if n.startswith("layers."))
+    fast = replace(s, fwd_time_s=ISSUE_FLOOR_S / 1000, bwd_time_s=ISSUE_FLOOR_S / 1000,
+                   chunks=[replace(c, fwd_time_s=ISSUE_FLOOR_S * layers, bwd_time_s=0.0) for c in s.chunks])
+    assert issue_bound_lines([fast], RooflineCostModel()) == []  # the chunks together: above the floor
+    tiny = replace(fast, chunks=[replace(c, fwd_time_s=ISSUE_FLOOR_S / 1000, bwd_time_s=0.0) for c in s.chunks])
+    (line,) = issue_bound_lines([tiny], RooflineCostModel())
+    assert f"at {tiny.compute_s() / layers * 1e3:.2g} ms per micro-batch" in line

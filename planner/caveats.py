@@ -37,6 +37,8 @@ def issue_bound_lines(stages: list[StagePlan], cost_model: CostModel) -> list[st
         if layers == 0:
             continue
         per_layer = s.compute_s() / layers  # every chunk's
+        if per_layer <= 0:  # a fleet file's made-up device of no time at all: nothing to compare with
+            continue
         if s.backend == "cpu":  # the calls add to the arithmetic
             factor, took = (per_layer + CPU_CALLS_S) / per_layer, (
                 "the ~4 ms a 2-vCPU Xeon took beyond its datasheet arithmetic to call a tiny decoder layer's ~300 "

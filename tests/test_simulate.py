@@ -201,4 +201,6 @@ def test_a_cpu_stage_of_tiny_layers_is_said_to_be_bound_by_its_operators(tiny_sp
     assert 2 <= factors[0] < 3  # the demo's stages: measured 3.7x (docs/profiling.md)
     slow = [replace(s, fwd_time_s=s.fwd_time_s * 20, bwd_time_s=s.bwd_time_s * 20) for s in p.stages]
     assert issue_bound_lines(slow, RooflineCostModel()) == []  # layers priced above the calls: no line
+    free = [replace(s, fwd_time_s=0.0, bwd_time_s=0.0) for s in p.stages]  # a made-up device (tests' fleets)
+    assert issue_bound_lines(free, RooflineCostModel()) == []  # nothing to compare with (it divided by zero)
     assert issue_bound_lines(p.stages, ProfileCostModel.__new__(ProfileCostModel)) == []

@@ -40,7 +40,6 @@ from hetero.planner.objective import (
 from hetero.planner.profile_cost import ProfileCostModel
 from hetero.planner.replica_choice import Chosen, predict_replicas, searches_replicas, settle, settle_single
 from hetero.planner.replica_choice import choose_replicas as _replicas
-from hetero.planner.schedules import gpipe, one_f_one_b
 from hetero.planner.simulator import ScheduleError, Timeline, simulate, simulate_plan
 from hetero.planner.solve import PROVEN, solve_simulated
 from hetero.planner.state_copy import state_copy
@@ -50,7 +49,7 @@ from hetero.specs import ClusterSpec, DataSpec, EvalSpec, ModelSpec, PlannerOpti
 from hetero.stream_buffer import copies_per_step
 
 __all__ = [
-    "CostModel", "RooflineCostModel", "ScheduleError", "Timeline", "gpipe", "one_f_one_b", "plan",
+    "CostModel", "RooflineCostModel", "ScheduleError", "Timeline", "plan",
     "predict_replicas", "programs_for", "simulate", "simulate_plan",
 ]
 

@@ -1,12 +1,15 @@
-"""Interleaved 1F1B for a planned pipeline: the same devices, each holding two chunks of layers, where it simulates faster.
+"""A planned pipeline in its schedule's chunked form: the same devices, each holding several chunks of layers,
+where it simulates faster.
 
-Under interleaved 1F1B (planner/schedules.py interleaved_one_f_one_b) device d of p holds chunks c = 0, 1,
-virtual stages c x p + d of a pipeline of 2p: a micro-batch passes every device twice, so the fill and drain
-shrink by half, for twice the hand-offs (the last device hands on to the first) and more activations held
-at the first devices. Whether that wins depends on the links and the memory: it mostly wins inside a host.
+The schedule's step form names its chunked form (planner/step_form.py ``StepForm.chunked``: interleaved 1F1B
+for 1F1B, none for GPipe). Under it device d of p holds chunks c = 0 .. v - 1, virtual stages c x p + d of a
+pipeline of v p: a micro-batch passes every device v times, so the fill and drain shrink by v, for v times
+the hand-offs (the last device hands on to the first) and more activations held at the first devices.
+Whether that wins depends on the links and the memory: it mostly wins inside a host. Nothing here names a
+schedule: the programs, the virtual-stage order and the micro-batches held come from the chunked form.
 
-The devices stay the solver's, in its order. Each device's layers are first dealt into two chunks in
-virtual-stage order (half its decoders each), then a local search moves the cuts between consecutive virtual
+The devices stay the solver's, in its order. Each device's layers are first dealt into v chunks in
+virtual-stage order (an even share of its decoders each), then a local search moves the cuts between consecutive virtual
 stages a layer or two while the simulated step falls (planner/simulator.py, with per-chunk times from the
 cost table), until the plan's deadline. ``planner.interleave``: ``auto`` plans them where they simulate at
 least GAIN faster and fit in memory, ``off`` never, ``always`` wherever they can run. The plan's verdict
@@ -33,12 +36,14 @@ from hetero.planner.objective import (
     stage_activations,
     stage_fits,
 )
-from hetero.planner.schedules import interleaved_one_f_one_b
 from hetero.planner.simulator import Timeline, simulate
-from hetero.program import Action, Op, format_program
+from hetero.planner.step_form import ChunkedForm, held_counts, peak_activations, weighted_peak
+from hetero.program import Action, format_program
 from hetero.specs import ModelSpec
 
-CHUNKS = 2  # chunks per device (Megatron-LM's and torch's common choice)
+__all__ = ["GAIN", "Candidate", "best_candidate", "chunk_recompute", "chunk_sizes", "chunk_spans", "interleave",
+           "peak_activations", "price", "why_not"]
+
 GAIN = 0.02  # under auto, interleave only where the step is predicted at least this much faster
 
 
@@ -58,25 +63,34 @@ class Candidate:
     recompute_s: list[float]  # per virtual stage: the seconds its backward re-runs forwards (in bwd_s)
 
 
+def chunked(table: CostTable) -> ChunkedForm:
+    """The chunked form of the table's schedule (a ConfigError for a schedule without one: why_not says so first)."""
+    form = table.form.chunked
+    if form is None:
+        raise ConfigError(f"train.schedule={table.schedule} has no form with chunks of layers per device")
+    return form
+
+
 def why_not(table: CostTable, graph: LayerGraph, ev: Evaluation, stages: list[StagePlan]) -> str | None:
     """Why this pipeline cannot interleave (None: it can be tried)."""
-    p, m = len(stages), table.num_micro_batches
+    form = table.form.chunked
+    if form is None:
+        return (f"train.schedule={table.schedule} has no interleaved form (its step form names none: "
+                "planner/step_form.py)")
+    reason = form.why_not(len(stages), table.num_micro_batches)
+    if reason is not None:
+        return reason
     decoders = set(graph.decoder_indices())
-    if p < 2:
-        return "one stage has no pipeline to interleave"
-    if m % p:
-        return (f"interleaving runs micro-batches in groups of the pipeline's {p} devices, and "
-                f"train.num_micro_batches={m} is not a multiple of {p}")
     if any(s.stream_layers or s.compress_out != "none" for s in stages):
         return "its stages stream weights or compress hand-offs, which interleaved chunks do not yet"
-    if any(sum(1 for i in range(s.first_node, s.last_node + 1) if i in decoders) < CHUNKS for s in stages):
-        return f"a device holds fewer than {CHUNKS} decoder layers"
+    if any(sum(1 for i in range(s.first_node, s.last_node + 1) if i in decoders) < form.chunks for s in stages):
+        return f"a device holds fewer than {form.chunks} decoder layers"
     return None
 
 
-def chunk_sizes(graph: LayerGraph, stages: list[StagePlan]) -> list[list[int]]:
-    """Nodes per chunk of each device: as many layers as its stage holds, the decoders dealt half to each chunk
-    (the first chunk takes the odd one); the embedding stays first, the head last."""
+def chunk_sizes(graph: LayerGraph, stages: list[StagePlan], chunks: int) -> list[list[int]]:
+    """Nodes per chunk of each device: as many layers as its stage holds, the decoders dealt evenly to its
+    ``chunks`` chunks (the first chunks take the odd ones); the embedding stays first, the head last."""
     decoders = set(graph.decoder_indices())
     p = len(stages)
     sizes: list[list[int]] = []
@@ -86,18 +100,20 @@ def chunk_sizes(graph: LayerGraph, stages: list[StagePlan]) -> list[list[int]]:
         first_decoder = min(i for i in nodes if i in decoders)
         before = sum(1 for i in nodes if i < first_decoder)  # the embedding (the first stage)
         after = len(nodes) - count - before  # the final norm and the head (the last stage)
-        halves = [(count + 1) // 2, count // 2]
-        sizes.append([halves[0] + before, halves[1] + after] if k in (0, p - 1) else halves)
+        shares = [count // chunks + (1 if c < count % chunks else 0) for c in range(chunks)]
+        shares[0] += before if k == 0 else 0
+        shares[-1] += after if k == p - 1 else 0
+        sizes.append(shares)
     return sizes
 
 
 def chunk_spans(sizes: list[list[int]]) -> list[list[tuple[int, int]]]:
-    """Each device's chunk spans, the chunks tiling the graph in virtual-stage order (chunk c of device k is
-    virtual stage c x p + k)."""
-    p = len(sizes)
+    """Each device's chunk spans, the chunks tiling the graph in virtual-stage order (ChunkedForm.virtual_stage:
+    chunk c of device k is virtual stage c x p + k)."""
+    p, chunks = len(sizes), len(sizes[0])
     spans: list[list[tuple[int, int]]] = [[] for _ in range(p)]
     first = 0
-    for c in range(CHUNKS):
+    for c in range(chunks):
         for k in range(p):
             spans[k].append((first, first + sizes[k][c] - 1))
             first += sizes[k][c]
@@ -108,7 +124,8 @@ def best_candidate(table: CostTable, graph: LayerGraph, ev: Evaluation, stages: 
                    rounds: int = 4, deadline: float | None = None) -> Candidate:
     """The fastest fitting chunking found from even halves of each device's layers by moving the cut between two
     consecutive virtual stages a layer or two at a time (layers of unequal cost, devices of unequal speed)."""
-    flat = [n for c in range(CHUNKS) for n in (sizes[c] for sizes in chunk_sizes(graph, stages))]
+    form = chunked(table)
+    flat = [n for c in range(form.chunks) for n in (sizes[c] for sizes in chunk_sizes(graph, stages, form.chunks))]
     p = len(stages)
     best = price(table, ev, chunk_spans(_by_device(flat, p)))
 
@@ -141,16 +158,18 @@ def _by_device(flat: list[int], p: int) -> list[list[int]]:
 def price(table: CostTable, ev: Evaluation, spans: list[list[tuple[int, int]]]) -> Candidate:
     """Times, simulated step and memory of the interleaved pipeline with these chunk spans on ev's devices: each
     chunk recomputes the fewest layers with which its device fits (planner.recompute), where any must."""
-    devices = list(ev.placement.devices)
+    devices, form = list(ev.placement.devices), chunked(table)
     p = len(devices)
-    programs = interleaved_one_f_one_b(p, table.num_micro_batches, CHUNKS)
+    programs = form.programs(p, table.num_micro_batches)
     fits = [chunk_recompute(table, d, spans[k], programs[k]) for k, d in enumerate(devices)]
-    order = [(c * p + k, devices[k], spans[k][c]) for c in range(CHUNKS) for k in range(p)]
-    fwd = [sum(table.fwd_s[i][d] for i in range(a, b + 1)) for _, d, (a, b) in order]
-    again = [recompute_time_s(table, d, a, b, fits[j % p].recompute[j // p]) for j, d, (a, b) in order]
-    bwd = [sum(table.bwd_s[i][d] for i in range(a, b + 1)) + again[j] for j, d, (a, b) in order]
-    send = [table.transfer_s(b, d, order[j + 1][1]) if j + 1 < len(order) else 0.0
-            for j, d, (_, b) in order]
+    # (device index, chunk) in virtual-stage order
+    order = sorted(((k, c) for c in range(form.chunks) for k in range(p)), key=lambda kc: form.virtual_stage(*kc, p))
+    fwd = [sum(table.fwd_s[i][devices[k]] for i in range(spans[k][c][0], spans[k][c][1] + 1)) for k, c in order]
+    again = [recompute_time_s(table, devices[k], *spans[k][c], fits[k].recompute[c]) for k, c in order]
+    bwd = [sum(table.bwd_s[i][devices[k]] for i in range(spans[k][c][0], spans[k][c][1] + 1)) + again[j]
+           for j, (k, c) in enumerate(order)]
+    send = [table.transfer_s(spans[k][c][1], devices[k], devices[order[j + 1][0]]) if j + 1 < len(order) else 0.0
+            for j, (k, c) in enumerate(order)]
     overhead = [_overheads(table, devices, spans, k) for k in range(p)]
     timeline = simulate(programs, fwd, bwd, send, overhead_s=overhead, sync_s=ev.sync_s or None, cores=ev.cores)
     memory, reasons = [], []
@@ -175,7 +194,7 @@ def _overheads(table: CostTable, devices: list[int], spans: list[list[tuple[int,
     ov: dict[str, float] = {}
     if table.opt_fixed_s:
         ov["STEP"] = table.opt_fixed_s[d] + sum(table.opt_s[i][d] for a, b in spans[k] for i in range(a, b + 1))
-    before = spans[(k - 1) % p][0 if k else CHUNKS - 2][1]  # the cut its activations come across
+    before = spans[(k - 1) % p][0 if k else len(spans[k]) - 2][1]  # the cut its activations come across
     encode, decode = table.message_s(before, devices[(k - 1) % p], d)
     ov["RA"], ov["SG"] = decode, encode
     ov["SA"], ov["RG"] = table.message_s(spans[k][0][1], d, d)
@@ -236,39 +255,13 @@ def _unit_bytes(table: CostTable, d: int, first: int, last: int, recompute: int)
     return stage_activations(table, d, first, last, 1, recompute, working) - working, working
 
 
-def held_counts(program: list[Action], chunks: int) -> list[tuple[int, ...]]:
-    """The micro-batches a device holds in each chunk after each of its forwards in ``program`` (a forward's
-    outputs stay until its backward: runtime/stage/executor.py), those no other count exceeds in every chunk:
-    the device's activation peak is the largest of them, weighted by the chunks' bytes per micro-batch."""
-    held, seen = [0] * chunks, set()
-    for a in program:
-        if a.op is Op.F:
-            held[a.chunk] += 1
-            seen.add(tuple(held))
-        elif a.op is Op.B:
-            held[a.chunk] -= 1
-    return [h for h in seen if not any(o != h and all(x >= y for x, y in zip(o, h, strict=True)) for o in seen)]
-
-
-def peak_activations(program: list[Action], per_chunk: list[float]) -> float:
-    """The most activation bytes a device holds while it runs ``program``: a forward of chunk c adds
-    ``per_chunk[c]`` (one micro-batch through that chunk's layers) until its backward frees it. The order of a
-    device's own forwards and backwards decides it, whatever the timing."""
-    return weighted_peak(held_counts(program, len(per_chunk)), per_chunk)
-
-
-def weighted_peak(counts: list[tuple[int, ...]], per_chunk: list[float] | tuple[float, ...]) -> float:
-    """The largest of the held counts (``held_counts``) weighted by each chunk's bytes per micro-batch."""
-    return max((sum(n * b for n, b in zip(held, per_chunk, strict=True)) for held in counts), default=0.0)
-
-
 def interleave(table: CostTable, graph: LayerGraph, model: ModelSpec, ev: Evaluation, stages: list[StagePlan],
                prediction: Prediction, mode: str, manual: bool = False, deadline: float | None = None,
                ) -> tuple[list[StagePlan], Prediction, str]:
     """The stages and prediction to plan (interleaved where ``mode`` and the simulation say so) and the verdict line
     that says what was chosen and why ("" under ``off``). ``manual``: the spans are planner.split's, which auto
     leaves as they are; ``deadline``: when the chunking search stops (time.perf_counter)."""
-    if mode == "off" or (mode == "auto" and (len(stages) < 2 or manual)):
+    if mode == "off" or (mode == "auto" and (len(stages) < 2 or manual or table.form.chunked is None)):
         return stages, prediction, ""
     planned, plain = stages, prediction.step_time_s  # ``planned`` is kept where chunks do not win
     compressed = bool(table.link_compress) and any(s.compress_out != "none" for s in stages)
@@ -284,50 +277,54 @@ def interleave(table: CostTable, graph: LayerGraph, model: ModelSpec, ev: Evalua
     if reason is not None:
         if mode == "always":
             raise ConfigError(f"planner.interleave=always, but this pipeline cannot interleave: {reason}")
-        return planned, prediction, f"Interleaved 1F1B not considered: {reason}."
+        return planned, prediction, f"Interleaving not considered: {reason}."
+    form = chunked(table)
     cand = best_candidate(table, graph, ev, stages, deadline=deadline)
     if cand.reasons:
         if mode == "always":
             raise ConfigError(f"planner.interleave=always, but the interleaved pipeline does not fit: {cand.reasons[0]}")
-        return planned, prediction, f"Interleaved 1F1B ({CHUNKS} chunks per device) does not fit: {cand.reasons[0]}."
-    step, words = cand.timeline.step_time_s, _words(cand.timeline.step_time_s, prediction.step_time_s, plain, compressed)
+        return planned, prediction, (f"{form.name[0].upper()}{form.name[1:]} ({form.chunks} chunks per device) does "
+                                     f"not fit: {cand.reasons[0]}.")
+    step = cand.timeline.step_time_s
+    words = _words(form, step, prediction.step_time_s, plain, compressed)
     if mode == "auto" and step > plain * (1 - GAIN):
-        return planned, prediction, (f"Not interleaved: {words}; the smaller fill and drain do not pay for twice the "
-                                     f"hand-offs here (planned only from a {GAIN:.0%} gain).")
+        return planned, prediction, (f"Not interleaved: {words}; the smaller fill and drain do not pay for "
+                                     f"{'twice' if form.chunks == 2 else f'{form.chunks} times'} the hand-offs here (planned only from a {GAIN:.0%} gain).")
     if mode == "auto" and step >= prediction.step_time_s:
         return planned, prediction, (f"Not interleaved: {words}; compressing one chunk per device's hand-offs gains "
                                      "more (interleaved chunks send theirs plain).")
     experts = [sum(expert_weight_bytes(graph, i, table.devices[d], model) for a, b in cand.spans[k]
                    for i in range(a, b + 1)) / GB for k, d in enumerate(ev.placement.devices)]
-    chosen = _interleaved_stages(graph, table, stages, cand, table.num_micro_batches, experts)
+    chosen = _interleaved_stages(graph, form, stages, cand, table, experts)
     return chosen, _prediction(prediction, cand), (f"Interleaved: {words}. The chunk boundaries come from a local "
-                                                   "search from even halves; a proof above covers placements of one "
+                                                   "search from even shares; a proof above covers placements of one "
                                                    "chunk per device.")
 
 
-def _words(step: float, planned: float, plain: float, compressed: bool) -> str:
+def _words(form: ChunkedForm, step: float, planned: float, plain: float, compressed: bool) -> str:
     """What the interleaved pipeline simulates at against one chunk per device (as planned; and plain where the
     planned one compresses hand-offs)."""
-    return (f"interleaved 1F1B ({CHUNKS} chunks per device, the last device handing on to the first) simulates at "
+    return (f"{form.name} ({form.chunks} chunks per device, the last device handing on to the first) simulates at "
             f"{step:.3g} s/step against {planned:.3g} s for one chunk per device"
             + (f" with compressed hand-offs ({(planned - step) / planned:+.1%}) and {plain:.3g} s with them plain "
                f"({(plain - step) / plain:+.1%})" if compressed else f" ({(planned - step) / planned:+.1%})"))
 
 
-def _interleaved_stages(graph: LayerGraph, table: CostTable, stages: list[StagePlan], cand: Candidate, m: int,
-                        experts_gb: list[float]) -> list[StagePlan]:
+def _interleaved_stages(graph: LayerGraph, form: ChunkedForm, stages: list[StagePlan], cand: Candidate,
+                        table: CostTable, experts_gb: list[float]) -> list[StagePlan]:
     p = len(stages)
-    programs = interleaved_one_f_one_b(p, m, CHUNKS)
+    programs = form.programs(p, table.num_micro_batches)
     out = []
     for k, s in enumerate(stages):
         names = [_recomputing(graph, table, f, g, r) for (f, g), r in zip(cand.spans[k], cand.recompute[k], strict=True)]
         (a, b), *more = cand.spans[k]
-        chunks = [ChunkPlan(f, g, [n.name for n in graph.nodes[f:g + 1]], cand.fwd_s[c * p + k], cand.bwd_s[c * p + k],
-                            cand.send_s[c * p + k], names[c]) for c, (f, g) in enumerate(more, start=1)]
+        at = [form.virtual_stage(k, c, p) for c in range(len(cand.spans[k]))]  # each chunk's virtual stage
+        chunks = [ChunkPlan(f, g, [n.name for n in graph.nodes[f:g + 1]], cand.fwd_s[at[c]], cand.bwd_s[at[c]],
+                            cand.send_s[at[c]], names[c]) for c, (f, g) in enumerate(more, start=1)]
         out.append(replace(s, first_node=a, last_node=b, node_names=[n.name for n in graph.nodes[a:b + 1]],
-                           fwd_time_s=cand.fwd_s[k], bwd_time_s=cand.bwd_s[k], send_time_s=cand.send_s[k],
+                           fwd_time_s=cand.fwd_s[at[0]], bwd_time_s=cand.bwd_s[at[0]], send_time_s=cand.send_s[at[0]],
                            memory=replace(cand.memory[k], experts_gb=experts_gb[k]), recompute_layers=names[0],
-                           recompute_time_s=cand.recompute_s[k], overhead_s=cand.overhead_s[k],
+                           recompute_time_s=cand.recompute_s[at[0]], overhead_s=cand.overhead_s[k],
                            program=format_program(programs[k]), chunks=chunks))
     return out
 

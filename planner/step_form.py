@@ -12,7 +12,12 @@ A step form owns, for one pipeline schedule:
   runs one forward and one backward); GPipe two (the forward phase's f and c, then the backward
   phase's b and c);
 - ``alternates``: whether a stage's forward of micro-batch i + held waits for its backward of i (the
-  round-trip term of planner/simbound.py's lower bound).
+  round-trip term of planner/simbound.py's lower bound);
+- ``chunked``: its form with several chunks of layers per device (``ChunkedForm``; interleaved 1F1B for 1F1B),
+  or None. The solvers place one chunk per device under the step form; planner/interleave.py deals each
+  device's layers into the chunked form's chunks and keeps them where they simulate faster. The chunked form
+  owns its programs, the virtual-stage order of its chunks and the micro-batches a device holds in each chunk
+  (``held_counts``), from which its activation peak is priced.
 
 Solvers, bounds and the replica search read these and never a schedule's name. A new schedule is a
 generator in planner/schedules.py and a StepForm registered here (docs/architecture.md).
@@ -27,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from hetero.errors import ConfigError
-from hetero.planner.schedules import gpipe, one_f_one_b
-from hetero.program import Action
+from hetero.planner.schedules import gpipe, interleaved_one_f_one_b, one_f_one_b
+from hetero.program import Action, Op
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,62 @@ class BoundGroup:
 
 
 @dataclass(frozen=True)
+class ChunkedForm:
+    """A schedule whose devices hold ``chunks`` chunks of layers each: chunk c of device d of p is virtual stage
+    c x p + d of a pipeline of p x chunks, so a micro-batch passes every device ``chunks`` times (the last device
+    handing on to the first)."""
+
+    name: str  # as a plan's verdict says it
+    chunks: int
+    generate: Callable[[int, int, int], list[list[Action]]]  # (devices, micro-batches, chunks) -> programs
+    group_micro_batches: bool  # the micro-batches must come in whole groups of the pipeline's devices
+
+    def programs(self, num_devices: int, num_micro_batches: int) -> list[list[Action]]:
+        """The per-device programs, their actions naming their chunk (planner/schedules.py)."""
+        return self.generate(num_devices, num_micro_batches, self.chunks)
+
+    @staticmethod
+    def virtual_stage(device: int, chunk: int, num_devices: int) -> int:
+        """The position in the pipeline of ``device``'s chunk ``chunk``."""
+        return chunk * num_devices + device
+
+    def why_not(self, num_devices: int, num_micro_batches: int) -> str | None:
+        """Why ``num_devices`` devices cannot run this form at ``num_micro_batches`` (None: they can)."""
+        if num_devices < 2:
+            return "one stage has no pipeline to interleave"
+        if self.group_micro_batches and num_micro_batches % num_devices:
+            return (f"interleaving runs micro-batches in groups of the pipeline's {num_devices} devices, and "
+                    f"train.num_micro_batches={num_micro_batches} is not a multiple of {num_devices}")
+        return None
+
+
+def held_counts(program: list[Action], chunks: int) -> list[tuple[int, ...]]:
+    """The micro-batches a device holds in each chunk after each of its forwards in ``program`` (a forward's
+    outputs stay until its backward: runtime/stage/executor.py), those no other count exceeds in every chunk:
+    the device's activation peak is the largest of them, weighted by the chunks' bytes per micro-batch."""
+    held, seen = [0] * chunks, set()
+    for a in program:
+        if a.op is Op.F:
+            held[a.chunk] += 1
+            seen.add(tuple(held))
+        elif a.op is Op.B:
+            held[a.chunk] -= 1
+    return [h for h in seen if not any(o != h and all(x >= y for x, y in zip(o, h, strict=True)) for o in seen)]
+
+
+def weighted_peak(counts: list[tuple[int, ...]], per_chunk: Sequence[float]) -> float:
+    """The largest of the held counts (``held_counts``) weighted by each chunk's bytes per micro-batch."""
+    return max((sum(n * b for n, b in zip(held, per_chunk, strict=True)) for held in counts), default=0.0)
+
+
+def peak_activations(program: list[Action], per_chunk: Sequence[float]) -> float:
+    """The most activation bytes a device holds while it runs ``program``: a forward of chunk c adds
+    ``per_chunk[c]`` (one micro-batch through that chunk's layers) until its backward frees it. The order of a
+    device's own forwards and backwards decides it, whatever the timing."""
+    return weighted_peak(held_counts(program, len(per_chunk)), per_chunk)
+
+
+@dataclass(frozen=True)
 class StepForm:
     """One schedule's step algebra (the module docstring)."""
 
@@ -74,6 +135,7 @@ class StepForm:
     # ``trip``, the sum of it and the stages after it (their f + b, and 2c and messages of the links between):
     # the bound's first group is at least this over (m - 1). Numbers or numpy arrays.
     suffix: Callable[[Any, Any, Any, Any, int], Any]
+    chunked: ChunkedForm | None = None  # its form with several chunks per device (planner.interleave), if any
 
     def programs(self, num_stages: int, num_micro_batches: int) -> list[list[Action]]:
         """The per-stage programs (planner/schedules.py)."""
@@ -170,10 +232,15 @@ def _all_held(position_from_end: int, m: int) -> int:
     return m
 
 
+# Interleaved 1F1B (Megatron-LM's virtual pipeline, torch's ScheduleInterleaved1F1B) at 2 chunks per device, their
+# common choice.
+INTERLEAVED = ChunkedForm("interleaved 1F1B", 2, interleaved_one_f_one_b, group_micro_batches=True)
+
 FORMS: dict[str, StepForm] = {
     "1f1b": StepForm("1f1b", one_f_one_b, (PeriodGroup(1.0, 1.0, 2.0),), _one_f_one_b_held, by_position=True,
                      alternates=True, torch_class="Schedule1F1B", torch_needs_full_fill=True,
-                     bound=(BoundGroup(_one_f_one_b_bound, 1.0),), suffix=_one_f_one_b_suffix),
+                     bound=(BoundGroup(_one_f_one_b_bound, 1.0),), suffix=_one_f_one_b_suffix,
+                     chunked=INTERLEAVED),
     "gpipe": StepForm("gpipe", gpipe, (PeriodGroup(1.0, 0.0, 1.0), PeriodGroup(0.0, 1.0, 1.0)), _all_held,
                       by_position=False, alternates=False, torch_class="ScheduleGPipe", torch_needs_full_fill=False,
                       # GPipe's closed form is the simulator's step (forward phase, then backward phase).

@@ -13,10 +13,8 @@ from hetero.errors import HeteroError
 from hetero.plan import Plan
 from hetero.planner.cost import in_flight
 from hetero.planner.cost_model import CostModel
-from hetero.planner.interleave import peak_activations
-from hetero.planner.schedules import interleaved_one_f_one_b
 from hetero.planner.simulator import Timeline, plan_core_share, simulate, virtual_times
-from hetero.planner.step_form import SCHEDULES, programs_for
+from hetero.planner.step_form import SCHEDULES, peak_activations, programs_for, step_form
 
 
 @dataclass
@@ -52,11 +50,17 @@ def _interleaved_more(plan: Plan, name: str, description: str, m: int) -> WhatIf
     would not fit, the planner might recompute more). A plan without those (from before they were recorded) scales
     each device's activations with the (micro-batch, chunk) units it then holds: an estimate."""
     p, v = len(plan.stages), len(plan.stages[0].spans())
-    if m % p:
-        return WhatIf(name, description, False, reason=f"interleaving needs a multiple of the {p} devices")
+    form = step_form(plan.train.schedule).chunked
+    if form is None or form.chunks != v:
+        return WhatIf(name, description, False, reason=f"train.schedule={plan.train.schedule} has no form of {v} "
+                      "chunks per device in this hetero: compile the plan again")
+    why = form.why_not(p, m)
+    if why is not None:
+        return WhatIf(name, description, False, reason=why)
     fwd, bwd, send = virtual_times(plan.stages)
-    common = {"overhead_s": [dict(s.overhead_s) for s in plan.stages], "sync_s": [s.step_sync_s for s in plan.stages]}
-    programs = interleaved_one_f_one_b(p, m, v)
+    common = {"overhead_s": [dict(s.overhead_s) for s in plan.stages], "sync_s": [s.step_sync_s for s in plan.stages],
+              "cores": plan_core_share(plan, list(range(p)))}
+    programs = form.programs(p, m)
     timeline = simulate(programs, fwd, bwd, send, **common)  # type: ignore[arg-type]
     if all(len(s.memory.chunk_gb_per_mb) == v for s in plan.stages):
         peaks = [s.memory.total_gb - s.memory.activations_gb + s.memory.working_gb

@@ -261,6 +261,43 @@ def test_what_cannot_interleave_is_said_and_always_refuses_it() -> None:
         _planned([*ONE_HOST, ("a", "rtx3090", None)], "always", m=4, num_stages=3)
 
 
+def test_a_schedule_without_a_chunked_form_is_not_interleaved() -> None:
+    """GPipe's step form names no chunked form: auto plans GPipe's own programs (before the step form owned it, a
+    GPipe plan could be given interleaved 1F1B programs under its GPipe name), and always refuses in one line."""
+    auto = _planned(ONE_HOST, "auto", schedule="gpipe")
+    assert not any(s.chunks for s in auto.stages)
+    assert all(s.program[:2] == ["RA0", "F0"] or s.program[0] == "F0" for s in auto.stages), auto.stages[0].program
+    forwards = [[t for t in s.program if t.startswith("F")] for s in auto.stages]
+    assert all(f == [f"F{i}" for i in range(4)] for f in forwards)  # GPipe: every forward before the backwards
+    assert not any("nterleav" in v for v in auto.verdict), auto.verdict
+    with pytest.raises(ConfigError, match=r"train.schedule=gpipe has no interleaved form") as exc:
+        _planned(ONE_HOST, "always", schedule="gpipe")
+    assert "\n" not in str(exc.value)
+
+
+def test_a_chunked_form_of_three_chunks_plans_through_the_step_form_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunked form is the one place the planner reads about chunks: given 3 chunks per device (nothing else
+    changed), the plan holds 3 chunks on each device in virtual-stage order, its programs are the form's, and the
+    prediction is those programs simulated on the plan's per-chunk times."""
+    from dataclasses import replace
+
+    from hetero.planner import simulate_plan, step_form
+
+    three = replace(step_form.INTERLEAVED, chunks=3)
+    monkeypatch.setitem(step_form.FORMS, "1f1b", replace(step_form.FORMS["1f1b"], chunked=three))
+    planned = _planned(ONE_HOST, "always", layers=24)
+    p = len(planned.stages)
+    assert [len(s.spans()) for s in planned.stages] == [3] * p
+    spans = sorted((three.virtual_stage(k, c, p), span) for k, s in enumerate(planned.stages)
+                   for c, span in enumerate(s.spans()))
+    assert spans[0][1][0] == 0 and spans[-1][1][1] == len(planned.graph.nodes) - 1
+    assert all(b[0] == a[1] + 1 for (_, a), (_, b) in zip(spans, spans[1:], strict=False))  # they tile the graph
+    programs = three.programs(p, 4)
+    assert [s.program for s in planned.stages] == [format_program(prog) for prog in programs]
+    assert simulate_plan(planned).step_time_s == pytest.approx(planned.prediction.step_time_s, rel=1e-9)
+    assert any(v.startswith("Interleaved: interleaved 1F1B (3 chunks per device") for v in planned.verdict)
+
+
 def test_the_chunking_search_is_near_the_best_chunking_by_brute_force() -> None:
     """Every way to cut a small graph into 2 devices x 2 chunks, simulated: the local search from even halves
     finds a step within 5 % of the best of them (and, being one of them, never better)."""

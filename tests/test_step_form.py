@@ -132,3 +132,20 @@ def test_only_the_step_forms_and_generators_name_a_schedule() -> None:
              if (str(path.relative_to(ROOT)), value) not in DEFAULTS]
     assert found == []
     assert len(_names_in_code(ROOT / "hetero/specs.py")) == 1, "hetero/specs.py: only TrainSpec.schedule's default"
+
+
+def test_only_the_step_forms_call_a_schedules_generator() -> None:
+    """The generators are reached through a step form (``programs``, ``chunked.programs``): a module that imports
+    one, as planner/interleave.py and planner/whatif.py imported interleaved 1F1B's, names a schedule in code."""
+    found = []
+    for folder in ("planner", "runtime", "compiler", "hetero", "bench"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            if rel in NAMING:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("planner.schedules"):
+                    found.append(f"{rel}:{node.lineno} imports {', '.join(a.name for a in node.names)}")
+                elif isinstance(node, ast.Import) and any(a.name.endswith("planner.schedules") for a in node.names):
+                    found.append(f"{rel}:{node.lineno} imports planner.schedules")
+    assert found == []

@@ -289,8 +289,9 @@ class PlannerOptions:
     # scales) or int4 (Hadamard-rotated tiles) on every link; or auto: int8 on each link between hosts where the
     # planner predicts it faster (runtime/wire/compress.py).
     compression: Literal["none", "int8", "int4", "auto"] = "none"
-    # Interleaved 1F1B (each device holds two chunks of layers; planner/interleave.py): auto (planned where it
-    # simulates faster and fits), off, or always (wherever it can run).
+    # The schedule's chunked form (1F1B: interleaved 1F1B, two chunks of layers per device; planner/step_form.py,
+    # planner/interleave.py): auto (planned where it simulates faster and fits), off, or always (wherever it can
+    # run; no replica search).
     interleave: Literal["auto", "off", "always"] = "auto"
 
 
@@ -330,6 +331,9 @@ def check_ranges(model: ModelSpec, train: TrainSpec, planner: PlannerOptions, er
     if planner.replicas is not None:
         _require("planner.replicas", planner.replicas, error, low=1, high=train.num_micro_batches,
                  hint=" (each replica needs at least one of train.num_micro_batches)")
+        if planner.replicas > 1 and planner.interleave == "always":
+            raise error(f"planner.interleave=always and planner.replicas={planner.replicas}: interleaved chunks do "
+                        "not form replicas yet; set planner.interleave=auto (or off), or planner.replicas=1")
     _require("planner.efficiency", planner.efficiency, error, low=0, low_open=True, high=1,
              hint=" (a share of datasheet TFLOPS)")
     _require("planner.memory_headroom", planner.memory_headroom, error, low=0, high=1, high_open=True)

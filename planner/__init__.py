@@ -224,11 +224,13 @@ def _place(table: CostTable, graph: LayerGraph, model: ModelSpec, options: Plann
     return result.evaluation, settle_single(result.report, options, table)
 
 
-def _choose(table: CostTable, options: PlannerOptions, ev: Evaluation, solver: SolverReport,
+def _choose(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: ClusterSpec, schedule: str,
+            options: PlannerOptions, ev: Evaluation, solver: SolverReport,
             pairs: list[tuple[Baseline, Evaluation | None]], deadline: float | None = None,
-            ) -> tuple[Chosen, Prediction, SolverReport, list[str]]:
-    """What to plan: the placement (or a baseline that simulates faster), or data x pipeline replicas when
-    they win; with its prediction, solver report and the verdict lines that say why."""
+            ) -> tuple[Chosen, Prediction, SolverReport, list[str], list[StagePlan] | None]:
+    """What to plan: the placement (or a baseline that simulates faster), in the schedule's chunked form where
+    that simulates faster (planner/interleave.py), or data x pipeline replicas where they beat it; with its
+    prediction, solver report, the verdict lines that say why, and the one pipeline's stages (None: replicas)."""
     prediction, _ = predict(table, ev)
     adopted = ""
     auto = options.split is None and options.devices is None
@@ -238,12 +240,19 @@ def _choose(table: CostTable, options: PlannerOptions, ev: Evaluation, solver: S
             # What the proof covers (docs/reading-a-plan.md): the single pipeline's placement; replicas say their own.
             adopted = f"Placement proven {solver.message}."
     chosen: Chosen = [(ev, table.num_micro_batches, prediction.step_time_s)]
-    replica_note: list[str] = []
-    if auto and options.replicas != 1 and (options.num_stages is None or options.replicas is not None):
-        picked, prediction, solver, replica_note = _replicas(table, options, prediction, solver, ev, deadline)
+    stages, _ = _stages(table, graph, model, cluster, schedule, chosen, options.compression)
+    stages, best, said = interleave(table, graph, model, ev, stages, prediction, options.interleave, not auto, deadline)
+    notes = ([adopted] if adopted else []) + ([said] if said else [])
+    if (auto and options.replicas != 1 and options.interleave != "always"
+            and (options.num_stages is None or options.replicas is not None)):
+        # Replicas are weighed against the best one pipeline: interleaved where that simulated faster.
+        picked, replicated, solver, replica_note = _replicas(table, options, best, solver, ev, deadline)
         if picked is not None:
-            chosen, adopted = picked, ""
-    return chosen, prediction, solver, replica_note + ([adopted] if adopted else [])
+            return picked, replicated, solver, replica_note + ([
+                f"They beat one pipeline interleaved ({best.step_time_s:.3g} s/step; one chunk per device: "
+                f"{prediction.step_time_s:.3g} s)."] if any(s.chunks for s in stages) else []), None
+        notes = replica_note + notes
+    return chosen, best, solver, notes, stages
 
 
 def _stage_plan(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: ClusterSpec, ev: Evaluation,
@@ -440,14 +449,12 @@ def plan(
     table = build_cost_table(graph, model, training_fleet(cluster, evaluation.device), train, options, cost_model)
     ev, solver = _place(table, graph, model, options, deadline)
     pairs = baseline_evaluations(table, graph.decoder_indices())
-    chosen, prediction, solver, notes = _choose(table, options, ev, solver, pairs, deadline)
+    chosen, prediction, solver, notes, one = _choose(table, graph, model, cluster, train.schedule, options, ev, solver,
+                                                     pairs, deadline)
     solver = settle(solver, options, table)
     stages, replicas = _stages(table, graph, model, cluster, train.schedule, chosen, options.compression)
-    if len(chosen) == 1:  # one pipeline: interleaved where it wins (planner/interleave.py)
-        manual = options.split is not None or options.devices is not None
-        stages, prediction, said = interleave(table, graph, model, chosen[0][0], stages, prediction,
-                                              options.interleave, manual, deadline)
-        notes += [said] if said else []
+    if one is not None:  # one pipeline, interleaved where that won
+        stages = one
         notes += link_lines(table, cluster, chosen[0][0], options.compression, any(s.chunks for s in stages))
     _check_attention_devices(model, stages)
     fraction = data_stats.label_fraction if data_stats is not None else None

@@ -122,7 +122,7 @@ def chunk_spans(sizes: list[list[int]]) -> list[list[tuple[int, int]]]:
 
 def best_candidate(table: CostTable, graph: LayerGraph, ev: Evaluation, stages: list[StagePlan],
                    rounds: int = 4, deadline: float | None = None) -> Candidate:
-    """The fastest fitting chunking found from even halves of each device's layers by moving the cut between two
+    """The fastest fitting chunking found from even shares of each device's layers by moving the cut between two
     consecutive virtual stages a layer or two at a time (layers of unequal cost, devices of unequal speed)."""
     form = chunked(table)
     flat = [n for c in range(form.chunks) for n in (sizes[c] for sizes in chunk_sizes(graph, stages, form.chunks))]
@@ -194,7 +194,7 @@ def _overheads(table: CostTable, devices: list[int], spans: list[list[tuple[int,
     ov: dict[str, float] = {}
     if table.opt_fixed_s:
         ov["STEP"] = table.opt_fixed_s[d] + sum(table.opt_s[i][d] for a, b in spans[k] for i in range(a, b + 1))
-    before = spans[(k - 1) % p][0 if k else len(spans[k]) - 2][1]  # the cut its activations come across
+    before = spans[(k - 1) % p][0][1]  # a cut its activations come across: the previous device's first chunk's end
     encode, decode = table.message_s(before, devices[(k - 1) % p], d)
     ov["RA"], ov["SG"] = decode, encode
     ov["SA"], ov["RG"] = table.message_s(spans[k][0][1], d, d)
@@ -230,7 +230,7 @@ def chunk_recompute(table: CostTable, d: int, spans: list[tuple[int, int]], prog
 
     best: tuple[float, ChunkFit] | None = None
     settled: set[tuple[int, ...]] = set()  # the other chunks' counts whose last chunk's fewest fitting is found
-    for rs in itertools.product(*choices):  # a few hundred at most: two chunks, their recomputable layers
+    for rs in itertools.product(*choices):  # a few hundred at two chunks (their recomputable layers); more grows fast
         if rs[:-1] in settled:
             continue  # more recomputing in the last chunk only adds seconds
         fit = fit_of(rs)

@@ -16,8 +16,8 @@ A step form owns, for one pipeline schedule:
 - ``chunked``: its form with several chunks of layers per device (``ChunkedForm``; interleaved 1F1B for 1F1B),
   or None. The solvers place one chunk per device under the step form; planner/interleave.py deals each
   device's layers into the chunked form's chunks and keeps them where they simulate faster. The chunked form
-  owns its programs, the virtual-stage order of its chunks and the micro-batches a device holds in each chunk
-  (``held_counts``), from which its activation peak is priced.
+  owns its programs, its chunk count, when a pipeline cannot run it and the micro-batches a device holds in
+  each chunk (``held_counts``), from which its activation peak is priced.
 
 Solvers, bounds and the replica search read these and never a schedule's name. A new schedule is a
 generator in planner/schedules.py and a StepForm registered here (docs/architecture.md).
@@ -70,7 +70,10 @@ class ChunkedForm:
     name: str  # as a plan's verdict says it
     chunks: int
     generate: Callable[[int, int, int], list[list[Action]]]  # (devices, micro-batches, chunks) -> programs
-    group_micro_batches: bool  # the micro-batches must come in whole groups of the pipeline's devices
+
+    def __post_init__(self) -> None:
+        if self.chunks < 2:
+            raise ValueError(f"a chunked form holds at least 2 chunks per device, not {self.chunks}")
 
     def programs(self, num_devices: int, num_micro_batches: int) -> list[list[Action]]:
         """The per-device programs, their actions naming their chunk (planner/schedules.py)."""
@@ -78,14 +81,15 @@ class ChunkedForm:
 
     @staticmethod
     def virtual_stage(device: int, chunk: int, num_devices: int) -> int:
-        """The position in the pipeline of ``device``'s chunk ``chunk``."""
+        """The position in the pipeline of ``device``'s chunk ``chunk``: c x p + d, the convention of
+        hetero/program.py that the generators, the simulator and runtime/stage/chunks.py share."""
         return chunk * num_devices + device
 
     def why_not(self, num_devices: int, num_micro_batches: int) -> str | None:
         """Why ``num_devices`` devices cannot run this form at ``num_micro_batches`` (None: they can)."""
         if num_devices < 2:
             return "one stage has no pipeline to interleave"
-        if self.group_micro_batches and num_micro_batches % num_devices:
+        if num_micro_batches % num_devices:  # as in Megatron-LM (planner/schedules.py)
             return (f"interleaving runs micro-batches in groups of the pipeline's {num_devices} devices, and "
                     f"train.num_micro_batches={num_micro_batches} is not a multiple of {num_devices}")
         return None
@@ -234,7 +238,7 @@ def _all_held(position_from_end: int, m: int) -> int:
 
 # Interleaved 1F1B (Megatron-LM's virtual pipeline, torch's ScheduleInterleaved1F1B) at 2 chunks per device, their
 # common choice.
-INTERLEAVED = ChunkedForm("interleaved 1F1B", 2, interleaved_one_f_one_b, group_micro_batches=True)
+INTERLEAVED = ChunkedForm("interleaved 1F1B", 2, interleaved_one_f_one_b)
 
 FORMS: dict[str, StepForm] = {
     "1f1b": StepForm("1f1b", one_f_one_b, (PeriodGroup(1.0, 1.0, 2.0),), _one_f_one_b_held, by_position=True,

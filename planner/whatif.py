@@ -83,8 +83,8 @@ def _resimulated(plan: Plan, name: str, description: str, schedule: str, m: int)
     if any(s.chunks for s in plan.stages):
         if schedule == plan.train.schedule:
             return _interleaved_more(plan, name, description, m)
-        return WhatIf(name, description, False, reason="the plan's devices hold chunks (interleaved 1F1B); compile "
-                      "with planner.interleave=off to compare schedules of one chunk per device")
+        return WhatIf(name, description, False, reason="the plan's devices hold chunks of layers (planner.interleave); "
+                      "compile with planner.interleave=off to compare schedules of one chunk per device")
     num_stages = len(plan.stages)
     fwd, bwd, send = _stage_times(plan)
     timeline = simulate(programs_for(schedule, num_stages, m), fwd, bwd, send,

@@ -311,3 +311,20 @@ def test_a_profile_timed_under_load_is_not_shared_again(monkeypatch: pytest.Monk
     unsaid = (shared, planned(short, alone), planned(short, merged), planned(unknown, run))
     assert not any("were profiled each while" in v for p in unsaid for v in p.verdict)  # CPU time; not beside
     # the others; not all waited; a run's own profile (timed at the pipeline's own duty cycle)
+
+
+def test_an_interleaved_plans_what_if_shares_the_cores_as_its_prediction(tiny_spec: ModelSpec) -> None:
+    """Two one-thread CPU devices on one core, interleaved: the what-if at the plan's own micro-batches re-simulates
+    its programs with the cores shared as the planner did, so it gives the plan's prediction (it once ran them
+    as if each device had a core of its own, and said the plan's own step faster than its prediction)."""
+    from hetero.compiler.trace import trace
+    from hetero.planner import plan as make_plan
+    from hetero.planner.whatif import more_micro_batches
+    from hetero.specs import DataSpec, PlannerOptions, TrainSpec
+
+    cluster = _fleet([{"name": "l", "cores": 1, "devices": [{"type": "cpu", "threads": 1, "count": 2}]}])
+    planned = make_plan(tiny_spec, trace(tiny_spec), cluster, TrainSpec(micro_batch_size=4, num_micro_batches=4),
+                        DataSpec(), PlannerOptions(split=[3, 3], interleave="always", time_limit_s=10))
+    assert all(s.chunks for s in planned.stages)
+    same = more_micro_batches(planned, (1,))[0]
+    assert same.step_time_s == pytest.approx(planned.prediction.step_time_s, rel=1e-9)

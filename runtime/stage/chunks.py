@@ -49,7 +49,7 @@ class ChunkedExecutor:
             raise PlanError(f"stage {device}: its program names other chunks than the {chunks} it holds")
         if any(s.streamer is not None for s in stages):
             raise PlanError(f"stage {device}: streamed weights are not served by interleaved chunks yet; recompile "
-                            "with train.schedule=1f1b")
+                            "with planner.interleave=off")
         self.program, self.wire, self.train = program, wire, train
         self.device = device
         last = chunks * num_devices - 1

@@ -26,7 +26,7 @@ from hetero.planner.caveats import issue_bound_lines
 from hetero.planner.compress_advice import link_lines
 from hetero.planner.cost import AUTO_SCHEME, GB, CostTable, build_cost_table, training_fleet
 from hetero.planner.cost_model import CostModel, RooflineCostModel, compute_dtype, expert_weight_bytes
-from hetero.planner.deadline import MAX_RESERVE_S, PLACE_SHARE, RESERVE_SHARE, share_of
+from hetero.planner.deadline import INTERLEAVE_SHARE, MAX_RESERVE_S, PLACE_SHARE, RESERVE_SHARE, share_of
 from hetero.planner.feasibility import check_single_nodes, explain_infeasible
 from hetero.planner.interleave import interleave
 from hetero.planner.objective import (
@@ -241,10 +241,12 @@ def _choose(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: Clus
             adopted = f"Placement proven {solver.message}."
     chosen: Chosen = [(ev, table.num_micro_batches, prediction.step_time_s)]
     stages, _ = _stages(table, graph, model, cluster, schedule, chosen, options.compression)
-    stages, best, said = interleave(table, graph, model, ev, stages, prediction, options.interleave, not auto, deadline)
+    replicas = (auto and options.replicas != 1 and options.interleave != "always"
+                and (options.num_stages is None or options.replicas is not None))
+    end = share_of(deadline, INTERLEAVE_SHARE) if replicas and deadline is not None else deadline
+    stages, best, said = interleave(table, graph, model, ev, stages, prediction, options.interleave, not auto, end)
     notes = ([adopted] if adopted else []) + ([said] if said else [])
-    if (auto and options.replicas != 1 and options.interleave != "always"
-            and (options.num_stages is None or options.replicas is not None)):
+    if replicas:
         # Replicas are weighed against the best one pipeline: interleaved where that simulated faster.
         picked, replicated, solver, replica_note = _replicas(table, options, best, solver, ev, deadline)
         if picked is not None:

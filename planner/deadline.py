@@ -3,8 +3,8 @@ plan (every search, not CBC alone), and the shares below say which search may sp
 
 The planner spends the limit L in this order (planner.plan):
 
-1. **Kept back**: min(MAX_RESERVE_S, RESERVE_SHARE x L) for what follows the searches (interleaving,
-   programs, the baselines' simulations).
+1. **Kept back**: min(MAX_RESERVE_S, RESERVE_SHARE x L) for what follows the searches (programs, the
+   baselines' simulations).
 2. **The placement** (planner/solve.py solve_simulated): PLACE_SHARE of the rest when replicas are searched
    after it, else all of it. Inside it:
    - the closed-form optimum (solve) gets at most CLOSED_SHARE x L (all of the window where host RAM may
@@ -12,7 +12,9 @@ The planner spends the limit L in this order (planner.plan):
      DP cannot answer) the rest;
    - the schedule's bound over every placement (planner/step_bound.py) BOUND_SHARE of what is then left;
    - the search by simulated step the remainder (SEARCH_SHARE x L when called without a deadline).
-3. **The replicas** (planner/replica_choice.py): REPLICA_SHARE x L, at least MIN_REPLICA_S, and never past
+3. **The chunked form** (planner/interleave.py): its chunking search, at most INTERLEAVE_SHARE of what is left
+   when replicas are searched after it (it is weighed against them), else until the deadline.
+4. **The replicas** (planner/replica_choice.py): REPLICA_SHARE x L, at least MIN_REPLICA_S, and never past
    the plan's deadline; when solve_replicas must find the single pipeline itself, that takes SINGLE_SHARE of
    its time.
 
@@ -30,6 +32,7 @@ CLOSED_SHARE = 0.4
 DP_SHARE = 0.6
 BOUND_SHARE = 0.3
 SEARCH_SHARE = 0.7
+INTERLEAVE_SHARE = 0.5
 REPLICA_SHARE, MIN_REPLICA_S = 0.3, 2.0
 SINGLE_SHARE = 0.5
 

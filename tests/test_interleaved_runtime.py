@@ -186,10 +186,10 @@ def test_hetero_run_of_an_interleaved_plan_trains_like_one_process(recompute: st
     assert main_run([str(plan_file), "--run-dir", str(run_dir), "--no-progress",
                      "checkpoint_every=2"]) == 0
     metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
-    assert [m["loss"] for m in metrics] == pytest.approx(setup["losses"], rel=1e-4)
+    assert [m["loss"] for m in metrics] == pytest.approx(setup["losses"], rel=1e-5)
     assert min(m["clip_coef"] for m in metrics) < 0.99
     trained = load_adapter_state(run_dir / "adapter", setup["lora"])
     assert set(trained) == set(setup["state"])
     for key, want in setup["state"].items():
-        assert_close_to_scale(key, trained[key], want, 1e-4)
+        assert_close_to_scale(key, trained[key], want, 1e-5)
     assert (run_dir / "checkpoints" / "step-000002" / "COMPLETE").is_file()

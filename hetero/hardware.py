@@ -5,12 +5,12 @@ from __future__ import annotations
 import difflib
 import importlib.resources
 import math
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from hetero.cores import usable_cores
 from hetero.errors import ConfigError, UnknownDeviceError
 from hetero.protocol import BASE_PORT
 from hetero.safe_yaml import load_yaml
@@ -390,11 +390,12 @@ def _host_spec(entry: Any, at: str, types: Mapping[str, DeviceType], earlier: li
 
 def _share_cpu_cores(host: HostSpec) -> HostSpec:
     """CPU stages share their host's cores: split them so stage processes do not oversubscribe. The host's
-    ``cores`` are the fleet file's, else this machine's where a CPU stage's threads default to a share of it."""
+    ``cores`` are the fleet file's, else the cores this process may use (hetero/cores.py: a container's CPU quota
+    or affinity mask, not the machine's count) where a CPU stage's threads default to a share of them."""
     cpus = [d for d in host.devices if d.backend == "cpu"]
     if not cpus:
         return host
-    here = os.cpu_count() or 1
+    here = usable_cores()
     cores = host.cores if host.cores is not None else (here if any(d.threads is None for d in cpus) else None)
     devices = []
     for d in host.devices:

@@ -226,7 +226,7 @@ class ProfileCostModel:
         for host in dict.fromkeys(s.host for s in stages if s.backend == "cpu"):
             ks = [k for k, s in enumerate(stages) if s.backend == "cpu" and s.host == host]
             timed = [self.profile.device(stages[k].device) for k in ks]
-            cores = min((int(t.environment.get("cpu_count") or 0) for t in timed if t is not None), default=0)
+            cores = min((_cores_of(t.environment) for t in timed if t is not None), default=0)
             waited = [self._waited(stages[k].device, cores, self._profiled_threads) for k in ks]
             if (not cores or any(w is None for w in waited) or any(  # a run's profile: "run DIR, step N"
                     source_of(self.profile, t, "decoder").startswith("run ") for t in timed if t is not None)):
@@ -261,3 +261,10 @@ class ProfileCostModel:
 def _measured(source: str) -> bool:
     """A source that is a measurement (a profile's, a run's), not a datasheet or the fleet file."""
     return source.startswith(("profile", "run ", "send: profile", "send: run "))
+
+
+def _cores_of(environment: dict) -> int:
+    """The cores a profile's machine gave it: its CPU count, or fewer where the profile recorded a container's
+    quota or affinity mask (``usable_cores``, hetero/cores.py); 0: not recorded."""
+    counts = [int(environment.get(key) or 0) for key in ("cpu_count", "usable_cores")]
+    return min((c for c in counts if c > 0), default=0)

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from hetero.cores import usable_cores
+
 _SMI_TIMEOUT_S = 5.0
 _PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "pyzmq", "msgpack", "safetensors", "hetero")
 
@@ -90,6 +92,7 @@ def describe_environment(device: str | None = None) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "pid": os.getpid(),
         "cpu_count": os.cpu_count(),
+        "usable_cores": usable_cores(),  # a container's CPU quota or affinity mask (hetero/cores.py)
         "device": device,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

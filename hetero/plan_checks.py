@@ -87,8 +87,8 @@ def _check_chunks(plan: Plan, bad: Callable[[str], PlanError]) -> None:
         if c and (not set(s.chunks[c - 1].recompute_layers) <= set(s.chunks[c - 1].node_names)
                   or min(s.chunks[c - 1].fwd_time_s, s.chunks[c - 1].bwd_time_s, s.chunks[c - 1].send_time_s) < 0):
             raise bad(f"{at}.chunks[{c - 1}] recomputes layers outside it or has a negative time")
-        if s.stream_layers or s.compress_out != "none":
-            raise bad(f"{at} streams weights or compresses its hand-offs: interleaved chunks do neither yet")
+        if s.stream_layers:
+            raise bad(f"{at} streams weights: interleaved chunks do not yet")
         if sorted({a.chunk for a in s.actions() if a.op != "STEP"}) != list(range(v)):
             raise bad(f"{at}.program does not run its {v} chunks")
     if following != len(nodes):
@@ -150,7 +150,7 @@ def _check_stage_run(plan: Plan, k: int, bad: Callable[[str], PlanError]) -> Non
         raise bad(f"{at}.threads is {s.threads}")
     if s.compress_out not in ("none", "int8", "int4"):
         raise bad(f"{at}.compress_out {s.compress_out!r}: expected none, int8 or int4")
-    if s.compress_out != "none" and plan.next_stage(k) is None:
+    if s.compress_out != "none" and plan.next_stage(k) is None and not s.chunks:  # chunks: the last hands on to the first
         raise bad(f"{at}.compress_out is {s.compress_out!r}, but the stage is its pipeline's last")
     try:
         actions = parse_program(s.program)

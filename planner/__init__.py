@@ -24,7 +24,7 @@ from hetero.plan import (
 from hetero.planner.baselines import baseline_evaluations, candidate_placements, predict
 from hetero.planner.caveats import issue_bound_lines
 from hetero.planner.compress_advice import link_lines
-from hetero.planner.cost import AUTO_SCHEME, GB, CostTable, build_cost_table, training_fleet
+from hetero.planner.cost import GB, CostTable, build_cost_table, link_scheme, training_fleet
 from hetero.planner.cost_model import CostModel, RooflineCostModel, compute_dtype, expert_weight_bytes
 from hetero.planner.deadline import INTERLEAVE_SHARE, MAX_RESERVE_S, PLACE_SHARE, RESERVE_SHARE, share_of
 from hetero.planner.feasibility import check_single_nodes, explain_infeasible
@@ -244,7 +244,8 @@ def _choose(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: Clus
     replicas = (auto and options.replicas != 1 and options.interleave != "always"
                 and (options.num_stages is None or options.replicas is not None))
     end = share_of(deadline, INTERLEAVE_SHARE) if replicas and deadline is not None else deadline
-    stages, best, said = interleave(table, graph, model, ev, stages, prediction, options.interleave, not auto, end)
+    stages, best, said = interleave(table, graph, model, ev, stages, prediction, options.interleave, not auto, end,
+                                    options.compression)
     notes = ([adopted] if adopted else []) + ([said] if said else [])
     if replicas:
         # Replicas are weighed against the best one pipeline: interleaved where that simulated faster.
@@ -305,16 +306,9 @@ def _stages(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: Clus
 
 
 def _link_scheme(table: CostTable, ev: Evaluation, pos: int, compression: str) -> str:
-    """What the link after position ``pos`` of a placement carries: planner.compression's scheme, or under auto the
-    scheme where the cost table priced that link compressed (planner/link_costs.py ``_auto_links``)."""
-    if compression != "auto":
-        return compression
-    if not table.link_compress:
-        return "none"
-    here, there = ev.placement.devices[pos], ev.placement.devices[pos + 1]
-    node = ev.placement.spans[pos][1]
-    squeezed = table.link_compress[node][table.wire_kind[here]][table.host_of[here]][table.host_of[there]]
-    return AUTO_SCHEME if squeezed else "none"
+    """What the link after position ``pos`` of a placement carries (planner/cost.py link_scheme)."""
+    return link_scheme(table, compression, ev.placement.spans[pos][1], ev.placement.devices[pos],
+                       ev.placement.devices[pos + 1])
 
 
 def _cost_provenance(cost_model: CostModel) -> tuple[dict[str, str], list[str]]:

@@ -34,15 +34,13 @@ def link_steps(table: CostTable, ev: Evaluation, pos: int) -> tuple[float, float
     return steps[0], steps[1]
 
 
-def _why(table: CostTable, ev: Evaluation, pos: int, compression: str, interleaved: bool, faster: bool) -> str:
+def _why(table: CostTable, ev: Evaluation, pos: int, compression: str, faster: bool) -> str:
     """What the plan sends on the link after position ``pos``, and why, by auto's rule (compressed where the compressed
-    transfer, encoding and decoding included, is shorter than the plain one); ``faster``: whether the step is too."""
+    transfer, encoding and decoding included, is shorter than the plain one); ``faster``: whether the step is too.
+    An interleaved plan's chunks hand on across the same link by the same rule (planner/interleave.py)."""
     devices, node = ev.placement.devices, ev.placement.spans[pos][1]
     a, b, kind = table.host_of[devices[pos]], table.host_of[devices[pos + 1]], table.wire_kind[devices[pos]]
     shorter = table.link_squeezed_s[node][kind][a][b] < table.link_plain_s[node][kind][a][b]
-    if interleaved:
-        return (f"sent uncompressed by the interleaved pipeline planned (planner.compression={compression}; interleaved "
-                "chunks do not compress hand-offs yet)")
     if not shorter:
         reason = "encoding and decoding cost more than the smaller transfer saves"
     else:
@@ -69,7 +67,7 @@ def link_lines(table: CostTable, cluster: ClusterSpec, ev: Evaluation, compressi
                  f"{pos + 1}, {cluster.link(a, b).bandwidth_gbps:g} Gbit/s)")
         change = (squeezed - plain) / plain if plain > 0 else 0.0
         both = f"{squeezed:#.3g} s/step with {AUTO_SCHEME} hand-offs, {plain:#.3g} s uncompressed ({change:+.1%})"
-        lines.append(f"{where}: {both}; {_why(table, ev, pos, compression, interleaved, squeezed < plain)}.")
+        lines.append(f"{where}: {both}; {_why(table, ev, pos, compression, squeezed < plain)}.")
     if len(crossing) > MOST_LINES:
         lines.append(f"... and {len(crossing) - MOST_LINES} more links between hosts.")
     return lines

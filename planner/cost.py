@@ -483,3 +483,15 @@ def build_cost_table(
         stream_mode=options.offload, host_ram_bytes=stream.ram_bytes,
         devices=devices,
     )
+
+
+def link_scheme(table: CostTable, compression: str, node: int, sender: int, receiver: int) -> str:
+    """What the hand-off across the cut after ``node`` from device ``sender`` to ``receiver`` carries:
+    planner.compression's scheme, or under auto the scheme where the table priced that link compressed
+    (planner/link_costs.py ``_auto_links``). One chunk per device and interleaved chunks alike."""
+    if compression != "auto":
+        return compression
+    if not table.link_compress:
+        return "none"
+    kind, host = table.wire_kind[sender], table.host_of
+    return AUTO_SCHEME if table.link_compress[node][kind][host[sender]][host[receiver]] else "none"

@@ -25,12 +25,10 @@ from dataclasses import dataclass, replace
 from hetero.errors import ConfigError
 from hetero.graph import LayerGraph
 from hetero.plan import ChunkPlan, MemoryBreakdown, Prediction, StagePlan
-from hetero.planner.baselines import predict
-from hetero.planner.cost import GB, CostTable
+from hetero.planner.cost import GB, CostTable, link_scheme
 from hetero.planner.cost_model import expert_weight_bytes
 from hetero.planner.objective import (
     Evaluation,
-    evaluate,
     largest_recomputable,
     recompute_time_s,
     stage_activations,
@@ -81,8 +79,8 @@ def why_not(table: CostTable, graph: LayerGraph, ev: Evaluation, stages: list[St
     if reason is not None:
         return reason
     decoders = set(graph.decoder_indices())
-    if any(s.stream_layers or s.compress_out != "none" for s in stages):
-        return "its stages stream weights or compress hand-offs, which interleaved chunks do not yet"
+    if any(s.stream_layers for s in stages):
+        return "its stages stream weights, which interleaved chunks do not yet"
     if any(sum(1 for i in range(s.first_node, s.last_node + 1) if i in decoders) < form.chunks for s in stages):
         return f"a device holds fewer than {form.chunks} decoder layers"
     return None
@@ -257,61 +255,64 @@ def _unit_bytes(table: CostTable, d: int, first: int, last: int, recompute: int)
 
 def interleave(table: CostTable, graph: LayerGraph, model: ModelSpec, ev: Evaluation, stages: list[StagePlan],
                prediction: Prediction, mode: str, manual: bool = False, deadline: float | None = None,
-               ) -> tuple[list[StagePlan], Prediction, str]:
+               compression: str = "none") -> tuple[list[StagePlan], Prediction, str]:
     """The stages and prediction to plan (interleaved where ``mode`` and the simulation say so) and the verdict line
     that says what was chosen and why ("" under ``off``). ``manual``: the spans are planner.split's, which auto
-    leaves as they are; ``deadline``: when the chunking search stops (time.perf_counter)."""
+    leaves as they are; ``deadline``: when the chunking search stops (time.perf_counter); ``compression``:
+    planner.compression, which the chunks' hand-offs follow as the table prices them (``ring_schemes``)."""
     if mode == "off" or (mode == "auto" and (len(stages) < 2 or manual or table.form.chunked is None)):
         return stages, prediction, ""
-    planned, plain = stages, prediction.step_time_s  # ``planned`` is kept where chunks do not win
-    compressed = bool(table.link_compress) and any(s.compress_out != "none" for s in stages)
-    if table.link_compress:
-        # Under planner.compression=auto the table prices each link between hosts at the cheaper of plain and
-        # compressed hand-offs, but chunks send plain (compressed chunks do not exist yet): price them plain, and
-        # where auto compressed a link of this pipeline, weigh them against it plain as well (what none would ask).
-        table = table.uncompressed()
-        if compressed:
-            stages = [replace(s, compress_out="none") for s in stages]
-            plain = predict(table, evaluate(table, ev.placement))[0].step_time_s
     reason = why_not(table, graph, ev, stages)
     if reason is not None:
         if mode == "always":
             raise ConfigError(f"planner.interleave=always, but this pipeline cannot interleave: {reason}")
-        return planned, prediction, f"Interleaving not considered: {reason}."
+        return stages, prediction, f"Interleaving not considered: {reason}."
     form = chunked(table)
     cand = best_candidate(table, graph, ev, stages, deadline=deadline)
-    if cand.reasons:
+    schemes = ring_schemes(table, compression, list(ev.placement.devices), cand.spans)
+    why = cand.reasons[0] if cand.reasons else None if schemes is not None else (
+        "a device's chunks would hand on across cuts that compress differently")
+    if why is not None:
         if mode == "always":
-            raise ConfigError(f"planner.interleave=always, but the interleaved pipeline does not fit: {cand.reasons[0]}")
-        return planned, prediction, (f"{form.name[0].upper()}{form.name[1:]} ({form.chunks} chunks per device) does "
-                                     f"not fit: {cand.reasons[0]}.")
+            raise ConfigError(f"planner.interleave=always, but the interleaved pipeline cannot run: {why}")
+        return stages, prediction, f"{form.name[0].upper()}{form.name[1:]} ({form.chunks} chunks per device): {why}."
     step = cand.timeline.step_time_s
-    words = _words(form, step, prediction.step_time_s, plain, compressed)
-    if mode == "auto" and step > plain * (1 - GAIN):
-        return planned, prediction, (f"Not interleaved: {words}; the smaller fill and drain do not pay for "
-                                     f"{'twice' if form.chunks == 2 else f'{form.chunks} times'} the hand-offs here (planned only from a {GAIN:.0%} gain).")
-    if mode == "auto" and step >= prediction.step_time_s:
-        return planned, prediction, (f"Not interleaved: {words}; compressing one chunk per device's hand-offs gains "
-                                     "more (interleaved chunks send theirs plain).")
+    words = _words(form, step, prediction.step_time_s)
+    if mode == "auto" and step > prediction.step_time_s * (1 - GAIN):
+        times = "twice" if form.chunks == 2 else f"{form.chunks} times"
+        return stages, prediction, (f"Not interleaved: {words}; the smaller fill and drain do not pay for {times} the "
+                                    f"hand-offs here (planned only from a {GAIN:.0%} gain).")
     experts = [sum(expert_weight_bytes(graph, i, table.devices[d], model) for a, b in cand.spans[k]
                    for i in range(a, b + 1)) / GB for k, d in enumerate(ev.placement.devices)]
-    chosen = _interleaved_stages(graph, form, stages, cand, table, experts)
+    chosen = _interleaved_stages(graph, form, stages, cand, table, experts, schemes or [])
     return chosen, _prediction(prediction, cand), (f"Interleaved: {words}. The chunk boundaries come from a local "
                                                    "search from even shares; a proof above covers placements of one "
                                                    "chunk per device.")
 
 
-def _words(form: ChunkedForm, step: float, planned: float, plain: float, compressed: bool) -> str:
-    """What the interleaved pipeline simulates at against one chunk per device (as planned; and plain where the
-    planned one compresses hand-offs)."""
+def ring_schemes(table: CostTable, compression: str, devices: list[int], spans: list[list[tuple[int, int]]]
+                 ) -> list[str] | None:
+    """Per device, the scheme of what it hands to the next device (the last device: to the first), as the table
+    priced each of its chunks' cuts (planner/cost.py link_scheme); None where a device's cuts would differ (one scheme
+    per link: runtime/stage/chunks.py)."""
+    p, out = len(devices), []
+    last_cut = spans[-1][-1][1]  # the head's: nothing is handed on after it
+    for k, d in enumerate(devices):
+        found = {link_scheme(table, compression, b, d, devices[(k + 1) % p]) for _, b in spans[k] if b != last_cut}
+        if len(found) > 1:
+            return None
+        out.append(found.pop() if found else "none")
+    return out
+
+
+def _words(form: ChunkedForm, step: float, planned: float) -> str:
+    """What the interleaved pipeline simulates at against one chunk per device."""
     return (f"{form.name} ({form.chunks} chunks per device, the last device handing on to the first) simulates at "
-            f"{step:.3g} s/step against {planned:.3g} s for one chunk per device"
-            + (f" with compressed hand-offs ({(planned - step) / planned:+.1%}) and {plain:.3g} s with them plain "
-               f"({(plain - step) / plain:+.1%})" if compressed else f" ({(planned - step) / planned:+.1%})"))
+            f"{step:.3g} s/step against {planned:.3g} s for one chunk per device ({(planned - step) / planned:+.1%})")
 
 
 def _interleaved_stages(graph: LayerGraph, form: ChunkedForm, stages: list[StagePlan], cand: Candidate,
-                        table: CostTable, experts_gb: list[float]) -> list[StagePlan]:
+                        table: CostTable, experts_gb: list[float], schemes: list[str]) -> list[StagePlan]:
     p = len(stages)
     programs = form.programs(p, table.num_micro_batches)
     out = []
@@ -325,7 +326,7 @@ def _interleaved_stages(graph: LayerGraph, form: ChunkedForm, stages: list[Stage
                            fwd_time_s=cand.fwd_s[at[0]], bwd_time_s=cand.bwd_s[at[0]], send_time_s=cand.send_s[at[0]],
                            memory=replace(cand.memory[k], experts_gb=experts_gb[k]), recompute_layers=names[0],
                            recompute_time_s=cand.recompute_s[at[0]], overhead_s=cand.overhead_s[k],
-                           program=format_program(programs[k]), chunks=chunks))
+                           program=format_program(programs[k]), chunks=chunks, compress_out=schemes[k]))
     return out
 
 

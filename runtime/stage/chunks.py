@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hetero.errors import PlanError
 from hetero.program import Action
@@ -41,9 +41,12 @@ class ChunkedExecutor:
     """Executes an interleaved device's program (chunks named per action) over its chunks' executors."""
 
     def __init__(self, stages: list[Stage], program: list[Action], wire: Wire, train: TrainSpec, device: int,
-                 num_devices: int, names: Callable[[int], str] = stage_name) -> None:
+                 num_devices: int, names: Callable[[int], str] = stage_name,
+                 compress: Sequence[str] | None = None) -> None:
         """``stages``: the device's chunks in order (chunk c is virtual stage c x ``num_devices`` + ``device``);
-        ``names``: a device's process name."""
+        ``names``: a device's process name; ``compress``: each device's scheme for what it hands to the next
+        device (the last device's: to the first, over the ring; runtime/wire/compress.py), "none" throughout
+        by default. A chunk decodes what comes from the device before it in that device's scheme."""
         chunks = len(stages)
         if sorted({a.chunk for a in program if a.op != "STEP"}) != list(range(chunks)):
             raise PlanError(f"stage {device}: its program names other chunks than the {chunks} it holds")
@@ -53,13 +56,16 @@ class ChunkedExecutor:
         self.program, self.wire, self.train = program, wire, train
         self.device = device
         last = chunks * num_devices - 1
+        schemes = list(compress) if compress is not None else ["none"] * num_devices
         self.executors: list[Executor] = []
         for c, stage in enumerate(stages):
             j = c * num_devices + device
             prev = names((j - 1) % num_devices) if j > 0 else None
             nxt = names((j + 1) % num_devices) if j < last else None
             tags = (c, max(j - 1, 0) // num_devices, min(j + 1, last) // num_devices)
-            self.executors.append(Executor(stage, [], wire, train, neighbours=(prev, nxt), chunks=tags))
+            links = (schemes[(device - 1) % num_devices] if j > 0 else "none", schemes[device] if j < last else "none")
+            self.executors.append(Executor(stage, [], wire, train, neighbours=(prev, nxt), chunks=tags,
+                                           compression=links))
         self.steps_done = 0
 
     def run_step(self, step: int) -> StepStats:

@@ -233,7 +233,7 @@ def _build_chunks(plan: Plan, k: int, device: Any, mailbox: Mailbox, t0: float) 
 
     stages = build_chunks(plan, k, device)
     executor = ChunkedExecutor(stages, plan.stages[k].actions(), mailbox, plan.train, k,  # type: ignore[arg-type]
-                               len(plan.stages), names=plan.stage_id)
+                               len(plan.stages), names=plan.stage_id, compress=[s.compress_out for s in plan.stages])
     n_lora = sum(p.numel() for ex in executor.executors for p in ex.params)
     log.info("stage %d built in %.1f s: chunks of layers %s, %d LoRA parameters", k, time.perf_counter() - t0,
              [s.layout.layers for s in stages], n_lora)

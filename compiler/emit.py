@@ -192,7 +192,8 @@ def stage_manifest(plan: Plan, k: int) -> dict[str, Any]:
         "prev": _peer(plan, prev),
         "next": _peer(plan, nxt),
         # The links' hand-offs on the wire (planner.compression): from the previous stage, and to the next.
-        "compression": {"in": plan.stages[prev].compress_out if prev is not None else "none",
+        "compression": {"in": plan.stages[prev].compress_out if prev is not None
+                        else plan.stages[-1].compress_out if stage.chunks else "none",  # the ring, interleaved
                         "out": stage.compress_out},
         "schedule": plan.train.schedule,
         "micro_batch_size": plan.train.micro_batch_size,

@@ -241,13 +241,12 @@ def _choose(table: CostTable, graph: LayerGraph, model: ModelSpec, cluster: Clus
             adopted = f"Placement proven {solver.message}."
     chosen: Chosen = [(ev, table.num_micro_batches, prediction.step_time_s)]
     stages, _ = _stages(table, graph, model, cluster, schedule, chosen, options.compression)
-    replicas = (auto and options.replicas != 1 and options.interleave != "always"
-                and (options.num_stages is None or options.replicas is not None))
-    end = share_of(deadline, INTERLEAVE_SHARE) if replicas and deadline is not None else deadline
+    end = share_of(deadline, INTERLEAVE_SHARE) if searches_replicas(options, table) and deadline is not None else deadline
     stages, best, said = interleave(table, graph, model, ev, stages, prediction, options.interleave, not auto, end,
                                     options.compression)
     notes = ([adopted] if adopted else []) + ([said] if said else [])
-    if replicas:
+    if (auto and options.replicas != 1 and options.interleave != "always"
+            and (options.num_stages is None or options.replicas is not None)):
         # Replicas are weighed against the best one pipeline: interleaved where that simulated faster.
         picked, replicated, solver, replica_note = _replicas(table, options, best, solver, ev, deadline)
         if picked is not None:

@@ -25,10 +25,12 @@ from dataclasses import dataclass, replace
 from hetero.errors import ConfigError
 from hetero.graph import LayerGraph
 from hetero.plan import ChunkPlan, MemoryBreakdown, Prediction, StagePlan
+from hetero.planner.baselines import predict
 from hetero.planner.cost import GB, CostTable, link_scheme
 from hetero.planner.cost_model import expert_weight_bytes
 from hetero.planner.objective import (
     Evaluation,
+    evaluate,
     largest_recomputable,
     recompute_time_s,
     stage_activations,
@@ -278,10 +280,16 @@ def interleave(table: CostTable, graph: LayerGraph, model: ModelSpec, ev: Evalua
         return stages, prediction, f"{form.name[0].upper()}{form.name[1:]} ({form.chunks} chunks per device): {why}."
     step = cand.timeline.step_time_s
     words = _words(form, step, prediction.step_time_s)
-    if mode == "auto" and step > prediction.step_time_s * (1 - GAIN):
+    # The gain is asked of the one-chunk pipeline with plain hand-offs, as compression=none asks it, so that where
+    # auto compressed one of its links auto never plans a slower step than none.
+    plain = (predict(table.uncompressed(), evaluate(table.uncompressed(), ev.placement))[0].step_time_s
+             if table.link_compress and any(s.compress_out != "none" for s in stages) else prediction.step_time_s)
+    if mode == "auto" and step > plain * (1 - GAIN):
         times = "twice" if form.chunks == 2 else f"{form.chunks} times"
         return stages, prediction, (f"Not interleaved: {words}; the smaller fill and drain do not pay for {times} the "
                                     f"hand-offs here (planned only from a {GAIN:.0%} gain).")
+    if mode == "auto" and step >= prediction.step_time_s:
+        return stages, prediction, f"Not interleaved: {words}; compressed hand-offs of one chunk per device gain more."
     experts = [sum(expert_weight_bytes(graph, i, table.devices[d], model) for a, b in cand.spans[k]
                    for i in range(a, b + 1)) / GB for k, d in enumerate(ev.placement.devices)]
     chosen = _interleaved_stages(graph, form, stages, cand, table, experts, schemes or [])

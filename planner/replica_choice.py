@@ -33,8 +33,9 @@ Chosen = list[tuple[Evaluation, int, float]]  # per pipeline replica: its placem
 
 
 def searches_replicas(options: PlannerOptions, table: CostTable) -> bool:
-    """Whether planner.plan searches data x pipeline replicas on this fleet with these settings."""
-    auto = options.split is None and options.devices is None
+    """Whether planner.plan searches data x pipeline replicas on this fleet with these settings (never under
+    planner.interleave=always: interleaved chunks do not form replicas)."""
+    auto = options.split is None and options.devices is None and options.interleave != "always"
     asked = options.replicas != 1 and (options.num_stages is None or options.replicas is not None)
     return auto and asked and table.num_devices >= 2 and table.num_micro_batches >= 2
 

@@ -60,12 +60,39 @@ def test_a_v1_quota_and_the_affinity_mask_count(tmp_path: Path, monkeypatch: pyt
     assert usable_cores(root, proc) == 8
 
 
+def test_a_container_without_its_own_cgroup_namespace_finds_its_nested_quota(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """/proc/self/cgroup gives the host's path (/docker/abc/job), the mount shows the container's subtree from
+    /docker/abc (mountinfo's root field): the job's own quota of 1 core counts, not only the container's 4."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    mount = tmp_path / "cgroup" / "cpu,cpuacct"
+    (mount / "job").mkdir(parents=True)
+    for d, quota in ((mount, 400000), (mount / "job", 100000)):
+        (d / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+        (d / "cpu.cfs_period_us").write_text("100000\n")
+    proc = tmp_path / "proc_self_cgroup"
+    proc.write_text("3:cpu,cpuacct:/docker/abc/job\n")
+    info = tmp_path / "mountinfo"
+    info.write_text(f"36 35 0:31 /docker/abc {mount} rw,nosuid - cgroup cgroup rw,cpu,cpuacct\n")
+    assert usable_cores(tmp_path / "cgroup", proc, info) == 1
+    info.write_text("")  # without mountinfo the host path is not under the mount: the container root's quota
+    assert usable_cores(tmp_path / "cgroup", proc, info) == 4
+
+
 def test_unreadable_or_odd_cgroup_files_leave_the_machine_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                                 ) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
     assert usable_cores(tmp_path / "none", tmp_path / "missing") == 4
     root, proc = _v2(tmp_path, {"/": "garbage", "/x": "0 0"})
+    assert cgroup_quota(root, proc) is None and usable_cores(root, proc) == 4
+
+    def denied(self: Path) -> bool:  # a locked-down sandbox: EACCES on /sys/fs/cgroup (Path.is_dir re-raises it)
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "is_dir", denied)
+    root, proc = _v2(tmp_path / "d", {"/": "200000 100000"})
     assert cgroup_quota(root, proc) is None and usable_cores(root, proc) == 4
 
 

@@ -324,6 +324,8 @@ def _device_profile(plan: Plan, k: int, ops: dict[str, float], cpu: dict[str, fl
     elif recv is not None and prior is not None:
         sources["message_recv"] = prior.origin or "profile"
     prev = plan.prev_stage(k)
+    if prev is None and sp.chunks:  # interleaved: the first device's later chunks take the last device's hand-offs
+        prev = len(plan.stages) - 1
     if sp.compress_out != "none" or (prev is not None and plan.stages[prev].compress_out != "none"):
         # Its messages were compressed: their CPU times hold encode/decode and their bytes are not a plain send's.
         # What a plain message costs stays what was known before this run (the planner adds the codec itself).

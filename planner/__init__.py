@@ -26,7 +26,7 @@ from hetero.planner.caveats import issue_bound_lines
 from hetero.planner.compress_advice import link_lines
 from hetero.planner.cost import GB, CostTable, build_cost_table, link_scheme, training_fleet
 from hetero.planner.cost_model import CostModel, RooflineCostModel, compute_dtype, expert_weight_bytes
-from hetero.planner.deadline import INTERLEAVE_SHARE, MAX_RESERVE_S, PLACE_SHARE, RESERVE_SHARE, share_of
+from hetero.planner.deadline import INTERLEAVE_SHARE, PLACE_SHARE, reserve_s, share_of
 from hetero.planner.feasibility import check_single_nodes, explain_infeasible
 from hetero.planner.interleave import interleave
 from hetero.planner.objective import (
@@ -206,8 +206,7 @@ def _place(table: CostTable, graph: LayerGraph, model: ModelSpec, options: Plann
                                 options.time_limit_s, message="planner.split/devices given: the solver was not run")
     check_single_nodes(table, graph)
     deadline = time.perf_counter() + options.time_limit_s if deadline is None else deadline
-    end = share_of(deadline, PLACE_SHARE if searches_replicas(options, table) else 1.0,
-                min(MAX_RESERVE_S, RESERVE_SHARE * options.time_limit_s))
+    end = share_of(deadline, PLACE_SHARE if searches_replicas(options, table) else 1.0, reserve_s(options.time_limit_s))
     result = solve_simulated(table, options.num_stages, max(0.05, end - time.perf_counter()),
                              starts=candidate_placements(table, graph), deadline=end)
     if result.evaluation is None:

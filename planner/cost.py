@@ -286,17 +286,21 @@ class CostTable:
         kind and every [node][device] column), numbered by first appearance."""
         if not self._classes:
             keys: dict[tuple, int] = {}  # type: ignore[type-arg]
-            rows = (self.fwd_s, self.bwd_s, self.weights, self.lora, self.activations_per_mb,
-                    self.recompute_per_mb, self.recompute_s, self.opt_s, self.stream_bytes, self.stream_fetch_s)
             for d in range(self.num_devices):
-                messages = tuple(r[d] for per_node in (self.message_send_s, self.message_recv_s)
-                                 for kinds in per_node for r in kinds)
-                key = (self.host_of[d], self.wire_kind[d], self.usable_bytes[d], self.core_need[d],
-                       self.stream_start_s[d], self.stream_buffer[d], self.can_stream[d],
-                       self.opt_fixed_s[d] if self.opt_fixed_s else 0.0,
-                       *(tuple(r[d] for r in t) for t in rows), messages)
-                self._classes.append(keys.setdefault(key, len(keys)))
+                self._classes.append(keys.setdefault((self.host_of[d], *device_key(self, d)), len(keys)))
         return self._classes
+
+
+def device_key(table: CostTable, d: int) -> tuple:  # type: ignore[type-arg]
+    """What a device is to the solvers, its host aside: wire kind, memory, cores, streaming, and every [node][device]
+    column. Devices with one key on one host are one class (CostTable.device_classes)."""
+    rows = (table.fwd_s, table.bwd_s, table.weights, table.lora, table.activations_per_mb, table.recompute_per_mb,
+            table.recompute_s, table.opt_s, table.stream_bytes, table.stream_fetch_s)
+    messages = tuple(r[d] for per_node in (table.message_send_s, table.message_recv_s) for kinds in per_node
+                     for r in kinds)
+    return (table.wire_kind[d], table.usable_bytes[d], table.core_need[d], table.stream_start_s[d],
+            table.stream_buffer[d], table.can_stream[d], table.opt_fixed_s[d] if table.opt_fixed_s else 0.0,
+            *(tuple(r[d] for r in t) for t in rows), messages)
 
 
 def subtable(table: CostTable, num_micro_batches: int, devices: list[int] | None = None) -> CostTable:

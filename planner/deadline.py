@@ -14,9 +14,9 @@ The planner spends the limit L in this order (planner.plan):
    - the search by simulated step the remainder (SEARCH_SHARE x L when called without a deadline).
 3. **The chunked form** (planner/interleave.py): its chunking search, at most INTERLEAVE_SHARE of what is left
    when replicas are searched after it (it is weighed against them), else until the deadline.
-4. **The replicas** (planner/replica_choice.py): REPLICA_SHARE x L, at least MIN_REPLICA_S, and never past
-   the plan's deadline; when solve_replicas must find the single pipeline itself, that takes SINGLE_SHARE of
-   its time.
+4. **The replicas** (planner/replica_choice.py): the last search, so all that is left but what was kept back
+   (REPLICA_SHARE x L, at least MIN_REPLICA_S, when called without the plan's deadline); when solve_replicas
+   must find the single pipeline itself, that takes SINGLE_SHARE of its time.
 
 A search that is cut off says so in the plan, with its best lower bound (docs/reading-a-plan.md).
 """
@@ -50,6 +50,11 @@ def check(deadline: float | None) -> None:
 def left(deadline: float | None) -> float:
     """Seconds until ``deadline`` (inf without one)."""
     return float("inf") if deadline is None else deadline - time.perf_counter()
+
+
+def reserve_s(time_limit_s: float) -> float:
+    """The seconds kept back from a plan's limit for what follows the searches."""
+    return min(MAX_RESERVE_S, RESERVE_SHARE * time_limit_s)
 
 
 def share_of(deadline: float, fraction: float, reserve: float = 0.0) -> float:

@@ -136,3 +136,57 @@ def replica_bounds(table: CostTable, sets: ClassMultisets, deadline: float) -> t
             steps = trip[fits][:, None] + later * periods[fits][:, None]
             lb[u, 1:] = steps.min(axis=0)
     return lb, period
+
+
+class CoordinatorShare:
+    """The least gradient reduction of a replica over several hosts, given the step's threshold.
+
+    A replica's reduction sends each layer's gradient bytes from its device's host to the coordinator's; the
+    layers on the coordinator's host cost least. Those layers sit on the replica's devices there, and each of
+    them computes its span for every one of the replica's m micro-batches within its T <= tau: together they hold
+    layers of at most (devices there) x tau / m seconds of least work. The most gradient bytes such layers can
+    carry is a fractional knapsack (bytes per second of work, greediest first: no set of whole layers carries
+    more), and every other byte leaves from another of the replica's hosts, at least at the cheapest of them."""
+
+    def __init__(self, table: CostTable, sets: ClassMultisets) -> None:
+        self.table, self.sets = table, sets
+        reps = [mem[0] for mem in sets.members]
+        self.work = (np.array(table.fwd_s, dtype=float) + np.array(table.bwd_s, dtype=float))[:, reps]
+        self.grad = np.array(table.grad_bytes, dtype=float)
+        self.total = float(self.grad.sum())
+        self._knapsacks: dict[tuple[int, ...], tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._split: dict[tuple[int, int], tuple[float, float, int, tuple[int, ...]]] = {}
+
+    def most_bytes(self, classes: tuple[int, ...], capacity_s: float) -> float:
+        """The most gradient bytes of layers whose least work on ``classes`` sums to at most ``capacity_s``."""
+        if classes not in self._knapsacks:
+            work = self.work[:, list(classes)].min(axis=1)
+            free = work <= 0
+            order = np.argsort(-np.where(free, 0.0, self.grad / np.where(free, 1.0, work)), kind="stable")
+            order = order[~free[order]]
+            self._knapsacks[classes] = (float(self.grad[free].sum()), np.cumsum(work[order]),
+                                        np.cumsum(self.grad[order]), work[order], self.grad[order])
+        base, cum_w, cum_g, work, grad = self._knapsacks[classes]
+        k = int(np.searchsorted(cum_w, capacity_s, side="right"))
+        got = base + (float(cum_g[k - 1]) if k else 0.0)
+        if k < len(work):
+            got += float(grad[k]) * (capacity_s - (float(cum_w[k - 1]) if k else 0.0)) / float(work[k])
+        return min(got, self.total)
+
+    def reduction(self, u: int, coordinator: int, tau: float, m: int) -> float:
+        """A lower bound on the reduction of any pipeline on multiset ``u`` with ``m`` micro-batches and T <= tau,
+        its gradients summed on host ``coordinator``."""
+        key = (u, coordinator)
+        if key not in self._split:
+            sets, cost = self.sets, self.table.reduce_s_per_byte
+            counts, hosts = sets.multisets[u], sets.hosts_of[u]
+            near = tuple(k for k, x in enumerate(counts) if x and sets.host[k] == coordinator)
+            others = [cost[h][coordinator] for h in hosts if h != coordinator]
+            far = min(others) if others else INF
+            inside = cost[coordinator][coordinator] if near else INF
+            self._split[key] = (far, inside, sum(counts[k] for k in near), near)
+        far, inside, devices, near = self._split[key]
+        if far == INF or inside >= far:
+            return self.total * min(far, inside)
+        carried = self.most_bytes(near, devices * tau / m)
+        return (self.total - carried) * far + carried * inside

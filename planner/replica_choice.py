@@ -23,7 +23,7 @@ from hetero.errors import InfeasiblePlanError
 from hetero.plan import SETTLED_PARTS, Prediction, SolverReport
 from hetero.planner.baselines import predict
 from hetero.planner.cost import CostTable, subtable
-from hetero.planner.deadline import MIN_REPLICA_S, REPLICA_SHARE, left
+from hetero.planner.deadline import MIN_REPLICA_S, REPLICA_SHARE, left, reserve_s
 from hetero.planner.objective import Evaluation, ram_reasons
 from hetero.planner.replicas import ReplicaSolution, solve_replicas
 from hetero.planner.simulator import combine_replicas
@@ -115,8 +115,9 @@ def choose_replicas(table: CostTable, options: PlannerOptions, single: Predictio
     if forced is None and (table.num_devices < 2 or table.num_micro_batches < 2):
         return None, single, _settle_replicas(single_solver, True), []  # no two replicas to be had
     end = t0 + max(0.05, left(deadline)) if deadline is not None else t0 + options.time_limit_s
-    if forced is None:
-        end = min(end, t0 + max(MIN_REPLICA_S, REPLICA_SHARE * options.time_limit_s))
+    if forced is None:  # the last search: what is left, but what the plan keeps back
+        end = (max(t0 + 0.05, deadline - reserve_s(options.time_limit_s)) if deadline is not None
+               else min(end, t0 + max(MIN_REPLICA_S, REPLICA_SHARE * options.time_limit_s)))
     solution = solve_replicas(table, max_replicas=forced, num_replicas=forced, num_stages=options.num_stages,
                               deadline=end, single=(single_ev, True))
     if forced is not None and (solution is None or solution.num_replicas != forced):
@@ -126,8 +127,11 @@ def choose_replicas(table: CostTable, options: PlannerOptions, single: Predictio
     if solution is not None and solution.num_replicas < 2 and solution.proven_optimal:
         return _versus_two(table, options, single, single_solver, deadline)
     if solution is None or solution.num_replicas < 2:
+        lower = _bound(solution)
+        floor = (f"; every plan of replicas takes at least {lower:.4g} s/step by the closed-form step"
+                 if lower is not None and math.isfinite(lower) else "")
         why = (f"{searched} without proving whether any beat one pipeline "
-               f"({'; '.join(solution.unproven) if solution else 'nothing found'})")
+               f"({'; '.join(solution.unproven) if solution else 'nothing found'}{floor})")
         return None, single, _settle_replicas(single_solver, False, why, _bound(solution)), []
     short = ram_reasons(table, tuple(d for e in solution.evaluations for d in e.placement.devices),
                         [b for e in solution.evaluations for b in e.stream_bytes])

@@ -159,11 +159,79 @@ class _Packing:
         return slowest, picked
 
 
+class _Arrays:
+    """The packing DP bottom-up over every multiset at once, when the replicas are not counted: g[s][mu][need],
+    the least total reduction of multiset s's devices carrying mu micro-batches, the coordinator's replica still
+    to place if need (that layer only where ``need``). Each multiset's row is one array operation over the
+    replicas it may take next and their shares (the memoized ``_Packing`` visits them one at a time)."""
+
+    def __init__(self, sets: ClassMultisets, opts: Options, total_mb: int, need: bool, deadline: float) -> None:
+        self.sets, self.size = sets, total_mb + 1
+        count, size = len(sets.multisets), self.size
+        self.red = np.full((count, size), INF)
+        self.red_c = np.full((count, size), INF)
+        self.entry: dict[tuple[int, int], Entry] = {}
+        for u, (_, entries) in opts.items():
+            for e in entries:  # one per share
+                self.red[u, e[0]], self.red_c[u, e[0]], self.entry[(u, e[0])] = e[1], e[2], e
+        left, share = np.meshgrid(np.arange(size), np.arange(size), indexing="ij")
+        self.back = np.clip(left - share, 0, None)  # [mu][m]: the micro-batches left after a replica of share m
+        self.mask = np.where((share >= 1) & (share <= left), 0.0, INF)
+        self.takes = [np.array([u for u in sets.subs[s] if u in opts], dtype=int) for s in range(count)]
+        g = self.g = np.full((count, size, 2 if need else 1), INF)
+        g[:, 0, 0] = 0.0
+        for s in range(1, count):
+            check(deadline)
+            row = g[s - sets.stride[sets.lowest[s]]].copy()  # that device idles
+            if (us := self.takes[s]).size:
+                for layer, values in enumerate(self.candidates(s, us)):
+                    row[:, layer] = np.minimum(row[:, layer], values.min(axis=(0, 2)))
+            g[s] = row
+
+    def candidates(self, s: int, us: np.ndarray) -> list[np.ndarray]:
+        """Per layer of g, [u][mu][m]: taking replica u at share m, then the rest (with the coordinator to place:
+        u as the coordinator's, or as one of the others)."""
+        rows = self.g[s - us]
+        red = self.red[us][:, None, :]
+        placed = red + (rows[:, self.back, 0] + self.mask)
+        if rows.shape[2] == 1:
+            return [placed]
+        lead = self.red_c[us][:, None, :] + (rows[:, self.back, 0] + self.mask)
+        return [placed, np.minimum(lead, red + (rows[:, self.back, 1] + self.mask))]
+
+    def walk(self, s: int, mu: int, need: bool) -> tuple[float, Picked]:
+        """The replicas of the least packing from a state, and their largest T."""
+        slowest, picked = 0.0, []
+        while mu > 0:
+            idle = s - self.sets.stride[self.sets.lowest[s]]
+            if self.g[idle, mu, int(need)] <= self.g[s, mu, int(need)]:
+                s = idle
+                continue
+            us = self.takes[s]
+            options = self.candidates(s, us)[int(need)][:, mu, :]
+            k, m = (int(x) for x in np.unravel_index(int(np.argmin(options)), options.shape))
+            u, e = int(us[k]), self.entry[(int(us[k]), m)]
+            rest = self.g[s - u, mu - m]
+            lead_here = bool(need and self.red_c[u, m] + rest[0] <= self.red[u, m] + rest[1])
+            picked.append((u, m, e[4] if lead_here else e[3], lead_here))
+            slowest = max(slowest, e[6] if lead_here else e[5])
+            s, mu, need = s - u, mu - m, need and not lead_here
+        return slowest, picked
+
+
 def pack(sets: ClassMultisets, opts: Options, total_mb: int, need_coordinator: bool, max_replicas: int | None,
          exact_count: bool, deadline: float) -> tuple[float, float, Picked]:
     """The least total reduction of disjoint replicas whose shares sum to ``total_mb``, one of them the
     coordinator's if ``need_coordinator``, at most ``max_replicas`` of them (exactly, with ``exact_count``):
     (reduction, the largest T among them, the replicas); inf, inf, [] when none do."""
+    if max_replicas is None and not exact_count and not all(fixed for fixed, _ in opts.values()):
+        # Reductions that vary with the share: many entries per replica, one array operation per multiset.
+        arrays = _Arrays(sets, opts, total_mb, need_coordinator, deadline)
+        value = float(arrays.g[sets.full, total_mb, int(need_coordinator)])
+        if value == INF:
+            return value, INF, []
+        slowest, picked = arrays.walk(sets.full, total_mb, need_coordinator)
+        return value, (slowest if picked else INF), picked
     dp = _Packing(sets, opts, exact_count, deadline)
     state: _State = (sets.full, total_mb, need_coordinator, max_replicas)
     value = dp.g(*state)

@@ -52,8 +52,9 @@ import numpy as np
 from hetero.planner.cost import CostTable, subtable
 from hetero.planner.deadline import SINGLE_SHARE, OutOfTime, check, left
 from hetero.planner.exact import solve_exact
+from hetero.planner.host_symmetry import representatives
 from hetero.planner.objective import Evaluation, Placement, evaluate
-from hetero.planner.replica_bound import replica_bounds
+from hetero.planner.replica_bound import CoordinatorShare, replica_bounds
 from hetero.planner.replica_fronts import (
     INF,
     REL_TOL,
@@ -146,12 +147,14 @@ class _Search:
         cost, hosts = table.reduce_s_per_byte, sorted(set(sets.host))
         # One cost everywhere: the coordinator's host does not matter (one candidate, any replica leads).
         self.flat = self.grad_total == 0 or len({cost[a][b] for a in hosts for b in hosts}) == 1
-        self.coordinators = hosts[:1] if self.flat else hosts
+        # Interchangeable hosts (planner/host_symmetry.py): any plan has a twin, as fast, summed on the first of them.
+        self.coordinators = hosts[:1] if self.flat else representatives(table, hosts)
         self.two = 2.0 * self.grad_total * min(cost[a][b] for a in hosts for b in self.coordinators)
         # "one": the reduction does not depend on the placement; "enum": enumerated; "bound": bounded.
         self.kind = ["one" if self.flat or len(h) <= 1
                      else "enum" if enumeration_rows(sets.multisets[u], self.n) <= ENUMERATE_ROWS else "bound"
                      for u, h in enumerate(sets.hosts_of)]
+        self.share = CoordinatorShare(table, sets)  # a replica over several hosts: its reduction, bounded
         self.stage_store: dict = {}  # stage cost arrays per (class, held), shared by the solves (SharedCosts)
         self.enumerator = FrontEnumerator(table, sets.members, self.coordinators, num_stages, deadline,
                                           SharedCosts(sets.classes, self.stage_store))
@@ -165,6 +168,7 @@ class _Search:
         self.best: float = INF  # the best R >= 2 packing found (or the bar it must beat)
         self.picked: Picked = []
         self.lower: float = parallel_bound(table)  # on every R >= 2 plan; each finished sweep raises it
+        self.floor = work_floor(table)  # every R >= 2 plan's slowest replica takes at least this
         self._bounds()
 
     def _bounds(self) -> None:
@@ -237,14 +241,13 @@ class _Search:
         for u in range(1, self.sets.full):
             entries = self._lower_entries(u, tau, hi) if lower else self._solved_entries(u, tau, hi)
             if entries:
-                out[u] = (self.kind[u] == "one" or (self.kind[u] == "bound" and lower), entries)
+                out[u] = (self.kind[u] == "one", entries)
         return out
 
     def _lower_entries(self, u: int, tau: float, hi: int) -> list[Entry]:
-        """U's options at every share whose T (or its bound) is <= tau, reductions at their bound."""
+        """U's options at every share whose T (or its bound) is <= tau, reductions at their bound (a replica over
+        several hosts: CoordinatorShare's at tau, for the share)."""
         h, kind, hosts = self.coordinators[hi], self.kind[u], self.sets.hosts_of[u]
-        red = (self.grad_total * self.table.reduce_s_per_byte[min(hosts)][h] if kind == "one"
-               else self.grad_total * min(self.table.reduce_s_per_byte[x][h] for x in hosts))
         leads = self.flat or h in hosts
         entries: list[Entry] = []
         for m in range(1, self.total_mb):
@@ -253,6 +256,8 @@ class _Search:
             if (u, m) in self.frontiers:
                 entries.append(front_entry(self.frontiers[(u, m)], m, tau, hi))
                 continue
+            red = (self.grad_total * self.table.reduce_s_per_byte[min(hosts)][h] if kind == "one"
+                   else self.share.reduction(u, h, tau, m))
             pipe = None if kind == "enum" else self.solved.get((u, m))
             entries.append((m, red, red if leads else INF, pipe, pipe, t, t))
         return entries
@@ -274,10 +279,13 @@ class _Search:
         entries.reverse()
         return entries
 
-    def pack(self, opts: Options) -> tuple[float, float, Picked]:
+    def pack(self, opts: Options, relaxed: bool = False) -> tuple[float, float, Picked]:
         """The least total reduction of disjoint replicas whose shares sum to M, one of them the
-        coordinator's: (reduction, the largest T among them, the replicas); inf, inf, [] when none do."""
-        return pack(self.sets, opts, self.total_mb, not self.flat, self.max_replicas, self.exact_count, self.deadline)
+        coordinator's (``relaxed``: not required, a lower bound as fast again: every entry's reduction is already
+        summed on the coordinator's host): (reduction, the largest T among them, the replicas); inf, inf, []
+        when none do."""
+        return pack(self.sets, opts, self.total_mb, not self.flat and not relaxed, self.max_replicas,
+                    self.exact_count, self.deadline)
 
     def pack_solved(self, tau: float, hi: int) -> tuple[float, float, Picked]:
         """``pack`` over the solved pipelines with T <= tau only (achievable), again only when a solve or an
@@ -289,40 +297,54 @@ class _Search:
         return kept[1]
 
     def exact(self, picked: Picked) -> bool:
-        """Every replica of a relaxed packing is a solved pipeline at its true reduction."""
-        return all(pipe is not None and self.kind[u] != "bound" for u, _, pipe, _ in picked)
+        """Every replica of a relaxed packing is a solved pipeline at its true reduction, and the coordinator's
+        replica is among them where it matters."""
+        return ((self.flat or any(lead for *_, lead in picked))
+                and all(pipe is not None and self.kind[u] != "bound" for u, _, pipe, _ in picked))
 
     def sweep(self) -> tuple[float, list[tuple[int, int]]]:
-        """One pass down the thresholds: (the least relaxed value, the unsolved replicas of every relaxed
-        packing below the incumbent). At tau the relaxed DP's packing has largest T t <= tau; the least
-        reduction is the same for every threshold in [t, tau] (it can only grow as tau falls), so the
-        next threshold is the largest below t: one DP per distinct reduction, not per threshold."""
+        """One pass down the thresholds: (a lower bound on every plan of R >= 2 replicas, capped at the
+        incumbent where nothing beats it; the unsolved replicas of every relaxed packing below the incumbent).
+        At tau a coordinator's relaxed DP has its least reduction r, reached by a packing whose largest T is t:
+        every plan whose slowest replica takes T in [t, tau] costs at least T + r, and every one with T in
+        [best - r, tau] loses to the incumbent. So the next threshold is the largest below min(t, best - r) (or
+        below t, where t + r beats the incumbent and its replicas need solving): one DP per distinct reduction, not
+        per threshold, and none once no plan's slowest replica can be that fast (``floor``)."""
         limit = (self.best - self.two) * (1 + REL_TOL)
         taus = sorted({v for u in range(1, self.sets.full) for m in range(1, self.total_mb)
                        if (v := self.value(u, m)) <= limit and v < INF}
                       | {float(t) for f in self.frontiers.values() for times, _, _ in f.fronts.values()
                          for t in times if t <= limit})
-        low, todo = INF, []
+        low, todo, active = INF, [], list(range(len(self.coordinators)))
         i = len(taus) - 1
-        while i >= 0:
+        while i >= 0 and active:
             check(self.deadline)
             self.thresholds += 1
-            tau, settled = taus[i], -INF
-            for hi in range(len(self.coordinators)):
-                red, slowest, pick = self.pack(self.options(tau, hi, lower=True))
+            tau, reach = taus[i], -INF
+            for hi in list(active):
+                opts = self.options(tau, hi, lower=True)
+                red, slowest, pick = self.pack(opts, relaxed=True)
+                if (not self.flat and slowest + red < self.best * (1 - REL_TOL)
+                        and all(pipe is not None for _, _, pipe, _ in pick)):
+                    red, slowest, pick = self.pack(opts)  # nothing to solve: ask for the coordinator's replica too
                 if red == INF:
+                    active.remove(hi)  # nothing packs at tau, nor below
                     continue
-                low = min(low, slowest + red)
-                settled = max(settled, slowest)  # hi's least reduction holds on [slowest, tau]
                 if slowest + red < self.best * (1 - REL_TOL):
+                    down = slowest
                     todo += [(u, m) for u, m, pipe, _ in pick if pipe is None]
+                else:
+                    down = min(slowest, self.best - red)
+                low = min(low, max(down, self.floor) + red)
+                if down <= self.floor:
+                    active.remove(hi)
+                else:
+                    reach = max(reach, down)  # hi's least reduction holds on [down, tau]
                 if not self.exact(pick):
                     red, slowest, pick = self.pack_solved(tau, hi)
                 if pick and slowest + red < self.best:
                     self.best, self.picked = slowest + red, pick
-            if settled == -INF:
-                break  # nothing packs at tau, nor below
-            i = bisect.bisect_left(taus, settled) - 1
+            i = bisect.bisect_left(taus, reach) - 1
         return low, list(dict.fromkeys(todo))
 
     def run(self, upper: float) -> bool:
@@ -355,16 +377,20 @@ class _Search:
         return placements, [m for _, m, _, _ in order]
 
 
-def parallel_bound(table: CostTable) -> float:
-    """A lower bound on every plan of R >= 2 replicas: each replica's busiest device does at least its
-    devices' share of its micro-batches' least work, so the slowest replica takes at least M x the least
-    work / the fleet's devices; and at least two replicas send every gradient byte through the cheapest
-    path to a coordinator."""
+def work_floor(table: CostTable) -> float:
+    """Every plan's slowest replica takes at least M x the least work / the fleet's devices: each replica's
+    busiest device does at least its devices' share of its micro-batches' least work."""
     least = sum(min(f + b for f, b in zip(fwd, bwd, strict=True)) for fwd, bwd in zip(table.fwd_s, table.bwd_s,
                                                                                       strict=True))
+    return table.num_micro_batches * least / table.num_devices
+
+
+def parallel_bound(table: CostTable) -> float:
+    """A lower bound on every plan of R >= 2 replicas: the slowest replica's ``work_floor``, and at least two
+    replicas send every gradient byte through the cheapest path to a coordinator."""
     hosts = sorted(set(table.host_of))
     cheapest = min(table.reduce_s_per_byte[a][b] for a in hosts for b in hosts)
-    return table.num_micro_batches * least / table.num_devices + 2.0 * sum(table.grad_bytes) * cheapest
+    return work_floor(table) + 2.0 * sum(table.grad_bytes) * cheapest
 
 
 def _mirrored(table: CostTable, limit: int, num_stages: int | None, deadline: float,

@@ -79,3 +79,38 @@ def test_the_bounds_hold_against_brute_force_and_only_tighten(chunk: int) -> Non
                         if np.isfinite(truth[v, later]):
                             assert truth[v, later] >= (truth[u, m] + (later - m) * period[v]) * (1 - 1e-9), where
     assert tighter > 0, "the tables exercised no case where the bound is tighter than the one it replaced"
+
+
+@pytest.mark.parametrize("chunk", range(2))
+def test_the_reduction_bound_holds_against_every_placement(chunk: int) -> None:
+    # CoordinatorShare: a replica's devices on the coordinator's host compute each of the m micro-batches within
+    # its T, so they carry at most so many gradient bytes; every other byte pays another host's cost. Checked for
+    # every placement, every share, every coordinator and every multiset holding its devices (a replica may leave
+    # some idle), at the fastest T the placement reaches (the bound only falls as T rises).
+    from hetero.planner.replica_bound import CoordinatorShare
+
+    tighter = 0
+    for seed in range(chunk * 6, (chunk + 1) * 6):
+        rng = random.Random(2000 + seed)
+        table = replica_table(rng, ("1f1b", "gpipe")[seed % 2], rng.choice(["auto", "none", "full"]))
+        sets = ClassMultisets.of(table)
+        share = CoordinatorShare(table, sets)
+        cost, grad = table.reduce_s_per_byte, table.grad_bytes
+        placements, fastest = fastest_evaluations(table)
+        for p in placements:
+            used = np.bincount([sets.classes[d] for d in p.devices], minlength=len(sets.members))
+            holders = [u for u, counts in enumerate(sets.multisets) if (used <= np.array(counts)).all()]
+            for m in range(1, table.num_micro_batches + 1):
+                if (ev := fastest[(p, m)]) is None:
+                    continue
+                for h in range(len(cost)):
+                    red = sum(grad[i] * cost[table.host_of[d]][h]
+                              for d, (a, b) in zip(p.devices, p.spans, strict=True) for i in range(a, b + 1))
+                    for u in holders:
+                        bound = share.reduction(u, h, ev.step_time_s, m)
+                        where = f"seed {seed}, {p}, m={m}, coordinator {h}, U={sets.multisets[u]}"
+                        assert bound <= red * (1 + 1e-9) + 1e-12, where
+                        cheapest = sum(grad) * min(cost[x][h] for x in sets.hosts_of[u])
+                        assert bound >= cheapest * (1 - 1e-9), where
+                        tighter += bound > cheapest * (1 + 1e-6)
+    assert tighter > 0, "no case where the coupled bound beats the cheapest host's"

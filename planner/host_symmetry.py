@@ -19,15 +19,21 @@ def _host_matrices(table: CostTable) -> list[list[list]]:  # type: ignore[type-a
             + [m for m in (table.sync_round_trip_s, table.reduce_s_per_byte) if m])
 
 
-def interchangeable(table: CostTable, a: int, b: int) -> bool:
-    """Whether swapping hosts ``a`` and ``b`` leaves ``table`` as it is."""
+def _devices(table: CostTable) -> dict[int, list[tuple]]:  # type: ignore[type-arg]
+    """Per host, its devices' keys (cost.device_key), in one order."""
+    keys: dict[int, list[tuple]] = {}  # type: ignore[type-arg]
+    for d in range(table.num_devices):
+        keys.setdefault(table.host_of[d], []).append(device_key(table, d))
+    return {h: sorted(k, key=repr) for h, k in keys.items()}
+
+
+def interchangeable(table: CostTable, a: int, b: int,
+                    devices: dict[int, list[tuple]] | None = None) -> bool:  # type: ignore[type-arg]
+    """Whether swapping hosts ``a`` and ``b`` leaves ``table`` as it is (``devices``: _devices(table), if known)."""
     if a == b:
         return True
-
-    def devices(h: int) -> list[tuple]:  # type: ignore[type-arg]
-        return sorted((device_key(table, d) for d in range(table.num_devices) if table.host_of[d] == h), key=repr)
-
-    if devices(a) != devices(b):
+    devices = _devices(table) if devices is None else devices
+    if devices.get(a, []) != devices.get(b, []):
         return False
     for vector in (table.host_cores, table.host_usable_cores, table.host_ram_bytes):
         if len(vector) > max(a, b) and vector[a] != vector[b]:
@@ -46,7 +52,8 @@ def interchangeable(table: CostTable, a: int, b: int) -> bool:
 def representatives(table: CostTable, hosts: list[int]) -> list[int]:
     """One host of ``hosts`` per class of interchangeable ones (the first of each, in order)."""
     kept: list[int] = []
+    devices = _devices(table)
     for h in hosts:
-        if not any(interchangeable(table, k, h) for k in kept):
+        if not any(interchangeable(table, k, h, devices) for k in kept):
             kept.append(h)
     return kept

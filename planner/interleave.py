@@ -292,7 +292,8 @@ def interleave(table: CostTable, graph: LayerGraph, model: ModelSpec, ev: Evalua
         return stages, prediction, f"Not interleaved: {words}; compressed hand-offs of one chunk per device gain more."
     experts = [sum(expert_weight_bytes(graph, i, table.devices[d], model) for a, b in cand.spans[k]
                    for i in range(a, b + 1)) / GB for k, d in enumerate(ev.placement.devices)]
-    chosen = _interleaved_stages(graph, form, stages, cand, table, experts, schemes or [])
+    assert schemes is not None  # else ``why`` said so above
+    chosen = _interleaved_stages(graph, form, stages, cand, table, experts, schemes)
     return chosen, _prediction(prediction, cand), (f"Interleaved: {words}. The chunk boundaries come from a local "
                                                    "search from even shares; a proof above covers placements of one "
                                                    "chunk per device.")

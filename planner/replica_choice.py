@@ -132,7 +132,7 @@ def choose_replicas(table: CostTable, options: PlannerOptions, single: Predictio
                  if lower is not None and math.isfinite(lower) else "")
         why = (f"{searched} without proving whether any beat one pipeline "
                f"({'; '.join(solution.unproven) if solution else 'nothing found'}{floor})")
-        return None, single, _settle_replicas(single_solver, False, why, _bound(solution)), []
+        return None, single, _settle_replicas(single_solver, False, why, lower), []
     short = ram_reasons(table, tuple(d for e in solution.evaluations for d in e.placement.devices),
                         [b for e in solution.evaluations for b in e.stream_bytes])
     if short:  # each replica fits its hosts' RAM alone; together they share it
@@ -177,11 +177,16 @@ def _versus_two(table: CostTable, options: PlannerOptions, single: Prediction, s
     """One pipeline wins by the closed form (proven): the best two replicas simulated against it, in the
     time left; two replicas are planned if they simulate faster (the replica question is then open)."""
     t0 = time.perf_counter()
-    spare = max(0.05, min(max(MIN_REPLICA_S, REPLICA_SHARE * options.time_limit_s),
-                          left(deadline) if deadline is not None else options.time_limit_s))
+    kept = left(deadline) - reserve_s(options.time_limit_s) if deadline is not None else options.time_limit_s
+    spare = max(0.05, min(max(MIN_REPLICA_S, REPLICA_SHARE * options.time_limit_s), kept))
     pair = solve_replicas(table, num_replicas=2, num_stages=options.num_stages, deadline=t0 + spare,
                           single=(None, True))
     settled = _settle_replicas(single_solver, True)
+    if (pair is None or pair.num_replicas != 2) and time.perf_counter() >= t0 + spare:
+        return None, single, settled, [
+            f"The best two data-parallel replicas were not simulated against one pipeline: the replica search's proof "
+            f"left {max(0.0, kept):.1f} s of planner.time_limit_s={options.time_limit_s:g} (raise it to have them "
+            "simulated too)."]
     if pair is None or pair.num_replicas != 2:
         return None, single, settled, ["Two data-parallel replicas do not fit (each holds the whole model)."]
     pred, own = predict_replicas(table, pair.evaluations, pair.shares, pair.reduce_s)

@@ -233,20 +233,22 @@ class _Search:
         self.record(u, m, ClassPipeline(front.least_s, (), (), ()))
 
     # --- packing -----------------------------------------------------------------------------------------
-    def options(self, tau: float, hi: int, lower: bool) -> Options:
+    def options(self, tau: float, hi: int, lower: bool, cap: float | None = None) -> Options:
         """Every replica with T <= tau at some share. ``lower``: T where solved, else its bound, and a
-        bounded replica's reduction at its bound (a relaxation); else solved pipelines only (achievable:
-        a share may run a pipeline solved for a larger one, no slower)."""
+        bounded replica's reduction at its bound for any of its pipelines with T below ``cap`` (default tau; a
+        relaxation); else solved pipelines only (achievable: a share may run a pipeline solved for a larger
+        one, no slower)."""
         out = {}
         for u in range(1, self.sets.full):
-            entries = self._lower_entries(u, tau, hi) if lower else self._solved_entries(u, tau, hi)
+            entries = (self._lower_entries(u, tau, hi, tau if cap is None else cap) if lower
+                       else self._solved_entries(u, tau, hi))
             if entries:
                 out[u] = (self.kind[u] == "one", entries)
         return out
 
-    def _lower_entries(self, u: int, tau: float, hi: int) -> list[Entry]:
+    def _lower_entries(self, u: int, tau: float, hi: int, cap: float) -> list[Entry]:
         """U's options at every share whose T (or its bound) is <= tau, reductions at their bound (a replica over
-        several hosts: CoordinatorShare's at tau, for the share)."""
+        several hosts: CoordinatorShare's for its pipelines with T up to ``cap``, at the share)."""
         h, kind, hosts = self.coordinators[hi], self.kind[u], self.sets.hosts_of[u]
         leads = self.flat or h in hosts
         entries: list[Entry] = []
@@ -257,7 +259,7 @@ class _Search:
                 entries.append(front_entry(self.frontiers[(u, m)], m, tau, hi))
                 continue
             red = (self.grad_total * self.table.reduce_s_per_byte[min(hosts)][h] if kind == "one"
-                   else self.share.reduction(u, h, tau, m))
+                   else self.share.reduction(u, h, cap, m))
             pipe = None if kind == "enum" else self.solved.get((u, m))
             entries.append((m, red, red if leads else INF, pipe, pipe, t, t))
         return entries
@@ -305,24 +307,27 @@ class _Search:
     def sweep(self) -> tuple[float, list[tuple[int, int]]]:
         """One pass down the thresholds: (a lower bound on every plan of R >= 2 replicas, capped at the
         incumbent where nothing beats it; the unsolved replicas of every relaxed packing below the incumbent).
-        At tau a coordinator's relaxed DP has its least reduction r, reached by a packing whose largest T is t:
-        every plan whose slowest replica takes T in [t, tau] costs at least T + r, and every one with T in
-        [best - r, tau] loses to the incumbent. So the next threshold is the largest below min(t, best - r) (or
-        below t, where t + r beats the incumbent and its replicas need solving): one DP per distinct reduction, not
-        per threshold, and none once no plan's slowest replica can be that fast (``floor``)."""
+        At tau a coordinator's relaxed DP has its least reduction r, reached by a packing whose largest T is t.
+        It stands for every plan whose slowest replica takes T below ``cap``, the bottom of what the thresholds
+        above covered (no replica's T bound lies between tau and cap), so its bounded replicas' reductions are bounded
+        for pipelines as slow as ``cap``, not tau: a slower pipeline can put more layers on the coordinator's host.
+        Every such plan with T at least t costs at least T + r, and every one with T at least best - r loses to
+        the incumbent. So the next threshold is the largest below min(t, best - r) (or below t, where t + r beats
+        the incumbent and its replicas need solving): one DP per distinct reduction, not per threshold, and none
+        once no plan's slowest replica can be that fast (``floor``)."""
         limit = (self.best - self.two) * (1 + REL_TOL)
         taus = sorted({v for u in range(1, self.sets.full) for m in range(1, self.total_mb)
                        if (v := self.value(u, m)) <= limit and v < INF}
                       | {float(t) for f in self.frontiers.values() for times, _, _ in f.fronts.values()
                          for t in times if t <= limit})
-        low, todo, active = INF, [], list(range(len(self.coordinators)))
+        low, todo, active, cap = INF, [], list(range(len(self.coordinators))), limit
         i = len(taus) - 1
         while i >= 0 and active:
             check(self.deadline)
             self.thresholds += 1
             tau, reach = taus[i], -INF
             for hi in list(active):
-                opts = self.options(tau, hi, lower=True)
+                opts = self.options(tau, hi, lower=True, cap=cap)
                 red, slowest, pick = self.pack(opts, relaxed=True)
                 if (not self.flat and slowest + red < self.best * (1 - REL_TOL)
                         and all(pipe is not None for _, _, pipe, _ in pick)):
@@ -339,12 +344,12 @@ class _Search:
                 if down <= self.floor:
                     active.remove(hi)
                 else:
-                    reach = max(reach, down)  # hi's least reduction holds on [down, tau]
+                    reach = max(reach, down)  # hi's least reduction holds on [down, cap)
                 if not self.exact(pick):
                     red, slowest, pick = self.pack_solved(tau, hi)
                 if pick and slowest + red < self.best:
                     self.best, self.picked = slowest + red, pick
-            i = bisect.bisect_left(taus, reach) - 1
+            i, cap = bisect.bisect_left(taus, reach) - 1, reach
         return low, list(dict.fromkeys(todo))
 
     def run(self, upper: float) -> bool:

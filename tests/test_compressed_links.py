@@ -266,3 +266,19 @@ def test_interleaved_chunks_compress_the_links_auto_compresses(tmp_path: Path) -
     assert plans["auto"].stages[0].send_time_s == pytest.approx(plans["none"].stages[0].send_time_s, rel=1e-9)
     assert plans["auto"].prediction.step_time_s < plans["none"].prediction.step_time_s
     assert simulate_plan(plans["auto"]).step_time_s == pytest.approx(plans["auto"].prediction.step_time_s, rel=1e-9)
+    # placement.png labels every chunk's hand-off with its device's scheme (a device's chunks all hand on in it):
+    # with device a's hand-offs int8 too, both of its chunks' sends say so, and device c's first (its last chunk
+    # ends the model and hands on nothing).
+    import dataclasses
+
+    import matplotlib.pyplot as plt
+
+    from hetero.compiler.pictures import placement_figure
+
+    squeezed = dataclasses.replace(plans["auto"], stages=[dataclasses.replace(plans["auto"].stages[0],
+                                                                              compress_out="int8"),
+                                                          *plans["auto"].stages[1:]])
+    fig = placement_figure(squeezed)
+    sends = [t.get_text() for ax in fig.axes for t in ax.texts if t.get_text().startswith("send ")]
+    plt.close(fig)
+    assert sum(text.endswith(" int8") for text in sends) == 3, sends

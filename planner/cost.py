@@ -296,8 +296,7 @@ def device_key(table: CostTable, d: int) -> tuple:  # type: ignore[type-arg]
     column. Devices with one key on one host are one class (CostTable.device_classes)."""
     rows = (table.fwd_s, table.bwd_s, table.weights, table.lora, table.activations_per_mb, table.recompute_per_mb,
             table.recompute_s, table.opt_s, table.stream_bytes, table.stream_fetch_s)
-    messages = tuple(r[d] for per_node in (table.message_send_s, table.message_recv_s) for kinds in per_node
-                     for r in kinds)
+    messages = tuple(r[d] for per_node in (table.message_send_s, table.message_recv_s) for kinds in per_node for r in kinds)
     return (table.wire_kind[d], table.usable_bytes[d], table.core_need[d], table.stream_start_s[d],
             table.stream_buffer[d], table.can_stream[d], table.opt_fixed_s[d] if table.opt_fixed_s else 0.0,
             *(tuple(r[d] for r in t) for t in rows), messages)

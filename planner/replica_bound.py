@@ -190,3 +190,19 @@ class CoordinatorShare:
             return self.total * min(far, inside)
         carried = self.most_bytes(near, devices * tau / m)
         return (self.total - carried) * far + carried * inside
+
+
+def work_floor(table: CostTable) -> float:
+    """Every plan's slowest replica takes at least M x the least work / the fleet's devices: each replica's
+    busiest device does at least its devices' share of its micro-batches' least work."""
+    least = sum(min(f + b for f, b in zip(fwd, bwd, strict=True)) for fwd, bwd in zip(table.fwd_s, table.bwd_s,
+                                                                                      strict=True))
+    return table.num_micro_batches * least / table.num_devices
+
+
+def parallel_bound(table: CostTable) -> float:
+    """A lower bound on every plan of R >= 2 replicas: the slowest replica's ``work_floor``, and at least two
+    replicas send every gradient byte through the cheapest path to a coordinator."""
+    hosts = sorted(set(table.host_of))
+    cheapest = min(table.reduce_s_per_byte[a][b] for a in hosts for b in hosts)
+    return work_floor(table) + 2.0 * sum(table.grad_bytes) * cheapest

@@ -53,8 +53,8 @@ from hetero.planner.cost import CostTable, subtable
 from hetero.planner.deadline import SINGLE_SHARE, OutOfTime, check, left
 from hetero.planner.exact import solve_exact
 from hetero.planner.host_symmetry import representatives
-from hetero.planner.objective import Evaluation, Placement, evaluate
-from hetero.planner.replica_bound import CoordinatorShare, replica_bounds
+from hetero.planner.objective import Evaluation, Placement
+from hetero.planner.replica_bound import CoordinatorShare, parallel_bound, replica_bounds, work_floor
 from hetero.planner.replica_fronts import (
     INF,
     REL_TOL,
@@ -64,6 +64,7 @@ from hetero.planner.replica_fronts import (
     enumeration_rows,
 )
 from hetero.planner.replica_packing import ClassMultisets, Entry, Options, Picked, front_entry, pack
+from hetero.planner.replica_plans import evaluate_replicas, mirrored
 from hetero.planner.solve import solve
 from hetero.planner.span_costs import SharedCosts
 
@@ -103,33 +104,6 @@ class ReplicaSolution:
         if self.single is None:
             return None
         return self.single.step_time_s / self.step_time_s
-
-
-def reduce_time_s(table: CostTable, placements: list[Placement]) -> float:
-    """The step's gradient reduction through the coordinator on replica 0's first host (0 for one replica)."""
-    if len(placements) < 2:
-        return 0.0
-    coordinator = table.host_of[placements[0].devices[0]]
-    total = 0.0
-    for placement in placements:
-        for d, (first, last) in zip(placement.devices, placement.spans, strict=True):
-            total += sum(table.grad_bytes[first:last + 1]) * table.reduce_s_per_byte[table.host_of[d]][coordinator]
-    return total
-
-
-def evaluate_replicas(table: CostTable, placements: list[Placement], shares: list[int],
-                      ) -> tuple[list[Evaluation], float, float]:
-    """Each replica evaluated with its own share, the reduction, and the step time (max + reduction)."""
-    if len(placements) != len(shares) or not placements or min(shares) < 1:
-        raise ValueError("one share >= 1 per replica")
-    if sum(shares) != table.num_micro_batches:
-        raise ValueError(f"the shares sum to {sum(shares)}, not the step's {table.num_micro_batches} micro-batches")
-    used = [d for p in placements for d in p.devices]
-    if len(set(used)) != len(used):
-        raise ValueError("replicas share a device")
-    evaluations = [evaluate(subtable(table, m), p) for p, m in zip(placements, shares, strict=True)]
-    reduce_s = reduce_time_s(table, placements)
-    return evaluations, reduce_s, max(e.step_time_s for e in evaluations) + reduce_s
 
 
 class _Search:
@@ -382,49 +356,6 @@ class _Search:
         return placements, [m for _, m, _, _ in order]
 
 
-def work_floor(table: CostTable) -> float:
-    """Every plan's slowest replica takes at least M x the least work / the fleet's devices: each replica's
-    busiest device does at least its devices' share of its micro-batches' least work."""
-    least = sum(min(f + b for f, b in zip(fwd, bwd, strict=True)) for fwd, bwd in zip(table.fwd_s, table.bwd_s,
-                                                                                      strict=True))
-    return table.num_micro_batches * least / table.num_devices
-
-
-def parallel_bound(table: CostTable) -> float:
-    """A lower bound on every plan of R >= 2 replicas: the slowest replica's ``work_floor``, and at least two
-    replicas send every gradient byte through the cheapest path to a coordinator."""
-    hosts = sorted(set(table.host_of))
-    cheapest = min(table.reduce_s_per_byte[a][b] for a in hosts for b in hosts)
-    return work_floor(table) + 2.0 * sum(table.grad_bytes) * cheapest
-
-
-def _mirrored(table: CostTable, limit: int, num_stages: int | None, deadline: float,
-              exact_count: bool) -> tuple[list[Placement], list[int]] | None:
-    """The fastest plan of R mirrored replicas (each class's devices dealt round-robin, shares as even as
-    they go) over R = 2..limit (exactly ``limit`` with ``exact_count``), each replica's pipeline solved on
-    its own devices; None when none fits in time. For fleets too large for the exact search."""
-    classes = table.device_classes()
-    order = sorted(range(table.num_devices), key=lambda d: (classes[d], d))
-    best: tuple[float, list[Placement], list[int]] | None = None
-    for r in range(limit if exact_count else 2, limit + 1):
-        groups = [order[k::r] for k in range(r)]  # devices of a class sit together: dealt round-robin
-        shares = [table.num_micro_batches // r + (k < table.num_micro_batches % r) for k in range(r)]
-        placements: list[Placement] = []
-        for devices, m in zip(groups, shares, strict=True):
-            if left(deadline) <= 0:
-                return None if best is None else (best[1], best[2])
-            found = solve(subtable(table, m, devices), num_stages, left(deadline)).evaluation
-            if found is None:
-                break
-            placements.append(Placement(tuple(devices[i] for i in found.placement.devices), found.placement.spans))
-        if len(placements) < r:
-            continue
-        evaluations, _, step = evaluate_replicas(table, placements, shares)
-        if all(e.feasible for e in evaluations) and (best is None or step < best[0]):
-            best = (step, placements, shares)
-    return None if best is None else (best[1], best[2])
-
-
 def _single_solution(table: CostTable, single: Evaluation | None, proven: bool, message: str,
                      found: _Found | None = None) -> ReplicaSolution | None:
     if single is None:
@@ -452,7 +383,7 @@ def _search(table: CostTable, upper: float, limit: int, forced: bool, num_stages
     mirrored replicas where not."""
     t0 = time.perf_counter()
     if (count := ClassMultisets.count(table)) > MAX_MULTISETS:
-        found = _mirrored(table, limit, num_stages, deadline, forced)
+        found = mirrored(table, limit, num_stages, deadline, forced)
         why = (f"the fleet's {max(table.device_classes()) + 1} device classes make {count:,} replica multisets "
                f"(the exact replica search stops at {MAX_MULTISETS:,}): only mirrored replicas were tried")
         placements, shares = found if found is not None else ([], [])

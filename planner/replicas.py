@@ -37,8 +37,10 @@ result says it is not proven, with the lower bound ``M x least work / devices + 
 (every replica's busiest device does at least its share of the work; at least two replicas send
 every gradient byte). A cut-off exact search keeps its last sweep's bound instead.
 
-This module holds the model and the search; the packing DP is planner/replica_packing.py and the
-enumerated fronts planner/replica_fronts.py.
+This module holds the search. A plan's step (each replica at its share, the reduction) and the mirrored
+replicas are planner/replica_plans.py, the packing DP planner/replica_packing.py, the enumerated fronts
+planner/replica_fronts.py, the bounds on T(U, m) and on a multi-host replica's reduction planner/replica_bound.py,
+and the hosts tried as the coordinator planner/host_symmetry.py.
 """
 
 from __future__ import annotations

@@ -193,10 +193,11 @@ class _Arrays:
         u as the coordinator's, or as one of the others)."""
         rows = self.g[s - us]
         red = self.red[us][:, None, :]
-        placed = red + (rows[:, self.back, 0] + self.mask)
+        rest = rows[:, self.back, 0] + self.mask
+        placed = red + rest
         if rows.shape[2] == 1:
             return [placed]
-        lead = self.red_c[us][:, None, :] + (rows[:, self.back, 0] + self.mask)
+        lead = self.red_c[us][:, None, :] + rest
         return [placed, np.minimum(lead, red + (rows[:, self.back, 1] + self.mask))]
 
     def walk(self, s: int, mu: int, need: bool) -> tuple[float, Picked]:

@@ -323,3 +323,37 @@ def test_a_port_in_use_and_an_address_this_machine_lacks_are_told_apart(tiny_mod
                         r"this machine does not have alpha's address 192\.0\.2\.7 \(the fleet file's hosts\.address\): "
                         r"run `hetero run` on alpha itself, or pass --host NAME for the host this machine is \(beta\), "
                         r"or correct the address and recompile", str(refused.value)), str(refused.value)
+
+
+def test_ports_in_the_ephemeral_range_are_warned_of_in_one_line(tmp_path: Path, tiny_model_dir: Path,
+                                                                  tiny_spec: ModelSpec, capsys) -> None:
+    """A port the kernel may hand to an outgoing connection can be taken by a peer that dials it before its stage
+    listens (it connects to itself; CI met it when a host rejoined): `hetero run` says so, naming the ports and the
+    value to use, and says nothing of ports below the range or where the machine does not tell its range."""
+    from hetero.runtime.run.preflight import check_ports, warn_ephemeral
+    from hetero.runtime.wire.endpoints import ephemeral_ports, ports_in
+
+    span_file = tmp_path / "ip_local_port_range"
+    span_file.write_text("32768\t60999\n")
+    assert ephemeral_ports(str(span_file)) == (32768, 60999)
+    assert ephemeral_ports(str(tmp_path / "absent")) is None
+    span_file.write_text("not a range\n")
+    assert ephemeral_ports(str(span_file)) is None
+
+    ends = ["tcp://127.0.0.1:40001", "tcp://127.0.0.1:29500", "tcp://127.0.0.1:60999", "tcp://127.0.0.1:32767"]
+    assert warn_ephemeral(ends, "alpha", (32768, 60999)) == [40001, 60999]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "port(s) 40001, 60999 on alpha lie in this machine's ephemeral range" in err, err
+    assert "hosts.alpha.port (and --port) a value below 32768" in err, err
+    assert warn_ephemeral(ends[1:2] + ends[3:], "alpha", (32768, 60999)) == []
+    assert ports_in(ends, None) == []  # a machine that does not say its range: nothing to warn of
+    assert capsys.readouterr().err == ""
+
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN)  # its ports are below the range
+    check_ports(plan, None, None)
+    assert capsys.readouterr().err == ""
+    span = ephemeral_ports()
+    if span is not None:  # the coordinator's port moved into this machine's range
+        inside = span[0] + 1000
+        check_ports(plan, None, inside)
+        assert f"port(s) {inside} on {plan.stages[0].host} lie in" in capsys.readouterr().err

@@ -6,6 +6,7 @@ free loopback ports: the runtime is tested on exactly what it reads from a compi
 
 from __future__ import annotations
 
+import random
 import socket
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +23,8 @@ from hetero.plan import (
 )
 from hetero.planner.step_form import programs_for
 from hetero.program import format_program
+from hetero.protocol import BASE_PORT
+from hetero.runtime.wire.endpoints import ephemeral_ports
 from hetero.specs import (
     ClusterSpec,
     DataSpec,
@@ -34,32 +37,38 @@ from hetero.specs import (
     TrainSpec,
 )
 
+PORT_BLOCK = 64  # ports apart: a host's stage k listens on its first port + k, in a re-plan too
+
 
 def free_ports(n: int, free_below: tuple[int, ...] = ()) -> list[int]:
-    """n distinct free TCP ports on loopback (bound then released; fine for tests).
+    """n free TCP ports on loopback, PORT_BLOCK apart, below this machine's ephemeral range (bound then released;
+    fine for tests). Each one's block is free: the port below it (a host's coordinator listens on its base port - 1)
+    and the next n - 1 (a re-planned run puts stage k of the host on its first port + k).
 
-    For each index k in ``free_below`` the port just below ``ports[k]`` is free too: a host's coordinator listens on
-    its base port - 1 (coordinator_endpoint), which a port picked alone does not reserve (CI once met it taken)."""
+    Below the ephemeral range: a port the kernel may hand to an outgoing connection can be taken by a peer dialing
+    it before its stage listens (the peer connects to itself; CI met it in a rejoin). ``free_below`` is kept for its
+    callers: every block includes the port below."""
+    del free_below
+    span = ephemeral_ports()
+    top = min(span[0] if span is not None else 32768, BASE_PORT - PORT_BLOCK)  # clear of BASE_PORT's runs too
+    rng = random.Random()
     for _ in range(100):
+        base = rng.randrange(10_000, top - PORT_BLOCK * n)
+        ports = [base + 1 + PORT_BLOCK * i for i in range(n)]
         socks: list[socket.socket] = []
         try:
-            ports = []
-            for _ in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", 0))
-                ports.append(s.getsockname()[1])
-            for k in free_below:
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", ports[k] - 1))  # OSError when taken, or when it is one of ours
+            for p in ports:
+                for q in range(p - 1, p + n):
+                    s = socket.socket()
+                    socks.append(s)
+                    s.bind(("127.0.0.1", q))  # OSError when taken
         except OSError:
             continue
         finally:
             for s in socks:
                 s.close()
         return ports
-    raise RuntimeError(f"no {n} free loopback ports with the ones below them free")
+    raise RuntimeError(f"no {n} free blocks of loopback ports below {top}")
 
 
 def _graph(model: ModelSpec, state_keys: list[str]) -> LayerGraph:

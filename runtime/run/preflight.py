@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from hetero.errors import CheckpointError, ConfigError, HeteroError
 from hetero.packing import steps_for_epochs
 from hetero.plan import Plan
 from hetero.runtime.base.rundir import check_creatable, check_free_space, create_run_dir, write_run_file
+from hetero.runtime.wire.endpoints import EPHEMERAL_RANGE_FILE
 from hetero.specs import MAX_COUNT
 
 PEFT_PREFIX = "base_model.model."  # as in adapter.py (not imported: that module pulls in torch)
@@ -200,6 +202,7 @@ def check_ports(plan: Plan, host: str | None, port: int | None) -> None:
     name = host or plan.stages[0].host
     wanted = [("the coordinator", coordinator_endpoint(plan, name, port))]
     wanted += [(f"stage {s.index}", s.endpoint) for s in plan.stages if s.host == name]
+    warn_ephemeral([endpoint for _, endpoint in wanted], name)
     ctx = zmq.Context(io_threads=1)
     sockets = []
     try:
@@ -230,6 +233,23 @@ def check_ports(plan: Plan, host: str | None, port: int | None) -> None:
         for sock in sockets:
             sock.close(linger=0)
         ctx.term()
+
+
+def warn_ephemeral(endpoints: list[str], host: str, span: tuple[int, int] | None = None) -> list[int]:
+    """Say on stderr, in one line, which of this host's listening ports lie in its ephemeral range (the ports
+    returned; none said when none does). Such a port can be taken, now and then, by a peer that dials it before the
+    stage listens: the peer connects to itself and the stage fails to bind."""
+    from hetero.runtime.wire.endpoints import ephemeral_ports, ports_in
+
+    span = span if span is not None else ephemeral_ports()
+    inside = ports_in(endpoints, span)
+    if inside and span is not None:
+        listed = ", ".join(map(str, inside))
+        print(f"hetero run: warning: port(s) {listed} on {host} lie in this machine's ephemeral range "
+              f"({span[0]}-{span[1]}, {EPHEMERAL_RANGE_FILE}): a peer dialing one before its stage listens can be "
+              "handed that port and connect to itself, and the stage then cannot bind; give the fleet file's "
+              f"hosts.{host}.port (and --port) a value below {span[0]} and recompile", file=sys.stderr, flush=True)
+    return inside
 
 
 def check_data(plan: Plan, model_dir: Path, first_step: int, batches: Any = None) -> Any:

@@ -50,3 +50,27 @@ def _join(host: str, port: str) -> str:
     if host == "localhost":
         host = "127.0.0.1"
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_ports(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int] | None:
+    """The ports this machine hands to outgoing connections (first, last), or None where it does not say (not Linux).
+
+    A port in that range can be handed to a socket that dials it before anything listens there: on one machine the
+    dialer then connects to itself (TCP's simultaneous open), holds the port, and the stage cannot bind it."""
+    try:
+        with open(path) as f:
+            first, last = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return None
+    return first, last
+
+
+def ports_in(endpoints: list[str], span: tuple[int, int] | None) -> list[int]:
+    """The ports of ``endpoints`` that lie in ``span`` (inclusive), sorted."""
+    if span is None:
+        return []
+    ports = {int(port) for _, port in map(_parse_tcp_endpoint, endpoints) if port.isdigit()}
+    return sorted(p for p in ports if span[0] <= p <= span[1])

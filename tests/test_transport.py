@@ -178,6 +178,22 @@ def test_sends_queue_until_the_peer_binds_and_close_flushes() -> None:
         assert [receiver.recv("act").mb for _ in range(n)] == list(range(n))
 
 
+def test_a_port_let_go_within_seconds_is_bound() -> None:
+    """A stage's port still held for a moment (its process under the run's previous plan closing, or a peer on this
+    machine that dialed it early and was handed it as its own port) is tried again, not refused at once; one held
+    past BIND_RETRY_S is refused in one line (test_setup_errors_are_one_line_wire_errors)."""
+    from hetero.runtime.wire.inbox import BIND_RETRY_S
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    endpoint = f"tcp://127.0.0.1:{held.getsockname()[1]}"
+    threading.Timer(1.0, held.close).start()
+    start = time.monotonic()
+    with Transport("stage1", endpoint, PLAN) as receiver:  # without the retry: "cannot listen on ..." at once
+        assert receiver.endpoint == endpoint and time.monotonic() - start > 0.9 and BIND_RETRY_S > 1.0
+
+
 def test_setup_errors_are_one_line_wire_errors(pair) -> None:
     a, _ = pair
     with pytest.raises(WireError, match="cannot listen on .*another process"):

@@ -238,7 +238,7 @@ def check_ports(plan: Plan, host: str | None, port: int | None) -> None:
 def warn_ephemeral(endpoints: list[str], host: str, span: tuple[int, int] | None = None) -> list[int]:
     """Say on stderr, in one line, which of this host's listening ports lie in its ephemeral range (the ports
     returned; none said when none does). Such a port can be taken, now and then, by a peer that dials it before the
-    stage listens: the peer connects to itself and the stage fails to bind."""
+    stage listens: the peer connects to itself (the stage tries again for a few seconds: inbox._bind_retrying)."""
     from hetero.runtime.wire.endpoints import ephemeral_ports, ports_in
 
     span = span if span is not None else ephemeral_ports()
@@ -247,7 +247,7 @@ def warn_ephemeral(endpoints: list[str], host: str, span: tuple[int, int] | None
         listed = ", ".join(map(str, inside))
         print(f"hetero run: warning: port(s) {listed} on {host} lie in this machine's ephemeral range "
               f"({span[0]}-{span[1]}, {EPHEMERAL_RANGE_FILE}): a peer dialing one before its stage listens can be "
-              "handed that port and connect to itself, and the stage then cannot bind; give the fleet file's "
+              "handed that port and connect to itself, so that the stage may find it taken; give the fleet file's "
               f"hosts.{host}.port (and --port) a value below {span[0]} and recompile", file=sys.stderr, flush=True)
     return inside
 

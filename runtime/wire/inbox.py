@@ -28,6 +28,7 @@ from hetero.security import Identity
 log = logging.getLogger("hetero.runtime.wire.transport")
 
 _DEFAULT = object()  # "use the transport's recv_timeout_s"
+BIND_RETRY_S = 5.0  # a port in use is tried again this long: see _bind_retrying
 _POLL_SLICE_MS = 1000  # wake up periodically so long waits stay interruptible (Ctrl-C)
 _PART_WAIT_MS = 2000  # a message's later frames are normally there with its first
 # An inbox drops a connection that has not finished the ZeroMQ handshake (key or token checked) this
@@ -116,7 +117,7 @@ class Inbox:
             if port in ("0", "*"):
                 port = str(pull.bind_to_random_port(_join(host, "0").rsplit(":", 1)[0]))
             else:
-                pull.bind(address)
+                _bind_retrying(pull, address)
             self.endpoint = _join(_parse_tcp_endpoint(bind)[0], port)
             if self._gate is not None:
                 self._gate.listening(int(port))
@@ -265,3 +266,17 @@ class Inbox:
         if self._gate is not None:
             self._gate.stop()
 
+
+def _bind_retrying(sock: zmq.Socket, address: str, within_s: float = BIND_RETRY_S) -> None:
+    """Bind ``address``, trying again for ``within_s`` while the port is in use: the process that held it (this
+    stage under the run's plan before a re-plan) may still be closing, and on one machine a peer dialing the port
+    before it is bound can be handed it as its own port (it connects to itself, fails the handshake and lets go)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            sock.bind(address)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.1)

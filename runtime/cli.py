@@ -460,6 +460,9 @@ def main_worker(argv: list[str]) -> int:
     from hetero.runtime.run.host import check_host, serve_host
 
     check_host(args.plan, plan, args.host)  # before the run directory exists
+    from hetero.runtime.run.preflight import warn_ephemeral
+
+    warn_ephemeral(plan, args.host, prog="hetero worker")
     return serve_host(args.plan, plan, args.host, run_dir, coordinator, watch_stdin=args.watch_stdin)
 
 

@@ -326,34 +326,39 @@ def test_a_port_in_use_and_an_address_this_machine_lacks_are_told_apart(tiny_mod
 
 
 def test_ports_in_the_ephemeral_range_are_warned_of_in_one_line(tmp_path: Path, tiny_model_dir: Path,
-                                                                  tiny_spec: ModelSpec, capsys) -> None:
+                                                                  tiny_spec: ModelSpec, capsys, monkeypatch) -> None:
     """A port the kernel may hand to an outgoing connection can be taken by a peer that dials it before its stage
-    listens (it connects to itself; CI met it when a host rejoined): `hetero run` says so, naming the ports and the
-    value to use, and says nothing of ports below the range or where the machine does not tell its range."""
-    from hetero.runtime.run.preflight import check_ports, warn_ephemeral
-    from hetero.runtime.wire.endpoints import ephemeral_ports, ports_in
+    listens (it connects to itself; CI met it when a host rejoined): `hetero run` says so in one line, naming the
+    ports and what to change, and says nothing of ports below the range or where the machine does not tell it."""
+    from hetero.runtime.run import preflight
+    from hetero.runtime.wire import endpoints
 
     span_file = tmp_path / "ip_local_port_range"
     span_file.write_text("32768\t60999\n")
-    assert ephemeral_ports(str(span_file)) == (32768, 60999)
-    assert ephemeral_ports(str(tmp_path / "absent")) is None
+    assert endpoints.ephemeral_ports(str(span_file)) == (32768, 60999)
+    assert endpoints.ephemeral_ports(str(tmp_path / "absent")) is None
     span_file.write_text("not a range\n")
-    assert ephemeral_ports(str(span_file)) is None
+    assert endpoints.ephemeral_ports(str(span_file)) is None
+    assert endpoints.ports_in([40001, 29500, 60999, 32767, 40001], (32768, 60999)) == [40001, 60999]
+    assert endpoints.ports_in([40001], None) == []  # a machine that does not say its range: nothing to warn of
 
-    ends = ["tcp://127.0.0.1:40001", "tcp://127.0.0.1:29500", "tcp://127.0.0.1:60999", "tcp://127.0.0.1:32767"]
-    assert warn_ephemeral(ends, "alpha", (32768, 60999)) == [40001, 60999]
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=TRAIN, hosts=["alpha", "alpha", "beta"])
+    preflight.check_ports(plan, None, None)  # its ports are below this machine's range
+    assert capsys.readouterr().err == ""
+    base = plan.cluster.host("alpha").port
+    # This machine's range as if it began at alpha's port + 2: where a re-plan could put alpha's third stage.
+    monkeypatch.setattr(endpoints, "ephemeral_ports", lambda: (base + 2, 60999))
+    preflight.check_ports(plan, None, None)
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "port(s) 40001, 60999 on alpha lie in this machine's ephemeral range" in err, err
-    assert "hosts.alpha.port (and --port) a value below 32768" in err, err
-    assert warn_ephemeral(ends[1:2] + ends[3:], "alpha", (32768, 60999)) == []
-    assert ports_in(ends, None) == []  # a machine that does not say its range: nothing to warn of
+    second = int(plan.stages[1].endpoint.rsplit(":", 1)[1])  # alpha's second stage (make_plan spaces them out)
+    assert second > base + 2
+    assert err.count("\n") == 1 and f"hetero run: warning: port(s) {base + 2}, {second} of alpha lie in this " \
+        f"machine's ephemeral range ({base + 2}-60999" in err, err
+    assert f"give the fleet file's hosts.alpha.port (then recompile) a value below {base + 2}" in err, err
+    assert preflight.warn_ephemeral(plan, "alpha", "tcp://127.0.0.1:50000", prog="hetero worker") == [
+        base + 2, second, 50000]
+    err = capsys.readouterr().err
+    assert err.startswith("hetero worker: warning:") and "and the coordinator's port (`hetero run --port`)" in err
+    monkeypatch.setattr(endpoints, "ephemeral_ports", lambda: (second + 1, 60999))
+    assert preflight.warn_ephemeral(plan, "alpha", f"tcp://127.0.0.1:{base - 1}") == []
     assert capsys.readouterr().err == ""
-
-    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN)  # its ports are below the range
-    check_ports(plan, None, None)
-    assert capsys.readouterr().err == ""
-    span = ephemeral_ports()
-    if span is not None:  # the coordinator's port moved into this machine's range
-        inside = span[0] + 1000
-        check_ports(plan, None, inside)
-        assert f"port(s) {inside} on {plan.stages[0].host} lie in" in capsys.readouterr().err

@@ -40,20 +40,22 @@ from hetero.specs import (
 PORT_BLOCK = 64  # ports apart: a host's stage k listens on its first port + k, in a re-plan too
 
 
-def free_ports(n: int, free_below: tuple[int, ...] = ()) -> list[int]:
+def free_ports(n: int) -> list[int]:
     """n free TCP ports on loopback, PORT_BLOCK apart, below this machine's ephemeral range (bound then released;
     fine for tests). Each one's block is free: the port below it (a host's coordinator listens on its base port - 1)
     and the next n - 1 (a re-planned run puts stage k of the host on its first port + k).
 
     Below the ephemeral range: a port the kernel may hand to an outgoing connection can be taken by a peer dialing
-    it before its stage listens (the peer connects to itself; CI met it in a rejoin). ``free_below`` is kept for its
-    callers: every block includes the port below."""
-    del free_below
+    it before its stage listens (the peer connects to itself; CI met it in a rejoin)."""
+    assert 0 < n < PORT_BLOCK, n
     span = ephemeral_ports()
     top = min(span[0] if span is not None else 32768, BASE_PORT - PORT_BLOCK)  # clear of BASE_PORT's runs too
+    bottom = max(1024, top // 3)
+    if top - PORT_BLOCK * n <= bottom + 1:  # a machine whose ephemeral range starts low: take the rare race
+        bottom, top = 10_000, 60_000
     rng = random.Random()
     for _ in range(100):
-        base = rng.randrange(10_000, top - PORT_BLOCK * n)
+        base = rng.randrange(bottom, top - PORT_BLOCK * n)
         ports = [base + 1 + PORT_BLOCK * i for i in range(n)]
         socks: list[socket.socket] = []
         try:
@@ -121,8 +123,7 @@ def make_plan(
     counts = [len(sp) for sp in splits]
     num_stages = sum(counts)
     host_of = hosts or ["localhost"] * num_stages
-    firsts = tuple(host_of.index(h) for h in dict.fromkeys(host_of))
-    ports = free_ports(num_stages, free_below=firsts)
+    ports = free_ports(num_stages)
     devices_of: dict[str, list[DeviceSpec]] = {}
     first_port: dict[str, int] = {}
     for k, h in enumerate(host_of):

@@ -17,6 +17,7 @@ import msgpack
 import pytest
 import torch
 import zmq
+from test_runtime_plans import free_ports
 
 from hetero.errors import WireError
 from hetero.runtime.base.env import describe_environment
@@ -156,10 +157,7 @@ def test_large_tensor_arrives_intact(pair) -> None:
 
 def test_sends_queue_until_the_peer_binds_and_close_flushes() -> None:
     # Stages start in any order: messages to a peer that is not up yet wait, in order, unbounded.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    endpoint = f"tcp://127.0.0.1:{port}"
+    endpoint = f"tcp://127.0.0.1:{free_ports(1)[0]}"  # below the ephemeral range: the sender dials it early
     sender = Transport("stage0", None, PLAN)
     sender.connect("stage1", endpoint)
     n = 3000  # well past ZeroMQ's default high-water mark of 1000

@@ -202,7 +202,7 @@ def check_ports(plan: Plan, host: str | None, port: int | None) -> None:
     name = host or plan.stages[0].host
     wanted = [("the coordinator", coordinator_endpoint(plan, name, port))]
     wanted += [(f"stage {s.index}", s.endpoint) for s in plan.stages if s.host == name]
-    warn_ephemeral([endpoint for _, endpoint in wanted], name)
+    warn_ephemeral(plan, name, wanted[0][1])
     ctx = zmq.Context(io_threads=1)
     sockets = []
     try:
@@ -235,21 +235,33 @@ def check_ports(plan: Plan, host: str | None, port: int | None) -> None:
         ctx.term()
 
 
-def warn_ephemeral(endpoints: list[str], host: str, span: tuple[int, int] | None = None) -> list[int]:
-    """Say on stderr, in one line, which of this host's listening ports lie in its ephemeral range (the ports
-    returned; none said when none does). Such a port can be taken, now and then, by a peer that dials it before the
-    stage listens: the peer connects to itself (the stage tries again for a few seconds: inbox._bind_retrying)."""
-    from hetero.runtime.wire.endpoints import ephemeral_ports, ports_in
+def warn_ephemeral(plan: Plan, host: str, coordinator: str | None = None, span: tuple[int, int] | None = None,
+                   prog: str = "hetero run") -> list[int]:
+    """Say on stderr, in one line, which ports ``host`` may listen on lie in this machine's ephemeral range (the ports
+    returned; nothing said when none does): its stages' (in this plan, and in a re-plan: stage k of the host on its
+    base port + k) and the ``coordinator`` endpoint's. A port in that range can be taken by a peer on this machine
+    that dials it before the stage listens: the kernel hands the peer that port, it connects to itself, and the port
+    stays taken for a minute (TIME_WAIT) after the failed handshake."""
+    from hetero.runtime.wire.endpoints import endpoint_port, ephemeral_ports, ports_in
 
     span = span if span is not None else ephemeral_ports()
-    inside = ports_in(endpoints, span)
-    if inside and span is not None:
-        listed = ", ".join(map(str, inside))
-        print(f"hetero run: warning: port(s) {listed} on {host} lie in this machine's ephemeral range "
-              f"({span[0]}-{span[1]}, {EPHEMERAL_RANGE_FILE}): a peer dialing one before its stage listens can be "
-              "handed that port and connect to itself, so that the stage may find it taken; give the fleet file's "
-              f"hosts.{host}.port (and --port) a value below {span[0]} and recompile", file=sys.stderr, flush=True)
-    return inside
+    base = plan.cluster.host(host).port
+    stages = [endpoint_port(s.endpoint) for s in plan.stages if s.host == host]
+    stages += [base + k for k in range(len(plan.stages))]
+    listens = endpoint_port(coordinator or "tcp://*:*")  # base port - 1 unless `hetero run --port` moved it
+    moved = [] if listens is None or listens == base - 1 else [listens]
+    ours = ports_in([p for p in [*stages, listens] if p is not None and p not in moved], span)
+    theirs = ports_in(moved, span)
+    if span is None or not ours + theirs:
+        return []
+    fixes = ([f"the fleet file's hosts.{host}.port (then recompile)"] if ours else []) + (
+        ["the coordinator's port (`hetero run --port`)"] if theirs else [])
+    listed = ", ".join(map(str, sorted(set(ours + theirs))))
+    print(f"{prog}: warning: port(s) {listed} of {host} lie in this machine's ephemeral range ({span[0]}-{span[1]}, "
+          f"{EPHEMERAL_RANGE_FILE}): a peer here dialing one before its stage listens can be handed that very port "
+          f"and hold it, so the stage may fail to listen; give {' and '.join(fixes)} a value below {span[0]} "
+          f"(29500, the default, is)", file=sys.stderr, flush=True)
+    return sorted(set(ours + theirs))
 
 
 def check_data(plan: Plan, model_dir: Path, first_step: int, batches: Any = None) -> Any:

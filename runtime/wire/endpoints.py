@@ -68,9 +68,12 @@ def ephemeral_ports(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int] | None:
     return first, last
 
 
-def ports_in(endpoints: list[str], span: tuple[int, int] | None) -> list[int]:
-    """The ports of ``endpoints`` that lie in ``span`` (inclusive), sorted."""
-    if span is None:
-        return []
-    ports = {int(port) for _, port in map(_parse_tcp_endpoint, endpoints) if port.isdigit()}
-    return sorted(p for p in ports if span[0] <= p <= span[1])
+def endpoint_port(endpoint: str) -> int | None:
+    """The port of ``tcp://HOST:PORT`` (None for ``*``)."""
+    port = _parse_tcp_endpoint(endpoint)[1]
+    return int(port) if port.isdigit() else None
+
+
+def ports_in(ports: list[int], span: tuple[int, int] | None) -> list[int]:
+    """The ``ports`` that lie in ``span`` (inclusive), sorted, each once."""
+    return [] if span is None else sorted({p for p in ports if span[0] <= p <= span[1]})

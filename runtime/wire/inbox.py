@@ -269,8 +269,8 @@ class Inbox:
 
 def _bind_retrying(sock: zmq.Socket, address: str, within_s: float = BIND_RETRY_S) -> None:
     """Bind ``address``, trying again for ``within_s`` while the port is in use: the process that held it (this
-    stage under the run's plan before a re-plan) may still be closing, and on one machine a peer dialing the port
-    before it is bound can be handed it as its own port (it connects to itself, fails the handshake and lets go)."""
+    stage under the run's plan before a re-plan) may still be closing. (A port a peer was handed as its own, and
+    connected to itself on, stays taken for a minute: preflight.warn_ephemeral says how to avoid that.)"""
     deadline = time.monotonic() + within_s
     while True:
         try:

@@ -8,9 +8,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-HETERO = [sys.executable, "-m", "hetero.cli"]
+# The `hetero` console script, as a user types it: `python -m hetero.cli` would itself import a folder named hetero
+# in its working directory, which tests make on purpose (clone_beside).
+_SCRIPT = Path(sys.executable).with_name("hetero")
+HETERO = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-P", "-m", "hetero.cli"]
 STARTED: list[subprocess.Popen] = []
 PIDS: list[int] = []  # stage processes a test learned of (killed too: a SIGSTOPped one ignores its parent)
+
+
+def clone_beside(folder: Path) -> Path:
+    """``folder`` holding a folder named ``hetero``, as a user's home holds the clone of an editable install (issue 53:
+    a child started there with ``python -m`` imported that folder instead of hetero)."""
+    (folder / "hetero").mkdir(parents=True, exist_ok=True)
+    (folder / "hetero" / "README.md").write_text("a clone of hetero, not the package\n")
+    return folder
 
 
 def start(args: list[str], cwd: Path, **env: str) -> subprocess.Popen:

@@ -42,7 +42,11 @@ def _plan_with_spare(tiny_model_dir: Path, tiny_spec: ModelSpec, train: TrainSpe
 
 
 def test_spare_device_evaluates_while_training(tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+                                               capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from procs import clone_beside
+
+    monkeypatch.chdir(clone_beside(tmp_path / "home"))  # the evaluator and the stages start beside the clone
     train = TrainSpec(micro_batch_size=2, num_micro_batches=2, steps=5, lr=5e-3, seed=1)
     plan = _plan_with_spare(tiny_model_dir, tiny_spec, train)
     plan.save(tmp_path / "plan.json")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import clean_up, finish, start
+from procs import clean_up, clone_beside, finish, start
 from test_runtime_plans import free_ports, make_plan
 
 from hetero.plan import Plan, compute_input_hash
@@ -62,6 +62,7 @@ def test_two_hosts_train_and_the_adapter_loads_with_peft(tiny_model_dir: Path, t
 
     plan = _two_host_plan(tiny_model_dir, tiny_spec)
     plan.save(tmp_path / "plan.json")
+    clone_beside(tmp_path)  # both hosts' children start from a directory holding the clone
     port = free_ports(1)[0]
     coordinator = f"tcp://127.0.0.1:{port}"
     run_dir = tmp_path / "run"

@@ -28,7 +28,7 @@ from hetero.errors import ConfigError
 from hetero.hardware import build_cluster
 from hetero.plan import Plan, compute_input_hash
 from hetero.profile import fleet_hash
-from hetero.runtime.run.ssh import remote_word, ssh_argv
+from hetero.runtime.run.ssh import CHECK_PREFIX, remote_word, ssh_argv, ssh_hosts, worker_command
 from hetero.specs import ModelSpec, SshSpec, TrainSpec
 
 SSHD = Path("/usr/sbin/sshd")
@@ -113,6 +113,22 @@ def test_the_remote_command_is_quoted_for_the_remote_shell() -> None:
     assert argv[-3:-1] == ["--", "me@strix"]
     assert argv[-1] == "~/'my venv/bin/python' -m hetero.cli worker '/plans/a b; rm -rf x/plan.json'"
     assert remote_word("~/plans") == "~/plans" and remote_word("~x") == "'~x'"
+
+
+def test_the_remote_worker_starts_from_a_home_that_holds_the_clone(tiny_model_dir: Path, tiny_spec: ModelSpec,
+                                                                  tmp_path: Path) -> None:
+    """ssh runs the worker's command with the remote shell in the user's home, where the clone of an editable
+    install sits: the command imports the installed hetero, not that folder (issue 53)."""
+    from procs import clone_beside
+
+    plan = _ssh_plan(tmp_path, tiny_model_dir, tiny_spec, SshSpec("me@beta", python=sys.executable))
+    host = ssh_hosts(plan, tmp_path / "plan.json", "alpha")[0]
+    command = ssh_argv(host.ssh, worker_command(host, "--check"))[-1]
+    done = subprocess.run(["sh", "-c", command], cwd=clone_beside(tmp_path / "home"), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(next(ln for ln in done.stdout.splitlines() if ln.startswith(CHECK_PREFIX))[len(CHECK_PREFIX):])
+    assert report["error"] is None and report["input_hash"] == plan.input_hash, report
 
 
 # -- a real sshd on 127.0.0.1 ------------------------------------------------------------------------------

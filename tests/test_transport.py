@@ -99,7 +99,8 @@ def test_timeout_names_what_was_awaited_and_from_whom(pair) -> None:
     with pytest.raises(WireError) as err:
         b.recv("grad", step=3, mb=2, sender="stage2", timeout_s=0.3)
     assert 0.25 <= time.monotonic() - start < 3
-    assert str(err.value) == "no 'grad' step 3 mb 2 from stage2 within 0.3 s: is that stage alive? see its log"
+    assert str(err.value) == ("no 'grad' step 3 mb 2 from stage2 within 0.3 s: is that stage alive? "
+                              "see logs/stage2.log in its host's run directory")
 
 
 def test_default_timeout_comes_from_the_constructor() -> None:

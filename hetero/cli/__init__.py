@@ -41,6 +41,8 @@ RUNTIME_COMMANDS = {
     "worker": ("hetero.runtime.cli", "main_worker",
                "serve this host's stages of a plan (started by `hetero run` or by hand)"),
     "generate": ("hetero.runtime.cli", "main_generate", "generate text with the base model plus a trained adapter"),
+    "profile-worker": ("hetero.runtime.tools.profile_worker", "main", "measure this host's device for a `hetero "
+                       "profile` started on another host (the command it prints)"),
     "export": ("hetero.runtime.tools.export", "main_export", "merge a run's adapter into its base model: a standalone "
                "model for serving (hetero export RUN_DIR --out DIR)"),
 }

@@ -23,6 +23,19 @@ from hetero.errors import HeteroError
 STRAGGLER_S = 30.0  # `hetero worker`: how long its other stages may outlive one that exited
 STOPPED_KILL_S = 30.0  # `hetero worker`: a stage stopped (SIGSTOP) this long is killed
 log = logging.getLogger("hetero.processes")
+# `python -m MODULE` puts the working directory first on sys.path: started where that directory holds a folder named
+# `hetero` (the clone of an editable install, in the user's home), a child imports the folder as a namespace package
+# instead of hetero. -P (Python 3.11+) leaves the directory out; older interpreters drop it themselves.
+_SAFE_RUN = ("import runpy, sys; sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]; "
+             "runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+
+
+def module_argv(module: str, python: str | None = None, flags: tuple[str, ...] = ()) -> list[str]:
+    """``python -m MODULE`` that imports the installed hetero whatever the working directory holds; ``python``:
+    another interpreter (a remote host's, of unknown version), else this one."""
+    if python is None and sys.version_info >= (3, 11):
+        return [sys.executable, *flags, "-P", "-m", module]
+    return [python or sys.executable, *flags, "-c", _SAFE_RUN.format(module=module)]
 
 
 @dataclass(frozen=True)
@@ -94,7 +107,7 @@ def spawn_stages(plan_path: Path, stages: list[int], run_dir: Path, coordinator:
         with open(run_dir / "logs" / f"stage{k}.log", "ab") as logf:
             # start_new_session: a terminal Ctrl-C reaches only the parent, which stops stages in order.
             procs[k] = subprocess.Popen(
-                [sys.executable, "-m", "hetero.runtime.stage.process", str(plan_path), "--stage", str(k),
+                [*module_argv("hetero.runtime.stage.process"), str(plan_path), "--stage", str(k),
                  "--coordinator", coordinator, "--parent-pid", str(os.getpid()),
                  *(["--replan-dir", str(replan_dir)] if replan_dir is not None else [])],
                 stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)

@@ -8,13 +8,13 @@ answers over a local pipe, never blocking training.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hetero.errors import ConfigError, HeteroError
 from hetero.plan import Plan
+from hetero.runtime.base.processes import module_argv
 from hetero.specs import EvalSpec
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class EvalClient:
         self.device = device
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hetero.runtime.tools.evaluator", str(plan_path), "--device", device,
+                [*module_argv("hetero.runtime.tools.evaluator"), str(plan_path), "--device", device,
                  "--eval", json.dumps(to_dict(plan.eval))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, text=True, start_new_session=True)
         self.answers: Queue[dict[str, Any]] = Queue()

@@ -28,7 +28,7 @@ from typing import Any
 from hetero import __version__
 from hetero.errors import HeteroError
 from hetero.plan import Plan
-from hetero.runtime.base.processes import last_line
+from hetero.runtime.base.processes import last_line, module_argv
 from hetero.security import is_loopback
 from hetero.specs import SshSpec
 
@@ -93,8 +93,9 @@ def ssh_argv(ssh: SshSpec, command: list[str]) -> list[str]:
 
 
 def worker_command(host: SshHost, *args: str) -> list[str]:
-    """``python -u -m hetero.cli worker PLAN --host NAME ARGS...`` as run on ``host``."""
-    return [host.ssh.python, "-u", "-m", "hetero.cli", "worker", host.plan, "--host", host.name, *args]
+    """``python -u -m hetero.cli worker PLAN --host NAME ARGS...`` as run on ``host`` (from its home directory,
+    which may hold the clone of hetero: module_argv)."""
+    return [*module_argv("hetero.cli", host.ssh.python, ("-u",)), "worker", host.plan, "--host", host.name, *args]
 
 
 # -- on the remote host: `hetero worker PLAN --host NAME --check` ------------------------------------------

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 from hetero.errors import HeteroError, WireError
 from hetero.profile import LAYER_KINDS, DeviceProfile, LinkProfile, fit_line
+from hetero.runtime.base.processes import module_argv
 from hetero.runtime.tools.profile_worker import SESSION_FILE, ProfileSession, checked_endpoint, worker_name
 from hetero.security import COORDINATOR, Mode, is_loopback
 from hetero.serde import from_dict, to_dict
@@ -52,7 +52,7 @@ def _spawn(device: str, session: Path, log_dir: Path) -> subprocess.Popen:
     log_dir.mkdir(parents=True, exist_ok=True)
     with open(log_dir / f"{device}.log", "ab") as logf:
         return subprocess.Popen(
-            [sys.executable, "-m", "hetero.runtime.tools.profile_worker", "--session", str(session), "--device",
+            [*module_argv("hetero.runtime.tools.profile_worker"), "--session", str(session), "--device",
              device, "--parent-pid", str(os.getpid())],
             stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
@@ -96,20 +96,20 @@ def measure_fleet(
     mailbox = None
     try:
         procs = _start_workers(cluster, session_dir, log_dir, local, say)
-        endpoints = _gather_hellos(transport, cluster, procs, timeout_s)
+        endpoints = _gather_hellos(transport, cluster, procs, timeout_s, log_dir)
         for dev in cluster.devices:
             transport.connect(worker_name(dev.name), endpoints[dev.name])
         now = time.monotonic()
         mailbox = Mailbox(transport, watch={worker_name(d.name): now for d in cluster.devices},
                           silence_s=WORKER_SILENCE_S, on_idle=lambda: _check_workers(cluster, procs, log_dir))
         mailbox.watch_connections([worker_name(d.name) for d in cluster.devices])
-        profiles = _profile_devices(mailbox, cluster, model, micro_batch_size, say, timeout_s)
+        profiles = _profile_devices(mailbox, cluster, model, micro_batch_size, say, timeout_s, log_dir)
         links = []
         for a, b, sender, receiver in _link_pairs(cluster):
             transport.send(worker_name(sender), "welcome", meta={
                 "op": "link", "peer": worker_name(receiver), "endpoint": endpoints[receiver],
                 "sizes": list(link_sizes), "repeats": link_repeats})
-            reply = _await_state(mailbox, sender, say, timeout_s)
+            reply = _await_state(mailbox, sender, say, timeout_s, log_dir)
             links.append(link_from_samples(a, b, reply["samples"], security))
             say(f"measured link {a}<->{b}")
         return profiles, links
@@ -144,13 +144,13 @@ def _start_workers(cluster: ClusterSpec, session_dir: Path, log_dir: Path, local
             procs[i] = _spawn(dev.name, session, log_dir)
         else:
             say(f"on host {dev.host} run (after copying {session_dir}/{SESSION_FILE} and {session_dir}/artifacts/"
-                f"{dev.host} there): python -m hetero.runtime.tools.profile_worker --session {session} "
+                f"{dev.host} there): hetero profile-worker --session {session} "
                 f"--device {dev.name}")
     return procs
 
 
 def _profile_devices(mailbox: Any, cluster: ClusterSpec, model: ModelSpec, micro_batch_size: int,
-                     say: Callable[[str], None], timeout_s: float) -> list[DeviceProfile]:
+                     say: Callable[[str], None], timeout_s: float, log_dir: Path) -> list[DeviceProfile]:
     """Every device's profile, in the cluster's order; a host's CPU stages each while the others run a load."""
     by_name = {}
     for group in _profile_groups(cluster):
@@ -163,13 +163,13 @@ def _profile_devices(mailbox: Any, cluster: ClusterSpec, model: ModelSpec, micro
                     "op": "load", "device": to_dict(other), "model": to_dict(model),
                     "micro_batch_size": micro_batch_size})
             for other in others:
-                _await_state(mailbox, other.name, say, timeout_s)
+                _await_state(mailbox, other.name, say, timeout_s, log_dir)
             share = sum(1 for d in cluster.devices if d.host == dev.host and d.backend == "cpu") or 1
             mailbox.send(worker_name(dev.name), "welcome", meta={
                 "op": "profile", "device": to_dict(dev), "model": to_dict(model),
                 "micro_batch_size": micro_batch_size, "share": share if dev.backend == "cpu" else 1,
                 "measured_with": [d.name for d in others]})
-            reply = _await_state(mailbox, dev.name, say, timeout_s)
+            reply = _await_state(mailbox, dev.name, say, timeout_s, log_dir)
             by_name[dev.name] = from_dict(DeviceProfile, reply["profile"], f"profile of {dev.name}")
             say(f"profiled {dev.name}")
         if len(group) > 1:  # end the last loads before anything else is measured
@@ -203,7 +203,7 @@ def _link_pairs(cluster: ClusterSpec) -> list[tuple[str, str, str, str]]:
 
 
 def _gather_hellos(transport: Any, cluster: ClusterSpec, procs: dict[int, subprocess.Popen],
-                   timeout_s: float) -> dict[str, str]:
+                   timeout_s: float, log_dir: Path) -> dict[str, str]:
     """Each device's worker endpoint, from its (authenticated) hello; only at its host's address in the fleet."""
     endpoints: dict[str, str] = {}
     deadline = time.monotonic() + timeout_s
@@ -211,8 +211,9 @@ def _gather_hellos(transport: Any, cluster: ClusterSpec, procs: dict[int, subpro
     while set(endpoints) != set(devices):
         for i, p in procs.items():
             if p.poll() is not None:
-                raise HeteroError(f"profile worker for {cluster.devices[i].name} exited with code {p.returncode} "
-                                  "before saying hello; see its log")
+                name = cluster.devices[i].name
+                raise HeteroError(f"profile worker for {name} exited with code {p.returncode} before saying hello; "
+                                  f"see {log_dir / name}.log")
         try:
             msg = transport.recv("hello", timeout_s=min(2.0, max(0.1, deadline - time.monotonic())))
         except WireError:
@@ -228,7 +229,8 @@ def _gather_hellos(transport: Any, cluster: ClusterSpec, procs: dict[int, subpro
     return endpoints
 
 
-def _await_state(mailbox: Any, device: str, say: Callable[[str], None], timeout_s: float) -> dict[str, Any]:
+def _await_state(mailbox: Any, device: str, say: Callable[[str], None], timeout_s: float,
+                 log_dir: Path) -> dict[str, Any]:
     """The worker's next ``state``; its progress lines meanwhile. A failed, dead or silent worker: one line."""
     from hetero.runtime.wire.control import PeerError, PeerLost
 
@@ -238,8 +240,9 @@ def _await_state(mailbox: Any, device: str, say: Callable[[str], None], timeout_
         except PeerError as exc:
             raise HeteroError(f"profiling {exc.peer.removeprefix('profile:')} failed: {exc.message}") from None
         except PeerLost as exc:
-            raise HeteroError(f"profile worker for {exc.peer.removeprefix('profile:')}: {exc.cause}; see its log")\
-                from None
+            name = exc.peer.removeprefix("profile:")
+            raise HeteroError(f"profile worker for {name}: {exc.cause}; see {log_dir / name}.log (a worker started "
+                              "by hand on another host: its output there)") from None
         except WireError as exc:
             raise HeteroError(f"profiling {device}: {exc}") from None
         if msg.kind == "start":

@@ -236,7 +236,12 @@ class Inbox:
         if mb is not None:
             what += f" mb {mb}"
         source = f"from {sender}" if sender is not None else "from any peer"
-        hint = "is that stage alive? see its log" if sender is not None else "are the other stages alive? see their logs"
+        if sender is None:
+            hint = "are the other stages alive? see logs/stage<k>.log in each host's run directory"
+        elif re.fullmatch(r"stage\d+", sender):
+            hint = f"is that stage alive? see logs/{sender}.log in its host's run directory"
+        else:
+            hint = f"is {sender} alive? see its log"
         return f"no {what} {source} within {timeout:g} s: {hint}"
 
     def last_rejection(self, sender: str | None = None) -> str | None:

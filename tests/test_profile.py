@@ -436,13 +436,13 @@ def test_profile_compile_run_predicts_the_step(tmp_path: Path, capsys, monkeypat
     import json
     import statistics
 
+    from procs import clone_beside
+
     from hetero.cli import main
     from hetero.plan import Plan
     from hetero.runtime.run.run_compare import compare_run
 
     # A user's datasheet plan with a choice of their own (lora.r=4: a profile for r=8 would be refused).
-    from procs import clone_beside
-
     monkeypatch.chdir(clone_beside(tmp_path))  # the profile's workers and the run's stages start beside the clone
     user = ["model=tiny", "hardware=local", "lora.r=4", "output=plan"]
     assert main(["compile", *user]) == 0

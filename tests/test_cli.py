@@ -207,6 +207,19 @@ def _hetero(args: list[str], cwd: Path, **env_vars: str) -> subprocess.Completed
                           text=True, timeout=300)  # fmt: skip
 
 
+def test_compile_refuses_data_run_could_not_use_in_one_line(tmp_path: Path) -> None:
+    """An explicit data.path that is missing, or of another format than data.format, stops the compile (exit 2, one
+    line, the setting that reads it) instead of a plan whose run fails at its first step (issue 53)."""
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "a"},
+                                                                  {"role": "assistant", "content": "b"}]}) + "\n")
+    for data, said in (("missing.jsonl", "data.path 'missing.jsonl': no such file"),
+                       ("chat.jsonl", "this file has 'messages': use data.format=chat")):
+        done = _hetero(["compile", "model=tiny", "hardware=local", f"data.path={data}", "output=out"], tmp_path)
+        assert done.returncode == 2 and said in done.stderr, done.stderr[-2000:]
+        assert [ln for ln in done.stderr.splitlines() if ln.strip()] == [done.stderr.strip()], done.stderr
+        assert not (tmp_path / "out" / "plan.json").exists()
+
+
 @pytest.mark.parametrize(
     ("model", "hardware", "devices"), [("tiny", "local", {"localhost.cpu0", "localhost.cpu1"}),
                                        ("llama8b", "homelab", {"desktop.rtx5090_0", "strix.strix_halo0"})]

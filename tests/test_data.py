@@ -157,6 +157,22 @@ def test_tokens_format_from_parquet(tiny_model_dir: Path, tmp_path: Path) -> Non
          r"line 2: invalid JSON \(Unterminated string starting at, column 22\) \(the line is cut short\?\)$"),
         ('[{"instruction": "a", "output": "b"}, {"instruction": 1, "output": "b"}]', "alpaca",
          r"record 2: alpaca format needs .*\('instruction', got 1 \(a number\)\)$"),
+        # A file of another format says which setting reads it (issue 53).
+        ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n', "alpaca",
+         r"line 1: alpaca format .*\(missing 'instruction'\); this file has 'messages': use data.format=chat$"),
+        ('{"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}\n', "alpaca",
+         r"this file has 'conversations': use data.format=chat$"),
+        ('{"instruction": "a", "output": "b"}\n', "chat", r"this file has 'instruction': use data.format=alpaca$"),
+        ('{"body": "a"}\n', "text", r"needs a string field 'text' .*use data.text_field=body$"),
+        ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n', "alpaca", r"this file holds preference pairs"),
+        ('{"conversations": [{"from": "human", "value": "a"}, {"from": "tool", "value": "b"}]}\n', "chat",
+         r"line 1: conversations\[1\]\.from must be one of system, human, user, gpt, assistant, got 'tool'$"),
+        # Bounded JSON: Python's parser gives a traceback on both.
+        ('{"text": "a"}\n{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n", "text",
+         r"bad.jsonl: line 2: JSON nested deeper than 64 levels$"),
+        ('{"text": "a", "id": ' + "1" * 100_000 + "}\n", "text", r"line 1: a number of 100,000 digits \(at most 100\)$"),
+        ('[{"text": "a"},\n {"text": "b", "id": ' + "1" * 100_000 + "}]", "text",
+         r"bad.jsonl: line 2: a number of 100,000 digits"),
     ],
 )
 def test_bad_data(tiny_model_dir: Path, tmp_path: Path, content: str, fmt: str, match: str) -> None:
@@ -270,6 +286,17 @@ def test_chat_refusals(tiny_model_dir: Path, tmp_path: Path) -> None:
     _chat_setup(tiny_model_dir, tmp_path, ROLE_TEMPLATE, [CHAT[2:]])
     with pytest.raises(ConfigError, match=r"line 1: messages\[0\] is an assistant turn"):
         _batches(tmp_path / "tokenizer", spec).check(0, 1, None)
+
+
+def test_sharegpt_conversations_read_as_chat(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """ShareGPT's {from, value} turns under data.format=chat encode exactly as the same turns as messages."""
+    _, tok_dir, path = _chat_setup(tiny_model_dir, tmp_path, ROLE_TEMPLATE, [CHAT])
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(json.dumps([{"conversations": [{"from": names[m["role"]], "value": m["content"]}
+                                                       for m in CHAT]}]))
+    want = _batches(tok_dir, DataSpec(path=str(path), format="chat")).encode(0)
+    assert _batches(tok_dir, DataSpec(path=str(sharegpt), format="chat")).encode(0) == want
 
 
 def test_tiny_chat_template_reads_like_alpaca(tiny_model_dir: Path, tmp_path: Path) -> None:

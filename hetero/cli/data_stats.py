@@ -44,6 +44,25 @@ def measure_data(model: ModelSpec, data: DataSpec, sample: int = SAMPLE_RECORDS)
     return _CACHE[key]
 
 
+def check_data_file(data: DataSpec, sample: int = SAMPLE_RECORDS) -> None:
+    """An explicit ``data.path`` that `hetero run` could not read or use is a ConfigError (one line, naming the file,
+    the line and the setting that reads it) before anything is planned; the bundled demo set is not checked."""
+    if data.path is None:
+        return
+    from hetero.runtime.run.data_files import load_located, validate_records
+
+    with tempfile.TemporaryDirectory(prefix="hetero-data-check-") as tmp:
+        picked, _ = _sample_file(data, sample, Path(tmp) / "sample.jsonl")
+        read = replace(data, path=str(picked)) if picked is not None else data
+        try:
+            records, name, located = load_located(read)
+            validate_records(records, read, name, located)
+        except ConfigError as exc:
+            if picked is None:
+                raise
+            raise ConfigError(str(exc).replace(str(picked), f"{data.path} (its {sample} sampled records)")) from None
+
+
 def _measure(model: ModelSpec, data: DataSpec, sample: int) -> DataStats:
     from transformers.utils import logging as hf_logging
 

@@ -20,7 +20,6 @@ is used as given, and ``chat`` is exactly what the tokenizer's chat template ren
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections import OrderedDict
@@ -33,13 +32,11 @@ import torch
 from hetero.errors import ConfigError
 from hetero.packing import pack_rows
 from hetero.runtime.base.prompts import render_alpaca
-from hetero.serde import short_repr
+from hetero.runtime.run.data_files import _first_line, chat_messages, load_located, validate_records
 from hetero.specs import DataSpec
 
 IGNORE_INDEX = -100
 FORMATS = ("text", "alpaca", "tokens", "chat")
-CHAT_ROLES = ("system", "user", "assistant")
-DEMO_NAME = "<bundled demo_alpaca.jsonl>"
 
 @dataclass
 class StepBatch:
@@ -54,170 +51,6 @@ class StepBatch:
     position_ids: torch.Tensor | None = None
     num_tokens: int = 0  # record tokens in the step (not padding): what it computes that is not waste
 
-
-def load_records(data: DataSpec) -> tuple[list[dict[str, Any]], str]:
-    """The raw records of ``data`` and a display name for error messages."""
-    records, name, _ = load_located(data)
-    return records, name
-
-
-def load_located(data: DataSpec) -> tuple[list[dict[str, Any]], str, list[str]]:
-    """The raw records of ``data``, a display name for error messages, and where each record is in the file:
-    ``line N`` for JSON lines, ``record N`` (from 1) for a JSON array or Parquet.
-
-    JSON is read by hetero itself, line by line: every value stays as the file has it (no column types inferred
-    across records, which turned a valid "5" into 5 and blamed another record), and a bad line is named."""
-    if data.path is None:
-        if data.format != "alpaca":
-            raise ConfigError(f"data.format={data.format} needs data.path=FILE: the bundled demo set "
-                              "(used when data.path is unset) is in the alpaca format")
-        from hetero.runtime.pretrained import demo_data_text
-
-        return (*_read_json(demo_data_text(), DEMO_NAME),)
-    path = Path(data.path).expanduser()
-    name = str(path)
-    if not path.is_file():
-        raise ConfigError(f"data.path '{name}': no such file")
-    suffix = path.suffix.lower()
-    if suffix not in (".jsonl", ".json", ".parquet"):
-        raise ConfigError(f"data.path '{name}': unsupported file type '{suffix}'; use .jsonl, .json or .parquet")
-    if path.stat().st_size == 0:
-        raise ConfigError(f"data.path '{name}': file is empty")
-    if suffix != ".parquet":
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"data.path '{name}': not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
-        return (*_read_json(text, name),)
-    records = _read_parquet(path, name)
-    return records, name, [f"record {i}" for i in range(1, len(records) + 1)]
-
-
-def _read_parquet(path: Path, name: str) -> list[dict[str, Any]]:
-    import tempfile
-
-    import datasets
-
-    # Stage logs are line-oriented: no "Generating train split" bars (restored afterwards).
-    bars_were_off = datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    try:
-        # A private, throwaway Arrow cache: several stage processes read the same file at once, and
-        # the records are materialized below anyway.
-        with tempfile.TemporaryDirectory(prefix="hetero-data-") as cache_dir:
-            ds = datasets.load_dataset("parquet", data_files=str(path), split="train", cache_dir=cache_dir)
-            records = ds.to_list()
-    except Exception as exc:  # datasets wraps parse errors in several types; all mean "bad file"
-        raise ConfigError(f"data.path '{name}': cannot read as parquet: {_first_line(exc)}") from None
-    finally:
-        if not bars_were_off:
-            datasets.enable_progress_bars()
-    if not records:
-        raise ConfigError(f"data.path '{name}': no records")
-    return records
-
-
-def _read_json(text: str, name: str) -> tuple[list[dict[str, Any]], str, list[str]]:
-    """JSON lines (one object per line), or one JSON array of objects (a .json file may be either)."""
-    if text.lstrip().startswith("["):
-        try:
-            whole = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{name}: line {exc.lineno}: invalid JSON ({exc.msg}, column {exc.colno})") from None
-        if not isinstance(whole, list):
-            raise ConfigError(f"{name}: expected a JSON array of objects or one JSON object per line")
-        for i, record in enumerate(whole, 1):
-            if not isinstance(record, dict):
-                raise ConfigError(f"{name}: record {i}: expected a JSON object, got {short_repr(record)}")
-        if not whole:
-            raise ConfigError(f"{name}: no records")
-        return whole, name, [f"record {i}" for i in range(1, len(whole) + 1)]
-    records, located = _parse_jsonl(text, name)
-    return records, name, located
-
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
-
-
-def _parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """One JSON object per line (blank lines skipped); the records and ``line N`` for each."""
-    records, located = [], []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            short = exc.msg.startswith("Unterminated") or exc.pos >= len(line.rstrip())  # it ends mid-value
-            cut = " (the line is cut short?)" if short else ""
-            raise ConfigError(f"{name}: line {lineno}: invalid JSON ({exc.msg}, column {exc.colno}){cut}") from None
-        if not isinstance(record, dict):
-            raise ConfigError(f"{name}: line {lineno}: expected a JSON object, got {short_repr(record)}")
-        records.append(record)
-        located.append(f"line {lineno}")
-    if not records:
-        raise ConfigError(f"{name}: no records")
-    return records, located
-
-
-def _validate(records: list[dict[str, Any]], data: DataSpec, name: str, located: list[str] | None = None) -> None:
-    """Fail at startup, not mid-run, on a record the chosen format cannot use; ``located``: where each record is in
-    the file (``line 3``), else ``record N`` from 1."""
-    for i, r in enumerate(records):
-        where = f"{name}: {located[i] if located is not None else f'record {i + 1}'}"
-        if data.format == "text":
-            if not isinstance(r.get(data.text_field), str):
-                raise ConfigError(f"{where}: needs a string field '{data.text_field}' (data.text_field)"
-                                  + _got(r, data.text_field))
-        elif data.format == "alpaca":
-            for key in ("instruction", "output"):
-                if not isinstance(r.get(key), str):
-                    raise ConfigError(f"{where}: alpaca format needs string fields 'instruction' and 'output' "
-                                      + (f"(missing '{key}')" if key not in r else f"('{key}'{_got(r, key)})"))
-            if r.get("input") is not None and not isinstance(r["input"], str):
-                raise ConfigError(f"{where}: alpaca field 'input' must be a string{_got(r, 'input')}")
-        elif data.format == "chat":
-            _validate_chat(r.get("messages"), where)
-        else:
-            ids = r.get("input_ids")
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-                raise ConfigError(f"{where}: tokens format needs a non-empty list of non-negative ints 'input_ids'")
-            labels = r.get("labels")
-            if labels is not None and (
-                not isinstance(labels, list) or len(labels) != len(ids) or not all(isinstance(t, int) for t in labels)
-            ):
-                raise ConfigError(f"{where}: 'labels' must be a list of ints as long as 'input_ids' (-100 = no loss)")
-
-
-def _got(record: dict[str, Any], key: str) -> str:
-    """``, got 3 (a number)`` for a field of the wrong type ('' when it is missing)."""
-    if key not in record:
-        return ""
-    value = record[key]
-    kind = {bool: "true/false", int: "a number", float: "a number", list: "a list", dict: "an object",
-            type(None): "null"}.get(type(value), type(value).__name__)
-    return f", got {short_repr(value)} ({kind})"
-
-
-def _validate_chat(messages: Any, where: str) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise ConfigError(f"{where}: chat format needs a non-empty list 'messages' of {{role, content}} "
-                          f"objects, got {short_repr(messages)}")
-    for j, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ConfigError(f"{where}: messages[{j}] must be an object with 'role' and 'content', "
-                              f"got {short_repr(message)}")
-        if message.get("role") not in CHAT_ROLES:
-            raise ConfigError(f"{where}: messages[{j}].role must be one of {', '.join(CHAT_ROLES)}, "
-                              f"got {short_repr(message.get('role'))}")
-        if not isinstance(message.get("content"), str):
-            raise ConfigError(f"{where}: messages[{j}].content must be a string, "
-                              f"got {short_repr(message.get('content'))}")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise ConfigError(f"{where}: 'messages' has no assistant turn; the chat format learns the "
-                          "assistant's replies")
 
 
 def chat_spans(tokenizer: Any, messages: list[dict[str, Any]], where: str,
@@ -289,7 +122,7 @@ class StepBatches:
         self.shuffle = shuffle
         self.packing = data.packing if packing is None else packing
         self.records, self.source, self.located = load_located(data)
-        _validate(self.records, data, self.source, self.located)
+        validate_records(self.records, data, self.source, self.located)
 
         from transformers import AutoTokenizer
 
@@ -404,7 +237,7 @@ class StepBatches:
         # One tokenization of the whole rendering (as apply_chat_template(tokenize=True) gives it); a token
         # gets a label when its characters overlap an assistant turn. Tokenizing the pieces apart would
         # split tokens that straddle a boundary, e.g. "Assistant: " + "Hi" -> " Hi".
-        text, spans = chat_spans(self.tokenizer, record["messages"], f"{self.source}: {self.located[index]}",
+        text, spans = chat_spans(self.tokenizer, chat_messages(record), f"{self.source}: {self.located[index]}",
                                  locate=not self.data.train_on_prompt)
         if self.data.train_on_prompt:
             ids = self._ids(text)
@@ -428,7 +261,7 @@ class StepBatches:
         the chat template renders every conversation with findable assistant turns."""
         if self.data.format == "chat":
             for i, r in enumerate(self.records):  # renders text only; tokenizing waits for the record's step
-                chat_spans(self.tokenizer, r["messages"], f"{self.source}: {self.located[i]}",
+                chat_spans(self.tokenizer, chat_messages(r), f"{self.source}: {self.located[i]}",
                            locate=not self.data.train_on_prompt)
         if vocab_size is not None and self.data.format == "tokens":
             for i, r in enumerate(self.records):

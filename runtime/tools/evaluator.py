@@ -81,7 +81,7 @@ def screen_held_out(path: Path, data: DataSpec, scratch: Path) -> tuple[Path, li
     """A JSON-lines (or JSON array) held-out file without the records ``data.format`` cannot use: ``path`` itself
     when every record is usable (or it is not JSON: Parquet is read whole), else a copy of the usable ones
     in ``scratch``; and one reason per record left out."""
-    from hetero.runtime.run.data import _validate
+    from hetero.runtime.run.data_files import validate_records
 
     if path.suffix.lower() not in (".jsonl", ".json") or not path.is_file():
         return path, []  # StepBatches reports a missing or unreadable file
@@ -105,7 +105,7 @@ def screen_held_out(path: Path, data: DataSpec, scratch: Path) -> tuple[Path, li
             bad.append(f"{where}: a JSON {type(record).__name__}, not an object")
             continue
         try:
-            _validate([record], data, where)
+            validate_records([record], data, where)
         except ConfigError as exc:
             bad.append(str(exc).replace(f"{where}: record 1: ", f"{where}: ", 1))
             continue

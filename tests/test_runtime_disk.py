@@ -30,13 +30,17 @@ from hetero.runtime.run.checkpoint import (
     EXP_AVG,
     EXP_AVG_SQ,
     LORA,
+    SEAL,
     SHA256,
     load_checkpoint_union,
     resolve_resume,
+    seal,
+    state_settings,
     write_checkpoint,
 )
 from hetero.runtime.run.preflight import check_init_from, check_resume, lora_shapes
 from hetero.runtime.run.run_compare import read_metrics, step_lines
+from hetero.serde import to_dict
 from hetero.specs import DataSpec, LoraSpec, ModelSpec, TrainSpec
 
 HETERO = [sys.executable, "-m", "hetero.cli"]
@@ -97,7 +101,9 @@ def _payload(stage: int, step: int, modules: list[int], r: int = 8, dim: int = 5
 
 
 def _write(run_dir: Path, step: int) -> Path:
-    return write_checkpoint(run_dir, step, [_payload(0, step, [0, 1]), _payload(1, step, [2, 3])], 2)
+    return write_checkpoint(run_dir, step, [_payload(0, step, [0, 1]), _payload(1, step, [2, 3])], 2,
+                            train={"lr": 1e-3, "steps": 10}, depends_on=state_settings({"r": 8, "alpha": 16.0},
+                                                                                      {"model_type": "llama"}))
 
 
 def _digest(directory: Path) -> dict[str, str]:
@@ -189,7 +195,7 @@ def _resaved(d: Path, k: int, tensors: dict) -> None:
     save_file(tensors, str(path))
     meta = json.loads((d / f"stage{k}.json").read_text())
     meta[SHA256] = hashlib.sha256(path.read_bytes()).hexdigest()
-    (d / f"stage{k}.json").write_text(json.dumps(meta))
+    (d / f"stage{k}.json").write_text(json.dumps(seal(meta)))
 
 
 def _corrupt_bits(d: Path) -> None:
@@ -220,7 +226,7 @@ def _corrupt_shape(d: Path) -> None:
 
 def _corrupt_step(d: Path) -> None:
     meta = json.loads((d / "stage0.json").read_text())
-    (d / "stage0.json").write_text(json.dumps({**meta, "step": "two"}))
+    (d / "stage0.json").write_text(json.dumps(seal({**meta, "step": "two"})))  # sealed: the check after the seal
 
 
 def _corrupt_nan(d: Path) -> None:
@@ -243,7 +249,7 @@ def _corrupt_garbage_unsummed(d: Path) -> None:
     """Garbage in a checkpoint from before checksums (no checksum in the JSON): the reader says so as before."""
     _corrupt_garbage(d)
     meta = json.loads((d / "stage0.json").read_text())
-    del meta[SHA256]
+    del meta[SHA256], meta[SEAL]
     (d / "stage0.json").write_text(json.dumps(meta))
 
 
@@ -284,6 +290,34 @@ def test_resume_passes_over_a_checkpoint_that_fails_its_checksum(tmp_path: Path,
         resolve_resume(run)
 
 
+def test_a_flipped_bit_in_any_checkpoint_file_is_refused_or_passed_over(tmp_path: Path, capsys) -> None:
+    """Every file of a checkpoint is covered by a checksum (issue 53): a bit flipped anywhere in COMPLETE (the
+    recorded lr, the stage count) or a stage JSON (AdamW step counts, the step) is refused in one line when the
+    checkpoint is named, and passed over for the previous good one when the run directory is."""
+    run = tmp_path / "run"
+    two, four = _write(run, 2), _write(run, 4)
+    gen = torch.Generator().manual_seed(53)
+    for name in ("COMPLETE", "stage0.json", "stage1.json", "stage1.safetensors"):
+        path = four / name
+        clean = path.read_bytes()
+        for at in torch.randint(0, len(clean), (60,), generator=gen).tolist():
+            flipped = bytearray(clean)
+            flipped[at] ^= 1 << int(torch.randint(0, 8, (1,), generator=gen))
+            path.write_bytes(bytes(flipped))
+            with pytest.raises(CheckpointError) as info:
+                load_checkpoint_union(four)
+            assert "\n" not in str(info.value) and str(four) in str(info.value), (name, at, info.value)
+            assert resolve_resume(run) == two, (name, at)
+        path.write_bytes(clean)
+        assert load_checkpoint_union(four)[1]["step"] == 4
+    # The recorded lr read back 0.009 for 0.001, the JSON still valid: the seal sees it.
+    marker = json.loads((four / "COMPLETE").read_text())
+    (four / "COMPLETE").write_text(json.dumps({**marker, "train": {**marker["train"], "lr": 0.009}}))
+    with pytest.raises(CheckpointError, match="COMPLETE: its contents do not match the checksum"):
+        load_checkpoint_union(four)
+    capsys.readouterr()
+
+
 def test_resume_accepts_a_run_dir_and_names_what_to_pass(tmp_path: Path) -> None:
     run = tmp_path / "run"
     two, four = _write(run, 2), _write(run, 4)
@@ -305,8 +339,10 @@ def test_resume_accepts_a_run_dir_and_names_what_to_pass(tmp_path: Path) -> None
 
 # -- 2. everything checkable is checked before a stage starts ---------------------------------------
 
-def _model_checkpoint(plan: Plan, model_dir: Path, run: Path, step: int, r: int | None = None) -> Path:
-    """A one-stage checkpoint with a LoRA tensor for every module of ``plan`` (rank ``r``, default the plan's)."""
+def _model_checkpoint(plan: Plan, model_dir: Path, run: Path, step: int, r: int | None = None,
+                      recorded: bool = True) -> Path:
+    """A one-stage checkpoint with a LoRA tensor for every module of ``plan`` (rank ``r``, default the plan's);
+    ``recorded``: with the settings its state depends on (checkpoints from before them have none)."""
     tensors, keys = {}, []
     for key, shape in lora_shapes(plan, model_dir).items():
         assert shape is not None
@@ -316,7 +352,8 @@ def _model_checkpoint(plan: Plan, model_dir: Path, run: Path, step: int, r: int 
         keys.append(key)
     meta = {"format": CHECKPOINT_FORMAT, "plan_hash": plan.input_hash, "stage": 0, "step": step, "keys": keys,
             "adam_steps": {}, "scheduler": None}
-    return write_checkpoint(run, step, [(tensors, meta)], 1)
+    depends_on = state_settings(to_dict(plan.model.lora), plan.model.architecture) if recorded else None
+    return write_checkpoint(run, step, [(tensors, meta)], 1, depends_on=depends_on)
 
 
 def _adapter(plan: Plan, model_dir: Path, out: Path, r: int, hidden: int | None = None) -> Path:
@@ -358,8 +395,19 @@ def test_checkpoints_and_adapters_must_fit_the_model(tiny_model_dir: Path, tiny_
         check_resume(good, replace(plan, train=TrainSpec(steps=2)), tiny_model_dir)
     shallow = replace(plan, model=replace(plan.model, lora=replace(plan.model.lora, target_modules=["q_proj"])))
     deeper = _model_checkpoint(plan, tiny_model_dir, tmp_path / "deep", 2)
-    with pytest.raises(CheckpointError, match="a LoRA module this plan does not train"):
+    with pytest.raises(CheckpointError, match="trained with lora.target_modules="):
         check_resume(deeper, shallow, tiny_model_dir)  # LoRA on modules the plan does not train
+    older = _model_checkpoint(plan, tiny_model_dir, tmp_path / "old", 2, recorded=False)
+    with pytest.raises(CheckpointError, match="a LoRA module this plan does not train"):
+        check_resume(older, shallow, tiny_model_dir)  # a checkpoint without the record: the tensors tell
+    # Same shapes, other meaning: a checkpoint of another lora.alpha or model config is refused in one line.
+    louder = replace(plan, model=replace(plan.model, lora=replace(plan.model.lora, alpha=64.0)))
+    with pytest.raises(CheckpointError, match=r"trained with lora.alpha=16.0, this plan has lora.alpha=64.0: resume "
+                                              "with the plan that wrote it, or start without --resume$"):
+        check_resume(good, louder, tiny_model_dir)
+    rope = replace(plan, model=replace(plan.model, architecture={**plan.model.architecture, "rope_theta": 1e6}))
+    with pytest.raises(CheckpointError, match="was trained on a model of another config"):
+        check_resume(good, rope, tiny_model_dir)
 
     def with_init(adapter: Path) -> Plan:
         return replace(plan, model=replace(plan.model, lora=replace(plan.model.lora, init_from=str(adapter))))

@@ -39,6 +39,43 @@ from hetero.runtime.stage.state import CHECKPOINT_DTYPE, CHECKPOINT_FORMAT, EXP_
 _STAGE_JSON = re.compile(r"stage(\d+)\.json")
 SNAPSHOTS_KEPT = 2  # the newest time-based checkpoints kept: one to fall back on if the newest fails its checks
 SHA256 = "tensors_sha256"  # stage<k>.json: sha256 of stage<k>.safetensors (absent in checkpoints written before it)
+# stage<k>.json and COMPLETE: sha256 of the file's own JSON without this key (absent in checkpoints written before
+# it). A flipped bit in the AdamW step counts or the recorded lr is valid JSON and would resume silently otherwise.
+SEAL = "json_sha256"
+
+
+def seal(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with its own checksum under SEAL (over its canonical JSON without it)."""
+    rest = {k: v for k, v in record.items() if k != SEAL}
+    return {**rest, SEAL: _json_sha256(rest)}
+
+
+def _json_sha256(record: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(record, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def check_seal(record: Any, path: Path) -> None:
+    """``record`` (read from ``path``) matches the checksum it was written with (older files have none)."""
+    if not isinstance(record, dict):
+        return
+    # An unsealed record is one from before seals, unless a key is the seal's name with one character changed:
+    # a bit flipped in the name itself.
+    if SEAL not in record and not any(len(k) == len(SEAL) and sum(a != b for a, b in zip(k, SEAL)) == 1
+                                      for k in record):
+        return
+    if record.get(SEAL) != _json_sha256({k: v for k, v in record.items() if k != SEAL}):
+        raise CheckpointError(f"{path}: its contents do not match the checksum hetero wrote with them (the file "
+                              "changed after it was written: a failing disk, a bad copy, an edit); resume from "
+                              "another checkpoint")
+
+
+def state_settings(lora: dict[str, Any], architecture: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint's LoRA and AdamW state depends on beyond the tensors' shapes: the LoRA settings and the
+    model's config (its hash). A plan of another lora.alpha or rope_theta takes the same shapes and would train
+    on from state that means something else."""
+    return {"lora": {k: lora[k] for k in ("r", "alpha", "dropout", "target_modules") if k in lora},
+            "model_config_sha256": hashlib.sha256(json.dumps(architecture, sort_keys=True,
+                                                             default=str).encode()).hexdigest()[:16]}
 
 
 
@@ -58,14 +95,15 @@ def save_stage_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], met
     write_bytes(directory / f"stage{k}.safetensors", data)
     # The tensor file's checksum, checked before anything resumes from it: a flipped bit in a float is no less
     # a float, and would train on silently (JSON, header and NaN checks cannot see it).
-    meta = {**meta, SHA256: hashlib.sha256(data).hexdigest()}
+    meta = seal({**meta, SHA256: hashlib.sha256(data).hexdigest()})
     del data
     write_bytes(directory / f"stage{k}.json", json.dumps(meta, indent=1).encode())
     return directory / f"stage{k}.json"
 
 
 def write_checkpoint(run_dir: Path, step: int, payloads: Iterable[tuple[dict[str, torch.Tensor], dict[str, Any]]],
-                     num_stages: int, train: dict[str, Any] | None = None, snapshot: bool = False) -> Path:
+                     num_stages: int, train: dict[str, Any] | None = None, snapshot: bool = False,
+                     depends_on: dict[str, Any] | None = None) -> Path:
     """Write ``RUN_DIR/checkpoints/step-N/`` whole or not at all; returns it.
 
     Every stage file, then COMPLETE, go into a hidden sibling that is flushed and renamed into place:
@@ -78,8 +116,10 @@ def write_checkpoint(run_dir: Path, step: int, payloads: Iterable[tuple[dict[str
             for tensors, meta in payloads:
                 save_stage_checkpoint(tmp, tensors, meta)
             # COMPLETE also keeps the run's training settings (lr, scheduler, steps, ...): --resume uses them.
-            marker = {"stages": num_stages, "step": step, **({"train": train} if train is not None else {}),
-                      **({"snapshot": True} if snapshot else {})}
+            # and what the state depends on (state_settings): a resume under other settings is refused.
+            marker = seal({"stages": num_stages, "step": step, **({"train": train} if train is not None else {}),
+                           **({"snapshot": True} if snapshot else {}),
+                           **({"depends_on": depends_on} if depends_on is not None else {})})
             write_bytes(tmp / COMPLETE, json.dumps(marker).encode())
     except OSError as exc:
         raise write_failure(exc, f"checkpoint {final.name}", final.parent, Path(run_dir)) from None
@@ -105,10 +145,42 @@ def _marker(directory: Path) -> dict[str, Any]:
     return marker if isinstance(marker, dict) else {}
 
 
+def checked_marker(directory: Path) -> dict[str, Any]:
+    """A complete checkpoint's COMPLETE marker, read and checked against its checksum (one line where it fails)."""
+    path = Path(directory) / COMPLETE
+    try:
+        marker = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: unreadable ({_first_line(exc)}); resume from another checkpoint") from None
+    if not isinstance(marker, dict):
+        raise CheckpointError(f"{path}: not a checkpoint marker (a JSON object is expected); resume from another "
+                              "checkpoint")
+    check_seal(marker, path)
+    return marker
+
+
 def checkpoint_settings(directory: Path) -> dict[str, Any] | None:
     """The training settings a complete checkpoint was written with (None: an older checkpoint without them)."""
-    train = _marker(directory).get("train")
+    train = checked_marker(directory).get("train")
     return dict(train) if isinstance(train, dict) else None
+
+
+def check_state_settings(directory: Path, lora: dict[str, Any], architecture: dict[str, Any]) -> None:
+    """The checkpoint's state was trained under this plan's LoRA settings and model config (older checkpoints
+    without the record pass); a mismatch is one line naming the setting."""
+    recorded = checked_marker(directory).get("depends_on")
+    if not isinstance(recorded, dict):
+        return
+    wanted = state_settings(lora, architecture)
+    for key, value in wanted["lora"].items():
+        was = recorded.get("lora", {}).get(key) if isinstance(recorded.get("lora"), dict) else None
+        if was is not None and was != value:
+            raise CheckpointError(f"{directory} was trained with lora.{key}={was}, this plan has lora.{key}={value}: "
+                                  "resume with the plan that wrote it, or start without --resume")
+    if recorded.get("model_config_sha256") not in (None, wanted["model_config_sha256"]):
+        raise CheckpointError(f"{directory} was trained on a model of another config (config hash "
+                              f"{recorded.get('model_config_sha256')}, this plan's {wanted['model_config_sha256']}): "
+                              "resume with the plan that wrote it, or start without --resume")
 
 
 def resolve_resume(path: Path) -> Path:
@@ -168,6 +240,7 @@ def load_stage_checkpoint(directory: Path, k: int, plan_hash: str | None = None)
         raise CheckpointError(f"{meta_path}: unreadable ({_first_line(exc)})") from None
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{meta_path}: not valid JSON ({exc})") from None
+    check_seal(meta, meta_path)
     _check_meta(meta, meta_path, k)
     if plan_hash is not None and meta.get("plan_hash") != plan_hash:
         raise CheckpointError(
@@ -183,6 +256,7 @@ def load_stage_checkpoint(directory: Path, k: int, plan_hash: str | None = None)
     _check_tensors(tensors, meta, tensor_path)  # what a changed file is wrong in, where it says (a cast, NaN)
     check_sum(data, meta, tensor_path)  # and the change nothing else sees (a flipped bit)
     meta.pop(SHA256, None)  # this file's alone: merged with other stages' payloads it would name none of them
+    meta.pop(SEAL, None)
     return tensors, meta
 
 
@@ -278,6 +352,7 @@ def load_checkpoint_union(directory: Path) -> tuple[dict[str, torch.Tensor], dic
 def read_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Path]]:
     """``load_checkpoint_union``, and the stage file each tensor came from (for errors that name the file)."""
     directory = resolve_resume(Path(directory))
+    checked_marker(directory)
     stages = sorted(int(m.group(1)) for p in directory.iterdir() if (m := _STAGE_JSON.fullmatch(p.name)))
     if not stages:
         raise CheckpointError(f"{directory}: has {COMPLETE} but no stage<k>.json; the checkpoint is corrupt")

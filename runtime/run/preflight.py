@@ -92,10 +92,17 @@ def with_epoch_steps(plan: Plan, batches: Any) -> Plan:
 
 
 def _read_resume(path: Path, plan: Plan, model_dir: Path) -> tuple[Path, tuple[dict[str, Any], dict[str, Any]]]:
-    from hetero.runtime.run.checkpoint import lora_from_payload, read_checkpoint, resolve_resume
+    from hetero.runtime.run.checkpoint import (
+        check_state_settings,
+        lora_from_payload,
+        read_checkpoint,
+        resolve_resume,
+    )
     from hetero.runtime.stage.state import LORA
+    from hetero.serde import to_dict
 
     directory = resolve_resume(path)
+    check_state_settings(directory, to_dict(plan.model.lora), plan.model.architecture)
     # Every file is read whole and checked (dtypes, AdamW moments against their LoRA tensor: checkpoint.py), then
     # every LoRA tensor against this plan's model: a stage never waits for a state it would refuse.
     tensors, meta, files = read_checkpoint(directory)

@@ -202,10 +202,12 @@ class RunRecords:
         return self._write(int(meta["step"]), [(tensors, {**meta, "stage": 0})], snapshot=True)
 
     def _write(self, done: int, parts: list[tuple[dict[str, torch.Tensor], dict[str, Any]]], snapshot: bool) -> Path:
-        from hetero.runtime.run.checkpoint import prune_snapshots, write_checkpoint
+        from hetero.runtime.run.checkpoint import prune_snapshots, state_settings, write_checkpoint
 
         settings = {k: v for k, v in to_dict(self.plan.train).items() if k in RUNTIME_OVERRIDABLE}
-        written = write_checkpoint(self.run_dir, done, parts, len(parts), train=settings, snapshot=snapshot)
+        depends_on = state_settings(to_dict(self.plan.model.lora), self.plan.model.architecture)
+        written = write_checkpoint(self.run_dir, done, parts, len(parts), train=settings, snapshot=snapshot,
+                                   depends_on=depends_on)
         if snapshot:
             prune_snapshots(self.run_dir)
         return written

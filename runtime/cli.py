@@ -436,10 +436,16 @@ def main_worker(argv: list[str]) -> int:
     if args.check:
         if args.host is None:
             raise PlanError("--check goes with --host NAME")
-        from hetero.runtime.run.ssh import check_report
+        from hetero.runtime.run.ssh import check_report, said_problems
 
-        print(check_report(args.plan, args.host), flush=True)
-        return 0
+        report = check_report(args.plan, args.host)
+        problems = said_problems(report)  # a person reads these lines; `hetero run` over ssh reads the last
+        for problem in problems:
+            print(f"hetero worker --check: host {args.host}: {problem}", file=sys.stderr, flush=True)
+        if not problems:
+            print(f"hetero worker --check: host {args.host} is ready to run its stages", file=sys.stderr, flush=True)
+        print(report, flush=True)
+        return 2 if problems else 0
     from hetero.runtime.run.coordinator import coordinator_endpoint
 
     plan = Plan.load(args.plan)

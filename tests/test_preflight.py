@@ -362,3 +362,46 @@ def test_ports_in_the_ephemeral_range_are_warned_of_in_one_line(tmp_path: Path, 
     monkeypatch.setattr(endpoints, "ephemeral_ports", lambda: (second + 1, 60999))
     assert preflight.warn_ephemeral(plan, "alpha", f"tcp://127.0.0.1:{base - 1}") == []
     assert capsys.readouterr().err == ""
+
+
+def test_worker_check_names_what_each_box_lacks_one_line_each(tiny_model_dir: Path, tiny_spec: ModelSpec,
+                                                              tmp_path: Path) -> None:
+    """Three "boxes" on loopback (issue 53): alpha lacks the model's weights (its home has no ~/models/tiny), beta's
+    port is taken, gamma declares an RTX 3090 it does not have. `hetero worker --check` names each box's problem in
+    one line with its fix and exits 2; a box with everything passes."""
+    import json
+    import os
+    import socket
+
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=TRAIN, hosts=["alpha", "beta", "gamma"])
+    gpu = replace(plan.cluster.device(plan.stages[2].device), type="rtx3090", backend="cuda", index=0,
+                  display_name="NVIDIA GeForce RTX 3090", memory_gb=24.0)
+    cluster = replace(plan.cluster, hosts=[replace(h, devices=[gpu if d.name == gpu.name else d for d in h.devices])
+                                           for h in plan.cluster.hosts])
+    stages = [replace(s, backend="cuda", device_type="rtx3090") if s.device == gpu.name else s for s in plan.stages]
+    plan = replace(plan, cluster=cluster, stages=stages, model=replace(plan.model, pretrained="~/models/tiny"))
+    replace(plan, input_hash=compute_input_hash(plan)).save(tmp_path / "plan.json")
+    for host in ("beta", "gamma", "ready"):
+        (tmp_path / host / "models").mkdir(parents=True)
+        (tmp_path / host / "models" / "tiny").symlink_to(tiny_model_dir)
+    (tmp_path / "alpha").mkdir()
+
+    def check(host: str, home: str) -> tuple[int, list[str]]:
+        done = subprocess.run([*HETERO, "worker", "plan.json", "--host", host, "--check"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": str(tmp_path / home)})
+        assert "Traceback" not in done.stderr, done.stderr
+        json.loads(done.stdout.strip().splitlines()[-1].removeprefix("hetero-check: "))  # what `hetero run` reads
+        return done.returncode, done.stderr.strip().splitlines()
+
+    port = int(plan.stages[1].endpoint.rsplit(":", 1)[1])
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        said = {host: check(host, host) for host in ("alpha", "beta", "gamma")}
+    assert all(code == 2 and len(lines) == 1 for code, lines in said.values()), said
+    assert "alpha: the model's weights are not on this box: ~/models/tiny" in said["alpha"][1][0]
+    assert "copy the model's directory there" in said["alpha"][1][0]
+    assert f"beta: port {port} (stage 1's inbox, 127.0.0.1) is in use on this box" in said["beta"][1][0]
+    assert re.search(r"gamma: \S+ \(index: 0 in the fleet file, declared NVIDIA GeForce RTX 3090\): torch \S+( \(\S+ \S+\)|, a "
+                     r"CPU-only build) sees no GPU on this box: install the torch build for this card", said["gamma"][1][0]), said["gamma"]
+    assert check("beta", "ready") == (0, ["hetero worker --check: host beta is ready to run its stages"])

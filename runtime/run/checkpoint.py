@@ -60,7 +60,7 @@ def check_seal(record: Any, path: Path) -> None:
         return
     # An unsealed record is one from before seals, unless a key is the seal's name with one character changed:
     # a bit flipped in the name itself.
-    if SEAL not in record and not any(len(k) == len(SEAL) and sum(a != b for a, b in zip(k, SEAL)) == 1
+    if SEAL not in record and not any(len(k) == len(SEAL) and sum(a != b for a, b in zip(k, SEAL, strict=True)) == 1
                                       for k in record):
         return
     if record.get(SEAL) != _json_sha256({k: v for k, v in record.items() if k != SEAL}):

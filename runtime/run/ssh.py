@@ -103,6 +103,7 @@ def worker_command(host: SshHost, *args: str) -> list[str]:
 
 def check_report(plan_path: Path, host: str) -> str:
     """One line for `hetero run`'s check: this hetero's version, the plan's hash, or why this host cannot run."""
+    from hetero.runtime.run.box_check import box_problems
     from hetero.runtime.run.host import check_host
 
     report: dict[str, Any] = {"hetero_version": __version__, "python": sys.executable,
@@ -111,10 +112,20 @@ def check_report(plan_path: Path, host: str) -> str:
         plan = Plan.load(plan_path)
         report["input_hash"] = plan.input_hash
         check_host(plan_path, plan, host)
+        # Another plan's hash is the one thing to say (copy the plan); else what else this box lacks.
+        report["problems"] = box_problems(plan_path, plan, host)
     except HeteroError as exc:
         report["error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         report["missing"] = not plan_path.is_file()
     return CHECK_PREFIX + json.dumps(report)
+
+
+def said_problems(line: str) -> list[str]:
+    """The problems a ``check_report`` line names (its error, else what the box lacks), for a person to read."""
+    report = json.loads(line[len(CHECK_PREFIX):])
+    if report.get("error"):
+        return [str(report["error"])]
+    return [str(p) for p in report.get("problems") or []]
 
 
 # -- on this host: checking and starting the remote workers --------------------------------------------------
@@ -180,6 +191,9 @@ def _problem(plan: Plan, host: SshHost, done: subprocess.CompletedProcess | str)
     if report.get("input_hash") != plan.input_hash:
         return (f"{where} has another {Path(host.plan).name} at {host.plan} (hash {report.get('input_hash')}, "
                 f"this one {plan.input_hash}): {_copy_hint(host)}"), warning
+    problems = report.get("problems")
+    if isinstance(problems, list) and problems:
+        return "\n".join(f"{where}: {p}" for p in problems), warning  # one line each
     return None, warning
 
 
@@ -204,7 +218,7 @@ def check_ssh_hosts(plan: Plan, hosts: list[SshHost], local_host: str) -> None:
         if warning:
             print(warning, file=sys.stderr, flush=True)
         if problem:
-            problems.append(problem)
+            problems += problem.splitlines()
     for problem in problems[:-1]:
         print(f"hetero: error: {problem}", file=sys.stderr, flush=True)
     if problems:

@@ -46,11 +46,15 @@ log = logging.getLogger("hetero.stage")
 
 def device_for(plan: Plan, k: int) -> Any:
     """The torch device of stage k on this host (runtime/stage/device.py)."""
-    from hetero.runtime.stage.device import torch_device
+    from hetero.runtime.stage.device import card_problem, torch_device
 
     sp = plan.stages[k]
     index = plan.cluster.device(sp.device).index if sp.backend != "cpu" else 0
-    return torch_device(sp.backend, index, f"stage {k} runs on {sp.device}")
+    device = torch_device(sp.backend, index, f"stage {k} runs on {sp.device}")
+    problem = card_problem(plan.cluster.device(sp.device))  # the declared card, not its neighbour in the box
+    if problem is not None:
+        raise PlanError(f"stage {k}: {problem}")
+    return device
 
 
 def apply_train_settings(train: TrainSpec, settings: dict[str, Any]) -> TrainSpec:

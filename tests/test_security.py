@@ -633,3 +633,36 @@ def test_a_plan_that_lost_its_security_section_does_not_run_unauthenticated(
     data["security"] = {"mode": "none"}
     path.write_text(json.dumps(data))
     assert Plan.load(path).security.mode == "none"  # said outright: allowed
+
+
+def test_each_host_needs_only_its_own_folder_and_another_hosts_is_refused(tmp_path: Path, tiny_model_dir: Path,
+                                                                          tiny_spec: ModelSpec) -> None:
+    """What `hetero show --hosts` says to copy to a host (plan.json and artifacts/<host>/, its keys only) is enough
+    for its check; a box handed another host's folder is refused in one line before any stage starts (issue 53)."""
+    import shutil
+
+    from hetero.cli.hosts_view import host_lines
+    from hetero.runtime.run.box_check import box_problems
+
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], hosts=["alpha", "beta", "beta"])
+    compiled = tmp_path / "out"
+    plan = replace(plan, security=generate("curve", [s.host for s in plan.stages], compiled))
+    plan.save(compiled / "plan.json")
+    plan = Plan.load(compiled / "plan.json")
+    lines = host_lines(plan, compiled / "plan.json")
+    beta = lines[lines.index(next(ln for ln in lines if ln.startswith("host beta"))):]
+    copy = next(ln for ln in beta if ln.startswith("  copy: "))
+    assert f"{compiled / 'artifacts' / 'beta'}/ (this host's keys only)" in copy and "alpha" not in copy, copy
+    ports = next(ln for ln in beta if ln.startswith("  open ports: "))
+    assert ports.startswith(f"  open ports: {plan.stages[1].endpoint.rsplit(':', 1)[1]}, "
+                            f"{plan.stages[2].endpoint.rsplit(':', 1)[1]} (TCP"), ports
+    for box, folder in (("good", "beta"), ("wrong", "alpha")):
+        there = tmp_path / box
+        (there / "artifacts").mkdir(parents=True)
+        shutil.copy(compiled / "plan.json", there / "plan.json")
+        shutil.copytree(compiled / "artifacts" / folder, there / "artifacts" / folder)
+        said = [p for p in box_problems(there / "plan.json", plan, "beta") if "port" not in p]
+        if box == "good":
+            assert said == [], said
+        else:
+            assert len(said) == 1 and "no key file stage1.key" in said[0], said

@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("plan", type=plan_path, help="plan.json, or the directory hetero compile wrote")
     show.add_argument("--no-gantt", action="store_true", help="skip the simulated schedule")
     show.add_argument("--width", type=int, default=72, help="Gantt width in characters (default 72)")
+    show.add_argument("--hosts", action="store_true",
+                      help="only what each host needs: what to install, the ports to open, what to copy there")
     show.add_argument("--pictures", action="store_true",
                       help="(re)draw placement.png and schedule.png next to plan.json (a compile that ran out of "
                            "time leaves them out)")
@@ -162,7 +164,8 @@ def _dispatch(argv: list[str]) -> int:
         return cmd_simulate(args.plan, width=args.width, replan=not args.no_replan, picture=args.picture,
                             run_dir=args.run)
     if args.command == "show":
-        return cmd_show(args.plan, gantt=not args.no_gantt, width=args.width, pictures=args.pictures)
+        return cmd_show(args.plan, gantt=not args.no_gantt, width=args.width, pictures=args.pictures,
+                        hosts=args.hosts)
     if args.command == "keys":
         return cmd_keys(args.plan, args.mode)
     raise AssertionError(args.command)  # argparse rejects anything else

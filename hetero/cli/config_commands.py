@@ -90,6 +90,12 @@ def cmd_compile(config_dir: str | None, overrides: list[str], multirun: bool = F
     skipped = skipped_pictures_line(plan_json, paths, cfg.planner.time_limit_s)
     if skipped:
         out.print(f"\n{skipped}", highlight=False)
+    if len({s.host for s in plan.stages}) > 1:
+        from hetero.cli.hosts_view import host_lines
+
+        out.print("\n[bold]each host[/] (hetero show --hosts prints this again)")
+        for line in host_lines(plan, plan_json):
+            out.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)
     out.print(f"\nnext: hetero run {plan_json}", highlight=False)
     return 0
 

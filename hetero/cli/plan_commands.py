@@ -43,13 +43,20 @@ def cmd_keys(plan_path: Path, mode: str | None) -> int:
     return 0
 
 
-def cmd_show(plan_path: Path, gantt: bool = True, width: int = 72, pictures: bool = False) -> int:
+def cmd_show(plan_path: Path, gantt: bool = True, width: int = 72, pictures: bool = False, hosts: bool = False) -> int:
     """Print a plan and (unless disabled) the Gantt of its simulated schedule; ``pictures``: also draw
-    placement.png and schedule.png next to plan.json, as `hetero compile` does."""
+    placement.png and schedule.png next to plan.json, as `hetero compile` does; ``hosts``: only what each host
+    needs (hetero/cli/hosts_view.py)."""
     from hetero.cli.show import data_lines, print_plan
     from hetero.plan import Plan
 
     plan = Plan.load(plan_path)
+    if hosts:
+        from hetero.cli.hosts_view import host_lines
+
+        for line in host_lines(plan, plan_path):
+            console().print(line, highlight=False, markup=False, soft_wrap=True)
+        return 0
     timeline = None
     if gantt:
         from hetero.planner.simulator import simulate_plan  # the planner only when there is a Gantt to draw

@@ -402,8 +402,17 @@ def resolve_architecture(
 
 
 def _check_manual_split(planner: PlannerOptions, model: ModelSpec, cluster: ClusterSpec) -> None:
-    """A manual split must cover every decoder layer and name real devices."""
+    """A manual split must cover every decoder layer and name real devices; planner.exclude names devices too."""
     names = [d.name for d in cluster.devices]
+    unknown = [d for d in planner.exclude if d not in names]
+    if unknown:
+        raise ConfigError(f"planner.exclude names unknown device(s) {unknown}; the fleet has: {', '.join(names)}")
+    if set(names) <= set(planner.exclude):
+        raise ConfigError(f"planner.exclude={list(planner.exclude)} leaves fleet '{cluster.name}' no device to train on")
+    both = [d for d in planner.devices or [] if d in planner.exclude]
+    if both:
+        raise ConfigError(f"planner.devices and planner.exclude both name {both}: keep each device in one of them")
+    names = [d for d in names if d not in planner.exclude]
     if planner.devices is not None:
         missing = [d for d in planner.devices if d not in names]
         if missing:

@@ -415,6 +415,8 @@ def compute_input_hash(plan: Plan) -> str:
         del planner["compression"]  # likewise
     if planner.get("interleave") == "auto":
         del planner["interleave"]  # likewise
+    if planner.get("exclude") == []:
+        del planner["exclude"]  # likewise
     cluster = canonical(ClusterSpec, plan.cluster)
     for host in cluster["hosts"]:
         del host["ssh"]  # how `hetero run` reaches a host is not placement (and may be added to plan.json)

@@ -293,6 +293,9 @@ class PlannerOptions:
     # planner/interleave.py): auto (planned where it simulates faster and fits), off, or always (wherever it can
     # run; no replica search).
     interleave: Literal["auto", "off", "always"] = "auto"
+    # Devices of the fleet left out of training (their names), without a manual split: a card worth under 5 %
+    # that costs a network hop, a box you want for something else. The verdict names such cards.
+    exclude: list[str] = field(default_factory=list)
 
 
 # Upper bounds past any real run, that keep the planner's work and float arithmetic finite: each stage's

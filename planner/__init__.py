@@ -440,7 +440,8 @@ def plan(
         cluster = cost_model.with_measured_hosts(cluster)
     evaluation = evaluation or EvalSpec()
     deadline = time.perf_counter() + options.time_limit_s  # the whole plan's, once: every search ends by it
-    table = build_cost_table(graph, model, training_fleet(cluster, evaluation.device), train, options, cost_model)
+    trains = training_fleet(cluster, evaluation.device, *options.exclude)
+    table = build_cost_table(graph, model, trains, train, options, cost_model)
     ev, solver = _place(table, graph, model, options, deadline)
     pairs = baseline_evaluations(table, graph.decoder_indices())
     chosen, prediction, solver, notes, one = _choose(table, graph, model, cluster, train.schedule, options, ev, solver,
@@ -461,7 +462,7 @@ def plan(
     head = [*_verdict(prediction, stages, base, solver), *notes, *cost_notes]
     tail = [*issue_bound_lines(stages, cost_model), *_experts_lines(graph, cost_model, model),
             *(cost_model.loaded_lines(stages, prediction.stage_busy) if isinstance(cost_model, ProfileCostModel) else []),
-            *_unused_lines(training_fleet(cluster, evaluation.device), stages, options)]
+            *_unused_lines(trains, stages, options)]
     unhashed = Plan(
         model=model, cluster=cluster, train=train, data=data, planner=options, graph=graph, stages=stages,
         prediction=prediction, baselines=base, solver=solver, verdict=[*head, *tail], config=dict(config or {}),

@@ -402,11 +402,11 @@ def _wire_kinds(graph: LayerGraph, model: ModelSpec, devices: list[DeviceSpec], 
     return wire_kind, [[k[i] for k in kinds] for i in range(n_nodes)]
 
 
-def training_fleet(cluster: ClusterSpec, eval_device: str | None) -> ClusterSpec:
-    """The fleet less the evaluation device, which evaluates held-out data and does not train."""
-    if eval_device is None:
+def training_fleet(cluster: ClusterSpec, *left_out: str | None) -> ClusterSpec:
+    """The fleet less the devices that do not train: the evaluation device and planner.exclude's."""
+    if not (out := set(left_out) - {None}):
         return cluster
-    return dataclasses.replace(cluster, hosts=[dataclasses.replace(h, devices=[d for d in h.devices if d.name != eval_device])
+    return dataclasses.replace(cluster, hosts=[dataclasses.replace(h, devices=[d for d in h.devices if d.name not in out])
                                                for h in cluster.hosts])
 
 

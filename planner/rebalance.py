@@ -72,7 +72,8 @@ class Replanner:
         (a run that lost a device: planner/recovery.py)."""
         self.plan = plan
         cost_model = cost_model or plan_roofline(plan)
-        self.table = build_cost_table(plan.graph, plan.model, training_fleet(cluster or plan.cluster, plan.eval.device),
+        self.table = build_cost_table(plan.graph, plan.model,
+                                      training_fleet(cluster or plan.cluster, plan.eval.device, *plan.planner.exclude),
                                       plan.train, plan.planner, cost_model)
         names = [d.name for d in self.table.devices]
         self.devices = tuple(names.index(name) for name in (order or [s.device for s in plan.stages]))

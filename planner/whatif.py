@@ -7,6 +7,7 @@ with the same cost model (datasheets, or the profile the plan was compiled with)
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 from hetero.errors import HeteroError
@@ -134,7 +135,7 @@ def without_device(plan: Plan, device: str, cost_model: CostModel | None = None,
                       num_stages=None)
     try:
         other = make_plan(plan.model, plan.graph, cluster, plan.train, plan.data, options, cost_model=cost_model,
-                          security=plan.security.mode)
+                          evaluation=plan.eval if plan.eval.device != device else None, security=plan.security.mode)
     except HeteroError as exc:
         return WhatIf(name, "re-planned", False, reason=str(exc).split("\n")[0])
     p = other.prediction
@@ -183,3 +184,33 @@ def memory_over_time(plan: Plan, timeline: Timeline) -> list[list[tuple[float, f
         points.append((timeline.step_time_s, level))
         out.append(points)
     return out
+
+
+CHEAP_SHARE = 0.05  # a device whose removal costs under this share of the step is named, with how to drop it
+
+
+def cheap_device_lines(plan: Plan, cost_model: CostModel | None = None, budget_s: float = 10.0) -> list[str]:
+    """A verdict line for each training device without which the re-planned step is under CHEAP_SHARE slower (or
+    faster): a card that relays a layer or two over another network hop adds little and can stop a run when its
+    box goes away. Each re-plan gets at most a quarter of the plan's time limit, all of them ``budget_s``."""
+    deadline = time.perf_counter() + budget_s
+    step = plan.prediction.step_time_s
+    used = list(dict.fromkeys(s.device for s in plan.stages))
+    if len(used) < 2 or step <= 0:
+        return []
+    lines = []
+    for device in used:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            break
+        other = without_device(plan, device, cost_model, time_limit_s=min(left, plan.planner.time_limit_s / 4, 5.0))
+        if not other.feasible or other.step_time_s is None or other.step_time_s > step * (1 + CHEAP_SHARE):
+            continue
+        ratio = other.step_time_s / step
+        words = (f"costs {ratio - 1:.0%} of the step" if ratio >= 1.005 else "costs nothing measurable" if ratio > 0.995
+                 else f"is {1 - ratio:.0%} faster")
+        excluded = [*plan.planner.exclude, device]
+        lines.append(f"{device} adds little: without it the plan takes {other.step_time_s:.3g} s/step against "
+                     f"{step:.3g} s ({ratio:.2f}x; leaving it out {words}); to leave it out, recompile with "
+                     f"planner.exclude=[{','.join(excluded)}]")
+    return lines

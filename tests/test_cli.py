@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -205,6 +206,45 @@ def _hetero(args: list[str], cwd: Path, **env_vars: str) -> subprocess.Completed
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160", **env_vars}
     return subprocess.run([sys.executable, "-m", "hetero.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
+
+
+THREE_BOXES = """name: three_boxes
+hosts:
+  - {name: tower, address: 192.168.1.10, devices: [{type: rtx3090}, {type: rtx3080}]}
+  - {name: nas, address: 192.168.1.11, devices: [{type: v100_16gb}]}
+  - name: laptop
+    address: 192.168.1.12
+    devices:  # an RTX 4060 Laptop GPU: 3072 CUDA cores at ~2.37 GHz, 8 GB at 256 GB/s
+      - {type: rtx4060ti_16gb, memory_gb: 8, memory_bandwidth_gbs: 256, tflops_fp32: 14.6, tflops_fp16: 29.1,
+         tflops_bf16: 29.1}
+links:
+  - {a: tower, b: nas, bandwidth_gbps: 1, latency_us: 200}
+  - {a: tower, b: laptop, bandwidth_gbps: 1, latency_us: 200}
+  - {a: nas, b: laptop, bandwidth_gbps: 1, latency_us: 200}
+"""
+
+
+def test_a_device_worth_little_is_named_with_how_to_leave_it_out(tmp_path: Path) -> None:
+    """The tower (3090 + 3080), NAS (V100) and laptop of issue 53 on 1 GbE: the laptop relays a few layers over a
+    second hop for ~2 %; the verdict says so with the key that drops it, and planner.exclude plans without it."""
+    (tmp_path / "fleets" / "hardware").mkdir(parents=True)
+    (tmp_path / "fleets" / "hardware" / "three_boxes.yaml").write_text(THREE_BOXES)
+    args = ["compile", "-cd", str(tmp_path / "fleets"), "hardware=three_boxes", "model=llama8b"]
+    done = _hetero([*args, "output=all"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    verdict = json.loads((tmp_path / "all" / "plan.json").read_text())["verdict"]
+    named = [line for line in verdict if "adds little" in line]
+    assert len(named) == 1 and named[0].startswith("laptop.rtx4060ti_16gb0 adds little: without it"), verdict
+    ratio = float(re.search(r"\((\d\.\d\d)x;", named[0]).group(1))  # type: ignore[union-attr]
+    assert ratio < 1.05 and named[0].endswith("recompile with planner.exclude=[laptop.rtx4060ti_16gb0]"), named
+    done = _hetero([*args, "output=less", "planner.exclude=[laptop.rtx4060ti_16gb0]"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    plan = json.loads((tmp_path / "less" / "plan.json").read_text())
+    assert "laptop" not in {s["host"] for s in plan["stages"]} and len(plan["stages"]) == 3
+    step = plan["prediction"]["step_time_s"]
+    assert re.search(rf"without it the plan takes {step:.3g} s/step", named[0]), (step, named)
+    bad = _hetero([*args, "output=bad", "planner.exclude=[laptop.gpu9]"], tmp_path)
+    assert bad.returncode == 2 and "planner.exclude names unknown device(s) ['laptop.gpu9']" in bad.stderr, bad.stderr
 
 
 def test_compile_refuses_data_run_could_not_use_in_one_line(tmp_path: Path) -> None:

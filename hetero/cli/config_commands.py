@@ -54,11 +54,17 @@ def compile_config(cfg: Config, say: Callable[[str], None],
     tracing_s = time.perf_counter() - trace_started  # and measuring the data: both outside the solver's limit
     say(f"planning {len(graph.nodes)} nodes on {len(cfg.cluster.devices)} devices "
         f"(solver limit {cfg.planner.time_limit_s:.0f} s)")
+    cost_model = profile_cost_model(cfg)
     planned = make_plan(cfg.model, graph, cfg.cluster, train, cfg.data, cfg.planner,
-                        cost_model=profile_cost_model(cfg), evaluation=cfg.eval, config=cfg.raw, data_stats=stats,
+                        cost_model=cost_model, evaluation=cfg.eval, config=cfg.raw, data_stats=stats,
                         security=cfg.security)
     say(f"writing plan and artifacts to {cfg.output}")
     plan = replace(planned, security=generate(cfg.security, [s.host for s in planned.stages], Path(cfg.output)))
+    if plan.planner.split is None:  # a device that adds little is named, with how to leave it out (priced with the keys)
+        from hetero.planner.whatif import cheap_device_lines
+
+        say("weighing each device against the plan without it")
+        plan = replace(plan, verdict=[*plan.verdict, *cheap_device_lines(plan, cost_model)])
     by = None if started is None else started + tracing_s + cfg.planner.time_limit_s + PICTURES_ALLOWANCE_S
     return plan, emit(plan, cfg.output, traced, pictures_by=by)
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hetero.errors import PlanError
-from hetero.program import parse_program
+from hetero.program import Op, parse_program
 from hetero.serde import short_repr, to_dict
 from hetero.specs import BYTES_PER_DTYPE, MAX_COUNT, QUANT_BYTES_PER_PARAM, check_ranges, check_ssh
 
@@ -35,6 +35,7 @@ def check_plan(plan: Plan, where: str = "plan.json") -> None:
         check_ranges(plan.model, plan.train, plan.planner, PlanError)
     except PlanError as exc:
         raise bad(str(exc)) from None
+    _check_architecture(plan.model.architecture, bad)
     data = to_dict(plan)
     for section in ("model", "cluster", "graph", "stages", "prediction", "baselines", "train", "planner", "data_stats"):
         found = _non_finite(data[section], section, skip=("model.architecture",))
@@ -160,9 +161,35 @@ def _check_stage_run(plan: Plan, k: int, bad: Callable[[str], PlanError]) -> Non
         raise bad(f"{at}.program names chunk {max(a.chunk for a in actions)}, but the stage holds "
                   f"{1 + len(s.chunks)}")
     m = plan.micro_batches_of(k)
+    where = "train.num_micro_batches" if not plan.replicas else "its replica's num_micro_batches"
     if any(a.mb >= m for a in actions):
-        where = "train.num_micro_batches" if not plan.replicas else "its replica's num_micro_batches"
         raise bad(f"{at}.program names a micro-batch past {where}={m}")
+    for chunk in range(1 + len(s.chunks)):  # a count edited by hand: the program would train on part of the step
+        for op in (Op.F, Op.B):
+            done = sorted(a.mb for a in actions if a.op == op and a.chunk == chunk)
+            if done != list(range(m)):
+                raise bad(f"{at}.program runs {op.value} on {len(done)} micro-batch(es) of chunk {chunk}, not each of "
+                          f"{where}={m} once")
+
+
+# The architecture's sizes every stage builds its layers from: whole numbers (a hand-edited "64" is a traceback deep
+# in transformers, in every stage), and its scalars numbers.
+_ARCH_COUNTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                "vocab_size", "head_dim", "max_position_embeddings", "num_experts", "num_local_experts",
+                "num_experts_per_tok", "moe_intermediate_size")
+_ARCH_NUMBERS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "initializer_range")
+
+
+def _check_architecture(arch: dict[str, Any], bad: Callable[[str], PlanError]) -> None:
+    for key in _ARCH_COUNTS:
+        value = arch.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT):
+            raise bad(f"model.architecture.{key} is {short_repr(value)}: expected a whole number in 0..{MAX_COUNT}")
+    for key in _ARCH_NUMBERS:
+        value = arch.get(key)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or not math.isfinite(value)):
+            raise bad(f"model.architecture.{key} is {short_repr(value)}: expected a finite number")
 
 
 def _check_replicas(plan: Plan, bad: Callable[[str], PlanError]) -> None:

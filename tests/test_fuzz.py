@@ -25,6 +25,7 @@ import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -793,7 +794,6 @@ def record_hints(record: type) -> dict[str, Any]:
 
 def _with_link(plan: Plan, scheme: str) -> Plan:
     """``plan`` with its first stage's hand-offs compressed by ``scheme`` (its input hash made again)."""
-    from dataclasses import replace
 
     squeezed = replace(plan, stages=[replace(s, compress_out=scheme if s.index == 0 else "none") for s in plan.stages])
     return replace(squeezed, input_hash=compute_input_hash(squeezed))
@@ -875,3 +875,23 @@ def test_a_deeply_nested_value_is_quoted_short(composed: tuple[dict[str, Any], d
     with mock.patch.object(config, "compose_raw", lambda overrides, config_dir=None: copy.deepcopy(tree)), \
             datasheets_read_once(types):
         load_or_refuse([], tree)
+
+
+def test_a_rehashed_hand_edit_is_range_checked_on_load(pipeline_plan: Plan, workdir: Path) -> None:
+    """A hand edit that is re-hashed passes the hash check, not the range checks (issue 53): a string hidden_size
+    is one line instead of every stage's traceback, and a micro-batch count the programs were not written for is
+    refused instead of training on part of each step."""
+    edits = {
+        "string-hidden": (replace(pipeline_plan, model=replace(pipeline_plan.model, architecture={
+            **pipeline_plan.model.architecture, "hidden_size": "64"})),
+            "model.architecture.hidden_size is '64': expected a whole number"),
+        "more-micro-batches": (replace(pipeline_plan, train=replace(pipeline_plan.train, num_micro_batches=2 * (
+            pipeline_plan.train.num_micro_batches))), "stages[0].program runs F on "),
+    }
+    for name, (edited, says) in edits.items():
+        path = workdir / f"{name}.json"
+        replace(edited, input_hash=compute_input_hash(edited)).save(path)
+        with pytest.raises(PlanError, match=re.escape(says)):
+            Plan.load(path)
+        code, _, err = run_cli(["show", str(path), "--no-gantt"])
+        assert code == 2 and says in err and err.count("\n") <= 1, err

@@ -794,7 +794,6 @@ def record_hints(record: type) -> dict[str, Any]:
 
 def _with_link(plan: Plan, scheme: str) -> Plan:
     """``plan`` with its first stage's hand-offs compressed by ``scheme`` (its input hash made again)."""
-
     squeezed = replace(plan, stages=[replace(s, compress_out=scheme if s.index == 0 else "none") for s in plan.stages])
     return replace(squeezed, input_hash=compute_input_hash(squeezed))
 

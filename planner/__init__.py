@@ -146,10 +146,22 @@ def _verdict(prediction: Prediction, stages: list[StagePlan], base: list[Baselin
             out.append(f"A single {single.description.split(' (')[0]} is as fast ({other:.3g} s/step vs "
                        f"{step:.3g} s): use it alone.")
     if len(stages) == 1:
-        out.append(f"The whole model fits and runs fastest on one device ({stages[0].device}): no pipeline needed.")
+        faster = sorted((b.prediction.step_time_s, b.name.replace("_", " ")) for b in base
+                        if b.feasible and b.prediction is not None and b.prediction.step_time_s < step / 1.02)
+        if not faster:
+            out.append(f"The whole model fits and runs fastest on one device ({stages[0].device}): no pipeline "
+                       "needed.")
+        else:  # a stage count or split that was asked for keeps it on one device
+            out.append(f"The plan runs on one device ({stages[0].device}), but {faster[0][1]} over the fleet would "
+                       f"be {step / faster[0][0]:.2f}x as fast ({faster[0][0]:.3g} s/step): leave planner.num_stages "
+                       "and planner.split unset to let the planner use it.")
     if not solver.proven_optimal and solver.solver != "manual":
         out.append(_unproven_line(solver))
     return out
+
+
+# Where the placement is proven and another part is not, the verdict says both: this line says which holds.
+UNPROVEN = "Not proven optimal as a whole (any proof above covers its own part only)."
 
 
 def _unproven_line(solver: SolverReport) -> str:
@@ -163,7 +175,7 @@ def _unproven_line(solver: SolverReport) -> str:
     parts = "; ".join(f"{', '.join(names)}: {why}" for why, names in by_why.items())
     bound = (f" The best lower bound on any plan's step is {solver.lower_bound_s:.4g} s/step (the solvers' step "
              "model)." if solver.lower_bound_s is not None else "")
-    return f"Not proven optimal. Not settled: {parts}.{bound} Raise planner.time_limit_s to settle it."
+    return (f"{UNPROVEN} Not settled: {parts}.{bound} Raise planner.time_limit_s to settle it.")
 
 
 def _simulated_best(table: CostTable, ev: Evaluation, prediction: Prediction,

@@ -43,10 +43,13 @@ def make_plan() -> Plan:
     mem = MemoryBreakdown(0.1, 0.02, 0.3, 0.5, 0.92, 14.4)
     stages = [
         StagePlan(0, "localhost", "localhost.cpu0", "cpu", "cpu", "float32", "none", 0, 2, ["embed", "layers.0", "layers.1"],
-                  "tcp://127.0.0.1:29500", 1, 0.0123, 0.0246, 0.0005, mem, ["F0", "SA0", "RG0", "B0", "STEP"]),
+                  "tcp://127.0.0.1:29500", 1, 0.0123, 0.0246, 0.0005, mem,
+                  [a for i in range(8) for a in (f"F{i}", f"SA{i}")] + [a for i in range(8) for a in (f"RG{i}", f"B{i}")]
+                  + ["STEP"]),
         StagePlan(1, "localhost", "localhost.cpu1", "cpu", "cpu", "float32", "none", 3, 6,
                   ["layers.2", "layers.3", "norm", "head"], "tcp://127.0.0.1:29501", 1, 0.015, 0.03, 0.0,
-                  MemoryBreakdown(0.1, 0.02, 0.3, 0.5, 15.0, 14.4), ["RA0", "F0", "B0", "SG0", "STEP"]),
+                  MemoryBreakdown(0.1, 0.02, 0.3, 0.5, 15.0, 14.4),
+                  [a for i in range(8) for a in (f"RA{i}", f"F{i}", f"B{i}", f"SG{i}")] + ["STEP"]),
     ]  # fmt: skip
     pred = Prediction(0.75, 4096, 5461.3, 0.18, [0.81, 0.83], [0.92, 15.0])
     baselines = [

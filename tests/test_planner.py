@@ -188,3 +188,53 @@ def test_plan_is_never_slower_than_a_baseline_it_lists() -> None:
                 assert p.prediction.step_time_s <= b.prediction.step_time_s * (1 + 1e-9), (model, fleet, b.name)
         adopted += any("simulates faster" in line for line in p.verdict)
     assert adopted >= 1  # the 4 x 4 case: otherwise this test no longer covers the switch
+
+
+def contradictions(verdict: list[str]) -> list[str]:
+    """Pairs of verdict lines that cannot both be true (issue 53): one device "fastest" beside a faster baseline,
+    "use it alone" beside a pipeline faster than that device, a proof beside an unqualified "not proven"."""
+    import re
+
+    from hetero.planner import UNPROVEN
+
+    ratios = {m.group(2): float(m.group(1)) for line in verdict
+              if (m := re.match(r"(\d+\.\d+)x the throughput of ([a-z ]+) \(", line))}
+    found = []
+    if any("runs fastest on one device" in line for line in verdict):
+        found += [f"fastest on one device, {r:.2f}x {name}" for name, r in ratios.items() if r < 0.98]
+    if any("use it alone" in line for line in verdict) and ratios.get("best single device", 1.0) > 1.02:
+        found.append(f"use it alone, {ratios['best single device']:.2f}x the best single device")
+    proven = any(line.startswith("Placement proven optimal") for line in verdict)
+    unqualified = [line for line in verdict if line.startswith("Not proven optimal") and not line.startswith(UNPROVEN)]
+    if proven and unqualified:
+        found.append(f"proven beside {unqualified[0][:60]!r}")
+    return found
+
+
+def test_no_preset_verdict_contradicts_itself() -> None:
+    """Every fleet preset with llama8b (local: the tiny model), planned freely and forced onto one device: no two verdict lines contradict
+    (contradictions() above); the forced plan says which plan over the fleet would be faster."""
+    from pathlib import Path
+
+    from hetero import config as config_mod
+    from hetero.compiler.trace import trace
+    from hetero.planner import plan as make_plan
+
+    fleets = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "hardware").glob("*.yaml"))
+    assert len(fleets) >= 6
+    graphs: dict[str, object] = {}
+    forced_said = 0
+    for fleet in fleets:
+        model = "tiny" if fleet == "local" else "llama8b"  # the CPU stand-ins hold the tiny model only
+        for forced in ([], ["planner.num_stages=1"]):
+            cfg = config_mod.load([f"model={model}", f"hardware={fleet}", "planner.time_limit_s=3", *forced])
+            if model not in graphs:
+                graphs[model] = trace(cfg.model)
+            graph = graphs[model]
+            p = make_plan(cfg.model, graph, cfg.cluster, cfg.train, cfg.data, cfg.planner)
+            assert contradictions(p.verdict) == [], (fleet, forced, p.verdict)
+            forced_said += bool(forced) and any("over the fleet would be" in line for line in p.verdict)
+    assert forced_said >= 1  # 3090_4090: the one 4090 streaming its layers is slower than the two cards' pipeline
+    # The rule itself: the words of the forced 3090 + 4090 plan before they were made true.
+    assert contradictions(["The whole model fits and runs fastest on one device (box4090.rtx4090_0): no pipeline "
+                           "needed.", "0.69x the throughput of tflops proportional (all devices in fleet order)."])

@@ -18,7 +18,7 @@ import pytest
 from test_planner_ilp import make_cluster, make_graph, make_model
 
 from hetero.plan import SETTLED_PARTS, Plan
-from hetero.planner import plan, replicas
+from hetero.planner import UNPROVEN, plan, replicas
 from hetero.planner.replicas import solve_replicas
 from hetero.specs import DataSpec, PlannerOptions, TrainSpec
 
@@ -134,7 +134,7 @@ def test_settled_plan_is_proven_and_a_cut_off_replica_search_is_not(monkeypatch:
                                                  "placement": True}
     assert list(r.unsettled) == ["replicas"] and "only mirrored replicas were tried" in r.unsettled["replicas"]
     assert r.lower_bound_s is not None and r.lower_bound_s <= p.prediction.step_time_s * (1 + 1e-9)
-    assert any(v.startswith("Not proven optimal. Not settled: replicas:") for v in cut.verdict)
+    assert any(v.startswith(f"{UNPROVEN} Not settled: replicas:") for v in cut.verdict)
 
 
 def test_settings_settle_what_they_fix() -> None:

@@ -62,6 +62,16 @@ def test_the_progress_bar_shows_trained_tokens(monkeypatch: pytest.MonkeyPatch) 
         assert bar.bar.tasks[0].fields["tps"] == "1,234"
 
 
+def test_a_resumed_runs_eta_counts_only_its_own_steps() -> None:
+    """Resumed at step 95 of 100, one step in 2 s: 4 steps are left, 8 s (it said elapsed 0:00:02 ETA 0:00:00, the
+    96 steps of both runs sharing this run's 2 s; issue 53)."""
+    from hetero.runtime.run.records import plain_progress
+
+    line = plain_progress(95, 100, 1.5, 100.0, elapsed_s=2.0, first=95)
+    assert line.startswith("step 96/100 (96%)") and line.endswith("elapsed 0:00:02  ETA 0:00:08"), line
+    assert plain_progress(9, 100, 1.5, 100.0, elapsed_s=10.0).endswith("ETA 0:01:30")  # a fresh run: as before
+
+
 def test_off_a_terminal_progress_is_plain_lines(capsys: pytest.CaptureFixture[str]) -> None:
     """`hetero run ... | tee log`: a line after the first step, then at most one per interval, and after the last;
     nothing with --no-progress."""

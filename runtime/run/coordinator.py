@@ -268,7 +268,7 @@ class Coordinator(FailureHandling, StateKeeping, Greeting):
         label_tokens = {self.start_step: self._send_data(batches, self.start_step)}
         last = self.saved_at = time.perf_counter()
         self.snapshot_step: int | None = None
-        with ProgressBar(train.steps, self.options.progress) as progress:
+        with ProgressBar(train.steps, self.options.progress, first=self.start_step) as progress:
             for step in range(self.start_step, train.steps):
                 if self.stop_signal is not None:  # Ctrl-C / SIGTERM: `step` steps are done
                     self._checkpoint_and_stop(step)

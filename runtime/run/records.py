@@ -229,10 +229,11 @@ class ProgressBar:
     """A rich live bar (step, loss, trained tokens/s, ETA) when stdout is a terminal; otherwise a plain line after
     the first step, every PLAIN_PROGRESS_EVERY_S, and after the last (nothing with ``--no-progress``)."""
 
-    def __init__(self, total: int, enabled: bool, every_s: float = PLAIN_PROGRESS_EVERY_S) -> None:
+    def __init__(self, total: int, enabled: bool, every_s: float = PLAIN_PROGRESS_EVERY_S, first: int = 0) -> None:
+        """``first``: the step this run starts from (a resume's): its ETA counts only this run's steps."""
         self.enabled = enabled and sys.stdout.isatty()
         self.plain = enabled and not self.enabled
-        self.total, self.every_s = total, every_s
+        self.total, self.every_s, self.first = total, every_s, first
         self.started = self.printed = time.monotonic()
         self.lines = 0
         if self.enabled:
@@ -241,7 +242,7 @@ class ProgressBar:
             self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} trained tok/s"),
                                 TextColumn("ETA"), TimeRemainingColumn())
-            self.task = self.bar.add_task("train", total=total, loss="-", tps="-")
+            self.task = self.bar.add_task("train", total=total, completed=first, loss="-", tps="-")
 
     def __enter__(self) -> ProgressBar:
         if self.enabled:
@@ -264,13 +265,15 @@ class ProgressBar:
             return
         self.lines += 1
         self.printed = now
-        print(plain_progress(step, self.total, loss, tokens_per_s, now - self.started), flush=True)
+        print(plain_progress(step, self.total, loss, tokens_per_s, now - self.started, self.first), flush=True)
 
 
-def plain_progress(step: int, total: int, loss: float, tokens_per_s: float, elapsed_s: float) -> str:
-    """One progress line: ``step 12/200 (6%)  loss 1.2345  3,456 trained tok/s  elapsed 0:01:23  ETA 0:22:10``."""
+def plain_progress(step: int, total: int, loss: float, tokens_per_s: float, elapsed_s: float, first: int = 0) -> str:
+    """One progress line: ``step 12/200 (6%)  loss 1.2345  3,456 trained tok/s  elapsed 0:01:23  ETA 0:22:10``;
+    ``elapsed`` and the ETA count this run's steps only (``first``: where a resumed run started)."""
     done = step + 1
-    left = elapsed_s / done * (total - done) if done else 0.0
+    ran = done - first
+    left = elapsed_s / ran * (total - done) if ran > 0 else 0.0
     return (f"step {done}/{total} ({done / max(total, 1):.0%})  loss {loss:.4f}  {tokens_per_s:,.0f} trained tok/s  "
             f"elapsed {_clock(elapsed_s)}  ETA {_clock(left)}")
 

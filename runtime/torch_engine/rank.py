@@ -320,7 +320,7 @@ def train(where: Rank, executor: Any, schedule: Any, loss: StepLoss, device: tor
     records = RunRecords(plan, run_dir) if where.rank == 0 else None
     if records is not None:
         records.start_metrics(start)
-    with ProgressBar(plan.train.steps, progress and where.rank == 0) as bar:
+    with ProgressBar(plan.train.steps, progress and where.rank == 0, first=start) as bar:
         for step in range(start, plan.train.steps):
             t0 = time.perf_counter()
             batch = broadcast_batch(batches.step(step) if batches is not None else None, shape)

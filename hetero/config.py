@@ -256,9 +256,14 @@ def check_eval(evaluation: EvalSpec, cluster: ClusterSpec | None = None) -> None
     if evaluation.every < 0 or evaluation.max_batches < 1:
         raise ConfigError(f"eval.every must be >= 0 and eval.max_batches >= 1, got {evaluation.every} and "
                           f"{evaluation.max_batches}")
-    if evaluation.every > 0 and not evaluation.path:
-        raise ConfigError(f"eval.every={evaluation.every} needs held-out data: set eval.path=FILE (same format as "
-                          "data.format, records not in the training data)")
+    if not 0 <= evaluation.split <= 0.5:  # a fraction of the records: at most half held out
+        raise ConfigError(f"eval.split must be in 0..0.5 (a fraction of the records), got {evaluation.split}")
+    if evaluation.split > 0 and evaluation.path:
+        raise ConfigError(f"eval.split={evaluation.split} and eval.path={evaluation.path}: hold out records of the "
+                          "training data or evaluate on a file, not both")
+    if evaluation.every > 0 and not evaluation.path and not evaluation.split:
+        raise ConfigError(f"eval.every={evaluation.every} needs held-out data: set eval.split=0.1 (a tenth of the "
+                          "training records, kept out of training) or eval.path=FILE (same format as data.format)")
     if evaluation.path and not Path(evaluation.path).expanduser().is_file():
         raise ConfigError(f"eval.path={evaluation.path}: no such file")
     if cluster is not None and evaluation.device is not None:

@@ -261,7 +261,8 @@ class EvalSpec:
     ``eval_loss`` line for that step. All keys may change at `hetero run` (eval.every=N ...)."""
 
     every: int = 0  # evaluate every N optimizer steps (0: off); the last step is always evaluated
-    path: str | None = None  # held-out data, in data.format (required when every > 0)
+    path: str | None = None  # held-out data, in data.format (this or split when every > 0)
+    split: float = 0.0  # instead of path: this fraction of data.path's records, held out of training (0: none)
     device: str | None = None  # a fleet device kept out of training (compile) / used to evaluate (run);
     # None: the first device on the coordinator's host that the plan leaves out
     max_batches: int = 8  # held-out micro-batches (of train.micro_batch_size sequences) per evaluation

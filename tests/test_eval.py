@@ -91,6 +91,48 @@ def test_spare_device_evaluates_while_training(tiny_model_dir: Path, tiny_spec: 
     assert evals[-1]["eval_loss"] == pytest.approx(total / tokens, rel=1e-5)
 
 
+def test_eval_split_holds_out_a_fraction_of_the_training_records(tiny_model_dir: Path, tiny_spec: ModelSpec,
+                                                                  tmp_path: Path) -> None:
+    """eval.split=0.2 (issue 53): a fifth of data.path's records never train, and eval_loss is a transformers + peft
+    forward of exactly those records, in file order, with the run's adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hetero.runtime.run.data_files import held_out_indices
+
+    records = [{"instruction": f"Add {i} and {i + 1}.", "input": "", "output": f"{2 * i + 1}"} for i in range(20)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    train = TrainSpec(micro_batch_size=2, num_micro_batches=2, steps=2, lr=5e-3, seed=3)
+    plan = _plan_with_spare(tiny_model_dir, tiny_spec, train)
+    plan = replace(plan, data=replace(plan.data, path=str(data)))
+    replace(plan, input_hash=compute_input_hash(plan)).save(tmp_path / "plan.json")
+    held = held_out_indices(20, 0.2, 3)
+    assert len(held) == 4
+    trains = StepBatches(DataSpec(path=str(data)), tiny_model_dir, 64, 2, 2, 3, True, hold_out=0.2)
+    assert trains.num_records == 16 and all(r not in trains.records for r in (records[i] for i in held))
+
+    run_dir = tmp_path / "run"
+    assert main_run([str(tmp_path / "plan.json"), "--run-dir", str(run_dir), "--no-progress", "eval.every=1",
+                     "eval.split=0.2", "eval.max_batches=2"]) == 0
+    evals = [x for x in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in x]
+    assert evals and evals[-1]["step"] == 1, evals
+
+    kept = tmp_path / "held.jsonl"
+    kept.write_text("".join(json.dumps(records[i]) + "\n" for i in held))
+    batch = StepBatches(DataSpec(path=str(kept)), tiny_model_dir, 64, 2, 2, 3, False, packing=False).step(0)
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(run_dir / "adapter")).eval()
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for mb in range(2):
+            n = int((batch.labels[mb][:, 1:] != IGNORE_INDEX).sum())
+            total += float(model(input_ids=batch.input_ids[mb], labels=batch.labels[mb]).loss) * n
+            tokens += n
+    assert evals[-1]["eval_tokens"] == tokens
+    assert evals[-1]["eval_loss"] == pytest.approx(total / tokens, rel=1e-5)
+
+
 def test_eval_needs_a_spare_device_and_held_out_data(tiny_model_dir: Path, tiny_spec: ModelSpec,
                                                      tmp_path: Path) -> None:
     train = TrainSpec(micro_batch_size=2, num_micro_batches=2, steps=2)
@@ -98,7 +140,7 @@ def test_eval_needs_a_spare_device_and_held_out_data(tiny_model_dir: Path, tiny_
     plan.save(tmp_path / "plan.json")
     held_out = tmp_path / "held_out.jsonl"
     held_out.write_text(json.dumps(HELD_OUT[0]) + "\n")
-    with pytest.raises(ConfigError, match="needs held-out data: set eval.path"):
+    with pytest.raises(ConfigError, match="needs held-out data: set eval.split=0.1 .* or eval.path=FILE"):
         main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "r"), "eval.every=1"])
     with pytest.raises(ConfigError, match="every device of host localhost trains: recompile with"):
         main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "r"), "eval.every=1",

@@ -257,7 +257,7 @@ class Coordinator(FailureHandling, StateKeeping, Greeting):
 
         plan, train = self.plan, self.plan.train
         return StepBatches(plan.data, resolve_dir(plan.model), plan.model.seq_len, train.micro_batch_size,
-                           train.num_micro_batches, train.seed, train.shuffle)
+                           train.num_micro_batches, train.seed, train.shuffle, hold_out=plan.eval.split)
 
     def _train(self, batches: Any) -> None:
         """Steps start_step.. : data out, the step's reduction, ``stepdone`` in, the records; Ctrl-C stops

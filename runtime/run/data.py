@@ -32,7 +32,13 @@ import torch
 from hetero.errors import ConfigError
 from hetero.packing import pack_rows
 from hetero.runtime.base.prompts import render_alpaca
-from hetero.runtime.run.data_files import _first_line, chat_messages, load_located, validate_records
+from hetero.runtime.run.data_files import (
+    _first_line,
+    chat_messages,
+    held_out_indices,
+    load_located,
+    validate_records,
+)
 from hetero.specs import DataSpec
 
 IGNORE_INDEX = -100
@@ -105,8 +111,10 @@ class StepBatches:
         seed: int,
         shuffle: bool,
         packing: bool | None = None,
+        hold_out: float = 0.0,
     ) -> None:
-        """``packing``: several records per row (default: ``data.packing``)."""
+        """``packing``: several records per row (default: ``data.packing``); ``hold_out``: eval.split, the fraction
+        of the records kept out of training for held-out evaluation (data_files.held_out_indices)."""
         if data.format not in FORMATS:
             raise ConfigError(f"data.format '{data.format}': expected one of {list(FORMATS)}")
         for key, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size), ("num_micro_batches", num_micro_batches)):
@@ -123,6 +131,9 @@ class StepBatches:
         self.packing = data.packing if packing is None else packing
         self.records, self.source, self.located = load_located(data)
         validate_records(self.records, data, self.source, self.located)
+        if held := set(held_out_indices(len(self.records), hold_out, seed)):
+            self.records = [r for i, r in enumerate(self.records) if i not in held]
+            self.located = [where for i, where in enumerate(self.located) if i not in held]
 
         from transformers import AutoTokenizer
 

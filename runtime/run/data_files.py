@@ -26,6 +26,17 @@ MAX_JSON_DEPTH = 64  # a chat record nests 3 deep (record, messages, message)
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 
 
+def held_out_indices(count: int, split: float, seed: int) -> list[int]:
+    """Which of ``count`` records eval.split holds out of training, in file order: ``round(count * split)`` of them
+    (at least one, never all), picked by the run's seed, the same in every process that reads the data."""
+    import random
+
+    if split <= 0 or count < 2:
+        return []
+    size = min(count - 1, max(1, round(count * split)))
+    return sorted(random.Random(f"hetero-eval-split:{seed}:{count}").sample(range(count), size))
+
+
 class JsonLimitError(ValueError):
     """A JSON value past MAX_JSON_DEPTH or with a number past MAX_NUMBER_DIGITS."""
 

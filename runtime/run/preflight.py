@@ -73,7 +73,7 @@ def make_batches(plan: Plan, model_dir: Path) -> Any:
 
     train = plan.train
     return StepBatches(plan.data, model_dir, plan.model.seq_len, train.micro_batch_size, train.num_micro_batches,
-                       train.seed, train.shuffle)
+                       train.seed, train.shuffle, hold_out=plan.eval.split)
 
 
 def with_epoch_steps(plan: Plan, batches: Any) -> Plan:

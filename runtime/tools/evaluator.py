@@ -45,9 +45,12 @@ def held_out_batches(plan: Plan, evaluation: EvalSpec, skipped: list[str] | None
     from hetero.runtime.pretrained import resolve_dir
     from hetero.runtime.run.data import StepBatches
 
-    if not evaluation.path:
-        raise ConfigError("eval.path is not set: held-out evaluation needs a file (eval.path=FILE)")
+    if not evaluation.path and not evaluation.split:
+        raise ConfigError("neither eval.split nor eval.path is set: held-out evaluation needs held-out records "
+                          "(eval.split=0.1, or eval.path=FILE)")
     train, tokenizer_dir = plan.train, resolve_dir(plan.model)
+    source = evaluation.path or f"{plan.data.path or 'the bundled demo set'} (eval.split={evaluation.split})"
+    label = f"eval.path={evaluation.path}" if evaluation.path else source  # what the messages name
 
     def build(path: Path, micro_batches: int) -> Any:
         data = replace(plan.data, path=str(path), packing=False)  # the training data's format; one record a row
@@ -55,7 +58,9 @@ def held_out_batches(plan: Plan, evaluation: EvalSpec, skipped: list[str] | None
                            train.seed, False)
 
     with tempfile.TemporaryDirectory(prefix="hetero-eval-") as scratch:
-        path, bad = screen_held_out(Path(evaluation.path).expanduser(), plan.data, Path(scratch))
+        given = Path(evaluation.path).expanduser() if evaluation.path else _split_records(plan, evaluation.split,
+                                                                                          Path(scratch))
+        path, bad = screen_held_out(given, plan.data, Path(scratch))
         batches = build(path, evaluation.max_batches)
         refused = dict(_unencodable(batches, evaluation.max_batches * train.micro_batch_size))
         if refused:
@@ -64,17 +69,27 @@ def held_out_batches(plan: Plan, evaluation: EvalSpec, skipped: list[str] | None
             batches = build(path := _write_records(kept, Path(scratch) / "encodable.jsonl"), evaluation.max_batches)
         fit = batches.num_records // train.micro_batch_size
         if fit < 1:
-            raise ConfigError(f"eval.path={evaluation.path} has {batches.num_records} usable record(s), fewer than "
+            raise ConfigError(f"{label} has {batches.num_records} usable record(s), fewer than "
                               f"one micro-batch (train.micro_batch_size={train.micro_batch_size})"
                               + (f"; left out: {bad[0]}" if bad else ""))
         if fit < evaluation.max_batches:
             batches = build(path, fit)
-    batches.source = str(evaluation.path)  # errors name the user's file, not a scratch copy
+    batches.source = source  # errors name the user's file, not a scratch copy
     if bad and skipped is not None:
         more = f"; {len(bad) - 1} more like it" if len(bad) > 1 else ""
-        skipped.append(f"eval.path={evaluation.path}: left out {len(bad)} held-out record(s) that data.format="
+        skipped.append(f"{label}: left out {len(bad)} held-out record(s) that data.format="
                        f"{plan.data.format} cannot use ({bad[0]}{more}); evaluating the other {batches.num_records}")
     return batches
+
+
+def _split_records(plan: Plan, split: float, scratch: Path) -> Path:
+    """eval.split's held-out records of the training data (the ones training leaves out: StepBatches' hold_out), as
+    a JSON-lines file in ``scratch``."""
+    from hetero.runtime.run.data_files import held_out_indices, load_located
+
+    records, _, _ = load_located(plan.data)
+    held = held_out_indices(len(records), split, plan.train.seed)
+    return _write_records([records[i] for i in held], scratch / "held_out.jsonl")
 
 
 def screen_held_out(path: Path, data: DataSpec, scratch: Path) -> tuple[Path, list[str]]:

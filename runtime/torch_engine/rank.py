@@ -348,7 +348,7 @@ def _batches(plan: Plan) -> Any:
 
     train = plan.train
     return StepBatches(plan.data, resolve_dir(plan.model), plan.model.seq_len, train.micro_batch_size,
-                       train.num_micro_batches, train.seed, train.shuffle)
+                       train.num_micro_batches, train.seed, train.shuffle, hold_out=plan.eval.split)
 
 
 def rank_main(plan_path: str, run_dir: str, backend: str, resume: str | None, progress: bool,

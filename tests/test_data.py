@@ -183,6 +183,23 @@ def test_bad_data(tiny_model_dir: Path, tmp_path: Path, content: str, fmt: str, 
     assert "\n" not in str(info.value)
 
 
+def test_a_huge_record_is_cut_before_it_is_tokenized(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A record of ~1.6 M characters at seq_len 32 (issue 53: a 1 GiB one made the tokenizer take all memory): the
+    text is cut before tokenizing, and the row holds exactly the first tokens of the whole text."""
+    words = " ".join(f"word{i % 997} and more {i}" for i in range(80_000))
+    path = tmp_path / "huge.jsonl"
+    path.write_text(json.dumps({"text": words}) + "\n" + json.dumps({"text": "a short one"}) + "\n")
+    sb = _batches(tiny_model_dir, DataSpec(path=str(path), format="text"), seq_len=32, shuffle=False,
+                  micro_batch_size=1, num_micro_batches=1, packing=False)
+    ids, _ = sb.encode(0)
+    assert sb.cut_records == 1 and 32 < len(ids) < len(words) // 8
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    whole = [tok.bos_token_id, *tok(words, add_special_tokens=False)["input_ids"]]
+    assert sb.step(0).input_ids.flatten().tolist() == whole[:32]
+    sb.encode(1)
+    assert sb.cut_records == 1  # the short one is not cut
+
+
 def test_bad_spec(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="format"):
         _batches(tiny_model_dir, DataSpec(format="sharegpt"))  # type: ignore[arg-type]

@@ -42,6 +42,9 @@ from hetero.runtime.run.data_files import (
 from hetero.specs import DataSpec
 
 IGNORE_INDEX = -100
+# A text of more than seq_len x this many characters is cut before tokenizing (StepBatches._ids); tokens are rarely
+# longer than 16 characters. The cut keeps CUT_MARGIN_TOKENS past seq_len, so the tokens at the cut fall outside the row.
+CHARS_PER_TOKEN_CUT, CUT_MARGIN_TOKENS = 64, 64
 FORMATS = ("text", "alpaca", "tokens", "chat")
 
 @dataclass
@@ -150,6 +153,7 @@ class StepBatches:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_id: int = pad if pad is not None else 0
         self._encoded: dict[int, tuple[list[int], list[int]]] = {}
+        self.cut_records = 0  # texts cut before tokenizing (_ids): their token counts are lower bounds
         self._perms: OrderedDict[int, list[int]] = OrderedDict()
         self._rows: OrderedDict[int, list[list[int]]] = OrderedDict()
         self._rows_per_epoch: int | None = None
@@ -225,6 +229,16 @@ class StepBatches:
         return self._encoded[index]
 
     def _ids(self, text: str) -> list[int]:
+        """``text``'s tokens; a text far longer than a row can use is cut before it is tokenized (a 1 GiB record
+        made the tokenizer take every byte of memory), to at least ``seq_len`` tokens and a margin, so that what a
+        row keeps is what the whole text gives. Such a record's length is then a lower bound (``cut_records``)."""
+        keep = self.seq_len * CHARS_PER_TOKEN_CUT
+        while len(text) > keep:
+            ids = self.tokenizer(text[:keep], add_special_tokens=False)["input_ids"]
+            if len(ids) > self.seq_len + CUT_MARGIN_TOKENS:
+                self.cut_records += 1
+                return list(ids)
+            keep *= 4  # tokens longer than the bound assumes: cut further on
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _encode(self, record: dict[str, Any]) -> tuple[list[int], list[int]]:
@@ -244,12 +258,21 @@ class StepBatches:
         prompt_labels = list(prompt) if self.data.train_on_prompt else [IGNORE_INDEX] * len(prompt)
         return prompt + response, prompt_labels + response
 
+    def _bounded(self, messages: list[dict[str, Any]], count: bool = True) -> list[dict[str, Any]]:
+        """A conversation whose message longer than a row can use is cut to seq_len x CHARS_PER_TOKEN_CUT
+        characters (as _ids cuts a text): rendering and tokenizing it whole could take every byte of memory."""
+        keep = self.seq_len * CHARS_PER_TOKEN_CUT
+        if all(len(m["content"]) <= keep for m in messages):
+            return messages
+        self.cut_records += count
+        return [{**m, "content": m["content"][:keep]} for m in messages]
+
     def _encode_chat(self, record: dict[str, Any], index: int) -> tuple[list[int], list[int]]:
         # One tokenization of the whole rendering (as apply_chat_template(tokenize=True) gives it); a token
         # gets a label when its characters overlap an assistant turn. Tokenizing the pieces apart would
         # split tokens that straddle a boundary, e.g. "Assistant: " + "Hi" -> " Hi".
-        text, spans = chat_spans(self.tokenizer, chat_messages(record), f"{self.source}: {self.located[index]}",
-                                 locate=not self.data.train_on_prompt)
+        text, spans = chat_spans(self.tokenizer, self._bounded(chat_messages(record)),
+                                 f"{self.source}: {self.located[index]}", locate=not self.data.train_on_prompt)
         if self.data.train_on_prompt:
             ids = self._ids(text)
             return ids, list(ids)
@@ -272,8 +295,8 @@ class StepBatches:
         the chat template renders every conversation with findable assistant turns."""
         if self.data.format == "chat":
             for i, r in enumerate(self.records):  # renders text only; tokenizing waits for the record's step
-                chat_spans(self.tokenizer, chat_messages(r), f"{self.source}: {self.located[i]}",
-                           locate=not self.data.train_on_prompt)
+                chat_spans(self.tokenizer, self._bounded(chat_messages(r), count=False),
+                           f"{self.source}: {self.located[i]}", locate=not self.data.train_on_prompt)
         if vocab_size is not None and self.data.format == "tokens":
             for i, r in enumerate(self.records):
                 bad = next((t for t in r["input_ids"] if t >= vocab_size), None)

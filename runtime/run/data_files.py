@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -168,10 +169,21 @@ def _first_line(exc: Exception) -> str:
     return (text.splitlines()[0] if text else type(exc).__name__)[:200]
 
 
+def _lines(text: str) -> Iterator[str]:
+    """The lines of ``text`` one at a time (JSON Lines ends each with \\n; a \\r before it is JSON whitespace): a
+    list of them all would hold a second copy of the file."""
+    start = 0
+    while start < len(text):
+        end = text.find("\n", start)
+        end = len(text) if end < 0 else end
+        yield text[start:end]
+        start = end + 1
+
+
 def _parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], list[str]]:
     """One JSON object per line (blank lines skipped); the records and ``line N`` for each."""
     records, located = [], []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(_lines(text), 1):
         if not line.strip():
             continue
         try:

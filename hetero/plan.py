@@ -405,18 +405,11 @@ def compute_input_hash(plan: Plan) -> str:
 
     train = {k: v for k, v in canonical(TrainSpec, plan.train).items() if k not in RUNTIME_OVERRIDABLE}
     planner = canonical(PlannerOptions, plan.planner)
-    if planner.get("recompute") == "auto":
-        del planner["recompute"]  # the default: plans from before the option keep their hash
-    if planner.get("replicas", 0) is None:
-        del planner["replicas"]  # likewise
-    if planner.get("offload") == "auto":
-        del planner["offload"]  # likewise
-    if planner.get("compression") == "none":
-        del planner["compression"]  # likewise
-    if planner.get("interleave") == "auto":
-        del planner["interleave"]  # likewise
-    if planner.get("exclude") == []:
-        del planner["exclude"]  # likewise
+    # Options at their defaults: plans from before each option keep their hash.
+    for key, default in (("recompute", "auto"), ("replicas", None), ("offload", "auto"), ("compression", "none"),
+                         ("interleave", "auto"), ("exclude", [])):
+        if key in planner and planner[key] == default:
+            del planner[key]
     cluster = canonical(ClusterSpec, plan.cluster)
     for host in cluster["hosts"]:
         del host["ssh"]  # how `hetero run` reaches a host is not placement (and may be added to plan.json)

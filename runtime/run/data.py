@@ -101,6 +101,28 @@ def chat_spans(tokenizer: Any, messages: list[dict[str, Any]], where: str,
     return full, found
 
 
+def cut_ids(tokenizer: Any, text: str, seq_len: int) -> tuple[list[int], bool]:
+    """``text``'s tokens, and whether it was cut first: a text far longer than a row can use is tokenized from a
+    prefix (a 1 GiB record made the tokenizer take every byte of memory) that still gives more than ``seq_len``
+    tokens and a margin, so that what a row keeps is what the whole text gives; its length is then a lower bound."""
+    keep = seq_len * CHARS_PER_TOKEN_CUT
+    while len(text) > keep:
+        ids = tokenizer(text[:keep], add_special_tokens=False)["input_ids"]
+        if len(ids) > seq_len + CUT_MARGIN_TOKENS:
+            return list(ids), True
+        keep *= 4  # tokens longer than the bound assumes: cut further on
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]), False
+
+
+def bounded_messages(messages: list[dict[str, Any]], seq_len: int) -> list[dict[str, Any]]:
+    """A conversation with each message longer than a row can use cut to seq_len x CHARS_PER_TOKEN_CUT characters
+    (as cut_ids cuts a text); ``messages`` itself when none is."""
+    keep = seq_len * CHARS_PER_TOKEN_CUT
+    if all(len(m["content"]) <= keep for m in messages):
+        return messages
+    return [{**m, "content": m["content"][:keep]} for m in messages]
+
+
 class StepBatches:
     """Deterministic per-step batches: ``step(i)`` depends only on ``i`` and the constructor args."""
 
@@ -229,17 +251,9 @@ class StepBatches:
         return self._encoded[index]
 
     def _ids(self, text: str) -> list[int]:
-        """``text``'s tokens; a text far longer than a row can use is cut before it is tokenized (a 1 GiB record
-        made the tokenizer take every byte of memory), to at least ``seq_len`` tokens and a margin, so that what a
-        row keeps is what the whole text gives. Such a record's length is then a lower bound (``cut_records``)."""
-        keep = self.seq_len * CHARS_PER_TOKEN_CUT
-        while len(text) > keep:
-            ids = self.tokenizer(text[:keep], add_special_tokens=False)["input_ids"]
-            if len(ids) > self.seq_len + CUT_MARGIN_TOKENS:
-                self.cut_records += 1
-                return list(ids)
-            keep *= 4  # tokens longer than the bound assumes: cut further on
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids, cut = cut_ids(self.tokenizer, text, self.seq_len)
+        self.cut_records += cut
+        return ids
 
     def _encode(self, record: dict[str, Any]) -> tuple[list[int], list[int]]:
         fmt = self.data.format
@@ -259,13 +273,9 @@ class StepBatches:
         return prompt + response, prompt_labels + response
 
     def _bounded(self, messages: list[dict[str, Any]], count: bool = True) -> list[dict[str, Any]]:
-        """A conversation whose message longer than a row can use is cut to seq_len x CHARS_PER_TOKEN_CUT
-        characters (as _ids cuts a text): rendering and tokenizing it whole could take every byte of memory."""
-        keep = self.seq_len * CHARS_PER_TOKEN_CUT
-        if all(len(m["content"]) <= keep for m in messages):
-            return messages
-        self.cut_records += count
-        return [{**m, "content": m["content"][:keep]} for m in messages]
+        kept = bounded_messages(messages, self.seq_len)
+        self.cut_records += count and kept is not messages
+        return kept
 
     def _encode_chat(self, record: dict[str, Any], index: int) -> tuple[list[int], list[int]]:
         # One tokenization of the whole rendering (as apply_chat_template(tokenize=True) gives it); a token

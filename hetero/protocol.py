@@ -215,6 +215,10 @@ class Welcome(Record):
     resume: bool
     failure_timeout_s: float | None = check(optional=True, finite=True, low=0.0)
     eval_every: int | None = check(optional=True, low=0)
+    # Held-out evaluation on the training stages (runtime/run/stage_eval.py): after every Nth step and the last,
+    # ``stage_eval_rounds`` forward passes of a step's micro-batches through the first pipeline. None: not here.
+    stage_eval_every: int | None = check(optional=True, low=1, high=1_000_000)
+    stage_eval_rounds: int | None = check(optional=True, low=1, high=4096)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -402,6 +406,17 @@ class Snapshot(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalDone(Record):
+    """A pipeline's last stage to the coordinator: one round of held-out rows forwarded after a step (evaluation on
+    the training stages): their summed token cross-entropy and label tokens."""
+
+    KIND: ClassVar[str] = "evaldone"
+    loss_sum: float = check(finite=True, low=0.0)
+    num_label_tokens: int = check(low=0)
+    round: int = check(low=0, high=4096)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Loss(Record):
     """A loss report (tests and tools; a run's loss travels in ``stepdone``)."""
 
@@ -411,7 +426,8 @@ class Loss(Record):
 
 RECORDS: dict[str, type[Record]] = {r.KIND: r for r in (
     Hello, Welcome, Start, State, Stop, Error, Heartbeat,
-    Batch, Labels, Act, Grad, GradNorm, Clip, Grads, Reduced, StepDone, Checkpoint, Rebalance, Snapshot, Loss,
+    Batch, Labels, Act, Grad, GradNorm, Clip, Grads, Reduced, StepDone, Checkpoint, Rebalance, Snapshot, EvalDone,
+    Loss,
 )}
 KINDS: frozenset[str] = frozenset(RECORDS)  # every kind a hetero process may send
 UNSTEPPED: frozenset[str] = frozenset(kind for kind, r in RECORDS.items() if not r.STEPPED)

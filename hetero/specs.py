@@ -254,17 +254,16 @@ class DataSpec:
 
 @dataclass(frozen=True)
 class EvalSpec:
-    """Evaluation on held-out data by a device the plan leaves out of training (docs/running.md).
-
-    Every ``every`` optimizer steps the coordinator hands the latest adapter to an evaluator process
-    on that device; it computes the held-out loss while training goes on, and metrics.jsonl gets an
-    ``eval_loss`` line for that step. All keys may change at `hetero run` (eval.every=N ...)."""
+    """Evaluation on held-out data (docs/running.md): every ``every`` optimizer steps the training stages forward the
+    held-out rows between steps, or, with ``device``, an evaluator process on that device (kept out of training)
+    computes the held-out loss of the latest adapter while training goes on; metrics.jsonl gets an ``eval_loss``
+    line for that step. All keys may change at `hetero run` (eval.every=N ...)."""
 
     every: int = 0  # evaluate every N optimizer steps (0: off); the last step is always evaluated
     path: str | None = None  # held-out data, in data.format (this or split when every > 0)
     split: float = 0.0  # instead of path: this fraction of data.path's records, held out of training (0: none)
     device: str | None = None  # a fleet device kept out of training (compile) / used to evaluate (run);
-    # None: the first device on the coordinator's host that the plan leaves out
+    # None: the training stages evaluate, between steps (runtime/run/stage_eval.py)
     max_batches: int = 8  # held-out micro-batches (of train.micro_batch_size sequences) per evaluation
 
 

@@ -22,7 +22,7 @@ from hetero.plan import (
     with_label_fraction,
 )
 from hetero.planner.baselines import baseline_evaluations, candidate_placements, predict
-from hetero.planner.caveats import issue_bound_lines
+from hetero.planner.caveats import issue_bound_lines, stage_eval_lines
 from hetero.planner.compress_advice import link_lines
 from hetero.planner.cost import GB, CostTable, build_cost_table, link_scheme, training_fleet
 from hetero.planner.cost_model import CostModel, RooflineCostModel, compute_dtype, expert_weight_bytes
@@ -474,7 +474,8 @@ def plan(
     head = [*_verdict(prediction, stages, base, solver), *notes, *cost_notes]
     tail = [*issue_bound_lines(stages, cost_model), *_experts_lines(graph, cost_model, model),
             *(cost_model.loaded_lines(stages, prediction.stage_busy) if isinstance(cost_model, ProfileCostModel) else []),
-            *_unused_lines(trains, stages, options)]
+            *_unused_lines(trains, stages, options),
+            *stage_eval_lines(evaluation, stages, replicas if len(replicas) > 1 else [], train, prediction.step_time_s)]
     unhashed = Plan(
         model=model, cluster=cluster, train=train, data=data, planner=options, graph=graph, stages=stages,
         prediction=prediction, baselines=base, solver=solver, verdict=[*head, *tail], config=dict(config or {}),

@@ -8,9 +8,12 @@ factor to expect, and `hetero profile` measures it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from hetero.plan import StagePlan
 from hetero.planner.cost_model import CostModel
 from hetero.planner.profile_cost import ProfileCostModel
+from hetero.specs import EvalSpec, TrainSpec
 
 # What a GPU stage takes, at least, to issue one decoder layer's forward and backward for a micro-batch from Python:
 # about 430 operator calls (a Llama layer with LoRA on its 7 projections, counted at torch's dispatcher), measured on
@@ -55,3 +58,19 @@ def issue_bound_lines(stages: list[StagePlan], cost_model: CostModel) -> list[st
                    f"{per_layer * 1e3:.2g} ms per micro-batch, {under} {took}: expect this stage {factor:.0f}x "
                    f"slower than predicted {more}; `hetero profile` measures it (larger micro-batches amortize it).")
     return out
+
+
+def stage_eval_lines(evaluation: EvalSpec, stages: list[StagePlan], replicas: list[Any], train: TrainSpec,
+                      step_s: float) -> list[str]:
+    """What evaluating on the training stages costs (eval.every without eval.device): each round forwards one step's
+    micro-batches of the first pipeline, fill then one per slowest forward (runtime/run/stage_eval.py)."""
+    if evaluation.every <= 0 or evaluation.device is not None:
+        return []
+    first = [stages[k] for k in replicas[0].stages] if replicas else stages
+    m = replicas[0].num_micro_batches if replicas else train.num_micro_batches
+    rounds = -(-evaluation.max_batches // m)
+    one = sum(s.fwd_time_s + s.send_time_s for s in first) + (m - 1) * max(s.fwd_time_s for s in first)
+    share = rounds * one / (evaluation.every * step_s) if step_s > 0 else 0.0
+    return [f"Evaluation on the training stages every {evaluation.every} step(s): {rounds} forward round(s) of {m} "
+            f"micro-batch(es), predicted {rounds * one:.3g} s each time ({share:.1%} of training time); eval.device "
+            "moves it to a device kept out of training."]

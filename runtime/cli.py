@@ -339,8 +339,12 @@ def _prepare_run(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
     coordinator_endpoint(plan, args.host, args.port)  # validates --host before anything is created
     if plan.eval.every > 0:
         from hetero.runtime.run.eval_client import eval_device_name
+        from hetero.runtime.run.stage_eval import evaluates_on_stages, refusal
 
-        eval_device_name(plan, plan.eval, host)  # a spare device: one line if none
+        if not evaluates_on_stages(plan):
+            eval_device_name(plan, plan.eval, host)  # eval.device: one line if it cannot evaluate
+        elif (why := refusal(plan)) is not None:
+            raise ConfigError(why)
     run_dir = args.run_dir or default_run_dir(plan)
     if args.run_dir is None and checkpoint is not None and checkpoint != args.resume:
         run_dir = checkpoint.parent.parent  # --resume RUN_DIR goes on in RUN_DIR

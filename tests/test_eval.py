@@ -54,7 +54,7 @@ def test_spare_device_evaluates_while_training(tiny_model_dir: Path, tiny_spec: 
     held_out.write_text("".join(json.dumps(r) + "\n" for r in HELD_OUT))
     run_dir = tmp_path / "run"
     assert main_run([str(tmp_path / "plan.json"), "--run-dir", str(run_dir), "--no-progress", "eval.every=2",
-                     f"eval.path={held_out}", "eval.max_batches=3"]) == 0
+                     f"eval.path={held_out}", "eval.max_batches=3", "eval.device=localhost.spare"]) == 0
 
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in lines if "step_time_s" in x]
@@ -89,6 +89,34 @@ def test_spare_device_evaluates_while_training(tiny_model_dir: Path, tiny_spec: 
             tokens += n
     assert evals[-1]["eval_tokens"] == tokens
     assert evals[-1]["eval_loss"] == pytest.approx(total / tokens, rel=1e-5)
+
+
+@pytest.mark.parametrize("shape", ["pipeline", "replicas"])
+def test_the_training_stages_evaluate_between_steps(tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path,
+                                                    shape: str) -> None:
+    """eval.every without eval.device (issue 53): the training stages forward the held-out rows through the pipeline
+    between steps, no device kept out; eval_loss after the last step is a transformers + peft forward of the same
+    rows with the saved adapter (1e-6). Two stages of one pipeline, and two one-stage replicas (the default plan of
+    hardware=local), whose first pipeline evaluates."""
+    train = TrainSpec(micro_batch_size=2, num_micro_batches=2, steps=3, lr=5e-3, seed=0)
+    plan = (make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=train, seq_len=64) if shape == "pipeline"
+            else make_plan(tiny_model_dir, tiny_spec.architecture, [[6], [6]], train=train, seq_len=64, shares=[1, 1]))
+    plan.save(tmp_path / "plan.json")
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in HELD_OUT))
+    run_dir = tmp_path / "run"
+    assert main_run([str(tmp_path / "plan.json"), "--run-dir", str(run_dir), "--no-progress", "eval.every=2",
+                     f"eval.path={held_out}", "eval.max_batches=3"]) == 0
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [x for x in lines if "eval_loss" in x]
+    assert [x["step"] for x in evals] == [1, 2] and all(x["eval_on"] == "training stages" for x in evals), evals
+    assert [x["step"] for x in lines if "step_time_s" in x] == [0, 1, 2]
+    assert not (run_dir / "logs" / "eval.log").exists()  # no evaluator process
+    # max_batches=3 in whole rounds of the pipeline's micro-batches: 2 rounds of 2 (a replica: 2 rounds of 1... 3)
+    rows = 4 if shape == "pipeline" else 3
+    loss, tokens = _peft_held_out_loss(tiny_model_dir, run_dir / "adapter", held_out, rows)
+    assert evals[-1]["eval_tokens"] == tokens
+    assert evals[-1]["eval_loss"] == pytest.approx(loss, rel=1e-6, abs=1e-7)
 
 
 def test_eval_split_holds_out_a_fraction_of_the_training_records(tiny_model_dir: Path, tiny_spec: ModelSpec,
@@ -142,8 +170,8 @@ def test_eval_needs_a_spare_device_and_held_out_data(tiny_model_dir: Path, tiny_
     held_out.write_text(json.dumps(HELD_OUT[0]) + "\n")
     with pytest.raises(ConfigError, match="needs held-out data: set eval.split=0.1 .* or eval.path=FILE"):
         main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "r"), "eval.every=1"])
-    with pytest.raises(ConfigError, match="every device of host localhost trains: recompile with"):
-        main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "r"), "eval.every=1",
+    with pytest.raises(ConfigError, match="has 1 usable record\\(s\\), fewer than one micro-batch"):
+        main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "r2"), "eval.every=1",
                   f"eval.path={held_out}"])
     with pytest.raises(ConfigError, match="unknown eval option 'eval.evry=1'"):
         main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "r"), "eval.evry=1"])

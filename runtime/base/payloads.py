@@ -14,3 +14,8 @@ def checkpoint_due(train: TrainSpec, step: int) -> bool:
 def payload_due(train: TrainSpec, eval_every: int, step: int) -> bool:
     """After ``step``, do the stages send their state (a checkpoint, the adapter for evaluation, the last)?"""
     return checkpoint_due(train, step) or (eval_every > 0 and (step + 1) % eval_every == 0)
+
+
+def stage_eval_due(every: int, steps: int, step: int) -> bool:
+    """After ``step``, do the training stages evaluate (every ``every`` steps, and after the last)?"""
+    return every > 0 and ((step + 1) % every == 0 or step + 1 == steps)

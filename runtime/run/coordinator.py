@@ -52,6 +52,7 @@ from hetero.runtime.run.options import RunOptions, coordinator_endpoint, step_ti
 from hetero.runtime.run.records import ProgressBar, RunRecords, RunResult, metrics_line
 from hetero.runtime.run.reduce import clip_coef, norm_from_sumsq, norm_of, sum_replica_grads
 from hetero.runtime.run.run_profile import write_run_profile
+from hetero.runtime.run.stage_eval import StageEval, evaluates_on_stages
 from hetero.runtime.wire.control import (
     Heartbeat,
     Mailbox,
@@ -165,6 +166,8 @@ class Coordinator(FailureHandling, StateKeeping, Greeting):
         """The evaluator, and which remote hosts to wait for (or start over ssh); this host's stages run already."""
         remote = sorted({s.host for s in self.plan.stages if s.host != self.host})
         self.records.open_evaluator(self.plan_path, self.host)
+        self.stage_eval = StageEval(self.plan, self.names) if evaluates_on_stages(self.plan) else None
+        self.records.record_eval([{"error": line} for line in (self.stage_eval.skipped if self.stage_eval else [])])
         if self.options.ssh_workers is not None:  # a re-planned run: the workers follow its plan (host.py)
             self.ssh = self.options.ssh_workers
             remote = [h for h in remote if h not in self.ssh.hosts]
@@ -295,8 +298,10 @@ class Coordinator(FailureHandling, StateKeeping, Greeting):
                     self._record_recovery(dict(self.options.recovery))
                 progress.update(step, line["loss"], line["tokens_per_s"])
                 self.records.record_eval()
+                if self.stage_eval is not None and self.stage_eval.due(step):
+                    self.records.record_eval([self.stage_eval.run(self.transport, self.mailbox, step, timeout)])
                 payloads = None
-                snapshot, due = self.snapshot_step == step, payload_due(train, self.plan.eval.every, step)
+                snapshot, due = self.snapshot_step == step, payload_due(train, self.payload_every, step)
                 if due or snapshot:
                     payloads = self._gather("checkpoint", step, timeout)
                     self._keep_in_memory(payloads, time.perf_counter() - now, line["step_time_s"])

@@ -104,8 +104,10 @@ class Greeting:
             if self.start_step >= self.plan.train.steps:
                 raise StageFailedError(f"{self.options.resume} is after step {self.start_step}, train.steps is "
                                        f"{self.plan.train.steps}: raise it (hetero run ... steps=N) to train on")
+        on_stages = self.stage_eval.welcome() if self.stage_eval is not None else {}  # else the spare device's
         welcome = Welcome(train=to_dict(self.plan.train), failure_timeout_s=self.options.failure_timeout_s,
-                          start_step=self.start_step, resume=resume is not None, eval_every=self.plan.eval.every)
+                          start_step=self.start_step, resume=resume is not None,
+                          eval_every=self.payload_every, **on_stages)
         for name in self.names:
             self.transport.send(name, welcome)
         ready = self._gather("start", 0, timeout)

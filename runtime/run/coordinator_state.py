@@ -26,6 +26,12 @@ log = logging.getLogger("hetero.run")
 class StateKeeping:
     """When the stages' state is copied off them, and what the coordinator keeps (module docstring)."""
 
+    @property
+    def payload_every(self) -> int:
+        """The eval.every by which the stages send their state: a spare evaluator's adapters (the training stages
+        evaluate without them)."""
+        return self.plan.eval.every if self.stage_eval is None else 0
+
     def snapshot_due(self, step: int) -> bool:
         """Whether the stages' state goes to disk after ``step`` because ``runtime.snapshot_every_s`` of training
         passed since it last did (a step that writes a checkpoint anyway, or the last, needs none)."""
@@ -46,7 +52,7 @@ class StateKeeping:
         (runtime.snapshot_every_s) or to memory (runtime.elastic)."""
         self.snapshot_to_disk = self.snapshot_due(step)
         self.snapshot_step = step if self.snapshot_to_disk or self.memory_due(step) else None
-        if self.snapshot_step is not None and not payload_due(self.plan.train, self.plan.eval.every, step):
+        if self.snapshot_step is not None and not payload_due(self.plan.train, self.payload_every, step):
             for name in self.names:
                 self.transport.send(name, Snapshot(), step=step)
 

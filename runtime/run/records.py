@@ -86,8 +86,9 @@ class RunRecords:
         self.trackers: list[Any] = []
 
     def open_evaluator(self, plan_path: Path, host: str) -> None:
-        """Start the evaluator on a spare device of ``host`` when the plan evaluates every N steps."""
-        if self.plan.eval.every > 0:
+        """Start the evaluator on a spare device of ``host`` when the plan evaluates every N steps there
+        (eval.device; without it the training stages evaluate: runtime/run/stage_eval.py)."""
+        if self.plan.eval.every > 0 and self.plan.eval.device is not None:
             from hetero.runtime.run.eval_client import EvalClient, eval_device_name
 
             device = eval_device_name(self.plan, self.plan.eval, host)
@@ -142,8 +143,9 @@ class RunRecords:
         append_run_line(self.run_dir, "metrics.jsonl", json.dumps(line))
 
     def record_eval(self, answers: list[dict[str, Any]] | None = None) -> None:
-        """The evaluator's answers so far (or ``answers``) as metrics.jsonl lines: ``{"step", "eval_loss", ...}``."""
-        if self.evaluator is None:
+        """The evaluator's answers so far (or ``answers``: the training stages') as metrics.jsonl lines: ``{"step",
+        "eval_loss", ...}``."""
+        if self.evaluator is None and answers is None:
             return
         for answer in self.evaluator.poll() if answers is None else answers:
             if "eval_loss" in answer:

@@ -187,8 +187,11 @@ def _serve(plan: Plan, k: int, device: Any, mailbox: Mailbox, heartbeat: Heartbe
         plan = plan.with_spans(record.spans, record.recompute)
         return _build(plan, k, device, mailbox, neighbours)
 
+    stage_eval = None  # (every, rounds): this stage evaluates after those steps (runtime/stage/evaluate.py)
+    if welcome.meta.get("stage_eval_every") and k in plan.pipelines[0].stages:
+        stage_eval = (int(welcome.meta["stage_eval_every"]), int(welcome.meta.get("stage_eval_rounds") or 1))
     train_steps(executor, mailbox, plan.input_hash, int(welcome.meta.get("start_step", 0)),
-                eval_every=int(welcome.meta.get("eval_every", 0)), rebuild=rebuild)
+                eval_every=int(welcome.meta.get("eval_every", 0)), rebuild=rebuild, stage_eval=stage_eval)
     stop = mailbox.recv("stop", sender=COORDINATOR, timeout_s=None)
     plan_text, replan = stop.meta.get("plan"), stop.meta.get("replan")
     if isinstance(plan_text, str) and isinstance(replan, int):  # lost a device after the last step: go on there
@@ -288,14 +291,14 @@ def _report_failure(transport: Any, k: int, exc: Exception) -> int:
 
 
 def train_steps(executor: Any, mailbox: Mailbox, plan_hash: str, start_step: int, eval_every: int = 0,
-                rebuild: Callable[[Any], Any] | None = None) -> None:
+                rebuild: Callable[[Any], Any] | None = None, stage_eval: tuple[int, int] | None = None) -> None:
     """Steps ``start_step``.. of the run: ``stepdone`` after each, ``checkpoint`` when due, after the last,
     and every ``eval_every`` steps (the coordinator hands the adapter to the evaluator); after a step whose
     clip came with a ``rebalance``, the move (``rebuild`` builds the stage on its new span).
 
     Also answers the coordinator's checkpoint request (Ctrl-C on `hetero run`) from wherever it waits.
     """
-    from hetero.runtime.base.payloads import payload_due
+    from hetero.runtime.base.payloads import payload_due, stage_eval_due
     from hetero.runtime.stage.state import stage_payload
 
     train, transport = executor.train, mailbox.transport
@@ -318,6 +321,11 @@ def train_steps(executor: Any, mailbox: Mailbox, plan_hash: str, start_step: int
         stats = current[0].run_step(step)
         transport.send(COORDINATOR, StepDone(**stats.to_meta()), step=step)
         log.info("step %d: busy %.3f s of %.3f s", step, stats.busy_s, stats.wall_s)
+        if stage_eval is not None and stage_eval_due(stage_eval[0], train.steps, step):
+            from hetero.runtime.stage.evaluate import evaluate_round
+
+            took = sum(evaluate_round(current[0], step, r) for r in range(stage_eval[1]))
+            log.info("evaluation after step %d: %d round(s) in %.3f s", step, stage_eval[1], took)
         due = payload_due(train, eval_every, step) or _snapshot_after(transport, step)
         if due:
             tensors, meta = stage_payload(current[0], plan_hash)

@@ -195,7 +195,7 @@ def coordinator_rules(plan: Any) -> Rules:
     """What the coordinator accepts: lifecycle and per-step reports from the plan's stages only."""
     stages = frozenset(plan.stage_ids())
     step_end = "grads" if len(plan.pipelines) > 1 else "gradnorm"
-    kinds = ("hello", "start", step_end, "stepdone", "checkpoint", "error", "heartbeat")
+    kinds = ("hello", "start", step_end, "stepdone", "checkpoint", "evaldone", "error", "heartbeat")
     return Rules(me=COORDINATOR, senders={kind: stages for kind in kinds}, num_micro_batches=1,
                  max_pending=8 * len(plan.stages) + 16)
 

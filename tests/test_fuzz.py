@@ -604,7 +604,7 @@ def valid_meta(kind: str, plan: Plan) -> dict[str, Any]:
     records: dict[str, p.Record] = {
         "hello": p.Hello(stage=1, input_hash=plan.input_hash, pid=4242, env={"torch": "2.13.0", "devices": ["cpu"]}),
         "welcome": p.Welcome(train={"steps": 5, "lr": 1e-3}, start_step=0, resume=False, failure_timeout_s=10.0,
-                             eval_every=0),
+                             eval_every=0, stage_eval_every=2, stage_eval_rounds=3),
         "start": p.Start(stage=0, keys=["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"],
                          build_s=1.5, lora_params=1024),
         "state": p.State(extra={"step": STEP}), "checkpoint": p.Checkpoint(extra={"step": STEP}),
@@ -619,6 +619,7 @@ def valid_meta(kind: str, plan: Plan) -> dict[str, Any]:
         "rebalance": p.Rebalance(spans=[[s.first_node, s.last_node] for s in plan.stages],
                                  recompute=[[] for _ in plan.stages], reason="stage 1 slowed down for good"),
         "snapshot": p.Snapshot(),
+        "evaldone": p.EvalDone(loss_sum=41.5, num_label_tokens=12, round=1),
     }
     return records[kind].to_wire()
 

@@ -54,6 +54,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "rebalance": {"spans": [[0, 2], [3, 10]], "recompute": [[], ["model.layers.5"]],
                   "reason": "stage 0 (box.gpu0) runs 3.20x slower than when its split was planned"},
     "snapshot": {},
+    "evaldone": {"loss_sum": 41.5, "num_label_tokens": 12, "round": 1},
     "loss": {"loss": 1.5},
 }
 

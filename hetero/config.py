@@ -446,7 +446,8 @@ def _check_manual_split(planner: PlannerOptions, model: ModelSpec, cluster: Clus
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return re.sub(r"\{[^{}]{80,}\}", "{...}", line)  # a whole section quoted back: the key in the line says which
 
 
 def _missing_option_message(text: str, user_dir: Path | None) -> str:

@@ -174,8 +174,8 @@ def _check_stage_run(plan: Plan, k: int, bad: Callable[[str], PlanError]) -> Non
 
 # The architecture's sizes every stage builds its layers from: whole numbers (a hand-edited "64" is a traceback deep
 # in transformers, in every stage), and its scalars numbers.
-_ARCH_COUNTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-                "vocab_size", "head_dim", "max_position_embeddings", "num_experts", "num_local_experts",
+_ARCH_COUNTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_key_value_heads",
+                "intermediate_size", "head_dim", "max_position_embeddings", "num_experts", "num_local_experts",
                 "num_experts_per_tok", "moe_intermediate_size")
 _ARCH_NUMBERS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "initializer_range")
 
@@ -183,6 +183,8 @@ _ARCH_NUMBERS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "initializer_ra
 def _check_architecture(arch: dict[str, Any], bad: Callable[[str], PlanError]) -> None:
     for key in _ARCH_COUNTS:
         value = arch.get(key)
+        if value is None and key in arch and key in _ARCH_COUNTS[:4]:  # the four every family sets
+            raise bad(f"model.architecture.{key} is null: expected a whole number")
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT):
             raise bad(f"model.architecture.{key} is {short_repr(value)}: expected a whole number in 0..{MAX_COUNT}")
     for key in _ARCH_NUMBERS:

@@ -887,6 +887,8 @@ def test_a_rehashed_hand_edit_is_range_checked_on_load(pipeline_plan: Plan, work
             "model.architecture.hidden_size is '64': expected a whole number"),
         "more-micro-batches": (replace(pipeline_plan, train=replace(pipeline_plan.train, num_micro_batches=2 * (
             pipeline_plan.train.num_micro_batches))), "stages[0].program runs F on "),
+        "null-vocab": (replace(pipeline_plan, model=replace(pipeline_plan.model, architecture={  # the fuzzer's find
+            **pipeline_plan.model.architecture, "vocab_size": None})), "model.architecture.vocab_size is null"),
     }
     for name, (edited, says) in edits.items():
         path = workdir / f"{name}.json"

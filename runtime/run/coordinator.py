@@ -298,8 +298,8 @@ class Coordinator(FailureHandling, StateKeeping, Greeting):
                     self._record_recovery(dict(self.options.recovery))
                 progress.update(step, line["loss"], line["tokens_per_s"])
                 self.records.record_eval()
-                if self.stage_eval is not None and self.stage_eval.due(step):
-                    self.records.record_eval([self.stage_eval.run(self.transport, self.mailbox, step, timeout)])
+                if self._evaluated_on_stages(step, timeout):
+                    last = time.perf_counter()  # the pass is not part of the next step's time
                 payloads = None
                 snapshot, due = self.snapshot_step == step, payload_due(train, self.payload_every, step)
                 if due or snapshot:

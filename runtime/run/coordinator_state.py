@@ -32,6 +32,13 @@ class StateKeeping:
         evaluate without them)."""
         return self.plan.eval.every if self.stage_eval is None else 0
 
+    def _evaluated_on_stages(self, step: int, timeout_s: float) -> bool:
+        """The training stages' evaluation after ``step`` when due (runtime/run/stage_eval.py), recorded."""
+        if self.stage_eval is None or not self.stage_eval.due(step):
+            return False
+        self.records.record_eval([self.stage_eval.run(self.transport, self.mailbox, step, timeout_s)])
+        return True
+
     def snapshot_due(self, step: int) -> bool:
         """Whether the stages' state goes to disk after ``step`` because ``runtime.snapshot_every_s`` of training
         passed since it last did (a step that writes a checkpoint anyway, or the last, needs none)."""

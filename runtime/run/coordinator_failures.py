@@ -9,6 +9,7 @@ and the ssh workers. It reads the coordinator's plan, options, run directory, pr
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -195,8 +196,20 @@ class FailureHandling:
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         for sig in previous:
             signal.signal(sig, self._on_signal)
+        unraisable = sys.unraisablehook
+
+        def redeliver(info: Any) -> None:
+            # A second Ctrl-C's KeyboardInterrupt that landed in a C-level finalizer (a ZeroMQ frame freed) is
+            # swallowed there, "Exception ignored" and a traceback: deliver it again, at the next safe point.
+            if isinstance(info.exc_value, KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+            else:
+                unraisable(info)
+
+        sys.unraisablehook = redeliver
 
         def restore() -> None:
+            sys.unraisablehook = unraisable
             for sig, handler in previous.items():
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 

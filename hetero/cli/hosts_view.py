@@ -8,8 +8,7 @@ import shlex
 from pathlib import Path
 
 from hetero.plan import Plan
-
-TINY = "hetero:tiny"  # runtime/pretrained.py: built on each box from its recipe
+from hetero.runtime.pretrained import TINY  # built on each box from its recipe: no weights to fetch
 
 
 def host_lines(plan: Plan, plan_path: Path) -> list[str]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from hetero.errors import ConfigError, WireError
+from hetero.loss import IGNORE_INDEX
 from hetero.plan import Plan
 from hetero.protocol import Labels
 from hetero.runtime.base.payloads import stage_eval_due
@@ -87,7 +88,7 @@ class StageEval:
                 inputs["position_ids"] = self.positions[part].contiguous()
             labels = self.labels[part].contiguous()
             transport.send(self.first, "batch", step=step, tensors=inputs)
-            transport.send(self.last, Labels(num_label_tokens=max(1, int((labels[..., 1:] != -100).sum()))),
+            transport.send(self.last, Labels(num_label_tokens=max(1, int((labels[..., 1:] != IGNORE_INDEX).sum()))),
                            step=step, tensors={"labels": labels})
             done = mailbox.recv("evaldone", step=step, sender=self.last, timeout_s=timeout_s)
             if int(done.meta["round"]) != r:

@@ -29,6 +29,7 @@ from hetero.errors import HeteroError, PlanError, WireError
 from hetero.plan import Plan
 from hetero.protocol import EXIT_REPLAN, FAILURE_TIMEOUT_S, Error, Hello, Rebalance, Start, StepDone
 from hetero.runtime.wire.control import (
+    ConnectionWatch,
     Heartbeat,
     Mailbox,
     PeerLost,
@@ -151,7 +152,11 @@ def _leave_plan(folder: Path, number: int, text: str) -> int:
 def _connect(transport: Any, plan: Plan, k: int, coordinator: str) -> tuple[int | None, int | None]:
     """Connect to the coordinator and to k's neighbours within its pipeline replica; returns them. Under an
     interleaved schedule the pipeline is a ring: the last device hands its chunks on to the first device's next."""
+    # The heartbeat's watch (started after this) takes a monitor opened before the first dial: ZeroMQ does not dial
+    # again after a refused key, so an event missed here would leave this stage waiting for a welcome that never comes.
+    transport.watch_from_start(ConnectionWatch.events() if plan.security.mode != "none" else 0)
     transport.connect(COORDINATOR, coordinator)
+    transport.watch_from_start(0)  # the neighbours' connections are watched by the coordinator, not here
     neighbours = (plan.prev_stage(k), plan.next_stage(k))
     peers = set(neighbours)
     if plan.stages[k].chunks:

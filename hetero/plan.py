@@ -210,6 +210,9 @@ class DataStats:
     # The causal length whose attention does the rows' work (hetero/packing.py LengthStats): what the cost model
     # priced attention at (0: not measured; seq_len then).
     attention_len: float = 0.0
+    # Measured records with a text far longer than a row can use (runtime/run/data.py cut_ids): tokenized from its
+    # start only, so the token counts above are lower bounds for them.
+    cut_before_tokenizing: int = 0
 
     @property
     def sampled(self) -> bool:

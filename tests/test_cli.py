@@ -255,8 +255,14 @@ def test_compile_refuses_data_run_could_not_use_in_one_line(tmp_path: Path) -> N
     line, the setting that reads it) instead of a plan whose run fails at its first step (issue 53)."""
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "a"},
                                                                   {"role": "assistant", "content": "b"}]}) + "\n")
+    # Prompts longer than seq_len: every response is cut away, and the run would stop at its first step.
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps({"instruction": "word " * 400, "output": "b"}) + "\n"
+                                                 for _ in range(3)))
     for data, said in (("missing.jsonl", "data.path 'missing.jsonl': no such file"),
-                       ("chat.jsonl", "this file has 'messages': use data.format=chat")):
+                       ("chat.jsonl", "this file has 'messages': use data.format=chat"),
+                       ("long.jsonl", "data.path 'long.jsonl': no record keeps a label token after truncation to "
+                                      "seq_len=128 (the prompts fill the rows): raise model.seq_len or "
+                                      "data.train_on_prompt=true")):
         done = _hetero(["compile", "model=tiny", "hardware=local", f"data.path={data}", "output=out"], tmp_path)
         assert done.returncode == 2 and said in done.stderr, done.stderr[-2000:]
         assert [ln for ln in done.stderr.splitlines() if ln.strip()] == [done.stderr.strip()], done.stderr

@@ -200,6 +200,32 @@ def test_a_huge_record_is_cut_before_it_is_tokenized(tiny_model_dir: Path, tmp_p
     assert sb.cut_records == 1  # the short one is not cut
 
 
+def test_a_long_line_is_read_at_twice_its_size_and_kept_cut(tmp_path: Path) -> None:
+    """Issue 53: a 1 GiB record must compile and run under a 4 GB memory cap. Reading a long line costs its text and
+    its parsed value (about twice its size; the whole-file read held the file, the line and the value), and the
+    record kept is cut to what rows of seq_len tokens can use (bench-free: Python's own allocations, by tracemalloc)."""
+    import tracemalloc
+
+    from hetero.runtime.run.data import CHARS_PER_TOKEN_CUT
+    from hetero.runtime.run.data_files import read_records, text_bound
+
+    size = 40 * 2**20
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"instruction": "go on", "output": "ab " * (size // 3)}) + "\n"
+                    + json.dumps({"instruction": "short", "output": "c"}) + "\n")
+    bound = text_bound(32, CHARS_PER_TOKEN_CUT)
+    tracemalloc.start()
+    try:
+        loaded = read_records(DataSpec(path=str(path)), bound)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2.4 * size, f"reading a {size >> 20} MiB line peaked at {peak / size:.2f}x its size"
+    assert len(loaded.records[0]["output"]) == bound and loaded.records[0]["instruction"] == "go on"
+    assert loaded.cut == {0} and loaded.records[1] == {"instruction": "short", "output": "c"}
+    assert loaded.located == ["line 1", "line 2"]
+
+
 def test_bad_spec(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="format"):
         _batches(tiny_model_dir, DataSpec(format="sharegpt"))  # type: ignore[arg-type]

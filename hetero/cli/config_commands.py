@@ -32,7 +32,7 @@ def compile_config(cfg: Config, say: Callable[[str], None],
     when the compile began): the pictures start only within planner.time_limit_s plus tracing plus
     emit.PICTURES_ALLOWANCE_S of it; None draws them always."""
     trace_started = time.perf_counter()  # tracing (torch's import with it) is outside planner.time_limit_s
-    from hetero.cli.data_stats import check_data_file, measure_data
+    from hetero.cli.data_stats import check_data_file, measure_data, refuse_unlabeled
     from hetero.compiler.emit import PICTURES_ALLOWANCE_S, emit
     from hetero.compiler.trace import trace_with_module
     from hetero.planner import plan as make_plan
@@ -40,9 +40,10 @@ def compile_config(cfg: Config, say: Callable[[str], None],
 
     warnings_log.log_to(Path(cfg.output) / "warnings.log")  # library warnings: the plan's dir, not the terminal
     say(f"checking the data ({cfg.data.path or 'the bundled demo set'})")
-    check_data_file(cfg.data)  # a file `hetero run` could not use stops the compile here, in one line
+    check_data_file(cfg.data, cfg.model.seq_len)  # a file `hetero run` could not use stops the compile here, in one line
     say(f"measuring the data ({cfg.data.path or 'the bundled demo set'}) with the model's tokenizer")
     stats, _ = measure_data(cfg.model, cfg.data)  # None (and why): the plan counts computed tokens only
+    refuse_unlabeled(stats, cfg.data)
     say(f"tracing {cfg.model.name} on the meta device")
     # Packed rows attend within each record: their attention is priced at the records' lengths.
     # The head computes logits for label tokens only: priced at the data's label share.

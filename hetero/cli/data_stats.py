@@ -44,23 +44,35 @@ def measure_data(model: ModelSpec, data: DataSpec, sample: int = SAMPLE_RECORDS)
     return _CACHE[key]
 
 
-def check_data_file(data: DataSpec, sample: int = SAMPLE_RECORDS) -> None:
+def check_data_file(data: DataSpec, seq_len: int, sample: int = SAMPLE_RECORDS) -> None:
     """An explicit ``data.path`` that `hetero run` could not read or use is a ConfigError (one line, naming the file,
-    the line and the setting that reads it) before anything is planned; the bundled demo set is not checked."""
+    the line and the setting that reads it) before anything is planned; the bundled demo set is not checked. Its
+    records are cut to what rows of ``seq_len`` tokens can use as they are read (a 1 GiB record is not kept)."""
     if data.path is None:
         return
-    from hetero.runtime.run.data_files import load_located, validate_records
+    from hetero.runtime.run.data import CHARS_PER_TOKEN_CUT
+    from hetero.runtime.run.data_files import load_located, text_bound, validate_records
 
     with tempfile.TemporaryDirectory(prefix="hetero-data-check-") as tmp:
         picked, _ = _sample_file(data, sample, Path(tmp) / "sample.jsonl")
         read = replace(data, path=str(picked)) if picked is not None else data
         try:
-            records, name, located = load_located(read)
+            records, name, located = load_located(read, text_bound(seq_len, CHARS_PER_TOKEN_CUT))
             validate_records(records, read, name, located)
         except ConfigError as exc:
             if picked is None:
                 raise
             raise ConfigError(str(exc).replace(str(picked), f"{data.path} (its {sample} sampled records)")) from None
+
+
+def refuse_unlabeled(stats: DataStats | None, data: DataSpec) -> None:
+    """A file read whole in which no record keeps a label token at seq_len cannot train: `hetero run` would stop at
+    its first step; say so at compile, in one line (a sample without labels may be luck: the run checks)."""
+    if stats is None or stats.label_fraction > 0 or stats.sampled or data.path is None:
+        return
+    prompt = "" if data.train_on_prompt or data.format in ("text", "tokens") else " or data.train_on_prompt=true"
+    raise ConfigError(f"data.path '{data.path}': no record keeps a label token after truncation to seq_len="
+                      f"{stats.seq_len} (the prompts fill the rows): raise model.seq_len{prompt}")
 
 
 def _measure(model: ModelSpec, data: DataSpec, sample: int) -> DataStats:
@@ -92,7 +104,7 @@ def _measure_with(tokenizer_dir: Path, model: ModelSpec, data: DataSpec, sample:
                 indices = _chosen(total, sample)
             else:
                 indices = list(range(batches.num_records))
-            lengths, labels = _lengths(batches, indices, model.seq_len)
+            lengths, labels, cut = _lengths(batches, indices, model.seq_len)
         except HeteroError as exc:
             if picked is None:
                 raise
@@ -104,7 +116,8 @@ def _measure_with(tokenizer_dir: Path, model: ModelSpec, data: DataSpec, sample:
                      p95_tokens=stats.p95, longest_tokens=stats.longest, truncated=stats.truncated,
                      seq_len=model.seq_len, packed=data.packing, rows_per_epoch=stats.rows_per_epoch,
                      efficiency=stats.efficiency, label_fraction=stats.label_fraction,
-                     suggested_seq_len=stats.suggested_seq_len(), attention_len=stats.attention_len)
+                     suggested_seq_len=stats.suggested_seq_len(), attention_len=stats.attention_len,
+                     cut_before_tokenizing=cut)
 
 
 def _batches(data: DataSpec, tokenizer_dir: Path, seq_len: int) -> Any:
@@ -114,17 +127,20 @@ def _batches(data: DataSpec, tokenizer_dir: Path, seq_len: int) -> Any:
     return StepBatches(data, tokenizer_dir, seq_len, 1, 1, 0, False)
 
 
-def _lengths(batches: Any, indices: list[int], seq_len: int) -> tuple[list[int], list[int]]:
+def _lengths(batches: Any, indices: list[int], seq_len: int) -> tuple[list[int], list[int], int]:
     """Each record's tokens (before truncation) and its label tokens as a step counts them: after truncation to
-    seq_len, its first token left out (no token of its own record before it predicts it)."""
+    seq_len, its first token left out (no token of its own record before it predicts it); and how many of the
+    records had a text cut before tokenizing (their token counts are lower bounds)."""
     from hetero.runtime.run.data import IGNORE_INDEX
 
-    lengths, labels = [], []
+    lengths, labels, cut = [], [], 0
     for i in indices:
+        before = batches.cut_records
         ids, labs = batches.encode(i)
+        cut += batches.cut_records > before
         lengths.append(len(ids))
         labels.append(sum(1 for t in labs[1:min(len(ids), seq_len)] if t != IGNORE_INDEX))
-    return lengths, labels
+    return lengths, labels, cut
 
 
 def _chosen(total: int, sample: int) -> list[int]:

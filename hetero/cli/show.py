@@ -282,6 +282,9 @@ def data_lines(plan: Plan, note: str = "") -> list[str]:
     steps = d.steps_per_epoch(t)
     cut = (f"; {d.truncated:,} of the {d.records:,} measured are longer than seq_len {d.seq_len} and cut to it"
            if d.truncated else "")
+    if d.cut_before_tokenizing:
+        cut += (f" ({d.cut_before_tokenizing:,} of them far longer than a row: tokenized from their start only, "
+                "their counts here are lower bounds)")
     if d.packed:
         packing = (f"packing on: {per_row:.1f} records per {d.seq_len}-token row, {d.efficiency:.0%} of computed "
                    f"tokens are record tokens (packing efficiency), {d.label_fraction:.0%} carry a label")

@@ -36,7 +36,8 @@ from hetero.runtime.run.data_files import (
     _first_line,
     chat_messages,
     held_out_indices,
-    load_located,
+    read_records,
+    text_bound,
     validate_records,
 )
 from hetero.specs import DataSpec
@@ -154,11 +155,11 @@ class StepBatches:
         self.seed = seed
         self.shuffle = shuffle
         self.packing = data.packing if packing is None else packing
-        self.records, self.source, self.located = load_located(data)
-        validate_records(self.records, data, self.source, self.located)
-        if held := set(held_out_indices(len(self.records), hold_out, seed)):
-            self.records = [r for i, r in enumerate(self.records) if i not in held]
-            self.located = [where for i, where in enumerate(self.located) if i not in held]
+        loaded = read_records(data, text_bound(seq_len, CHARS_PER_TOKEN_CUT))
+        validate_records(loaded.records, data, loaded.name, loaded.located)
+        loaded = loaded.without(held_out_indices(len(loaded.records), hold_out, seed))
+        self.records, self.source, self.located = loaded.records, loaded.name, loaded.located
+        self._cut_on_reading = loaded.cut  # records whose texts were cut as the file was read
 
         from transformers import AutoTokenizer
 
@@ -167,6 +168,9 @@ class StepBatches:
         except Exception as exc:
             raise ConfigError(f"tokenizer in '{tokenizer_dir}' cannot be loaded: {_first_line(exc)}") from None
         tok = self.tokenizer
+        # Rows are cut to seq_len here, after tokenizing: the tokenizer's warning that a record is longer than the
+        # model takes ("will result in indexing errors") is not true of hetero's rows.
+        tok.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
         if data.format == "chat" and not getattr(tok, "chat_template", None):
             raise ConfigError(f"data.format=chat: the tokenizer in {tokenizer_dir} has no chat template; use "
                               "data.format=alpaca or text, or a model whose tokenizer has a chat template")
@@ -245,9 +249,11 @@ class StepBatches:
     def encode(self, index: int) -> tuple[list[int], list[int]]:
         """Token ids and labels of record ``index``, before truncation and padding."""
         if index not in self._encoded:
-            record = self.records[index]
+            record, before = self.records[index], self.cut_records
             self._encoded[index] = self._encode_chat(record, index) if self.data.format == "chat" else \
                 self._encode(record)
+            # A record cut on reading whose cut text still gave too few tokens to be cut again is counted too.
+            self.cut_records += index in self._cut_on_reading and self.cut_records == before
         return self._encoded[index]
 
     def _ids(self, text: str) -> list[int]:

@@ -10,8 +10,10 @@ refused in one line naming its line (Python's own parser fails on them with a tr
 from __future__ import annotations
 
 import json
+import mmap
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -85,19 +87,89 @@ def load_records(data: DataSpec) -> tuple[list[dict[str, Any]], str]:
     return records, name
 
 
-def load_located(data: DataSpec) -> tuple[list[dict[str, Any]], str, list[str]]:
-    """The raw records of ``data``, a display name for error messages, and where each record is in the file:
-    ``line N`` for JSON lines, ``record N`` (from 1) for a JSON array or Parquet.
+def text_bound(seq_len: int, chars_per_token: int) -> int:
+    """The characters of one text worth keeping for rows of ``seq_len`` tokens: ``chars_per_token`` (where
+    runtime/run/data.py's cut_ids starts) grown 64-fold, three of its widenings."""
+    return seq_len * chars_per_token * 64
 
-    JSON is read by hetero itself, line by line: every value stays as the file has it (no column types inferred
-    across records, which turned a valid "5" into 5 and blamed another record), and a bad line is named."""
+
+def bounded(record: dict[str, Any], max_chars: int) -> tuple[dict[str, Any], bool]:
+    """``record`` with every text (and list) in it longer than ``max_chars`` cut to that length, and whether any
+    was; ``record`` itself when none is (what the file holds past the cut is never tokenized)."""
+    def cut(value: Any) -> Any:
+        if isinstance(value, (str, list)) and len(value) > max_chars:
+            value = value[:max_chars]
+        if isinstance(value, list):
+            return [cut(v) for v in value]
+        if isinstance(value, dict):
+            return {k: cut(v) for k, v in value.items()}
+        return value
+
+    def longest(value: Any) -> int:
+        if isinstance(value, dict):
+            return max((longest(v) for v in value.values()), default=0)
+        if isinstance(value, list):
+            return max([len(value), *(longest(v) for v in value)])
+        return len(value) if isinstance(value, str) else 0
+
+    if longest(record) <= max_chars:
+        return record, False
+    return cut(record), True
+
+
+@dataclass
+class Loaded:
+    """A data file's records (cut to ``max_chars`` where given), its name for messages, where each record is
+    (``line N`` / ``record N``), and which records were cut on reading."""
+
+    records: list[dict[str, Any]]
+    name: str
+    located: list[str]
+    cut: set[int] = field(default_factory=set)
+
+    def without(self, indices: list[int]) -> Loaded:
+        """These records without those at ``indices`` (eval.split's held-out ones); itself when there are none."""
+        if not indices:
+            return self
+        gone = set(indices)
+        kept = [i for i in range(len(self.records)) if i not in gone]
+        return Loaded([self.records[i] for i in kept], self.name, [self.located[i] for i in kept],
+                      {new for new, old in enumerate(kept) if old in self.cut})
+
+
+def load_located(data: DataSpec, max_chars: int | None = None) -> tuple[list[dict[str, Any]], str, list[str]]:
+    """The raw records of ``data``, a display name for error messages, and where each record is in the file:
+    ``line N`` for JSON lines, ``record N`` (from 1) for a JSON array or Parquet (read_records, without which
+    records were cut)."""
+    loaded = read_records(data, max_chars)
+    return loaded.records, loaded.name, loaded.located
+
+
+def read_records(data: DataSpec, max_chars: int | None = None) -> Loaded:
+    """The records of ``data``: JSON is read by hetero itself, line by line: every value stays as the file has it
+    (no column types inferred across records, which turned a valid "5" into 5 and blamed another record), and a
+    bad line is named. With ``max_chars``, each record is cut (``bounded``) as it is read: a 1 GiB record costs
+    its line and its parsed text while it is read (twice its size), then only what a row can use."""
+    loaded = _read_unbounded(data, max_chars)
+    if max_chars is not None:  # JSON lines are cut as they are read; Parquet and JSON arrays are read whole, then cut
+        for i, record in enumerate(loaded.records):
+            loaded.records[i], was_cut = bounded(record, max_chars)
+            if was_cut:
+                loaded.cut.add(i)
+    return loaded
+
+
+def _read_unbounded(data: DataSpec, max_chars: int | None = None) -> Loaded:
     if data.path is None:
         if data.format != "alpaca":
             raise ConfigError(f"data.format={data.format} needs data.path=FILE: the bundled demo set "
                               "(used when data.path is unset) is in the alpaca format")
         from hetero.runtime.pretrained import demo_data_text
 
-        return (*_read_json(demo_data_text(), DEMO_NAME),)
+        text = demo_data_text()
+        if text.lstrip().startswith("["):
+            return _read_array(text, DEMO_NAME)
+        return _parse_jsonl(enumerate(_lines(text), 1), DEMO_NAME, max_chars)
     path = Path(data.path).expanduser()
     name = str(path)
     if not path.is_file():
@@ -107,14 +179,33 @@ def load_located(data: DataSpec) -> tuple[list[dict[str, Any]], str, list[str]]:
         raise ConfigError(f"data.path '{name}': unsupported file type '{suffix}'; use .jsonl, .json or .parquet")
     if path.stat().st_size == 0:
         raise ConfigError(f"data.path '{name}': file is empty")
-    if suffix != ".parquet":
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"data.path '{name}': not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
-        return (*_read_json(text, name),)
-    records = _read_parquet(path, name)
-    return records, name, [f"record {i}" for i in range(1, len(records) + 1)]
+    if suffix == ".parquet":
+        records = _read_parquet(path, name)
+        return Loaded(records, name, [f"record {i}" for i in range(1, len(records) + 1)])
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
+        first = re.search(rb"\S", view)
+        if first is not None and view[first.start()] == ord("["):
+            return _read_array(_decoded(view, 0, len(view), name), name)
+        return _parse_jsonl(_file_lines(mm, view, name), name, max_chars)
+
+
+def _decoded(view: memoryview, start: int, end: int, name: str) -> str:
+    """Bytes ``start:end`` of a mapped file as text, with no copy of the bytes (a 1 GiB line costs its text only)."""
+    try:
+        return str(view[start:end], "utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"data.path '{name}': not UTF-8 text (byte {start + exc.start}): save it as UTF-8") from None
+
+
+def _file_lines(mm: mmap.mmap, view: memoryview, name: str) -> Iterator[tuple[int, str]]:
+    """(1-based line number, text) of each line of a mapped JSON Lines file, one at a time."""
+    start, lineno = 0, 0
+    while start < len(mm):
+        end = mm.find(b"\n", start)
+        end = len(mm) if end < 0 else end
+        lineno += 1
+        yield lineno, _decoded(view, start, end, name)
+        start = end + 1
 
 
 def _read_parquet(path: Path, name: str) -> list[dict[str, Any]]:
@@ -141,27 +232,24 @@ def _read_parquet(path: Path, name: str) -> list[dict[str, Any]]:
     return records
 
 
-def _read_json(text: str, name: str) -> tuple[list[dict[str, Any]], str, list[str]]:
-    """JSON lines (one object per line), or one JSON array of objects (a .json file may be either)."""
-    if text.lstrip().startswith("["):
-        try:
-            whole = parse_json(text)
-        except JsonLimitError as exc:
-            long_number = re.search(rf"\d{{{MAX_NUMBER_DIGITS + 1},}}", text)
-            at = f"line {text.count(chr(10), 0, long_number.start()) + 1}: " if long_number and "digits" in str(exc) else ""
-            raise ConfigError(f"{name}: {at}{exc}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{name}: line {exc.lineno}: invalid JSON ({exc.msg}, column {exc.colno})") from None
-        if not isinstance(whole, list):
-            raise ConfigError(f"{name}: expected a JSON array of objects or one JSON object per line")
-        for i, record in enumerate(whole, 1):
-            if not isinstance(record, dict):
-                raise ConfigError(f"{name}: record {i}: expected a JSON object, got {short_repr(record)}")
-        if not whole:
-            raise ConfigError(f"{name}: no records")
-        return whole, name, [f"record {i}" for i in range(1, len(whole) + 1)]
-    records, located = _parse_jsonl(text, name)
-    return records, name, located
+def _read_array(text: str, name: str) -> Loaded:
+    """One JSON array of objects (a .json file may also hold JSON lines)."""
+    try:
+        whole = parse_json(text)
+    except JsonLimitError as exc:
+        long_number = re.search(rf"\d{{{MAX_NUMBER_DIGITS + 1},}}", text)
+        at = f"line {text.count(chr(10), 0, long_number.start()) + 1}: " if long_number and "digits" in str(exc) else ""
+        raise ConfigError(f"{name}: {at}{exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{name}: line {exc.lineno}: invalid JSON ({exc.msg}, column {exc.colno})") from None
+    if not isinstance(whole, list):
+        raise ConfigError(f"{name}: expected a JSON array of objects or one JSON object per line")
+    for i, record in enumerate(whole, 1):
+        if not isinstance(record, dict):
+            raise ConfigError(f"{name}: record {i}: expected a JSON object, got {short_repr(record)}")
+    if not whole:
+        raise ConfigError(f"{name}: no records")
+    return Loaded(whole, name, [f"record {i}" for i in range(1, len(whole) + 1)])
 
 
 def _first_line(exc: Exception) -> str:
@@ -180,11 +268,11 @@ def _lines(text: str) -> Iterator[str]:
         start = end + 1
 
 
-def _parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """One JSON object per line (blank lines skipped); the records and ``line N`` for each."""
-    records, located = [], []
-    for lineno, line in enumerate(_lines(text), 1):
-        if not line.strip():
+def _parse_jsonl(lines: Iterator[tuple[int, str]], name: str, max_chars: int | None) -> Loaded:
+    """One JSON object per line (blank lines skipped): the records, each cut to ``max_chars`` as it is read."""
+    loaded = Loaded([], name, [])
+    for lineno, line in lines:
+        if not line or line.isspace():  # (strip() would copy a long line)
             continue
         try:
             record = parse_json(line)
@@ -196,11 +284,16 @@ def _parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], list[str]]
             raise ConfigError(f"{name}: line {lineno}: invalid JSON ({exc.msg}, column {exc.colno}){cut}") from None
         if not isinstance(record, dict):
             raise ConfigError(f"{name}: line {lineno}: expected a JSON object, got {short_repr(record)}")
-        records.append(record)
-        located.append(f"line {lineno}")
-    if not records:
+        del line  # before the next line is read: one long line in memory at a time
+        if max_chars is not None:
+            record, was_cut = bounded(record, max_chars)
+            if was_cut:
+                loaded.cut.add(len(loaded.records))
+        loaded.records.append(record)
+        loaded.located.append(f"line {lineno}")
+    if not loaded.records:
         raise ConfigError(f"{name}: no records")
-    return records, located
+    return loaded
 
 
 def validate_records(records: list[dict[str, Any]], data: DataSpec, name: str,

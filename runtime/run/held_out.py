@@ -65,9 +65,10 @@ def held_out_batches(plan: Plan, evaluation: EvalSpec, skipped: list[str] | None
 def _split_records(plan: Plan, split: float, scratch: Path) -> Path:
     """eval.split's held-out records of the training data (the ones training leaves out: StepBatches' hold_out), as
     a JSON-lines file in ``scratch``."""
-    from hetero.runtime.run.data_files import held_out_indices, load_located
+    from hetero.runtime.run.data import CHARS_PER_TOKEN_CUT
+    from hetero.runtime.run.data_files import held_out_indices, load_located, text_bound
 
-    records, _, _ = load_located(plan.data)
+    records, _, _ = load_located(plan.data, text_bound(plan.model.seq_len, CHARS_PER_TOKEN_CUT))
     held = held_out_indices(len(records), split, plan.train.seed)
     return _write_records([records[i] for i in held], scratch / "held_out.jsonl")
 

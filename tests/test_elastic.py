@@ -307,6 +307,7 @@ def test_a_run_of_three_hosts_loses_one_goes_on_and_takes_it_back(
     assert _metrics(run_dir)[-1]["split"] == back["new_split"]
     print("\n".join(ln for ln in [*err.splitlines(), *out.splitlines()] if "is back" in ln))
     assert err.count("is back") == 1 and "beta.cpu1 is back" in err and out.count("recovered after step") + out.count("rejoined after step") == 2, out
+    assert "every host must run the same plan.json" not in err, err  # its hello under the first plan is no mistake
     for proc, host, stages in ((gamma, "gamma", ("[1]", "[2]")), (beta, "beta", ("[1]",))):
         code, said, err = finish(proc, 60)
         assert code == 0, err[-3000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import pathlib
 import socket
 import subprocess
@@ -146,6 +147,29 @@ def test_bad_messages_are_dropped_logged_and_never_lose_queued_good_ones(pair) -
     finally:
         sock.close()
         ctx.term()
+
+
+def test_a_lost_stage_of_an_earlier_plan_is_logged_as_coming_back(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 53: a host taken back after a loss printed "every host must run the same plan.json ... restart" while it
+    rejoined. A coordinator's inbox that knows the run's earlier plans logs the hello of a stage the run lost, under
+    one of them, as a device coming back (still kept as a rejection: the rejoin reads it there); a stage the run still
+    has, or a plan the run never had, is warned about as before."""
+    caplog.set_level(logging.INFO, logger="hetero.runtime.wire.transport")
+    earlier = "1a2b3c4d5e6f7081"  # a plan hash (16 hex digits, as plan.json has it)
+    with Transport("coordinator", "tcp://127.0.0.1:0", PLAN, recv_timeout_s=10) as coordinator:
+        coordinator.inbox.returning = ({earlier}, {"stage0", "stage2"})
+        for sender, plan in (("stage1", earlier), ("stage2", earlier), ("stage1", "0" * 20)):
+            with Transport(sender, None, plan) as stage:
+                stage.connect("coordinator", coordinator.endpoint)
+                stage.send("coordinator", "hello", meta={"stage": 1})
+        with pytest.raises(WireError, match="no 'loss'"):
+            coordinator.recv("loss", timeout_s=1.5)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "stage" in r.getMessage()]
+    assert said[0] == (logging.INFO, f"coordinator: stage1 says hello under plan {earlier}, an earlier plan of "
+                       "this run: a lost device coming back (taken back at a step boundary where that is faster)")
+    assert [level for level, _ in said[1:]] == [logging.WARNING, logging.WARNING], said
+    assert "every host must run the same plan.json" in said[1][1] and "peer stage2 runs plan" in said[1][1]
+    assert len(coordinator.rejections) == 3  # all three are kept for the rejoin check
 
 
 def test_large_tensor_arrives_intact(pair) -> None:

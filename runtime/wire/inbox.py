@@ -21,7 +21,7 @@ import zmq
 
 from hetero.errors import WireError
 from hetero.runtime.wire.endpoints import _join, _parse_tcp_endpoint
-from hetero.runtime.wire.frames import Message, chunk_of, decode
+from hetero.runtime.wire.frames import Message, chunk_of, decode, plan_mismatch
 from hetero.runtime.wire.gatekeeper import Gatekeeper, InboxWatch
 from hetero.security import Identity
 
@@ -74,6 +74,10 @@ class Inbox:
         self.recv_timeout_s = recv_timeout_s
         self.rejected = 0  # messages dropped by the checks (diagnostics)
         self.rejections: deque[tuple[str, str]] = deque(maxlen=20)  # (claimed sender, why), newest last
+        # A coordinator's: (plans the run went through before, its stages' names now). A stage of an earlier plan
+        # whose name the run no longer has is a lost device coming back (runtime/run/elastic.py decides whether to
+        # take it back, and says so): its messages are dropped and kept as rejections, but logged as what they are.
+        self.returning: tuple[set[str], set[str]] = (set(), set())
         self._gate: InboxWatch | None = None  # the inbox's watch (a Gatekeeper when the run has keys)
         self._recv_lock = threading.Lock()
         self._pending: deque[Message] = deque()
@@ -222,11 +226,23 @@ class Inbox:
             self.rejected += 1
             peer = user or _peer_address(frames[0])
             self.rejections.append((peer, str(exc)))
-            if self.rejected <= 20 or self.rejected % 1000 == 0:
+            if (back := self._returning(peer, str(exc))) is not None:
+                log.info("%s: %s says hello under plan %s, an earlier plan of this run: a lost device coming back "
+                         "(taken back at a step boundary where that is faster)", self.name, back[0], back[1])
+            elif self.rejected <= 20 or self.rejected % 1000 == 0:
                 log.warning("%s dropped a message from %s: %s (%d dropped so far)", self.name, peer, exc,
                             self.rejected)
             return None
         return msg
+
+    def _returning(self, peer: str, why: str) -> tuple[str, str] | None:
+        """(its name, its plan) when ``why`` drops a message of an earlier plan of the run from a stage the run lost."""
+        earlier, current = self.returning
+        mismatch = plan_mismatch(why) if earlier else None
+        if mismatch is None or mismatch[1] not in earlier:
+            return None
+        name = peer if self.identity is not None else mismatch[0]  # with keys: the name its key proves
+        return (name, mismatch[1]) if name not in current else None
 
     def _timeout_message(self, kind: str | None, step: int | None, mb: int | None,
                          sender: str | None, timeout: float) -> str:

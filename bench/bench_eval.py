@@ -79,7 +79,7 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"training step, median: without eval {result['no_eval_s']:.3f} s, with eval every {result['every']} "
           f"steps {result['eval_s']:.3f} s: {result['ratio']:.3f}x (within 5%: {ok})")
     for line in result["evals"]:
-        print(f"  eval after step {line['step'] + 1}: loss {line['eval_loss']:.4f} on {line['eval_tokens']} tokens "
+        print(f"  eval after step {line['step']}: loss {line['eval_loss']:.4f} on {line['eval_tokens']} tokens "
               f"({line['eval_s']:.2f} s)")
 
 

@@ -102,7 +102,7 @@ def _lose(run: subprocess.Popen, run_dir: Path, stage: int, sig: signal.Signals,
 def _assert_same_training(run_dir: Path, reference: dict, steps: int = STEPS) -> None:
     """Every step once, each loss within 1e-5 of the undisturbed run's, and the same adapter file."""
     metrics = _metrics(run_dir)
-    assert [m["step"] for m in metrics] == list(range(steps))  # replayed steps are not counted twice
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))  # replayed steps are not counted twice
     for m, want in zip(metrics, reference["losses"], strict=True):
         assert abs(m["loss"] - want) <= 1e-5, (m["step"], m["loss"], want)
     state = _adapter(run_dir)
@@ -165,7 +165,7 @@ def test_a_run_of_replicas_goes_on_without_a_killed_one(root: Path, reference: d
     code, out, err = finish(run)
     assert code == 0, err[-3000:]
     metrics = _metrics(run_dir)
-    assert [m["step"] for m in metrics] == list(range(STEPS))
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in metrics] == pytest.approx(reference["losses"], rel=1e-4)
     assert "recovered after step" in out
 
@@ -569,10 +569,10 @@ def test_a_later_resume_keeps_the_recovery_lines_and_drops_the_steps_trained_aga
     from hetero.runtime.run.records import RunRecords
 
     plan = Plan.load(root / "plan.json")
-    lines = [{"step": s, "loss": 6.0, "step_time_s": 0.1} for s in range(9)]
-    lines.insert(9, {"event": "recovery", "after_step": 8, "recovery": 1, "device": "localhost.cpu1"})
-    lines.insert(9, {"event": "rebalance", "after_step": 8, "old_split": [2, 2, 2], "new_split": [3, 2, 1]})
-    lines += [{"step": s, "loss": 6.0, "step_time_s": 0.1} for s in range(9, 12)]
+    lines = [{"step": s, "loss": 6.0, "step_time_s": 0.1} for s in range(1, 10)]  # steps are numbered from 1
+    lines.insert(9, {"event": "recovery", "after_step": 9, "recovery": 1, "device": "localhost.cpu1"})
+    lines.insert(9, {"event": "rebalance", "after_step": 9, "old_split": [2, 2, 2], "new_split": [3, 2, 1]})
+    lines += [{"step": s, "loss": 6.0, "step_time_s": 0.1} for s in range(10, 13)]
     metrics = "".join(json.dumps(m) + "\n" for m in lines)
 
     def started(start: int, recovering: bool) -> list[dict]:
@@ -585,7 +585,7 @@ def test_a_later_resume_keeps_the_recovery_lines_and_drops_the_steps_trained_aga
         return read_metrics(tmp_path / "metrics.jsonl")
 
     kept = started(7, recovering=True)
-    assert [m["step"] for m in step_lines(kept)] == list(range(7))
+    assert [m["step"] for m in step_lines(kept)] == list(range(1, 8))
     assert event_lines(kept, "recovery") == [lines[10]]
     assert event_lines(kept) == []  # a move in the steps trained again is undone with them
     assert started(0, recovering=True) == [lines[10]]  # no copy yet: from step 0, the loss stays

@@ -59,13 +59,13 @@ def test_spare_device_evaluates_while_training(tiny_model_dir: Path, tiny_spec: 
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in lines if "step_time_s" in x]
     evals = [x for x in lines if "eval_loss" in x]
-    assert [x["step"] for x in steps] == list(range(5))
+    assert [x["step"] for x in steps] == list(range(1, 6))
     # After steps 2 and 4 (eval.every=2) and after the last. On a loaded machine the evaluation after step 2 may
     # still run when step 4 ends: that one is skipped, and the run says so (CI met it while other tests ran).
     err = capsys.readouterr().err
-    skipped = [int(s) - 1 for s in re.findall(r"evaluation skipped after step\(s\) ([\d, ]+)", err)[0].split(", ")
+    skipped = [int(s) for s in re.findall(r"evaluation skipped after step\(s\) ([\d, ]+)", err)[0].split(", ")
                ] if "evaluation skipped" in err else []
-    assert sorted([x["step"] for x in evals] + skipped) == [1, 3, 4] and evals[-1]["step"] == 4, (evals, err)
+    assert sorted([x["step"] for x in evals] + skipped) == [2, 4, 5] and evals[-1]["step"] == 5, (evals, err)
     assert len(evals) >= 2
     assert all(x["eval_tokens"] > 0 and x["eval_s"] > 0 for x in evals)
     assert len({round(x["eval_loss"], 6) for x in evals}) == len(evals), "the adapter changes between evaluations"
@@ -109,8 +109,8 @@ def test_the_training_stages_evaluate_between_steps(tiny_model_dir: Path, tiny_s
                      f"eval.path={held_out}", "eval.max_batches=3"]) == 0
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [x for x in lines if "eval_loss" in x]
-    assert [x["step"] for x in evals] == [1, 2] and all(x["eval_on"] == "training stages" for x in evals), evals
-    assert [x["step"] for x in lines if "step_time_s" in x] == [0, 1, 2]
+    assert [x["step"] for x in evals] == [2, 3] and all(x["eval_on"] == "training stages" for x in evals), evals
+    assert [x["step"] for x in lines if "step_time_s" in x] == [1, 2, 3]
     assert not (run_dir / "logs" / "eval.log").exists()  # no evaluator process
     # max_batches=3 in whole rounds of the pipeline's micro-batches: 2 rounds of 2 (a replica: 2 rounds of 1... 3)
     rows = 4 if shape == "pipeline" else 3
@@ -144,7 +144,7 @@ def test_eval_split_holds_out_a_fraction_of_the_training_records(tiny_model_dir:
     assert main_run([str(tmp_path / "plan.json"), "--run-dir", str(run_dir), "--no-progress", "eval.every=1",
                      "eval.split=0.2", "eval.max_batches=2"]) == 0
     evals = [x for x in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in x]
-    assert evals and evals[-1]["step"] == 1, evals
+    assert evals and evals[-1]["step"] == 2, evals
 
     kept = tmp_path / "held.jsonl"
     kept.write_text("".join(json.dumps(records[i]) + "\n" for i in held))
@@ -245,7 +245,7 @@ def test_a_run_with_a_malformed_held_out_line_evaluates_and_reports_it(
     assert main_run([str(tmp_path / "plan.json"), "--run-dir", str(run_dir), "--no-progress", "eval.every=1",
                      f"eval.path={held_out}", "eval.max_batches=2"]) == 0
     evals = [x for x in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in x]
-    assert [x["step"] for x in evals] == [0, 1]  # the evaluator kept evaluating
+    assert [x["step"] for x in evals] == [1, 2]  # the evaluator kept evaluating
     reported = [line for line in capfd.readouterr().err.splitlines() if "left out" in line]
     assert reported == [f"hetero run: evaluation: eval.path={held_out}: left out 1 held-out record(s) that "
                         "data.format=alpaca cannot use (line 5: invalid JSON (Expecting value)); evaluating the other 4"]

@@ -286,7 +286,7 @@ def test_a_pipeline_streaming_every_layer_equals_the_reference(recompute: str, r
                      "--no-progress"]) == 0
 
     metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
-    assert [m["step"] for m in metrics] == list(range(TRAIN.steps))
+    assert [m["step"] for m in metrics] == list(range(1, TRAIN.steps + 1))
     for m, want in zip(metrics, reference["losses"], strict=True):
         assert m["loss"] == pytest.approx(want, rel=RTOL), f"step {m['step']}: loss {m['loss']} vs reference {want}"
     trained = load_adapter_state(run_dir / "adapter", reference["lora"])

@@ -172,10 +172,10 @@ def test_moving_layers_mid_run_trains_exactly_like_one_process(setup: dict, tiny
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "event" not in r]
     events = [r for r in rows if "event" in r]
-    assert [r["step"] for r in steps] == list(range(TRAIN.steps))
+    assert [r["step"] for r in steps] == list(range(1, TRAIN.steps + 1))
     assert [r["split"] for r in steps] == [[2, 2, 2], [2, 2, 2], [1, 3, 2], [1, 3, 2], [3, 2, 1]]
     assert [(e["after_step"], e["old_split"], e["new_split"]) for e in events] == [
-        (1, [2, 2, 2], [1, 3, 2]), (3, [1, 3, 2], [3, 2, 1])]
+        (2, [2, 2, 2], [1, 3, 2]), (4, [1, 3, 2], [3, 2, 1])]  # after 2 and 4 steps
     for r, want in zip(steps, setup["losses"], strict=True):
         assert r["loss"] == pytest.approx(want, rel=RTOL), f"step {r['step']}: loss {r['loss']} vs reference {want}"
     trained = load_adapter_state(run_dir / "adapter", setup["lora"])

@@ -470,7 +470,7 @@ def test_bad_inputs_are_refused_before_any_stage_starts(tiny_model_dir: Path, ti
         ("vocab.jsonl", '{"input_ids": [1, 2, 3, 900]}\n', "tokens", "line 1: token id 900 is outside the model's "
          "vocabulary (vocab_size 512)"),
         ("short.jsonl", '{"instruction": "' + "word " * 60 + '", "output": "b"}\n', "alpaca",
-         "step 0 has no label tokens after truncation to seq_len=32"),
+         "step 1 has no label tokens after truncation to seq_len=32"),
     ]:
         if content is not None:
             (tmp_path / name).write_text(content)
@@ -480,7 +480,7 @@ def test_bad_inputs_are_refused_before_any_stage_starts(tiny_model_dir: Path, ti
     # A step deep into the run whose records all lose their labels to truncation (demo data, seq_len 32, padded rows:
     # packed rows fill a step from many records, so one that truncates away every label is rarer than this).
     padded = variant("padded.json", data=replace(plan.data, packing=False))
-    assert "step 6 has no label tokens after truncation to seq_len=32" in refused([padded, "steps=8"])
+    assert "step 7 has no label tokens after truncation to seq_len=32" in refused([padded, "steps=8"])
 
     port = free_ports(1)[0]
     with socket.socket() as holder:
@@ -567,7 +567,7 @@ def test_a_run_whose_disk_fills_up_stops_cleanly_and_resumes(tiny_model_dir: Pat
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000004"]
     assert _digest(first) == before and not (run_dir / "adapter").exists()
     steps = [x["step"] for x in step_lines(read_metrics(run_dir / "metrics.jsonl"))]
-    assert steps == list(range(8))
+    assert steps == list(range(1, 9))
 
     filler.unlink()  # space freed: the command from the message, run as printed, continues the run
     printed = shlex.split(_one_line(err).rsplit("`", 2)[1])
@@ -580,4 +580,4 @@ def test_a_run_whose_disk_fills_up_stops_cleanly_and_resumes(tiny_model_dir: Pat
     if not adapter.is_absolute():
         adapter = tmp_path / adapter
     assert (adapter / "adapter_model.safetensors").is_file()
-    assert [x["step"] for x in step_lines(read_metrics(adapter.parent / "metrics.jsonl"))] == [4, 5, 6, 7]
+    assert [x["step"] for x in step_lines(read_metrics(adapter.parent / "metrics.jsonl"))] == [5, 6, 7, 8]

@@ -68,7 +68,7 @@ def test_pipeline_equals_single_process_reference(schedule: str, recompute: str,
                      "checkpoint_every=2"]) == 0
 
     metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
-    assert [m["step"] for m in metrics] == list(range(TRAIN.steps))
+    assert [m["step"] for m in metrics] == list(range(1, TRAIN.steps + 1))
     # The test only means something if clipping and the schedule really act.
     assert min(m["clip_coef"] for m in metrics) < 0.99
     assert len({round(m["lr"], 12) for m in metrics}) >= 3
@@ -106,7 +106,7 @@ def test_resume_on_another_split_continues_the_same_run(setup: dict, tiny_model_
     assert main_run([str(setup["root"] / "plan-resume.json"), "--run-dir", str(run_dir), "--no-progress",
                      "--resume", str(ckpt)]) == 0
     metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
-    assert [m["step"] for m in metrics] == [2, 3]
+    assert [m["step"] for m in metrics] == [3, 4]
     assert [m["loss"] for m in metrics] == pytest.approx(setup["losses"][2:], rel=RTOL)
     trained = load_adapter_state(run_dir / "adapter")
     for key, want in setup["state"].items():

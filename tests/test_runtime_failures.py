@@ -233,7 +233,7 @@ def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def _assert_same_run(run_dir: Path, reference: dict) -> None:
     metrics = _metrics(run_dir)
-    assert [m["step"] for m in metrics] == list(range(STEPS))  # every step once: earlier lines kept, redone ones not
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))  # every step once: earlier lines kept, redone ones not
     assert [(m["loss"], m["lr"]) for m in metrics] == reference["losses"]
     state = _adapter(run_dir)
     assert set(state) == set(reference["adapter"])
@@ -334,7 +334,7 @@ def test_a_run_whose_coordinator_dies_resumes_from_its_last_snapshot(root: Path)
                                    str(free_ports(1)[0]), "--no-progress", *RUNTIME], root.parent))
     assert code == 0, err[-3000:]
     resumed, reference = _metrics(run_dir), _metrics(whole)
-    assert [m["step"] for m in resumed] == list(range(30))
+    assert [m["step"] for m in resumed] == list(range(1, 31))
     assert [(m["loss"], m["lr"]) for m in resumed] == [(m["loss"], m["lr"]) for m in reference]
     state, want = _adapter(run_dir), _adapter(whole)
     assert set(state) == set(want) and all(torch.equal(state[k], want[k]) for k in want)
@@ -449,7 +449,7 @@ def test_a_second_ctrl_c_still_says_how_to_resume(root: Path) -> None:
     printed = shlex.split(lines[0].split("`")[1])
     code, out, err = finish(start([*printed[1:], "--no-progress", f"steps={step + 2}"], root.parent))
     assert code == 0, err[-3000:]
-    assert [m["step"] for m in _metrics(run_dir)] == list(range(step + 2))
+    assert [m["step"] for m in _metrics(run_dir)] == list(range(1, step + 3))
 
 
 @pytest.mark.slow

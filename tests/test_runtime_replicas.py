@@ -60,7 +60,7 @@ def test_two_replicas_with_uneven_shares_equal_the_reference(setup: dict, tiny_m
     assert main_run([str(path), "--run-dir", str(run_dir), "--no-progress", "checkpoint_every=2"]) == 0
 
     metrics = _metrics(run_dir)
-    assert [m["step"] for m in metrics] == list(range(TRAIN.steps))
+    assert [m["step"] for m in metrics] == list(range(1, TRAIN.steps + 1))
     assert min(m["clip_coef"] for m in metrics) < 0.99  # the global clip acts on the summed gradients
     for m, want in zip(metrics, setup["losses"], strict=True):
         assert m["loss"] == pytest.approx(want, rel=RTOL), f"step {m['step']}: loss {m['loss']} vs reference {want}"
@@ -89,7 +89,7 @@ def test_two_replica_checkpoint_resumes_on_one_pipeline(setup: dict, tiny_model_
     assert main_run([str(path), "--run-dir", str(run_dir), "--no-progress", "--resume",
                      str(setup["run"] / "checkpoints" / "step-000002")]) == 0
     metrics = _metrics(run_dir)
-    assert [m["step"] for m in metrics] == [2, 3]
+    assert [m["step"] for m in metrics] == [3, 4]
     assert [m["loss"] for m in metrics] == pytest.approx(setup["losses"][2:], rel=RTOL)
     trained = load_adapter_state(run_dir / "adapter")
     for key, want in setup["state"].items():

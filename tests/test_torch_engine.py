@@ -45,7 +45,7 @@ def _check_against_reference(run_dir: Path, setup: dict, steps: list[int], rtol:
     assert [m["step"] for m in metrics] == steps
     assert all(m.get("engine") == "torch" for m in metrics)
     for m in metrics:
-        want = setup["losses"][m["step"]]
+        want = setup["losses"][m["step"] - 1]  # steps are numbered from 1
         assert m["loss"] == pytest.approx(want, rel=rtol), f"step {m['step']}: loss {m['loss']} vs reference {want}"
     trained = load_adapter_state(run_dir / "adapter", setup["lora"])
     assert set(trained) == set(setup["state"])
@@ -62,7 +62,7 @@ def test_three_stages_1f1b_equal_the_reference(setup: dict, tiny_model_dir: Path
     run_dir = _run(plan, setup["root"], "three", "--engine", "torch", "checkpoint_every=2")
     metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
     assert min(m["clip_coef"] for m in metrics) < 0.99 and len({round(m["lr"], 12) for m in metrics}) >= 3
-    _check_against_reference(run_dir, setup, list(range(TRAIN.steps)))
+    _check_against_reference(run_dir, setup, list(range(1, TRAIN.steps + 1)))
     for step in (2, 4):  # hetero's checkpoint layout: every stage's file, then COMPLETE
         ckpt = run_dir / "checkpoints" / f"step-{step:06d}"
         assert (ckpt / "COMPLETE").is_file() and len(list(ckpt.glob("stage*.safetensors"))) == 3
@@ -76,7 +76,7 @@ def test_two_replicas_on_a_device_mesh_equal_the_reference(setup: dict, tiny_mod
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, packing=False, split=[[3, 3], [3, 3]], train=TRAIN,  # type: ignore[list-item]
                      lora=setup["lora"], seq_len=SEQ_LEN, shares=[2, 2])
     run_dir = _run(plan, setup["root"], "mesh", "--engine", "torch")
-    _check_against_reference(run_dir, setup, list(range(TRAIN.steps)))
+    _check_against_reference(run_dir, setup, list(range(1, TRAIN.steps + 1)))
 
 
 @pytest.mark.slow
@@ -98,7 +98,7 @@ def test_a_checkpoint_of_one_engine_resumes_on_the_other(setup: dict, tiny_model
                      str(whole / "checkpoints" / "step-000003")]) == 0
     want = step_lines(read_metrics(whole / "metrics.jsonl"))
     got = step_lines(read_metrics(after / "metrics.jsonl"))
-    assert [m["step"] for m in got] == [3, 4, 5]
+    assert [m["step"] for m in got] == [4, 5, 6]
     assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want[3:]], rel=RTOL)
     assert [m["lr"] for m in got] == pytest.approx([m["lr"] for m in want[3:]], rel=1e-9)
     trained = load_adapter_state(after / "adapter", setup["lora"])
@@ -259,5 +259,5 @@ def test_a_host_without_ssh_joins_with_the_command_hetero_run_prints(setup: dict
         assert finish(beta)[0] == 0
     finally:
         clean_up()
-    _check_against_reference(tmp_path / "run", setup, list(range(TRAIN.steps)))
+    _check_against_reference(tmp_path / "run", setup, list(range(1, TRAIN.steps + 1)))
     assert (tmp_path / "beta" / "logs" / "stage2.log").is_file()

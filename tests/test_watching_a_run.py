@@ -57,10 +57,10 @@ def test_a_piped_run_prints_progress_while_it_runs_and_writes_tensorboard(tiny_m
     assert any(f"step {STEPS}/{STEPS} (100%)" in line for line in out.splitlines()), out
     assert "run directory" in "\n".join(seen + err.splitlines())  # the start-up line says where things are
 
-    # TensorBoard: the same numbers as metrics.jsonl, step 1 being the first optimizer step.
+    # TensorBoard: the same numbers as metrics.jsonl, step 1 being the first optimizer step (issue 53: one numbering).
     metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
     scalars = _scalars(run_dir / "tensorboard")
-    assert [s for s, _ in scalars["train/loss"]] == list(range(1, STEPS + 1))
+    assert [s for s, _ in scalars["train/loss"]] == [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert [v for _, v in scalars["train/loss"]] == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
     assert [v for _, v in scalars["train/trained_tokens_per_s"]] == pytest.approx(
         [m["tokens_per_s"] for m in metrics], rel=1e-6)
@@ -70,14 +70,14 @@ def test_a_piped_run_prints_progress_while_it_runs_and_writes_tensorboard(tiny_m
 def test_a_resumed_run_replaces_the_steps_it_trains_again(tmp_path: Path) -> None:
     """A run resumed (or recovered) from step 5 writes a new file; TensorBoard shows steps 6.. from it, not the old."""
     first = EventWriter(tmp_path)
-    for step in range(8):
-        first.step({"step": step, "loss": 10.0 + step})
+    for step in range(1, 9):
+        first.step({"step": step, "loss": 9.0 + step})
     first.close()
     time.sleep(0.01)
     second = EventWriter(tmp_path, start_step=5)
-    for step in range(5, 10):
-        second.step({"step": step, "loss": 20.0 + step})
-    second.evaluation({"step": 9, "eval_loss": 1.5})
+    for step in range(6, 11):
+        second.step({"step": step, "loss": 19.0 + step})
+    second.evaluation({"step": 10, "eval_loss": 1.5})
     second.close()
     scalars = _scalars(tmp_path)
     assert scalars["train/loss"] == [(1, 10.0), (2, 11.0), (3, 12.0), (4, 13.0), (5, 14.0), (6, 25.0), (7, 26.0),
@@ -93,7 +93,7 @@ def test_crc32c_is_castagnoli() -> None:
 def test_tensorboard_serves_the_run_dir(tmp_path: Path) -> None:
     """`tensorboard --logdir RUN_DIR/tensorboard` (what docs/running.md says) finds the run."""
     writer = EventWriter(tmp_path / "tensorboard")
-    writer.step({"step": 0, "loss": 2.5})
+    writer.step({"step": 1, "loss": 2.5})
     writer.close()
     done = subprocess.run([sys.executable, "-m", "tensorboard.main", "--inspect", "--logdir", str(tmp_path / "tensorboard")],
                           capture_output=True,

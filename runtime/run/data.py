@@ -368,7 +368,7 @@ class StepBatches:
         num_label_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
         if num_label_tokens == 0:
             raise ConfigError(
-                f"{self.source}: step {i} has no label tokens after truncation to seq_len={s}; raise model.seq_len"
+                f"{self.source}: step {i + 1} has no label tokens after truncation to seq_len={s}; raise model.seq_len"
             )
         return StepBatch(input_ids.view(m, b, s), labels.view(m, b, s), num_label_tokens, record_ids,
                          None if positions is None else positions.view(m, b, s), num_tokens)

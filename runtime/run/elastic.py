@@ -222,7 +222,7 @@ def _rejoining(coordinator: Any, first: Plan, joiners: list[Any], new: Any, path
     """The run's move onto the plan with the devices that came back: its recovery event, said on stderr."""
     back = ", ".join(j.device for j in joiners)
     steps = coordinator.result.steps
-    last = int(steps[-1]["step"]) if steps else coordinator.start_step - 1
+    last = int(steps[-1]["step"]) if steps else coordinator.start_step  # steps done (records.STEP_NUMBERS)
     devices = {s.device: s for s in first.stages}
     event = {
         "event": "recovery", "kind": "rejoin", "after_step": last, "recovery": number,
@@ -271,17 +271,17 @@ def _recover(coordinator: Any, exc: StageFailedError, options: RunOptions, done:
         return None
     memory = coordinator.memory
     resumed = int(memory[1]["step"]) if memory is not None else 0
-    last = coordinator.result.steps[-1]["step"] if coordinator.result.steps else resumed - 1
+    last = coordinator.result.steps[-1]["step"] if coordinator.result.steps else resumed  # steps done, as ``resumed``
     event = {
         "event": "recovery", "after_step": int(last), "recovery": number, "stage": lost.stage, "device": device,
         "lost_devices": gone,
-        "host": plan.stages[lost.stage].host, "cause": f"{lost.what}: {lost.cause}", "resumed_from_step": resumed,
-        "replayed_steps": max(0, int(last) + 1 - resumed), "old_split": split_of(plan),
+        "host": plan.stages[lost.stage].host, "cause": f"{lost.what}: {lost.cause}", "resumed_from_step": resumed + 1,
+        "replayed_steps": max(0, int(last) - resumed), "old_split": split_of(plan),
         "new_split": recovery.split, "devices": recovery.devices, "plan": path.name,
         "predicted_step_s_after": recovery.predicted_step_s, "lost_at": lost.at,
     }
     print(f"hetero run: stage {lost.stage} ({device} on {event['host']}) {lost.what}: {lost.cause}; going on without "
-          f"it on {len(recovery.devices)} stage(s), split {'/'.join(map(str, recovery.split))}, from step {resumed} "
+          f"it on {len(recovery.devices)} stage(s), split {'/'.join(map(str, recovery.split))}, from step {resumed + 1} "
           f"({event['replayed_steps']} step(s) trained again); plan {path} (recovery {number} of at most "
           f"{options.max_recoveries}: runtime.max_recoveries)", file=sys.stderr, flush=True)
     # The coordinator stays where it was (its endpoint is the one every stage dials), whichever stage is first now.

@@ -102,7 +102,7 @@ class EvalClient:
                 raise HeteroError(f"the evaluator on {self.device} did not start: {why} (log: {self.log})")
 
     def request(self, step: int, lora: dict[str, torch.Tensor], wait_s: float = 0.0) -> list[dict[str, Any]]:
-        """Evaluate the adapter after ``step``. While the previous evaluation still runs, wait up to
+        """Evaluate the adapter after step number ``step`` (from 1: its answer's ``step``). While the previous evaluation still runs, wait up to
         ``wait_s`` for it, then skip this one. Returns the answers that arrived meanwhile."""
         from safetensors.torch import save_file
 
@@ -113,7 +113,7 @@ class EvalClient:
         if self.busy is not None or self.proc.poll() is not None or self.proc.stdin is None:
             self.skipped.append(step)
             return arrived
-        path = self.dir / f"step-{step + 1:06d}.safetensors"
+        path = self.dir / f"step-{step:06d}.safetensors"
         tmp = path.with_suffix(".tmp")
         save_file({k: v.contiguous() for k, v in lora.items()}, str(tmp))
         tmp.replace(path)

@@ -180,7 +180,7 @@ class Mover:
         cause = proposal.cause
         throttle = throttle_cause(self.telemetry[cause]) if cause < len(self.telemetry) else None
         event = {
-            "event": "rebalance", "after_step": after_step,
+            "event": "rebalance", "after_step": after_step + 1,  # the steps done before it (records.STEP_NUMBERS)
             "cause": {"stage": cause, "device": self.plan.stages[cause].device,
                       "slowdown": round(proposal.change[cause], 3), "throttle": throttle,
                       "reason": proposal.reason + (f" ({throttle})" if throttle else "")},
@@ -200,7 +200,7 @@ class Mover:
         from hetero.planner.objective import split_spans
 
         spans = split_spans(len(self.plan.graph.nodes), split, self.plan.graph.decoder_indices())
-        event = {"event": "rebalance", "after_step": after_step, "old_split": split_of(self.plan),
+        event = {"event": "rebalance", "after_step": after_step + 1, "old_split": split_of(self.plan),
                  "new_split": list(split), "old_spans": [[s.first_node, s.last_node] for s in self.plan.stages],
                  "new_spans": [list(s) for s in spans],
                  "cause": {"stage": None, "device": None, "slowdown": None, "reason": "forced by the caller"}}

@@ -24,6 +24,11 @@ from hetero.specs import RUNTIME_OVERRIDABLE
 if TYPE_CHECKING:
     import torch
 
+# What a person reads counts steps from 1: the progress bar, metrics.jsonl's ``step`` (and an event's ``after_step``:
+# the steps done before it), loss.png, steps.png, TensorBoard, W&B, checkpoints/step-N (N steps done) and every line
+# of the terminal. The wire, the schedules and the data count from 0: step index i is the step numbered i + 1.
+STEP_NUMBERS = "from 1"
+
 
 @dataclass
 class RunResult:
@@ -54,11 +59,12 @@ def throughput(plan: Plan, label_tokens: int, step_time: float, record_tokens: i
 def metrics_line(plan: Plan, step: int, done: dict[int, Any], grad_norm: float, coef: float,
                  label_tokens: int, step_time: float, record_tokens: int | None = None) -> dict[str, Any]:
     """Step ``step``'s metrics.jsonl line from every stage's ``stepdone`` (loss over the step's ``label_tokens``;
-    ``record_tokens``: the step's tokens that are not padding, StepBatch.num_tokens, when the caller passes them)."""
+    ``record_tokens``: the step's tokens that are not padding, StepBatch.num_tokens, when the caller passes them).
+    ``step`` counts from 0, as the wire does; the line's ``step`` is the step's number, from 1 (STEP_NUMBERS)."""
     lasts = [done[rep.stages[-1]].meta for rep in plan.pipelines]
     loss = sum(float(m["loss_sum"]) for m in lasts) / label_tokens
     line = {
-        "step": step, "loss": loss, "lr": float(done[0].meta["lr"]), "grad_norm": grad_norm,
+        "step": step + 1, "loss": loss, "lr": float(done[0].meta["lr"]), "grad_norm": grad_norm,
         "clip_coef": coef, **throughput(plan, label_tokens, step_time, record_tokens),
         "stage_busy": [float(done[k].meta["busy_s"]) for k in range(len(plan.stages))],
         "stage_wall": [float(done[k].meta["wall_s"]) for k in range(len(plan.stages))],
@@ -113,7 +119,7 @@ class RunRecords:
                     step = row["step"] if "event" not in row else row["after_step"]
                 except (ValueError, KeyError, TypeError):
                     continue  # a line cut short by a crash
-                if (isinstance(step, int) and step < start_step) or (recovering and row.get("event") == "recovery"):
+                if (isinstance(step, int) and step <= start_step) or (recovering and row.get("event") == "recovery"):
                     kept.append(line)
         write_run_file(self.run_dir, "metrics.jsonl", "".join(f"{line}\n" for line in kept))
         from hetero.runtime.run.tensorboard import EventWriter
@@ -167,7 +173,7 @@ class RunRecords:
             return
         self.record_eval(self.evaluator.finish(timeout_s=self._eval_wait_s()))
         if self.evaluator.skipped:
-            print(f"hetero run: evaluation skipped after step(s) {', '.join(str(s + 1) for s in self.evaluator.skipped)}"
+            print(f"hetero run: evaluation skipped after step(s) {', '.join(map(str, self.evaluator.skipped))}"
                   f": the evaluation before was still running on {self.evaluator.device} (raise eval.every)",
                   file=sys.stderr, flush=True)
 
@@ -183,7 +189,7 @@ class RunRecords:
             state.update(lora_from_payload(payloads[k].tensors))
         if self.evaluator is not None and (final or (step + 1) % every == 0):
             # The last step's evaluation waits for the one before (training is over).
-            self.record_eval(self.evaluator.request(step, state, wait_s=self._eval_wait_s() if final else 0.0))
+            self.record_eval(self.evaluator.request(step + 1, state, wait_s=self._eval_wait_s() if final else 0.0))
         if checkpoint_due(train, step):
             self.write_checkpoint(step + 1, payloads)
         if final:

@@ -97,7 +97,7 @@ def run_profile(plan: Plan, run_dir: Path, steps: list[dict[str, Any]],
              and s.get("split", split) == split]
     if not lines:
         return None
-    done = int(lines[-1]["step"]) + 1
+    done = int(lines[-1]["step"])
     origin = f"run {Path(run_dir).resolve()}, step {done}"
     prior = prior_profile(plan)
     warm = lines[1:] if len(lines) > 1 else lines  # the first step warms allocators and caches up
@@ -115,7 +115,7 @@ def run_profile(plan: Plan, run_dir: Path, steps: list[dict[str, Any]],
         fleet=plan.cluster.name, fleet_hash=fleet_hash(plan.cluster), model=plan.model.name,
         model_hash=model_hash(plan.model), devices=devices, links=links, created=now_iso(), origin=origin,
         host_cores=usable_cores(plan, warm, shared),
-        notes=[f"measured by `hetero run` over steps {int(warm[0]['step']) + 1}-{done} ({len(warm)} steps), "
+        notes=[f"measured by `hetero run` over steps {int(warm[0]['step'])}-{done} ({len(warm)} steps), "
                f"micro_batch_size={plan.train.micro_batch_size}, seq_len={plan.model.seq_len} ({tokens} tokens)",
                f"kind split from: {prior.origin or 'a profile file' if prior else 'the roofline (no profile)'}; links the "
                "run timed: from its messages' hand-off times"],

@@ -93,8 +93,8 @@ class StageEval:
             done = mailbox.recv("evaldone", step=step, sender=self.last, timeout_s=timeout_s)
             if int(done.meta["round"]) != r:
                 raise WireError(f"{self.last} answered round {done.meta['round']} of the evaluation after step "
-                                f"{step}, expected {r}")
+                                f"{step + 1}, expected {r}")
             loss_sum += float(done.meta["loss_sum"])
             tokens += int(done.meta["num_label_tokens"])
-        return {"step": step, "eval_loss": loss_sum / max(tokens, 1), "eval_tokens": tokens,
+        return {"step": step + 1, "eval_loss": loss_sum / max(tokens, 1), "eval_tokens": tokens,
                 "eval_s": time.perf_counter() - start, "eval_on": "training stages"}

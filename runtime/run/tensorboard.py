@@ -121,11 +121,11 @@ class EventWriter:
     def step(self, line: dict[str, Any]) -> None:
         """A metrics.jsonl step line's scalars at its step (0-based in metrics.jsonl, 1-based here)."""
         if isinstance(line.get("step"), int) and (scalars := scalars_of(line, STEP_SCALARS)):
-            self._write(event(line["step"] + 1, scalars=scalars))
+            self._write(event(line["step"], scalars=scalars))
 
     def evaluation(self, answer: dict[str, Any]) -> None:
         if isinstance(answer.get("step"), int) and (scalars := scalars_of(answer, EVAL_SCALARS)):
-            self._write(event(answer["step"] + 1, scalars=scalars))
+            self._write(event(answer["step"], scalars=scalars))
 
     def close(self) -> None:
         if not self._file.closed:

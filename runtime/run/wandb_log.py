@@ -52,11 +52,11 @@ class WandbRun:
 
     def step(self, line: dict[str, Any]) -> None:
         if isinstance(line.get("step"), int) and (scalars := scalars_of(line, STEP_SCALARS)):
-            self.run.log(scalars, step=line["step"] + 1)
+            self.run.log(scalars, step=line["step"])
 
     def evaluation(self, answer: dict[str, Any]) -> None:
         if isinstance(answer.get("step"), int) and (scalars := scalars_of(answer, EVAL_SCALARS)):
-            self.run.log(scalars, step=answer["step"] + 1)
+            self.run.log(scalars, step=answer["step"])
 
     def close(self) -> None:
         self.run.finish()

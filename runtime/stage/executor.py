@@ -361,7 +361,7 @@ def clip_round_trip(wire: Wire, sumsq: float, step: int, index: int) -> tuple[fl
     """Send this process's squared LoRA gradient norm, wait for the coordinator's clip coefficient; (coefficient,
     seconds waited)."""
     if not math.isfinite(sumsq):  # the record would refuse it, without the hint
-        raise TrainingDivergedError(f"stage {index} computed NaN/inf LoRA gradients at step {step}: {DIVERGED_HINT}")
+        raise TrainingDivergedError(f"stage {index} computed NaN/inf LoRA gradients at step {step + 1}: {DIVERGED_HINT}")
     wire.send(COORDINATOR, GradNorm(sumsq=sumsq), step=step)
     t0 = time.perf_counter()
     msg = wire.recv("clip", step=step, sender=COORDINATOR)
@@ -371,7 +371,7 @@ def clip_round_trip(wire: Wire, sumsq: float, step: int, index: int) -> tuple[fl
 def _check_finite(t: torch.Tensor, what: str, k: int, step: int, mb: int) -> None:
     """Peers drop non-finite activations and gradients (runtime/wire/rules.py): fail here, by name, instead."""
     if not bool(torch.isfinite(t).all()):
-        raise TrainingDivergedError(f"stage {k} computed NaN/inf {what} at step {step}, micro-batch {mb}: "
+        raise TrainingDivergedError(f"stage {k} computed NaN/inf {what} at step {step + 1}, micro-batch {mb}: "
                                     f"{DIVERGED_HINT}")
 
 

@@ -299,11 +299,12 @@ def restore(where: Rank, executor: Any, resume: Path | None) -> int:
 
 def metrics(plan: Plan, step: int, values: tuple[float, float, float, float, list[dict[str, float]]],
             label_tokens: int, step_time: float) -> dict[str, Any]:
-    """Step ``step``'s metrics.jsonl line, with the fields hetero's engine writes that this one measures."""
+    """Step ``step``'s metrics.jsonl line (numbered from 1: records.STEP_NUMBERS), with the fields hetero's engine
+    writes that this one measures."""
     from hetero.runtime.run.records import throughput
 
     loss_sum, lr, grad_norm, coef, ops = values
-    return {"step": step, "loss": loss_sum / label_tokens, "lr": lr, "grad_norm": grad_norm, "clip_coef": coef,
+    return {"step": step + 1, "loss": loss_sum / label_tokens, "lr": lr, "grad_norm": grad_norm, "clip_coef": coef,
             **throughput(plan, label_tokens, step_time), "stage_busy": [sum(o.values()) for o in ops],
             "stage_wall": [step_time] * len(ops), "stage_ops": ops, "engine": "torch"}
 

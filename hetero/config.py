@@ -30,7 +30,9 @@ from hetero.specs import (
     ModelSpec,
     PlannerOptions,
     TrainSpec,
+    check_eval,
     check_ranges,
+    check_run_length,
 )
 
 GROUPS = ("model", "hardware", "train", "planner")
@@ -240,40 +242,6 @@ def load(overrides: list[str], config_dir: str | None = None) -> Config:
         profiles=tuple(Path(str(p)).expanduser() for p in profiles) if profile else (),
         eval=evaluation,
     )
-
-
-def check_run_length(train: TrainSpec, overrides: list[str], where: str = "") -> None:
-    """train.epochs > 0 sets the run's length; train.steps given beside it on the same command line is a mistake
-    (in a config file, epochs win: `hetero compile` says how many steps they make)."""
-    steps = next((o for o in overrides if o.lstrip("+~").partition("=")[0].strip() in ("train.steps", "steps")), None)
-    if train.epochs > 0 and steps is not None:
-        raise ConfigError(f"{steps} and train.epochs={train.epochs}{where} both set the run's length: give one "
-                          "(train.epochs=0 trains train.steps steps)")
-
-
-def check_eval(evaluation: EvalSpec, cluster: ClusterSpec | None = None) -> None:
-    """eval.* as one-line ConfigErrors: a step count, a held-out file when on, a device of the fleet."""
-    if evaluation.every < 0 or evaluation.max_batches < 1:
-        raise ConfigError(f"eval.every must be >= 0 and eval.max_batches >= 1, got {evaluation.every} and "
-                          f"{evaluation.max_batches}")
-    if not 0 <= evaluation.split <= 0.5:  # a fraction of the records: at most half held out
-        raise ConfigError(f"eval.split must be in 0..0.5 (a fraction of the records), got {evaluation.split}")
-    if evaluation.split > 0 and evaluation.path:
-        raise ConfigError(f"eval.split={evaluation.split} and eval.path={evaluation.path}: hold out records of the "
-                          "training data or evaluate on a file, not both")
-    if evaluation.every > 0 and not evaluation.path and not evaluation.split:
-        raise ConfigError(f"eval.every={evaluation.every} needs held-out data: set eval.split=0.1 (a tenth of the "
-                          "training records, kept out of training) or eval.path=FILE (same format as data.format)")
-    if evaluation.path and not Path(evaluation.path).expanduser().is_file():
-        raise ConfigError(f"eval.path={evaluation.path}: no such file")
-    if cluster is not None and evaluation.device is not None:
-        names = [d.name for d in cluster.devices]
-        if evaluation.device not in names:
-            raise ConfigError(f"eval.device={evaluation.device} is not a device of fleet '{cluster.name}': "
-                              f"choose one of {', '.join(names)}")
-        if len(names) < 2:
-            raise ConfigError(f"eval.device={evaluation.device} would leave fleet '{cluster.name}' no device to "
-                              "train on")
 
 
 def _section(raw: dict[str, Any], key: str) -> dict[str, Any]:

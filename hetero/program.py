@@ -24,6 +24,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
+# The schedules a plan may name (train.schedule): each is a step form of planner/step_form.py, which checks that
+# the two lists agree. Here, with the programs, so that checking a plan does not import the planner.
+SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
+
 
 class Op(str, Enum):
     """What an action does. A ``str`` enum: ``Op.F == "F"``, and it prints as its text form."""

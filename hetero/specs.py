@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
+from hetero.errors import ConfigError
 from hetero.protocol import BASE_PORT
 from hetero.serde import short_repr
 
@@ -222,7 +224,7 @@ class TrainSpec:
 
     micro_batch_size: int = 1
     num_micro_batches: int = 8
-    schedule: str = "1f1b"  # a registered step form: planner/step_form.py SCHEDULES (check_ranges checks it)
+    schedule: str = "1f1b"  # a registered step form: hetero/program.py SCHEDULES (check_ranges checks it)
     steps: int = 100
     # Epochs over the data instead of a step count (0: train.steps counts): `hetero run` trains
     # epochs x steps per epoch (docs/data.md); train.steps is then not used.
@@ -307,7 +309,7 @@ MAX_COUNT = 2**53  # steps and other counters: exact as floats
 
 def check_ranges(model: ModelSpec, train: TrainSpec, planner: PlannerOptions, error: type[Exception]) -> None:
     """Raise ``error`` naming the first number out of its range: one rule book for configs and plan files."""
-    from hetero.planner.step_form import SCHEDULES  # the schedules are the step forms registered there
+    from hetero.program import SCHEDULES  # the schedules planner/step_form.py registers a step form for
 
     if train.schedule.lower() not in SCHEDULES:  # as step_form reads it
         raise error(f"train.schedule must be one of {list(SCHEDULES)}, got {short_repr(train.schedule)}")
@@ -360,3 +362,37 @@ def _require(key: str, value: float, error: type[Exception], *, low: float, high
     else:
         return
     raise error(f"{key} {problem}{hint}, got {short_repr(value)}")
+
+
+def check_run_length(train: TrainSpec, overrides: list[str], where: str = "") -> None:
+    """train.epochs > 0 sets the run's length; train.steps given beside it on the same command line is a mistake
+    (in a config file, epochs win: `hetero compile` says how many steps they make)."""
+    steps = next((o for o in overrides if o.lstrip("+~").partition("=")[0].strip() in ("train.steps", "steps")), None)
+    if train.epochs > 0 and steps is not None:
+        raise ConfigError(f"{steps} and train.epochs={train.epochs}{where} both set the run's length: give one "
+                          "(train.epochs=0 trains train.steps steps)")
+
+
+def check_eval(evaluation: EvalSpec, cluster: ClusterSpec | None = None) -> None:
+    """eval.* as one-line ConfigErrors: a step count, a held-out file when on, a device of the fleet."""
+    if evaluation.every < 0 or evaluation.max_batches < 1:
+        raise ConfigError(f"eval.every must be >= 0 and eval.max_batches >= 1, got {evaluation.every} and "
+                          f"{evaluation.max_batches}")
+    if not 0 <= evaluation.split <= 0.5:  # a fraction of the records: at most half held out
+        raise ConfigError(f"eval.split must be in 0..0.5 (a fraction of the records), got {evaluation.split}")
+    if evaluation.split > 0 and evaluation.path:
+        raise ConfigError(f"eval.split={evaluation.split} and eval.path={evaluation.path}: hold out records of the "
+                          "training data or evaluate on a file, not both")
+    if evaluation.every > 0 and not evaluation.path and not evaluation.split:
+        raise ConfigError(f"eval.every={evaluation.every} needs held-out data: set eval.split=0.1 (a tenth of the "
+                          "training records, kept out of training) or eval.path=FILE (same format as data.format)")
+    if evaluation.path and not Path(evaluation.path).expanduser().is_file():
+        raise ConfigError(f"eval.path={evaluation.path}: no such file")
+    if cluster is not None and evaluation.device is not None:
+        names = [d.name for d in cluster.devices]
+        if evaluation.device not in names:
+            raise ConfigError(f"eval.device={evaluation.device} is not a device of fleet '{cluster.name}': "
+                              f"choose one of {', '.join(names)}")
+        if len(names) < 2:
+            raise ConfigError(f"eval.device={evaluation.device} would leave fleet '{cluster.name}' no device to "
+                              "train on")

@@ -33,7 +33,7 @@ import numpy as np
 
 from hetero.errors import ConfigError
 from hetero.planner.schedules import gpipe, interleaved_one_f_one_b, one_f_one_b
-from hetero.program import Action, Op
+from hetero.program import SCHEDULES, Action, Op
 
 
 @dataclass(frozen=True)
@@ -250,7 +250,9 @@ FORMS: dict[str, StepForm] = {
                       # GPipe's closed form is the simulator's step (forward phase, then backward phase).
                       bound=(BoundGroup(_forward_phase, 1.0), BoundGroup(_backward_phase, 1.0)), suffix=_no_suffix),
 }
-SCHEDULES: tuple[str, ...] = tuple(FORMS)
+# The names live with the programs (hetero/program.py: a plan is checked without importing the planner); they are
+# these forms' (tests/test_step_form.py).
+assert set(SCHEDULES) == set(FORMS), (SCHEDULES, list(FORMS))
 
 
 def step_form(schedule: str) -> StepForm:

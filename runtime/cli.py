@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from hetero.config import check_eval, check_run_length
 from hetero.errors import CheckpointError, ConfigError, PlanError
 from hetero.plan import Plan, plan_path
 from hetero.protocol import FAILURE_TIMEOUT_S, LOAD_TIMEOUT_S
@@ -28,7 +27,7 @@ from hetero.runtime.run.options import (
 )
 from hetero.security import key_dirs
 from hetero.serde import from_dict, to_dict
-from hetero.specs import RUNTIME_OVERRIDABLE, EvalSpec, TrainSpec, check_ranges
+from hetero.specs import RUNTIME_OVERRIDABLE, EvalSpec, TrainSpec, check_eval, check_ranges, check_run_length
 
 if TYPE_CHECKING:
     from hetero.runtime.run.coordinator import RunOptions, RunResult
@@ -358,7 +357,7 @@ def _prepare_run(plan: Plan, args: argparse.Namespace, checkpoint: Path | None,
     config["eval"] = to_dict(plan.eval)
     # plan.json has the overrides in it; the input hash is unchanged (they are not placement).
     plan_path = prepare_run_dir(plan, run_dir, yaml.safe_dump(config, sort_keys=False))
-    from hetero.cli import warnings_log
+    from hetero.runtime.base import warnings_log
 
     warnings_log.log_to(run_dir / "logs" / "warnings.log")  # library warnings: the run's logs, not the terminal
     return plan, plan_path, RunOptions(run_dir=run_dir, host=args.host, port=args.port,

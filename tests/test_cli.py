@@ -325,7 +325,7 @@ def test_compile_help_lists_models_fleets_and_keys_with_defaults() -> None:
 def test_library_warnings_go_to_the_log_and_heteros_own_still_print(tmp_path: Path, monkeypatch, capsys) -> None:
     import warnings
 
-    from hetero.cli import warnings_log
+    from hetero.runtime.base import warnings_log
 
     # A fresh router over Python's own hook (an earlier cli.main in this process installed one); restored after.
     monkeypatch.setattr(warnings, "showwarning", getattr(warnings.showwarning, "original", warnings.showwarning))

@@ -7,6 +7,7 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -158,6 +159,38 @@ def test_every_contract_module_imports_without_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"cannot import without torch:\n{result.stdout}{result.stderr[-2000:]}"
+
+
+def test_the_contracts_reach_no_layer_above_them() -> None:
+    """Issue 54: hetero/'s contracts (plan, specs, config, ...) are what every layer reads, so they import none of
+    the layers (the planner, the runtime, the CLI); and the runtime imports neither the CLI nor the config reader
+    (its run checks are in hetero/specs.py, the warnings log in runtime/base)."""
+    bad = []
+    for name in _contract_modules():
+        path = ROOT / Path(*name.split(".")).with_suffix(".py")
+        path = path if path.is_file() else ROOT / Path(*name.split(".")) / "__init__.py"
+        for line, module in _imports(ast.parse(path.read_text(), str(path)), name.rpartition(".")[0] or name):
+            if any(_matches(module, layer) for layer in ("hetero.planner", "hetero.runtime", "hetero.cli")):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    for path in sorted((ROOT / "runtime").rglob("*.py")):
+        for line, module in _imports(ast.parse(path.read_text(), str(path)), "hetero.runtime"):
+            if _matches(module, "hetero.cli") or _matches(module, "hetero.config"):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    assert bad == []
+
+
+def test_reading_a_plan_loads_neither_the_planner_nor_numpy(tiny_model_dir: Path, tiny_spec: Any,
+                                                            tmp_path: Path) -> None:
+    """A stage process reads its plan first: Plan.load checks every value, but not with the planner's 29 modules and
+    numpy (the schedule names it checks against are hetero/program.py's)."""
+    from test_runtime_plans import make_plan
+
+    make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3]).save(tmp_path / "plan.json")
+    code = (f"import sys\nfrom hetero.plan import Plan\nPlan.load({str(tmp_path / 'plan.json')!r})\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith(('hetero.planner', 'hetero.runtime', 'hetero.cli',"
+            " 'numpy', 'torch')))\nprint(loaded)\nsys.exit(1 if loaded else 0)\n")
+    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"Plan.load imported {result.stdout.strip()} {result.stderr[-2000:]}"
 
 
 # runtime/'s floors, bottom up: a module imports its own floor and the ones below, never one above. Modules at

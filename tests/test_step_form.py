@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Where a schedule's name may appear in code (docstrings and comments aside): its form and its generator. The
 # config schema takes any name and checks it against the registered forms (hetero/specs.py check_ranges); its
 # default is the one name it holds, as a value (no code branches on it).
-NAMING = {"planner/step_form.py", "planner/schedules.py"}
+NAMING = {"planner/step_form.py", "planner/schedules.py", "hetero/program.py"}  # program.py: the list of names
 DEFAULTS = {("hetero/specs.py", "1f1b")}
 
 

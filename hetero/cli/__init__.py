@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hetero import __version__
-from hetero.cli import warnings_log
 from hetero.cli.config_commands import (
     cmd_compile,
     cmd_inspect,
@@ -29,6 +28,7 @@ from hetero.cli.config_commands import (
 from hetero.cli.plan_commands import cmd_keys, cmd_show, cmd_simulate
 from hetero.errors import HeteroError
 from hetero.plan import plan_path
+from hetero.runtime.base import warnings_log
 
 __all__ = [
     "RUNTIME_COMMANDS", "build_parser", "cmd_compile", "cmd_inspect", "cmd_keys", "cmd_profile", "cmd_show",

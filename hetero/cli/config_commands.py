@@ -13,8 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hetero.cli import warnings_log
 from hetero.cli.console import console
+from hetero.runtime.base import warnings_log
 
 if TYPE_CHECKING:
     from hetero.config import Config

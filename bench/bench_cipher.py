@@ -6,7 +6,7 @@ Two processes on loopback, a ZeroMQ PAIR each (as hetero's transport, one connec
 message of each size: the one-way time is half the round trip. Run once as plain ZeroMQ and once with CURVE keys
 (what `security=curve` sets, the default off loopback). A message is encrypted whole by the sender's I/O thread and
 decrypted whole by the receiver's, so under the cipher a hand-off takes its transfer plus that work; the extra
-seconds per byte, fitted over the sizes, are what planner/cost_model.py's CURVE_BYTES_PER_S prices on every link
+seconds per byte, fitted over the sizes, are what planner/model/cost_model.py's CURVE_BYTES_PER_S prices on every link
 that is not measured (a `hetero profile` measures links under the mode the plan uses, the cipher included).
 Loopback's own transfer is the same in both runs, so the difference is the cipher's.
 """

@@ -26,10 +26,11 @@ from hetero import config as config_mod
 from hetero.compiler.trace import trace
 from hetero.graph import LayerGraph
 from hetero.hardware import build_cluster, load_device_types
-from hetero.planner.baselines import baselines, candidate_placements, predict
-from hetero.planner.cost import build_cost_table
-from hetero.planner.cost_model import RooflineCostModel
-from hetero.planner.solve import solve
+from hetero.planner.explain.baselines import baselines, candidate_placements
+from hetero.planner.model.cost import build_cost_table
+from hetero.planner.model.cost_model import RooflineCostModel
+from hetero.planner.model.predict import predict
+from hetero.planner.search.solve import solve
 from hetero.specs import ClusterSpec, ModelSpec, PlannerOptions, TrainSpec
 
 MODELS = ("llama8b", "llama70b")

@@ -55,7 +55,7 @@ def layers_per_stage(plan: dict) -> list[int]:
 def replayed_ratio(plan_dir: Path, run_dir: Path) -> float:
     """measured / (the plan's programs replayed with the run's own per-action times): the schedule model alone."""
     from hetero.plan import Plan
-    from hetero.planner.simulator import replay_run
+    from hetero.planner.schedule.simulator import replay_run
     from hetero.runtime.run.run_compare import median_step_s, stage_timings_from_metrics
     from hetero.runtime.run.run_profile import own_ops, shared_core_stages
 

@@ -3,7 +3,7 @@
 The four compiles of the issue: llama8b, nf4 and bf16 (quantization none), at planner.time_limit_s=10, on
 12 cards of 3 kinds in one box on x1 risers (8 Gb/s between cards) and on 4 hosts x 4 RTX 3090 on 1 GbE.
 Each is planned twice in the same run, as `hetero compile` plans it (planner.plan): as the planner is, and
-with planner/step_bound.py switched off (the search alone: its cut-off bound and its incumbent). Printed:
+with planner/search/step_bound.py switched off (the search alone: its cut-off bound and its incumbent). Printed:
 the plan's step, the pipeline search's lower bound and gap (the part the plan names as not proven), whether
 the replica search settled its question, the whole plan's lower bound and gap (the replica question
 included) and the time the compile took.
@@ -51,7 +51,7 @@ def _replica_bound(p: Any) -> float | None:
 
 
 def compile_row(fleet: dict[str, Any], quant: str, limit_s: float, with_bound: bool) -> dict[str, Any]:
-    import hetero.planner.solve as solve_mod
+    import hetero.planner.search.solve as solve_mod
 
     cfg = config_mod.load(["model=llama8b", f"model.quantization={quant}", f"planner.time_limit_s={limit_s:g}"])
     graph = trace(cfg.model)

@@ -288,7 +288,7 @@ def decoder_recompute_bytes(config: Any, dtype_bytes: float) -> float:
     """Bytes per token a recomputed decoder layer keeps between its forward and backward: its input.
 
     The layer re-runs its forward during backward (runtime/stage/model.py); while it does, one layer's
-    full activations exist again, which the planner adds once per stage (planner/objective.py).
+    full activations exist again, which the planner adds once per stage (planner/model/objective.py).
     """
     return float(dtype_bytes * config.hidden_size)
 

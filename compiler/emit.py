@@ -25,7 +25,7 @@ from torch import fx
 from hetero.errors import ConfigError, PlanError
 from hetero.graph import LayerGraph, TensorSpec
 from hetero.plan import Plan, StagePlan, check_plan
-from hetero.planner.simulator import simulate_plan
+from hetero.planner.schedule.simulator import simulate_plan
 from hetero.serde import to_dict
 from hetero.specs import BYTES_PER_DTYPE
 

@@ -280,7 +280,7 @@ def _draw_strip(ax: Any, plan: Plan, stages: list[Any], width: float, y: float, 
             label = str(stage.index)
         ax.text((x0 + x1) / 2, y + h / 2, label, ha="center", va="center", fontsize=8, color="white")
         if last < nodes - 1:  # the hand-off after it, and its compression (planner.compression; the verdict says why):
-            # a device's chunks all hand on in its scheme (planner/interleave.py ring_schemes)
+            # a device's chunks all hand on in its scheme (planner/search/interleave.py ring_schemes)
             squeezed = f" {stage.compress_out}" if stage.compress_out != "none" else ""
             ax.text(x1, y - 0.25, f"send {duration(send)}{squeezed}", ha="center", va="top", fontsize=7,
                     color="#555555")

@@ -1,7 +1,7 @@
 """schedule.png: the Gantt chart of a simulated step, one row per stage: F/B boxes per micro-batch, the
 replicas' gradient sum, each stage's STEP, the transfers under the rows and the step time marked.
 
-The timeline is the caller's (hetero.planner.simulator.simulate_plan): nothing here simulates.
+The timeline is the caller's (hetero.planner.schedule.simulator.simulate_plan): nothing here simulates.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from hetero.compiler.picture_style import (
 from hetero.plan import Plan
 
 if TYPE_CHECKING:
-    from hetero.planner.simulator import Timeline
+    from hetero.planner.schedule.simulator import Timeline
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from hetero.compiler.schedule_picture import draw_gantt, gantt_legend
 from hetero.plan import Plan
 
 if TYPE_CHECKING:
-    from hetero.planner.simulator import Timeline
+    from hetero.planner.schedule.simulator import Timeline
 
 
 def memory_axis_limits(points: list[tuple[float, float]], capacity_gb: float) -> tuple[float, float]:

@@ -49,7 +49,7 @@ class MemoryBreakdown:
     # Frozen weights of streamed layers kept in host RAM (not in total_gb); weights_gb counts what is resident on
     # the device: the other layers' frozen weights plus the streaming buffer.
     host_gb: float = 0.0
-    # An interleaved device (planner/interleave.py): per chunk, chunk 0 first, what one micro-batch keeps through
+    # An interleaved device (planner/search/interleave.py): per chunk, chunk 0 first, what one micro-batch keeps through
     # it, and what one recomputing layer's re-run needs besides (0: none recomputes). activations_gb is their peak
     # over the device's program. Empty: one chunk per device, or a plan from before they were recorded.
     chunk_gb_per_mb: list[float] = field(default_factory=list)
@@ -174,7 +174,7 @@ class Prediction:
     label_fraction: float | None = None
     trained_tokens_per_s: float | None = None
     # runtime.elastic=auto copies the stages' state to the coordinator's memory every ``state_copy_every`` steps,
-    # ``state_copy_s`` a copy (planner/state_copy.py); 0: not priced (plans from before).
+    # ``state_copy_s`` a copy (planner/model/state_copy.py); 0: not priced (plans from before).
     state_copy_bytes: float = 0.0
     state_copy_s: float = 0.0
     state_copy_every: int = 0
@@ -240,7 +240,7 @@ class Baseline:
 
 @dataclass(frozen=True)
 class SolverReport:
-    solver: str  # "exact DP" or "PuLP/CBC" (planner/solve.py): whose answer this is, and who proved it
+    solver: str  # "exact DP" or "PuLP/CBC" (planner/search/solve.py): whose answer this is, and who proved it
     status: str  # pulp.LpStatus text (the exact DP reports in the same words)
     sol_status: str  # pulp.LpSolution text ("Optimal Solution Found", "Solution Found", ...)
     proven_optimal: bool  # that solver proved no placement is faster (under the cost model)

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-# The schedules a plan may name (train.schedule): each is a step form of planner/step_form.py, which checks that
+# The schedules a plan may name (train.schedule): each is a step form of planner/schedule/step_form.py, which checks that
 # the two lists agree. Here, with the programs, so that checking a plan does not import the planner.
 SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
 

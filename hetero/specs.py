@@ -125,7 +125,7 @@ class HostSpec:
     devices: list[DeviceSpec] = field(default_factory=list)
     ssh: SshSpec | None = None  # `hetero run` starts this host's worker over ssh (None: by hand)
     # CPU cores its CPU stages share (fleet file ``cores:``; else this machine's count where a CPU stage took its
-    # threads from it; None: not known). Stages whose threads exceed it compute in turns (planner/simulator.py).
+    # threads from it; None: not known). Stages whose threads exceed it compute in turns (planner/schedule/simulator.py).
     cores: int | None = None
     # Of those, what its CPU stages got in a measured run (a profile's ``host_cores``; the rest went to the OS, the
     # sockets' I/O threads and the coordinator). Set by the planner from a profile; None: all of them.
@@ -291,8 +291,8 @@ class PlannerOptions:
     # scales) or int4 (Hadamard-rotated tiles) on every link; or auto: int8 on each link between hosts where the
     # planner predicts it faster (runtime/wire/compress.py).
     compression: Literal["none", "int8", "int4", "auto"] = "none"
-    # The schedule's chunked form (1F1B: interleaved 1F1B, two chunks of layers per device; planner/step_form.py,
-    # planner/interleave.py): auto (planned where it simulates faster and fits), off, or always (wherever it can
+    # The schedule's chunked form (1F1B: interleaved 1F1B, two chunks of layers per device; planner/schedule/step_form.py,
+    # planner/search/interleave.py): auto (planned where it simulates faster and fits), off, or always (wherever it can
     # run; no replica search).
     interleave: Literal["auto", "off", "always"] = "auto"
     # Devices of the fleet left out of training (their names), without a manual split: a card worth under 5 %
@@ -309,7 +309,7 @@ MAX_COUNT = 2**53  # steps and other counters: exact as floats
 
 def check_ranges(model: ModelSpec, train: TrainSpec, planner: PlannerOptions, error: type[Exception]) -> None:
     """Raise ``error`` naming the first number out of its range: one rule book for configs and plan files."""
-    from hetero.program import SCHEDULES  # the schedules planner/step_form.py registers a step form for
+    from hetero.program import SCHEDULES  # each a step form of planner/schedule/step_form.py
 
     if train.schedule.lower() not in SCHEDULES:  # as step_form reads it
         raise error(f"train.schedule must be one of {list(SCHEDULES)}, got {short_repr(train.schedule)}")

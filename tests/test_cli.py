@@ -18,7 +18,7 @@ from hetero.cli.show import describe_span, gantt_lines
 from hetero.graph import CutEdge, LayerGraph, LayerNode, TensorSpec
 from hetero.hardware import build_cluster
 from hetero.plan import Baseline, MemoryBreakdown, Plan, Prediction, SolverReport, StagePlan
-from hetero.planner.simulator import Event, Timeline
+from hetero.planner.schedule.simulator import Event, Timeline
 from hetero.specs import DataSpec, ModelSpec, PlannerOptions, TrainSpec
 
 ROOT = Path(__file__).parents[1]
@@ -141,9 +141,9 @@ def test_describe_span_names_layer_ranges() -> None:
 def test_show_draws_the_simulated_schedule(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
 ) -> None:
-    fake = types.ModuleType("hetero.planner.simulator")
+    fake = types.ModuleType("hetero.planner.schedule.simulator")
     fake.simulate_plan = lambda plan: Timeline([Event(0, "F", 0, 0.0, 0.5), Event(1, "F", 0, 0.5, 1.0)], 1.0, [], 0.0)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "hetero.planner.simulator", fake)
+    monkeypatch.setitem(sys.modules, "hetero.planner.schedule.simulator", fake)
     path = tmp_path / "plan.json"
     make_plan().save(path)
     code, out, err = run_main(["show", str(path), "--width", "8"], capsys)

@@ -203,8 +203,8 @@ def test_a_single_host_plan_has_no_link_lines(tmp_path: Path) -> None:
 def test_curve_prices_the_cipher_on_links_it_did_not_measure(tmp_path: Path) -> None:
     """Under security=curve a datasheet link takes its bytes at CURVE_BYTES_PER_S on top of the wire, and the verdict
     says so; security=none prices the wire alone. A link a profile measured (under the cipher) is taken as measured."""
-    from hetero.planner.cost_model import CURVE_BYTES_PER_S, RooflineCostModel
-    from hetero.planner.profile_cost import ProfileCostModel
+    from hetero.planner.model.cost_model import CURVE_BYTES_PER_S, RooflineCostModel
+    from hetero.planner.model.profile_cost import ProfileCostModel
     from hetero.profile import LinkProfile, Profile
 
     fleets = _fleet(tmp_path, 10.0)
@@ -226,7 +226,7 @@ def test_curve_prices_the_cipher_on_links_it_did_not_measure(tmp_path: Path) -> 
         bare_link.transfer_s(1e6) + 1e6 / CURVE_BYTES_PER_S)
     assert "CurveZMQ estimate" in model.sources["link a<->b"]
     # The verdict names the links the hand-offs cross that were not measured with the cipher, and only those.
-    from hetero.planner import _cipher_lines
+    from hetero.planner.explain.verdict import cipher_lines as _cipher_lines
 
     assert "a<->b" in _cipher_lines(model, curve)[0]
     model.sources["link a<->b"] = "profile, under CurveZMQ"
@@ -240,7 +240,7 @@ def test_interleaved_chunks_compress_the_links_auto_compresses(tmp_path: Path) -
     compresses that link alone (device c's hand-offs, its first chunk's to device a's second), and its prediction
     is its programs simulated with that link's compressed time, faster than the same plan under none. (Before
     chunks compressed, auto priced them plain and predicted none's step.)"""
-    from hetero.planner import simulate_plan
+    from hetero.planner.schedule.simulator import simulate_plan
 
     fleets = tmp_path / "fleets"
     (fleets / "hardware").mkdir(parents=True)

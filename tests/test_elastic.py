@@ -3,7 +3,7 @@ devices left, and ends where a run that lost nothing ends: the same per-step los
 
 The process tests run the tiny model as three CPU stages of real `hetero run` processes (one thread each), lose
 stages the ways a home fleet loses them (a process killed, a process stopped), and compare with one undisturbed
-run (module fixture ``reference``). The re-plan itself is checked in-process (planner/recovery.py).
+run (module fixture ``reference``). The re-plan itself is checked in-process (planner/replan/recovery.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from test_ssh_launcher import sshd  # noqa: F401 (a fixture: an OpenSSH server o
 
 from hetero.errors import InfeasiblePlanError
 from hetero.plan import Plan
-from hetero.planner.recovery import plan_without
+from hetero.planner.replan.recovery import plan_without
 from hetero.runtime.run.report import recovery_line
 from hetero.runtime.run.run_compare import event_lines, read_metrics, step_lines
 from hetero.specs import ModelSpec, TrainSpec
@@ -527,7 +527,7 @@ def test_the_plan_prices_the_state_copies_and_spaces_them(tiny_model_dir: Path, 
     from dataclasses import replace
 
     from hetero.cli.show import prediction_lines
-    from hetero.planner.state_copy import state_copy
+    from hetero.planner.model.state_copy import state_copy
 
     hand = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=TRAIN, hosts=["alpha", "beta", "beta"])
     nodes = [replace(n, lora_params=50_000) if n.kind == "decoder" else n for n in hand.graph.nodes]  # (it says 0)

@@ -112,7 +112,7 @@ def test_a_moe_layer_counts_every_expert_in_memory_and_the_top_k_in_compute() ->
 
 def test_the_roofline_adds_the_routing_traffic_to_a_moe_layer() -> None:
     from hetero.config import load
-    from hetero.planner.cost_model import RooflineCostModel
+    from hetero.planner.model.cost_model import RooflineCostModel
 
     model = spec("qwen3_moe", num_hidden_layers=1)
     graph = trace(model)

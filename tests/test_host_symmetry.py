@@ -1,4 +1,4 @@
-"""planner/host_symmetry.py: hosts the solvers cannot tell apart, and the replica search that tries one
+"""planner/model/host_symmetry.py: hosts the solvers cannot tell apart, and the replica search that tries one
 coordinator per class of them.
 
 Tables here are random dense arrays on 2-3 hosts that each hold the same devices (one or two kinds), linked
@@ -6,7 +6,7 @@ alike: every host is interchangeable with every other. Changing one host's RAM, 
 two hosts sets them apart (and only as far as the change reaches). On such tables the replica search, summing
 the gradients on the first host only, still finds the brute-force optimum over every plan with every coordinator
 (tests/test_planner_replicas.py's brute force), and with its multi-host replicas' reductions only bounded
-(planner/replica_bound.py CoordinatorShare) it never claims better than that optimum.
+(planner/replica/replica_bound.py CoordinatorShare) it never claims better than that optimum.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import random
 import pytest
 from test_planner_replicas import brute_force_replicas, check_solution
 
-from hetero.planner import replicas
-from hetero.planner.cost import CostTable
-from hetero.planner.host_symmetry import interchangeable, representatives
-from hetero.planner.replicas import solve_replicas
+from hetero.planner.model.cost import CostTable
+from hetero.planner.model.host_symmetry import interchangeable, representatives
+from hetero.planner.replica import replicas
+from hetero.planner.replica.replicas import solve_replicas
 
 
 def symmetric_table(rng: random.Random, hosts: int, per_host: int, schedule: str = "1f1b") -> CostTable:

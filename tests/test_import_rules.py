@@ -20,7 +20,7 @@ FORBIDDEN = {
         "pulp",
         "hydra",
         "hetero.compiler",
-        "hetero.planner.ilp",
+        "hetero.planner.search.ilp",
         "pickle",
         "cPickle",
         "dill",
@@ -112,7 +112,7 @@ def test_checker_catches_violations(tmp_path: Path) -> None:
 
 
 def test_importing_the_planner_does_not_load_torch() -> None:
-    code = "import sys, hetero.planner, hetero.planner.simulator; assert 'torch' not in sys.modules, 'torch loaded'"
+    code = "import sys, hetero.planner, hetero.planner.schedule.simulator; assert 'torch' not in sys.modules, 'torch loaded'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
 
@@ -121,9 +121,9 @@ def test_the_coordinator_does_not_load_pulp() -> None:
     # The coordinator re-plans a rebalancing run with the planner's cost table, search and simulator, and
     # writes the run's profile with its cost model: none of that may pull in PuLP (DESIGN.md: runtime never
     # imports pulp). The ILP module is imported only when the ILP runs.
-    # A run that lost a device re-plans in the coordinator too (runtime.elastic: planner/recovery.py).
+    # A run that lost a device re-plans in the coordinator too (runtime.elastic: planner/replan/recovery.py).
     code = ("import sys, hetero.runtime.run.coordinator, hetero.runtime.run.moves, hetero.runtime.run.run_profile, "
-            "hetero.runtime.run.elastic, hetero.planner.rebalance, hetero.planner.recovery; "
+            "hetero.runtime.run.elastic, hetero.planner.replan.rebalance, hetero.planner.replan.recovery; "
             "assert 'pulp' not in sys.modules, 'pulp loaded'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -234,3 +234,58 @@ def test_an_upward_import_is_caught(tmp_path: Path) -> None:
     (tmp_path / "runtime" / "run" / "y.py").write_text("from hetero.runtime.stage.lora import peft_key\n")
     assert upward_imports(tmp_path) == ["runtime/stage/x.py:2 imports hetero.runtime.run.data",
                                         "runtime/stage/x.py:2 imports hetero.runtime.run.data.IGNORE_INDEX"]
+
+
+# planner/'s wings, bottom up (issue 54): a module imports its own wing and the ones below, never one above;
+# compose.py (``plan()``) sits above every wing but replan/, which plans again from a run and calls ``plan()``.
+WINGS = {"schedule": 0, "model": 1, "search": 2, "replica": 3, "explain": 4, "compose": 5, "replan": 6}
+
+
+def _wing_of(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["hetero", "planner"] or len(parts) < 3:
+        return None
+    return WINGS["compose"] if parts[2] == "plan" else WINGS.get(parts[2])  # `from hetero.planner import plan`
+
+
+def planner_upward_imports(root: Path = ROOT) -> list[str]:
+    """Every import in planner/ of a wing above the importing module's (lazy imports in functions count)."""
+    bad = []
+    for path in sorted((root / "planner").rglob("*.py")):
+        rel = path.relative_to(root / "planner")
+        if rel.parts == ("__init__.py",):
+            continue  # the package's lazy `plan`
+        own = WINGS[rel.parts[0].removesuffix(".py")]
+        package = ".".join(["hetero", "planner", *rel.with_suffix("").parts[:-1]])
+        for line, module in _imports(ast.parse(path.read_text(), str(path)), package):
+            above = _wing_of(module)
+            if above is not None and above > own:
+                bad.append(f"planner/{rel}:{line} imports {module}")
+    return sorted(set(bad))
+
+
+def test_planner_wings_import_nothing_above_them() -> None:
+    assert {p.name for p in (ROOT / "planner").iterdir() if p.is_dir() and p.name != "__pycache__"} | {"compose"} \
+        == set(WINGS)  # every wing has its floor
+    assert planner_upward_imports() == []
+
+
+def test_an_upward_planner_import_is_caught(tmp_path: Path) -> None:
+    """The check itself: a cost module that reaches up into the search, or the search into ``plan()``, is named."""
+    for wing in ("model", "search"):
+        (tmp_path / "planner" / wing).mkdir(parents=True)
+    (tmp_path / "planner" / "model" / "x.py").write_text("from hetero.planner.search.exact import solve_exact\n")
+    (tmp_path / "planner" / "search" / "y.py").write_text("def f():\n    from hetero.planner import plan\n")
+    assert planner_upward_imports(tmp_path) == [
+        "planner/model/x.py:1 imports hetero.planner.search.exact",
+        "planner/model/x.py:1 imports hetero.planner.search.exact.solve_exact",
+        "planner/search/y.py:2 imports hetero.planner.plan"]
+
+
+def test_importing_one_wing_loads_only_the_wings_below_it() -> None:
+    """planner/__init__.py no longer imports the whole planner: the simulator loads schedule/ alone."""
+    code = ("import sys, hetero.planner.schedule.simulator\n"
+            "print(sorted(m for m in sys.modules if m.startswith('hetero.planner.') "
+            "and not m.startswith('hetero.planner.schedule')))")
+    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""Interleaved 1F1B (planner/schedules.py interleaved_one_f_one_b): programs whose actions name a chunk of layers.
+"""Interleaved 1F1B (planner/schedule/schedules.py interleaved_one_f_one_b): programs whose actions name a chunk of layers.
 
 The simulator's result is compared with a separate evaluation written here: each action's end time as
 the longest path through its device's program order, the send it waits for, and the link it shares,
@@ -17,8 +17,8 @@ import pytest
 
 from hetero.errors import ConfigError, PlanError, WireError
 from hetero.plan import Plan
-from hetero.planner.schedules import interleaved_one_f_one_b, interleaved_warmup
-from hetero.planner.simulator import ScheduleError, simulate
+from hetero.planner.schedule.schedules import interleaved_one_f_one_b, interleaved_warmup
+from hetero.planner.schedule.simulator import ScheduleError, simulate
 from hetero.program import Action, format_program, parse_program
 
 SHAPES = [(p, v, m) for p in range(1, 6) for v in range(1, 5) for m in (p, 2 * p, 3 * p, 4 * p)]
@@ -144,14 +144,14 @@ def test_one_link_carries_one_tensor_at_a_time_each_way() -> None:
     on_link = sorted((e.start_s, e.end_s) for e in tl.events if e.stage == 1 and e.op in ("SA", "SG"))
     assert all(b0 >= a1 - 1e-12 for (_, a1), (b0, _) in zip(on_link, on_link[1:], strict=False))
     # Interleaving pays its extra hand-offs: on these slow links plain 1F1B of the same layers is faster.
-    from hetero.planner.schedules import one_f_one_b
+    from hetero.planner.schedule.schedules import one_f_one_b
 
     plain = simulate(one_f_one_b(2, 4), [0.2, 0.2], [0.4, 0.4], [1.0, 0.0])
     assert plain.step_time_s < tl.step_time_s
 
 
 def test_interleaving_shrinks_the_bubble_on_fast_links() -> None:
-    from hetero.planner.schedules import one_f_one_b
+    from hetero.planner.schedule.schedules import one_f_one_b
 
     plain = simulate(one_f_one_b(4, 8), [1.0] * 4, [2.0] * 4, [0.0] * 4)
     two = simulate(interleaved_one_f_one_b(4, 8, 2), [0.5] * 8, [1.0] * 8, [0.0] * 8)
@@ -200,7 +200,7 @@ def test_a_plan_whose_program_names_chunks_its_stage_lacks_is_refused(tmp_path: 
     assert "\n" not in str(exc.value)
 
 
-# --- the planner's choice (planner/interleave.py) ------------------------------------------------------------------
+# --- the planner's choice (planner/search/interleave.py) ------------------------------------------------------------------
 
 
 def _planned(fleet: list, mode: str, m: int = 4, layers: int = 12, seed: int = 3, gbps: float = 10.0,
@@ -218,8 +218,8 @@ TWO_HOSTS = [("a", "rtx3090", None), ("b", "rtx3090", None)]
 
 
 def test_the_planner_interleaves_inside_a_host_where_it_simulates_faster(tmp_path: Path) -> None:
-    from hetero.planner import simulate_plan
-    from hetero.planner.interleave import GAIN
+    from hetero.planner.schedule.simulator import simulate_plan
+    from hetero.planner.search.interleave import GAIN
 
     plain, auto = _planned(ONE_HOST, "off"), _planned(ONE_HOST, "auto")
     assert all(len(s.chunks) == 1 for s in auto.stages) and not any(s.chunks for s in plain.stages)
@@ -314,7 +314,8 @@ def test_a_chunked_form_of_three_chunks_plans_through_the_step_form_alone(monkey
     prediction is those programs simulated on the plan's per-chunk times."""
     from dataclasses import replace
 
-    from hetero.planner import simulate_plan, step_form
+    from hetero.planner.schedule import step_form
+    from hetero.planner.schedule.simulator import simulate_plan
 
     three = replace(step_form.INTERLEAVED, chunks=3)
     monkeypatch.setitem(step_form.FORMS, "1f1b", replace(step_form.FORMS["1f1b"], chunked=three))
@@ -338,8 +339,8 @@ def test_the_chunking_search_is_near_the_best_chunking_by_brute_force() -> None:
 
     from test_planner_ilp import make_cluster, make_graph, table_for
 
-    from hetero.planner.interleave import best_candidate, chunk_spans, price
-    from hetero.planner.objective import Placement, evaluate
+    from hetero.planner.model.objective import Placement, evaluate
+    from hetero.planner.search.interleave import best_candidate, chunk_spans, price
 
     for seed in range(4):
         graph = make_graph(6, rng=random.Random(seed))
@@ -363,7 +364,7 @@ def test_a_pipeline_that_recomputes_interleaves_with_its_chunks_recomputing(tmp_
     """Memory binds (90 % headroom kept back): one chunk per device recomputes 8 layers on the first device. The
     interleaved pipeline holds more micro-batches on its first device, so its chunks recompute too, each its
     fewest that fit; it simulates faster and is planned, its memory fits, and the plan round-trips."""
-    from hetero.planner import simulate_plan
+    from hetero.planner.schedule.simulator import simulate_plan
 
     off = _planned(ONE_HOST, "off", recomputable=True, memory_headroom=0.88)
     auto = _planned(ONE_HOST, "auto", recomputable=True, memory_headroom=0.88)
@@ -384,14 +385,14 @@ def test_a_pipeline_that_recomputes_interleaves_with_its_chunks_recomputing(tmp_
 
 
 def test_each_device_recomputes_the_fewest_chunk_layers_that_fit_by_brute_force() -> None:
-    """planner/interleave.py chunk_recompute against every (r0, r1) of a device's two chunks: the least added
+    """planner/search/interleave.py chunk_recompute against every (r0, r1) of a device's two chunks: the least added
     seconds among those that fit, and the activation bytes walked over the program independently."""
     import itertools
 
     from test_planner_ilp import make_cluster, make_graph, table_for
 
-    from hetero.planner.interleave import chunk_recompute, peak_activations
-    from hetero.planner.objective import recompute_time_s, stage_activations, stage_fits
+    from hetero.planner.model.objective import recompute_time_s, stage_activations, stage_fits
+    from hetero.planner.search.interleave import chunk_recompute, peak_activations
 
     rng = random.Random(5)
     graph = make_graph(10, rng=rng, recompute=True)
@@ -438,9 +439,8 @@ def test_an_interleaved_plans_readers_count_every_chunk() -> None:
     """What reads a plan after it is made takes every chunk: the state copy's bytes, the replay of a run that took
     the predicted times, the memory curve, the stage manifest, and the wire rules' chunk bound."""
     from hetero.compiler.emit import stage_manifest
-    from hetero.planner import simulate_plan
-    from hetero.planner.simulator import replay_run
-    from hetero.planner.whatif import memory_over_time
+    from hetero.planner.replan.whatif import memory_over_time
+    from hetero.planner.schedule.simulator import replay_run, simulate_plan
     from hetero.runtime.wire.frames import Message
     from hetero.runtime.wire.rules import stage_rules
 
@@ -471,21 +471,20 @@ def test_an_interleaved_plans_readers_count_every_chunk() -> None:
 
 def test_an_interleaved_plans_more_micro_batches_what_if_prices_each_chunk_as_the_planner_does() -> None:
     """`hetero simulate`'s "num_micro_batches=4" for an interleaved plan of 2: each device's memory is what the
-    planner prices for the same chunks, with the same recomputing layers, at 4 micro-batches (planner/interleave.py
+    planner prices for the same chunks, with the same recomputing layers, at 4 micro-batches (planner/search/interleave.py
     price on a table for 4, where the first device holds more than at 2), not a scaled estimate; the memory curve
     walked over the new programs' events peaks there too."""
     from dataclasses import replace
 
     from test_planner_ilp import make_model
 
-    from hetero.planner import simulate_plan
-    from hetero.planner.cost import build_cost_table
-    from hetero.planner.cost_model import RooflineCostModel
-    from hetero.planner.interleave import price
-    from hetero.planner.objective import Placement, evaluate
-    from hetero.planner.schedules import interleaved_one_f_one_b
-    from hetero.planner.simulator import virtual_times
-    from hetero.planner.whatif import memory_over_time, more_micro_batches
+    from hetero.planner.model.cost import build_cost_table
+    from hetero.planner.model.cost_model import RooflineCostModel
+    from hetero.planner.model.objective import Placement, evaluate
+    from hetero.planner.replan.whatif import memory_over_time, more_micro_batches
+    from hetero.planner.schedule.schedules import interleaved_one_f_one_b
+    from hetero.planner.schedule.simulator import simulate_plan, virtual_times
+    from hetero.planner.search.interleave import price
 
     plain = _planned(ONE_HOST, "always", m=2, split=[6, 6])
     tight = _planned(ONE_HOST, "always", m=2, split=[6, 6], recomputable=True, memory_headroom=0.88)
@@ -513,12 +512,12 @@ def test_an_interleaved_plans_more_micro_batches_what_if_prices_each_chunk_as_th
 
 
 def test_the_issue_caveat_counts_every_chunk_of_a_device() -> None:
-    """planner/caveats.py prices a device's decoder layer over all its chunks: a device whose second chunk holds the
+    """planner/explain/caveats.py prices a device's decoder layer over all its chunks: a device whose second chunk holds the
     slow layers is not called issue-bound for its fast first chunk alone."""
     from dataclasses import replace
 
-    from hetero.planner.caveats import ISSUE_FLOOR_S, issue_bound_lines
-    from hetero.planner.cost_model import RooflineCostModel
+    from hetero.planner.explain.caveats import ISSUE_FLOOR_S, issue_bound_lines
+    from hetero.planner.model.cost_model import RooflineCostModel
 
     plan = _planned(ONE_HOST, "always", split=[6, 6])
     s = plan.stages[0]

@@ -18,7 +18,7 @@ from reference import assert_close_to_scale, reference_run
 from test_runtime_plans import drive, make_plan
 
 from hetero.plan import ChunkPlan, Plan, compute_input_hash
-from hetero.planner.schedules import interleaved_one_f_one_b
+from hetero.planner.schedule.schedules import interleaved_one_f_one_b
 from hetero.program import format_program
 from hetero.runtime.cli import main_run
 from hetero.runtime.run.data import StepBatches
@@ -86,11 +86,11 @@ def test_interleaved_devices_train_like_one_process(num_devices: int, chunks: in
 
 def test_the_planned_activation_peak_is_what_the_devices_hold(setup: dict, tiny_model_dir: Path,
                                                               tiny_spec: ModelSpec) -> None:
-    """planner/interleave.py prices a device's activation memory by walking its program (peak_activations):
+    """planner/search/interleave.py prices a device's activation memory by walking its program (peak_activations):
     each chunk's forward outputs are held until its backward. The executors of a real run hold exactly that:
     per device, the peak over the run of the chunks' held outputs, each weighted by its chunk's size (unequal
     chunks, so a count alone would not do), equals the walk's."""
-    from hetero.planner.interleave import peak_activations
+    from hetero.planner.search.interleave import peak_activations
 
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 1, 1, 2], train=TRAIN, lora=setup["lora"],
                      seq_len=SEQ_LEN)

@@ -34,8 +34,8 @@ from hetero.compiler.pictures import (
 )
 from hetero.hardware import build_cluster
 from hetero.plan import ReplicaPlan
-from hetero.planner.simulator import Event, Timeline, combine_replicas, simulate, simulate_plan
-from hetero.planner.whatif import memory_over_time
+from hetero.planner.replan.whatif import memory_over_time
+from hetero.planner.schedule.simulator import Event, Timeline, combine_replicas, simulate, simulate_plan
 from hetero.program import parse_program
 
 

@@ -9,9 +9,10 @@ from test_planner_ilp import make_cluster, make_graph, make_model, table_for
 
 from hetero.errors import ConfigError, InfeasiblePlanError
 from hetero.plan import Plan, compute_input_hash
-from hetero.planner import plan, simulate_plan
-from hetero.planner.bruteforce import brute_force_simulated
-from hetero.planner.cost_model import NF4_BYTES_PER_PARAM, RooflineCostModel
+from hetero.planner import plan
+from hetero.planner.model.cost_model import NF4_BYTES_PER_PARAM, RooflineCostModel
+from hetero.planner.schedule.simulator import simulate_plan
+from hetero.planner.search.bruteforce import brute_force_simulated
 from hetero.specs import DataSpec, PlannerOptions, TrainSpec
 
 
@@ -149,7 +150,7 @@ def test_roofline_numbers_against_hand_computation() -> None:
     fwd, bwd = cm.node_time_s(graph, model, 1, dev, tokens)
     # V100: no bf16 -> fp16 compute at 125 TFLOPS x 0.5; fp16 is 2 bytes like the graph's bf16. NF4 weights
     # are dequantized to fp16 before the matmul (read 0.5625 + write 2 bytes per linear parameter), which
-    # then reads them at 2 bytes: the cost of a dense fp16 layer plus that pass (planner/cost_model.py).
+    # then reads them at 2 bytes: the cost of a dense fp16 layer plus that pass (planner/model/cost_model.py).
     dequant = node.linear_params * (NF4_BYTES_PER_PARAM + 2) / 900e9
     assert fwd == pytest.approx(max(node.fwd_flops_per_token * tokens / 62.5e12,
                                     (node.num_params * 2 + node.activation_bytes_per_token * tokens) / 900e9) + dequant)
@@ -195,7 +196,7 @@ def contradictions(verdict: list[str]) -> list[str]:
     "use it alone" beside a pipeline faster than that device, a proof beside an unqualified "not proven"."""
     import re
 
-    from hetero.planner import UNPROVEN
+    from hetero.planner.explain.verdict import UNPROVEN
 
     ratios = {m.group(2): float(m.group(1)) for line in verdict
               if (m := re.match(r"(\d+\.\d+)x the throughput of ([a-z ]+) \(", line))}

@@ -3,7 +3,7 @@
 The tables here are built from arrays alone (no fleet, no cost model), as the solvers see them: random
 per-node times and bytes, devices in classes of identical columns (symmetry), several hosts and wire
 kinds, tight memory with recomputable layers, both schedules and every planner.recompute mode. The
-brute force (planner/bruteforce.py) tries every device order, split and per-stage recompute count.
+brute force (planner/search/bruteforce.py) tries every device order, split and per-stage recompute count.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from collections import Counter
 import pytest
 from test_planner_ilp import make_graph, table_for
 
-from hetero.planner.baselines import candidate_placements
-from hetero.planner.bruteforce import brute_force
-from hetero.planner.cost import CostTable
-from hetero.planner.exact import solve_exact
-from hetero.planner.ilp import solve_ilp
-from hetero.planner.objective import Placement, evaluate
-from hetero.planner.solve import solve
+from hetero.planner.explain.baselines import candidate_placements
+from hetero.planner.model.cost import CostTable
+from hetero.planner.model.objective import Placement, evaluate
+from hetero.planner.search.bruteforce import brute_force
+from hetero.planner.search.exact import solve_exact
+from hetero.planner.search.ilp import solve_ilp
+from hetero.planner.search.solve import solve
 from hetero.specs import ClusterSpec, DeviceSpec, HostSpec
 
 

@@ -7,14 +7,14 @@ import random
 import pytest
 
 from hetero.graph import CutEdge, LayerGraph, LayerNode, TensorSpec
-from hetero.planner.baselines import candidate_placements
-from hetero.planner.bruteforce import brute_force
-from hetero.planner.cost import build_cost_table
-from hetero.planner.cost_model import RooflineCostModel
-from hetero.planner.ilp import _Model, solve_ilp
-from hetero.planner.network import build_network, canonical
-from hetero.planner.objective import Placement, evaluate
-from hetero.planner.splits import dp_starts
+from hetero.planner.explain.baselines import candidate_placements
+from hetero.planner.model.cost import build_cost_table
+from hetero.planner.model.cost_model import RooflineCostModel
+from hetero.planner.model.objective import Placement, evaluate
+from hetero.planner.search.bruteforce import brute_force
+from hetero.planner.search.ilp import _Model, solve_ilp
+from hetero.planner.search.network import build_network, canonical
+from hetero.planner.search.splits import dp_starts
 from hetero.specs import (
     ClusterSpec,
     DeviceSpec,

@@ -18,8 +18,10 @@ import pytest
 from test_planner_ilp import make_cluster, make_graph, make_model
 
 from hetero.plan import SETTLED_PARTS, Plan
-from hetero.planner import UNPROVEN, plan, replicas
-from hetero.planner.replicas import solve_replicas
+from hetero.planner import plan
+from hetero.planner.explain.verdict import UNPROVEN
+from hetero.planner.replica import replicas
+from hetero.planner.replica.replicas import solve_replicas
 from hetero.specs import DataSpec, PlannerOptions, TrainSpec
 
 # Ten kinds of card, two of each, in one host on PCIe x1 risers: 3^10 replica multisets, a placement

@@ -1,8 +1,8 @@
 """Weight streaming from host RAM (planner.offload): the solvers against exhaustive search, the modes, host RAM.
 
-The brute force (planner/bruteforce.py) tries every per-stage (recompute, stream) pair explicitly; the exact
+The brute force (planner/search/bruteforce.py) tries every per-stage (recompute, stream) pair explicitly; the exact
 DP (planner.solve) and the ILP (layered and flat) must reach its optimum under 1F1B, where the pair of least
-added time that fits is provably the best per stage (planner/exact.py's docstring).
+added time that fits is provably the best per stage (planner/search/exact.py's docstring).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from test_planner_exact import random_table
 from test_planner_ilp import make_cluster, make_graph, table_for
 from test_recompute_plans import compile_plan
 
-from hetero.planner.bruteforce import brute_force
-from hetero.planner.cost import CostTable
-from hetero.planner.ilp import solve_ilp
-from hetero.planner.objective import Placement, evaluate, ram_may_bind
-from hetero.planner.solve import solve
+from hetero.planner.model.cost import CostTable
+from hetero.planner.model.objective import Placement, evaluate, ram_may_bind
+from hetero.planner.search.bruteforce import brute_force
+from hetero.planner.search.ilp import solve_ilp
+from hetero.planner.search.solve import solve
 
 
 def with_streaming(table: CostTable, rng: random.Random, mode: str = "auto", ram: float = 1e12) -> CostTable:

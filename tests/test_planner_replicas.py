@@ -18,11 +18,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from hetero.planner import replicas
-from hetero.planner.bruteforce import all_placements, brute_force
-from hetero.planner.cost import CostTable, subtable
-from hetero.planner.objective import Evaluation, Placement, evaluate
-from hetero.planner.replicas import ReplicaSolution, solve_replicas
+from hetero.planner.model.cost import CostTable, subtable
+from hetero.planner.model.objective import Evaluation, Placement, evaluate
+from hetero.planner.replica import replicas
+from hetero.planner.replica.replicas import ReplicaSolution, solve_replicas
+from hetero.planner.search.bruteforce import all_placements, brute_force
 
 
 def replica_table(rng: random.Random, schedule: str, mode: str) -> CostTable:
@@ -210,9 +210,9 @@ def test_mining_rig_llama8b_nf4_replicas() -> None:
     # conf/train/default.yaml's batch (llama8b's model config asks for 1 x 16 instead), 1F1B.
     from hetero import config as config_mod
     from hetero.compiler.trace import trace
-    from hetero.planner.baselines import candidate_placements
-    from hetero.planner.cost import build_cost_table
-    from hetero.planner.cost_model import RooflineCostModel
+    from hetero.planner.explain.baselines import candidate_placements
+    from hetero.planner.model.cost import build_cost_table
+    from hetero.planner.model.cost_model import RooflineCostModel
 
     cfg = config_mod.load(["model=llama8b", "model.quantization=nf4", "hardware=mining_rig",
                            "train.micro_batch_size=4", "train.num_micro_batches=8", "train.schedule=1f1b"])
@@ -264,8 +264,8 @@ def brute_force_replicas_simulated(table: CostTable) -> tuple[float, float]:
     """The least simulated step (planner.replica_choice.predict_replicas: the number a plan reports) over every
     plan of one pipeline or R >= 2 replicas, each replica at the closed form's best recomputation for its
     placement and share; and the least over one pipeline alone."""
-    from hetero.planner.baselines import predict
-    from hetero.planner.replica_choice import predict_replicas
+    from hetero.planner.model.predict import predict
+    from hetero.planner.replica.replica_choice import predict_replicas
 
     M = table.num_micro_batches
     placements, fastest = fastest_evaluations(table)
@@ -285,8 +285,8 @@ def test_replica_choice_is_by_the_simulator_against_brute_force() -> None:
     simulation of what it plans; and where it calls the replica question settled, no replica plan the brute
     force finds simulates more than 1 % faster."""
     from hetero.plan import SolverReport
-    from hetero.planner.baselines import predict
-    from hetero.planner.replica_choice import choose_replicas, predict_replicas, settle_single
+    from hetero.planner.model.predict import predict
+    from hetero.planner.replica.replica_choice import choose_replicas, predict_replicas, settle_single
     from hetero.specs import PlannerOptions
 
     settled = planned_replicas = 0

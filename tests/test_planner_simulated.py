@@ -1,9 +1,9 @@
 """One objective: the placement the plan picks is the best by the simulator, the step time the plan reports.
 
-The reference is exhaustive search scored by the simulator (planner/bruteforce.py: every device order,
+The reference is exhaustive search scored by the simulator (planner/search/bruteforce.py: every device order,
 every split, every recomputation the table allows). Fleets have slow links -- 1 GbE between hosts, PCIe
 x1 risers inside one -- where the old closed-form optimum simulated up to 25 % slower than another
-placement; the Llama-8B fleets are home labs on 1 GbE and a mining rig on risers. planner/simbound.py's
+placement; the Llama-8B fleets are home labs on 1 GbE and a mining rig on risers. planner/search/simbound.py's
 lower bound, which the branch and bound prunes with, is checked against the simulator directly.
 """
 
@@ -19,13 +19,13 @@ from test_planner_exact import random_table
 from test_planner_ilp import make_cluster, make_graph, make_model
 
 from hetero.planner import plan
-from hetero.planner.bruteforce import all_placements, brute_force_simulated
-from hetero.planner.cost import CostTable, build_cost_table
-from hetero.planner.cost_model import RooflineCostModel
-from hetero.planner.objective import Placement, evaluate
-from hetero.planner.simbound import lower_bound_s
-from hetero.planner.simsearch import simulated_step_s
-from hetero.planner.solve import solve_simulated
+from hetero.planner.model.cost import CostTable, build_cost_table
+from hetero.planner.model.cost_model import RooflineCostModel
+from hetero.planner.model.objective import Placement, evaluate
+from hetero.planner.search.bruteforce import all_placements, brute_force_simulated
+from hetero.planner.search.simbound import lower_bound_s
+from hetero.planner.search.simsearch import simulated_step_s
+from hetero.planner.search.solve import solve_simulated
 from hetero.specs import DataSpec, PlannerOptions, TrainSpec
 
 SLOW = {"1GbE": 1.0, "PCIe x1 riser": 8.0, "10GbE": 10.0}  # Gbit/s
@@ -140,7 +140,7 @@ def test_a_search_cut_off_by_the_time_limit_says_what_it_proved() -> None:
 
     from test_planner_ilp import TYPES, table_for
 
-    from hetero.planner.baselines import candidate_placements
+    from hetero.planner.explain.baselines import candidate_placements
 
     rng = random.Random(5)
     spec = [(f"h{rng.randrange(4)}", rng.choice(list(TYPES)), rng.choice([None, 12.0, 20.0])) for _ in range(16)]

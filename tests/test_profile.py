@@ -14,8 +14,8 @@ import pytest
 from hetero.errors import HeteroError
 from hetero.hardware import build_cluster, load_device_types
 from hetero.planner import plan as make_plan
-from hetero.planner.cost_model import RooflineCostModel
-from hetero.planner.profile_cost import ProfileCostModel
+from hetero.planner.model.cost_model import RooflineCostModel
+from hetero.planner.model.profile_cost import ProfileCostModel
 from hetero.profile import (
     DeviceProfile,
     LayerProfile,
@@ -267,7 +267,7 @@ def test_the_codec_is_measured_and_prices_compressed_hand_offs(tiny_spec: ModelS
     one without falls back to the datasheet estimate, and the plan's sources say which."""
     import torch
 
-    from hetero.planner.cost_model import codec_s
+    from hetero.planner.model.cost_model import codec_s
     from hetero.runtime.tools import profiler
 
     monkeypatch.setattr(profiler, "TARGET_S", 0.05)
@@ -325,7 +325,7 @@ def test_streaming_is_priced_at_the_measured_copy_rate_within_the_ram_measured(t
                                                                                 tiny_graph) -> None:
     """A profile's host link replaces the roofline's copy rate (no efficiency factor: it is what a copy reached),
     and a host's ram_gb above the RAM it had available is lowered to it; the plan cites both."""
-    from hetero.planner.cost import build_cost_table
+    from hetero.planner.model.cost import build_cost_table
 
     fleet = {"name": "local", "hosts": [{"name": "localhost", "ram_gb": 64, "devices": [
         {"type": "cpu", "threads": 1}, {"type": "cpu", "threads": 1}]}]}
@@ -356,8 +356,8 @@ def test_streaming_is_priced_at_the_measured_copy_rate_within_the_ram_measured(t
 def test_stage_overheads_come_from_the_profile_or_the_roofline(tiny_spec: ModelSpec, tiny_graph) -> None:
     """Optimizer and message costs per stage, in the plan and in its prediction; roofline when absent."""
     from hetero.plan import Plan
-    from hetero.planner.cost_model import lora_tensors, wire_bytes_per_token
-    from hetero.planner.simulator import simulate_plan
+    from hetero.planner.model.cost_model import lora_tensors, wire_bytes_per_token
+    from hetero.planner.schedule.simulator import simulate_plan
     from hetero.serde import to_dict
 
     cluster = local_fleet([1, 1])

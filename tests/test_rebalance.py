@@ -1,6 +1,6 @@
 """Rebalancing a running pipeline (runtime.rebalance): when it moves, and that a move leaves the math alone.
 
-The watcher (planner/rebalance.py) is checked on measured-time series made here: noise never moves anything,
+The watcher (planner/replan/rebalance.py) is checked on measured-time series made here: noise never moves anything,
 a device slow from the start (priced by the plan) never moves, a sustained slowdown moves layers off the
 slow device, and a move that cannot pay for itself before the run ends is not made. The move itself
 (runtime/run/moves.py) is checked on real stage processes against the plain transformers+peft reference:
@@ -21,7 +21,7 @@ from reference import assert_close_to_scale, reference_run
 from test_runtime_plans import make_plan
 
 from hetero.plan import Plan
-from hetero.planner.rebalance import Replanner, Watch
+from hetero.planner.replan.rebalance import Replanner, Watch
 from hetero.runtime.stage.adapter import load_adapter_state
 from hetero.specs import ModelSpec, TrainSpec
 
@@ -97,7 +97,7 @@ def test_a_sustained_slowdown_moves_layers_off_the_slow_device(w1_like_plan: Pla
     replanner = Replanner(w1_like_plan)
     factors = list(proposal.factors)  # type: ignore[attr-defined]
     layers = len(w1_like_plan.graph.decoder_indices())
-    from hetero.planner.objective import split_spans
+    from hetero.planner.model.objective import split_spans
 
     times = []
     for first in range(1, layers):

@@ -1,4 +1,4 @@
-"""planner/replica_bound.py: the replica search's lower bounds on T(U, m) hold against brute force.
+"""planner/replica/replica_bound.py: the replica search's lower bounds on T(U, m) hold against brute force.
 
 On random small tables (tests/test_planner_replicas.py's generator: 2-3 device kinds on two hosts, both
 schedules, every recomputation mode) every multiset U of device classes and share m is checked against the
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from test_planner_replicas import fastest_evaluations, replica_table
 
-from hetero.planner.cost import CostTable
-from hetero.planner.replica_bound import replica_bounds
-from hetero.planner.replica_packing import ClassMultisets
+from hetero.planner.model.cost import CostTable
+from hetero.planner.replica.replica_bound import replica_bounds
+from hetero.planner.replica.replica_packing import ClassMultisets
 
 INF = float("inf")
 
@@ -41,7 +41,7 @@ def brute_force_t(table: CostTable, sets: ClassMultisets) -> np.ndarray:
 
 
 def earlier_bound(table: CostTable, sets: ClassMultisets) -> np.ndarray:
-    """The bound planner/replicas.py used before: least work W + (m - 1) max(W / |U|, the largest layer)."""
+    """The bound planner/replica/replicas.py used before: least work W + (m - 1) max(W / |U|, the largest layer)."""
     reps = [mem[0] for mem in sets.members]
     work = np.array([[table.fwd_s[i][d] + table.bwd_s[i][d] for d in reps] for i in range(table.num_nodes)])
     need = np.array([[table.weights[i][d] + table.lora[i][d] for d in reps] for i in range(table.num_nodes)])
@@ -87,7 +87,7 @@ def test_the_reduction_bound_holds_against_every_placement(chunk: int) -> None:
     # its T, so they carry at most so many gradient bytes; every other byte pays another host's cost. Checked for
     # every placement, every share, every coordinator and every multiset holding its devices (a replica may leave
     # some idle), at the fastest T the placement reaches (the bound only falls as T rises).
-    from hetero.planner.replica_bound import CoordinatorShare
+    from hetero.planner.replica.replica_bound import CoordinatorShare
 
     tighter = 0
     for seed in range(chunk * 6, (chunk + 1) * 6):

@@ -1,8 +1,8 @@
-"""planner/replica_packing.py: the packing DP done with one array operation per multiset equals the memoized one.
+"""planner/replica/replica_packing.py: the packing DP done with one array operation per multiset equals the memoized one.
 
-The replica search (planner/replicas.py) packs disjoint replicas whose shares sum to the step's micro-batches
+The replica search (planner/replica/replicas.py) packs disjoint replicas whose shares sum to the step's micro-batches
 into the least total reduction, at every threshold of its sweep. Where reductions vary with the share (replicas
-over several hosts, bounded by planner/replica_bound.py CoordinatorShare) it uses ``_Arrays``; elsewhere, and
+over several hosts, bounded by planner/replica/replica_bound.py CoordinatorShare) it uses ``_Arrays``; elsewhere, and
 where the replicas are counted, the memoized ``_Packing``. On random tables, every threshold, coordinator and
 relaxation, both give the same least reduction, and the packing ``_Arrays`` walks back is disjoint, sums to the
 step's micro-batches, holds the coordinator's replica where it must and reaches that reduction.
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from test_planner_replicas import replica_table
 
-from hetero.planner.replica_packing import _Arrays, _Packing
-from hetero.planner.replicas import _Search
+from hetero.planner.replica.replica_packing import _Arrays, _Packing
+from hetero.planner.replica.replicas import _Search
 
 INF = float("inf")
 

@@ -130,7 +130,7 @@ def test_a_plan_without_a_profile_is_split_by_the_roofline(tmp_path: Path, tiny_
 
     from hetero.compiler.trace import trace
     from hetero.planner import plan as make_plan
-    from hetero.planner.cost_model import RooflineCostModel
+    from hetero.planner.model.cost_model import RooflineCostModel
     from hetero.runtime.run.run_profile import run_profile
     from hetero.specs import DataSpec, PlannerOptions, TrainSpec
 
@@ -174,14 +174,14 @@ def test_a_version_1_profile_still_loads(tmp_path: Path) -> None:
 
 def test_nf4_is_priced_as_a_quantized_layer(tiny_spec: ModelSpec) -> None:
     """The roofline charges NF4 the dense matmul plus a dequantization pass in forward and in backward (read
-    the NF4 bytes, write the compute-dtype weight: planner/cost_model.py), so NF4 is slower than bf16, never
+    the NF4 bytes, write the compute-dtype weight: planner/model/cost_model.py), so NF4 is slower than bf16, never
     faster; a profile measured without quantization is not used for an NF4 layer."""
     from test_profile import local_fleet, synthetic_profile
 
     from hetero.compiler.trace import trace
     from hetero.hardware import build_cluster, load_device_types
-    from hetero.planner.cost_model import QUANT_BYTES_PER_PARAM, RooflineCostModel
-    from hetero.planner.profile_cost import ProfileCostModel
+    from hetero.planner.model.cost_model import QUANT_BYTES_PER_PARAM, RooflineCostModel
+    from hetero.planner.model.profile_cost import ProfileCostModel
 
     graph = trace(tiny_spec)
     gpu = build_cluster({"name": "g", "hosts": [{"name": "h", "devices": [{"type": "rtx4090"}]}]},

@@ -21,7 +21,7 @@ from hetero.plan import (
     StagePlan,
     compute_input_hash,
 )
-from hetero.planner.step_form import programs_for
+from hetero.planner.schedule.step_form import programs_for
 from hetero.program import format_program
 from hetero.protocol import BASE_PORT
 from hetero.runtime.wire.endpoints import ephemeral_ports

@@ -7,10 +7,10 @@ import random
 import pytest
 
 from hetero.errors import ConfigError
-from hetero.planner.objective import pipeline_step_time
-from hetero.planner.schedules import gpipe, one_f_one_b
-from hetero.planner.simulator import ScheduleError, simulate
-from hetero.planner.step_form import programs_for
+from hetero.planner.model.objective import pipeline_step_time
+from hetero.planner.schedule.schedules import gpipe, one_f_one_b
+from hetero.planner.schedule.simulator import ScheduleError, simulate
+from hetero.planner.schedule.step_form import programs_for
 from hetero.program import Action, format_program, parse_program
 
 

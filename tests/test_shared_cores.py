@@ -1,6 +1,6 @@
 """CPU stages that share too few cores: the fleet knows a host's cores, the simulator lets no more stages compute
 at once than the host has cores, and a run's profile prices such a stage by its own CPU time, not by a wall time
-that includes its waits for a core (planner/simulator.py CoreShare, runtime/run/run_profile.py)."""
+that includes its waits for a core (planner/schedule/simulator.py CoreShare, runtime/run/run_profile.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from hetero.errors import ConfigError
-from hetero.planner.simulator import CoreShare, core_share, simulate
-from hetero.planner.step_form import programs_for
+from hetero.planner.schedule.simulator import CoreShare, core_share, simulate
+from hetero.planner.schedule.step_form import programs_for
 from hetero.profile import SHARED_CORES_NOTE, Profile
 from hetero.serde import to_dict
 from hetero.specs import ModelSpec
@@ -78,11 +78,11 @@ def test_the_planner_prices_the_shared_cores(monkeypatch: pytest.MonkeyPatch, ti
     """The same three one-thread stages on a 2-core host simulate slower than on a host said to have 3 cores, and
     the simulator's lower bound still holds."""
     from hetero.compiler.trace import trace
-    from hetero.planner.baselines import predict
-    from hetero.planner.cost import build_cost_table
-    from hetero.planner.cost_model import RooflineCostModel
-    from hetero.planner.objective import Placement, evaluate, split_spans
-    from hetero.planner.simbound import lower_bound_s
+    from hetero.planner.model.cost import build_cost_table
+    from hetero.planner.model.cost_model import RooflineCostModel
+    from hetero.planner.model.objective import Placement, evaluate, split_spans
+    from hetero.planner.model.predict import predict
+    from hetero.planner.search.simbound import lower_bound_s
     from hetero.specs import PlannerOptions, TrainSpec
 
     graph = trace(tiny_spec)
@@ -125,7 +125,7 @@ def test_a_shared_core_stage_is_profiled_by_its_cpu_time(monkeypatch: pytest.Mon
     assert plan.cluster.hosts[0].cores == 2 and shared_core_stages(plan) == {0, 1, 2}
     wall = {"F": 0.4, "B": 0.8, "SA": 0.01, "SG": 0.01, "RA": 0.3, "RG": 0.3, "STEP": 0.05, "clip_wait": 0.01}
     cpu = {"F": 0.2, "B": 0.5, "SA": 0.004, "SG": 0.004, "RA": 0.002, "RG": 0.006, "STEP": 0.02}
-    lines = [{"step": s, "stage_ops": [wall] * 3, "stage_cpu_ops": [cpu] * 3} for s in range(3)]
+    lines = [{"step": s, "stage_ops": [wall] * 3, "stage_cpu_ops": [cpu] * 3} for s in range(1, 4)]
     prof = run_profile(plan, tmp_path, lines)
     assert prof is not None
     tokens = 4 * tiny_spec.seq_len
@@ -145,7 +145,7 @@ def test_a_shared_core_stage_is_profiled_by_its_cpu_time(monkeypatch: pytest.Mon
             assert "CPU time" in dev.sources["message_recv"]
         assert "CPU time" in dev.sources["decoder"] and dev.cpu_time
         assert dev.measured_with == [s.device for s in plan.stages if s.device != sp.device]  # they ran beside it
-    older = [{"step": s, "stage_ops": [wall] * 3} for s in range(3)]
+    older = [{"step": s, "stage_ops": [wall] * 3} for s in range(1, 4)]
     prof = run_profile(plan, tmp_path, older)
     assert prof is not None
     dev = prof.device(plan.stages[0].device)
@@ -158,12 +158,12 @@ def test_a_shared_core_stage_is_profiled_by_its_cpu_time(monkeypatch: pytest.Mon
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("seed", range(4))
 def test_with_cores_to_spare_the_global_clock_is_the_plain_simulation(schedule: str, seed: int) -> None:
-    """planner/simshare.py with every stage at full speed reproduces planner/simulator.py exactly: step, events,
+    """planner/schedule/simshare.py with every stage at full speed reproduces planner/schedule/simulator.py exactly: step, events,
     busy and peak, with message overheads, slow links and the STEP round trip."""
     import random
 
-    from hetero.planner.simshare import SharedSimulation
-    from hetero.planner.simulator import _check_times
+    from hetero.planner.schedule.simshare import SharedSimulation
+    from hetero.planner.schedule.simulator import _check_times
 
     rng = random.Random(seed)
     n, m = rng.randint(2, 4), rng.randint(1, 6)
@@ -185,14 +185,14 @@ def test_with_cores_to_spare_the_global_clock_is_the_plain_simulation(schedule: 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_interleaved_programs_with_cores_to_spare_are_the_plain_simulation(seed: int) -> None:
-    """The same for interleaved programs (planner/simulator.py's virtual stages, links per pair of devices): the
+    """The same for interleaved programs (planner/schedule/simulator.py's virtual stages, links per pair of devices): the
     global clock at full speed gives the plain simulation's step, events and peaks; with one core for the
     devices' two threads it is slower, never faster."""
     import random
 
-    from hetero.planner.schedules import interleaved_one_f_one_b
-    from hetero.planner.simshare import SharedSimulation
-    from hetero.planner.simulator import _check_times
+    from hetero.planner.schedule.schedules import interleaved_one_f_one_b
+    from hetero.planner.schedule.simshare import SharedSimulation
+    from hetero.planner.schedule.simulator import _check_times
 
     rng = random.Random(seed)
     p, v = rng.randint(2, 3), rng.randint(2, 3)
@@ -220,16 +220,16 @@ def test_a_run_measures_the_cores_its_shared_host_gave_it(monkeypatch: pytest.Mo
     (the capacity at which the replay takes as long as the steps), and a plan from that profile predicts those
     steps for the same split, citing the run; steps no slower than the replay leave all the cores."""
     from hetero.planner import plan as make_plan
-    from hetero.planner.cost_model import RooflineCostModel
-    from hetero.planner.profile_cost import ProfileCostModel
-    from hetero.planner.simulator import replay_run
+    from hetero.planner.model.cost_model import RooflineCostModel
+    from hetero.planner.model.profile_cost import ProfileCostModel
+    from hetero.planner.schedule.simulator import replay_run
     from hetero.runtime.run.run_profile import own_ops, run_profile
     from hetero.specs import DataSpec, PlannerOptions, TrainSpec
 
     plan = _three_stage_plan(monkeypatch, tiny_spec)
     ops = {"F": 0.3, "B": 0.6, "SA": 0.004, "SG": 0.004, "RA": 0.2, "RG": 0.2, "STEP": 0.03, "clip_wait": 0.01}
     cpu = {"F": 0.2, "B": 0.4, "SA": 0.004, "SG": 0.004, "RA": 0.003, "RG": 0.003, "STEP": 0.02}
-    base = [{"step": s, "step_time_s": 1.0, "stage_ops": [ops] * 3, "stage_cpu_ops": [cpu] * 3} for s in range(4)]
+    base = [{"step": s, "step_time_s": 1.0, "stage_ops": [ops] * 3, "stage_cpu_ops": [cpu] * 3} for s in range(1, 5)]  # steps are numbered from 1
     timings = [own_ops(base[1:], k, 1) for k in range(3)]
     on_two = replay_run(plan, timings, decontended=True).step_time_s
     slow = [{**line, "step_time_s": on_two * 1.15} for line in base]
@@ -263,8 +263,8 @@ def test_a_profile_timed_under_load_is_not_shared_again(monkeypatch: pytest.Monk
 
     from hetero.compiler.trace import trace
     from hetero.planner import plan as make_plan
-    from hetero.planner.cost_model import RooflineCostModel
-    from hetero.planner.profile_cost import ProfileCostModel
+    from hetero.planner.model.cost_model import RooflineCostModel
+    from hetero.planner.model.profile_cost import ProfileCostModel
     from hetero.specs import DataSpec, PlannerOptions, TrainSpec
 
     graph = trace(tiny_spec)
@@ -319,7 +319,7 @@ def test_an_interleaved_plans_what_if_shares_the_cores_as_its_prediction(tiny_sp
     as if each device had a core of its own, and said the plan's own step faster than its prediction)."""
     from hetero.compiler.trace import trace
     from hetero.planner import plan as make_plan
-    from hetero.planner.whatif import more_micro_batches
+    from hetero.planner.replan.whatif import more_micro_batches
     from hetero.specs import DataSpec, PlannerOptions, TrainSpec
 
     cluster = _fleet([{"name": "l", "cores": 1, "devices": [{"type": "cpu", "threads": 1, "count": 2}]}])

@@ -9,16 +9,16 @@ import pytest
 
 from hetero.hardware import build_cluster, load_device_types
 from hetero.planner import plan as make_plan
-from hetero.planner.bottleneck import diagnose, verdict
-from hetero.planner.cost_model import RooflineCostModel
-from hetero.planner.simulator import simulate_plan
-from hetero.planner.whatif import (
+from hetero.planner.explain.bottleneck import diagnose, verdict
+from hetero.planner.model.cost_model import RooflineCostModel
+from hetero.planner.replan.whatif import (
     memory_over_time,
     more_micro_batches,
     other_schedules,
     what_ifs,
     without_device,
 )
+from hetero.planner.schedule.simulator import simulate_plan
 from hetero.runtime.run.run_compare import compare_run
 from hetero.specs import DataSpec, ModelSpec, PlannerOptions, TrainSpec
 
@@ -133,7 +133,7 @@ def _ops_like_plan(p, factors: list[float]) -> list[dict[str, float]]:
 
 
 def test_replay_with_the_plans_own_times_is_the_prediction(tiny_spec, tiny_graph) -> None:
-    from hetero.planner.simulator import ScheduleError, replay_run
+    from hetero.planner.schedule.simulator import ScheduleError, replay_run
 
     p = a_plan(tiny_spec, tiny_graph, fleet([1, 1]), m=8, split=[3, 3])
     assert replay_run(p, _ops_like_plan(p, [1.0, 1.0])).step_time_s == pytest.approx(p.prediction.step_time_s)
@@ -148,7 +148,7 @@ def test_simulate_compares_a_finished_run(tiny_spec, tiny_graph, tmp_path: Path,
     import json
 
     from hetero.cli import main
-    from hetero.planner.simulator import replay_run
+    from hetero.planner.schedule.simulator import replay_run
 
     p = a_plan(tiny_spec, tiny_graph, fleet([1, 1]), m=8, split=[3, 3])
     p.save(tmp_path / "plan.json")
@@ -186,10 +186,10 @@ def test_memory_over_time_counts_in_flight_per_replica(tiny_spec, tiny_graph) ->
 
 def test_a_cpu_stage_of_tiny_layers_is_said_to_be_bound_by_its_operators(tiny_spec, tiny_graph) -> None:
     """The README demo's datasheet plan predicted 0.077 s for a step measured at 0.31 s: calling a tiny layer's ~300
-    operators on a CPU costs more than its arithmetic (planner/caveats.py). The verdict says so before the run
+    operators on a CPU costs more than its arithmetic (planner/explain/caveats.py). The verdict says so before the run
     does, with the factor; a profiled plan measures it and says nothing."""
-    from hetero.planner.caveats import CPU_CALLS_S, issue_bound_lines
-    from hetero.planner.profile_cost import ProfileCostModel
+    from hetero.planner.explain.caveats import CPU_CALLS_S, issue_bound_lines
+    from hetero.planner.model.profile_cost import ProfileCostModel
 
     p = a_plan(tiny_spec, tiny_graph, fleet([1, 1]), m=4, split=[3, 3])
     lines = [v for v in p.verdict if "operators one after another" in v]

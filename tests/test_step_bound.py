@@ -1,4 +1,4 @@
-"""planner/step_bound.py: the step form's lower bound over every placement, against brute force on random
+"""planner/search/step_bound.py: the step form's lower bound over every placement, against brute force on random
 tables (it never passes the simulated optimum), and what it buys a plan on a rig: better placements and a
 bound that says how far from proven the plan is."""
 
@@ -13,10 +13,10 @@ from pathlib import Path
 from test_planner_exact import random_table
 from test_planner_simulated import with_overheads
 
-from hetero.planner.bruteforce import brute_force_simulated
-from hetero.planner.objective import evaluate
-from hetero.planner.simsearch import simulated_step_s
-from hetero.planner.step_bound import least_step_bound
+from hetero.planner.model.objective import evaluate
+from hetero.planner.search.bruteforce import brute_force_simulated
+from hetero.planner.search.simsearch import simulated_step_s
+from hetero.planner.search.step_bound import least_step_bound
 
 
 def test_the_bound_never_passes_the_simulated_optimum_and_its_placements_fit() -> None:

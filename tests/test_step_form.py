@@ -1,4 +1,4 @@
-"""Each schedule's step form (planner/step_form.py) against its own programs, and the rule that only the
+"""Each schedule's step form (planner/schedule/step_form.py) against its own programs, and the rule that only the
 step forms and the generators name a schedule: the solvers, bounds and searches read the form."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 
 from hetero.errors import ConfigError
-from hetero.planner.simbound import StageTimes, barrier_bound
-from hetero.planner.simulator import simulate
-from hetero.planner.step_form import FORMS, SCHEDULES, step_form
+from hetero.planner.schedule.simulator import simulate
+from hetero.planner.schedule.step_form import FORMS, SCHEDULES, step_form
+from hetero.planner.search.simbound import StageTimes, barrier_bound
 from hetero.specs import TrainSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 # Where a schedule's name may appear in code (docstrings and comments aside): its form and its generator. The
 # config schema takes any name and checks it against the registered forms (hetero/specs.py check_ranges); its
 # default is the one name it holds, as a value (no code branches on it).
-NAMING = {"planner/step_form.py", "planner/schedules.py", "hetero/program.py"}  # program.py: the list of names
+NAMING = {"planner/schedule/step_form.py", "planner/schedule/schedules.py", "hetero/program.py"}  # program.py: the list of names
 DEFAULTS = {("hetero/specs.py", "1f1b")}
 
 
@@ -67,7 +67,7 @@ def test_the_closed_form_and_the_bound_hold_the_simulated_step_between_them(name
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_the_schedules_lower_bound_never_passes_the_simulator(name: str) -> None:
-    """StepForm.least_step (its bound weights and suffix round trips, what planner/step_bound.py minimizes over
+    """StepForm.least_step (its bound weights and suffix round trips, what planner/search/step_bound.py minimizes over
     every placement) on random pipelines, slow links among them: never above the simulated step, and tight
     where the pipeline is balanced."""
     form = step_form(name)
@@ -136,9 +136,9 @@ def test_only_the_step_forms_and_generators_name_a_schedule() -> None:
 
 def test_only_the_step_forms_call_a_schedules_generator() -> None:
     """The generators are reached through a step form (``programs``, ``chunked.programs``): a module that imports
-    one, as planner/interleave.py and planner/whatif.py imported interleaved 1F1B's, names a schedule in code,
-    whether it imports it from planner/schedules.py, from a module that re-exports it, or the module itself."""
-    from hetero.planner import schedules
+    one, as planner/search/interleave.py and planner/replan/whatif.py imported interleaved 1F1B's, names a schedule in code,
+    whether it imports it from planner/schedule/schedules.py, from a module that re-exports it, or the module itself."""
+    from hetero.planner.schedule import schedules
 
     generators = {name for name, value in vars(schedules).items()
                   if callable(value) and getattr(value, "__module__", "") == schedules.__name__ and name[0] != "_"}

@@ -19,7 +19,7 @@ from hetero.runtime.base import warnings_log
 if TYPE_CHECKING:
     from hetero.config import Config
     from hetero.plan import Plan
-    from hetero.planner.profile_cost import ProfileCostModel
+    from hetero.planner.model.profile_cost import ProfileCostModel
     from hetero.profile import DeviceProfile, LinkProfile
 
 
@@ -62,7 +62,7 @@ def compile_config(cfg: Config, say: Callable[[str], None],
     say(f"writing plan and artifacts to {cfg.output}")
     plan = replace(planned, security=generate(cfg.security, [s.host for s in planned.stages], Path(cfg.output)))
     if plan.planner.split is None:  # a device that adds little is named, with how to leave it out (priced with the keys)
-        from hetero.planner.whatif import cheap_device_lines
+        from hetero.planner.replan.whatif import cheap_device_lines
 
         say("weighing each device against the plan without it")
         plan = replace(plan, verdict=[*plan.verdict, *cheap_device_lines(plan, cost_model)])
@@ -129,8 +129,8 @@ def profile_cost_model(cfg: Config) -> ProfileCostModel | None:
     if cfg.profile is None:
         return None
     from hetero.hints import suggest
-    from hetero.planner.cost_model import RooflineCostModel
-    from hetero.planner.profile_cost import ProfileCostModel
+    from hetero.planner.model.cost_model import RooflineCostModel
+    from hetero.planner.model.profile_cost import ProfileCostModel
     from hetero.profile import Profile, check_profile, merge_profiles
 
     paths = cfg.profiles or (cfg.profile,)

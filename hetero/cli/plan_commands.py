@@ -15,7 +15,7 @@ from hetero.cli.console import console
 
 if TYPE_CHECKING:
     from hetero.plan import Plan
-    from hetero.planner.simulator import Timeline
+    from hetero.planner.schedule.simulator import Timeline
 
 
 def cmd_keys(plan_path: Path, mode: str | None) -> int:
@@ -59,7 +59,9 @@ def cmd_show(plan_path: Path, gantt: bool = True, width: int = 72, pictures: boo
         return 0
     timeline = None
     if gantt:
-        from hetero.planner.simulator import simulate_plan  # the planner only when there is a Gantt to draw
+        from hetero.planner.schedule.simulator import (
+            simulate_plan,  # the planner only when there is a Gantt to draw
+        )
 
         timeline = simulate_plan(plan)
     out = console()
@@ -107,9 +109,9 @@ def cmd_simulate(plan_path: Path, width: int = 72, replan: bool = True, picture:
     from hetero.cli.show import gantt_lines
     from hetero.compiler.pictures import draw_simulation
     from hetero.plan import Plan
-    from hetero.planner.bottleneck import verdict as bottleneck
-    from hetero.planner.simulator import simulate_plan
-    from hetero.planner.whatif import memory_over_time
+    from hetero.planner.explain.bottleneck import verdict as bottleneck
+    from hetero.planner.replan.whatif import memory_over_time
+    from hetero.planner.schedule.simulator import simulate_plan
 
     plan = Plan.load(plan_path)
     timeline = simulate_plan(plan)
@@ -158,12 +160,12 @@ def _stage_lines(plan: Plan, timeline: Timeline, memory: list[list[tuple[float, 
 
 def _what_if_lines(plan: Plan, replan: bool) -> list[str]:
     """The what-ifs against this plan; re-planning with the plan's own profile when it was made with one."""
-    from hetero.planner.whatif import what_ifs
+    from hetero.planner.replan.whatif import what_ifs
 
     cost_model = None
     if replan and plan.cost_sources.get("profile"):
-        from hetero.planner.cost_model import plan_roofline
-        from hetero.planner.profile_cost import ProfileCostModel
+        from hetero.planner.model.cost_model import plan_roofline
+        from hetero.planner.model.profile_cost import ProfileCostModel
         from hetero.profile import load_merged
 
         cost_model = ProfileCostModel(load_merged(plan.cost_sources["profile"]),

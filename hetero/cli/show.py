@@ -15,7 +15,7 @@ from hetero.plan import Plan, Prediction
 
 
 class TimelineEvent(Protocol):
-    """What the Gantt needs from a simulator event (hetero.planner.simulator.Event)."""
+    """What the Gantt needs from a simulator event (hetero.planner.schedule.simulator.Event)."""
 
     stage: int
     op: str

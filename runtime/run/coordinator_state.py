@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from hetero.planner.state_copy import copy_every
+from hetero.planner.model.state_copy import copy_every
 from hetero.protocol import (
     Snapshot,
     Stop,
@@ -67,7 +67,7 @@ class StateKeeping:
         """runtime.elastic=auto: the newest state of every stage, kept here (a lost stage cannot take it along), and
         the steps until the next copy: as many as keep a copy's cost (``copy_s``, the wait for the payloads after
         the step ended; the stages computed the next step meanwhile) under STATE_COPY_SHARE of the steps'
-        (planner/state_copy.py)."""
+        (planner/model/state_copy.py)."""
         if not self.elastic:
             return
         from hetero.runtime.run.checkpoint import merge_payloads

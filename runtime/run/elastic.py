@@ -6,7 +6,7 @@ lost does not take the run's state with it. When a stage's device is lost (its p
 silent past runtime.failure_timeout_s, its connection gone for good), the run:
 
 1. stops every stage, as any failed run does;
-2. re-plans on the devices left, in the same pipeline order (planner/recovery.py: the split simulated at the
+2. re-plans on the devices left, in the same pipeline order (planner/replan/recovery.py: the split simulated at the
    speeds the run measured), and writes that plan as RUN_DIR/plan-recovery-N.json;
 3. starts the stages of the new plan, hands each its layers' state from the newest copy, and trains on from
    the step after it: the steps since the copy are trained again, with the same data (a function of the step
@@ -165,7 +165,7 @@ def returning(coordinator: Any, history: Lineage) -> list[Joiner]:
 def _rejoin(coordinator: Any, history: Lineage, options: RunOptions, done: int) -> Rejoining | None:
     """The plan with the devices that came back, when it is predicted faster than the current one (saved as the
     run's next plan); None to go on as it is."""
-    from hetero.planner.recovery import plan_without, simulated_step_s
+    from hetero.planner.replan.recovery import plan_without, simulated_step_s
 
     joiners = returning(coordinator, history)
     if not joiners:
@@ -243,7 +243,7 @@ def _recover(coordinator: Any, exc: StageFailedError, options: RunOptions, done:
              history: Lineage) -> tuple[Plan, Path, RunOptions] | None:
     """The plan, its path and the options to go on with after ``exc``; None (said on stderr when it is a loss) to
     stop with ``exc``."""
-    from hetero.planner.recovery import plan_without
+    from hetero.planner.replan.recovery import plan_without
 
     lost = exc.lost
     if options.elastic != "auto" or lost is None or not coordinator.trained:

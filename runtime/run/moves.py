@@ -1,7 +1,7 @@
 """Rebalancing a running pipeline (`hetero run ... runtime.rebalance=auto`, the default): the coordinator's side.
 
 Every step, the stages' measured compute (F + B seconds from ``stepdone``) goes to the watcher
-(planner/rebalance.py), which proposes a new split when a device's speed changed for good and the
+(planner/replan/rebalance.py), which proposes a new split when a device's speed changed for good and the
 simulator says the move pays. The move happens at a step boundary, without stopping the run:
 
 1. with the clip of the next step the coordinator sends every stage ``rebalance`` (the new node spans);
@@ -197,7 +197,7 @@ class Mover:
 
     def _forced(self, after_step: int, split: list[int]) -> Move:
         """A Move to ``split`` (decoder layers per stage) asked for by the caller."""
-        from hetero.planner.objective import split_spans
+        from hetero.planner.model.objective import split_spans
 
         spans = split_spans(len(self.plan.graph.nodes), split, self.plan.graph.decoder_indices())
         event = {"event": "rebalance", "after_step": after_step + 1, "old_split": split_of(self.plan),
@@ -208,8 +208,8 @@ class Mover:
 
 
 def _watch(plan: Plan) -> Any:
-    """The watcher of ``plan``'s stages (planner/rebalance.py), or None (logged) if its costs cannot be rebuilt."""
-    from hetero.planner.rebalance import Replanner, Watch
+    """The watcher of ``plan``'s stages (planner/replan/rebalance.py), or None (logged) if its costs cannot be rebuilt."""
+    from hetero.planner.replan.rebalance import Replanner, Watch
 
     try:
         replanner = Replanner(plan)

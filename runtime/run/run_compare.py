@@ -204,7 +204,7 @@ def versus_plan(plan: Plan, run_dir: Path) -> list[str]:
 def _segment_versus_plan(plan: Plan, run_dir: Path, steps: list[dict[str, Any]], predicted: float | None,
                          move: dict[str, Any] | None) -> list[str]:
     """The steps on one split: measured, predicted (the plan's, or the move's for its split), replayed."""
-    from hetero.planner.simulator import replay_run  # (the planner's simulator: no solver, no torch)
+    from hetero.planner.schedule.simulator import replay_run  # (the planner's simulator: no solver, no torch)
 
     if not steps:
         return ["no step ran on the plan's own split"]

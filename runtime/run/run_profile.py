@@ -30,7 +30,7 @@ with it. What a run can measure, and how each number is made:
   LoRA parameters.
 - **A host with fewer cores than its CPU stages' threads** (the plan's fleet says so: three one-thread
   stages on two cores): the stages compute in turns, and a wall time includes the waits for a core. The
-  simulator adds those waits itself (planner/simulator.py, CoreShare), so for such a stage F, B and the
+  simulator adds those waits itself (planner/schedule/simulator.py, CoreShare), so for such a stage F, B and the
   optimizer come from the process CPU time the stage records (``stage_cpu_ops``) divided by its threads,
   when that is the smaller: the stage's own work, as on a host of its own. The file says so.
 
@@ -209,7 +209,7 @@ SHARED_NOTE = SHARED_CORES_NOTE  # in the sources, for a reader; DeviceProfile.c
 
 def shared_core_stages(plan: Plan) -> set[int]:
     """The stages whose host has fewer cores than its stages' threads (they compute in turns)."""
-    from hetero.planner.simulator import plan_core_share
+    from hetero.planner.schedule.simulator import plan_core_share
 
     out: set[int] = set()
     for rep in plan.pipelines:
@@ -251,7 +251,7 @@ def usable_cores(plan: Plan, lines: list[dict[str, Any]], shared: set[int]) -> d
     """Per host whose stages share too few cores, the cores they got: the capacity at which the simulator, replaying
     each stage's own work from these steps, takes as long as the steps took (the rest of the host went to the OS,
     the sockets' I/O threads and the coordinator). A host where the replay is not faster than the run keeps all."""
-    from hetero.planner.simulator import replay_run
+    from hetero.planner.schedule.simulator import replay_run
 
     steps = [float(line["step_time_s"]) for line in lines if "step_time_s" in line]
     if not shared or not steps:
@@ -352,7 +352,7 @@ def _device_profile(plan: Plan, k: int, ops: dict[str, float], cpu: dict[str, fl
 def _node_priors(plan: Plan, sp: StagePlan, before: DeviceProfile | None) -> dict[str, tuple[LinearFit, LinearFit]]:
     """Per layer kind, the prior's (forward, backward) fits on this stage's device: the profile's, else the
     roofline's as a line through the origin at this micro-batch size."""
-    from hetero.planner.cost_model import RooflineCostModel
+    from hetero.planner.model.cost_model import RooflineCostModel
 
     tokens = plan.train.micro_batch_size * plan.model.seq_len
     roofline = RooflineCostModel(plan.planner.efficiency)
@@ -423,7 +423,7 @@ def _stage_overheads(plan: Plan, sp: StagePlan, ops: dict[str, float], before: D
 
 def _message_bytes(plan: Plan, sp: StagePlan) -> float:
     """Bytes of one activation (or gradient) this stage sends: the hidden states of a micro-batch."""
-    from hetero.planner.cost_model import dtype_bytes
+    from hetero.planner.model.cost_model import dtype_bytes
 
     edge = plan.graph.edges[min(sp.last_node, len(plan.graph.edges) - 1)] if plan.graph.edges else None
     if edge is None:

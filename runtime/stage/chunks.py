@@ -1,6 +1,6 @@
 """An interleaved device: one stage process serving several chunks of layers (hetero/program.py).
 
-Under an interleaved schedule (planner/schedules.py interleaved_one_f_one_b) device d of p holds v
+Under an interleaved schedule (planner/schedule/schedules.py interleaved_one_f_one_b) device d of p holds v
 chunks; chunk c is virtual stage c x p + d of a pipeline of p x v. Each chunk is a Stage of its own
 (its layers, its LoRA weights) run by an Executor of its own (its activations in flight, its AdamW,
 which is per element, so one optimizer per chunk steps as one over all of them would). The device's

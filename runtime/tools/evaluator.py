@@ -39,7 +39,7 @@ from hetero.specs import EvalSpec
 
 def build_evaluator(plan: Plan, device_name: str) -> Any:
     """The whole model as one stage on ``device_name`` (built by runtime/stage/model.py, LoRA untrained)."""
-    from hetero.planner.cost_model import compute_dtype
+    from hetero.planner.model.cost_model import compute_dtype
     from hetero.runtime.stage.device import torch_device
     from hetero.runtime.stage.model import build_stage
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetero.plan import Plan
-from hetero.planner.step_form import step_form
+from hetero.planner.schedule.step_form import step_form
 from hetero.runtime.run.data import IGNORE_INDEX
 from hetero.runtime.torch_engine.transfer import broadcast_batch
 

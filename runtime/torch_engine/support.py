@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from hetero.errors import PlanError
 from hetero.plan import Plan
-from hetero.planner.step_form import FORMS
+from hetero.planner.schedule.step_form import FORMS
 
 # ROCm's torch names AMD cards "cuda" devices and serves the "nccl" backend with RCCL.
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "rocm": "nccl"}

@@ -132,7 +132,7 @@ def _simulated_best(table: CostTable, ev: Evaluation, prediction: Prediction,
                     ) -> tuple[Evaluation, Prediction, str]:
     """The plan never recommends a placement that simulates slower than a baseline it lists.
 
-    The solver ranks by the simulated step time (planner.solve.solve_simulated) and its candidates
+    The solver ranks by the simulated step time (planner.search.solve.solve_simulated) and its candidates
     include the baselines' splits, so this only acts when its search was cut off. A baseline that is
     allowed under the plan's own settings (planner.recompute, planner.num_stages) and simulates faster
     is used instead, and the verdict says so."""
@@ -293,7 +293,7 @@ def plan(
     data_stats: DataStats | None = None,
     security: str = "none",
 ) -> Plan:
-    """The complete, hashed Plan: the graph placed on the fleet (planner.solve: exact DP or ILP; or the manual
+    """The complete, hashed Plan: the graph placed on the fleet (planner.search.solve: exact DP or ILP; or the manual
     split), programs, predictions, baselines and verdict. ``evaluation.device`` is kept out of training (it
     evaluates held-out data); ``config`` is the resolved config the plan records; ``data_stats`` (the data as
     `hetero compile` measured it) turns the predictions' computed tokens/s into trained tokens/s; ``security``: the

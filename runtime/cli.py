@@ -270,7 +270,7 @@ def _continue_hint(plan_path: Path, options: RunOptions) -> str:
 
     again, newest = run_command(plan_path, options.rerun), latest_checkpoint(options.run_dir)
     if newest is not None:
-        return (f"continue from step {checkpoint_step(newest)} with "
+        return (f"continue after step {checkpoint_step(newest)} with "
                 f"`{shlex.join(again + ['--resume', str(options.run_dir)])}`")
     return f"no checkpoint yet: start again with `{shlex.join(again + ['--run-dir', str(options.run_dir)])}`"
 

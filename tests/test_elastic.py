@@ -436,8 +436,8 @@ def test_a_loss_not_recovered_names_the_state_it_kept(root: Path) -> None:
     code, _, err = finish(run, 60)
     assert code == 2, err[-3000:]
     line = _one_error_line(err)
-    assert "no checkpoint yet" not in line and re.search(r"continue from step (\d+) with `", line), line
-    step = int(re.search(r"continue from step (\d+)", line).group(1))  # type: ignore[union-attr]
+    assert "no checkpoint yet" not in line and re.search(r"continue after step (\d+) with `", line), line
+    step = int(re.search(r"continue after step (\d+)", line).group(1))  # type: ignore[union-attr]
     assert step >= 1 and (run_dir / "checkpoints" / f"step-{step:06d}" / "COMPLETE").is_file()
 
 

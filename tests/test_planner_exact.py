@@ -1,4 +1,4 @@
-"""planner.solve (the exact DP, the ILP behind it) against exhaustive search, on random dense cost arrays.
+"""planner.search.solve (the exact DP, the ILP behind it) against exhaustive search, on random dense cost arrays.
 
 The tables here are built from arrays alone (no fleet, no cost model), as the solvers see them: random
 per-node times and bytes, devices in classes of identical columns (symmetry), several hosts and wire

@@ -1,7 +1,7 @@
 """Weight streaming from host RAM (planner.offload): the solvers against exhaustive search, the modes, host RAM.
 
 The brute force (planner/search/bruteforce.py) tries every per-stage (recompute, stream) pair explicitly; the exact
-DP (planner.solve) and the ILP (layered and flat) must reach its optimum under 1F1B, where the pair of least
+DP (planner.search.solve) and the ILP (layered and flat) must reach its optimum under 1F1B, where the pair of least
 added time that fits is provably the best per stage (planner/search/exact.py's docstring).
 """
 

@@ -261,7 +261,7 @@ def test_mining_rig_compile_plans_replicas_and_says_by_how_much() -> None:
 
 
 def brute_force_replicas_simulated(table: CostTable) -> tuple[float, float]:
-    """The least simulated step (planner.replica_choice.predict_replicas: the number a plan reports) over every
+    """The least simulated step (planner.replica.replica_choice.predict_replicas: the number a plan reports) over every
     plan of one pipeline or R >= 2 replicas, each replica at the closed form's best recomputation for its
     placement and share; and the least over one pipeline alone."""
     from hetero.planner.model.predict import predict

@@ -304,3 +304,17 @@ def test_a_metrics_line_still_being_written_is_left_for_the_next_read(tmp_path: 
     assert read_metrics(path) == [{"step": 1}]
     path.write_text('{"step": 1}\n{"step": 2}')
     assert read_metrics(path) == [{"step": 1}, {"step": 2}]
+
+
+def test_a_run_dir_of_steps_numbered_from_0_is_renumbered_when_resumed() -> None:
+    """metrics.jsonl numbered its steps from 0 before issue 53 made them count from 1: resuming such a run dir after
+    2 steps keeps its steps 1-2 (were 0-1), its events and evaluations on the same numbers, not step 3 twice."""
+    from hetero.runtime.run.records import kept_lines
+
+    old = [{"step": 0, "loss": 3.0}, {"step": 1, "loss": 2.9}, {"step": 1, "eval_loss": 2.5},
+           {"event": "rebalance", "after_step": 1}, {"step": 2, "loss": 2.8}, {"step": 3, "loss": 2.7}]
+    kept = [json.loads(line) for line in kept_lines("".join(json.dumps(r) + "\n" for r in old), 2, False)]
+    assert kept == [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.9}, {"step": 2, "eval_loss": 2.5},
+                    {"event": "rebalance", "after_step": 2}]
+    new = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.9}, {"step": 3, "loss": 2.8}]
+    assert [json.loads(line) for line in kept_lines("".join(json.dumps(r) + "\n" for r in new), 2, False)] == new[:2]

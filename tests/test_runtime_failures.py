@@ -287,13 +287,13 @@ def test_a_killed_stage_stops_the_run_in_one_line_and_resume_finishes_it(root: P
     _wait_for("the step-2 checkpoint", lambda: (run_dir / "checkpoints" / "step-000002" / "COMPLETE").is_file(), run)
     pids, line = _signal_middle_stage(run, run_dir, signal.SIGKILL)
     assert f"stage 1 exited on host localhost (pid {pids[1]}): killed by SIGKILL" in line, line
-    assert f"continue from step 2 with `hetero run {run_dir / 'plan.json'} --port {_port(run)} --resume {run_dir}`" in line \
-        or f"continue from step 4 with `hetero run {run_dir / 'plan.json'} --port {_port(run)} --resume {run_dir}`" in line, line
+    assert f"continue after step 2 with `hetero run {run_dir / 'plan.json'} --port {_port(run)} --resume {run_dir}`" in line \
+        or f"continue after step 4 with `hetero run {run_dir / 'plan.json'} --port {_port(run)} --resume {run_dir}`" in line, line
     _assert_no_process_left(run_dir, pids)
     assert not (run_dir / "adapter").exists()
 
     # The command the line gives, run as printed (from another directory), finishes the run.
-    printed = re.search(r"continue from step \d+ with `([^`]+)`", line)
+    printed = re.search(r"continue after step \d+ with `([^`]+)`", line)
     assert printed, line
     command = shlex.split(printed.group(1))
     assert command[:2] == ["hetero", "run"]
@@ -488,7 +488,7 @@ def test_a_step_past_runtime_step_timeout_s_stops_the_run_in_one_line(root: Path
     assert "runtime.step_timeout_s=60 or more" in line, line
     # runtime.elastic=auto (the default) copies the stages' state every step or so: the line names that copy, on disk
     # by then, when one was made before the stage stopped; otherwise there is nothing to continue from.
-    kept = re.search(r"continue from step (\d+) with `", line)
+    kept = re.search(r"continue after step (\d+) with `", line)
     assert (kept and (run_dir / "checkpoints" / f"step-{int(kept.group(1)):06d}" / "COMPLETE").is_file()
             or "no checkpoint yet" in line), line
     _assert_no_process_left(run_dir, pids)

@@ -151,7 +151,7 @@ def test_only_the_step_forms_call_a_schedules_generator() -> None:
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
                 names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom | ast.Import) else []
-                if any(n in generators or n == "schedules" or n.endswith("planner.schedules") for n in names) or (
-                        isinstance(node, ast.ImportFrom) and (node.module or "").endswith("planner.schedules")):
+                if any(n in generators or n == "schedules" or n.endswith("schedule.schedules") for n in names) or (
+                        isinstance(node, ast.ImportFrom) and (node.module or "").endswith("schedule.schedules")):
                     found.append(f"{rel}:{node.lineno} imports {', '.join(names)}")
     assert found == []

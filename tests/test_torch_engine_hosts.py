@@ -192,7 +192,7 @@ def test_a_rank_killed_on_the_second_host_ends_both_hosts_in_one_line_and_resume
     assert "host b" in lines[0] and "SIGKILL" in lines[0] and "rank 3" in lines[0], lines[0]
     _nothing_left(two_hosts, tmp_path, t0, 30)
     print(f"SIGKILL of rank 3 on host b: nothing left on either host {time.monotonic() - t0:.1f} s later; {lines[0]}")
-    assert "continue from step" in lines[0] and "--resume run" in lines[0], lines[0]
+    assert "continue after step" in lines[0] and "--resume run" in lines[0], lines[0]
     # hetero's engine continues the run from the torch engine's checkpoint, here on host a.
     done = max(m["step"] for m in step_lines(read_metrics(metrics)))
     one_host = make_plan(tiny_model_dir, tiny_spec.architecture, packing=False, train=long, seq_len=SEQ_LEN,
@@ -232,7 +232,7 @@ def test_a_host_that_drops_off_the_network_ends_the_run_on_both_hosts(two_hosts:
         took = time.monotonic() - t0
         lines = [ln for ln in err.splitlines() if ln.startswith("hetero: error:")]
         assert code != 0 and len(lines) == 1 and took < 30, (took, err[-3000:])
-        assert "host b: its ssh session ended" in lines[0] and "continue from step" in lines[0], lines[0]
+        assert "host b: its ssh session ended" in lines[0] and "continue after step" in lines[0], lines[0]
         _nothing_left(two_hosts, tmp_path, t0, 30, sessions=False)
         print(f"link down: `hetero run` ended {took:.1f} s later ({lines[0]}); nothing of the run left on either host "
               f"{time.monotonic() - t0:.1f} s after the link went down")

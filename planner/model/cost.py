@@ -1,7 +1,7 @@
 """The cost table: one planning problem's costs, evaluated once as dense arrays.
 
-``build_cost_table`` evaluates a cost model (planner.cost_model: the interface and the datasheet
-roofline; planner.profile_cost: a measured profile) for every (node, device) and every link of a
+``build_cost_table`` evaluates a cost model (planner.model.cost_model: the interface and the datasheet
+roofline; planner.model.profile_cost: a measured profile) for every (node, device) and every link of a
 planning problem into a ``CostTable``: the exact DP, the ILP, the brute force, the baselines and the
 manual split all read the very same numbers, and none of them calls back into the fleet or the cost
 model.

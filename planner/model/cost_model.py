@@ -1,8 +1,8 @@
 """Cost models: per (node, device) compute time and memory, per (host, host) transfer time.
 
 ``CostModel`` is the interface the planner asks; ``RooflineCostModel`` answers it from datasheet
-numbers and ``planner.profile_cost.ProfileCostModel`` from a measured profile (``hetero profile``).
-planner.cost evaluates one once per planning problem into a dense ``CostTable``.
+numbers and ``planner.model.profile_cost.ProfileCostModel`` from a measured profile (``hetero profile``).
+planner.model.cost evaluates one once per planning problem into a dense ``CostTable``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ grad_bytes(span_k) x CostTable.reduce_s_per_byte[host of k][coordinator's host].
 
 The search is exact. Devices come in classes (CostTable.device_classes: interchangeable devices);
 a replica uses a sub-multiset U of them (identical replicas are one multiset: no symmetric copies).
-T(U, m), the best pipeline on U's devices with m micro-batches, comes from planner.exact.solve_exact
+T(U, m), the best pipeline on U's devices with m micro-batches, comes from planner.search.exact.solve_exact
 on the restricted table; it may leave devices of U idle, so T falls as U grows and rises with m.
 For a threshold tau, a DP over (devices left, micro-batches left, coordinator placed?) packs
 replicas with T <= tau into the least total reduction g(tau); the optimum is the least tau + g(tau)

@@ -2,7 +2,7 @@
 
 ``brute_force`` ranks by the closed form (objective.pipeline_step_time), what the exact DP and the ILP
 minimise; ``brute_force_simulated`` by the simulator's step time, what the plan reports and
-planner.solve.solve_simulated minimises."""
+planner.search.solve.solve_simulated minimises."""
 
 from __future__ import annotations
 

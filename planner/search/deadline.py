@@ -38,7 +38,7 @@ SINGLE_SHARE = 0.5
 
 
 class OutOfTime(Exception):
-    """The solve's deadline passed inside a solver; planner.solve catches it and reports honestly."""
+    """The solve's deadline passed inside a solver; planner.search.solve catches it and reports honestly."""
 
 
 def check(deadline: float | None) -> None:

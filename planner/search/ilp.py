@@ -15,7 +15,7 @@ not fit are never created; a flat network adds one row per cut for micro-batches
 The objective is hetero.planner.model.objective.pipeline_step_time in these variables (tests check it
 against brute force). CBC searches exactly (no gap, a tiny cutoff increment on an objective scaled to
 be >= 1) against the wall clock, and is killed if it overruns; its solution status is checked, and a
-time-limited run reports its gap. planner.solve runs this when the exact DP (planner/search/exact.py) cannot.
+time-limited run reports its gap. planner.search.solve runs this when the exact DP (planner/search/exact.py) cannot.
 """
 
 from __future__ import annotations

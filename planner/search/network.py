@@ -303,7 +303,7 @@ def build_network(
 
     ``layered``: track stages remaining in the states (exact, tight LP) or, when False, in rows
     (one layer: far fewer arcs). None picks layers unless they would exceed LAYERED_ARCS arcs.
-    Raises planner.deadline.OutOfTime past ``deadline`` (time.perf_counter()).
+    Raises planner.search.deadline.OutOfTime past ``deadline`` (time.perf_counter()).
     """
     if layered is None:
         net = build_network(table, num_stages, upper_s, True, deadline)

@@ -124,7 +124,7 @@ def solve_simulated(table: CostTable, num_stages: int | None = None, time_limit_
                    starts=starts)
     if closed.evaluation is None and (closed.report.status == "Infeasible"
                                       or closed.report.sol_status == "No Solution Exists"):
-        return closed  # proven: nothing fits (planner.feasibility explains why)
+        return closed  # proven: nothing fits (planner.explain.feasibility explains why)
     if ram:
         # Host RAM may bind: the simulated search prices each stage's pair alone; the closed form's
         # optimum (the ILP with its RAM rows) is the plan.

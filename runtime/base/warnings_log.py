@@ -19,8 +19,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-_HETERO_ROOT = str(Path(__file__).resolve().parents[2])  # the source tree (editable) or site-packages/hetero
-_OURS = ("hetero", "compiler", "planner", "runtime")  # top-level folders installed under hetero.*
+_OURS = ("hetero", "hetero.compiler", "hetero.planner", "hetero.runtime")  # the source folders installed as hetero.*
+_roots: tuple[str, ...] | None = None
+
+
+def _our_roots() -> tuple[str, ...]:
+    """The folders hetero's packages load from, found by the import system (an editable install maps the top-level
+    folders compiler/, planner/, runtime/; an installed one has them under site-packages/hetero/). find_spec reads
+    where a package is without running it."""
+    global _roots
+    if _roots is None:
+        import importlib.util
+
+        found = []
+        for name in _OURS:
+            spec = importlib.util.find_spec(name)
+            found += [str(Path(p).resolve()) + os.sep for p in (spec.submodule_search_locations or [])] if spec else []
+        _roots = tuple(found)
+    return _roots
 
 
 def _is_ours(filename: str) -> bool:
@@ -28,9 +44,7 @@ def _is_ours(filename: str) -> bool:
         path = Path(filename).resolve()
     except (OSError, ValueError):
         return False
-    if "site-packages" in path.parts and "hetero" not in path.parts:
-        return False
-    return any(str(path).startswith(str(Path(_HETERO_ROOT) / part) + "/") for part in _OURS)
+    return str(path).startswith(_our_roots())
 
 
 def _append(path: Path, texts: list[str]) -> None:

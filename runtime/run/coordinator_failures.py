@@ -102,7 +102,7 @@ class FailureHandling:
                                 lost=LostStage(k, "stopped responding", cause))
 
     def _failure_line(self, k: int, what: str, cause: str) -> str:
-        """``stage 1 exited on host h (pid 42): killed by SIGKILL; continue from step 4 with `...` (log: ...)``."""
+        """``stage 1 exited on host h (pid 42): killed by SIGKILL; continue after step 4 with `...` (log: ...)``."""
         host = self.plan.stages[k].host
         pid = f" (pid {self.pids[k]})" if k in self.pids else ""
         log = str(self.run_dir / "logs" / f"stage{k}.log") if k in self.procs else f"on {host}, under `hetero worker`"
@@ -123,7 +123,7 @@ class FailureHandling:
         self._save_memory()
         last = latest_checkpoint(self.run_dir)
         if last is not None:
-            return (f"continue from step {checkpoint_step(last)} with "
+            return (f"continue after step {checkpoint_step(last)} with "
                     f"`{self._command()} --resume {shlex.quote(str(self.run_dir))}`")
         if self.options.resume is not None:
             return (f"no newer checkpoint: continue with `{self._command()} --resume "

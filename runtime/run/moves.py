@@ -60,7 +60,7 @@ class Move:
     spans: list[list[int]]
     recompute: list[list[str]]
     event: dict[str, Any]
-    proposal: Any = None  # planner.rebalance.Proposal (None for a forced move)
+    proposal: Any = None  # planner.replan.rebalance.Proposal (None for a forced move)
 
 
 class Mover:

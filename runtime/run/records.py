@@ -80,6 +80,32 @@ def metrics_line(plan: Plan, step: int, done: dict[int, Any], grad_norm: float, 
     return line
 
 
+def kept_lines(text: str, start_step: int, recovering: bool) -> list[str]:
+    """The metrics.jsonl lines a run that goes on after ``start_step`` steps keeps (RunRecords.start_metrics). A file
+    written before steps were numbered from 1 (its first step is 0) is renumbered as it is kept, so that the run
+    does not repeat its last kept step and the file has one numbering."""
+    rows: list[tuple[str, dict[str, Any]]] = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash
+        if isinstance(row, dict):
+            rows.append((line, row))
+    old = any(row.get("step") == 0 and "event" not in row for _, row in rows)
+    kept = []
+    for line, row in rows:
+        if old:
+            for key in ("step", "after_step", "resumed_from_step"):
+                if isinstance(row.get(key), int):
+                    row[key] += 1
+            line = json.dumps(row)
+        step = row.get("step") if "event" not in row else row.get("after_step")
+        if (isinstance(step, int) and step <= start_step) or (recovering and row.get("event") == "recovery"):
+            kept.append(line)
+    return kept
+
+
 class RunRecords:
     """The run directory's record of training, and the evaluator client (runtime/run/eval_client.py) it feeds."""
 
@@ -109,18 +135,11 @@ class RunRecords:
         """metrics.jsonl: empty for a new run; a resumed one keeps the lines of the steps before it. A run that goes
         on after a lost device (``recovering``: runtime.elastic) keeps every recovery line too: a device lost is
         history even where the steps around the loss are trained again (a second loss may resume from a copy older
-        than the first, or from step 0)."""
+        than the first, or before the first step)."""
         path = self.run_dir / "metrics.jsonl"
         kept: list[str] = []
         if (start_step > 0 or recovering) and path.is_file():
-            for line in path.read_text(errors="replace").splitlines():
-                try:
-                    row = json.loads(line)
-                    step = row["step"] if "event" not in row else row["after_step"]
-                except (ValueError, KeyError, TypeError):
-                    continue  # a line cut short by a crash
-                if (isinstance(step, int) and step <= start_step) or (recovering and row.get("event") == "recovery"):
-                    kept.append(line)
+            kept = kept_lines(path.read_text(errors="replace"), start_step, recovering)
         write_run_file(self.run_dir, "metrics.jsonl", "".join(f"{line}\n" for line in kept))
         from hetero.runtime.run.tensorboard import EventWriter
 

@@ -101,7 +101,7 @@ def run_segments(plan: Plan, steps: list[dict[str, Any]], events: list[dict[str,
     the split its move went to (a move after the last step still makes a segment, with no steps)."""
     moves = sorted((e for e in events if isinstance(e.get("after_step"), int)), key=lambda e: e["after_step"])
     bounds = [e["after_step"] for e in moves] + [None]
-    numbered = [(_step_of(s, i), s) for i, s in enumerate(steps)]
+    numbered = [(_step_of(s, i), s) for i, s in enumerate(steps, 1)]  # steps are numbered from 1
     segments, low = [], None
     for i, high in enumerate(bounds):
         inside = [s for n, s in numbered if (low is None or n > low) and (high is None or n <= high)]

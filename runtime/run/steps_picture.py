@@ -71,7 +71,7 @@ def _move_label(move: dict[str, Any]) -> str:
 
 def steps_picture_data(plan: Plan, lines: list[dict[str, Any]], events: list[dict[str, Any]] | None = None) -> StepsPicture:
     """What steps.png draws for a run of ``plan``: its metrics.jsonl lines (events among them or in ``events``)."""
-    steps = [{"step": i, **s} for i, s in enumerate(step_lines(lines))]  # a line without its number: its position
+    steps = [{"step": i, **s} for i, s in enumerate(step_lines(lines), 1)]  # a line without its number: its place
     moves_in = event_lines(lines) + list(events or [])
     segments = run_segments(plan, steps, moves_in)
     predicted = [(seg.steps[0]["step"] - 0.5, seg.steps[-1]["step"] + 0.5, seg.predicted_step_s)

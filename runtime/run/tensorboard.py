@@ -119,7 +119,7 @@ class EventWriter:
         self._file.flush()
 
     def step(self, line: dict[str, Any]) -> None:
-        """A metrics.jsonl step line's scalars at its step (0-based in metrics.jsonl, 1-based here)."""
+        """A metrics.jsonl step line's scalars at its step (numbered from 1, as in metrics.jsonl)."""
         if isinstance(line.get("step"), int) and (scalars := scalars_of(line, STEP_SCALARS)):
             self._write(event(line["step"], scalars=scalars))
 

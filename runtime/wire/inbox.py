@@ -78,6 +78,8 @@ class Inbox:
         # whose name the run no longer has is a lost device coming back (runtime/run/elastic.py decides whether to
         # take it back, and says so): its messages are dropped and kept as rejections, but logged as what they are.
         self.returning: tuple[set[str], set[str]] = (set(), set())
+        self._returned: set[tuple[str, str]] = set()  # (name, plan) of those logged as coming back, once each
+        self._warned = 0  # drops warned about (or counted towards the next warning)
         self._gate: InboxWatch | None = None  # the inbox's watch (a Gatekeeper when the run has keys)
         self._recv_lock = threading.Lock()
         self._pending: deque[Message] = deque()
@@ -223,13 +225,17 @@ class Inbox:
             if self.rules is not None:
                 self.rules.check(msg, list(self._pending))
         except WireError as exc:
-            self.rejected += 1
+            self.rejected += 1  # (the coordinator looks for a lost device coming back when this grows)
             peer = user or _peer_address(frames[0])
             self.rejections.append((peer, str(exc)))
-            if (back := self._returning(peer, str(exc))) is not None:
-                log.info("%s: %s says hello under plan %s, an earlier plan of this run: a lost device coming back "
-                         "(taken back at a step boundary where that is faster)", self.name, back[0], back[1])
-            elif self.rejected <= 20 or self.rejected % 1000 == 0:
+            if (back := self._returning(peer, str(exc))) is not None:  # its hello, then a heartbeat a second
+                if back not in self._returned:
+                    self._returned.add(back)
+                    log.info("%s: %s says hello under plan %s, an earlier plan of this run: a lost device coming "
+                             "back (taken back at a step boundary where that is faster)", self.name, back[0], back[1])
+                return None
+            self._warned += 1  # the first 20 drops of other kinds are each told, then one in 1000
+            if self._warned <= 20 or self._warned % 1000 == 0:
                 log.warning("%s dropped a message from %s: %s (%d dropped so far)", self.name, peer, exc,
                             self.rejected)
             return None

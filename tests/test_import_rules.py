@@ -208,17 +208,24 @@ def _floor_of(module: str) -> int | None:
 
 def upward_imports(root: Path = ROOT) -> list[str]:
     """Every import in runtime/ of a floor above the importing module's."""
+    return _upward(root, "runtime", FLOORS, _floor_of)
+
+
+def _upward(root: Path, folder: str, floors: dict[str, int], floor_of: Any) -> list[str]:
+    """Every import in ``folder`` (hetero.<folder>) of a floor above the importing module's: a module's floor is
+    its first path part's in ``floors``; ``floor_of`` gives an imported module's (None: outside the floors). The
+    folder's own __init__.py is left out."""
     bad = []
-    for path in sorted((root / "runtime").rglob("*.py")):
-        rel = path.relative_to(root / "runtime")
+    for path in sorted((root / folder).rglob("*.py")):
+        rel = path.relative_to(root / folder)
         if rel.parts == ("__init__.py",):
             continue
-        own = FLOORS[rel.parts[0].removesuffix(".py")]
-        package = ".".join(["hetero", "runtime", *rel.with_suffix("").parts[:-1]])
+        own = floors[rel.parts[0].removesuffix(".py")]
+        package = ".".join(["hetero", folder, *rel.with_suffix("").parts[:-1]])
         for line, module in _imports(ast.parse(path.read_text(), str(path)), package):
-            above = _floor_of(module)
+            above = floor_of(module)
             if above is not None and above > own:
-                bad.append(f"runtime/{rel}:{line} imports {module}")
+                bad.append(f"{folder}/{rel}:{line} imports {module}")
     return sorted(set(bad))
 
 
@@ -249,19 +256,9 @@ def _wing_of(module: str) -> int | None:
 
 
 def planner_upward_imports(root: Path = ROOT) -> list[str]:
-    """Every import in planner/ of a wing above the importing module's (lazy imports in functions count)."""
-    bad = []
-    for path in sorted((root / "planner").rglob("*.py")):
-        rel = path.relative_to(root / "planner")
-        if rel.parts == ("__init__.py",):
-            continue  # the package's lazy `plan`
-        own = WINGS[rel.parts[0].removesuffix(".py")]
-        package = ".".join(["hetero", "planner", *rel.with_suffix("").parts[:-1]])
-        for line, module in _imports(ast.parse(path.read_text(), str(path)), package):
-            above = _wing_of(module)
-            if above is not None and above > own:
-                bad.append(f"planner/{rel}:{line} imports {module}")
-    return sorted(set(bad))
+    """Every import in planner/ of a wing above the importing module's (lazy imports in functions count); the
+    package's __init__ (its lazy ``plan``) is left out."""
+    return _upward(root, "planner", WINGS, _wing_of)
 
 
 def test_planner_wings_import_nothing_above_them() -> None:

@@ -127,6 +127,16 @@ class Loaded:
     located: list[str]
     cut: set[int] = field(default_factory=set)
 
+    def cut_to(self, max_chars: int | None) -> Loaded:
+        """These records, each cut to ``max_chars`` (``bounded``): for a file read whole (JSON lines are cut as they
+        are read)."""
+        if max_chars is not None:
+            for i, record in enumerate(self.records):
+                self.records[i], was_cut = bounded(record, max_chars)
+                if was_cut:
+                    self.cut.add(i)
+        return self
+
     def without(self, indices: list[int]) -> Loaded:
         """These records without those at ``indices`` (eval.split's held-out ones); itself when there are none."""
         if not indices:
@@ -150,16 +160,10 @@ def read_records(data: DataSpec, max_chars: int | None = None) -> Loaded:
     (no column types inferred across records, which turned a valid "5" into 5 and blamed another record), and a
     bad line is named. With ``max_chars``, each record is cut (``bounded``) as it is read: a 1 GiB record costs
     its line and its parsed text while it is read (twice its size), then only what a row can use."""
-    loaded = _read_unbounded(data, max_chars)
-    if max_chars is not None:  # JSON lines are cut as they are read; Parquet and JSON arrays are read whole, then cut
-        for i, record in enumerate(loaded.records):
-            loaded.records[i], was_cut = bounded(record, max_chars)
-            if was_cut:
-                loaded.cut.add(i)
-    return loaded
+    return _read(data, max_chars)
 
 
-def _read_unbounded(data: DataSpec, max_chars: int | None = None) -> Loaded:
+def _read(data: DataSpec, max_chars: int | None) -> Loaded:
     if data.path is None:
         if data.format != "alpaca":
             raise ConfigError(f"data.format={data.format} needs data.path=FILE: the bundled demo set "
@@ -168,7 +172,7 @@ def _read_unbounded(data: DataSpec, max_chars: int | None = None) -> Loaded:
 
         text = demo_data_text()
         if text.lstrip().startswith("["):
-            return _read_array(text, DEMO_NAME)
+            return _read_array(text, DEMO_NAME).cut_to(max_chars)
         return _parse_jsonl(enumerate(_lines(text), 1), DEMO_NAME, max_chars)
     path = Path(data.path).expanduser()
     name = str(path)
@@ -181,11 +185,11 @@ def _read_unbounded(data: DataSpec, max_chars: int | None = None) -> Loaded:
         raise ConfigError(f"data.path '{name}': file is empty")
     if suffix == ".parquet":
         records = _read_parquet(path, name)
-        return Loaded(records, name, [f"record {i}" for i in range(1, len(records) + 1)])
+        return Loaded(records, name, [f"record {i}" for i in range(1, len(records) + 1)]).cut_to(max_chars)
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
         first = re.search(rb"\S", view)
         if first is not None and view[first.start()] == ord("["):
-            return _read_array(_decoded(view, 0, len(view), name), name)
+            return _read_array(_decoded(view, 0, len(view), name), name).cut_to(max_chars)
         return _parse_jsonl(_file_lines(mm, view, name), name, max_chars)
 
 

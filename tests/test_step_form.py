@@ -155,3 +155,29 @@ def test_only_the_step_forms_call_a_schedules_generator() -> None:
                         isinstance(node, ast.ImportFrom) and (node.module or "").endswith("schedule.schedules")):
                     found.append(f"{rel}:{node.lineno} imports {', '.join(names)}")
     assert found == []
+
+
+def _m_minus_one(node: ast.AST) -> bool:
+    """``m - 1`` (or ``self.m - 1``, ``train.num_micro_batches - 1``): the closed form's multiplier."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub)
+            and isinstance(node.right, ast.Constant) and node.right.value == 1):
+        return False
+    left = node.left
+    name = left.id if isinstance(left, ast.Name) else left.attr if isinstance(left, ast.Attribute) else ""
+    return name in ("m", "num_micro_batches")
+
+
+def test_only_the_step_form_assembles_a_base_plus_m_minus_one_periods() -> None:
+    """``base + (m - 1) x period`` is written once (step_form.linear_step): a solver or bound that assembles its
+    own is where a change to the closed form (a per-step overhead, a new group) silently misses one of them."""
+    found = []
+    for path in sorted((ROOT / "planner").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)):
+                continue
+            for side in (node.left, node.right):
+                if (isinstance(side, ast.BinOp) and isinstance(side.op, ast.Mult)
+                        and (_m_minus_one(side.left) or _m_minus_one(side.right))):
+                    found.append(f"{rel}:{node.lineno}")
+    assert [f.split(":")[0] for f in found] == ["planner/schedule/step_form.py"], found  # linear_step alone

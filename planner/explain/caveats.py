@@ -13,6 +13,7 @@ from typing import Any
 from hetero.plan import StagePlan
 from hetero.planner.model.cost_model import CostModel
 from hetero.planner.model.profile_cost import ProfileCostModel
+from hetero.planner.schedule.step_form import linear_step
 from hetero.specs import EvalSpec, TrainSpec
 
 # What a GPU stage takes, at least, to issue one decoder layer's forward and backward for a micro-batch from Python:
@@ -69,7 +70,7 @@ def stage_eval_lines(evaluation: EvalSpec, stages: list[StagePlan], replicas: li
     first = [stages[k] for k in replicas[0].stages] if replicas else stages
     m = replicas[0].num_micro_batches if replicas else train.num_micro_batches
     rounds = -(-evaluation.max_batches // m)
-    one = sum(s.fwd_time_s + s.send_time_s for s in first) + (m - 1) * max(s.fwd_time_s for s in first)
+    one = linear_step(sum(s.fwd_time_s + s.send_time_s for s in first), m, max(s.fwd_time_s for s in first))
     share = rounds * one / (evaluation.every * step_s) if step_s > 0 else 0.0
     return [f"Evaluation on the training stages every {evaluation.every} step(s): {rounds} forward round(s) of {m} "
             f"micro-batch(es), predicted {rounds * one:.3g} s each time ({share:.1%} of training time); eval.device "

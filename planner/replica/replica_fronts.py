@@ -17,6 +17,7 @@ import numpy as np
 
 from hetero.planner.model.cost import CostTable, subtable
 from hetero.planner.model.span_costs import SharedCosts, stage_costs
+from hetero.planner.schedule.step_form import linear_step
 from hetero.planner.search.deadline import check
 
 REL_TOL = 1e-9
@@ -123,7 +124,7 @@ class FrontEnumerator:
                     total += 2.0 * link
                     periods = [np.maximum(p, g.link * link) for p, g in zip(periods, form.groups, strict=True)]
             ok = np.isfinite(total)
-            step = np.where(ok, total + (m - 1) * np.where(ok, sum(periods), 0.0), INF)
+            step = np.where(ok, linear_step(total, m, np.where(ok, sum(periods), 0.0)), INF)
             keep = step <= tau_max * (1 + REL_TOL)
             times.append(step[keep])
             reds.append(red[keep])

@@ -36,6 +36,13 @@ from hetero.planner.schedule.schedules import gpipe, interleaved_one_f_one_b, on
 from hetero.program import SCHEDULES, Action, Op
 
 
+def linear_step(base: Any, m: int, period: Any) -> Any:
+    """The closed form's assembly, written once: ``base`` (the first micro-batch's trip down and back) plus
+    (m - 1) times ``period`` (the sum of the groups' bottlenecks). Every solver and bound prices a step, a bound
+    or a cut through it: numbers, numpy arrays and PuLP expressions alike."""
+    return base + (m - 1) * period
+
+
 @dataclass(frozen=True)
 class PeriodGroup:
     """One max term of the closed form: weights of a stage's forward and backward seconds and of a link's."""
@@ -172,7 +179,7 @@ class StepForm:
     def closed_form(self, m: int, fwd_s: Sequence[float], bwd_s: Sequence[float], comm_s: Sequence[float]) -> float:
         """The linear step time: first micro-batch's round trip plus (m - 1) times the groups' bottlenecks."""
         base = sum(fwd_s) + sum(bwd_s) + 2.0 * sum(comm_s)
-        return base + (m - 1) * sum(self.periods(fwd_s, bwd_s, comm_s))
+        return linear_step(base, m, sum(self.periods(fwd_s, bwd_s, comm_s)))
 
     def least_step(self, m: int, fwd_s: Sequence[float], bwd_s: Sequence[float], comm_s: Sequence[float]) -> float:
         """The lower bound (``bound``) on the simulated step of stages with these times, in pipeline order."""
@@ -187,7 +194,7 @@ class StepForm:
             if m > 1:
                 periods[0] = max(periods[0], float(self.suffix(trip, fwd_s[k], bwd_s[k], self.held(s - 1 - k, m), m))
                                  / (m - 1))
-        return base + (m - 1) * sum(periods)
+        return linear_step(base, m, sum(periods))
 
 
 def _one_f_one_b_held(position_from_end: int, m: int) -> int:

@@ -36,6 +36,7 @@ import numpy as np
 from hetero.planner.model.cost import CostTable
 from hetero.planner.model.objective import Placement, hop_messages_s
 from hetero.planner.model.span_costs import SharedCosts, stage_costs
+from hetero.planner.schedule.step_form import linear_step
 from hetero.planner.search.deadline import OutOfTime, check
 
 # Past this many DP states ((nodes + 1) x multisets x classes) the DP is not attempted: the ILP runs.
@@ -256,7 +257,7 @@ class _Search:
 
     def value(self, path: _Path) -> float:
         """The step time of a path: its sum plus (m - 1) times its periods."""
-        return path.total_s + (self.m - 1) * sum(path.periods)
+        return linear_step(path.total_s, self.m, sum(path.periods))
 
     def run(self, at: tuple[int, ...], cutoff: float = math.inf) -> _Path | None:
         path = self.dp.run(tuple(float(c[i]) for c, i in zip(self.cands, at, strict=True)), cutoff)
@@ -267,7 +268,7 @@ class _Search:
 
     def lowest(self, lo: tuple[int, ...]) -> float:
         """(m - 1) times the smallest thresholds of a box."""
-        return (self.m - 1) * sum(float(c[i]) for c, i in zip(self.cands, lo, strict=True))
+        return linear_step(0.0, self.m, sum(float(c[i]) for c, i in zip(self.cands, lo, strict=True)))
 
     def push(self, lo: tuple[int, ...], hi: tuple[int, ...], sum_bound: float) -> None:
         """Queue a box whose sums are >= ``sum_bound``, unless its bound cannot beat the best."""

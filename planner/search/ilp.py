@@ -37,7 +37,7 @@ import pulp
 from hetero.plan import SolverReport
 from hetero.planner.model.cost import CostTable
 from hetero.planner.model.objective import Evaluation, Placement, evaluate
-from hetero.planner.schedule.step_form import PeriodGroup
+from hetero.planner.schedule.step_form import PeriodGroup, linear_step
 from hetero.planner.search.deadline import OutOfTime, check
 from hetero.planner.search.network import (
     LinkArc,
@@ -100,9 +100,9 @@ class _Model:
             self._in_flight_rows(prob)
         self._period_rows(prob, by_device)
         self._ram_rows(prob)
-        prob += (_expr((v, a.fwd + a.bwd) for a, v in self.y.items())
-                 + _expr((v, 2.0 * a.time) for a, v in self.z.items())
-                 + (table.num_micro_batches - 1) * pulp.lpSum(self.periods))
+        prob += linear_step(_expr((v, a.fwd + a.bwd) for a, v in self.y.items())
+                            + _expr((v, 2.0 * a.time) for a, v in self.z.items()),
+                            table.num_micro_batches, pulp.lpSum(self.periods))
         self.prob = prob
 
     def _ram_rows(self, prob: pulp.LpProblem) -> None:

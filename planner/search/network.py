@@ -35,6 +35,7 @@ from hetero.planner.model.objective import (
     stage_pareto,
     stream_terms,
 )
+from hetero.planner.schedule.step_form import linear_step
 from hetero.planner.search.deadline import check
 
 # Pruning keeps an arc unless its lower bound exceeds the upper bound by this much (float noise).
@@ -256,7 +257,7 @@ def _stage_arcs(table: CostTable, scale: _Scale, cands: list[_Candidate], cap: i
             base = scale.all_fastest - (after[i] - after[j + 1]) + t
             # Below the cap exactly q-1 stages follow: one of them takes at least their average.
             tail = after[j + 1] / (q - 1) if 1 < q < cap else 0.0
-            if base + (m - 1) * max(t, tail) > scale.bound:
+            if linear_step(base, m, max(t, tail)) > scale.bound:
                 continue
             stage_arcs.append(StageArc(d, i, j, q, (f + copy_s) / unit, (b + extra + copy_s) / unit, held, r, s,
                                        host_bytes))

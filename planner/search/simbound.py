@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from hetero.planner.model.cost import CostTable
 from hetero.planner.model.objective import Evaluation
-from hetero.planner.schedule.step_form import StepForm
+from hetero.planner.schedule.step_form import StepForm, linear_step
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def barrier_bound(form: StepForm, m: int, times: StageTimes) -> float:
     s = len(phi)
     e = [p + b for p, b in zip(phi, beta, strict=True)]
     base = sum(e) + 2.0 * sum(link)
-    best = max([base] + [base + (m - 1) * c for c in link])
+    best = max([base] + [linear_step(base, m, c) for c in link])
     arrive = tail = 0.0  # A_k and T_k
     downstream = [0.0] * (s + 1)  # sum_{j >= k} (e_j + 2 c_j), c_{S-1} = 0
     for k in range(s - 1, -1, -1):

@@ -26,6 +26,7 @@ import numpy as np
 
 from hetero.planner.model.cost import CostTable
 from hetero.planner.model.objective import Placement
+from hetero.planner.schedule.step_form import linear_step
 from hetero.planner.search.deadline import OutOfTime
 from hetero.planner.search.exact import ThresholdDP
 
@@ -49,14 +50,14 @@ class _Grid:
             self._sums[i] = math.inf if path is None else path.total_s
             if path is not None:
                 placement = self.dp.placement(path)
-                value = path.total_s + (self.dp.m - 1) * float(self.t[i])
+                value = linear_step(path.total_s, self.dp.m, float(self.t[i]))
                 self.found[placement] = min(value, self.found.get(placement, math.inf))
         return self._sums[i]
 
     def bound(self, a: int, b: int) -> float:
         """The least L of placements first within a threshold of t_a..t_b."""
         below = self.t[a - 1] if a > 0 else self.t[0]
-        return self.sum(b) + (self.dp.m - 1) * float(below)
+        return linear_step(self.sum(b), self.dp.m, float(below))
 
 
 @dataclass
@@ -96,7 +97,7 @@ def least_step_bound(table: CostTable, num_stages: int | None = None, deadline: 
     top = max(float(values.max()), (upper_s - free.total_s) / max(dp.m - 1, 1) if upper_s else 0.0, low)
     grid = _Grid(dp, low, top * (1 + GRID_STEP))
     last = len(grid.t) - 1
-    tail = free.total_s + (dp.m - 1) * float(grid.t[last])
+    tail = linear_step(free.total_s, dp.m, float(grid.t[last]))
     heap: list[tuple[float, int, int]] = [(0.0, 0, last)]
     bound = _search(grid, heap, tail, upper_s - finish if upper_s is not None else None) + finish
     return StepBound(bound, sorted(grid.found, key=grid.found.__getitem__))

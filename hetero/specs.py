@@ -19,7 +19,7 @@ Backend = Literal["cuda", "rocm", "mps", "cpu"]
 Quantization = Literal["none", "nf4", "int8"]
 DType = Literal["float32", "bfloat16", "float16"]
 
-BYTES_PER_DTYPE: dict[str, float] = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
+BYTES_PER_DTYPE: dict[str, float] = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "float64": 8.0}
 # Bytes per quantized decoder Linear weight, shared by the compiler's LayerGraph and the planner's
 # memory model. bitsandbytes NF4 packs two 4-bit codes per byte plus one fp32 absmax per block of 64
 # weights (+4/64; double quantization would shave most of that, we do not count on it); LLM.int8

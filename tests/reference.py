@@ -34,10 +34,15 @@ def lora_config(lora: LoraSpec) -> LoraConfig:
     )
 
 
-def build_reference_model(model_dir: Path, lora: LoraSpec, init_adapter: Path | None, seed: int = 0) -> PeftModel:
-    """fp32 base model with trainable LoRA: fresh (seeded) or loaded from ``init_adapter``."""
+def build_reference_model(model_dir: Path, lora: LoraSpec, init_adapter: Path | None, seed: int = 0,
+                          dtype: torch.dtype = torch.float32) -> PeftModel:
+    """fp32 (or ``dtype``: float64 for the exactness checks) base model with trainable LoRA: fresh (seeded) or loaded
+    from ``init_adapter``. Every tensor is in ``dtype``: transformers' fp32-kept modules too, as a stage keeps them."""
     torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    # torch's grouped GEMM takes no float64: a float64 mixture of experts runs transformers' eager experts (the
+    # stage its sorted ones, runtime/stage/experts.py).
+    experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **experts).to(dtype)
     if init_adapter is None:
         model = get_peft_model(base, lora_config(lora))
     else:
@@ -54,7 +59,7 @@ def accumulate_step(model: torch.nn.Module, batch: StepBatch) -> float:
         logits = model(input_ids=ids).logits
         # HF causal-LM convention: position t predicts token t+1.
         loss_sum = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+            logits[:, :-1].reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32)),
             labels[:, 1:].reshape(-1),
             ignore_index=-100,
             reduction="sum",
@@ -99,9 +104,11 @@ def train_reference(
     batches: StepBatches,
     train: TrainSpec,
     steps: int,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train ``steps`` optimizer steps; returns per-step losses and the final LoRA state (PEFT keys)."""
-    model = build_reference_model(model_dir, lora, init_adapter, train.seed)
+    """Train ``steps`` optimizer steps; returns per-step losses and the final LoRA state (PEFT keys; float32, or
+    float64 where ``dtype`` is)."""
+    model = build_reference_model(model_dir, lora, init_adapter, train.seed, dtype)
     params = trainable_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
     scheduler = get_scheduler(
@@ -115,7 +122,8 @@ def train_reference(
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    state = {k: v.detach().to(torch.float32).clone() for k, v in get_peft_model_state_dict(model).items()}
+    wide = torch.promote_types(dtype, torch.float32)
+    state = {k: v.detach().to(wide).clone() for k, v in get_peft_model_state_dict(model).items()}
     return losses, state
 
 
@@ -135,7 +143,7 @@ def make_init_adapter(model_dir: Path, lora: LoraSpec, out_dir: Path, seed: int)
 
 
 def reference_run(model_dir: Path, root: Path, train: TrainSpec, seq_len: int,
-                  targets: list[str] | None = None, packing: bool = True) -> dict:
+                  targets: list[str] | None = None, packing: bool = True, dtype: torch.dtype = torch.float32) -> dict:
     """A fresh adapter (non-zero lora_B, r=4, dropout 0) and the reference's losses and final LoRA state
     over ``train.steps`` steps of the demo data (the steps' records as ``packing`` picks them, each trained in a
     row of its own): what the runtime equivalence tests compare against.
@@ -150,7 +158,7 @@ def reference_run(model_dir: Path, root: Path, train: TrainSpec, seq_len: int,
     adapter = make_init_adapter(model_dir, lora, root / "init_adapter", seed=7)
     batches = StepBatches(DataSpec(packing=packing), model_dir, seq_len, train.micro_batch_size, train.num_micro_batches,
                           train.seed, train.shuffle)
-    losses, state = train_reference(model_dir, lora, adapter, batches, train, train.steps)
+    losses, state = train_reference(model_dir, lora, adapter, batches, train, train.steps, dtype)
     return {"root": root, "lora": replace(lora, init_from=str(adapter)), "losses": losses, "state": state}
 
 

@@ -1,9 +1,10 @@
 """Packing (data.packing, the default): rows hold several records, and training them equals training each alone.
 
-The strongest check is the family test below: llama, qwen3, gemma3_text (sliding window shorter than the records),
-phi3 (fused projections) and qwen3_moe (top-2 routing) train packed rows on 2 CPU stages, and per-step losses and
-every LoRA tensor equal plain transformers+peft trained on the same records one per row (tests/reference.py)
-within 1e-5.
+The strongest checks are tests/test_families.py's, where every family trains packed rows on 3 stages in float64 and
+equals plain transformers+peft trained on the same records one per row (tests/reference.py) within 1e-9. Here the
+same holds through `hetero run`'s processes in float32 (within 1e-5) for the families whose stages differ most:
+llama, gemma3_text (sliding windows shorter than the records, two rotary bases), gpt_oss (attention sinks, biased
+experts) and deepseek_v2 (latent attention, routed and shared experts).
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def test_packing_off_keeps_one_record_per_row(tiny_model_dir: Path) -> None:
 
 
 FAMILIES = ["llama", "qwen3", "gemma3_text", "phi3", "qwen3_moe", "gpt_oss", "deepseek_v2"]
+# Through `hetero run`'s processes (qwen3, phi3 and qwen3_moe: tests/test_families.py in float64, in one process).
+RUN_FAMILIES = ["llama", "gemma3_text", "gpt_oss", "deepseek_v2"]
 
 
 @pytest.mark.parametrize(("model_type", "attention"), [(f, "auto") for f in FAMILIES] + [
@@ -199,7 +202,7 @@ RTOL = 1e-5
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("model_type", RUN_FAMILIES)
 def test_packed_training_equals_the_records_trained_alone(model_type: str, tiny_spec: ModelSpec, tiny_cache: Path,
                                                          tmp_path: Path) -> None:
     architecture = {**COMMON, **TINY.get(model_type, {"model_type": "llama"})}

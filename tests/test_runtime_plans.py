@@ -179,12 +179,13 @@ def test_make_plan_round_trips_through_plan_json(tmp_path: Path, tiny_model_dir:
 
 
 def run_in_threads(stages: list, plan: Plan, batches, steps: int, on_step=None, prepare=None, start_step: int = 0,
-                   executors_out: list | None = None) -> list[float]:
+                   executors_out: list | None = None, coefs_out: list | None = None) -> list[float]:
     """Train ``stages`` (built in this process) for ``steps`` steps, one thread per stage, over real
     Transports on loopback, with this thread as the coordinator; returns the per-step losses.
 
     ``on_step(k, executor)`` runs in stage k's thread just before its optimizer step (grads are there);
-    ``prepare(k, executor)`` runs once before training (e.g. to restore a checkpoint).
+    ``prepare(k, executor)`` runs once before training (e.g. to restore a checkpoint); ``coefs_out`` gets each
+    step's clip coefficient.
     """
     from hetero.runtime.stage.executor import COORDINATOR, Executor, stage_name
     from hetero.runtime.wire.transport import Transport
@@ -213,10 +214,12 @@ def run_in_threads(stages: list, plan: Plan, batches, steps: int, on_step=None, 
             if ex.optimizer is not None:
                 ex.optimizer.register_step_pre_hook(lambda opt, a, kw, k=k, ex=ex: on_step(k, ex))
     try:
-        losses, _ = drive(executors, wires, coord, batches, steps, plan.train.max_grad_norm, start_step)
+        losses, coefs = drive(executors, wires, coord, batches, steps, plan.train.max_grad_norm, start_step)
     finally:
         for w in [*wires, coord]:
             w.close()
+    if coefs_out is not None:
+        coefs_out.extend(coefs)
     return losses
 
 

@@ -97,8 +97,8 @@ def test_misaligned_receive_buffer_is_copied_to_an_aligned_tensor() -> None:
 
 
 def test_send_side_rejects_what_the_wire_cannot_carry() -> None:
-    with pytest.raises(WireError, match="float64"):
-        encode(Message("act", "s", tensors={"x": torch.zeros(2, dtype=torch.float64)}), PLAN)
+    with pytest.raises(WireError, match="complex64"):  # float64 travels (a float64 plan's activations)
+        encode(Message("act", "s", tensors={"x": torch.zeros(2, dtype=torch.complex64)}), PLAN)
     with pytest.raises(WireError, match="unknown message kind 'nope'"):
         encode(Message("nope", "s"), PLAN)
     with pytest.raises(WireError, match=r"meta\.obj holds a object"):
@@ -131,8 +131,8 @@ MALFORMED = {
     "meta is a list": (frames_of(good_header(meta=[1]), FLOATS_2x3), "'meta' must be a map"),
     "tensors not a list": (frames_of(good_header(tensors={"x": 1}), FLOATS_2x3), "'tensors' must be a list"),
     "tensor entry not a map": (frames_of(good_header(tensors=["x"]), FLOATS_2x3), "not a map"),
-    "unknown dtype": (frames_of(good_header(tensors=[{"name": "x", "dtype": "float64", "shape": [3]}]),
-                                FLOATS_2x3), "unknown dtype 'float64'"),
+    "unknown dtype": (frames_of(good_header(tensors=[{"name": "x", "dtype": "complex128", "shape": [3]}]),
+                                FLOATS_2x3), "unknown dtype 'complex128'"),
     "object dtype": (frames_of(good_header(tensors=[{"name": "x", "dtype": "object", "shape": [1]}]), b"12345678"),
                      "unknown dtype 'object'"),
     "negative dim": (frames_of(good_header(tensors=[{"name": "x", "dtype": "float32", "shape": [-2, -3]}]),

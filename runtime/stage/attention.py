@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hetero.runtime.wire.frames import accumulate_dtype
+
 BASES = ("sdpa", "eager", "flash_attention_2", "flex_attention")
 PREFIX = "hetero_"
 
@@ -291,7 +293,8 @@ def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, sc
     weights = weights.masked_fill(~allowed, torch.finfo(weights.dtype).min)
     if sinks is not None:
         sink = sinks.to(weights.dtype).reshape(1, -1, 1, 1).expand(*weights.shape[:-1], 1)
-        weights = torch.softmax(torch.cat([weights, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
+        wide = accumulate_dtype(weights.dtype)  # float32 (float64 in a float64 plan, as transformers computes it there)
+        weights = torch.softmax(torch.cat([weights, sink], dim=-1), dim=-1, dtype=wide)[..., :-1].to(q.dtype)
     else:
         weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
     weights = F.dropout(weights, p=dropout, training=dropout > 0)

@@ -29,6 +29,7 @@ from hetero.runtime.stage.model import Stage
 from hetero.runtime.stage.telemetry import open_telemetry
 from hetero.runtime.stage.telemetry import sample as sample_telemetry
 from hetero.runtime.wire import compress
+from hetero.runtime.wire.frames import accumulate_dtype
 from hetero.security import COORDINATOR, stage_name
 from hetero.specs import TrainSpec
 
@@ -316,8 +317,8 @@ class Executor:
         """Replicas: send this stage's LoRA gradients (float32) to the coordinator, which sums them with
         the other replicas' for the same keys and answers with the sums and the global clip
         coefficient; the sums replace this stage's gradients. Returns the coefficient."""
-        grads = {key: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().to("cpu", torch.float32)
-                 for key, p in zip(self.keys, self.params, strict=True)}
+        grads = {key: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().to("cpu", accumulate_dtype(p.dtype))
+                 for key, p in zip(self.keys, self.params, strict=True)}  # float32 (float64 in a float64 plan)
         self.wire.send(COORDINATOR, "grads", step=step, tensors=grads)
         t0 = time.perf_counter()
         msg = self.wire.recv("reduced", step=step, sender=COORDINATOR)

@@ -135,8 +135,9 @@ def register_sorted() -> None:
 
 def grouped_fast(device: torch.device | None, dtype: torch.dtype | None) -> bool:
     """Whether torch's grouped GEMM runs transformers' ``grouped_mm`` experts here without its slow fallback: on
-    CPU, and on NVIDIA GPUs from Ampere (8.0) on in bf16 (ROCm, MPS and older GPUs: run_sorted)."""
-    if not hasattr(torch.nn.functional, "grouped_mm") and not hasattr(torch, "_grouped_mm"):
+    CPU, and on NVIDIA GPUs from Ampere (8.0) on in bf16 (ROCm, MPS and older GPUs: run_sorted). Never in float64,
+    which it does not take."""
+    if not hasattr(torch.nn.functional, "grouped_mm") and not hasattr(torch, "_grouped_mm") or dtype == torch.float64:
         return False
     if device is None or device.type == "cpu":
         return True

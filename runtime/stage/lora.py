@@ -41,6 +41,7 @@ from torch import nn
 
 from hetero.errors import CheckpointError, PlanError
 from hetero.runtime.stage.streaming import StreamedLinear
+from hetero.runtime.wire.frames import accumulate_dtype
 from hetero.specs import LoraSpec
 
 ADAPTER = "default"  # peft's adapter name: part of every LoRA parameter name, dropped from the PEFT keys
@@ -190,10 +191,13 @@ class LoraLinear(nn.Module):
         self.lora_B = nn.ModuleDict({ADAPTER: nn.Linear(r, base.out_features, bias=False)})
         nn.init.kaiming_uniform_(self.lora_A[ADAPTER].weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B[ADAPTER].weight)
-        # peft moves the adapter to the base's device and upcasts a half-precision one: fp32 there.
+        # peft moves the adapter to the base's device and upcasts a half-precision one: fp32 there (float64 over a
+        # float64 base, as peft keeps it; a quantized base's weight is not a float: fp32).
         device = base.device if isinstance(base, StreamedLinear) else base.weight.device
-        self.lora_A.to(device)
-        self.lora_B.to(device)
+        weight = None if isinstance(base, StreamedLinear) else base.weight
+        dtype = accumulate_dtype(weight.dtype) if weight is not None and weight.is_floating_point() else torch.float32
+        self.lora_A.to(device, dtype)
+        self.lora_B.to(device, dtype)
         self.scaling = alpha / r
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -270,8 +274,9 @@ def _lora_tensors(root: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def lora_state(root: nn.Module) -> dict[str, torch.Tensor]:
-    """The LoRA weights in PEFT key space (``get_peft_model_state_dict``'s), as CPU float32 copies."""
-    return {k: v.detach().to("cpu", torch.float32).clone() for k, v in _lora_tensors(root).items()}
+    """The LoRA weights in PEFT key space (``get_peft_model_state_dict``'s), as CPU float32 copies (float64 ones in a
+    float64 plan)."""
+    return {k: v.detach().to("cpu", accumulate_dtype(v.dtype)).clone() for k, v in _lora_tensors(root).items()}
 
 
 def load_lora_state(root: nn.Module, state: dict[str, torch.Tensor], where: str, *, strict: bool = True) -> list[str]:

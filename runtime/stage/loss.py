@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from hetero.loss import IGNORE_INDEX, loss_chunk_tokens
+from hetero.runtime.wire.frames import accumulate_dtype
 
 
 def chunked_loss_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
@@ -32,8 +33,8 @@ def chunked_loss_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch
     states = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, keep)
     targets = targets.index_select(0, keep)
     if keep.numel() == 0:  # no label here: a zero that still hands backward a (zero) gradient
-        return hidden.sum().float() * 0.0
-    total = hidden.new_zeros((), dtype=torch.float32)
+        return hidden.sum().to(accumulate_dtype(hidden.dtype)) * 0.0
+    total = hidden.new_zeros((), dtype=accumulate_dtype(hidden.dtype))
     step = loss_chunk_tokens(vocab_size)
     # split, not slices: its backward writes each chunk's gradient once instead of a zero-filled whole per chunk
     for chunk, target in zip(states.split(step), targets.split(step), strict=True):
@@ -49,7 +50,8 @@ def chunked_loss_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch
 
 def _chunk_loss(head: Callable[[torch.Tensor], torch.Tensor], chunk: torch.Tensor, target: torch.Tensor
                 ) -> torch.Tensor:
-    return F.cross_entropy(head(chunk).float(), target, reduction="sum")
+    logits = head(chunk)
+    return F.cross_entropy(logits.to(accumulate_dtype(logits.dtype)), target, reduction="sum")
 
 
 class _GradInForward(torch.autograd.Function):
@@ -69,4 +71,5 @@ class _GradInForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         (grad,) = ctx.saved_tensors
-        return (grad.float() * grad_out.float()).to(grad.dtype), None, None
+        wide = accumulate_dtype(grad.dtype)
+        return (grad.to(wide) * grad_out.to(wide)).to(grad.dtype), None, None

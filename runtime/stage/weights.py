@@ -18,6 +18,7 @@ from torch import nn
 from hetero.errors import CheckpointError
 from hetero.families import Experts, Family, stored_names
 from hetero.runtime.pretrained import weight_index
+from hetero.runtime.wire.frames import accumulate_dtype
 
 TIED_HEAD, TIED_SOURCE = "lm_head.weight", "model.embed_tokens.weight"
 _LAYER_PREFIX = re.compile(r"^(model\.layers\.\d+\.)(.+)$")
@@ -146,7 +147,7 @@ def load_weights(model: nn.Module, model_dir: Path, dtype: torch.dtype, k: int, 
     sources = _sources(expected, weight_index(model_dir), model_dir, k, tied, fam)
     read = load_tensors(model_dir, sorted({n for source in sources.values() for n in _flat(source)}))
     state: dict[str, torch.Tensor] = {}
-    # What transformers keeps in fp32 whatever the compute dtype (DeepSeek's and GLM-4.5's routers and correction
+    # What transformers keeps in fp32 whatever the (half) compute dtype (DeepSeek's and GLM-4.5's routers and correction
     # biases): rounded to bf16 they would pick other experts than the model trained with.
     wide = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
     for name, source in sources.items():
@@ -156,7 +157,7 @@ def load_weights(model: nn.Module, model_dir: Path, dtype: torch.dtype, k: int, 
                 f"stage {k}: '{name}' has shape {tuple(t.shape)} in {model_dir}, the architecture says {expected[name]}"
             )
         kept = any(name == m or name.endswith("." + m) or f".{m}." in name for m in wide)
-        state[name] = t.to(torch.float32 if kept else dtype) if t.is_floating_point() else t
+        state[name] = t.to(accumulate_dtype(dtype) if kept else dtype) if t.is_floating_point() else t
     # strict=False only because rotary inv_freq is computed, not loaded; every other key was checked above.
     model.load_state_dict(state, strict=False, assign=True)
 

@@ -21,14 +21,20 @@ import msgpack
 import torch
 
 from hetero.errors import WireError
-from hetero.protocol import COMPUTE_DTYPES, KINDS, MAX_HEADER_BYTES, WIRE_DTYPES, WIRE_VERSION
+from hetero.protocol import KINDS, MAX_HEADER_BYTES, PLAN_DTYPES, WIRE_DTYPES, WIRE_VERSION
 
 # KINDS (every kind hetero/protocol.py defines a record for) is all a process sends or decodes.
 # Wire dtype names (hetero/protocol.py): stable strings, independent of the torch version on either host.
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in WIRE_DTYPES}
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 # The dtypes a stage computes in: the runtime's one map from plan.json's dtype names to torch.
-TORCH_DTYPES: dict[str, torch.dtype] = {name: DTYPES[name] for name in COMPUTE_DTYPES}
+TORCH_DTYPES: dict[str, torch.dtype] = {name: DTYPES[name] for name in PLAN_DTYPES}
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a stage computing in ``dtype`` sums its loss, holds its LoRA weights and sends their gradients in: float32
+    (peft upcasts a half-precision adapter), or float64 in a float64 plan, which would lose its exactness in float32."""
+    return torch.promote_types(dtype, torch.float32)
 
 _HEADER_KEYS = ("v", "plan", "kind", "sender", "step", "mb", "meta", "tensors")
 PLAN_HASH_SHOWN = 16  # a plan's input hash is 16 hex digits (hetero/plan.py); a peer's claim is clipped to it

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import make_plan
 from reference import reference_run
-from test_runtime_plans import make_plan
 
 from hetero import cli
 from hetero.errors import WireError

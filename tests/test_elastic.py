@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import free_ports, make_plan
 from procs import clean_up, finish, start
 from test_runtime_failures import (
     _adapter,
@@ -27,7 +28,6 @@ from test_runtime_failures import (
     _port,
     _stage_pids,
 )
-from test_runtime_plans import free_ports, make_plan
 from test_ssh_launcher import sshd  # noqa: F401 (a fixture: an OpenSSH server on loopback)
 
 from hetero.errors import InfeasiblePlanError

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_runtime_plans import make_plan
+from plans import make_plan
 
 from hetero.errors import ConfigError
 from hetero.plan import compute_input_hash

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import make_plan, run_in_threads
 from test_families import COMMON, TINY
-from test_runtime_plans import make_plan, run_in_threads
 from test_stage import _repeating_data
 from transformers import AutoModelForCausalLM
 
@@ -477,7 +477,7 @@ def test_the_experts_implementation_is_an_option_checked_in_one_line(tmp_path: P
                        r"\+model.experts_implementation=<value>$"):
         load(["model=llama8b", "model.experts_implementation=eager"])
     assert load(["model=llama8b", "+model.experts_implementation=eager"]).model.experts_implementation == "eager"
-    from test_runtime_plans import make_plan as plan_of
+    from plans import make_plan as plan_of
 
     plan = plan_of(tmp_path, arch("qwen3_moe"), [2, 2, 2])
     eager = replace(plan, model=replace(plan.model, experts_implementation="eager"))

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import make_plan, run_in_threads
 from reference import assert_close_to_scale, reference_run
-from test_runtime_plans import make_plan, run_in_threads
 
 from hetero.errors import ConfigError, UnsupportedModelError
 from hetero.families import FAMILIES, family

@@ -24,8 +24,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from plans import free_ports, make_plan
 from procs import STARTED, clean_up, finish
-from test_runtime_plans import free_ports, make_plan
 
 import hetero.runtime.wire.inbox as inbox_module
 from hetero.plan import Plan

@@ -183,7 +183,7 @@ def test_reading_a_plan_loads_neither_the_planner_nor_numpy(tiny_model_dir: Path
                                                             tmp_path: Path) -> None:
     """A stage process reads its plan first: Plan.load checks every value, but not with the planner's 29 modules and
     numpy (the schedule names it checks against are hetero/program.py's)."""
-    from test_runtime_plans import make_plan
+    from plans import make_plan
 
     make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3]).save(tmp_path / "plan.json")
     code = (f"import sys\nfrom hetero.plan import Plan\nPlan.load({str(tmp_path / 'plan.json')!r})\n"

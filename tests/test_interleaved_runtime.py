@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import drive, make_plan
 from reference import assert_close_to_scale, reference_run
-from test_runtime_plans import drive, make_plan
 
 from hetero.plan import ChunkPlan, Plan, compute_input_hash
 from hetero.planner.schedule.schedules import interleaved_one_f_one_b
@@ -157,7 +157,7 @@ def test_an_act_is_received_by_the_chunk_it_names() -> None:
 
 
 def interleave(plan: Plan, num_devices: int) -> Plan:
-    """A hand-built plan of p x v one-chunk stages (tests/test_runtime_plans.py make_plan) folded into p devices of v
+    """A hand-built plan of p x v one-chunk stages (tests/plans.py make_plan) folded into p devices of v
     chunks: virtual stage c x p + d becomes device d's chunk c, each device runs its interleaved program."""
     virtual = plan.stages
     chunks = len(virtual) // num_devices

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import free_ports, make_plan
 from procs import STARTED, clean_up, finish, start
 from reference import assert_close_to_scale, reference_run
 from safetensors.torch import load_file
-from test_runtime_plans import free_ports, make_plan
 
 from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.specs import ModelSpec, TrainSpec

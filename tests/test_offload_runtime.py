@@ -268,9 +268,9 @@ def reference(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_a_pipeline_streaming_every_layer_equals_the_reference(recompute: str, reference: dict, tiny_model_dir: Path,
                                                                tiny_spec) -> None:  # noqa: ANN001
+    from plans import make_plan
     from reference import assert_close_to_scale
     from test_runtime_equivalence import TRAIN
-    from test_runtime_plans import make_plan
 
     from hetero.runtime.cli import main_run
     from hetero.runtime.run.run_compare import read_metrics, step_lines
@@ -314,7 +314,7 @@ def test_a_pipeline_streaming_every_layer_equals_the_reference(recompute: str, r
 
 
 def test_stepdone_carries_streaming_and_old_frames_still_parse(tiny_model_dir: Path, tiny_spec) -> None:  # noqa: ANN001
-    from test_runtime_plans import make_plan
+    from plans import make_plan
 
     from hetero.protocol import StepDone
     from hetero.runtime.run.records import metrics_line
@@ -346,7 +346,7 @@ def test_stepdone_carries_streaming_and_old_frames_still_parse(tiny_model_dir: P
 def test_a_streaming_nf4_stage_equals_the_resident_one(tiny_model_dir: Path, tiny_spec, recompute: str) -> None:  # noqa: ANN001
     """Stage 1 of an NF4 plan (two layers, hidden states in), built resident and streaming: same output, input and
     LoRA gradients; the streamed one holds no NF4 Linear of its layers on the device."""
-    from test_runtime_plans import make_plan
+    from plans import make_plan
 
     from hetero.runtime.stage.model import build_stage
 

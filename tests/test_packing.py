@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import make_plan
 from reference import assert_close_to_scale, reference_run, unpacked
 from test_families import COMMON, TINY
-from test_runtime_plans import make_plan
 
 from hetero.families import family
 from hetero.packing import length_stats, pack_rows

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import free_ports, make_plan
 from procs import HETERO, clean_up, finish, start
 from safetensors.torch import load_file, save_file
-from test_runtime_plans import free_ports, make_plan
 
 from hetero.errors import CheckpointError, ConfigError, WireError
 from hetero.plan import Plan, compute_input_hash

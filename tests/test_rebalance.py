@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import make_plan
 from reference import assert_close_to_scale, reference_run
-from test_runtime_plans import make_plan
 
 from hetero.plan import Plan
 from hetero.planner.replan.rebalance import Replanner, Watch

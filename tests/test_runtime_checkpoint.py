@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_runtime_plans import make_plan, run_in_threads
+from plans import make_plan, run_in_threads
 
 from hetero.errors import CheckpointError
 from hetero.runtime.run.checkpoint import load_stage_checkpoint, lora_from_payload, save_stage_checkpoint

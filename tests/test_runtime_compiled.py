@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import run_in_threads
 from reference import make_init_adapter, train_reference
-from test_runtime_plans import run_in_threads
 
 from hetero.plan import Plan
 from hetero.runtime.run.data import StepBatches

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import free_ports, make_plan
 from safetensors.torch import save_file
-from test_runtime_plans import free_ports, make_plan
 
 from hetero.errors import CheckpointError
 from hetero.plan import Plan, compute_input_hash

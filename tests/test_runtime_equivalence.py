@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import make_plan
 from reference import assert_close_to_scale, reference_run
-from test_runtime_plans import make_plan
 
 from hetero.runtime.cli import main_run
 from hetero.runtime.run.run_compare import read_metrics, step_lines

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import free_ports, make_plan
 from procs import PIDS, clean_up, finish, start
-from test_runtime_plans import free_ports, make_plan
 
 from hetero.errors import ConfigError
 from hetero.runtime.base.processes import exit_cause

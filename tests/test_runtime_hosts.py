@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import free_ports, make_plan
 from procs import clean_up, clone_beside, finish, start
-from test_runtime_plans import free_ports, make_plan
 
 from hetero.plan import Plan, compute_input_hash
 from hetero.runtime.run.run_compare import read_metrics, step_lines

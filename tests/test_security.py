@@ -29,8 +29,8 @@ import psutil
 import pytest
 import torch
 import zmq
+from plans import make_plan
 from reference import assert_close_to_scale, reference_run
-from test_runtime_plans import make_plan
 
 from hetero import cli
 from hetero.errors import ConfigError, PlanError, WireError

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from plans import free_ports, make_plan
 from procs import STARTED, clean_up, finish, start
-from test_runtime_plans import free_ports, make_plan
 
 from hetero.errors import ConfigError
 from hetero.hardware import build_cluster

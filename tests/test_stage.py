@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
+from plans import make_plan, run_in_threads
 from reference import build_reference_model, make_init_adapter
-from test_runtime_plans import make_plan, run_in_threads
 from transformers import AutoModelForCausalLM
 
 from hetero.errors import CheckpointError, PlanError
+from hetero.plan import Plan
 from hetero.runtime.run.data import StepBatches
 from hetero.runtime.stage import weights as weights_module
 from hetero.runtime.stage.lora import LoraLinear
@@ -263,3 +264,13 @@ def test_gpu_bf16_nf4_stage_feeds_a_cpu_stage(tiny_model_dir: Path, tiny_spec: M
     assert all(p.is_cuda for p in stages[0].model.parameters())
     losses = run_in_threads(stages, plan, batches, train.steps)
     assert losses[-1] < losses[0]
+
+
+def test_make_plan_round_trips_through_plan_json(tmp_path: Path, tiny_model_dir: Path, tiny_spec: ModelSpec) -> None:
+    plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2])
+    plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded.input_hash == plan.input_hash
+    spans = [(s.first_node, s.last_node) for s in loaded.stages]
+    assert spans == [(0, 2), (3, 4), (5, 8)]
+    assert loaded.stages[1].node_names == ["layers.2", "layers.3"]

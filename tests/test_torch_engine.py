@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import make_plan
 from reference import assert_close_to_scale, reference_run
 from test_runtime_equivalence import RTOL, SEQ_LEN, TRAIN  # the default engine's settings: the same reference
-from test_runtime_plans import make_plan
 
 from hetero.errors import PlanError
 from hetero.plan import Plan

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from plans import free_ports, make_plan
 from reference import reference_run
 from test_runtime_equivalence import SEQ_LEN, TRAIN
-from test_runtime_plans import free_ports, make_plan
 from test_ssh_launcher import SSHD, client_spec, needs_sshd, write_sshd
 from test_torch_engine import _check_against_reference
 

@@ -18,7 +18,7 @@ import msgpack
 import pytest
 import torch
 import zmq
-from test_runtime_plans import free_ports
+from plans import free_ports
 
 from hetero.errors import WireError
 from hetero.runtime.base.env import describe_environment

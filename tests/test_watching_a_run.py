@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+from plans import free_ports, make_plan
 from procs import clean_up, finish, start
-from test_runtime_plans import free_ports, make_plan
 
 from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.runtime.run.tensorboard import EventWriter, crc32c

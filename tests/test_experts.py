@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from plans import make_plan, run_in_threads
-from test_families import COMMON, TINY
 from test_stage import _repeating_data
+from tiny_families import COMMON, TINY
 from transformers import AutoModelForCausalLM
 
 from hetero.compiler.fxgraph import build_config

@@ -15,7 +15,7 @@ import copy
 import random
 
 import pytest
-from test_planner_replicas import brute_force_replicas, check_solution
+from tables import brute_force_replicas, check_solution
 
 from hetero.planner.model.cost import CostTable
 from hetero.planner.model.host_symmetry import interchangeable, representatives

@@ -185,8 +185,8 @@ def test_programs_whose_chunks_disagree_are_refused() -> None:
 
 def test_a_plan_whose_program_names_chunks_its_stage_lacks_is_refused(tmp_path: Path) -> None:
     """A program naming a chunk of layers the stage does not hold (plan.json edited) is refused in one line."""
+    from fleets import make_cluster, make_graph
     from test_planner import _plan
-    from test_planner_ilp import make_cluster, make_graph
 
     cluster = make_cluster([("a", "rtx4090", None), ("b", "rtx3090", 6.0)])
     p = _plan(cluster, make_graph(4, rng=random.Random(1)), replicas=1)
@@ -205,8 +205,8 @@ def test_a_plan_whose_program_names_chunks_its_stage_lacks_is_refused(tmp_path: 
 
 def _planned(fleet: list, mode: str, m: int = 4, layers: int = 12, seed: int = 3, gbps: float = 10.0,
              recomputable: bool = False, **opts: object) -> Plan:
+    from fleets import make_cluster, make_graph
     from test_planner import _plan
-    from test_planner_ilp import make_cluster, make_graph
 
     opts.setdefault("replicas", 1)
     return _plan(make_cluster(fleet, gbps), make_graph(layers, rng=random.Random(seed), recompute=recomputable), m=m,
@@ -337,7 +337,7 @@ def test_the_chunking_search_is_near_the_best_chunking_by_brute_force() -> None:
     finds a step within 5 % of the best of them (and, being one of them, never better)."""
     import itertools
 
-    from test_planner_ilp import make_cluster, make_graph, table_for
+    from fleets import make_cluster, make_graph, table_for
 
     from hetero.planner.model.objective import Placement, evaluate
     from hetero.planner.search.interleave import best_candidate, chunk_spans, price
@@ -389,7 +389,7 @@ def test_each_device_recomputes_the_fewest_chunk_layers_that_fit_by_brute_force(
     seconds among those that fit, and the activation bytes walked over the program independently."""
     import itertools
 
-    from test_planner_ilp import make_cluster, make_graph, table_for
+    from fleets import make_cluster, make_graph, table_for
 
     from hetero.planner.model.objective import recompute_time_s, stage_activations, stage_fits
     from hetero.planner.search.interleave import chunk_recompute, peak_activations
@@ -476,7 +476,7 @@ def test_an_interleaved_plans_more_micro_batches_what_if_prices_each_chunk_as_th
     walked over the new programs' events peaks there too."""
     from dataclasses import replace
 
-    from test_planner_ilp import make_model
+    from fleets import make_model
 
     from hetero.planner.model.cost import build_cost_table
     from hetero.planner.model.cost_model import RooflineCostModel

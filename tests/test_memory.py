@@ -146,7 +146,7 @@ def test_each_familys_layer_keeps_what_the_graph_predicts(case: str, seq: int) -
     rows and soft-cap (Gemma 2: they grow with the sequence), sliding-window masks (Mistral, Gemma 3 at 32 and
     64 tokens > their window of 16), latent attention's values padded for SDPA and not under eager (DeepSeek-V2).
     The layer is built as the runtime builds it (runtime/stage/model.py)."""
-    from test_families import COMMON, TINY
+    from tiny_families import COMMON, TINY
 
     from hetero.families import family
     from hetero.runtime.stage.model import _build_config

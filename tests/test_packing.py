@@ -18,7 +18,7 @@ import pytest
 import torch
 from plans import make_plan
 from reference import assert_close_to_scale, reference_run, unpacked
-from test_families import COMMON, TINY
+from tiny_families import COMMON, TINY
 
 from hetero.families import family
 from hetero.packing import length_stats, pack_rows

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_planner_ilp import make_cluster, make_graph, make_model, table_for
+from fleets import make_cluster, make_graph, make_model, table_for
 
 from hetero.errors import ConfigError, InfeasiblePlanError
 from hetero.plan import Plan, compute_input_hash

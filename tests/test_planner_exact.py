@@ -14,7 +14,8 @@ import time
 from collections import Counter
 
 import pytest
-from test_planner_ilp import make_graph, table_for
+from fleets import make_graph, table_for
+from tables import random_table
 
 from hetero.planner.explain.baselines import candidate_placements
 from hetero.planner.model.cost import CostTable
@@ -24,46 +25,6 @@ from hetero.planner.search.exact import solve_exact
 from hetero.planner.search.ilp import solve_ilp
 from hetero.planner.search.solve import solve
 from hetero.specs import ClusterSpec, DeviceSpec, HostSpec
-
-
-def random_table(rng: random.Random, max_devices: int = 4, max_nodes: int = 6, schedule: str | None = None,
-                 mode: str | None = None) -> CostTable:
-    """Devices of 1-3 random kinds (1-3 identical copies each), 1-3 hosts, 1-2 wire kinds; memory
-    between "nothing fits" and "everything fits on one device"; some layers recomputable."""
-    n = rng.randint(2, max_nodes)
-    kinds = []
-    for _ in range(rng.randint(1, 3)):
-        speed = rng.uniform(0.2, 3.0)
-        fwd = [rng.uniform(0.05, 1.0) / speed for _ in range(n)]
-        kinds.append({
-            "fwd": fwd, "bwd": [f * rng.uniform(1.5, 3.0) for f in fwd],
-            "weights": [rng.uniform(0.5, 3.0) for _ in range(n)], "lora": [rng.uniform(0.0, 0.2) for _ in range(n)],
-            "acts": [rng.uniform(0.1, 1.5) for _ in range(n)], "wire": rng.randrange(2),
-            "usable": rng.uniform(2.0, 4.0 * n), "host": rng.randrange(3), "copies": rng.choice([1, 1, 2, 3]),
-        })
-    devices = [k for k in kinds for _ in range(k["copies"])][:max_devices]
-    hosts = max(d["host"] for d in devices) + 1
-    recomputable = [0 < i < n - 1 and rng.random() < 0.7 for i in range(n)]
-    keep = [rng.uniform(0.05, 0.5) for _ in range(n)]
-    links = []
-    for _ in range(n):
-        per_kind = []
-        for _ in range(2):
-            base = rng.uniform(0.0, 0.4)
-            per_kind.append([[rng.uniform(0.0, 0.05) if a == b else base + rng.uniform(0.0, 0.3) for b in range(hosts)]
-                             for a in range(hosts)])
-        links.append(per_kind)
-    fwd, bwd, weights, lora, acts = ([[d[key][i] for d in devices] for i in range(n)]
-                                     for key in ("fwd", "bwd", "weights", "lora", "acts"))
-    return CostTable(
-        fwd_s=fwd, bwd_s=bwd, weights=weights, lora=lora, activations_per_mb=acts,
-        usable_bytes=[d["usable"] for d in devices], workspace_bytes=rng.choice([0.0, 0.3]),
-        schedule=schedule or rng.choice(["1f1b", "1f1b", "gpipe"]), num_micro_batches=rng.choice([1, 2, 3, 4, 8]),
-        host_of=[d["host"] for d in devices], wire_kind=[d["wire"] for d in devices], link_s=links,
-        recompute_per_mb=[[a * keep[i] if recomputable[i] else a for a in acts[i]] for i in range(n)],
-        recompute_s=[[f if recomputable[i] else 0.0 for f in fwd[i]] for i in range(n)],
-        recomputable=recomputable, recompute_mode=mode or rng.choice(["auto", "auto", "none", "full"]),
-    )
 
 
 def check_solve(table: CostTable, forced: int | None, starts: list[Placement] | None, stats: Counter) -> None:
@@ -160,7 +121,7 @@ def test_one_thread_cpu_stages_match_brute_force(mode: str, memory_gb: float, sc
 
 def slow_cpu_problem(seed: int):  # type: ignore[no-untyped-def]
     """GPUs next to a one-thread CPU stage: the CPU's whole-model time is ~1000x a GPU's."""
-    from test_planner_ilp import make_cluster
+    from fleets import make_cluster
 
     rng = random.Random(seed)
     spec = [(f"h{rng.randrange(2)}", rng.choice(["rtx3090", "rtx4090", "v100", "m40"]), rng.choice([None, 3.0, 6.0]))
@@ -220,7 +181,7 @@ def test_whole_solve_honours_the_time_limit() -> None:
     # Sixteen devices of many kinds on four hosts: too many classes for the DP; the ILP gets what is
     # left and must stop (or be stopped) within a second of the limit, and say it did not prove.
     rng = random.Random(5)
-    from test_planner_ilp import TYPES, make_cluster
+    from fleets import TYPES, make_cluster
 
     spec = [(f"h{rng.randrange(4)}", rng.choice(list(TYPES)), rng.choice([None, 12.0, 20.0])) for _ in range(16)]
     graph = make_graph(40, 4096, rng=rng)

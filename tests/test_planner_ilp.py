@@ -5,108 +5,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from fleets import make_cluster, make_graph, table_for
 
-from hetero.graph import CutEdge, LayerGraph, LayerNode, TensorSpec
 from hetero.planner.explain.baselines import candidate_placements
-from hetero.planner.model.cost import build_cost_table
-from hetero.planner.model.cost_model import RooflineCostModel
 from hetero.planner.model.objective import Placement, evaluate
 from hetero.planner.search.bruteforce import brute_force
 from hetero.planner.search.ilp import _Model, solve_ilp
 from hetero.planner.search.network import build_network, canonical
 from hetero.planner.search.splits import dp_starts
-from hetero.specs import (
-    ClusterSpec,
-    DeviceSpec,
-    HostSpec,
-    LinkSpec,
-    ModelSpec,
-    PlannerOptions,
-    TrainSpec,
-)
-
-# (type, memory GB, bandwidth GB/s, fp32, fp16, bf16 TFLOPS, bf16?)
-TYPES = {
-    "rtx3090": (24.0, 936.0, 35.6, 71.0, 71.0, True),
-    "rtx4090": (24.0, 1008.0, 82.6, 165.0, 165.0, True),
-    "v100": (16.0, 900.0, 15.7, 125.0, 0.0, False),
-    "m40": (24.0, 288.0, 6.8, 6.8, 0.0, False),
-    "rtx5090": (32.0, 1792.0, 104.8, 209.5, 209.5, True),
-}
-
-
-def make_device(name: str, host: str, kind: str, index: int, memory_gb: float | None = None) -> DeviceSpec:
-    """A CUDA device of a datasheet type, optionally with another memory size."""
-    mem, bw, f32, f16, b16, bf16 = TYPES[kind]
-    return DeviceSpec(
-        name=name,
-        host=host,
-        type=kind,
-        index=index,
-        backend="cuda",
-        display_name=kind.upper(),
-        memory_gb=memory_gb if memory_gb is not None else mem,
-        memory_bandwidth_gbs=bw,
-        tflops={"float32": f32, "float16": f16, "bfloat16": b16},
-        bf16=bf16,
-        nf4=True,
-        overrides=["memory_gb"] if memory_gb is not None else [],
-    )
-
-
-def make_cluster(spec: list[tuple[str, str, float | None]], gbps: float = 10.0) -> ClusterSpec:
-    """Hosts from (host, type, memory override) triples; every pair of hosts linked at ``gbps``."""
-    devices: dict[str, list[DeviceSpec]] = {}
-    for host, kind, mem in spec:
-        on_host = devices.setdefault(host, [])
-        on_host.append(make_device(f"{host}.gpu{len(on_host)}", host, kind, len(on_host), mem))
-    names = list(devices)
-    links = [LinkSpec(a, b, gbps, 200.0) for i, a in enumerate(names) for b in names[i + 1 :]]
-    return ClusterSpec(name="test", hosts=[HostSpec(name=h, port=29500, devices=d) for h, d in devices.items()],
-                       links=links)
-
-
-def make_graph(num_decoders: int, hidden: int = 4096, scale: float = 1.0, rng: random.Random | None = None,
-               recompute: bool = False) -> LayerGraph:
-    """A Llama-shaped chain: embed, decoders (optionally of random sizes), norm+head as one node.
-
-    ``recompute``: decoder layers say what they keep when recomputing (their input), so they can."""
-    rng = rng or random.Random(0)
-    vocab, inter = 32000, int(hidden * 3.5)
-    nodes = [
-        LayerNode("embed", "embedding", ["model.embed_tokens.weight"], vocab * hidden, 0, vocab * hidden * 2.0, 0, 0.0, 0.0, 0.0)
-    ]
-    for k in range(num_decoders):
-        jitter = rng.uniform(0.5, 1.5) * scale
-        params = int((4 * hidden * hidden + 3 * hidden * inter) * jitter)
-        flops = 2.0 * params
-        nodes.append(
-            LayerNode(
-                f"layers.{k}", "decoder", [f"model.layers.{k}.x"], params, params, params * 2.0,
-                int(8 * 2 * hidden * 7 * jitter), flops, 2.2 * flops, hidden * 2.0 * 12 * jitter,
-                hidden * 2.0 if recompute else None,
-            )
-        )
-    nodes.append(
-        LayerNode("head", "head", ["lm_head.weight"], vocab * hidden, 0, vocab * hidden * 2.0, 0,
-                  2.0 * vocab * hidden, 2.0 * vocab * hidden, vocab * 4.0)
-    )
-    edges = [
-        CutEdge(n.name, [TensorSpec("hidden", ["batch", "seq", hidden], "bfloat16", hidden * 2.0)]) for n in nodes[:-1]
-    ]
-    return LayerGraph("synthetic", "llama", 2048, "bfloat16", "none", hidden, vocab, num_decoders, nodes, edges)
-
-
-def make_model(quantization: str = "none") -> ModelSpec:
-    return ModelSpec(name="synthetic", architecture={"model_type": "llama"}, dtype="bfloat16",
-                     quantization=quantization, seq_len=2048)
-
-
-def table_for(graph, cluster, schedule="1f1b", m=4, quantization="none", headroom=0.1,  # type: ignore[no-untyped-def]
-              recompute="auto"):
-    train = TrainSpec(micro_batch_size=1, num_micro_batches=m, schedule=schedule)
-    opts = PlannerOptions(memory_headroom=headroom, recompute=recompute)
-    return build_cost_table(graph, make_model(quantization), cluster, train, opts, RooflineCostModel(0.4)), train, opts
 
 
 def random_problem(rng: random.Random):  # type: ignore[no-untyped-def]

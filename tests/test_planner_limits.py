@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from test_planner_ilp import make_cluster, make_graph, make_model
+from fleets import make_cluster, make_graph, make_model
 
 from hetero.plan import SETTLED_PARTS, Plan
 from hetero.planner import plan
@@ -149,7 +149,7 @@ def test_settings_settle_what_they_fix() -> None:
 
 def test_replica_search_ends_by_its_deadline() -> None:
     # A deadline already past: whatever comes back is not called proven, and it comes back at once.
-    from test_planner_replicas import replica_table
+    from tables import replica_table
 
     for seed in range(4):
         table = replica_table(random.Random(seed), "1f1b", "auto")

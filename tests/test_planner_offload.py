@@ -13,9 +13,9 @@ import random
 from collections import Counter
 
 import pytest
+from fleets import make_cluster, make_graph, table_for
+from tables import random_table
 from test_cli import assert_one_line_error, run_main
-from test_planner_exact import random_table
-from test_planner_ilp import make_cluster, make_graph, table_for
 from test_recompute_plans import compile_plan
 
 from hetero.planner.model.cost import CostTable

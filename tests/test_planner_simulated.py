@@ -15,8 +15,8 @@ import statistics
 from itertools import combinations, permutations
 
 import pytest
-from test_planner_exact import random_table
-from test_planner_ilp import make_cluster, make_graph, make_model
+from fleets import make_cluster, make_graph, make_model
+from tables import random_table, with_overheads
 
 from hetero.planner import plan
 from hetero.planner.model.cost import CostTable, build_cost_table
@@ -74,20 +74,6 @@ def test_plan_is_the_simulated_optimum_on_slow_link_fleets(chunk: int) -> None:
     assert multi >= 5  # the chunk exercises pipelines, not only single devices
 
 
-def with_overheads(rng: random.Random, table: CostTable) -> CostTable:
-    """The table with message costs per cut and device, sync round trips and optimizer steps (all random)."""
-    n, nd = table.num_nodes, table.num_devices
-    kinds, hosts = max(table.wire_kind) + 1, max(table.host_of) + 1
-    scale = rng.choice([0.0, 0.02, 0.1])
-    return dataclasses.replace(
-        table,
-        message_send_s=[[[rng.uniform(0, scale) for _ in range(nd)] for _ in range(kinds)] for _ in range(n)],
-        message_recv_s=[[[rng.uniform(0, scale) for _ in range(nd)] for _ in range(kinds)] for _ in range(n)],
-        sync_round_trip_s=[[rng.uniform(0, scale) for _ in range(hosts)] for _ in range(hosts)],
-        opt_s=[[rng.uniform(0, scale) for _ in range(nd)] for _ in range(n)],
-        opt_fixed_s=[rng.uniform(0, scale) for _ in range(nd)], _prefix={}, _classes=[])
-
-
 @pytest.mark.parametrize("chunk", range(3))
 def test_solve_simulated_matches_brute_force_on_random_arrays(chunk: int) -> None:
     # Random dense tables (classes of identical devices, tight memory, recomputation, both schedules) with
@@ -138,7 +124,7 @@ def test_a_search_cut_off_by_the_time_limit_says_what_it_proved() -> None:
     # simulated search cannot finish in 2 s. It stops in time, is not called proven, and says how far it got.
     import time
 
-    from test_planner_ilp import TYPES, table_for
+    from fleets import TYPES, table_for
 
     from hetero.planner.explain.baselines import candidate_placements
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from test_simulate import a_plan, fleet
+from fleets import a_plan, fleet
 
 from hetero.plan import Plan, with_label_fraction
 from hetero.runtime.run.records import ProgressBar, metrics_line, throughput

@@ -16,7 +16,7 @@ import random
 
 import numpy as np
 import pytest
-from test_planner_replicas import fastest_evaluations, replica_table
+from tables import fastest_evaluations, replica_table
 
 from hetero.planner.model.cost import CostTable
 from hetero.planner.replica.replica_bound import replica_bounds

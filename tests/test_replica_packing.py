@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from test_planner_replicas import replica_table
+from tables import replica_table
 
 from hetero.planner.replica.replica_packing import _Arrays, _Packing
 from hetero.planner.replica.replicas import _Search

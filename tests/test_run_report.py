@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from test_simulate import a_plan, fleet
+from fleets import a_plan, fleet
 
 from hetero.protocol import StepDone
 from hetero.runtime.run.records import metrics_line

@@ -6,8 +6,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from fleets import a_plan, fleet
 
-from hetero.hardware import build_cluster, load_device_types
 from hetero.planner import plan as make_plan
 from hetero.planner.explain.bottleneck import diagnose, verdict
 from hetero.planner.model.cost_model import RooflineCostModel
@@ -28,21 +28,6 @@ def tiny_graph(tiny_spec: ModelSpec):
     from hetero.compiler.trace import trace
 
     return trace(tiny_spec)
-
-
-def fleet(threads: list[int], link_gbps: float | None = None):
-    if link_gbps is None:
-        hosts = [{"name": "localhost", "devices": [{"type": "cpu", "threads": t} for t in threads]}]
-        return build_cluster({"name": "local", "hosts": hosts}, load_device_types())
-    hosts = [{"name": f"h{k}", "address": f"10.0.0.{k + 1}", "devices": [{"type": "cpu", "threads": t}]}
-             for k, t in enumerate(threads)]
-    cfg = {"name": "lan", "hosts": hosts, "default_link": {"bandwidth_gbps": link_gbps, "latency_us": 100}}
-    return build_cluster(cfg, load_device_types())
-
-
-def a_plan(tiny_spec, graph, cluster, m: int = 8, split: list[int] | None = None, schedule: str = "1f1b"):
-    train = TrainSpec(micro_batch_size=4, num_micro_batches=m, schedule=schedule)
-    return make_plan(tiny_spec, graph, cluster, train, DataSpec(), PlannerOptions(time_limit_s=5, split=split))
 
 
 def test_what_ifs_resimulate_and_replan(tiny_spec, tiny_graph) -> None:

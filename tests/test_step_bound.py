@@ -10,8 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from test_planner_exact import random_table
-from test_planner_simulated import with_overheads
+from tables import random_table, with_overheads
 
 from hetero.planner.model.objective import evaluate
 from hetero.planner.search.bruteforce import brute_force_simulated

@@ -12,6 +12,7 @@ import types
 from pathlib import Path
 
 import pytest
+from cli_calls import assert_one_line_error, run_main
 
 from hetero import cli
 from hetero.cli.show import describe_span, gantt_lines
@@ -63,19 +64,6 @@ def make_plan() -> Plan:
     return Plan(ModelSpec("tiny", {"model_type": "llama", "num_hidden_layers": 4}), cluster, train, DataSpec(),
                 PlannerOptions(), graph, stages, pred, baselines, solver,
                 ["2 stages beat the best single device by 1.60x."])  # fmt: skip
-
-
-def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = cli.main(argv)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def assert_one_line_error(code: int, err: str, starts: str) -> None:
-    assert code == 2
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith(f"hetero: error: {starts}"), lines[0]
 
 
 # --- show ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import pytest
 import torch
 from plans import free_ports, make_plan
 from procs import clean_up, finish, start
+from sshd_server import sshd  # noqa: F401 (a fixture: an OpenSSH server on loopback)
 from test_runtime_failures import (
     _adapter,
     _assert_no_process_left,
@@ -28,7 +29,6 @@ from test_runtime_failures import (
     _port,
     _stage_pids,
 )
-from test_ssh_launcher import sshd  # noqa: F401 (a fixture: an OpenSSH server on loopback)
 
 from hetero.errors import InfeasiblePlanError
 from hetero.plan import Plan
@@ -325,7 +325,7 @@ def test_a_host_started_over_ssh_follows_the_new_plan(root: Path, reference: dic
     """`hetero run` starts host beta (stages 1 and 2) over ssh (a real sshd on loopback). Stage 1 is killed at step 8:
     the run re-plans, beta's worker starts its stage of the new plan in the same ssh session, and the run trains like
     the undisturbed one; afterwards nothing is left on either host."""
-    from test_ssh_launcher import _assert_nothing_left, _with_host
+    from sshd_server import _assert_nothing_left, _with_host
 
     folder = root / "over-ssh"
     folder.mkdir()

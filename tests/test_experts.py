@@ -410,7 +410,7 @@ def test_a_moe_pipeline_in_nf4_trains_on_three_stages(tiny_spec: ModelSpec, tiny
 def test_moe_presets_compile_in_nf4_and_show_their_experts(preset: str, layers: int, experts: int, hidden: int,
                                                            inter: int, hardware: str, tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    from test_cli import run_main
+    from cli_calls import run_main
 
     from hetero.plan import Plan
     from hetero.specs import QUANT_BYTES_PER_PARAM

@@ -440,7 +440,7 @@ def test_the_planners_cap_is_what_the_stage_holds(tmp_path: Path, capsys: pytest
                                                    tiny_model_dir: Path, quantization: str) -> None:
     """A compiled planner.offload=full plan: every stage builds, and its frozen bytes outside the streamed Linears
     plus its two-layer buffer are exactly the plan's frozen_resident_cap_bytes (one accounting on both sides)."""
-    from test_recompute_plans import compile_plan
+    from cli_calls import compile_plan
 
     from hetero.runtime.stage.model import build_stage
 

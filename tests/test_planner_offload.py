@@ -13,10 +13,9 @@ import random
 from collections import Counter
 
 import pytest
+from cli_calls import assert_one_line_error, compile_plan, run_main
 from fleets import make_cluster, make_graph, table_for
 from tables import random_table
-from test_cli import assert_one_line_error, run_main
-from test_recompute_plans import compile_plan
 
 from hetero.planner.model.cost import CostTable
 from hetero.planner.model.objective import Placement, evaluate, ram_may_bind

@@ -8,28 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_cli import assert_one_line_error, run_main
+from cli_calls import assert_one_line_error, compile_plan, fleet_of
 
 from hetero.plan import Plan
-
-
-def compile_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str], *overrides: str,
-                 config_dir: Path | None = None) -> tuple[int, str, str, Plan | None]:
-    out = tmp_path / "out"
-    argv = ["compile", *(["-cd", str(config_dir)] if config_dir else []), f"output={out}", *overrides]
-    code, stdout, err = run_main(argv, capsys)
-    plan = Plan.load(out / "plan.json") if code == 0 else None
-    return code, stdout, err, plan
-
-
-def fleet_of(tmp_path: Path, card: str, count: int) -> Path:
-    """A config dir with hardware/<card>x<count>.yaml: ``count`` cards in one box."""
-    root = tmp_path / "conf"
-    (root / "hardware").mkdir(parents=True)
-    (root / "hardware" / f"{card}x{count}.yaml").write_text(
-        f"name: {card}x{count}\nhosts:\n  - name: box\n    address: 127.0.0.1\n    devices:\n"
-        f"      - type: {card}\n        count: {count}\nintra_host_bandwidth_gbps: 128\n")
-    return root
 
 
 def assert_fits(plan: Plan) -> None:

@@ -7,22 +7,27 @@ machine reached the way a remote host is. They skip where /usr/sbin/sshd, ssh or
 
 from __future__ import annotations
 
-import getpass
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 from plans import free_ports, make_plan
 from procs import STARTED, clean_up, finish, start
+from sshd_server import (
+    Sshd,
+    _assert_nothing_left,
+    _processes_naming,
+    _sessions,
+    _with_host,
+    sshd,  # noqa: F401 (a fixture: an OpenSSH server on loopback)
+)
 
 from hetero.errors import ConfigError
 from hetero.hardware import build_cluster
@@ -31,7 +36,6 @@ from hetero.profile import fleet_hash
 from hetero.runtime.run.ssh import CHECK_PREFIX, remote_word, ssh_argv, ssh_hosts, worker_command
 from hetero.specs import ModelSpec, SshSpec, TrainSpec
 
-SSHD = Path("/usr/sbin/sshd")
 TRAIN = TrainSpec(micro_batch_size=1, num_micro_batches=2, steps=2, lr=1e-3)
 LONG = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=400, lr=1e-3)  # stopped long before its end
 
@@ -134,112 +138,6 @@ def test_the_remote_worker_starts_from_a_home_that_holds_the_clone(tiny_model_di
 # -- a real sshd on 127.0.0.1 ------------------------------------------------------------------------------
 
 
-@dataclass
-class Sshd:
-    pid: int
-    ssh: SshSpec  # how to reach it, python = this interpreter
-
-
-def _wait_port(port: int, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"sshd exited: {log.read_text()[-2000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    pytest.fail(f"sshd did not listen on port {port}: {log.read_text()[-2000:]}")
-
-
-def needs_sshd() -> None:
-    if not SSHD.is_file() or shutil.which("ssh-keygen") is None or shutil.which("ssh") is None:
-        pytest.skip("needs the OpenSSH server /usr/sbin/sshd, ssh and ssh-keygen (Debian: apt-get install "
-                    "openssh-server)")
-    if os.geteuid() == 0 and not Path("/run/sshd").is_dir():
-        # sshd started by root insists on its privilege separation directory (the service unit makes it at boot)
-        Path("/run/sshd").mkdir(mode=0o755)
-
-
-def write_sshd(root: Path, port: int, listen: str) -> tuple[Path, Path]:
-    """An OpenSSH server's files under ``root`` (host and client keys, authorized_keys, sshd_config for
-    ``listen``:``port``); returns (its config, its log)."""
-    for name in ("host_key", "client_key"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(root / name)], check=True, timeout=30)
-    shutil.copy(root / "client_key.pub", root / "authorized_keys")
-    (root / "sshd_config").write_text(
-        f"Port {port}\nListenAddress {listen}\nHostKey {root / 'host_key'}\n"
-        f"AuthorizedKeysFile {root / 'authorized_keys'}\nStrictModes no\nPidFile none\nUsePAM no\n"
-        "PasswordAuthentication no\nKbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n"
-        "AllowTcpForwarding no\nX11Forwarding no\nPrintMotd no\n")
-    return root / "sshd_config", root / "sshd.log"
-
-
-def client_spec(root: Path, address: str, port: int) -> SshSpec:
-    """The fleet file's ssh settings that log in to ``write_sshd(root, ...)``'s server as this user."""
-    options = [f"UserKnownHostsFile={root / 'known_hosts'}", "StrictHostKeyChecking=accept-new", "IdentitiesOnly=yes",
-               "LogLevel=ERROR"]
-    return SshSpec(f"{getpass.getuser()}@{address}", port=port, identity=str(root / "client_key"), options=options,
-                   python=sys.executable)
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory: pytest.TempPathFactory):
-    needs_sshd()
-    root = tmp_path_factory.mktemp("sshd")
-    port = free_ports(1)[0]
-    config, log = write_sshd(root, port, "127.0.0.1")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(SSHD), "-D", "-e", "-f", str(config)], stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    try:
-        _wait_port(port, proc, log)
-        yield Sshd(proc.pid, client_spec(root, "127.0.0.1", port))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def _sessions(sshd: Sshd) -> list[int]:
-    """The live children of the listening sshd: one per ssh connection still open."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[1] == str(sshd.pid) and fields[0] != "Z":
-            found.append(int(proc.name))
-    return found
-
-
-def _processes_naming(path: Path, exclude: int | None = None) -> list[str]:
-    """Live processes whose command line names ``path`` (ssh clients, workers and stages all name the plan)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) in (os.getpid(), exclude):
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if str(path) in cmdline and state != "Z":
-            found.append(f"{proc.name}: {cmdline[:200]}")
-    return found
-
-
-def _assert_nothing_left(sshd: Sshd, plan_dir: Path, within_s: float = 20.0, exclude: int | None = None) -> float:
-    """Wait until no process of the run is left (here or "on beta"); returns how long that took."""
-    t0 = time.monotonic()
-    while (_processes_naming(plan_dir, exclude) or _sessions(sshd)) and time.monotonic() - t0 < within_s:
-        time.sleep(0.2)
-    assert _processes_naming(plan_dir, exclude) == [], "processes outlived the run"
-    assert _sessions(sshd) == [], "ssh sessions outlived the run"
-    return time.monotonic() - t0
-
-
 def _ssh_plan(tmp_path: Path, tiny_model_dir: Path, tiny_spec: ModelSpec, ssh: SshSpec,
               train: TrainSpec = TRAIN) -> Plan:
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=train, hosts=["alpha", "beta"])
@@ -248,15 +146,9 @@ def _ssh_plan(tmp_path: Path, tiny_model_dir: Path, tiny_spec: ModelSpec, ssh: S
     return plan
 
 
-def _with_host(plan: Plan, name: str, **changes: Any) -> Plan:
-    """``plan`` with host ``name``'s settings changed (ssh, address)."""
-    hosts = [replace(h, **changes) if h.name == name else h for h in plan.cluster.hosts]
-    return replace(plan, cluster=replace(plan.cluster, hosts=hosts))
-
-
 @pytest.mark.slow
 def test_one_command_trains_over_ssh_and_a_stopped_run_leaves_nothing_on_any_host(
-        sshd: Sshd, tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path) -> None:
+        sshd: Sshd, tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path) -> None:  # noqa: F811 (the fixture)
     _ssh_plan(tmp_path, tiny_model_dir, tiny_spec, sshd.ssh, LONG)
     run_dir = tmp_path / "run"
     run = start(["run", "plan.json", "--run-dir", str(run_dir), "--port", str(free_ports(1)[0]), "--no-progress"],
@@ -298,7 +190,7 @@ time.sleep(600)
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["hetero run", "ssh"])
 def test_a_killed_run_or_dropped_session_leaves_nothing_on_the_ssh_host(
-        sshd: Sshd, tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path, victim: str) -> None:
+        sshd: Sshd, tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path, victim: str) -> None:  # noqa: F811 (the fixture)
     """SIGKILL: nobody stops anything. Killing `hetero run` closes its ssh client's stdin, killing the client
     closes the connection: either way the remote worker's stdin ends, and it stops its stages."""
     _ssh_plan(tmp_path, tiny_model_dir, tiny_spec, sshd.ssh, LONG)
@@ -322,7 +214,7 @@ def test_a_killed_run_or_dropped_session_leaves_nothing_on_the_ssh_host(
 
 @pytest.mark.slow
 def test_a_remote_worker_that_ends_early_is_one_line_naming_the_host_and_its_log(
-        sshd: Sshd, tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path, capsys: pytest.CaptureFixture,
+        sshd: Sshd, tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path, capsys: pytest.CaptureFixture,  # noqa: F811 (the fixture)
         monkeypatch: pytest.MonkeyPatch) -> None:
     from hetero.cli import main
 
@@ -357,7 +249,7 @@ def _refusal(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.
 
 @pytest.mark.slow
 def test_preflight_refuses_a_host_with_another_plan_in_one_line(
-        sshd: Sshd, tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path, capsys: pytest.CaptureFixture,
+        sshd: Sshd, tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path, capsys: pytest.CaptureFixture,  # noqa: F811 (the fixture)
         monkeypatch: pytest.MonkeyPatch) -> None:
     there = tmp_path / "on-beta"
     there.mkdir()

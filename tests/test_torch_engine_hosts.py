@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from plans import free_ports, make_plan
 from reference import reference_run
+from sshd_server import SSHD, client_spec, needs_sshd, write_sshd
 from test_runtime_equivalence import SEQ_LEN, TRAIN
-from test_ssh_launcher import SSHD, client_spec, needs_sshd, write_sshd
 from test_torch_engine import _check_against_reference
 
 from hetero.plan import Plan, compute_input_hash

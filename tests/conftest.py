@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -42,6 +43,26 @@ def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield root
     finally:
         mp.undo()
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
+    """``references(model_dir, train, seq_len, **options)``: tests/reference.py's ``reference_run``, computed
+    once per test session for the same inputs, so the test files that compare with one reference share it.
+    Each caller gets a folder of its own as ``root`` (for its runs); the losses, the adapter state and the initial
+    adapter are shared: read them, do not change them."""
+    from reference import reference_run
+
+    done: dict[tuple, dict] = {}
+
+    def get(model_dir: Path, train: Any, seq_len: int, **options: Any) -> dict:
+        key = (str(model_dir), train, seq_len, tuple(sorted((k, repr(v)) for k, v in options.items())))
+        if key not in done:
+            root = tmp_path_factory.mktemp("reference")
+            done[key] = reference_run(model_dir, root, train, seq_len, **options)
+        return {**done[key], "root": tmp_path_factory.mktemp("runs")}
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -4,13 +4,13 @@ stage's rules, and trained through (issue 37)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from plans import make_plan
-from reference import reference_run
 
 from hetero import cli
 from hetero.errors import WireError
@@ -111,13 +111,13 @@ def test_a_compressed_links_receiver_takes_only_its_parts(tmp_path: Path, tiny_m
 
 
 @pytest.mark.slow
-def test_training_through_compressed_links_follows_the_reference(tmp_path: Path, tiny_model_dir: Path,
+def test_training_through_compressed_links_follows_the_reference(references: Callable[..., dict], tmp_path: Path, tiny_model_dir: Path,
                                                                   tiny_spec: ModelSpec) -> None:
     """Three CPU stage processes, an int8 link then an int4 link, against transformers+peft in one process: the run's
     losses stay within 3 % of the reference's, and the saved adapter's LoRA tensors move as the reference's do. The
     receiving stages accept nothing but compressed parts, so the run finishing means every hand-off crossed
     compressed."""
-    setup = reference_run(tiny_model_dir, tmp_path / "ref", TRAIN, SEQ_LEN, packing=False)
+    setup = references(tiny_model_dir, TRAIN, SEQ_LEN, packing=False)
     plan = _compressed(make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=TRAIN, lora=setup["lora"],
                                  seq_len=SEQ_LEN, packing=False), ["int8", "int4", "none"])
     plan.save(tmp_path / "plan.json")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from plans import drive, make_plan
-from reference import assert_close_to_scale, reference_run
+from reference import assert_close_to_scale
 
 from hetero.plan import ChunkPlan, Plan, compute_input_hash
 from hetero.planner.schedule.schedules import interleaved_one_f_one_b
@@ -38,8 +38,8 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return reference_run(tiny_model_dir, tmp_path_factory.mktemp("interleaved"), TRAIN, SEQ_LEN)
+def setup(references: Callable[..., dict], tiny_model_dir: Path) -> dict:
+    return references(tiny_model_dir, TRAIN, SEQ_LEN)
 
 
 def run_devices(plan: Plan, num_devices: int, chunks: int, steps: int, start: int = 0,

@@ -16,13 +16,14 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from plans import free_ports, make_plan
 from procs import STARTED, clean_up, finish, start
-from reference import assert_close_to_scale, reference_run
+from reference import assert_close_to_scale
 from safetensors.torch import load_file
 
 from hetero.runtime.run.run_compare import read_metrics, step_lines
@@ -113,10 +114,10 @@ def _run(tmp_path: Path, name: str, beta_python: Path) -> tuple[list[float], dic
     return losses, adapter, envs
 
 
-def test_a_stage_on_another_transformers_version_trains_the_same(tiny_model_dir: Path, tiny_spec: ModelSpec,
+def test_a_stage_on_another_transformers_version_trains_the_same(references: Callable[..., dict], tiny_model_dir: Path, tiny_spec: ModelSpec,
                                                                 tmp_path: Path, other_python: Path) -> None:
     # The independent reference (plain transformers + peft, this environment), not a second hetero run.
-    reference = reference_run(tiny_model_dir, tmp_path / "reference", TRAIN, SEQ_LEN)
+    reference = references(tiny_model_dir, TRAIN, SEQ_LEN)
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], hosts=["alpha", "beta", "beta"],
                      train=TRAIN, lora=reference["lora"], seq_len=SEQ_LEN)
     plan.save(tmp_path / "plan.json")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -257,11 +258,10 @@ def streaming_plan(plan, model_dir: Path):  # noqa: ANN001, ANN201 (hetero.plan.
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from reference import reference_run
+def reference(references: Callable[..., dict], tiny_model_dir: Path) -> dict:
     from test_runtime_equivalence import TRAIN
 
-    return reference_run(tiny_model_dir, tmp_path_factory.mktemp("offload"), TRAIN, SEQ_LEN)
+    return references(tiny_model_dir, TRAIN, SEQ_LEN)
 
 
 @pytest.mark.slow

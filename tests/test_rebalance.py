@@ -12,13 +12,14 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from plans import make_plan
-from reference import assert_close_to_scale, reference_run
+from reference import assert_close_to_scale
 
 from hetero.plan import Plan
 from hetero.planner.replan.rebalance import Replanner, Watch
@@ -148,8 +149,8 @@ def test_a_move_planned_on_disturbed_steps_is_corrected_once(w1_like_plan: Plan)
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return reference_run(tiny_model_dir, tmp_path_factory.mktemp("rebalance"), TRAIN, SEQ_LEN)
+def setup(references: Callable[..., dict], tiny_model_dir: Path) -> dict:
+    return references(tiny_model_dir, TRAIN, SEQ_LEN)
 
 
 @pytest.mark.slow

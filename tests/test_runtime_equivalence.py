@@ -9,13 +9,14 @@ warmup + cosine decay — under 1F1B and under GPipe.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from plans import make_plan
-from reference import assert_close_to_scale, reference_run
+from reference import assert_close_to_scale
 
 from hetero.runtime.cli import main_run
 from hetero.runtime.run.run_compare import read_metrics, step_lines
@@ -31,9 +32,9 @@ RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def setup(references: Callable[..., dict], tiny_model_dir: Path) -> dict:
     """The initial adapter and the reference run, computed once for the module."""
-    return reference_run(tiny_model_dir, tmp_path_factory.mktemp("equiv"), TRAIN, SEQ_LEN)
+    return references(tiny_model_dir, TRAIN, SEQ_LEN)
 
 
 def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -41,9 +42,9 @@ def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.fixture(scope="module")
-def padded(setup: dict, tiny_model_dir: Path) -> dict:
+def padded(references: Callable[..., dict], setup: dict, tiny_model_dir: Path) -> dict:
     """The reference over the steps data.packing=false gives (one record per row, in the epoch's order)."""
-    return {**reference_run(tiny_model_dir, setup["root"] / "padded", TRAIN, SEQ_LEN, packing=False), "root": setup["root"]}
+    return references(tiny_model_dir, TRAIN, SEQ_LEN, packing=False)
 
 
 # Each schedule once and each recompute mode once: recomputation happens inside a layer's backward, the same

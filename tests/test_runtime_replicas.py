@@ -10,13 +10,14 @@ checkpoint, in whole-model keys, resumes on a one-replica plan and continues the
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from plans import make_plan
-from reference import assert_close_to_scale, reference_run
+from reference import assert_close_to_scale
 
 from hetero.errors import PlanError
 from hetero.plan import Plan
@@ -34,9 +35,9 @@ RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def setup(references: Callable[..., dict], tiny_model_dir: Path) -> dict:
     """The initial adapter and the reference run, computed once for the module."""
-    return reference_run(tiny_model_dir, tmp_path_factory.mktemp("replicas"), TRAIN, SEQ_LEN)
+    return references(tiny_model_dir, TRAIN, SEQ_LEN)
 
 
 def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:

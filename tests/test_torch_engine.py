@@ -9,13 +9,14 @@ AutoPeftModelForCausalLM; plans this engine cannot run are refused in one line b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from plans import make_plan
-from reference import assert_close_to_scale, reference_run
+from reference import assert_close_to_scale
 from test_runtime_equivalence import RTOL, SEQ_LEN, TRAIN  # the default engine's settings: the same reference
 
 from hetero.errors import PlanError
@@ -28,8 +29,8 @@ from hetero.specs import ModelSpec
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return reference_run(tiny_model_dir, tmp_path_factory.mktemp("torch-engine"), TRAIN, SEQ_LEN, packing=False)
+def setup(references: Callable[..., dict], tiny_model_dir: Path) -> dict:
+    return references(tiny_model_dir, TRAIN, SEQ_LEN, packing=False)
 
 
 def _run(plan: Plan, root: Path, name: str, *extra: str) -> Path:

@@ -14,13 +14,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from plans import free_ports, make_plan
-from reference import reference_run
 from sshd_server import SSHD, client_spec, needs_sshd, write_sshd
 from test_runtime_equivalence import SEQ_LEN, TRAIN
 from test_torch_engine import _check_against_reference
@@ -47,7 +47,7 @@ def test_ranks_go_host_by_host_and_the_mesh_follows_the_plan(tiny_model_dir: Pat
 
 
 @pytest.fixture(scope="module")
-def two_hosts(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Any:
+def two_hosts(references: Callable[..., dict], tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Any:
     import w3_net
 
     if (refused := w3_net.netns_refused()) is not None:
@@ -68,7 +68,7 @@ def two_hosts(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) ->
             assert sshd.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.1)
         yield {"link": link, "ssh": client_spec(root, w3_net.IPS[1], port), "ips": w3_net.IPS,
-               "reference": reference_run(tiny_model_dir, root / "reference", TRAIN, SEQ_LEN, packing=False)}
+               "reference": references(tiny_model_dir, TRAIN, SEQ_LEN, packing=False)}
     finally:
         if sshd is not None:
             sshd.terminate()

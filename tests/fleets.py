@@ -7,9 +7,19 @@ import random
 
 from hetero.graph import CutEdge, LayerGraph, LayerNode, TensorSpec
 from hetero.hardware import build_cluster, load_device_types
+from hetero.planner import plan
 from hetero.planner import plan as make_plan
 from hetero.planner.model.cost import build_cost_table
 from hetero.planner.model.cost_model import RooflineCostModel
+from hetero.profile import (
+    DeviceProfile,
+    LayerProfile,
+    LinearFit,
+    LinkProfile,
+    Profile,
+    fleet_hash,
+    model_hash,
+)
 from hetero.specs import (
     ClusterSpec,
     DataSpec,
@@ -118,3 +128,34 @@ def fleet(threads: list[int], link_gbps: float | None = None):
 def a_plan(tiny_spec, graph, cluster, m: int = 8, split: list[int] | None = None, schedule: str = "1f1b"):
     train = TrainSpec(micro_batch_size=4, num_micro_batches=m, schedule=schedule)
     return make_plan(tiny_spec, graph, cluster, train, DataSpec(), PlannerOptions(time_limit_s=5, split=split))
+
+
+def local_fleet(threads: list[int]):
+    """This machine's CPU as one stage per entry of ``threads``."""
+    devices = [{"type": "cpu", "threads": t} for t in threads]
+    return build_cluster({"name": "local", "hosts": [{"name": "localhost", "devices": devices}]}, load_device_types())
+
+
+def synthetic_profile(cluster, model: ModelSpec, decoder_b: dict[str, float], kinds=("embedding", "decoder", "norm", "head")) -> Profile:
+    """A profile whose decoder costs b seconds per token on each device (the rest cheap)."""
+    devices = []
+    for d in cluster.devices:
+        layers = {}
+        for kind in kinds:
+            b = decoder_b[d.name] if kind == "decoder" else 1e-8
+            layers[kind] = LayerProfile(kind, _fit(1e-4, b), _fit(1e-4, 2 * b), 1e5, 10, 4000.0, 4000.0, "test")
+        devices.append(DeviceProfile(d.name, d.host, d.type, d.backend, "float32", "none", d.threads, 8.0,
+                                     model.seq_len, [128, 512], layers))
+    links = [LinkProfile("localhost", "localhost", 10.0, 50.0)]
+    return Profile(cluster.name, fleet_hash(cluster), model.name, model_hash(model), devices, links, created="now")
+
+
+def _plan(cluster, graph, quant="nf4", m=4, schedule="1f1b", **opts):  # type: ignore[no-untyped-def]
+    # The placement as the solvers find it (one chunk per device; tests/test_interleaved.py plans interleaving).
+    opts.setdefault("interleave", "off")
+    train = TrainSpec(micro_batch_size=1, num_micro_batches=m, schedule=schedule)
+    return plan(make_model(quant), graph, cluster, train, DataSpec(), PlannerOptions(time_limit_s=20.0, **opts))
+
+
+def _fit(a: float, b: float) -> LinearFit:
+    return LinearFit(a, b, 1.0, [[128.0, a + b * 128], [512.0, a + b * 512]])

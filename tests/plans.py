@@ -7,13 +7,17 @@ free loopback ports: the runtime is tested on exactly what it reads from a compi
 
 from __future__ import annotations
 
+import json
 import random
 import socket
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from hetero.graph import CutEdge, LayerGraph, LayerNode, TensorSpec
 from hetero.plan import (
+    ChunkPlan,
     MemoryBreakdown,
     Plan,
     Prediction,
@@ -22,10 +26,14 @@ from hetero.plan import (
     StagePlan,
     compute_input_hash,
 )
+from hetero.planner.schedule.schedules import interleaved_one_f_one_b
 from hetero.planner.schedule.step_form import programs_for
 from hetero.program import format_program
 from hetero.protocol import BASE_PORT
+from hetero.runtime.stage.memory import kept_bytes
+from hetero.runtime.stage.model import Stage
 from hetero.runtime.wire.endpoints import ephemeral_ports
+from hetero.runtime.wire.transport import Transport
 from hetero.specs import (
     ClusterSpec,
     DataSpec,
@@ -179,7 +187,6 @@ def run_in_threads(stages: list, plan: Plan, batches, steps: int, on_step=None, 
     step's clip coefficient.
     """
     from hetero.runtime.stage.executor import COORDINATOR, Executor, stage_name
-    from hetero.runtime.wire.transport import Transport
 
     n = len(stages)
     names = [stage_name(k) for k in range(n)]
@@ -262,3 +269,42 @@ def drive(executors: list, wires: list, coord, batches, steps: int, max_grad_nor
     if errors:
         raise errors[0]
     return losses, coefs
+
+
+def _repeating_data(tmp_path: Path, n: int) -> DataSpec:
+    """n short records: with M*B == n and no shuffle, every step sees the same batch (loss must fall)."""
+    path = tmp_path / "d.jsonl"
+    lines = [json.dumps({"text": f"the number {i} is followed by {i + 1} and then {i + 2}"}) for i in range(n)]
+    path.write_text("\n".join(lines) + "\n")
+    return DataSpec(path=str(path), format="text")
+
+
+def kept_per_token(stage: Stage, hidden: int, seq: int) -> float:
+    kept = {}
+    for batch in (2, 4):
+        x = torch.randn(batch, seq, hidden, dtype=stage.dtype)
+        kept[batch] = kept_bytes(lambda x=x: stage.forward(x.clone().requires_grad_()))
+    return (kept[4] - kept[2]) / (2 * seq) / len(stage.layout.layers)
+
+
+def interleave(plan: Plan, num_devices: int) -> Plan:
+    """A hand-built plan of p x v one-chunk stages (tests/plans.py make_plan) folded into p devices of v
+    chunks: virtual stage c x p + d becomes device d's chunk c, each device runs its interleaved program."""
+    virtual = plan.stages
+    chunks = len(virtual) // num_devices
+    programs = interleaved_one_f_one_b(num_devices, plan.train.num_micro_batches, chunks)
+    stages = [replace(virtual[d], program=format_program(programs[d]), chunks=[
+        ChunkPlan(s.first_node, s.last_node, list(s.node_names), s.fwd_time_s, s.bwd_time_s, s.send_time_s,
+                  list(s.recompute_layers)) for s in virtual[d + num_devices::num_devices]]) for d in range(num_devices)]
+    folded = replace(plan, stages=stages)
+    return replace(folded, input_hash=compute_input_hash(folded))
+
+
+SEQ_LEN = 32
+
+
+TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=4, lr=2e-3, scheduler="cosine", warmup_steps=1,
+                  max_grad_norm=0.3, seed=3, shuffle=True)
+
+
+RTOL = 1e-4

@@ -115,23 +115,3 @@ def test_save_rejects_inconsistent_state(trained_peft: torch.nn.Module, tmp_path
     assert not (tmp_path / "a").exists()  # nothing half-written on a rejected state
 
 
-
-def check_loads_with_auto_peft(adapter: Path) -> None:
-    """A run's adapter names a real base directory (or a hub id), so AutoPeftModelForCausalLM loads it
-    with no help and generates; the loaded LoRA tensors are the adapter's."""
-    from peft import AutoPeftModelForCausalLM
-    from transformers import AutoTokenizer
-
-    base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
-    assert Path(base).is_dir() and (Path(base) / "config.json").is_file(), base
-    model = AutoPeftModelForCausalLM.from_pretrained(str(adapter)).eval()
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    ids = tokenizer("Name three colours.", return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5,
-                             do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
-    assert out.shape[1] == ids.shape[1] + 5
-    trained = load_adapter_state(adapter)
-    loaded = get_peft_model_state_dict(model)
-    assert set(loaded) == set(trained) and all(torch.equal(loaded[k], trained[k]) for k in trained)

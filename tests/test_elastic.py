@@ -20,15 +20,8 @@ import pytest
 import torch
 from plans import free_ports, make_plan
 from procs import clean_up, finish, start
+from runs import _adapter, _assert_no_process_left, _metrics, _one_error_line, _port, _stage_pids
 from sshd_server import sshd  # noqa: F401 (a fixture: an OpenSSH server on loopback)
-from test_runtime_failures import (
-    _adapter,
-    _assert_no_process_left,
-    _metrics,
-    _one_error_line,
-    _port,
-    _stage_pids,
-)
 
 from hetero.errors import InfeasiblePlanError
 from hetero.plan import Plan
@@ -176,7 +169,7 @@ def test_an_interleaved_run_goes_on_without_a_killed_device(root: Path, referenc
     """Two stage processes of two chunks each (interleaved 1F1B, the last handing on to the first): the second is
     killed at step 8; the run is planned again, one chunk per device, on the device left, moves every chunk's
     LoRA weights and AdamW moments by their keys, and ends with the undisturbed run's losses and adapter."""
-    from test_interleaved_runtime import interleave
+    from plans import interleave
 
     plan = interleave(make_plan(tiny_model_dir, tiny_spec.architecture, [2, 1, 1, 2], train=TRAIN), 2)
     assert [len(s.spans()) for s in plan.stages] == [2, 2]
@@ -202,7 +195,7 @@ def test_a_keyed_run_recovers_and_a_process_without_its_keys_cannot_take_the_los
     undisturbed one."""
     from dataclasses import replace
 
-    from test_security import forgers
+    from runs import forgers
 
     from hetero.runtime.wire.frames import Message, encode
     from hetero.security import generate
@@ -286,7 +279,7 @@ def test_a_run_of_three_hosts_loses_one_goes_on_and_takes_it_back(
     beta = worker("beta")  # the host is back, with the run's first plan.json
     # While its worker starts (seconds of imports), a process without beta's keys says hello as stage 1 under the
     # first plan: it fails the key check, and the run does not take "beta" back for it.
-    from test_security import forgers
+    from runs import forgers
 
     from hetero.runtime.wire.frames import Message, encode
 

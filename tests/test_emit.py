@@ -7,33 +7,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_trace import tiny_model
+from tiny_specs import tiny_plan
 
 from hetero.compiler.emit import emit
 from hetero.compiler.fxgraph import PipelineView, build_config
-from hetero.compiler.trace import trace
 from hetero.errors import ConfigError, PlanError
-from hetero.hardware import build_cluster
 from hetero.plan import Plan
-from hetero.planner import plan as make_plan
-from hetero.specs import DataSpec, PlannerOptions, TrainSpec
-
-HOSTS = {
-    "name": "two_hosts",
-    "hosts": [
-        {"name": "alpha", "address": "10.0.0.1", "devices": [{"type": "cpu"}]},
-        {"name": "beta", "address": "10.0.0.2", "port": 30000, "devices": [{"type": "cpu", "count": 2}]},
-    ],
-    "links": [{"a": "alpha", "b": "beta", "bandwidth_gbps": 10, "latency_us": 50}],
-}
-
-
-def tiny_plan(split: list[int] = (1, 3, 2)) -> Plan:
-    """A real plan (planner with a manual split) of the tiny model over three CPU stages on two hosts."""
-    model = tiny_model()
-    cluster = build_cluster(HOSTS)
-    options = PlannerOptions(split=list(split), devices=[d.name for d in cluster.devices])
-    return make_plan(model, trace(model), cluster, TrainSpec(num_micro_batches=4), DataSpec(), options)
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from plans import make_plan, run_in_threads
-from test_stage import _repeating_data
+from plans import _repeating_data, make_plan, run_in_threads
 from tiny_families import COMMON, TINY
 from transformers import AutoModelForCausalLM
 
@@ -130,7 +129,7 @@ def test_the_roofline_adds_the_routing_traffic_to_a_moe_layer() -> None:
 @pytest.mark.parametrize(("model_type", "experts"), [(m, e) for m in EVERY_MOE for e in ("grouped", "eager")
                                                      if e == "grouped" or not family(m).experts.scaled_input])
 def test_a_moe_layer_keeps_what_the_graph_predicts(model_type: str, experts: str) -> None:
-    from test_memory import kept_per_token
+    from plans import kept_per_token
 
     from hetero.runtime.stage.attention import implementation, register
     from hetero.runtime.stage.model import Stage, StageLayout

@@ -185,8 +185,7 @@ def test_programs_whose_chunks_disagree_are_refused() -> None:
 
 def test_a_plan_whose_program_names_chunks_its_stage_lacks_is_refused(tmp_path: Path) -> None:
     """A program naming a chunk of layers the stage does not hold (plan.json edited) is refused in one line."""
-    from fleets import make_cluster, make_graph
-    from test_planner import _plan
+    from fleets import _plan, make_cluster, make_graph
 
     cluster = make_cluster([("a", "rtx4090", None), ("b", "rtx3090", 6.0)])
     p = _plan(cluster, make_graph(4, rng=random.Random(1)), replicas=1)
@@ -205,8 +204,7 @@ def test_a_plan_whose_program_names_chunks_its_stage_lacks_is_refused(tmp_path: 
 
 def _planned(fleet: list, mode: str, m: int = 4, layers: int = 12, seed: int = 3, gbps: float = 10.0,
              recomputable: bool = False, **opts: object) -> Plan:
-    from fleets import make_cluster, make_graph
-    from test_planner import _plan
+    from fleets import _plan, make_cluster, make_graph
 
     opts.setdefault("replicas", 1)
     return _plan(make_cluster(fleet, gbps), make_graph(layers, rng=random.Random(seed), recompute=recomputable), m=m,

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from plans import drive, make_plan
+from plans import drive, interleave, make_plan
 from reference import assert_close_to_scale
 
-from hetero.plan import ChunkPlan, Plan, compute_input_hash
+from hetero.plan import Plan, compute_input_hash
 from hetero.planner.schedule.schedules import interleaved_one_f_one_b
-from hetero.program import format_program
 from hetero.runtime.cli import main_run
 from hetero.runtime.run.data import StepBatches
 from hetero.runtime.run.run_compare import read_metrics, step_lines
@@ -154,19 +153,6 @@ def test_an_act_is_received_by_the_chunk_it_names() -> None:
         got = rx.recv("act", step=0, mb=2, sender="stage0", chunk=1)
         assert got.meta["chunk"] == 1 and float(got.tensors["h"][0, 0, 0]) == 1.0
         tx.set_linger(0)
-
-
-def interleave(plan: Plan, num_devices: int) -> Plan:
-    """A hand-built plan of p x v one-chunk stages (tests/plans.py make_plan) folded into p devices of v
-    chunks: virtual stage c x p + d becomes device d's chunk c, each device runs its interleaved program."""
-    virtual = plan.stages
-    chunks = len(virtual) // num_devices
-    programs = interleaved_one_f_one_b(num_devices, plan.train.num_micro_batches, chunks)
-    stages = [replace(virtual[d], program=format_program(programs[d]), chunks=[
-        ChunkPlan(s.first_node, s.last_node, list(s.node_names), s.fwd_time_s, s.bwd_time_s, s.send_time_s,
-                  list(s.recompute_layers)) for s in virtual[d + num_devices::num_devices]]) for d in range(num_devices)]
-    folded = replace(plan, stages=stages)
-    return replace(folded, input_hash=compute_input_hash(folded))
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])

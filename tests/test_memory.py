@@ -12,14 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from test_trace import LLAMA8B, tiny_model
+from plans import kept_per_token
+from tiny_specs import LLAMA8B, tiny_model
 from torch import nn
 from transformers import AutoModelForCausalLM
 
 from hetero.compiler.fxgraph import build_config
 from hetero.compiler.trace import trace
 from hetero.runtime.stage.lora import share_lora_inputs
-from hetero.runtime.stage.memory import kept_bytes
 from hetero.runtime.stage.model import Stage, StageLayout
 from hetero.runtime.stage.weights import quantize_nf4
 from hetero.specs import LoraSpec, ModelSpec
@@ -49,14 +49,6 @@ def build(arch: dict, dtype: str, quant: str, layers: int, recompute: bool, shar
         share_lora_inputs(peft)
     return Stage(1, torch.device("cpu"), DTYPES[dtype], StageLayout(False, list(range(layers)), False, False),
                  model, peft, quant, frozenset(range(layers)) if recompute else frozenset())
-
-
-def kept_per_token(stage: Stage, hidden: int, seq: int) -> float:
-    kept = {}
-    for batch in (2, 4):
-        x = torch.randn(batch, seq, hidden, dtype=stage.dtype)
-        kept[batch] = kept_bytes(lambda x=x: stage.forward(x.clone().requires_grad_()))
-    return (kept[4] - kept[2]) / (2 * seq) / len(stage.layout.layers)
 
 
 def predicted(arch: dict, dtype: str, quant: str, recompute: bool) -> float:

@@ -259,7 +259,7 @@ def streaming_plan(plan, model_dir: Path):  # noqa: ANN001, ANN201 (hetero.plan.
 
 @pytest.fixture(scope="module")
 def reference(references: Callable[..., dict], tiny_model_dir: Path) -> dict:
-    from test_runtime_equivalence import TRAIN
+    from plans import TRAIN
 
     return references(tiny_model_dir, TRAIN, SEQ_LEN)
 
@@ -268,9 +268,8 @@ def reference(references: Callable[..., dict], tiny_model_dir: Path) -> dict:
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_a_pipeline_streaming_every_layer_equals_the_reference(recompute: str, reference: dict, tiny_model_dir: Path,
                                                                tiny_spec) -> None:  # noqa: ANN001
-    from plans import make_plan
+    from plans import TRAIN, make_plan
     from reference import assert_close_to_scale
-    from test_runtime_equivalence import TRAIN
 
     from hetero.runtime.cli import main_run
     from hetero.runtime.run.run_compare import read_metrics, step_lines

@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt
 import pytest
 from matplotlib.colors import to_hex, to_rgb
 from matplotlib.patches import FancyBboxPatch, Rectangle
-from test_emit import tiny_plan
+from tiny_specs import tiny_plan
 
 from hetero.compiler.pictures import (
     BACKWARD_COLOUR,

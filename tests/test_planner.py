@@ -5,22 +5,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from fleets import make_cluster, make_graph, make_model, table_for
+from fleets import _plan, make_cluster, make_graph, make_model, table_for
 
 from hetero.errors import ConfigError, InfeasiblePlanError
 from hetero.plan import Plan, compute_input_hash
-from hetero.planner import plan
 from hetero.planner.model.cost_model import NF4_BYTES_PER_PARAM, RooflineCostModel
 from hetero.planner.schedule.simulator import simulate_plan
 from hetero.planner.search.bruteforce import brute_force_simulated
-from hetero.specs import DataSpec, PlannerOptions, TrainSpec
-
-
-def _plan(cluster, graph, quant="nf4", m=4, schedule="1f1b", **opts):  # type: ignore[no-untyped-def]
-    # The placement as the solvers find it (one chunk per device; tests/test_interleaved.py plans interleaving).
-    opts.setdefault("interleave", "off")
-    train = TrainSpec(micro_batch_size=1, num_micro_batches=m, schedule=schedule)
-    return plan(make_model(quant), graph, cluster, train, DataSpec(), PlannerOptions(time_limit_s=20.0, **opts))
 
 
 def test_plan_with_replicas_is_complete_and_round_trips(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from fleets import _fit, local_fleet, synthetic_profile
 
 from hetero.errors import HeteroError
 from hetero.hardware import build_cluster, load_device_types
@@ -17,25 +18,14 @@ from hetero.planner import plan as make_plan
 from hetero.planner.model.cost_model import RooflineCostModel
 from hetero.planner.model.profile_cost import ProfileCostModel
 from hetero.profile import (
-    DeviceProfile,
-    LayerProfile,
     LinearFit,
-    LinkProfile,
     Profile,
     ProfileError,
     check_profile,
     fit_line,
-    fleet_hash,
-    model_hash,
 )
 from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.specs import DataSpec, ModelSpec, PlannerOptions, TrainSpec
-
-
-def local_fleet(threads: list[int]):
-    """This machine's CPU as one stage per entry of ``threads``."""
-    devices = [{"type": "cpu", "threads": t} for t in threads]
-    return build_cluster({"name": "local", "hosts": [{"name": "localhost", "devices": devices}]}, load_device_types())
 
 
 @pytest.fixture(scope="module")
@@ -43,24 +33,6 @@ def tiny_graph(tiny_spec: ModelSpec):
     from hetero.compiler.trace import trace
 
     return trace(tiny_spec)
-
-
-def _fit(a: float, b: float) -> LinearFit:
-    return LinearFit(a, b, 1.0, [[128.0, a + b * 128], [512.0, a + b * 512]])
-
-
-def synthetic_profile(cluster, model: ModelSpec, decoder_b: dict[str, float], kinds=("embedding", "decoder", "norm", "head")) -> Profile:
-    """A profile whose decoder costs b seconds per token on each device (the rest cheap)."""
-    devices = []
-    for d in cluster.devices:
-        layers = {}
-        for kind in kinds:
-            b = decoder_b[d.name] if kind == "decoder" else 1e-8
-            layers[kind] = LayerProfile(kind, _fit(1e-4, b), _fit(1e-4, 2 * b), 1e5, 10, 4000.0, 4000.0, "test")
-        devices.append(DeviceProfile(d.name, d.host, d.type, d.backend, "float32", "none", d.threads, 8.0,
-                                     model.seq_len, [128, 512], layers))
-    links = [LinkProfile("localhost", "localhost", 10.0, 50.0)]
-    return Profile(cluster.name, fleet_hash(cluster), model.name, model_hash(model), devices, links, created="now")
 
 
 def test_fit_line_recovers_a_noisy_line() -> None:
@@ -472,6 +444,6 @@ def test_profile_compile_run_predicts_the_step(tmp_path: Path, capsys, monkeypat
     assert main(["simulate", str(out / "plan.json"), "--no-replan", "--run", str(run)]) == 0
     assert "measured/replayed" in capsys.readouterr().out
     # The demo model (bundled: no hub id): its adapter loads with AutoPeftModelForCausalLM and generates.
-    from test_adapter import check_loads_with_auto_peft
+    from runs import check_loads_with_auto_peft
 
     check_loads_with_auto_peft(run / "adapter")

@@ -18,7 +18,7 @@ TOKENS = 4 * 128  # the tiny config's micro_batch_size x seq_len
 
 def _prior(tmp_path: Path) -> Path:
     """A `hetero profile` file of the local 2-CPU fleet for the tiny model (synthetic, both CPUs alike)."""
-    from test_profile import synthetic_profile
+    from fleets import synthetic_profile
 
     from hetero import config as config_mod
     from hetero.profile import LinearFit
@@ -126,7 +126,7 @@ def test_a_run_of_another_fleet_or_model_is_refused(loop: dict[str, Path], capsy
 def test_a_plan_without_a_profile_is_split_by_the_roofline(tmp_path: Path, tiny_spec: ModelSpec) -> None:
     """No profile behind the plan: the roofline divides each stage's measured times among the kinds, and the
     optimizer and send costs are the measured ones, per LoRA parameter and per message."""
-    from test_profile import local_fleet
+    from fleets import local_fleet
 
     from hetero.compiler.trace import trace
     from hetero.planner import plan as make_plan
@@ -176,7 +176,7 @@ def test_nf4_is_priced_as_a_quantized_layer(tiny_spec: ModelSpec) -> None:
     """The roofline charges NF4 the dense matmul plus a dequantization pass in forward and in backward (read
     the NF4 bytes, write the compute-dtype weight: planner/model/cost_model.py), so NF4 is slower than bf16, never
     faster; a profile measured without quantization is not used for an NF4 layer."""
-    from test_profile import local_fleet, synthetic_profile
+    from fleets import local_fleet, synthetic_profile
 
     from hetero.compiler.trace import trace
     from hetero.hardware import build_cluster, load_device_types
@@ -215,7 +215,7 @@ def test_a_link_is_timed_by_its_messages_whatever_the_clock_offset(tmp_path: Pat
     """Each direction's hand-off time less the sender's encode and the receiver's decode is the link's transfer;
     a clock offset between the hosts adds to one direction what it takes from the other, so it cancels; the link
     keeps the prior's shape (fleet file here) scaled through the measured point."""
-    from test_profile import local_fleet
+    from fleets import local_fleet
 
     from hetero.compiler.trace import trace
     from hetero.planner import plan as make_plan

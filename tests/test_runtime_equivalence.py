@@ -15,20 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from plans import make_plan
+from plans import RTOL, SEQ_LEN, TRAIN, make_plan
 from reference import assert_close_to_scale
 
 from hetero.runtime.cli import main_run
 from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.runtime.stage.adapter import load_adapter_state
-from hetero.specs import ModelSpec, TrainSpec
+from hetero.specs import ModelSpec
 
 pytestmark = pytest.mark.slow
-
-SEQ_LEN = 32
-TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=4, lr=2e-3, scheduler="cosine", warmup_steps=1,
-                  max_grad_norm=0.3, seed=3, shuffle=True)
-RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")

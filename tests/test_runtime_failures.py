@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 from plans import free_ports, make_plan
-from procs import PIDS, clean_up, finish, start
+from procs import clean_up, finish, start
+from runs import _adapter, _alive, _assert_no_process_left, _metrics, _one_error_line, _port, _stage_pids
 
 from hetero.errors import ConfigError
 from hetero.runtime.base.processes import exit_cause
 from hetero.runtime.cli import RUN_OPTIONS, resume_train, split_run_options
-from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.runtime.wire.control import Heartbeat, Mailbox, PeerLost
 from hetero.runtime.wire.transport import Transport
 from hetero.specs import ModelSpec, TrainSpec
@@ -139,7 +139,6 @@ def test_resume_keeps_the_checkpoint_settings_unless_the_command_line_changes_th
 # -- real runs -----------------------------------------------------------------------------------------
 
 
-
 @pytest.fixture(autouse=True)
 def _no_leftovers():
     """Whatever a failing test started is killed, stopped stages included."""
@@ -150,11 +149,6 @@ def _no_leftovers():
 def _run(plan: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
     return start(["run", str(plan), "--run-dir", str(run_dir), "--port", str(free_ports(1)[0]), "--no-progress",
                    *RUNTIME, *extra], plan.parent)
-
-
-def _port(proc: subprocess.Popen) -> str:
-    args = list(proc.args)
-    return str(args[args.index("--port") + 1])
 
 
 def _wait_for(what: str, ready, proc: subprocess.Popen, timeout: float = 240) -> None:
@@ -175,60 +169,6 @@ def _exit_within(proc: subprocess.Popen, since: float, bound: float) -> tuple[in
     code, _, err = finish(proc, 5)
     assert took <= bound, f"`hetero run` took {took:.1f} s to exit (bound {bound} s)\n{err}"
     return code, err, took
-
-
-def _one_error_line(err: str) -> str:
-    lines = [ln for ln in err.splitlines() if ln.startswith("hetero:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
-def _stage_pids(run_dir: Path) -> list[int]:
-    envs = json.loads((run_dir / "environments.json").read_text())
-    pids = [int(envs[f"stage{k}"]["pid"]) for k in range(len(envs))]
-    PIDS.extend(pids)
-    return pids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _processes_of(run_dir: Path) -> list[int]:
-    """Every live process whose command line names this run directory (the stages name its plan.json)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if str(run_dir) in cmdline and _alive(int(proc.name)):
-            found.append(int(proc.name))
-    return found
-
-
-def _assert_no_process_left(run_dir: Path, pids: list[int]) -> None:
-    deadline = time.monotonic() + 2.0  # the kernel may take a moment to reap
-    while (any(_alive(p) for p in pids) or _processes_of(run_dir)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)], "stage processes outlived the run"
-    assert _processes_of(run_dir) == []
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return step_lines(read_metrics(path)) if path.is_file() else []
-
-
-def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
-    from hetero.runtime.stage.adapter import load_adapter_state
-
-    return load_adapter_state(run_dir / "adapter")
 
 
 def _assert_same_run(run_dir: Path, reference: dict) -> None:

@@ -7,7 +7,6 @@ stage must keep serving its real peers afterwards.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -20,10 +19,9 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
@@ -31,6 +29,7 @@ import torch
 import zmq
 from plans import make_plan
 from reference import assert_close_to_scale, reference_run
+from runs import FORGER, forgers
 
 from hetero import cli
 from hetero.errors import ConfigError, PlanError, WireError
@@ -361,8 +360,6 @@ def test_an_attacked_run_trains_exactly_like_an_unattacked_one(tmp_path: Path, t
 
 # -- per-process identity: a stage's key speaks for that stage only, in every mode ---------------------------
 
-FORGER = "127.0.0.2"  # the forger connects from its own loopback address, so a log naming the peer is checkable
-
 
 def only_from_the_coordinator(plan: Plan, kind: str, genuine: bool) -> Record:
     """A well-formed ``kind`` message that only the coordinator may send a stage (forged ones differ in meta)."""
@@ -393,33 +390,6 @@ def forged_logins(plan: Plan, tmp_path: Path, mode: str, claimed: str, target: s
     harvested = peer_token(victim.token, "stage1")
     return [{"plain_username": claimed.encode(), "plain_password": password.encode()}
             for password in (*held, mine.token_for(target), harvested)]
-
-
-def send_from_forger(ctx: zmq.Context, endpoint: str, options: dict[str, bytes], frames: list[Any]) -> zmq.Socket:
-    """A PUSH socket with ``options`` that connects from FORGER's address and queues ``frames``."""
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
-    for name, value in options.items():
-        setattr(sock, name, value)
-    sock.connect(f"tcp://{FORGER}:0;{endpoint.removeprefix('tcp://')}")
-    try:
-        sock.send_multipart(frames, flags=zmq.NOBLOCK)
-    except zmq.Again:
-        pass  # the inbox already refused this login and ZeroMQ dropped its pipe: nothing left here (CI saw it)
-    return sock
-
-
-@contextlib.contextmanager
-def forgers(endpoint: str, logins: list[dict[str, bytes]], frames: list[Any]) -> Iterator[None]:
-    """One forging PUSH socket per login (send_from_forger), each with ``frames`` queued; closed on exit."""
-    ctx = zmq.Context()
-    socks = [send_from_forger(ctx, endpoint, options, frames) for options in logins]
-    try:
-        yield
-    finally:
-        for sock in socks:
-            sock.close(linger=0)
-        ctx.term()
 
 
 def nothing_delivered_until(receiver: Transport, kind: str, done: Callable[[], bool]) -> None:

@@ -259,7 +259,7 @@ def test_a_profile_timed_under_load_is_not_shared_again(monkeypatch: pytest.Monk
     one whose times did not all wait for a core, does."""
     from dataclasses import replace
 
-    from test_profile import synthetic_profile
+    from fleets import synthetic_profile
 
     from hetero.compiler.trace import trace
     from hetero.planner import plan as make_plan

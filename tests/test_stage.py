@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from plans import make_plan, run_in_threads
+from plans import _repeating_data, make_plan, run_in_threads
 from reference import build_reference_model, make_init_adapter
 from transformers import AutoModelForCausalLM
 
@@ -21,7 +21,7 @@ from hetero.runtime.run.data import StepBatches
 from hetero.runtime.stage import weights as weights_module
 from hetero.runtime.stage.lora import LoraLinear
 from hetero.runtime.stage.model import build_stage
-from hetero.specs import DataSpec, LoraSpec, ModelSpec, TrainSpec
+from hetero.specs import LoraSpec, ModelSpec, TrainSpec
 
 CPU = torch.device("cpu")
 
@@ -38,14 +38,6 @@ def sharded_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     model.save_pretrained(str(out), max_shard_size="60KB")
     return out
-
-
-def _repeating_data(tmp_path: Path, n: int) -> DataSpec:
-    """n short records: with M*B == n and no shuffle, every step sees the same batch (loss must fall)."""
-    path = tmp_path / "d.jsonl"
-    lines = [json.dumps({"text": f"the number {i} is followed by {i + 1} and then {i + 2}"}) for i in range(n)]
-    path.write_text("\n".join(lines) + "\n")
-    return DataSpec(path=str(path), format="text")
 
 
 def test_chained_stages_equal_the_whole_peft_model(sharded_dir: Path, adapter: Path, tiny_spec: ModelSpec,
@@ -219,7 +211,6 @@ def test_trained_adapter_loads_with_peft(tiny_model_dir: Path, tiny_spec: ModelS
         for st in stages:
             h = st.forward(h)
     assert torch.allclose(h, want, atol=1e-5)
-
 
 
 _STAGE_IMPORTS = """

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from plans import make_plan
+from plans import RTOL, SEQ_LEN, TRAIN, make_plan  # the default engine's settings: the same reference
 from reference import assert_close_to_scale
-from test_runtime_equivalence import RTOL, SEQ_LEN, TRAIN  # the default engine's settings: the same reference
+from runs import _check_against_reference
 
 from hetero.errors import PlanError
 from hetero.plan import Plan
@@ -39,21 +39,6 @@ def _run(plan: Plan, root: Path, name: str, *extra: str) -> Path:
     run_dir = root / f"run-{name}"
     assert main_run([str(path), "--run-dir", str(run_dir), "--no-progress", *extra]) == 0
     return run_dir
-
-
-def _check_against_reference(run_dir: Path, setup: dict, steps: list[int], rtol: float = RTOL) -> None:
-    metrics = step_lines(read_metrics(run_dir / "metrics.jsonl"))
-    assert [m["step"] for m in metrics] == steps
-    assert all(m.get("engine") == "torch" for m in metrics)
-    for m in metrics:
-        want = setup["losses"][m["step"] - 1]  # steps are numbered from 1
-        assert m["loss"] == pytest.approx(want, rel=rtol), f"step {m['step']}: loss {m['loss']} vs reference {want}"
-    trained = load_adapter_state(run_dir / "adapter", setup["lora"])
-    assert set(trained) == set(setup["state"])
-    initial = load_adapter_state(Path(setup["lora"].init_from))
-    for key, want in setup["state"].items():
-        assert not torch.equal(initial[key], want)
-        assert_close_to_scale(key, trained[key], want, rtol)
 
 
 @pytest.mark.slow

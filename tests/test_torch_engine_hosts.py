@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from plans import free_ports, make_plan
+from plans import SEQ_LEN, TRAIN, free_ports, make_plan
+from runs import _check_against_reference
 from sshd_server import SSHD, client_spec, needs_sshd, write_sshd
-from test_runtime_equivalence import SEQ_LEN, TRAIN
-from test_torch_engine import _check_against_reference
 
 from hetero.plan import Plan, compute_input_hash
 from hetero.runtime.run.run_compare import read_metrics, step_lines

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from peft import LoraConfig, get_peft_model
+from tiny_specs import LLAMA8B, LLAMA70B, TINY, tiny_model
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
@@ -19,32 +18,6 @@ from hetero.compiler.trace import trace
 from hetero.errors import ConfigError, UnsupportedModelError
 from hetero.runtime.stage.lora import share_lora_inputs
 from hetero.specs import LoraSpec, ModelSpec
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = yaml.safe_load((ROOT / "conf/model/tiny.yaml").read_text())
-
-LLAMA8B = dict(
-    model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-    intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
-    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192},
-    tie_word_embeddings=False,
-)  # fmt: skip
-LLAMA70B = dict(
-    LLAMA8B, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, intermediate_size=28672
-)
-
-
-def tiny_model(**kw) -> ModelSpec:
-    """conf/model/tiny.yaml's model with its lora section, fields overridable."""
-    m = TINY["model"]
-    lora = LoraSpec(
-        r=TINY["lora"]["r"],
-        alpha=float(TINY["lora"]["alpha"]),
-        target_modules=list(TINY["lora"]["target_modules"]),
-    )
-    kw.setdefault("lora", lora)
-    return ModelSpec(name="tiny", architecture=dict(m["architecture"]), seq_len=m["seq_len"], **kw)
 
 
 def real_tiny(dtype=torch.float32):

@@ -61,3 +61,17 @@ def test_no_function_class_or_file_is_past_its_size(tmp_path: Path) -> None:
     (tmp_path / "runtime").mkdir()
     (tmp_path / "runtime" / "big.py").write_text("class Big:\n" + "    x = 1\n" * 260)
     assert oversized(tmp_path) == ["runtime/big.py:1 class Big: 261 lines (most 250)"]
+
+
+def test_no_test_file_imports_another() -> None:
+    """Helpers live in tests/' support modules (docs/architecture.md "Tests"): a test file that imports another
+    one runs that file's module fixtures and imports beside its own, and ties the two files' edits together."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert found == []

@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import w1_model as w1  # noqa: E402
 from w1_hetero import compile_hetero, run_plan  # noqa: E402
 
+from hetero.runtime.run.metrics_file import NAME, read_metrics  # noqa: E402
+
 ALPHABET = 64  # tokens the chain uses (ids 3..66)
 FOLLOW = 0.9  # how often a token is followed by its own successor
 TAIL = 20  # the last steps whose mean loss is compared
@@ -65,8 +67,7 @@ def losses(work: Path, model_dir: Path, data: Path, steps: int, scheme: str) -> 
     times, note = run_plan(plan, steps, work)
     if times is None:
         raise RuntimeError(note)
-    rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [float(r["loss"]) for r in rows if "step_time_s" in r]
+    return [s.loss for s in read_metrics(work / "run" / NAME).steps]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,6 +65,8 @@ sys.path.insert(0, str(BENCH))
 from w1_hetero import HARDWARE_YAML, free_ports, hetero_cmd  # noqa: E402
 from w1_model import LR, TARGETS, W1_ARCH  # noqa: E402
 
+from hetero.runtime.run.metrics_file import NAME, read_metrics  # noqa: E402
+
 IGNORE_INDEX = -100
 CASES = ("hetero-packed", "hetero-padded", "hetero-full", "trl-packed", "trl-default")
 TRL_NOTES = ("TRL packing=True uses packing_strategy='bfd', which forces padding_free: each micro-batch's packed "
@@ -242,23 +244,22 @@ def hetero_case(name: str, model_dir: Path, data: Path, packing: bool, setup: Se
     (case / "run.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         return {**row, "error": _fail(proc, "run")}
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    steps = [r for r in lines if "step_time_s" in r and "event" not in r]
+    steps = read_metrics(run_dir / NAME).steps
     if len(steps) < setup.steps:
         return {**row, "error": f"metrics.jsonl has {len(steps)} steps, expected {setup.steps}"}
     # Real (non-pad) tokens: metrics.jsonl's record_tokens where the run writes them, else rebuilt from the data.
-    real = None if all("record_tokens" in r for r in steps) else hetero_real_tokens(plan, len(steps))
+    real = None if all(s.record_tokens is not None for s in steps) else hetero_real_tokens(plan, len(steps))
     computed = setup.rows_per_step * setup.seq_len
     per_step = []
     for i, r in enumerate(steps):
-        per_step.append({"time_s": float(r["step_time_s"]), "label": int(r["label_tokens"]),
-                         "computed": int(r.get("computed_tokens", computed)),
-                         "real": int(r["record_tokens"]) if "record_tokens" in r else
+        per_step.append({"time_s": r.step_time_s, "label": r.label_tokens,
+                         "computed": r.computed_tokens if r.computed_tokens is not None else computed,
+                         "real": r.record_tokens if r.record_tokens is not None else
                          real[i] if real is not None else None})
     return {**row, **summarize(per_step, setup.warmup),
             "split": [sum(1 for n in s["node_names"] if n.startswith("layers."))
                       for s in json.loads(plan.read_text())["stages"]],
-            "losses": [float(r["loss"]) for r in steps]}
+            "losses": [s.loss for s in steps]}
 
 
 def hetero_real_tokens(plan: Path, steps: int) -> list[int] | None:

@@ -25,6 +25,8 @@ from bench_replicas import hetero
 from w1_hetero import free_ports
 from w1_model import LR, MICRO_BATCH, NUM_MICRO, SEQ_LEN, W1_ARCH, median_tail, prepare
 
+from hetero.runtime.run.metrics_file import NAME, EvalLine, read_metrics
+
 FLEET = """\
 name: w1eval
 hosts:
@@ -37,11 +39,10 @@ hosts:
 EVAL_BATCHES = 8
 
 
-def run(plan: Path, run_dir: Path, steps: int, cwd: Path, extra: list[str]) -> tuple[float, list[dict[str, Any]]]:
+def run(plan: Path, run_dir: Path, steps: int, cwd: Path, extra: list[str]) -> tuple[float, list[EvalLine]]:
     hetero("run", str(plan), f"steps={steps}", "--run-dir", str(run_dir), "--no-progress", *extra, cwd=cwd)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return (median_tail([float(r["step_time_s"]) for r in rows if "step_time_s" in r]),
-            [r for r in rows if "eval_loss" in r])
+    lines = read_metrics(run_dir / NAME)
+    return median_tail([s.step_time_s for s in lines.steps]), lines.evals
 
 
 def bench(out: Path, steps: int, rounds: int, every: int) -> dict[str, Any]:
@@ -61,7 +62,7 @@ def bench(out: Path, steps: int, rounds: int, every: int) -> dict[str, Any]:
     plan = out / "plan" / "plan.json"
     on = [f"eval.every={every}", f"eval.path={held_out}", f"eval.max_batches={EVAL_BATCHES}"]
     times: dict[str, list[float]] = {"no eval": [], "eval": []}
-    evals: list[dict[str, Any]] = []
+    evals: list[EvalLine] = []
     for r in range(rounds):
         for name in (["no eval", "eval"] if r % 2 == 0 else ["eval", "no eval"]):
             t, lines = run(plan, out / f"run-{name.replace(' ', '-')}-{r}", steps, out, on if name == "eval" else [])
@@ -79,8 +80,8 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"training step, median: without eval {result['no_eval_s']:.3f} s, with eval every {result['every']} "
           f"steps {result['eval_s']:.3f} s: {result['ratio']:.3f}x (within 5%: {ok})")
     for line in result["evals"]:
-        print(f"  eval after step {line['step']}: loss {line['eval_loss']:.4f} on {line['eval_tokens']} tokens "
-              f"({line['eval_s']:.2f} s)")
+        print(f"  eval after step {line.step}: loss {line.eval_loss:.4f} on {line.eval_tokens} tokens "
+              f"({line.eval_s or 0.0:.2f} s)")
 
 
 def main() -> None:

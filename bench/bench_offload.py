@@ -30,13 +30,14 @@ from pathlib import Path
 from w1_hetero import compile_hetero, run_plan
 from w1_model import median_tail, prepare
 
+from hetero.runtime.run.metrics_file import NAME, read_metrics
+
 RAM_GB = 8.0  # what the bench's host declares for streamed weights (W1's frozen weights are ~20 MB)
 
 
 def streamed_per_step(run_dir: Path) -> float:
     """Median over steps 3..N of the bytes all stages streamed per step (0 where metrics carry none)."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    per_step = [sum(r.get("stage_streamed_bytes") or [0]) for r in rows if "step_time_s" in r]
+    per_step = [sum(b or 0 for b in s.stage_streamed_bytes or [0]) for s in read_metrics(run_dir / NAME).steps]
     return median_tail([float(x) for x in per_step]) if per_step else 0.0
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from w1_model import LR, MICRO_BATCH, NUM_MICRO, SEQ_LEN, prepare  # the W1 definition, one place
 
-from hetero.runtime.run.run_compare import read_metrics, step_lines
+from hetero.runtime.run.metrics_file import NAME, read_metrics
 
 
 def hetero(*args: str) -> None:
@@ -59,13 +59,13 @@ def replayed_ratio(plan_dir: Path, run_dir: Path) -> float:
     from hetero.runtime.run.run_compare import median_step_s, stage_timings_from_metrics
     from hetero.runtime.run.run_profile import own_ops, shared_core_stages
 
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    metrics = read_metrics(run_dir / NAME).steps
     measured = median_step_s(metrics)
     plan = Plan.load(plan_dir / "plan.json")
     timings = stage_timings_from_metrics(metrics)
     shared = shared_core_stages(plan)
     if shared:  # a host with too few cores: replay each stage's own work and let the simulator share the cores
-        steps = step_lines(metrics)[1:]
+        steps = metrics[1:]
         timings = [own_ops(steps, k, plan.stages[k].threads) if k in shared else t for k, t in enumerate(timings)]
     return measured / replay_run(plan, timings, decontended=bool(shared)).step_time_s
 
@@ -73,8 +73,7 @@ def replayed_ratio(plan_dir: Path, run_dir: Path) -> float:
 def run_plan(plan_dir: Path, run_dir: Path, steps: int, skip: int) -> list[float]:
     """`hetero run` a compiled plan; the step times after the first ``skip`` (warm-up) steps."""
     hetero("run", str(plan_dir / "plan.json"), f"steps={steps}", "--run-dir", str(run_dir), "--no-progress")
-    rows = step_lines(read_metrics(run_dir / "metrics.jsonl"))
-    times = [float(r["step_time_s"]) for r in rows]
+    times = [s.step_time_s for s in read_metrics(run_dir / NAME).steps]
     return times[skip:] or times
 
 
@@ -231,8 +230,7 @@ def run_two_hosts(plan_dir: Path, run_dir: Path, steps: int, port_a: int) -> lis
                         "--run-dir", str(run_dir / "host-b")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     finish(run, f"hetero run {plan}")
     finish(worker, f"hetero worker {plan} --host b", timeout=60)
-    rows = step_lines(read_metrics(run_dir / "metrics.jsonl"))
-    times = [float(r["step_time_s"]) for r in rows]
+    times = [s.step_time_s for s in read_metrics(run_dir / NAME).steps]
     return times[2:] or times  # the first two steps warm up allocators and caches
 
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hetero.runtime.run.run_compare import event_lines, read_metrics, step_lines
+from hetero.runtime.run.metrics_file import NAME, read_metrics
 from hetero.runtime.run.run_segments import compute_s
 
 BENCH = Path(__file__).resolve().parent
@@ -73,19 +73,6 @@ class Throttle:
                 time.sleep(0.1)
 
 
-def _rows(metrics: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl's lines so far (it is being written: a line cut short is left for the next look)."""
-    if not metrics.is_file():
-        return []
-    out = []
-    for line in metrics.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass  # a line being written
-    return out
-
-
 def _stage_pid(run_dir: Path, k: int) -> int | None:
     try:
         return int(json.loads((run_dir / "environments.json").read_text())[f"stage{k}"]["pid"])
@@ -113,7 +100,7 @@ def run_slowed(plan: Path, work: Path, name: str, rebalance: str) -> dict[str, A
     try:
         deadline = time.monotonic() + 1800
         while proc.poll() is None and time.monotonic() < deadline:
-            steps = step_lines(_rows(run_dir / "metrics.jsonl"))
+            steps = read_metrics(run_dir / NAME).steps if (run_dir / NAME).is_file() else []  # a live run's lines
             if slowed_at is None and len(steps) > SLOW_AFTER and (pid := _stage_pid(run_dir, slow)) is not None:
                 throttle.add(pid)
                 slowed_at = len(steps) - 1
@@ -124,15 +111,15 @@ def run_slowed(plan: Path, work: Path, name: str, rebalance: str) -> dict[str, A
     finally:
         throttle.close()
         log.close()
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    steps = step_lines(rows)
+    rows = read_metrics(run_dir / NAME)
+    steps = rows.steps
     if proc.returncode != 0 or len(steps) != STEPS:
         tail = (work / f"{name}.log").read_text().strip().splitlines()[-1:] or ["?"]
         raise RuntimeError(f"{name}: `hetero run` exit {proc.returncode}, {len(steps)} steps: {tail[0]}")
-    times = [float(r["step_time_s"]) for r in steps]
-    return {"name": name, "times": times, "losses": [float(r["loss"]) for r in steps], "slowed_after": slowed_at,
-            "tail_s": statistics.median(times[-TAIL:]), "moves": event_lines(rows),
-            "stage_ops": [r["stage_ops"] for r in steps], "split": steps[-1].get("split"), "slow_stage": slow}
+    times = [s.step_time_s for s in steps]
+    return {"name": name, "times": times, "losses": [s.loss for s in steps], "slowed_after": slowed_at,
+            "tail_s": statistics.median(times[-TAIL:]), "moves": rows.moves,
+            "stage_ops": [s.stage_ops for s in steps], "split": steps[-1].split, "slow_stage": slow}
 
 
 def measured_slowdown(run: dict[str, Any]) -> float:
@@ -202,8 +189,8 @@ def lines(result: dict[str, Any]) -> list[str]:
            "| run | split at the end | median of the last 8 steps (s) | moves |", "|---|---|---|---|"]
     for name in ("off", "auto", "fresh"):
         r = runs[name]
-        moves = "; ".join(f"after step {m['after_step']}: {m['old_split']} -> {m['new_split']} (predicted "
-                          f"{m['predicted_gain']:.2f}x, moved in {m['move_s']:.2f} s)" for m in r["moves"]) or "none"
+        moves = "; ".join(f"after step {m.after_step}: {m.old_split} -> {m.new_split} (predicted "
+                          f"{m.predicted_gain or 0.0:.2f}x, moved in {m.move_s or 0.0:.2f} s)" for m in r["moves"]) or "none"
         out.append(f"| {name} | {r['split']} | {r['tail_s']:.3f} | {moves} |")
     out += ["", f"auto / off: **{result['auto_over_off']:.2f}x** faster (target >= 1.4); auto / fresh plan: "
             f"{result['auto_over_fresh']:.2f}x; largest per-step loss difference between the runs: "

@@ -32,23 +32,24 @@ from pathlib import Path
 from w1_hetero import compile_hetero, hetero_cmd
 from w1_model import prepare
 
+from hetero.runtime.run.metrics_file import NAME, RunLines, read_metrics
+
 TARGET_S = 30.0
 TARGET_LOSS = 1e-5
 
 
-def _rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+def _rows(run_dir: Path) -> RunLines:
+    """The run's metrics.jsonl so far (a live run's: a line cut short is left for the next look)."""
+    path = run_dir / NAME
+    return read_metrics(path) if path.is_file() else RunLines([])
 
 
-def _losses(rows: list[dict]) -> dict[int, float]:
+def _losses(rows: RunLines) -> dict[int, float]:
     """Step -> loss, the last line of each step (a step trained again replaces its earlier line)."""
-    return {int(r["step"]): float(r["loss"]) for r in rows if "loss" in r and "event" not in r}
+    return {s.step: s.loss for s in rows.steps}
 
 
-def _run(plan: Path, work: Path, name: str, kill_after: int | None) -> tuple[list[dict], str]:
+def _run(plan: Path, work: Path, name: str, kill_after: int | None) -> tuple[RunLines | None, str]:
     """One `hetero run` of ``plan``; with ``kill_after``, SIGKILL stage 1 once that step is done."""
     run_dir = work / name
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -57,7 +58,7 @@ def _run(plan: Path, work: Path, name: str, kill_after: int | None) -> tuple[lis
     killed = kill_after is None
     deadline = time.monotonic() + 1800
     while proc.poll() is None and time.monotonic() < deadline:
-        if not killed and any(int(r.get("step", -1)) >= kill_after for r in _rows(run_dir)):
+        if not killed and any(s.step >= kill_after for s in _rows(run_dir).steps):
             envs = json.loads((run_dir / "environments.json").read_text())
             os.kill(int(envs["stage1"]["pid"]), signal.SIGKILL)
             killed = True
@@ -68,7 +69,7 @@ def _run(plan: Path, work: Path, name: str, kill_after: int | None) -> tuple[lis
     out, err = proc.communicate()
     if proc.returncode != 0:
         lines = (err or out).strip().splitlines()
-        return [], f"`hetero run` failed: {lines[-1] if lines else proc.returncode}"
+        return None, f"`hetero run` failed: {lines[-1] if lines else proc.returncode}"
     return _rows(run_dir), ""
 
 
@@ -87,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         reference, note = _run(plan, work, "undisturbed", None)
         lost, lost_note = _run(plan, work, "lost", args.kill_after)
-        if not reference or not lost:
+        if reference is None or lost is None:
             print(f"UNAVAILABLE: {note or lost_note}")
             return 1
-        events = [r for r in lost if r.get("event") == "recovery"]
+        events = lost.recoveries
         if len(events) != 1:
             print(f"MISSED: {len(events)} recovery lines in metrics.jsonl, expected 1")
             return 1
@@ -100,12 +101,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"MISSED: steps {sorted(got)} against {sorted(want)}")
             return 1
         worst = max(abs(got[s] - want[s]) for s in want)
-        took = float(event["recovery_s"])
-        step_s = statistics.median(float(r["step_time_s"]) for r in reference if "step_time_s" in r)
+        took = event.recovery_s if event.recovery_s is not None else float("nan")
+        step_s = statistics.median(s.step_time_s for s in reference.steps)
         print(f"\nW1 on {args.stages} CPU stages x 1 thread, {args.steps} steps, stage 1 SIGKILLed after step "
               f"{args.kill_after} ({sys.platform}, median undisturbed step {step_s:.3f} s)")
-        print(f"split {event['old_split']} -> {event['new_split']}; resumed from step {event['resumed_from_step']} "
-              f"({event['replayed_steps']} step(s) trained again)")
+        print(f"split {event.old_split} -> {event.new_split}; resumed from step {event.resumed_from_step} "
+              f"({event.replayed_steps} step(s) trained again)")
         print(f"loss seen -> next completed step (a killed local stage is seen at once): {took:.1f} s (target <= {TARGET_S:g} s): "
               f"{'OK' if took <= TARGET_S else 'MISSED'}")
         print(f"largest per-step loss difference: {worst:.2e} (target <= {TARGET_LOSS:g}): "

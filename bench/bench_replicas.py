@@ -32,6 +32,8 @@ from typing import Any
 from w1_hetero import free_ports
 from w1_model import LR, MICRO_BATCH, NUM_MICRO, SEQ_LEN, median_tail, prepare
 
+from hetero.runtime.run.metrics_file import NAME, read_metrics
+
 FLEET = """\
 name: w1pair
 hosts:
@@ -60,8 +62,7 @@ def shape(plan: dict[str, Any]) -> str:
 
 def run(plan: Path, run_dir: Path, steps: int, cwd: Path) -> float:
     hetero("run", str(plan), f"steps={steps}", "--run-dir", str(run_dir), "--no-progress", cwd=cwd)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return median_tail([float(r["step_time_s"]) for r in rows if "step_time_s" in r])
+    return median_tail([s.step_time_s for s in read_metrics(run_dir / NAME).steps])
 
 
 def bench(out: Path, steps: int, rounds: int) -> dict[str, Any]:

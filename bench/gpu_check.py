@@ -154,7 +154,7 @@ def hetero(args: list[str], log: Path, timeout: float) -> tuple[int, str]:
 
 
 def run_case(out: Path, case: str, data: Path, steps: int, port: int, timeout: float) -> dict[str, Any]:
-    from hetero.runtime.run.run_compare import read_metrics, step_lines
+    from hetero.runtime.run.metrics_file import NAME, read_metrics
 
     name = fleet(out, case, port)
     plan_dir, run_dir, log = out / f"plan-{case}", out / f"run-{case}", out / f"{case}.log"
@@ -193,14 +193,14 @@ def run_case(out: Path, case: str, data: Path, steps: int, port: int, timeout: f
     row["measured_gpu_gb"] = round(used.peak_gb, 2)  # the card's, CUDA contexts included (0.5 GB or so each)
     if code != 0:
         return dict(row, ok=False, error=f"run exit {code}: {tail[-1500:]}")
-    rows = step_lines(read_metrics(run_dir / "metrics.jsonl"))
-    times = [float(r["step_time_s"]) for r in rows]
+    rows = read_metrics(run_dir / NAME).steps
+    times = [s.step_time_s for s in rows]
     measured = statistics.median(times[1:] or times)
-    losses = [float(r["loss"]) for r in rows]
+    losses = [s.loss for s in rows]
     adapter = run_dir / "adapter" / "adapter_model.safetensors"
     return dict(row, ok=adapter.is_file() and losses[-1] < losses[0], measured_s=round(measured, 4),
                 ratio=round(measured / row["predicted_s"], 3), first_step_s=round(times[0], 3),
-                tokens_per_s=rows[-1].get("tokens_per_s"), loss_first=round(losses[0], 4),
+                tokens_per_s=rows[-1].tokens_per_s, loss_first=round(losses[0], 4),
                 loss_last=round(losses[-1], 4), adapter_saved=adapter.is_file(), shares_gpu=len(gpu_stages) > 1)
 
 

@@ -14,6 +14,8 @@ from typing import Any
 
 from w1_model import LR, MICRO_BATCH, NUM_MICRO, SEQ_LEN
 
+from hetero.runtime.run.metrics_file import NAME, read_metrics
+
 HARDWARE_YAML = """\
 name: w1
 hosts:
@@ -97,15 +99,15 @@ def run_plan(plan: Path, steps: int, work: Path, peak: dict[str, float] | None =
     for line in proc.stderr.splitlines():
         if line.startswith("peak_rss_kib") and peak is not None:
             peak["rss_mib"] = int(line.split()[1]) / 1024
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / NAME
     if not metrics.is_file():
         return None, f"no {metrics}"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    times = [float(r["step_time_s"]) for r in rows if "step_time_s" in r]
+    rows = read_metrics(metrics).steps
+    times = [s.step_time_s for s in rows]
     if len(times) < steps:
         return None, f"metrics.jsonl has {len(times)} step times, expected {steps}"
     if detail is not None:
-        tail = [r["stage_ops"] for r in rows if "stage_ops" in r][2:] or [r["stage_ops"] for r in rows]
+        tail = [s.stage_ops for s in rows][2:] or [s.stage_ops for s in rows]
         detail["stage_ops"] = [{op: statistics.median(step[k].get(op, 0.0) for step in tail)
                                 for op in sorted({o for step in tail for o in step[k]})}
                                for k in range(len(tail[0]))]

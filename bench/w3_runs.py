@@ -20,7 +20,7 @@ from w3_net import IPS, LinkPair, Sampler
 from w3_timeline import hetero_trace_env, timeline
 
 from hetero.runtime.base.processes import last_line
-from hetero.runtime.run.run_compare import read_metrics, step_lines
+from hetero.runtime.run.metrics_file import NAME, StepLine, read_metrics
 
 HOSTS = ("a", "b")  # plan host names: stage 0 (and the coordinator) on a, stage 1 on b
 BASE_PORT = 29500  # fresh namespaces: nothing else can hold it
@@ -169,18 +169,18 @@ def run_hetero(link: LinkPair, plan_dir: Path, steps: int, work: Path, tag: str,
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
-    metrics = run_dir / "metrics.jsonl"
-    rows = step_lines(read_metrics(metrics)) if metrics.is_file() else []
+    metrics = run_dir / NAME
+    rows = read_metrics(metrics).steps if metrics.is_file() else []
     if code != 0 or len(rows) < steps:
         why = note or f"hetero run: {_last_line(work / f'{tag}-run.log')}"
         return {"available": False, "note": f"{why} ({len(rows)} of {steps} steps in metrics.jsonl)"}
-    return {"available": True, "times": [float(r["step_time_s"]) for r in rows], "rows": rows,
+    return {"available": True, "times": [s.step_time_s for s in rows], "rows": rows,
             "link": sampler.window(steps), "note": note, "timeline": timeline(trace_dir, sampler, steps) if trace else None}
 
 
-def stage_ops(rows: list[dict[str, Any]]) -> list[dict[str, float]]:
+def stage_ops(rows: list[StepLine]) -> list[dict[str, float]]:
     """Per stage, the median over steps 3..N of each op's seconds per step (metrics.jsonl stage_ops)."""
     tail = rows[2:] if len(rows) > 2 else rows
-    stages = len(tail[0]["stage_ops"])
-    return [{op: statistics.median(float(r["stage_ops"][k].get(op, 0.0)) for r in tail) for op in OPS}
+    stages = len(tail[0].stage_ops)
+    return [{op: statistics.median(float(r.stage_ops[k].get(op, 0.0)) for r in tail) for op in OPS}
             for k in range(stages)]

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import torch
 import zmq
+from metrics_rows import read_metrics, step_lines
 from peft import get_peft_model_state_dict
 from plans import RTOL
 from procs import PIDS
 from reference import assert_close_to_scale
 
-from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.runtime.stage.adapter import load_adapter_state
 
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from metrics_rows import read_metrics, step_lines
 from plans import make_plan
 
 from hetero import cli
 from hetero.errors import WireError
 from hetero.plan import Plan, compute_input_hash
 from hetero.runtime.cli import main_run
-from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.runtime.stage.adapter import load_adapter_state
 from hetero.runtime.wire import compress
 from hetero.runtime.wire.frames import Message

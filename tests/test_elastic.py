@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from metrics_rows import event_lines, read_metrics, step_lines
 from plans import free_ports, make_plan
 from procs import clean_up, finish, start
 from runs import _adapter, _assert_no_process_left, _metrics, _one_error_line, _port, _stage_pids
@@ -27,7 +28,6 @@ from hetero.errors import InfeasiblePlanError
 from hetero.plan import Plan
 from hetero.planner.replan.recovery import plan_without
 from hetero.runtime.run.report import recovery_line
-from hetero.runtime.run.run_compare import event_lines, read_metrics, step_lines
 from hetero.specs import ModelSpec, TrainSpec
 
 STEPS = 40

@@ -24,12 +24,12 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from metrics_rows import read_metrics, step_lines
 from plans import free_ports, make_plan
 from procs import STARTED, clean_up, finish
 
 import hetero.runtime.wire.inbox as inbox_module
 from hetero.plan import Plan
-from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.runtime.wire.transport import Transport
 from hetero.security import generate
 from hetero.specs import ModelSpec, TrainSpec

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from metrics_rows import read_metrics, step_lines
 from plans import drive, interleave, make_plan
 from reference import assert_close_to_scale
 
@@ -21,7 +22,6 @@ from hetero.plan import Plan, compute_input_hash
 from hetero.planner.schedule.schedules import interleaved_one_f_one_b
 from hetero.runtime.cli import main_run
 from hetero.runtime.run.data import StepBatches
-from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.runtime.stage.adapter import load_adapter_state
 from hetero.runtime.stage.chunks import ChunkedExecutor
 from hetero.runtime.stage.model import build_stage

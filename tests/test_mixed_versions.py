@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from metrics_rows import read_metrics, step_lines
 from plans import free_ports, make_plan
 from procs import STARTED, clean_up, finish, start
 from reference import assert_close_to_scale
 from safetensors.torch import load_file
 
-from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.specs import ModelSpec, TrainSpec
 
 pytestmark = pytest.mark.slow

@@ -268,11 +268,11 @@ def reference(references: Callable[..., dict], tiny_model_dir: Path) -> dict:
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_a_pipeline_streaming_every_layer_equals_the_reference(recompute: str, reference: dict, tiny_model_dir: Path,
                                                                tiny_spec) -> None:  # noqa: ANN001
+    from metrics_rows import read_metrics, step_lines
     from plans import TRAIN, make_plan
     from reference import assert_close_to_scale
 
     from hetero.runtime.cli import main_run
-    from hetero.runtime.run.run_compare import read_metrics, step_lines
     from hetero.runtime.stage.adapter import load_adapter_state
 
     # Stage 0 streams 3 layers, more than its buffer of two: layers really come and go every step.
@@ -316,6 +316,7 @@ def test_stepdone_carries_streaming_and_old_frames_still_parse(tiny_model_dir: P
     from plans import make_plan
 
     from hetero.protocol import StepDone
+    from hetero.runtime.run.metrics_file import to_json
     from hetero.runtime.run.records import metrics_line
     from hetero.runtime.stage.executor import StepStats
 
@@ -330,10 +331,10 @@ def test_stepdone_carries_streaming_and_old_frames_still_parse(tiny_model_dir: P
 
     plain = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2])
     done = {k: type("Msg", (), {"meta": {**meta, "loss_sum": 3.0}})() for k in range(3)}
-    line = metrics_line(plain, 1, done, 0.7, 1.0, 4, 0.2)
+    line = json.loads(to_json(metrics_line(plain, 1, done, 0.7, 1.0, 4, 0.2)))  # as metrics.jsonl holds it
     assert "stage_streamed_bytes" not in line, "a plan without streaming keeps its metrics lines"
     streaming = streaming_plan(plain, tiny_model_dir)
-    line = metrics_line(streaming, 1, done, 0.7, 1.0, 4, 0.2)
+    line = json.loads(to_json(metrics_line(streaming, 1, done, 0.7, 1.0, 4, 0.2)))
     assert line["stage_streamed_bytes"] == [4096] * 3 and line["stage_frozen_resident_peak_bytes"] == [8192] * 3
     # Which layers stream, and the cap, were planned for each stage's own span: such a plan keeps its split.
     from hetero.runtime.wire.rules import can_rebalance

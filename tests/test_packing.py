@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from metrics_rows import read_metrics, step_lines
 from plans import make_plan
 from reference import assert_close_to_scale, reference_run, unpacked
 from tiny_families import COMMON, TINY
@@ -25,7 +26,6 @@ from hetero.packing import length_stats, pack_rows
 from hetero.runtime.cli import main_run
 from hetero.runtime.pretrained import resolve_dir
 from hetero.runtime.run.data import IGNORE_INDEX, StepBatches
-from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.runtime.stage.adapter import load_adapter_state
 from hetero.runtime.stage.attention import implementation, register, segments_of
 from hetero.specs import DataSpec, ModelSpec, TrainSpec

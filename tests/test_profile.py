@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from fleets import _fit, local_fleet, synthetic_profile
+from metrics_rows import read_metrics, step_lines
 
 from hetero.errors import HeteroError
 from hetero.hardware import build_cluster, load_device_types
@@ -24,7 +25,6 @@ from hetero.profile import (
     check_profile,
     fit_line,
 )
-from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.specs import DataSpec, ModelSpec, PlannerOptions, TrainSpec
 
 
@@ -408,6 +408,7 @@ def test_profile_compile_run_predicts_the_step(tmp_path: Path, capsys, monkeypat
     import json
     import statistics
 
+    from metrics_rows import step_line
     from procs import clone_beside
 
     from hetero.cli import main
@@ -421,7 +422,7 @@ def test_profile_compile_run_predicts_the_step(tmp_path: Path, capsys, monkeypat
     capsys.readouterr()
     # Its run came out far off the prediction: the hints say how to measure and re-plan; follow them as printed.
     datasheets = Plan.load(tmp_path / "plan" / "plan.json")
-    off = [{"step_time_s": 3 * datasheets.prediction.step_time_s, "stage_ops": []}] * 3
+    off = [step_line(step=n, step_time_s=3 * datasheets.prediction.step_time_s) for n in range(1, 4)]
     hint = next(line for line in compare_run(datasheets, off) if "come from datasheets" in line)
     measure, again = re.findall(r"`([^`]+)`", hint)
     assert measure == "hetero profile model=tiny hardware=local lora.r=4 output=profile.json", hint

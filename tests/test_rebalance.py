@@ -232,12 +232,12 @@ def test_a_throttling_gpu_is_named_as_the_cause(w1_like_plan: Plan) -> None:
         if mover.pending is not None:
             break
     assert mover.pending is not None and mover.pending.after_step == 10
-    cause = mover.pending.event["cause"]
-    assert cause["stage"] == 0 and cause["device"] == w1_like_plan.stages[0].device
-    assert cause["throttle"] == "thermal slowdown at 87 C, SM clock 1100 MHz of 1980"
-    assert "3.30x slower" in cause["reason"] and cause["reason"].endswith("(thermal slowdown at 87 C, SM clock "
-                                                                            "1100 MHz of 1980)")
-    assert mover.pending.event["new_split"][0] < mover.pending.event["old_split"][0]
+    cause = mover.pending.event.cause
+    assert cause.stage == 0 and cause.device == w1_like_plan.stages[0].device
+    assert cause.throttle == "thermal slowdown at 87 C, SM clock 1100 MHz of 1980"
+    assert "3.30x slower" in cause.reason and cause.reason.endswith("(thermal slowdown at 87 C, SM clock "
+                                                                    "1100 MHz of 1980)")
+    assert mover.pending.event.new_split[0] < mover.pending.event.old_split[0]
 
 
 def test_moves_back_off_and_stop_at_the_cap(w1_like_plan: Plan, capsys) -> None:
@@ -246,14 +246,16 @@ def test_moves_back_off_and_stop_at_the_cap(w1_like_plan: Plan, capsys) -> None:
     from types import SimpleNamespace
 
     from hetero.runtime.run import moves
+    from hetero.runtime.run.metrics_file import MoveCause, RebalanceEvent
     from hetero.runtime.run.moves import Move, Mover
 
     plan = replace(w1_like_plan, train=replace(w1_like_plan.train, steps=10_000))
     mover = Mover(plan, "auto")
     spans = [[s.first_node, s.last_node] for s in plan.stages]
     mover.watch = SimpleNamespace(observe=lambda *_: "propose", moved=lambda _p: None)
-    mover._proposed = lambda after, proposal: Move(after, spans, [[] for _ in spans], {"cause": {"reason": "noise"}},  # type: ignore[method-assign]
-                                                   proposal)
+    noise = RebalanceEvent(after_step=0, cause=MoveCause(reason="noise"), old_split=[], new_split=[], old_spans=[],
+                           new_spans=[])
+    mover._proposed = lambda after, proposal: Move(after, spans, [[] for _ in spans], noise, proposal)  # type: ignore[method-assign]
     done = {k: SimpleNamespace(meta={"op_time_s": {"F": 0.1, "B": 0.2}}) for k in range(len(plan.stages))}
     moved_after = []
     for step in range(5000):

@@ -5,13 +5,16 @@ both engines, and on metrics lines written before trained tokens were counted.""
 from __future__ import annotations
 
 import dataclasses
+import json
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from fleets import a_plan, fleet
+from metrics_rows import records
 
 from hetero.plan import Plan, with_label_fraction
+from hetero.runtime.run.metrics_file import to_json
 from hetero.runtime.run.records import ProgressBar, metrics_line, throughput
 from hetero.runtime.run.report import build_report, tokens_line
 
@@ -33,13 +36,13 @@ def _done(plan: Plan, loss_sum: float, label_tokens: int) -> dict[int, Any]:
 
 
 def test_metrics_lines_count_label_tokens(plan: Plan) -> None:
-    line = metrics_line(plan, 4, _done(plan, 600.0, 300), 1.0, 1.0, 300, 0.5)
-    assert line["loss"] == 2.0
+    line = json.loads(to_json(metrics_line(plan, 4, _done(plan, 600.0, 300), 1.0, 1.0, 300, 0.5)))  # as written
+    assert line["loss"] == 2.0 and line["format"] == 1
     assert line["label_tokens"] == 300 and line["tokens_per_s"] == 600.0  # trained: 300 label tokens in 0.5 s
     assert line["computed_tokens"] == COMPUTED and line["computed_tokens_per_s"] == COMPUTED / 0.5
     assert "tokens" not in line and "record_tokens" not in line
     # The step's tokens that are not padding, where the coordinator passes them (StepBatch.num_tokens).
-    line = metrics_line(plan, 4, _done(plan, 600.0, 300), 1.0, 1.0, 300, 0.5, record_tokens=3000)
+    line = json.loads(to_json(metrics_line(plan, 4, _done(plan, 600.0, 300), 1.0, 1.0, 300, 0.5, record_tokens=3000)))
     assert line["record_tokens"] == 3000
 
 
@@ -47,7 +50,7 @@ def test_the_torch_engine_writes_the_same_counts(plan: Plan) -> None:
     pytest.importorskip("torch.distributed.pipelining")
     from hetero.runtime.torch_engine.rank import metrics
 
-    line = metrics(plan, 2, (600.0, 1e-4, 1.0, 1.0, [{"F": 0.1}, {"F": 0.1}]), 300, 0.5)
+    line = json.loads(to_json(metrics(plan, 2, (600.0, 1e-4, 1.0, 1.0, [{"F": 0.1}, {"F": 0.1}]), 300, 0.5)))
     assert {k: line[k] for k in throughput(plan, 300, 0.5)} == throughput(plan, 300, 0.5)
     assert line["tokens_per_s"] == 600.0 and line["engine"] == "torch"
 
@@ -108,7 +111,7 @@ def test_the_report_says_trained_tokens_per_second(plan: Plan) -> None:
     step_s = plan.prediction.step_time_s
     labels = [900, 1000, 1100, 1000]
     # The plan was compiled without data statistics: trained tokens/s measured, but not predicted.
-    report = build_report(plan, _lines(plan, labels, step_s), {}, "run")
+    report = build_report(plan, records(_lines(plan, labels, step_s)), {}, "run")
     assert report["label_tokens_per_step"] == 1000 and report["computed_tokens_per_step"] == COMPUTED
     assert report["measured_tokens_per_s"] == pytest.approx(1000 / step_s)
     assert report["measured_computed_tokens_per_s"] == pytest.approx(COMPUTED / step_s)
@@ -119,10 +122,10 @@ def test_the_report_says_trained_tokens_per_second(plan: Plan) -> None:
     assert f"computed tokens/s, padding included: measured {COMPUTED / step_s:,.0f}" in line
     # With data statistics the plan predicts them: label_fraction x its computed tokens/s.
     measured = dataclasses.replace(plan, prediction=with_label_fraction(plan.prediction, 0.25))
-    report = build_report(measured, _lines(plan, labels, step_s), {}, "run")
+    report = build_report(measured, records(_lines(plan, labels, step_s)), {}, "run")
     assert report["predicted_tokens_per_s"] == pytest.approx(0.25 * plan.prediction.tokens_per_s)
     assert f"vs predicted {0.25 * plan.prediction.tokens_per_s:,.0f};" in tokens_line(report)
     # Lines from before (a run resumed across the change): their computed "tokens" still count as computed.
-    report = build_report(plan, _lines(plan, labels, step_s, old=True), {}, "run")
+    report = build_report(plan, records(_lines(plan, labels, step_s, old=True)), {}, "run")
     assert report["computed_tokens_per_step"] == COMPUTED
     assert report["measured_tokens_per_s"] == pytest.approx(1000 / step_s)

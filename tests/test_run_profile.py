@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from metrics_rows import step_line
 
 from hetero.plan import Plan
 from hetero.profile import LAYER_KINDS, PROFILE_SCHEMA_VERSION, Profile, ProfileError, typical
@@ -139,7 +140,7 @@ def test_a_plan_without_a_profile_is_split_by_the_roofline(tmp_path: Path, tiny_
                      PlannerOptions(num_stages=2, time_limit_s=10, interleave="off"))
     ops = [{"F": 0.4, "B": 0.8, "SA": 0.004, "STEP": 0.05, "clip_wait": 0.01},
            {"F": 0.2, "B": 0.6, "SG": 0.008, "STEP": 0.03, "clip_wait": 0.02}]
-    lines = [{"step": s, "stage_ops": ops} for s in range(1, 4)]
+    lines = [step_line(step=s, stage_ops=ops) for s in range(1, 4)]
     prof = run_profile(plan, tmp_path, lines)
     assert prof is not None
     roof = RooflineCostModel(plan.planner.efficiency)
@@ -233,7 +234,7 @@ def test_a_link_is_timed_by_its_messages_whatever_the_clock_offset(tmp_path: Pat
     found = []
     for off in (0.0, offset, -offset):
         links = [{"grad": own_bwd + transfer - off}, {"act": own_fwd + transfer + off}]
-        lines = [{"step": s, "stage_ops": ops, "stage_cpu_ops": cpu, "stage_links": links} for s in range(1, 4)]
+        lines = [step_line(step=s, stage_ops=ops, stage_cpu_ops=cpu, stage_links=links) for s in range(1, 4)]
         prof = run_profile(plan, tmp_path, lines)
         assert prof is not None and len(prof.links) == 1
         link = prof.links[0]
@@ -245,5 +246,5 @@ def test_a_link_is_timed_by_its_messages_whatever_the_clock_offset(tmp_path: Pat
         assert link.method.startswith(f"run {tmp_path.resolve()}, step 3 (message hand-off times")
         found.append(link)
     assert all(f.bandwidth_gbps == pytest.approx(found[0].bandwidth_gbps) for f in found)
-    no_links = run_profile(plan, tmp_path, [{"step": s, "stage_ops": ops} for s in range(1, 4)])
+    no_links = run_profile(plan, tmp_path, [step_line(step=s, stage_ops=ops) for s in range(1, 4)])
     assert no_links is not None and no_links.links == []

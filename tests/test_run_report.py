@@ -18,18 +18,13 @@ from typing import Any
 
 import pytest
 from fleets import a_plan, fleet
+from metrics_rows import records
 
 from hetero.protocol import StepDone
+from hetero.runtime.run.metrics_file import RunLines, read_metrics
 from hetero.runtime.run.records import metrics_line
 from hetero.runtime.run.report import build_report, print_report, write_report
-from hetero.runtime.run.run_compare import (
-    compare_run,
-    event_lines,
-    median_step_s,
-    read_metrics,
-    stage_timings_from_metrics,
-    step_lines,
-)
+from hetero.runtime.run.run_compare import compare_run, median_step_s, stage_timings_from_metrics
 from hetero.runtime.run.steps_picture import draw_steps, steps_picture_data
 from hetero.runtime.stage import telemetry as tm
 
@@ -75,7 +70,7 @@ def _run(plan) -> tuple[list[dict[str, Any]], dict[str, Any], float, list[float]
 
 def test_report_judges_each_split_by_its_own_prediction_and_measures_the_move(plan) -> None:
     steps, event, P, c = _run(plan)
-    report = build_report(plan, steps, {0: 1.0, 1: 1.2}, "run", [event])
+    report = build_report(plan, records(steps), {0: 1.0, 1: 1.2}, "run", records([event]))  # type: ignore[arg-type]
     assert report["steps"] == 12
     first, second = report["segments"]
     # Before the move: the plan's prediction; steps 1-5 measure it (step 0 warms up): median of P,P,3P,3P,3P.
@@ -102,15 +97,15 @@ def test_report_judges_each_split_by_its_own_prediction_and_measures_the_move(pl
     # A device changed speed: re-profiling the fleet is not the advice (a run without moves gets it).
     assert not any("come from datasheets" in line for line in report["comparison"])
     # Events among the step lines (as metrics.jsonl holds them) give the same report.
-    mixed = build_report(plan, steps[:6] + [event] + steps[6:], {0: 1.0, 1: 1.2}, "run")
+    mixed = build_report(plan, records(steps[:6] + [event] + steps[6:]), {0: 1.0, 1: 1.2}, "run")
     assert mixed["moves"] == report["moves"] and mixed["segments"] == report["segments"]
 
 
 def test_a_run_without_moves_reports_as_before(plan) -> None:
     steps, _, P, c = _run(plan)
-    report = build_report(plan, steps[:6], {}, "run")
+    report = build_report(plan, records(steps[:6]), {}, "run")
     assert report["moves"] == [] and len(report["segments"]) == 1
-    assert compare_run(plan, steps[:6]) == report["comparison"]
+    assert compare_run(plan, records(steps[:6])) == report["comparison"]
     assert any("come from datasheets" in line for line in report["comparison"])  # 3x off, datasheet costs
     # The plan's busy prediction counts what busy_s measures: compute and the optimizer.
     ov = [sp.overhead_s.get("STEP", 0.0) for sp in plan.stages]
@@ -121,7 +116,7 @@ def test_steps_picture_marks_the_move_and_each_splits_prediction(plan, tmp_path:
     steps, event, P, _ = _run(plan)
     gpu = {"source": "nvml", "sm_clock_mhz": 1500.0, "temperature_c": 80.0, "throttle": []}
     steps = [{**s, "stage_telemetry": [gpu, None]} for s in steps]
-    data = steps_picture_data(plan, steps, [event])
+    data = steps_picture_data(plan, records([*steps, event]))
     assert data.steps == list(range(12))
     assert [(a, b) for a, b, _ in data.predicted] == [(-0.5, 5.5), (5.5, 11.5)]
     assert [y for _, _, y in data.predicted] == pytest.approx([P, 1.5 * P])
@@ -131,13 +126,13 @@ def test_steps_picture_marks_the_move_and_each_splits_prediction(plan, tmp_path:
     # The steady steps set the scale; the warm-up and the move's own step are marked above it with their times.
     assert data.clipped == [(0, pytest.approx(5 * P)), (6, pytest.approx(100 * P))]
     assert [k for k, *_ in data.clocks] == [0]  # only the stage that reports telemetry; the CPU has none
-    path = draw_steps(plan, steps, [event], tmp_path / "steps.png")
+    path = draw_steps(plan, records([*steps, event]), tmp_path / "steps.png")
     assert path.stat().st_size > 5000
     # A hand-edited plan's 2 MB model name is cut in the title (drawing it whole failed after training).
     named = replace(plan, model=replace(plan.model, name="m" * 2_000_000))
-    title = steps_picture_data(named, steps, [event]).title
+    title = steps_picture_data(named, records([*steps, event])).title
     assert title.startswith("m" * 59 + "…") and len(title) < 150
-    assert draw_steps(named, steps, [event], tmp_path / "named.png").stat().st_size > 5000
+    assert draw_steps(named, records([*steps, event]), tmp_path / "named.png").stat().st_size > 5000
 
 
 def test_every_reader_skips_event_lines(plan, tmp_path: Path, capsys) -> None:
@@ -152,14 +147,15 @@ def test_every_reader_skips_event_lines(plan, tmp_path: Path, capsys) -> None:
     plan.save(run / "plan.json")
     plan.save(tmp_path / "plan.json")
     read = read_metrics(run / "metrics.jsonl")
-    assert step_lines(read) == steps and event_lines(read) == [event]
-    assert median_step_s(read) == median_step_s(steps)
-    assert stage_timings_from_metrics(read) == stage_timings_from_metrics(steps)
+    assert read.steps == RunLines(records(steps)).steps and read.moves == records([event])
+    assert [type(x).__name__ for x in read.lines] == ["StepLine"] * 6 + ["EvalLine", "RebalanceEvent"] + ["StepLine"] * 6
+    assert median_step_s(read.steps) == median_step_s(RunLines(records(steps)).steps)
+    assert stage_timings_from_metrics(read.steps) == stage_timings_from_metrics(RunLines(records(steps)).steps)
     assert main(["simulate", str(tmp_path / "plan.json"), "--no-replan", "--run", str(run)]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "after step 5:" in out and "split 3/3 -> 1/5" in out and "on split 1/5:" in out
     assert (run / "steps.png").is_file()
-    report = write_report(plan, steps + [evaluation], {}, run, [event])
+    report = write_report(plan, records(steps + [evaluation]), {}, run, records([event]))  # type: ignore[arg-type]
     assert json.loads((run / "report.json").read_text())["moves"] == json.loads(json.dumps(report["moves"]))
     print_report(report)
     printed = " ".join(capsys.readouterr().out.split())
@@ -176,7 +172,7 @@ def test_the_headline_of_a_resumed_or_re_planned_run_counts_the_whole_run(plan, 
     6.213), and how many steps this plan trained."""
     steps, _, _, _ = _run(plan)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in steps))
-    report = write_report(plan, steps[7:], {}, tmp_path)
+    report = write_report(plan, records(steps[7:]), {}, tmp_path)  # type: ignore[arg-type]
     assert (report["steps"], report["run_steps"], report["run_first_loss"]) == (5, 12, 2.0)
     print_report(report)
     printed = " ".join(capsys.readouterr().out.split())
@@ -191,8 +187,12 @@ def test_loss_picture_draws_each_step_once_its_mean_the_evaluations_and_the_reco
 
     lines = [step(n, 4.0 - 0.1 * n) for n in range(12)]
     lines += [{"step": 9, "eval_loss": 3.5}, step(10, 3.0), step(11, float("nan")), step(12, 2.8)]  # 10, 11 again
-    lines += [{"event": "recovery", "after_step": 11, "device": "box.gpu1"}, {"event": "rebalance", "after_step": 4}]
-    data = loss_picture_data(lines, "tiny")
+    recovery = {"event": "recovery", "after_step": 11, "device": "box.gpu1", "recovery": 1, "host": "box",
+                "cause": "exited", "resumed_from_step": 10, "replayed_steps": 2, "old_split": [3, 3],
+                "new_split": [6], "devices": ["box.gpu0"], "plan": "plan-recovery-1.json"}
+    move = {"event": "rebalance", "after_step": 4, "cause": {"reason": "forced by the caller"}, "old_split": [3, 3],
+            "new_split": [2, 4], "old_spans": [[0, 3], [4, 7]], "new_spans": [[0, 2], [3, 7]]}
+    data = loss_picture_data(records([*lines, recovery, move]), "tiny")
     assert data.steps == [*range(11), 12]  # step 10 once (its last line), step 11's NaN left out
     assert data.loss[10] == 3.0 and data.window == 2 and data.mean[1] == pytest.approx((4.0 + 3.9) / 2)
     assert (data.eval_steps, data.eval_loss) == ([9], [3.5])
@@ -281,12 +281,13 @@ def test_telemetry_travels_in_stepdone_and_lands_in_metrics_cleaned(plan) -> Non
     meta = {**stats.to_meta(), "telemetry": sent}
     done = {0: SimpleNamespace(meta=meta), 1: SimpleNamespace(meta={**cpu.to_meta(), "loss_sum": 20.0})}
     line = metrics_line(plan, 3, done, 1.0, 1.0, 10, 0.7)
-    assert line["stage_telemetry"] == [{"source": "nvml", "sm_clock_mhz": None, "temperature_c": 87.0,
+    assert line.stage_telemetry == [{"source": "nvml", "sm_clock_mhz": None, "temperature_c": 87.0,
                                         "throttle": ["sw_thermal_slowdown"]}, None]
     assert tm.clean_telemetry({"source": "nvml"}) is None and tm.clean_telemetry("hot") is None
     from hetero.runtime.run.report import telemetry_lines
 
-    summary = tm.telemetry_summary([line, {**line, "stage_telemetry": [{"temperature_c": 70.0, "throttle": []}, None]}], 2)
+    cooler = replace(line, stage_telemetry=[{"temperature_c": 70.0, "throttle": []}, None])
+    summary = tm.telemetry_summary([line, cooler], 2)
     assert summary[1] is None
     assert summary[0] == {"samples": 2, "min_sm_clock_mhz": None, "max_temperature_c": 87.0, "max_power_w": None,
                           "throttled_steps": 1, "throttle": ["thermal slowdown"]}
@@ -297,19 +298,21 @@ def test_telemetry_travels_in_stepdone_and_lands_in_metrics_cleaned(plan) -> Non
 def test_a_metrics_line_still_being_written_is_left_for_the_next_read(tmp_path: Path) -> None:
     """A live run appends metrics.jsonl while tools and tests read it: a last line cut mid-write is skipped (CI met
     it as a JSONDecodeError), a whole one without its newline is kept."""
-    from hetero.runtime.run.run_compare import read_metrics
+    from hetero.runtime.run.metrics_file import read_rows
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n\n{"step": 2, "loss": 6.1, "stage_ops": [{"F": 0.02,')
-    assert read_metrics(path) == [{"step": 1}]
+    assert read_rows(path) == [{"step": 1}]
     path.write_text('{"step": 1}\n{"step": 2}')
-    assert read_metrics(path) == [{"step": 1}, {"step": 2}]
+    assert read_rows(path) == [{"step": 1}, {"step": 2}]
+    path.write_text('{"step": 1, "loss": 2.0, "step_time_s": 0.5}\n{"step": 2, "loss": 1.9, "step_time_s": 0.')
+    assert [s.step for s in read_metrics(path).steps] == [1]
 
 
 def test_a_run_dir_of_steps_numbered_from_0_is_renumbered_when_resumed() -> None:
     """metrics.jsonl numbered its steps from 0 before issue 53 made them count from 1: resuming such a run dir after
     2 steps keeps its steps 1-2 (were 0-1), its events and evaluations on the same numbers, not step 3 twice."""
-    from hetero.runtime.run.records import kept_lines
+    from hetero.runtime.run.metrics_file import kept_lines
 
     old = [{"step": 0, "loss": 3.0}, {"step": 1, "loss": 2.9}, {"step": 1, "eval_loss": 2.5},
            {"event": "rebalance", "after_step": 1}, {"step": 2, "loss": 2.8}, {"step": 3, "loss": 2.7}]

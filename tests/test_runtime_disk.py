@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from metrics_rows import read_metrics, step_lines
 from plans import free_ports, make_plan
 from safetensors.torch import save_file
 
@@ -39,7 +40,6 @@ from hetero.runtime.run.checkpoint import (
     write_checkpoint,
 )
 from hetero.runtime.run.preflight import check_init_from, check_resume, lora_shapes
-from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.serde import to_dict
 from hetero.specs import DataSpec, LoraSpec, ModelSpec, TrainSpec
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from metrics_rows import read_metrics, step_lines
 from plans import RTOL, SEQ_LEN, TRAIN, make_plan
 from reference import assert_close_to_scale
 
 from hetero.runtime.cli import main_run
-from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.runtime.stage.adapter import load_adapter_state
 from hetero.specs import ModelSpec
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from metrics_rows import read_metrics, step_lines
 from plans import free_ports, make_plan
 from procs import clean_up, clone_beside, finish, start
 
 from hetero.plan import Plan, compute_input_hash
-from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.specs import ModelSpec, TrainSpec
 
 pytestmark = pytest.mark.slow

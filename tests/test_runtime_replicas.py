@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from metrics_rows import read_metrics, step_lines
 from plans import make_plan
 from reference import assert_close_to_scale
 
 from hetero.errors import PlanError
 from hetero.plan import Plan
 from hetero.runtime.cli import main_run
-from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.runtime.stage.adapter import load_adapter_state
 from hetero.specs import ModelSpec, TrainSpec
 

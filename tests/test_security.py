@@ -27,6 +27,7 @@ import psutil
 import pytest
 import torch
 import zmq
+from metrics_rows import read_metrics, step_lines
 from plans import make_plan
 from reference import assert_close_to_scale, reference_run
 from runs import FORGER, forgers
@@ -35,7 +36,6 @@ from hetero import cli
 from hetero.errors import ConfigError, PlanError, WireError
 from hetero.plan import Plan
 from hetero.protocol import Clip, Rebalance, Record, Stop
-from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.runtime.stage.adapter import load_adapter_state
 from hetero.runtime.wire.frames import Message, encode
 from hetero.runtime.wire.rules import coordinator_rules, max_message_bytes, stage_rules

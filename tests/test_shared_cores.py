@@ -4,9 +4,11 @@ that includes its waits for a core (planner/schedule/simulator.py CoreShare, run
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from metrics_rows import step_line
 
 from hetero.errors import ConfigError
 from hetero.planner.schedule.simulator import CoreShare, core_share, simulate
@@ -125,7 +127,7 @@ def test_a_shared_core_stage_is_profiled_by_its_cpu_time(monkeypatch: pytest.Mon
     assert plan.cluster.hosts[0].cores == 2 and shared_core_stages(plan) == {0, 1, 2}
     wall = {"F": 0.4, "B": 0.8, "SA": 0.01, "SG": 0.01, "RA": 0.3, "RG": 0.3, "STEP": 0.05, "clip_wait": 0.01}
     cpu = {"F": 0.2, "B": 0.5, "SA": 0.004, "SG": 0.004, "RA": 0.002, "RG": 0.006, "STEP": 0.02}
-    lines = [{"step": s, "stage_ops": [wall] * 3, "stage_cpu_ops": [cpu] * 3} for s in range(1, 4)]
+    lines = [step_line(step=s, stage_ops=[wall] * 3, stage_cpu_ops=[cpu] * 3) for s in range(1, 4)]
     prof = run_profile(plan, tmp_path, lines)
     assert prof is not None
     tokens = 4 * tiny_spec.seq_len
@@ -145,7 +147,7 @@ def test_a_shared_core_stage_is_profiled_by_its_cpu_time(monkeypatch: pytest.Mon
             assert "CPU time" in dev.sources["message_recv"]
         assert "CPU time" in dev.sources["decoder"] and dev.cpu_time
         assert dev.measured_with == [s.device for s in plan.stages if s.device != sp.device]  # they ran beside it
-    older = [{"step": s, "stage_ops": [wall] * 3} for s in range(1, 4)]
+    older = [step_line(step=s, stage_ops=[wall] * 3) for s in range(1, 4)]
     prof = run_profile(plan, tmp_path, older)
     assert prof is not None
     dev = prof.device(plan.stages[0].device)
@@ -229,17 +231,17 @@ def test_a_run_measures_the_cores_its_shared_host_gave_it(monkeypatch: pytest.Mo
     plan = _three_stage_plan(monkeypatch, tiny_spec)
     ops = {"F": 0.3, "B": 0.6, "SA": 0.004, "SG": 0.004, "RA": 0.2, "RG": 0.2, "STEP": 0.03, "clip_wait": 0.01}
     cpu = {"F": 0.2, "B": 0.4, "SA": 0.004, "SG": 0.004, "RA": 0.003, "RG": 0.003, "STEP": 0.02}
-    base = [{"step": s, "step_time_s": 1.0, "stage_ops": [ops] * 3, "stage_cpu_ops": [cpu] * 3} for s in range(1, 5)]  # steps are numbered from 1
+    base = [step_line(step=s, step_time_s=1.0, stage_ops=[ops] * 3, stage_cpu_ops=[cpu] * 3) for s in range(1, 5)]  # steps are numbered from 1
     timings = [own_ops(base[1:], k, 1) for k in range(3)]
     on_two = replay_run(plan, timings, decontended=True).step_time_s
-    slow = [{**line, "step_time_s": on_two * 1.15} for line in base]
+    slow = [replace(line, step_time_s=on_two * 1.15) for line in base]
     prof = run_profile(plan, tmp_path, slow)
     assert prof is not None
     got = prof.host_cores["localhost"]
     assert 1.0 < got < 2.0
     assert replay_run(plan, timings, decontended=True, usable={"localhost": got}).step_time_s == pytest.approx(
         on_two * 1.15, rel=0.01)
-    fast = run_profile(plan, tmp_path, [{**line, "step_time_s": on_two * 0.9} for line in base])
+    fast = run_profile(plan, tmp_path, [replace(line, step_time_s=on_two * 0.9) for line in base])
     assert fast is not None and fast.host_cores == {"localhost": 2.0}
 
     split = [sum(1 for i in range(s.first_node, s.last_node + 1) if plan.graph.nodes[i].kind == "decoder")

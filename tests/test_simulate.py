@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from fleets import a_plan, fleet
+from metrics_rows import step_line
 
 from hetero.planner import plan as make_plan
 from hetero.planner.explain.bottleneck import diagnose, verdict
@@ -86,8 +87,7 @@ def test_compare_run_flags_a_stage_off_by_more_than_20_percent(tiny_spec, tiny_g
         factor = 1.05 if k == 0 else 1.6  # stage 1 is 60% slower than predicted
         ops.append({"F": factor * m * sp.fwd_time_s, "B": factor * m * sp.bwd_time_s, "RA": 0.0, "RG": 0.0})
     step = p.prediction.step_time_s * 1.4
-    metrics = [{"step_time_s": step, "stage_ops": ops} for _ in range(3)]
-    lines = compare_run(p, metrics)
+    lines = compare_run(p, [step_line(step=n, step_time_s=step, stage_ops=ops) for n in range(1, 4)])
     assert "more than 20% off" in lines[0]  # the step is 40% off
     assert "hetero profile model=" in lines[1]  # a datasheet plan: the fix is to measure
     assert "more than 20% off" not in lines[2] and "more than 20% off" in lines[3]
@@ -143,8 +143,8 @@ def test_simulate_compares_a_finished_run(tiny_spec, tiny_graph, tmp_path: Path,
     ops = _ops_like_plan(p, [1.3, 1.3])  # every stage computes 30% slower than profiled
     replayed = replay_run(p, ops).step_time_s
     step = replayed * 1.02
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"step_time_s": step, "stage_ops": ops}) + "\n"
-                                               for _ in range(4)))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": n, "loss": 2.0, "step_time_s": step, "stage_ops": ops})
+                                               + "\n" for n in range(1, 5)))
     assert main(["simulate", str(tmp_path / "plan.json"), "--no-replan", "--run", str(run)]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert f"measured/replayed {step / replayed:.2f}" in out

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from metrics_rows import read_metrics, step_lines
 from plans import RTOL, SEQ_LEN, TRAIN, make_plan  # the default engine's settings: the same reference
 from reference import assert_close_to_scale
 from runs import _check_against_reference
@@ -22,7 +23,6 @@ from runs import _check_against_reference
 from hetero.errors import PlanError
 from hetero.plan import Plan
 from hetero.runtime.cli import main_run
-from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.runtime.stage.adapter import load_adapter_state
 from hetero.runtime.torch_engine.support import EngineUnsupportedError, check_supported
 from hetero.specs import ModelSpec

@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from metrics_rows import read_metrics, step_lines
 from plans import SEQ_LEN, TRAIN, free_ports, make_plan
 from runs import _check_against_reference
 from sshd_server import SSHD, client_spec, needs_sshd, write_sshd
 
 from hetero.plan import Plan, compute_input_hash
-from hetero.runtime.run.run_compare import read_metrics, step_lines
 from hetero.runtime.torch_engine.rank import node_hosts, rank_order
 from hetero.specs import ModelSpec
 

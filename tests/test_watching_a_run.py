@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+from metrics_rows import read_metrics, step_line, step_lines
 from plans import free_ports, make_plan
 from procs import clean_up, finish, start
 
-from hetero.runtime.run.run_compare import read_metrics, step_lines
+from hetero.runtime.run.metrics_file import EvalLine
 from hetero.runtime.run.tensorboard import EventWriter, crc32c
 from hetero.specs import ModelSpec, TrainSpec
 
@@ -71,13 +72,13 @@ def test_a_resumed_run_replaces_the_steps_it_trains_again(tmp_path: Path) -> Non
     """A run resumed (or recovered) from step 5 writes a new file; TensorBoard shows steps 6.. from it, not the old."""
     first = EventWriter(tmp_path)
     for step in range(1, 9):
-        first.step({"step": step, "loss": 9.0 + step})
+        first.step(step_line(step=step, loss=9.0 + step))
     first.close()
     time.sleep(0.01)
     second = EventWriter(tmp_path, start_step=5)
     for step in range(6, 11):
-        second.step({"step": step, "loss": 19.0 + step})
-    second.evaluation({"step": 10, "eval_loss": 1.5})
+        second.step(step_line(step=step, loss=19.0 + step))
+    second.evaluation(EvalLine(step=10, eval_loss=1.5))
     second.close()
     scalars = _scalars(tmp_path)
     assert scalars["train/loss"] == [(1, 10.0), (2, 11.0), (3, 12.0), (4, 13.0), (5, 14.0), (6, 25.0), (7, 26.0),
@@ -93,7 +94,7 @@ def test_crc32c_is_castagnoli() -> None:
 def test_tensorboard_serves_the_run_dir(tmp_path: Path) -> None:
     """`tensorboard --logdir RUN_DIR/tensorboard` (what docs/running.md says) finds the run."""
     writer = EventWriter(tmp_path / "tensorboard")
-    writer.step({"step": 1, "loss": 2.5})
+    writer.step(step_line(step=1, loss=2.5))
     writer.close()
     done = subprocess.run([sys.executable, "-m", "tensorboard.main", "--inspect", "--logdir", str(tmp_path / "tensorboard")],
                           capture_output=True,

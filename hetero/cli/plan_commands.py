@@ -98,7 +98,7 @@ def _steps_picture(plan: Plan, run_dir: Path) -> str:
     if path.is_file():
         return str(path)
     try:
-        return str(draw_steps(plan, finished_run(plan, run_dir), None, path))
+        return str(draw_steps(plan, finished_run(plan, run_dir).lines, path))
     except OSError as exc:  # a run directory one may read but not write
         return f"not drawn ({path}: {exc.strerror or exc})"
 

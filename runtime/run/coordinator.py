@@ -291,12 +291,12 @@ class Coordinator(FailureHandling, StateKeeping, Greeting):
                 now = time.perf_counter()
                 labelled, record_tokens = label_tokens.pop(step)
                 line = metrics_line(self.plan, step, done, grad_norm, coef, labelled, now - last, record_tokens)
-                line["split"] = split_of(self.plan)
+                line.split = split_of(self.plan)
                 last = now
                 self.records.step(line)
                 if self.options.recovery is not None and step == self.start_step:
-                    self._record_recovery(dict(self.options.recovery))
-                progress.update(step, line["loss"], line["tokens_per_s"])
+                    self._record_recovery(self.options.recovery)
+                progress.update(step, line.loss, line.tokens_per_s or 0.0)
                 self.records.record_eval()
                 if self._evaluated_on_stages(step, timeout):
                     last = time.perf_counter()  # the pass is not part of the next step's time
@@ -304,7 +304,7 @@ class Coordinator(FailureHandling, StateKeeping, Greeting):
                 snapshot, due = self.snapshot_step == step, payload_due(train, self.payload_every, step)
                 if due or snapshot:
                     payloads = self._gather("checkpoint", step, timeout)
-                    self._keep_in_memory(payloads, time.perf_counter() - now, line["step_time_s"])
+                    self._keep_in_memory(payloads, time.perf_counter() - now, line.step_time_s)
                     if due:
                         self.records.save_payloads(step, payloads)
                     if snapshot and self.snapshot_to_disk:

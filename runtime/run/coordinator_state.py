@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from hetero.planner.model.state_copy import copy_every
@@ -19,6 +20,7 @@ from hetero.protocol import (
 )
 from hetero.runtime.base.payloads import checkpoint_due, payload_due
 from hetero.runtime.run.elastic import Rejoining
+from hetero.runtime.run.metrics_file import RecoveryEvent
 
 log = logging.getLogger("hetero.run")
 
@@ -107,12 +109,11 @@ class StateKeeping:
         payloads = self._gather("checkpoint", done - 1, self.step_timeout_s)
         self.result.checkpoint = self.records.write_checkpoint(done, payloads)
 
-    def _record_recovery(self, event: dict[str, Any]) -> None:
+    def _record_recovery(self, event: RecoveryEvent) -> None:
         """The recovery this run continues (runtime/run/elastic.py), after its first step on the new split: a
         metrics.jsonl line with the seconds from the loss to that step."""
-        lost_at = event.pop("lost_at", None)
-        if isinstance(lost_at, float):
-            event["recovery_s"] = round(time.monotonic() - lost_at, 3)
+        if event.lost_at is not None:
+            event = replace(event, recovery_s=round(time.monotonic() - event.lost_at, 3), lost_at=None)
         self.records.event(event)
 
     def _returned(self) -> Rejoining | None:
@@ -133,4 +134,4 @@ class StateKeeping:
             lambda k, tensors, meta: self.transport.send(self.names[k], "state", tensors=tensors, meta=meta),
             lambda payloads: self.records.write_checkpoint(step + 1, payloads))
         self.records.event(event)
-        log.info("rebalanced after step %d: %s", step, event["cause"]["reason"])
+        log.info("rebalanced after step %d: %s", step, event.cause.reason)

@@ -46,6 +46,7 @@ from hetero.errors import HeteroError
 from hetero.plan import Plan
 from hetero.protocol import MAX_HEADER_BYTES
 from hetero.runtime.base.processes import StageFailedError
+from hetero.runtime.run.metrics_file import Event, RecoveryEvent
 from hetero.runtime.run.moves import split_of
 from hetero.runtime.run.options import RunOptions
 from hetero.runtime.run.records import RunResult
@@ -63,7 +64,7 @@ def run_elastic(plan: Plan, plan_path: Path, options: RunOptions) -> tuple[Plan,
     from hetero.runtime.run.coordinator import Coordinator
 
     done = 0  # re-plans made
-    earlier: list[dict[str, Any]] = []  # the recovery lines that the coordinators before the last one wrote
+    earlier: list[Event] = []  # the recovery lines that the coordinators before the last one wrote
     history = Lineage([plan])
     while True:
         coordinator = Coordinator(plan, plan_path, options)
@@ -76,7 +77,7 @@ def run_elastic(plan: Plan, plan_path: Path, options: RunOptions) -> tuple[Plan,
             recovered = coordinator.recovered  # planned while the stages stopped: the remote ones got its plan
             if recovered is None:
                 raise
-            history.losses.update(recovered[2].recovery["lost_devices"])  # type: ignore[index]
+            history.losses.update(recovered[2].recovery.lost_devices or [])  # type: ignore[union-attr]
         except Rejoining as back:
             where = options.host if options.host is not None else coordinator.host
             recovered = (back.plan, back.path, replace(options, host=where, resume=None, checkpoint=coordinator.memory,
@@ -85,7 +86,7 @@ def run_elastic(plan: Plan, plan_path: Path, options: RunOptions) -> tuple[Plan,
         else:
             result.events[:0] = earlier
             return plan, plan_path, result
-        earlier += [e for e in coordinator.result.events if e.get("event") == "recovery"]
+        earlier += [e for e in coordinator.result.events if isinstance(e, RecoveryEvent)]
         plan, plan_path, options = recovered
         history.plans.append(plan)
         options = replace(options, earlier_plans=tuple(p.input_hash for p in history.plans[:-1]))
@@ -130,7 +131,7 @@ class Rejoining(Exception):  # noqa: N818 (a turn of the run, not an error)
     """Raised by the coordinator at a step boundary, with the stages' state copied: the run goes on under ``plan``,
     with the devices that came back."""
 
-    def __init__(self, plan: Plan, path: Path, event: dict[str, Any], joiners: list[Joiner]) -> None:
+    def __init__(self, plan: Plan, path: Path, event: RecoveryEvent, joiners: list[Joiner]) -> None:
         super().__init__(f"the run goes on under {path.name} with {', '.join(j.device for j in joiners)}")
         self.plan, self.path, self.event, self.joiners = plan, path, event, joiners
 
@@ -222,16 +223,14 @@ def _rejoining(coordinator: Any, first: Plan, joiners: list[Any], new: Any, path
     """The run's move onto the plan with the devices that came back: its recovery event, said on stderr."""
     back = ", ".join(j.device for j in joiners)
     steps = coordinator.result.steps
-    last = int(steps[-1]["step"]) if steps else coordinator.start_step  # steps done (records.STEP_NUMBERS)
+    last = steps[-1].step if steps else coordinator.start_step  # steps done (records.STEP_NUMBERS)
     devices = {s.device: s for s in first.stages}
-    event = {
-        "event": "recovery", "kind": "rejoin", "after_step": last, "recovery": number,
-        "device": back, "host": ", ".join(sorted({devices[j.device].host for j in joiners})),
-        "cause": "back: its stage said hello again", "resumed_from_step": last + 1, "replayed_steps": 0,
-        "old_split": split_of(coordinator.plan), "new_split": new.split, "devices": new.devices, "plan": path.name,
-        "step_s_before": before, "step_s_after": after, "predicted_step_s_after": new.plan.prediction.step_time_s,
-        "lost_at": time.monotonic(),
-    }
+    event = RecoveryEvent(
+        kind="rejoin", after_step=last, recovery=number, device=back,
+        host=", ".join(sorted({devices[j.device].host for j in joiners})), cause="back: its stage said hello again",
+        resumed_from_step=last + 1, replayed_steps=0, old_split=split_of(coordinator.plan), new_split=new.split,
+        devices=new.devices, plan=path.name, step_s_before=before, step_s_after=after,
+        predicted_step_s_after=new.plan.prediction.step_time_s, lost_at=time.monotonic())
     print(f"hetero run: {back} is back: going on with it after step {last}, split {'/'.join(map(str, new.split))} "
           f"on {len(new.devices)} stage(s), {after:.3g} s a step against {before:.3g} s now (simulated at the speeds "
           f"this run measured); plan {path}",
@@ -271,18 +270,15 @@ def _recover(coordinator: Any, exc: StageFailedError, options: RunOptions, done:
         return None
     memory = coordinator.memory
     resumed = int(memory[1]["step"]) if memory is not None else 0
-    last = coordinator.result.steps[-1]["step"] if coordinator.result.steps else resumed  # steps done, as ``resumed``
-    event = {
-        "event": "recovery", "after_step": int(last), "recovery": number, "stage": lost.stage, "device": device,
-        "lost_devices": gone,
-        "host": plan.stages[lost.stage].host, "cause": f"{lost.what}: {lost.cause}", "resumed_from_step": resumed + 1,
-        "replayed_steps": max(0, int(last) - resumed), "old_split": split_of(plan),
-        "new_split": recovery.split, "devices": recovery.devices, "plan": path.name,
-        "predicted_step_s_after": recovery.predicted_step_s, "lost_at": lost.at,
-    }
-    print(f"hetero run: stage {lost.stage} ({device} on {event['host']}) {lost.what}: {lost.cause}; going on without "
+    last = coordinator.result.steps[-1].step if coordinator.result.steps else resumed  # steps done, as ``resumed``
+    event = RecoveryEvent(
+        after_step=last, recovery=number, stage=lost.stage, device=device, lost_devices=gone,
+        host=plan.stages[lost.stage].host, cause=f"{lost.what}: {lost.cause}", resumed_from_step=resumed + 1,
+        replayed_steps=max(0, last - resumed), old_split=split_of(plan), new_split=recovery.split,
+        devices=recovery.devices, plan=path.name, predicted_step_s_after=recovery.predicted_step_s, lost_at=lost.at)
+    print(f"hetero run: stage {lost.stage} ({device} on {event.host}) {lost.what}: {lost.cause}; going on without "
           f"it on {len(recovery.devices)} stage(s), split {'/'.join(map(str, recovery.split))}, from step {resumed + 1} "
-          f"({event['replayed_steps']} step(s) trained again); plan {path} (recovery {number} of at most "
+          f"({event.replayed_steps} step(s) trained again); plan {path} (recovery {number} of at most "
           f"{options.max_recoveries}: runtime.max_recoveries)", file=sys.stderr, flush=True)
     # The coordinator stays where it was (its endpoint is the one every stage dials), whichever stage is first now.
     where = options.host if options.host is not None or recovery.plan.stages[0].host == host else host

@@ -10,10 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from hetero.picture_style import STEP_COLOUR, save_figure, stage_colour
-from hetero.runtime.run.run_compare import event_lines, step_lines
+from hetero.runtime.run.metrics_file import Line, RunLines
 
 MEAN_OF = 10  # the moving mean's window, in steps (shorter runs: a fifth of their steps)
 EVENT_COLOUR = "#555555"
@@ -33,27 +32,21 @@ class LossPicture:
     events: list[tuple[float, str]]  # (x between the steps, label): recoveries
 
 
-def loss_picture_data(lines: list[dict[str, Any]], title: str) -> LossPicture:
+def loss_picture_data(lines: list[Line], title: str) -> LossPicture:
     """loss.png's series from metrics.jsonl lines: each step once (the last line of a step that was trained
     again wins), non-finite losses left out."""
-    by_step: dict[int, float | None] = {}
-    for m in step_lines(lines):
-        if isinstance(m.get("step"), int):
-            finite = isinstance(m.get("loss"), (int, float)) and math.isfinite(m["loss"])
-            by_step[int(m["step"])] = float(m["loss"]) if finite else None
-    steps = sorted(s for s, v in by_step.items() if v is not None)
-    loss = [float(by_step[s]) for s in steps]  # type: ignore[arg-type]
+    run = RunLines(lines)
+    by_step = {m.step: m.loss for m in run.steps}
+    steps = sorted(s for s, v in by_step.items() if math.isfinite(v))
+    loss = [by_step[s] for s in steps]
     window = max(1, min(MEAN_OF, len(steps) // 5))
     mean = [sum(loss[max(0, i + 1 - window):i + 1]) / len(loss[max(0, i + 1 - window):i + 1]) for i in range(len(loss))]
-    evals = sorted((int(m["step"]), float(m["eval_loss"])) for m in lines if isinstance(m, dict)
-                   and isinstance(m.get("step"), int) and isinstance(m.get("eval_loss"), (int, float))
-                   and math.isfinite(m["eval_loss"]))
-    events = [(e["after_step"] + 0.5, f"lost {e.get('device', '?')}") for e in event_lines(lines, "recovery")
-              if isinstance(e.get("after_step"), int)]
+    evals = sorted((m.step, m.eval_loss) for m in run.evals if math.isfinite(m.eval_loss))
+    events = [(e.after_step + 0.5, f"lost {e.device}") for e in run.recoveries]
     return LossPicture(title, steps, loss, mean, window, [s for s, _ in evals], [v for _, v in evals], events)
 
 
-def draw_loss(lines: list[dict[str, Any]], path: str | Path, title: str) -> Path:
+def draw_loss(lines: list[Line], path: str | Path, title: str) -> Path:
     """loss.png at ``path`` from a run's metrics.jsonl lines; returns the path."""
     import matplotlib.pyplot as plt  # after hetero.picture_style chose the file-only backend
 

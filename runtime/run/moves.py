@@ -24,11 +24,12 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hetero.plan import Plan
 from hetero.protocol import Rebalance
+from hetero.runtime.run.metrics_file import MoveCause, RebalanceEvent
 
 log = logging.getLogger("hetero.run")
 
@@ -59,7 +60,7 @@ class Move:
     after_step: int
     spans: list[list[int]]
     recompute: list[list[str]]
-    event: dict[str, Any]
+    event: RebalanceEvent
     proposal: Any = None  # planner.replan.rebalance.Proposal (None for a forced move)
 
 
@@ -125,7 +126,7 @@ class Mover:
         """Before step ``step``'s clip: tell every stage to move after it (when a move is due)."""
         if self.pending is not None and self.pending.after_step == step:
             send(Rebalance(spans=self.pending.spans, recompute=self.pending.recompute,
-                           reason=str(self.pending.event["cause"]["reason"])))
+                           reason=self.pending.event.cause.reason))
             self.sent, self.pending = self.pending, None
 
     def due(self, step: int) -> bool:
@@ -134,7 +135,7 @@ class Mover:
 
     def carry_out(self, step: int, payloads: dict[int, Any] | None, gather: Callable[[str, int], dict[int, Any]],
                   send_state: Callable[[int, dict[str, Any], dict[str, Any]], None],
-                  save: Callable[[dict[int, Any]], Any]) -> tuple[Plan, dict[str, Any]]:
+                  save: Callable[[dict[int, Any]], Any]) -> tuple[Plan, RebalanceEvent]:
         """Steps 2-3 of the module docstring: the stages' states (``payloads`` if a checkpoint just brought them;
         else gathered and ``save``d as one, so a move that fails half-way loses nothing), their ``start`` from the
         new spans, each its new layers' state; the plan and event line after the move."""
@@ -150,7 +151,7 @@ class Mover:
             send_state(k, *select_payload(*state, list(msg.meta["keys"]), k))
         return self.moved(clock())
 
-    def moved(self, move_s: float) -> tuple[Plan, dict[str, Any]]:
+    def moved(self, move_s: float) -> tuple[Plan, RebalanceEvent]:
         """The move is done: the plan with its new spans and the metrics.jsonl event line."""
         assert self.sent is not None
         move, self.sent = self.sent, None
@@ -160,7 +161,7 @@ class Mover:
             self._bound(move.after_step)
         elif self.watch is not None:
             self.watch.restart(tuple((a, b) for a, b in move.spans), tuple(len(r) for r in move.recompute))
-        return self.plan, {**move.event, "move_s": round(move_s, 4), "split": split_of(self.plan)}
+        return self.plan, replace(move.event, move_s=round(move_s, 4), split=split_of(self.plan))
 
     def _bound(self, after_step: int) -> None:
         """After the watcher's move: the wait before its next one doubles; after MAX_MOVES it stops watching."""
@@ -179,19 +180,17 @@ class Mover:
 
         cause = proposal.cause
         throttle = throttle_cause(self.telemetry[cause]) if cause < len(self.telemetry) else None
-        event = {
-            "event": "rebalance", "after_step": after_step + 1,  # the steps done before it (records.STEP_NUMBERS)
-            "cause": {"stage": cause, "device": self.plan.stages[cause].device,
-                      "slowdown": round(proposal.change[cause], 3), "throttle": throttle,
-                      "reason": proposal.reason + (f" ({throttle})" if throttle else "")},
-            "speed_factors": [round(f, 4) for f in proposal.factors],
-            "old_split": self.watch.replanner.counts(proposal.old.spans),
-            "new_split": self.watch.replanner.counts(proposal.new.spans),
-            "old_spans": [list(s) for s in proposal.old.spans], "new_spans": [list(s) for s in proposal.new.spans],
-            "predicted_step_s_before": proposal.old.step_s, "predicted_step_s_after": proposal.new.step_s,
-            "predicted_gain": round(proposal.gain, 4),
-            "predicted_stage_s_after": list(proposal.new.stage_compute_s),
-        }
+        event = RebalanceEvent(
+            after_step=after_step + 1,  # the steps done before it (records.STEP_NUMBERS)
+            cause=MoveCause(stage=cause, device=self.plan.stages[cause].device,
+                            slowdown=round(proposal.change[cause], 3), throttle=throttle,
+                            reason=proposal.reason + (f" ({throttle})" if throttle else "")),
+            speed_factors=[round(f, 4) for f in proposal.factors],
+            old_split=self.watch.replanner.counts(proposal.old.spans),
+            new_split=self.watch.replanner.counts(proposal.new.spans),
+            old_spans=[list(s) for s in proposal.old.spans], new_spans=[list(s) for s in proposal.new.spans],
+            predicted_step_s_before=proposal.old.step_s, predicted_step_s_after=proposal.new.step_s,
+            predicted_gain=round(proposal.gain, 4), predicted_stage_s_after=list(proposal.new.stage_compute_s))
         return Move(after_step, [list(s) for s in proposal.new.spans], self.watch.replanner.recompute_names(proposal.new),
                     event, proposal)
 
@@ -200,10 +199,9 @@ class Mover:
         from hetero.planner.model.objective import split_spans
 
         spans = split_spans(len(self.plan.graph.nodes), split, self.plan.graph.decoder_indices())
-        event = {"event": "rebalance", "after_step": after_step + 1, "old_split": split_of(self.plan),
-                 "new_split": list(split), "old_spans": [[s.first_node, s.last_node] for s in self.plan.stages],
-                 "new_spans": [list(s) for s in spans],
-                 "cause": {"stage": None, "device": None, "slowdown": None, "reason": "forced by the caller"}}
+        event = RebalanceEvent(after_step=after_step + 1, old_split=split_of(self.plan), new_split=list(split),
+                               old_spans=[[s.first_node, s.last_node] for s in self.plan.stages],
+                               new_spans=[list(s) for s in spans], cause=MoveCause(reason="forced by the caller"))
         return Move(after_step, [list(s) for s in spans], [[] for _ in spans], event)
 
 

@@ -12,6 +12,7 @@ from hetero.errors import PlanError
 from hetero.plan import Plan
 from hetero.protocol import FAILURE_TIMEOUT_S, LOAD_TIMEOUT_S
 from hetero.runtime.base.rundir import rerun_options
+from hetero.runtime.run.metrics_file import RecoveryEvent
 
 
 def coordinator_endpoint(plan: Plan, host: str | None = None, port: int | None = None) -> str:
@@ -77,7 +78,7 @@ class RunOptions:
     moves: dict[int, list[int]] = field(default_factory=dict)  # step -> split to move to after it, whatever the times
     elastic: str = "auto"  # runtime.elastic: auto: go on without a lost device (runtime/run/elastic.py); off: stop
     max_recoveries: int = MAX_RECOVERIES  # runtime.max_recoveries: losses a run recovers from before it stops
-    recovery: dict[str, Any] | None = None  # the recovery this run continues: its metrics.jsonl event, to complete
+    recovery: RecoveryEvent | None = None  # the recovery this run continues: its metrics.jsonl event, to complete
     wandb: str | None = None  # runtime.wandb: a Weights & Biases project to log the steps to (runtime/run/wandb_log.py)
 
     @property

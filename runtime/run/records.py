@@ -7,7 +7,6 @@ checkpoint, the adapter for the evaluator, the last) and the coordinator gathers
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from hetero.plan import Plan
 from hetero.runtime.base.payloads import checkpoint_due
-from hetero.runtime.base.rundir import append_run_line, write_run_file
+from hetero.runtime.run.metrics_file import EvalLine, Event, MetricsFile, StepLine, eval_line
 from hetero.runtime.stage.telemetry import clean_telemetry
 from hetero.serde import to_dict
 from hetero.specs import RUNTIME_OVERRIDABLE
@@ -32,18 +31,18 @@ STEP_NUMBERS = "from 1"
 
 @dataclass
 class RunResult:
-    steps: list[dict[str, Any]] = field(default_factory=list)  # the metrics.jsonl lines
+    steps: list[StepLine] = field(default_factory=list)  # the metrics.jsonl step lines of this run
     environments: dict[str, Any] = field(default_factory=dict)
     build_s: dict[int, float] = field(default_factory=dict)
     interrupted_after: int | None = None  # Ctrl-C / SIGTERM: the steps done when training stopped
     checkpoint: Path | None = None  # ... and the checkpoint that holds them (None: no step was done)
-    evals: list[dict[str, Any]] = field(default_factory=list)  # the evaluator's eval_loss lines
+    evals: list[EvalLine] = field(default_factory=list)  # the evaluations' lines
     eval_errors: list[str] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl's event lines (rebalance moves)
+    events: list[Event] = field(default_factory=list)  # metrics.jsonl's event lines (moves, recoveries)
 
 
 def throughput(plan: Plan, label_tokens: int, step_time: float, record_tokens: int | None = None) -> dict[str, Any]:
-    """A step's token counts for its metrics.jsonl line: ``tokens_per_s`` counts trained (label) tokens, the tokens
+    """A step's token counts for its metrics.jsonl line (StepLine's fields): ``tokens_per_s`` counts trained (label) tokens, the tokens
     the loss is over; ``computed_tokens`` (every row's seq_len tokens, padding included) and its rate beside it;
     ``record_tokens`` (the step's tokens that are not padding) where the caller knows them."""
     train = plan.train
@@ -57,53 +56,22 @@ def throughput(plan: Plan, label_tokens: int, step_time: float, record_tokens: i
 
 
 def metrics_line(plan: Plan, step: int, done: dict[int, Any], grad_norm: float, coef: float,
-                 label_tokens: int, step_time: float, record_tokens: int | None = None) -> dict[str, Any]:
+                 label_tokens: int, step_time: float, record_tokens: int | None = None) -> StepLine:
     """Step ``step``'s metrics.jsonl line from every stage's ``stepdone`` (loss over the step's ``label_tokens``;
     ``record_tokens``: the step's tokens that are not padding, StepBatch.num_tokens, when the caller passes them).
     ``step`` counts from 0, as the wire does; the line's ``step`` is the step's number, from 1 (STEP_NUMBERS)."""
     lasts = [done[rep.stages[-1]].meta for rep in plan.pipelines]
     loss = sum(float(m["loss_sum"]) for m in lasts) / label_tokens
-    line = {
-        "step": step + 1, "loss": loss, "lr": float(done[0].meta["lr"]), "grad_norm": grad_norm,
-        "clip_coef": coef, **throughput(plan, label_tokens, step_time, record_tokens),
-        "stage_busy": [float(done[k].meta["busy_s"]) for k in range(len(plan.stages))],
-        "stage_wall": [float(done[k].meta["wall_s"]) for k in range(len(plan.stages))],
-        "stage_ops": [done[k].meta["op_time_s"] for k in range(len(plan.stages))],
-        "stage_cpu_ops": [done[k].meta.get("op_cpu_s") for k in range(len(plan.stages))],
-        "stage_links": [done[k].meta.get("link_s") for k in range(len(plan.stages))],
-        "stage_telemetry": [clean_telemetry(done[k].meta.get("telemetry")) for k in range(len(plan.stages))],
-    }
-    if any(sp.stream_layers for sp in plan.stages):  # only plans that stream: the others' lines stay as they were
-        line["stage_streamed_bytes"] = [done[k].meta.get("streamed_bytes") for k in range(len(plan.stages))]
-        line["stage_frozen_resident_peak_bytes"] = [done[k].meta.get("frozen_resident_peak_bytes")
-                                                    for k in range(len(plan.stages))]
-    return line
-
-
-def kept_lines(text: str, start_step: int, recovering: bool) -> list[str]:
-    """The metrics.jsonl lines a run that goes on after ``start_step`` steps keeps (RunRecords.start_metrics). A file
-    written before steps were numbered from 1 (its first step is 0) is renumbered as it is kept, so that the run
-    does not repeat its last kept step and the file has one numbering."""
-    rows: list[tuple[str, dict[str, Any]]] = []
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a crash
-        if isinstance(row, dict):
-            rows.append((line, row))
-    old = any(row.get("step") == 0 and "event" not in row for _, row in rows)
-    kept = []
-    for line, row in rows:
-        if old:
-            for key in ("step", "after_step", "resumed_from_step"):
-                if isinstance(row.get(key), int):
-                    row[key] += 1
-            line = json.dumps(row)
-        step = row.get("step") if "event" not in row else row.get("after_step")
-        if (isinstance(step, int) and step <= start_step) or (recovering and row.get("event") == "recovery"):
-            kept.append(line)
-    return kept
+    metas = [done[k].meta for k in range(len(plan.stages))]
+    streams = any(sp.stream_layers for sp in plan.stages)  # only plans that stream: the others' lines stay as they were
+    return StepLine(
+        step=step + 1, loss=loss, lr=float(metas[0]["lr"]), grad_norm=grad_norm, clip_coef=coef,
+        **throughput(plan, label_tokens, step_time, record_tokens),
+        stage_busy=[float(m["busy_s"]) for m in metas], stage_wall=[float(m["wall_s"]) for m in metas],
+        stage_ops=[m["op_time_s"] for m in metas], stage_cpu_ops=[m.get("op_cpu_s") for m in metas],
+        stage_links=[m.get("link_s") for m in metas], stage_telemetry=[clean_telemetry(m.get("telemetry")) for m in metas],
+        stage_streamed_bytes=[m.get("streamed_bytes") for m in metas] if streams else None,
+        stage_frozen_resident_peak_bytes=[m.get("frozen_resident_peak_bytes") for m in metas] if streams else None)
 
 
 class RunRecords:
@@ -113,6 +81,7 @@ class RunRecords:
         self.plan, self.run_dir = plan, run_dir
         self.wandb = wandb  # runtime.wandb: a W&B project to log to (runtime/run/wandb_log.py)
         self.result = RunResult()
+        self.metrics = MetricsFile(run_dir)
         self.evaluator: Any = None  # EvalClient when eval.every > 0
         # From start_metrics on: TensorBoard's EventWriter (runtime/run/tensorboard.py), and W&B when asked for.
         self.trackers: list[Any] = []
@@ -136,11 +105,7 @@ class RunRecords:
         on after a lost device (``recovering``: runtime.elastic) keeps every recovery line too: a device lost is
         history even where the steps around the loss are trained again (a second loss may resume from a copy older
         than the first, or before the first step)."""
-        path = self.run_dir / "metrics.jsonl"
-        kept: list[str] = []
-        if (start_step > 0 or recovering) and path.is_file():
-            kept = kept_lines(path.read_text(errors="replace"), start_step, recovering)
-        write_run_file(self.run_dir, "metrics.jsonl", "".join(f"{line}\n" for line in kept))
+        self.metrics.start(start_step, recovering)
         from hetero.runtime.run.tensorboard import EventWriter
 
         self._close_trackers()
@@ -155,35 +120,36 @@ class RunRecords:
             tracker.close()
         self.trackers = []
 
-    def step(self, line: dict[str, Any]) -> None:
+    def step(self, line: StepLine) -> None:
         """One step's metrics line, kept and appended to metrics.jsonl."""
         self.result.steps.append(line)
-        append_run_line(self.run_dir, "metrics.jsonl", json.dumps(line))
+        self.metrics.append(line)
         for tracker in self.trackers:
             tracker.step(line)
 
-    def event(self, line: dict[str, Any]) -> None:
-        """An event of the run (``{"event": "rebalance", ...}``), kept and appended to metrics.jsonl."""
+    def event(self, line: Event) -> None:
+        """An event of the run (a move, a recovery), kept and appended to metrics.jsonl."""
         self.result.events.append(line)
-        append_run_line(self.run_dir, "metrics.jsonl", json.dumps(line))
+        self.metrics.append(line)
 
-    def record_eval(self, answers: list[dict[str, Any]] | None = None) -> None:
-        """The evaluator's answers so far (or ``answers``: the training stages') as metrics.jsonl lines: ``{"step",
-        "eval_loss", ...}``."""
+    def record_eval(self, answers: list[Any] | None = None) -> None:
+        """The evaluator's answers so far (or ``answers``: the training stages' EvalLine) as metrics.jsonl lines; an
+        answer that is no evaluation is said, and kept among the run's eval_errors."""
         if self.evaluator is None and answers is None:
             return
         for answer in self.evaluator.poll() if answers is None else answers:
-            if "eval_loss" in answer:
-                self.result.evals.append(answer)
-                append_run_line(self.run_dir, "metrics.jsonl", json.dumps(answer))
+            line = eval_line(answer)
+            if isinstance(line, EvalLine):
+                self.result.evals.append(line)
+                self.metrics.append(line)
                 for tracker in self.trackers:
-                    tracker.evaluation(answer)
+                    tracker.evaluation(line)
             else:
-                self.result.eval_errors.append(str(answer.get("error", answer)))
-                print(f"hetero run: evaluation: {answer.get('error', answer)}", file=sys.stderr, flush=True)
+                self.result.eval_errors.append(line)
+                print(f"hetero run: evaluation: {line}", file=sys.stderr, flush=True)
 
     def _eval_wait_s(self) -> float:
-        slowest = max((float(a.get("eval_s", 0.0)) for a in self.result.evals), default=0.0)
+        slowest = max((a.eval_s or 0.0 for a in self.result.evals), default=0.0)
         return max(300.0, 3 * slowest)
 
     def finish_eval(self) -> None:

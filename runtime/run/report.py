@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from hetero.plan import Plan
-from hetero.runtime.run.run_compare import compare_run, event_lines, read_metrics, step_lines
+from hetero.runtime.run.metrics_file import NAME, Event, Line, RunLines, StepLine, read_metrics
+from hetero.runtime.run.run_compare import compare_run
 from hetero.runtime.run.run_segments import (
     Segment,
     move_line,
@@ -24,6 +25,7 @@ from hetero.runtime.run.run_segments import (
     split_text,
 )
 from hetero.runtime.stage.telemetry import telemetry_summary
+from hetero.serde import to_dict
 
 
 def _segment_entry(plan: Plan, segment: Segment) -> dict[str, Any]:
@@ -31,7 +33,7 @@ def _segment_entry(plan: Plan, segment: Segment) -> dict[str, Any]:
     predicted = segment.predicted_compute_s or []
     return {
         "first_step": segment.first_step, "last_step": segment.last_step, "split": segment.split,
-        "after_move_at_step": (segment.move or {}).get("after_step"),
+        "after_move_at_step": segment.move.after_step if segment.move is not None else None,
         "measured_step_s": segment.median_step_s(), "predicted_step_s": segment.predicted_step_s,
         "stages": [{"stage": k, "device": sp.device, "measured_compute_s": segment.median_compute_s(k),
                     "predicted_compute_s": predicted[k] if k < len(predicted) else None}
@@ -55,13 +57,12 @@ def _stage_entries(plan: Plan, planned: Segment, step_time: float | None, build_
     return stages
 
 
-def build_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, float], run_dir: str,
-                 events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def build_report(plan: Plan, lines: list[Line], build_s: dict[int, float], run_dir: str,
+                 events: list[Event] | None = None) -> dict[str, Any]:
     """Summarize metrics.jsonl lines against the predictions: the plan's for its own split (its first step left
-    out), each move's for the split it moved to (the move's own step left out). ``steps`` may hold events too."""
-    moves_in = event_lines(steps) + event_lines(list(events or []))
-    recoveries = event_lines(steps, "recovery") + event_lines(list(events or []), "recovery")
-    steps = step_lines(steps)
+    out), each move's for the split it moved to (the move's own step left out). ``lines`` may hold events too."""
+    run = RunLines([*lines, *(events or [])])
+    steps, moves_in = run.steps, run.moves
     segments = run_segments(plan, steps, moves_in)
     planned = segments[0]
     step_time = planned.median_step_s()
@@ -70,8 +71,8 @@ def build_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, flo
         "run_dir": run_dir,
         "plan_hash": plan.input_hash,
         "steps": len(steps),
-        "first_loss": steps[0]["loss"] if steps else None,
-        "final_loss": steps[-1]["loss"] if steps else None,
+        "first_loss": steps[0].loss if steps else None,
+        "final_loss": steps[-1].loss if steps else None,
         "measured_step_time_s": step_time,  # on the plan's own split, as the plan predicted it
         "predicted_step_time_s": predicted,
         "measured_over_predicted": (step_time / predicted) if step_time and predicted > 0 else None,
@@ -80,22 +81,21 @@ def build_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, flo
         "segments": [_segment_entry(plan, s) for s in segments],
         "moves": run_moves(segments),
         # Devices lost and left out (runtime.elastic=auto); the steps above ran on the plan after the last of them.
-        "recoveries": recoveries,
+        "recoveries": [to_dict(e) for e in run.recoveries],
         "telemetry": telemetry_summary(steps, len(plan.stages)),
         # Measured vs predicted per stage, stages >20% off flagged, and the bottleneck in words.
-        "comparison": compare_run(plan, steps + moves_in) if steps else [],
+        "comparison": compare_run(plan, [*steps, *moves_in]) if steps else [],
         **({"streaming": streaming_summary(plan, steps)} if any(sp.stream_layers for sp in plan.stages) else {}),
     }
 
 
-def token_rates(plan: Plan, steps: list[dict[str, Any]], step_time: float | None) -> dict[str, Any]:
+def token_rates(plan: Plan, steps: list[StepLine], step_time: float | None) -> dict[str, Any]:
     """Trained (label) tokens per step and per second, measured and predicted, and the computed ones beside them
     (every row's seq_len tokens, padding included). The plan predicts trained tokens/s only where `hetero compile`
     measured the data (None otherwise)."""
-    labels = [int(s["label_tokens"]) for s in steps if isinstance(s.get("label_tokens"), int)]
+    labels = [s.label_tokens for s in steps if s.label_tokens is not None]
     trained = statistics.fmean(labels) if labels else None
-    # Lines written before trained tokens were counted call the computed count "tokens".
-    computed = next((s.get("computed_tokens", s.get("tokens")) for s in steps), None)
+    computed = next((s.computed_tokens for s in steps), None)
     return {
         "label_tokens_per_step": trained,
         "computed_tokens_per_step": computed,
@@ -106,7 +106,7 @@ def token_rates(plan: Plan, steps: list[dict[str, Any]], step_time: float | None
     }
 
 
-def streaming_summary(plan: Plan, steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def streaming_summary(plan: Plan, steps: list[StepLine]) -> list[dict[str, Any]]:
     """Per stage that streams weights: bytes copied per step (median over the steps) against the plan's
     streamed_bytes_per_step, and its frozen-weight peak on the device (the most over the steps) against the
     plan's frozen_resident_cap_bytes."""
@@ -114,11 +114,8 @@ def streaming_summary(plan: Plan, steps: list[dict[str, Any]]) -> list[dict[str,
     for k, sp in enumerate(plan.stages):
         if not sp.stream_layers:
             continue
-        streamed = [s["stage_streamed_bytes"][k] for s in steps
-                    if k < len(s.get("stage_streamed_bytes") or []) and s["stage_streamed_bytes"][k] is not None]
-        peaks = [s["stage_frozen_resident_peak_bytes"][k] for s in steps
-                 if k < len(s.get("stage_frozen_resident_peak_bytes") or [])
-                 and s["stage_frozen_resident_peak_bytes"][k] is not None]
+        streamed = [b for s in steps if (b := _at(s.stage_streamed_bytes, k)) is not None]
+        peaks = [b for s in steps if (b := _at(s.stage_frozen_resident_peak_bytes, k)) is not None]
         peak = max(peaks) if peaks else None
         cap = sp.frozen_resident_cap_bytes
         out.append({
@@ -144,31 +141,36 @@ def streaming_lines(summary: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _at(values: list[int | None] | None, k: int) -> int | None:
+    return values[k] if values is not None and k < len(values) else None
+
+
 def _mb(x: float | None) -> str:
     if x is None:
         return "-"
     return f"{x / (1 << 20):,.1f} MB" if x >= 1 << 20 else f"{x / 1024:,.1f} KB"  # tiny test models: KB
 
 
-def write_report(plan: Plan, steps: list[dict[str, Any]], build_s: dict[int, float], run_dir: Path,
-                 events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def write_report(plan: Plan, steps: list[StepLine], build_s: dict[int, float], run_dir: Path,
+                 events: list[Event] | None = None) -> dict[str, Any]:
     """build_report, then steps.png and report.json in the run directory; returns the report."""
     from hetero.runtime.base.rundir import write_run_file
     from hetero.runtime.run.loss_picture import draw_loss
     from hetero.runtime.run.steps_picture import draw_steps, label
 
     report = build_report(plan, steps, build_s, str(run_dir), events)
+    lines: list[Line] = list(steps)
     try:  # every step of the run directory's metrics.jsonl: a resumed run's earlier ones too
-        lines = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else steps
+        if (run_dir / NAME).is_file():
+            lines = read_metrics(run_dir / NAME).lines
     except (OSError, ValueError) as exc:  # a line cut short by a full disk costs the whole run's headline only
-        print(f"hetero run: could not read {run_dir / 'metrics.jsonl'}: {exc}", file=sys.stderr)
-        lines = steps
-    whole = step_lines(lines)
+        print(f"hetero run: could not read {run_dir / NAME}: {exc}", file=sys.stderr)
+    whole = RunLines(lines).steps
     if len(whole) > report["steps"]:  # resumed, or re-planned after a loss: the headline counts the whole run
-        report["run_steps"], report["run_first_loss"] = len(whole), whole[0]["loss"]
+        report["run_steps"], report["run_first_loss"] = len(whole), whole[0].loss
     if report["steps"]:
         try:
-            report["picture"] = str(draw_steps(plan, steps, event_lines(list(events or [])), run_dir / "steps.png"))
+            report["picture"] = str(draw_steps(plan, [*steps, *(events or [])], run_dir / "steps.png"))
         except OSError as exc:  # a full disk costs the picture, not the report
             print(f"hetero run: could not write {run_dir / 'steps.png'}: {exc}", file=sys.stderr)
         try:

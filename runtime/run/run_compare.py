@@ -7,82 +7,53 @@ rebalancing move from the move's event line (runtime/run/run_segments.py). The o
 finished run: ``finished_run`` reads a run directory's metrics.jsonl for a plan (refusing a run of
 another plan), and ``versus_plan`` is what `hetero simulate PLAN --run-dir DIR` prints.
 
-metrics.jsonl holds three kinds of line: a step's (``step_time_s``, ``stage_busy``, ...), the
-evaluator's (``eval_loss``) and events (``{"event": "rebalance", "after_step": N, ...}``).
-``step_lines`` and ``event_lines`` are how every reader tells them apart.
+metrics.jsonl's lines are read as their records (runtime/run/metrics_file.py): steps, evaluations and events.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import statistics
 from pathlib import Path
-from typing import Any
 
 from hetero.errors import ConfigError
 from hetero.hints import suggest
 from hetero.plan import Plan
+from hetero.runtime.run.metrics_file import NAME, Line, RebalanceEvent, RunLines, StepLine, read_metrics
 from hetero.runtime.run.run_segments import Segment, compute_s, run_segments, split_text
 
 OFF_BY = 0.20  # a stage more than 20% off its prediction is flagged
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Every JSON line of a run's metrics.jsonl (steps, evaluations and events; blank lines skipped). A last line
-    without its newline that does not parse is one a live run is still writing: it is left for the next read."""
-    text = Path(path).read_text()
-    lines = [line for line in text.splitlines() if line.strip()]
-    tail: list[dict[str, Any]] = []
-    if lines and not text.endswith("\n"):
-        last = lines.pop()
-        with contextlib.suppress(ValueError):
-            tail = [json.loads(last)]
-    return [json.loads(line) for line in lines] + tail
-
-
-def step_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The training steps among metrics.jsonl lines: not an event, not the evaluator's answer."""
-    return [m for m in lines if isinstance(m, dict) and "step_time_s" in m and "event" not in m]
-
-
-def event_lines(lines: list[dict[str, Any]], kind: str = "rebalance") -> list[dict[str, Any]]:
-    """The events of ``kind`` among metrics.jsonl lines (a rebalancing move: ``after_step``, old/new split, ...)."""
-    return [m for m in lines if isinstance(m, dict) and m.get("event") == kind]
-
-
-def stage_timings_from_metrics(metrics: list[dict[str, Any]]) -> list[dict[str, float]]:
+def stage_timings_from_metrics(steps: list[StepLine]) -> list[dict[str, float]]:
     """Median per-op seconds per stage over the steps (the first step is left out: it warms up)."""
-    metrics = step_lines(metrics)
-    steps = metrics[1:] if len(metrics) > 1 else metrics
-    if not steps or "stage_ops" not in steps[0]:
+    steps = steps[1:] if len(steps) > 1 else steps
+    if not steps or not steps[0].stage_ops:
         return []
     out = []
-    for k in range(len(steps[0]["stage_ops"])):
-        ops = {op for s in steps for op in s["stage_ops"][k]}
-        out.append({op: statistics.median(float(s["stage_ops"][k].get(op, 0.0)) for s in steps) for op in sorted(ops)})
+    for k in range(len(steps[0].stage_ops)):
+        ops = {op for s in steps for op in s.stage_ops[k]}
+        out.append({op: statistics.median(float(s.stage_ops[k].get(op, 0.0)) for s in steps) for op in sorted(ops)})
     return out
 
 
-def median_step_s(metrics: list[dict[str, Any]]) -> float:
+def median_step_s(steps: list[StepLine]) -> float:
     """The run's measured step time: the median over its steps, the first (warm-up) left out when possible."""
-    metrics = step_lines(metrics)
-    steps = metrics[1:] if len(metrics) > 1 else metrics
-    return statistics.median(float(s["step_time_s"]) for s in steps)
+    steps = steps[1:] if len(steps) > 1 else steps
+    return statistics.median(s.step_time_s for s in steps)
 
 
 def _off(measured: float, predicted: float) -> float | None:
     return None if predicted <= 0 else measured / predicted - 1.0
 
 
-def compare_run(plan: Plan, metrics: list[dict[str, Any]], stage_timings: list[dict[str, float]] | None = None) -> list[str]:
+def compare_run(plan: Plan, metrics: list[Line], stage_timings: list[dict[str, float]] | None = None) -> list[str]:
     """Lines comparing measured with predicted step, per-stage compute, transfer wait and idle; >20% flagged.
 
     After a rebalancing move, the steps on each split are compared with that split's prediction."""
-    steps = step_lines(metrics)
+    steps, moves = RunLines(metrics).steps, RunLines(metrics).moves
     if not steps:
         return ["no steps were measured: nothing to compare"]
-    segments = run_segments(plan, steps, event_lines(metrics))
+    segments = run_segments(plan, steps, moves)
     planned = segments[0].steps
     lines = (plan_lines(plan, planned, stage_timings if len(segments) == 1 else None, moved=len(segments) > 1)
              if planned else ["no step ran on the plan's own split"])
@@ -94,7 +65,7 @@ def compare_run(plan: Plan, metrics: list[dict[str, Any]], stage_timings: list[d
     return lines + run_verdict(plan, median_step_s(last.steps), timings)
 
 
-def plan_lines(plan: Plan, metrics: list[dict[str, Any]], stage_timings: list[dict[str, float]] | None,
+def plan_lines(plan: Plan, metrics: list[StepLine], stage_timings: list[dict[str, float]] | None,
                moved: bool = False) -> list[str]:
     """The steps on the plan's own split against the plan: step time, then per stage compute, waits, idle.
     ``moved``: the run rebalanced, so a device changed speed and re-profiling is not the fix."""
@@ -148,10 +119,10 @@ def _versus(measured: float | None, predicted: float | None) -> str:
 
 def segment_lines(plan: Plan, segment: Segment) -> list[str]:
     """The steps after a move against the move's prediction for its split: step time, then compute per stage."""
-    move = segment.move or {}
+    after = segment.move.after_step if segment.move is not None else None
     if not segment.steps:
-        return [f"after the move at step {move.get('after_step')}: no step ran on split {split_text(segment.split)}"]
-    lines = [f"after the move at step {move.get('after_step')}, split {split_text(segment.split)} (steps "
+        return [f"after the move at step {after}: no step ran on split {split_text(segment.split)}"]
+    lines = [f"after the move at step {after}, split {split_text(segment.split)} (steps "
              f"{segment.first_step}-{segment.last_step}): step time {_versus(segment.median_step_s(), segment.predicted_step_s)}"]
     predicted = segment.predicted_compute_s or []
     for k, sp in enumerate(plan.stages):
@@ -189,20 +160,20 @@ def versus_plan(plan: Plan, run_dir: Path) -> list[str]:
     from hetero.runtime.run.run_segments import move_line, run_moves
 
     lines = finished_run(plan, run_dir)
-    steps = step_lines(lines)
-    segments = run_segments(plan, steps, event_lines(lines))
+    steps = lines.steps
+    segments = run_segments(plan, steps, lines.moves)
     if not steps:
         raise ConfigError(f"{run_dir / 'metrics.jsonl'} has no training steps: pass the --run-dir of a finished `hetero run`")
     out = _segment_versus_plan(plan, run_dir, segments[0].steps, plan.prediction.step_time_s, None)
     for segment, move in zip(segments[1:], run_moves(segments), strict=True):
         out.append(move_line(move))
         if segment.steps:
-            out += _segment_versus_plan(plan, run_dir, segment.steps, segment.predicted_step_s, move)
+            out += _segment_versus_plan(plan, run_dir, segment.steps, segment.predicted_step_s, segment.move)
     return out
 
 
-def _segment_versus_plan(plan: Plan, run_dir: Path, steps: list[dict[str, Any]], predicted: float | None,
-                         move: dict[str, Any] | None) -> list[str]:
+def _segment_versus_plan(plan: Plan, run_dir: Path, steps: list[StepLine], predicted: float | None,
+                         move: RebalanceEvent | None) -> list[str]:
     """The steps on one split: measured, predicted (the plan's, or the move's for its split), replayed."""
     from hetero.planner.schedule.simulator import replay_run  # (the planner's simulator: no solver, no torch)
 
@@ -213,7 +184,7 @@ def _segment_versus_plan(plan: Plan, run_dir: Path, steps: list[dict[str, Any]],
         raise ConfigError(f"{run_dir / 'metrics.jsonl'} has no per-stage timings for this {len(plan.stages)}-stage plan")
     measured = median_step_s(steps)
     replayed = replay_run(plan, timings).step_time_s
-    where = "" if move is None else f"  on split {split_text(move.get('new_split'))}: "
+    where = "" if move is None else f"  on split {split_text(move.new_split)}: "
     versus = (f"predicted {predicted:.4g} s (measured/predicted {measured / predicted:.2f})" if predicted
               else "no prediction for this split")
     lines = [f"{where}measured {measured:.4g} s/step (median over {len(steps)} steps, the first left out); {versus}; "
@@ -229,19 +200,13 @@ def _segment_versus_plan(plan: Plan, run_dir: Path, steps: list[dict[str, Any]],
     return lines
 
 
-def finished_run(plan: Plan, run_dir: Path) -> list[dict[str, Any]]:
+def finished_run(plan: Plan, run_dir: Path) -> RunLines:
     """The lines of a finished run of ``plan`` (metrics.jsonl: steps, evaluations, moves); one line if it is not one."""
-    metrics_path = run_dir / "metrics.jsonl"
-    try:
-        metrics = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    except FileNotFoundError:
-        raise ConfigError(f"{metrics_path} does not exist: pass the --run-dir of a finished `hetero run`") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{metrics_path} line {exc.lineno}: not JSON ({exc.msg}); is it a hetero run's metrics?") from None
+    metrics = read_metrics(run_dir / NAME, strict=True)
     if (run_dir / "plan.json").is_file():
         ran = Plan.load(run_dir / "plan.json")
         shape = [(s.device, s.spans(), s.program) for s in ran.stages]
         if shape != [(s.device, s.spans(), s.program) for s in plan.stages]:
             raise ConfigError(f"{run_dir} ran another plan (other stages, spans or schedule) than this one: "
                               "compare a run with the plan it ran")
-    return [m for m in metrics if isinstance(m, dict)]
+    return metrics

@@ -62,6 +62,7 @@ from hetero.profile import (
     typical,
 )
 from hetero.runtime.base.rundir import write_run_file
+from hetero.runtime.run.metrics_file import StepLine
 
 PROFILE_FILE = "profile.json"
 SEND_OPS = ("SA", "SG")
@@ -89,15 +90,14 @@ def write_run_profile(plan: Plan, run_dir: Path, result: Any) -> Path | None:
         return None
 
 
-def run_profile(plan: Plan, run_dir: Path, steps: list[dict[str, Any]],
+def run_profile(plan: Plan, run_dir: Path, steps: list[StepLine],
                 environments: dict[str, Any] | None = None) -> Profile | None:
     """The profile of what these metrics.jsonl lines measured (None: no step with per-stage times)."""
     split = _split(plan)  # a rebalanced run: only the steps run with the plan's current split
-    lines = [s for s in steps if isinstance(s.get("stage_ops"), list) and len(s["stage_ops"]) == len(plan.stages)
-             and s.get("split", split) == split]
+    lines = [s for s in steps if len(s.stage_ops) == len(plan.stages) and (s.split is None or s.split == split)]
     if not lines:
         return None
-    done = int(lines[-1]["step"])
+    done = lines[-1].step
     origin = f"run {Path(run_dir).resolve()}, step {done}"
     prior = prior_profile(plan)
     warm = lines[1:] if len(lines) > 1 else lines  # the first step warms allocators and caches up
@@ -115,14 +115,14 @@ def run_profile(plan: Plan, run_dir: Path, steps: list[dict[str, Any]],
         fleet=plan.cluster.name, fleet_hash=fleet_hash(plan.cluster), model=plan.model.name,
         model_hash=model_hash(plan.model), devices=devices, links=links, created=now_iso(), origin=origin,
         host_cores=usable_cores(plan, warm, shared),
-        notes=[f"measured by `hetero run` over steps {int(warm[0]['step'])}-{done} ({len(warm)} steps), "
+        notes=[f"measured by `hetero run` over steps {warm[0].step}-{done} ({len(warm)} steps), "
                f"micro_batch_size={plan.train.micro_batch_size}, seq_len={plan.model.seq_len} ({tokens} tokens)",
                f"kind split from: {prior.origin or 'a profile file' if prior else 'the roofline (no profile)'}; links the "
                "run timed: from its messages' hand-off times"],
     )
 
 
-def run_links(plan: Plan, lines: list[dict[str, Any]], prior: Profile | None, origin: str) -> list[LinkProfile]:
+def run_links(plan: Plan, lines: list[StepLine], prior: Profile | None, origin: str) -> list[LinkProfile]:
     """Per host pair whose messages the run timed, the link as measured (see the module docstring)."""
     points: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for rep in plan.pipelines:
@@ -150,15 +150,19 @@ def run_links(plan: Plan, lines: list[dict[str, Any]], prior: Profile | None, or
     return links
 
 
-def _delivery(lines: list[dict[str, Any]], k: int, kind: str) -> float | None:
+def _of_stage(values: list[Any] | None, k: int) -> Any:
+    """Stage k's entry of a per-stage list of a step line (None where the line has none)."""
+    return values[k] if values is not None and k < len(values) else None
+
+
+def _delivery(lines: list[StepLine], k: int, kind: str) -> float | None:
     """Stage k's typical hand-off-to-held seconds for received ``kind`` over the steps that timed one."""
-    got = [float(line["stage_links"][k][kind]) for line in lines
-           if isinstance(line.get("stage_links"), list) and len(line["stage_links"]) > k
-           and isinstance(line["stage_links"][k], dict) and kind in line["stage_links"][k]]
+    got = [float(links[kind]) for line in lines
+           if (links := _of_stage(line.stage_links, k)) is not None and kind in links]
     return typical(got) if got else None
 
 
-def _per_message(lines: list[dict[str, Any]], k: int, sp: StagePlan, ops: tuple[str, str]) -> float:
+def _per_message(lines: list[StepLine], k: int, sp: StagePlan, ops: tuple[str, str]) -> float:
     """Stage k's own seconds for one message: its send (``ops[0]``, wall: an asynchronous send is CPU) plus one
     receive of the other direction (``ops[1]``, CPU time where recorded, else nothing)."""
     count = {op: sum(1 for a in sp.actions() if a.op == op) for op in ops}
@@ -198,10 +202,10 @@ def _split(plan: Plan) -> list[int]:
     return [sum(1 for i in s.nodes() if nodes[i].kind == "decoder") for s in plan.stages]
 
 
-def _stage_ops(lines: list[dict[str, Any]], k: int) -> dict[str, float]:
+def _stage_ops(lines: list[StepLine], k: int) -> dict[str, float]:
     """Stage k's typical seconds per op per step over these metrics lines."""
-    ops = {op for line in lines for op in line["stage_ops"][k]}
-    return {op: typical([float(line["stage_ops"][k].get(op, 0.0)) for line in lines]) for op in ops}
+    ops = {op for line in lines for op in line.stage_ops[k]}
+    return {op: typical([float(line.stage_ops[k].get(op, 0.0)) for line in lines]) for op in ops}
 
 
 SHARED_NOTE = SHARED_CORES_NOTE  # in the sources, for a reader; DeviceProfile.cpu_time for the planner
@@ -219,18 +223,16 @@ def shared_core_stages(plan: Plan) -> set[int]:
     return out
 
 
-def cpu_ops(lines: list[dict[str, Any]], k: int) -> dict[str, float] | None:
+def cpu_ops(lines: list[StepLine], k: int) -> dict[str, float] | None:
     """Stage k's typical process CPU seconds per op per step (None: some step has none: not a CPU stage, or an
     older stage)."""
-    cpu = [line["stage_cpu_ops"][k] for line in lines
-           if isinstance(line.get("stage_cpu_ops"), list) and len(line["stage_cpu_ops"]) > k
-           and isinstance(line["stage_cpu_ops"][k], dict)]
+    cpu = [c for line in lines if (c := _of_stage(line.stage_cpu_ops, k)) is not None]
     if not cpu or len(cpu) < len(lines):
         return None
     return {op: typical([float(c.get(op, 0.0)) for c in cpu]) for op in {op for c in cpu for op in c}}
 
 
-def own_ops(lines: list[dict[str, Any]], k: int, threads: int | None) -> dict[str, float]:
+def own_ops(lines: list[StepLine], k: int, threads: int | None) -> dict[str, float]:
     """Stage k's ops with its compute, sends and optimizer as its own work: the process CPU time per thread where
     the stage recorded it and it is below the wall time (which includes waiting for a core)."""
     ops, cpu = _stage_ops(lines, k), cpu_ops(lines, k)
@@ -247,13 +249,13 @@ def own_ops(lines: list[dict[str, Any]], k: int, threads: int | None) -> dict[st
     return ops
 
 
-def usable_cores(plan: Plan, lines: list[dict[str, Any]], shared: set[int]) -> dict[str, float]:
+def usable_cores(plan: Plan, lines: list[StepLine], shared: set[int]) -> dict[str, float]:
     """Per host whose stages share too few cores, the cores they got: the capacity at which the simulator, replaying
     each stage's own work from these steps, takes as long as the steps took (the rest of the host went to the OS,
     the sockets' I/O threads and the coordinator). A host where the replay is not faster than the run keeps all."""
     from hetero.planner.schedule.simulator import replay_run
 
-    steps = [float(line["step_time_s"]) for line in lines if "step_time_s" in line]
+    steps = [line.step_time_s for line in lines]
     if not shared or not steps:
         return {}
     measured = typical(steps)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetero.plan import Plan
+from hetero.runtime.run.metrics_file import RebalanceEvent, StepLine
 
 GAIN_WINDOW = 4  # steps either side of a move that its measured gain is the median of
 
@@ -23,37 +24,36 @@ GAIN_WINDOW = 4  # steps either side of a move that its measured gain is the med
 class Segment:
     """Consecutive steps that ran on one split, and what was predicted for that split."""
 
-    steps: list[dict[str, Any]]  # metrics.jsonl step lines, in step order
+    steps: list[StepLine]  # metrics.jsonl step lines, in step order
     split: list[int] | None  # decoder layers per stage
     predicted_step_s: float | None
     predicted_compute_s: list[float] | None  # per stage: forward + backward seconds per step
-    move: dict[str, Any] | None = None  # the event that started it; None: the plan's own split
+    move: RebalanceEvent | None = None  # the event that started it; None: the plan's own split
 
     @property
-    def measured(self) -> list[dict[str, Any]]:
+    def measured(self) -> list[StepLine]:
         """The steps that measure this split: the first left out (warm-up, or the move's own step)."""
         return self.steps[1:] if len(self.steps) > 1 else self.steps
 
     @property
     def first_step(self) -> int | None:
-        return _step_of(self.steps[0], 0) if self.steps else None
+        return self.steps[0].step if self.steps else None
 
     @property
     def last_step(self) -> int | None:
-        return _step_of(self.steps[-1], len(self.steps) - 1) if self.steps else None
+        return self.steps[-1].step if self.steps else None
 
     def median_step_s(self) -> float | None:
         """Measured step time on this split (median of ``measured``)."""
-        return _median([float(s["step_time_s"]) for s in self.measured])
+        return _median([s.step_time_s for s in self.measured])
 
     def median_busy_s(self, k: int) -> float | None:
         """Stage k's measured busy seconds per step (F + B + optimizer) on this split (median of ``measured``)."""
-        return _median([float(s["stage_busy"][k]) for s in self.measured
-                        if "stage_busy" in s and k < len(s["stage_busy"])])
+        return _median([s.stage_busy[k] for s in self.measured if k < len(s.stage_busy)])
 
     def median_compute_s(self, k: int) -> float | None:
         """Stage k's measured forward + backward seconds per step on this split (median of ``measured``)."""
-        return _median([compute_s(s["stage_ops"][k]) for s in self.measured if "stage_ops" in s and k < len(s["stage_ops"])])
+        return _median([compute_s(s.stage_ops[k]) for s in self.measured if k < len(s.stage_ops)])
 
 
 def compute_s(ops: dict[str, float]) -> float:
@@ -63,11 +63,6 @@ def compute_s(ops: dict[str, float]) -> float:
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
-
-
-def _step_of(line: dict[str, Any], position: int) -> int:
-    step = line.get("step", position)
-    return step if isinstance(step, int) else position
 
 
 def plan_split(plan: Plan) -> list[int]:
@@ -86,50 +81,37 @@ def plan_busy_s(plan: Plan) -> list[float]:
     return [c + sp.overhead_s.get("STEP", 0.0) for c, sp in zip(plan_compute_s(plan), plan.stages, strict=True)]
 
 
-def _float_list(value: Any) -> list[float] | None:
-    if isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-        return [float(v) for v in value]
-    return None
-
-
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def run_segments(plan: Plan, steps: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[Segment]:
+def run_segments(plan: Plan, steps: list[StepLine], events: list[RebalanceEvent]) -> list[Segment]:
     """``steps`` cut after each move's ``after_step``: the first segment is the plan's split, each next one
     the split its move went to (a move after the last step still makes a segment, with no steps)."""
-    moves = sorted((e for e in events if isinstance(e.get("after_step"), int)), key=lambda e: e["after_step"])
-    bounds = [e["after_step"] for e in moves] + [None]
-    numbered = [(_step_of(s, i), s) for i, s in enumerate(steps, 1)]  # steps are numbered from 1
+    moves = sorted(events, key=lambda e: e.after_step)
+    bounds: list[int | None] = [e.after_step for e in moves] + [None]
     segments, low = [], None
     for i, high in enumerate(bounds):
-        inside = [s for n, s in numbered if (low is None or n > low) and (high is None or n <= high)]
+        inside = [s for s in steps if (low is None or s.step > low) and (high is None or s.step <= high)]
         if i == 0:
             segments.append(Segment(inside, plan_split(plan), plan.prediction.step_time_s, plan_compute_s(plan)))
         else:
             move = moves[i - 1]
-            split = move.get("new_split")
-            segments.append(Segment(inside, [int(x) for x in split] if isinstance(split, list) else None,
-                                    _number(move.get("predicted_step_s_after")),
-                                    _float_list(move.get("predicted_stage_s_after")), move))
+            segments.append(Segment(inside, move.new_split, move.predicted_step_s_after, move.predicted_stage_s_after,
+                                    move))
         low = high
     return segments
 
 
-def measured_gain(before: Segment, after: Segment) -> tuple[float | None, list[dict[str, Any]], list[dict[str, Any]]]:
+def measured_gain(before: Segment, after: Segment) -> tuple[float | None, list[StepLine], list[StepLine]]:
     """Median step time of up to GAIN_WINDOW steps before a move over that of the steps after it (the
     move's own step, the first after it, left out); with the steps each median was taken over."""
     ahead = before.measured[-GAIN_WINDOW:]
     behind = after.steps[1:1 + GAIN_WINDOW]
-    slow = _median([float(s["step_time_s"]) for s in ahead])
-    fast = _median([float(s["step_time_s"]) for s in behind])
+    slow = _median([s.step_time_s for s in ahead])
+    fast = _median([s.step_time_s for s in behind])
     gain = slow / fast if slow is not None and fast else None
     return gain, ahead, behind
 
 
-def _span(lines: list[dict[str, Any]]) -> list[int] | None:
-    return [_step_of(lines[0], 0), _step_of(lines[-1], 0)] if lines else None
+def _span(lines: list[StepLine]) -> list[int] | None:
+    return [lines[0].step, lines[-1].step] if lines else None
 
 
 def run_moves(segments: list[Segment]) -> list[dict[str, Any]]:
@@ -137,19 +119,19 @@ def run_moves(segments: list[Segment]) -> list[dict[str, Any]]:
     and measured gain (median step time before over after, steps named)."""
     out = []
     for before, after in zip(segments, segments[1:], strict=False):
-        event = after.move or {}
-        cause: dict[str, Any] = event["cause"] if isinstance(event.get("cause"), dict) else {}
+        event = after.move
+        assert event is not None  # every segment after the first starts with its move
         gain, ahead, behind = measured_gain(before, after)
         out.append({
-            "after_step": event.get("after_step"), "stage": cause.get("stage"), "device": cause.get("device"),
-            "slowdown": _number(cause.get("slowdown")), "reason": cause.get("reason"),
-            "old_split": event.get("old_split", before.split), "new_split": event.get("new_split", after.split),
-            "predicted_step_s_before": _number(event.get("predicted_step_s_before")),
-            "predicted_step_s_after": _number(event.get("predicted_step_s_after")),
-            "predicted_gain": _number(event.get("predicted_gain")), "measured_gain": gain,
-            "measured_step_s_before": _median([float(s["step_time_s"]) for s in ahead]),
-            "measured_step_s_after": _median([float(s["step_time_s"]) for s in behind]),
-            "steps_before": _span(ahead), "steps_after": _span(behind), "move_s": _number(event.get("move_s")),
+            "after_step": event.after_step, "stage": event.cause.stage, "device": event.cause.device,
+            "slowdown": event.cause.slowdown, "reason": event.cause.reason,
+            "old_split": event.old_split, "new_split": event.new_split,
+            "predicted_step_s_before": event.predicted_step_s_before,
+            "predicted_step_s_after": event.predicted_step_s_after,
+            "predicted_gain": event.predicted_gain, "measured_gain": gain,
+            "measured_step_s_before": _median([s.step_time_s for s in ahead]),
+            "measured_step_s_after": _median([s.step_time_s for s in behind]),
+            "steps_before": _span(ahead), "steps_after": _span(behind), "move_s": event.move_s,
         })
     return out
 

@@ -23,6 +23,7 @@ from hetero.loss import IGNORE_INDEX
 from hetero.plan import Plan
 from hetero.protocol import Labels
 from hetero.runtime.base.payloads import stage_eval_due
+from hetero.runtime.run.metrics_file import EvalLine
 
 
 def evaluates_on_stages(plan: Plan) -> bool:
@@ -77,7 +78,7 @@ class StageEval:
     def due(self, step: int) -> bool:
         return stage_eval_due(self.every, self.steps, step)
 
-    def run(self, transport: Any, mailbox: Any, step: int, timeout_s: float) -> dict[str, Any]:
+    def run(self, transport: Any, mailbox: Any, step: int, timeout_s: float) -> EvalLine:
         """Evaluate after ``step``: every round through the first pipeline; the metrics.jsonl line."""
         start = time.perf_counter()
         loss_sum, tokens = 0.0, 0
@@ -96,5 +97,5 @@ class StageEval:
                                 f"{step + 1}, expected {r}")
             loss_sum += float(done.meta["loss_sum"])
             tokens += int(done.meta["num_label_tokens"])
-        return {"step": step + 1, "eval_loss": loss_sum / max(tokens, 1), "eval_tokens": tokens,
-                "eval_s": time.perf_counter() - start, "eval_on": "training stages"}
+        return EvalLine(step=step + 1, eval_loss=loss_sum / max(tokens, 1), eval_tokens=tokens,
+                        eval_s=time.perf_counter() - start, eval_on="training stages")

@@ -14,7 +14,7 @@ from typing import Any
 
 from hetero.picture_style import STEP_COLOUR, duration, save_figure, stage_colour
 from hetero.plan import Plan
-from hetero.runtime.run.run_compare import event_lines, step_lines
+from hetero.runtime.run.metrics_file import Line, RunLines, StepLine
 from hetero.runtime.run.run_segments import run_moves, run_segments, split_text
 
 MOVE_COLOUR = "#555555"
@@ -42,16 +42,16 @@ class StepsPicture:
     temperatures: list[tuple[int, str, list[int], list[float]]] = field(default_factory=list)  # (stage, label, steps, C)
 
 
-def _telemetry_series(plan: Plan, steps: list[dict[str, Any]], key: str) -> list[tuple[int, str, list[int], list[float]]]:
+def _telemetry_series(plan: Plan, steps: list[StepLine], key: str) -> list[tuple[int, str, list[int], list[float]]]:
     """Per stage that reported ``key`` (stage_telemetry), its readings by step; none for a CPU stage."""
     out = []
     for k, sp in enumerate(plan.stages):
         xs, ys = [], []
         for s in steps:
-            t = s.get("stage_telemetry")
-            value = t[k].get(key) if isinstance(t, list) and k < len(t) and isinstance(t[k], dict) else None
+            t = s.stage_telemetry
+            value = t[k].get(key) if t is not None and k < len(t) and t[k] is not None else None  # type: ignore[union-attr]
             if isinstance(value, (int, float)):
-                xs.append(int(s["step"]))
+                xs.append(s.step)
                 ys.append(float(value))
         if xs:
             out.append((k, f"stage {k} ({sp.device})", xs, ys))
@@ -69,32 +69,32 @@ def _move_label(move: dict[str, Any]) -> str:
     return "\n".join(line for line in lines if line)
 
 
-def steps_picture_data(plan: Plan, lines: list[dict[str, Any]], events: list[dict[str, Any]] | None = None) -> StepsPicture:
-    """What steps.png draws for a run of ``plan``: its metrics.jsonl lines (events among them or in ``events``)."""
-    steps = [{"step": i, **s} for i, s in enumerate(step_lines(lines), 1)]  # a line without its number: its place
-    moves_in = event_lines(lines) + list(events or [])
-    segments = run_segments(plan, steps, moves_in)
-    predicted = [(seg.steps[0]["step"] - 0.5, seg.steps[-1]["step"] + 0.5, seg.predicted_step_s)
+def steps_picture_data(plan: Plan, lines: list[Line]) -> StepsPicture:
+    """What steps.png draws for a run of ``plan``: its metrics.jsonl lines (its moves among them)."""
+    run = RunLines(lines)
+    steps = run.steps
+    segments = run_segments(plan, steps, run.moves)
+    predicted = [(seg.steps[0].step - 0.5, seg.steps[-1].step + 0.5, seg.predicted_step_s)
                  for seg in segments if seg.steps and seg.predicted_step_s is not None]
     moves = [(m["after_step"] + 0.5, _move_label(m)) for m in run_moves(segments) if isinstance(m["after_step"], int)]
-    busy = [(f"stage {k} busy ({sp.device})", [float(s["stage_busy"][k]) for s in steps])
-            for k, sp in enumerate(plan.stages) if all(k < len(s.get("stage_busy", [])) for s in steps)]
+    busy = [(f"stage {k} busy ({sp.device})", [s.stage_busy[k] for s in steps])
+            for k, sp in enumerate(plan.stages) if all(k < len(s.stage_busy) for s in steps)]
     title = (f"{label(plan.model.name)} on {label(plan.cluster.name)}: {len(steps)} steps"
              + (f", {len(moves)} rebalancing move{'s' if len(moves) != 1 else ''}" if moves else ""))
-    steady = [float(s["step_time_s"]) for seg in segments for s in seg.measured]
+    steady = [s.step_time_s for seg in segments for s in seg.measured]
     # Headroom above the steady steps for the moves' labels.
     top = 1.4 * max(steady + [y for _, _, y in predicted] + [v for _, vs in busy for v in vs], default=1.0)
-    clipped = [(int(s["step"]), float(s["step_time_s"])) for s in steps if float(s["step_time_s"]) > top]
-    return StepsPicture(title, [int(s["step"]) for s in steps], [float(s["step_time_s"]) for s in steps], busy,
+    clipped = [(s.step, s.step_time_s) for s in steps if s.step_time_s > top]
+    return StepsPicture(title, [s.step for s in steps], [s.step_time_s for s in steps], busy,
                         [(a, b, float(y)) for a, b, y in predicted], moves, top, clipped,
                         _telemetry_series(plan, steps, "sm_clock_mhz"), _telemetry_series(plan, steps, "temperature_c"))
 
 
-def draw_steps(plan: Plan, lines: list[dict[str, Any]], events: list[dict[str, Any]] | None, path: str | Path) -> Path:
-    """steps.png at ``path`` for a run of ``plan`` (metrics.jsonl lines); returns the path."""
+def draw_steps(plan: Plan, lines: list[Line], path: str | Path) -> Path:
+    """steps.png at ``path`` for a run of ``plan`` (metrics.jsonl lines, its moves among them); returns the path."""
     import matplotlib.pyplot as plt  # after hetero.picture_style chose the file-only backend
 
-    data = steps_picture_data(plan, lines, events)
+    data = steps_picture_data(plan, lines)
     panels = 2 if data.clocks or data.temperatures else 1
     fig, axes = plt.subplots(panels, 1, figsize=(11, 4.2 + 2.4 * (panels - 1)), sharex=True, squeeze=False,
                              gridspec_kw={"height_ratios": [2.4, 1.4][:panels]})

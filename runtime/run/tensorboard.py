@@ -17,13 +17,9 @@ import socket
 import struct
 import time
 from pathlib import Path
-from typing import Any
 
-# metrics.jsonl key -> TensorBoard tag. Trained tokens are label tokens (docs/data.md).
-STEP_SCALARS = {"loss": "train/loss", "lr": "train/learning_rate", "grad_norm": "train/grad_norm",
-                "clip_coef": "train/clip_coef", "tokens_per_s": "train/trained_tokens_per_s",
-                "computed_tokens_per_s": "train/computed_tokens_per_s", "step_time_s": "train/step_time_s"}
-EVAL_SCALARS = {"eval_loss": "eval/loss"}
+from hetero.runtime.run.metrics_file import EvalLine, StepLine, charted
+
 SESSION_START = 1  # SessionLog.SessionStatus.START
 
 
@@ -96,11 +92,6 @@ def record(data: bytes) -> bytes:
     return length + struct.pack("<I", masked_crc(length)) + data + struct.pack("<I", masked_crc(data))
 
 
-def scalars_of(line: dict[str, Any], keys: dict[str, str]) -> dict[str, float]:
-    return {tag: float(line[key]) for key, tag in keys.items()
-            if isinstance(line.get(key), (int, float)) and not isinstance(line.get(key), bool)}
-
-
 class EventWriter:
     """Appends scalar events to a new event file under ``folder``; each write is flushed (a run may be killed)."""
 
@@ -118,14 +109,14 @@ class EventWriter:
         self._file.write(record(data))
         self._file.flush()
 
-    def step(self, line: dict[str, Any]) -> None:
+    def step(self, line: StepLine) -> None:
         """A metrics.jsonl step line's scalars at its step (numbered from 1, as in metrics.jsonl)."""
-        if isinstance(line.get("step"), int) and (scalars := scalars_of(line, STEP_SCALARS)):
-            self._write(event(line["step"], scalars=scalars))
+        if scalars := charted(line):
+            self._write(event(line.step, scalars=scalars))
 
-    def evaluation(self, answer: dict[str, Any]) -> None:
-        if isinstance(answer.get("step"), int) and (scalars := scalars_of(answer, EVAL_SCALARS)):
-            self._write(event(answer["step"], scalars=scalars))
+    def evaluation(self, answer: EvalLine) -> None:
+        if scalars := charted(answer):
+            self._write(event(answer.step, scalars=scalars))
 
     def close(self) -> None:
         if not self._file.closed:

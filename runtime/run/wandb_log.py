@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hetero.errors import ConfigError
-from hetero.runtime.run.tensorboard import EVAL_SCALARS, STEP_SCALARS, scalars_of
+from hetero.runtime.run.metrics_file import EvalLine, StepLine, charted
 
 PROJECT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
@@ -50,13 +50,13 @@ class WandbRun:
         self.run = wandb.init(project=project, name=run_dir.name, id=run_id(run_dir), resume="allow",
                               dir=str(run_dir), config=config)
 
-    def step(self, line: dict[str, Any]) -> None:
-        if isinstance(line.get("step"), int) and (scalars := scalars_of(line, STEP_SCALARS)):
-            self.run.log(scalars, step=line["step"])
+    def step(self, line: StepLine) -> None:
+        if scalars := charted(line):
+            self.run.log(scalars, step=line.step)
 
-    def evaluation(self, answer: dict[str, Any]) -> None:
-        if isinstance(answer.get("step"), int) and (scalars := scalars_of(answer, EVAL_SCALARS)):
-            self.run.log(scalars, step=answer["step"])
+    def evaluation(self, answer: EvalLine) -> None:
+        if scalars := charted(answer):
+            self.run.log(scalars, step=answer.step)
 
     def close(self) -> None:
         self.run.finish()

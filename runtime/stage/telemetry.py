@@ -251,14 +251,12 @@ def _values(samples: list[dict[str, Any]], key: str) -> list[float]:
     return [v for v in (_number(t.get(key)) for t in samples) if v is not None]
 
 
-def telemetry_summary(steps: list[dict[str, Any]], stages: int) -> list[dict[str, Any] | None]:
-    """Per stage over the run's steps: lowest SM clock, hottest, most power, throttled steps and their kinds;
-    None for a stage that reported no telemetry (a CPU)."""
+def telemetry_summary(steps: list[Any], stages: int) -> list[dict[str, Any] | None]:
+    """Per stage over the run's steps (metrics.jsonl's StepLine): lowest SM clock, hottest, most power, throttled
+    steps and their kinds; None for a stage that reported no telemetry (a CPU)."""
     out: list[dict[str, Any] | None] = []
     for k in range(stages):
-        samples = [s["stage_telemetry"][k] for s in steps
-                   if isinstance(s.get("stage_telemetry"), list) and k < len(s["stage_telemetry"])
-                   and isinstance(s["stage_telemetry"][k], dict)]
+        samples = [t[k] for s in steps if (t := s.stage_telemetry) is not None and k < len(t) and t[k] is not None]
         if not samples:
             out.append(None)
             continue

@@ -172,7 +172,7 @@ def run_torch(plan: Plan, plan_path: Path, run_dir: Path, backend: str, resume: 
 
     ``compiled``: the plan file as the user named it (what a host started by hand runs; default ``plan_path``)."""
     from hetero.runtime.base.rundir import latest_checkpoint
-    from hetero.runtime.run.run_compare import read_metrics, step_lines
+    from hetero.runtime.run.metrics_file import NAME, read_metrics
     from hetero.runtime.torch_engine.rank import node_hosts
 
     hosts = node_hosts(plan)
@@ -186,7 +186,7 @@ def run_torch(plan: Plan, plan_path: Path, run_dir: Path, backend: str, resume: 
         node = Node(plan, 0, hosts[0], endpoint, where[hosts[0]], run_dir)
         _run_hosts(node, len(hosts), entry, ssh_hosts or [], trusted, compiled or plan_path)
     result = RunResult()
-    result.steps = step_lines(read_metrics(run_dir / "metrics.jsonl"))
+    result.steps = read_metrics(run_dir / NAME).steps
     result.checkpoint = latest_checkpoint(run_dir)
     return result
 

@@ -298,15 +298,16 @@ def restore(where: Rank, executor: Any, resume: Path | None) -> int:
 
 
 def metrics(plan: Plan, step: int, values: tuple[float, float, float, float, list[dict[str, float]]],
-            label_tokens: int, step_time: float) -> dict[str, Any]:
+            label_tokens: int, step_time: float) -> Any:
     """Step ``step``'s metrics.jsonl line (numbered from 1: records.STEP_NUMBERS), with the fields hetero's engine
     writes that this one measures."""
+    from hetero.runtime.run.metrics_file import StepLine
     from hetero.runtime.run.records import throughput
 
     loss_sum, lr, grad_norm, coef, ops = values
-    return {"step": step + 1, "loss": loss_sum / label_tokens, "lr": lr, "grad_norm": grad_norm, "clip_coef": coef,
-            **throughput(plan, label_tokens, step_time), "stage_busy": [sum(o.values()) for o in ops],
-            "stage_wall": [step_time] * len(ops), "stage_ops": ops, "engine": "torch"}
+    return StepLine(step=step + 1, loss=loss_sum / label_tokens, lr=lr, grad_norm=grad_norm, clip_coef=coef,
+                    **throughput(plan, label_tokens, step_time), stage_busy=[sum(o.values()) for o in ops],
+                    stage_wall=[step_time] * len(ops), stage_ops=ops, engine="torch")
 
 
 def train(where: Rank, executor: Any, schedule: Any, loss: StepLoss, device: torch.device, run_dir: Path,
@@ -338,7 +339,7 @@ def train(where: Rank, executor: Any, schedule: Any, loss: StepLoss, device: tor
                 line = metrics(plan, step, (loss_sum, lr0, grad_norm, coef, stage_ops), int(batch.num_label_tokens),
                                step_time)
                 records.step(line)
-                bar.update(step, line["loss"], line["tokens_per_s"])
+                bar.update(step, line.loss, line.tokens_per_s)
                 if payloads is not None:
                     records.save_payloads(step, payloads)
 

@@ -385,6 +385,7 @@ def _stopped_at_once(plan_path: Path, options: RunOptions) -> str:
 def _finish_run(plan: Plan, plan_path: Path, options: RunOptions, result: RunResult) -> int:
     """After the run: how to continue an interrupted one (exit 130), else the report (exit 0)."""
     from hetero.runtime.base.rundir import run_command
+    from hetero.runtime.run.metrics_file import NAME
     from hetero.runtime.run.report import print_report, write_report
 
     run_dir = options.run_dir
@@ -399,7 +400,7 @@ def _finish_run(plan: Plan, plan_path: Path, options: RunOptions, result: RunRes
         return 130
     report = write_report(plan, result.steps, result.build_s, run_dir, result.events)  # + steps.png
     print_report(report)
-    print(f"adapter: {run_dir / 'adapter'}   metrics: {run_dir / 'metrics.jsonl'}   "
+    print(f"adapter: {run_dir / 'adapter'}   metrics: {run_dir / NAME}   "
           f"tensorboard --logdir {run_dir / 'tensorboard'}")
     if (run_dir / "profile.json").is_file():  # the run is a profile: plan the next one from it (docs/profiling.md)
         from hetero.hints import suggest

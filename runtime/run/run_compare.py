@@ -163,7 +163,7 @@ def versus_plan(plan: Plan, run_dir: Path) -> list[str]:
     steps = lines.steps
     segments = run_segments(plan, steps, lines.moves)
     if not steps:
-        raise ConfigError(f"{run_dir / 'metrics.jsonl'} has no training steps: pass the --run-dir of a finished `hetero run`")
+        raise ConfigError(f"{run_dir / NAME} has no training steps: pass the --run-dir of a finished `hetero run`")
     out = _segment_versus_plan(plan, run_dir, segments[0].steps, plan.prediction.step_time_s, None)
     for segment, move in zip(segments[1:], run_moves(segments), strict=True):
         out.append(move_line(move))
@@ -181,7 +181,7 @@ def _segment_versus_plan(plan: Plan, run_dir: Path, steps: list[StepLine], predi
         return ["no step ran on the plan's own split"]
     timings = stage_timings_from_metrics(steps)
     if not timings or len(timings) != len(plan.stages):
-        raise ConfigError(f"{run_dir / 'metrics.jsonl'} has no per-stage timings for this {len(plan.stages)}-stage plan")
+        raise ConfigError(f"{run_dir / NAME} has no per-stage timings for this {len(plan.stages)}-stage plan")
     measured = median_step_s(steps)
     replayed = replay_run(plan, timings).step_time_s
     where = "" if move is None else f"  on split {split_text(move.new_split)}: "

@@ -1,9 +1,11 @@
 """The coordinator's failures: what a failed run says, and how it stops (or hands over to the next plan).
 
-``FailureHandling`` is a part of ``Coordinator`` (runtime/run/coordinator.py): it explains a failure in one line
-with the stage, host, pid, cause and the command that continues the run; it stops every stage after a failure or
-Ctrl-C, or tells them the plan the run goes on under (runtime.elastic); it watches this host's stage processes
-and the ssh workers. It reads the coordinator's plan, options, run directory, processes, transport and records.
+``Failures`` explains a failure in one line with the stage, host, pid, cause and the command that continues the
+run; it stops every stage after a failure or Ctrl-C, or tells them the plan the run goes on under
+(runtime.elastic); it watches this host's stage processes and the ssh workers. It owns what a failure leaves: the
+stages to kill rather than ask (``hung``), the re-plan runtime.elastic answered (``recovered``), whether the run
+was handed over. ``SignalWatch`` owns Ctrl-C / SIGTERM while training. The coordinator (runtime/run/coordinator.py)
+holds one of each; both reach the stages through the run's StageLink.
 """
 
 from __future__ import annotations
@@ -20,10 +22,7 @@ from typing import Any
 
 from hetero.errors import HeteroError
 from hetero.plan import Plan
-from hetero.protocol import (
-    Record,
-    Stop,
-)
+from hetero.protocol import Stop
 from hetero.runtime.base.processes import (
     LostStage,
     StageFailedError,
@@ -33,7 +32,10 @@ from hetero.runtime.base.processes import (
     stop_processes,
 )
 from hetero.runtime.base.rundir import RunDirWriteError, run_command
+from hetero.runtime.run.coordinator_greeting import StageLink
+from hetero.runtime.run.coordinator_state import StateKeeper
 from hetero.runtime.run.elastic import Rejoining
+from hetero.runtime.run.options import RunOptions
 from hetero.runtime.wire.control import (
     PeerError,
     PeerLost,
@@ -44,16 +46,28 @@ from hetero.runtime.wire.control import (
 log = logging.getLogger("hetero.run")
 
 
-class FailureHandling:
+class Failures:
     """A failed or interrupted run: the one-line error, stopping the stages, handing over (module docstring)."""
 
-    def _abort(self, exc: BaseException) -> HeteroError | None:
+    def __init__(self, link: StageLink, keeper: StateKeeper) -> None:
+        self.link, self.keeper = link, keeper
+        self.trained = False  # training has begun: a failure's message says how to continue
+        self.hung: set[int] = set()  # stages to kill rather than ask to stop
+        # runtime.elastic (runtime/run/elastic.py): called with a failure, returns how the run goes on (the next
+        # plan, its path, the options) or None; ``recovered`` keeps its answer, for run_elastic.
+        self.on_loss: Callable[[StageFailedError], tuple[Plan, Path, RunOptions] | None] | None = None
+        self.recovered: tuple[Plan, Path, RunOptions] | None = None
+        self.handed_over = False  # the run goes on under another plan: the ssh workers stay (they follow it)
+        link.resume_hint = lambda: self.resume_hint() if self.trained else None
+
+    def abort(self, exc: BaseException, heartbeat: Any) -> HeteroError | None:
         """Stop every stage after ``exc``; returns the one-line error to raise instead (None: ``exc`` itself)."""
+        link = self.link
         if isinstance(exc, KeyboardInterrupt):
-            self.heartbeat.stopped.set()
+            heartbeat.stopped.set()
         else:  # heartbeats go on while the state is written and a re-plan is made: the stages left must not time out
-            self._save_memory()  # before the error line: its resume command names the newest checkpoint
-        error = self._explain(exc)
+            self.keeper.save_memory()  # before the error line: its resume command names the newest checkpoint
+        error = self.explain(exc)
         reason = "interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else f"run failed: {error or exc}"
         failed = error if error is not None else exc
         if self.on_loss is not None and isinstance(failed, StageFailedError):
@@ -63,134 +77,135 @@ class FailureHandling:
                 log.warning("runtime.elastic: could not re-plan: %s: %s", type(why).__name__, why)
                 print(f"hetero run: runtime.elastic: could not re-plan ({type(why).__name__}: {why}): stopping",
                       file=sys.stderr, flush=True)
-        self.heartbeat.stopped.set()  # nothing may queue behind the stop for stages about to exit
+        heartbeat.stopped.set()  # nothing may queue behind the stop for stages about to exit
         if isinstance(exc, Rejoining):
-            self._hand_over(exc.plan, exc.path, None, exc.joiners)
+            self.hand_over(exc.plan, exc.path, None, exc.joiners)
         elif self.recovered is not None:
             lost = failed.lost.stage if isinstance(failed, StageFailedError) and failed.lost is not None else None
-            self._hand_over(self.recovered[0], self.recovered[1], lost)
+            self.hand_over(self.recovered[0], self.recovered[1], lost)
         else:
-            self._broadcast(Stop(reason=reason))
-        stop_processes(self.procs, grace_s=3.0, kill_now=self.hung)
+            link.broadcast(Stop(reason=reason))
+        stop_processes(link.procs, grace_s=3.0, kill_now=self.hung)
         # Dead stages never take what is queued for them: give live remote ones a second, not 10,
         # and the local ones (all gone now) nothing.
-        drop_unsent(self.transport, linger_ms=1000)
-        drop_unsent(self.transport, 0, [self.names[k] for k in self.procs])
+        drop_unsent(link.transport, linger_ms=1000)
+        drop_unsent(link.transport, 0, [link.names[k] for k in link.procs])
         return error
 
-    def _explain(self, exc: BaseException) -> HeteroError | None:
+    def explain(self, exc: BaseException) -> HeteroError | None:
         """The one-line error for a failed run; None: re-raise ``exc`` as it is."""
+        link = self.link
         if isinstance(exc, RunDirWriteError):
-            return exc.for_run(self.options.rerun)  # its resume command repeats this run's --host/--port
+            return exc.for_run(link.options.rerun)  # its resume command repeats this run's --host/--port
         if not isinstance(exc, (PeerError, PeerLost, StopRequested)):
             return None  # StageFailedError and the like are explained already; Ctrl-C and bugs pass
         try:
-            self._check_children()  # a local stage that exited is the most precise cause
+            self.check_children()  # a local stage that exited is the most precise cause
         except StageFailedError as dead:
             return dead
-        k = self.names.index(exc.peer) if isinstance(exc, (PeerError, PeerLost)) and exc.peer in self.names else None
+        k = link.names.index(exc.peer) if isinstance(exc, (PeerError, PeerLost)) and exc.peer in link.names else None
         if k is None:
-            return StageFailedError(f"{exc} (logs: {self.run_dir / 'logs'})")
+            return StageFailedError(f"{exc} (logs: {link.run_dir / 'logs'})")
         if isinstance(exc, PeerError):
-            return StageFailedError(self._failure_line(k, "failed", exc.message))
+            return StageFailedError(self.failure_line(k, "failed", exc.message))
         cause = exc.cause
         if exc.silent:
             self.hung.add(k)
-            if k in self.procs and is_stopped(self.procs[k].pid):
+            if k in link.procs and is_stopped(link.procs[k].pid):
                 cause = cause.replace("(hung or stopped?)", "(the process is stopped: SIGSTOP or Ctrl-Z?)")
-        return StageFailedError(self._failure_line(k, "stopped responding", cause),
+        return StageFailedError(self.failure_line(k, "stopped responding", cause),
                                 lost=LostStage(k, "stopped responding", cause))
 
-    def _failure_line(self, k: int, what: str, cause: str) -> str:
+    def failure_line(self, k: int, what: str, cause: str) -> str:
         """``stage 1 exited on host h (pid 42): killed by SIGKILL; continue after step 4 with `...` (log: ...)``."""
-        host = self.plan.stages[k].host
-        pid = f" (pid {self.pids[k]})" if k in self.pids else ""
-        log = str(self.run_dir / "logs" / f"stage{k}.log") if k in self.procs else f"on {host}, under `hetero worker`"
-        if self.ssh is not None and host in self.ssh.hosts:
-            log = f"on {host}, {self.ssh.remote_run_dir(host)}/logs/stage{k}.log"
-        hint = f"; {self._resume_hint()}" if self.trained else ""
+        link = self.link
+        host = link.plan.stages[k].host
+        pid = f" (pid {link.pids[k]})" if k in link.pids else ""
+        log = str(link.run_dir / "logs" / f"stage{k}.log") if k in link.procs else f"on {host}, under `hetero worker`"
+        if link.ssh is not None and host in link.ssh.hosts:
+            log = f"on {host}, {link.ssh.remote_run_dir(host)}/logs/stage{k}.log"
+        hint = f"; {self.resume_hint()}" if self.trained else ""
         return f"stage {k} {what} on host {host}{pid}: {cause}{hint} (log: {log})"
 
-    def _command(self) -> str:
+    def command(self) -> str:
         """The `hetero run` command line that runs this plan again, in this run directory's copy."""
-        return shlex.join(run_command(self.plan_path, self.options.rerun))
+        return shlex.join(run_command(self.link.plan_path, self.link.options.rerun))
 
-    def _resume_hint(self) -> str:
+    def resume_hint(self) -> str:
         from hetero.runtime.base.rundir import checkpoint_step, latest_checkpoint
 
         # The state copied off the stages goes to disk first, so that the line names it (it said "no checkpoint
         # yet" when the run stopped without recovering, though the copy was written a moment later).
-        self._save_memory()
-        last = latest_checkpoint(self.run_dir)
+        self.keeper.save_memory()
+        run_dir, options = self.link.run_dir, self.link.options
+        last = latest_checkpoint(run_dir)
         if last is not None:
             return (f"continue after step {checkpoint_step(last)} with "
-                    f"`{self._command()} --resume {shlex.quote(str(self.run_dir))}`")
-        if self.options.resume is not None:
-            return (f"no newer checkpoint: continue with `{self._command()} --resume "
-                    f"{shlex.quote(str(self.options.resume))} --run-dir {shlex.quote(str(self.run_dir))}`")
-        return (f"no checkpoint yet (one is written after every runtime.snapshot_every_s={self.snapshot_every_s:g} s of "
-                f"training, and every train.checkpoint_every steps): start again with "
-                f"`{self._command()} --run-dir {shlex.quote(str(self.run_dir))}`")
+                    f"`{self.command()} --resume {shlex.quote(str(run_dir))}`")
+        if options.resume is not None:
+            return (f"no newer checkpoint: continue with `{self.command()} --resume "
+                    f"{shlex.quote(str(options.resume))} --run-dir {shlex.quote(str(run_dir))}`")
+        return (f"no checkpoint yet (one is written after every runtime.snapshot_every_s={options.snapshot_every_s:g} "
+                f"s of training, and every train.checkpoint_every steps): start again with "
+                f"`{self.command()} --run-dir {shlex.quote(str(run_dir))}`")
 
-    def _check_children(self) -> None:
+    def check_children(self) -> None:
+        """A local stage that exited, or an ssh worker that ended, is a StageFailedError naming it."""
+        link = self.link
         if not self.trained:
-            self.greeting.check()  # a stage of another plan: named now, not at the handshake timeout
-        for k, p in self.procs.items():
+            link.greeting.check()  # a stage of another plan: named now, not at the handshake timeout
+        for k, p in link.procs.items():
             code = p.poll()
             if code is not None and code != 0:
                 cause = exit_cause(code)
-                if code > 0 and (line := last_error_line(self.run_dir / "logs" / f"stage{k}.log")):
+                if code > 0 and (line := last_error_line(link.run_dir / "logs" / f"stage{k}.log")):
                     cause += f": {line}"
                 # Killed by a signal (SIGKILL, the OOM killer, a crash): its device is lost; an exit code is an
                 # error the stage met itself, which a new split would meet again.
-                raise StageFailedError(self._failure_line(k, "exited", cause),
+                raise StageFailedError(self.failure_line(k, "exited", cause),
                                        lost=LostStage(k, "exited", cause) if code < 0 else None)
-        if self.ssh is not None and (ended := self.ssh.ended({s.host for s in self.plan.stages})) is not None:
+        if link.ssh is not None and (ended := link.ssh.ended({s.host for s in link.plan.stages})) is not None:
             host, cause = ended
-            hint = f"; {self._resume_hint()}" if self.trained else ""
+            hint = f"; {self.resume_hint()}" if self.trained else ""
             # Its stages are gone with it: a loss of that host's devices (runtime.elastic goes on without them).
-            gone = [s.index for s in self.plan.stages if s.host == host]
+            gone = [s.index for s in link.plan.stages if s.host == host]
             raise StageFailedError(f"host {host}'s `hetero worker`, started over ssh, ended: {cause}{hint} "
-                                   f"(log: {self.ssh.log(host)})",
+                                   f"(log: {link.ssh.log(host)})",
                                    lost=LostStage(gone[0], "ended with its host's worker", cause, others=tuple(gone[1:])))
 
-    def _save_memory(self) -> None:
-        """The state copied off the stages (runtime.elastic), to disk as a snapshot when no checkpoint there is as new."""
-        from hetero.runtime.base.rundir import checkpoint_step, latest_checkpoint
-
-        if self.memory is None or int(self.memory[1]["step"]) <= 0:
-            return
-        newest = latest_checkpoint(self.run_dir)
-        if newest is not None and checkpoint_step(newest) >= int(self.memory[1]["step"]):
-            return
-        try:
-            self.records.write_state(self.memory)
-        except HeteroError as exc:  # a full disk: the failure's own line says what to do
-            log.warning("could not keep the run's state on disk: %s", exc)
-
-    def _hand_over(self, plan: Plan, path: Path, lost: int | None, joiners: Sequence[Any] = ()) -> None:
+    def hand_over(self, plan: Plan, path: Path, lost: int | None, joiners: Sequence[Any] = ()) -> None:
         """Stop every stage; the remote ones that are left, and the stages of devices that came back (``joiners``,
         elastic.Joiner: told under the plan they run), learn the plan the run goes on under: their `hetero worker`
         starts its stages of it (runtime/run/host.py). This host's stages are restarted by run_elastic."""
+        link = self.link
         self.handed_over = True
         number = int(path.stem.rsplit("-", 1)[-1])
         text = path.read_text()
         follow = Stop(reason=f"the run goes on under {path.name}", plan=text, replan=number)
-        for k, name in enumerate(self.names):
-            remote = self.plan.stages[k].host != self.host and k != lost
+        for k, name in enumerate(link.names):
+            remote = link.plan.stages[k].host != link.host and k != lost
             try:
-                self.transport.send(name, follow if remote else Stop(reason=f"the run goes on under {path.name}"))
+                link.transport.send(name, follow if remote else Stop(reason=f"the run goes on under {path.name}"))
             except Exception:  # best effort: a stage that misses it ends on the coordinator's silence
                 pass
         for joiner in joiners:
             try:
-                self.transport.connect(joiner.name, joiner.endpoint)
-                self.transport.send(joiner.name, follow, plan_hash=joiner.plan_hash)
+                link.transport.connect(joiner.name, joiner.endpoint)
+                link.transport.send(joiner.name, follow, plan_hash=joiner.plan_hash)
             except Exception as exc:  # it keeps its old plan: the new plan's handshake waits for it, then names it
                 log.warning("could not tell %s the run's plan: %s", joiner.name, exc)
 
-    def _catch_signals(self) -> Callable[[], None]:
-        """SIGINT/SIGTERM while training: checkpoint at the next step boundary; returns the undo."""
+
+class SignalWatch:
+    """SIGINT/SIGTERM while ``training``: ``stop_signal`` names the first, and the run checkpoints at the next step
+    boundary; before training, or the second time, they stop the run at once."""
+
+    def __init__(self) -> None:
+        self.training = False  # between the first data sent and the last step: Ctrl-C means "checkpoint, then stop"
+        self.stop_signal: str | None = None  # the first SIGINT/SIGTERM received while training
+
+    def catch(self) -> Callable[[], None]:
+        """Handlers installed (in the main thread only); returns the undo."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -221,10 +236,3 @@ class FailureHandling:
         self.stop_signal = signal.Signals(signum).name
         print(f"hetero run: {self.stop_signal}: stopping after this step with a checkpoint "
               "(Ctrl-C again to quit at once, from the newest complete one)", file=sys.stderr, flush=True)
-
-    def _broadcast(self, record: Record) -> None:
-        for name in self.names:
-            try:
-                self.transport.send(name, record)
-            except Exception:  # best effort while shutting down
-                pass

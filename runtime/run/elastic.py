@@ -68,21 +68,21 @@ def run_elastic(plan: Plan, plan_path: Path, options: RunOptions) -> tuple[Plan,
     history = Lineage([plan])
     while True:
         coordinator = Coordinator(plan, plan_path, options)
-        coordinator.on_loss = lambda exc, c=coordinator, o=options, n=done: _recover(c, exc, o, n, history)  # type: ignore[misc]
+        coordinator.failures.on_loss = lambda exc, c=coordinator, o=options, n=done: _recover(c, exc, o, n, history)  # type: ignore[misc]
         if options.elastic == "auto":
             coordinator.on_return = lambda c=coordinator, o=options, n=done: _rejoin(c, history, o, n)  # type: ignore[misc]
         try:
             result = coordinator.run()
         except StageFailedError:
-            recovered = coordinator.recovered  # planned while the stages stopped: the remote ones got its plan
+            recovered = coordinator.failures.recovered  # planned while the stages stopped: the remote ones got its plan
             if recovered is None:
                 raise
             history.losses.update(recovered[2].recovery.lost_devices or [])  # type: ignore[union-attr]
         except Rejoining as back:
             where = options.host if options.host is not None else coordinator.host
-            recovered = (back.plan, back.path, replace(options, host=where, resume=None, checkpoint=coordinator.memory,
+            recovered = (back.plan, back.path, replace(options, host=where, resume=None, checkpoint=coordinator.keeper.memory,
                                                        recovery=back.event, launcher=None,
-                                                       ssh_workers=coordinator.ssh))
+                                                       ssh_workers=coordinator.link.ssh))
         else:
             result.events[:0] = earlier
             return plan, plan_path, result
@@ -146,7 +146,7 @@ def returning(coordinator: Any, history: Lineage) -> list[Joiner]:
     by_hash = {p.input_hash: p for p in history.plans}
     keyed = plan.security.mode != "none"
     found: dict[str, Joiner] = {}
-    for peer, why in list(coordinator.transport.rejections):
+    for peer, why in list(coordinator.link.transport.rejections):
         mismatch = plan_mismatch(why)
         if mismatch is None:
             continue
@@ -245,7 +245,7 @@ def _recover(coordinator: Any, exc: StageFailedError, options: RunOptions, done:
     from hetero.planner.replan.recovery import plan_without
 
     lost = exc.lost
-    if options.elastic != "auto" or lost is None or not coordinator.trained:
+    if options.elastic != "auto" or lost is None or not coordinator.failures.trained:
         return None  # before training began, a failure is a setup problem: it would fail again
     plan: Plan = coordinator.plan
     device = plan.stages[lost.stage].device
@@ -268,7 +268,7 @@ def _recover(coordinator: Any, exc: StageFailedError, options: RunOptions, done:
         print(f"hetero run: runtime.elastic: cannot go on without {device}: the new plan ({path}) is larger than a "
               f"message may carry to the other hosts", file=sys.stderr, flush=True)
         return None
-    memory = coordinator.memory
+    memory = coordinator.keeper.memory
     resumed = int(memory[1]["step"]) if memory is not None else 0
     last = coordinator.result.steps[-1].step if coordinator.result.steps else resumed  # steps done, as ``resumed``
     event = RecoveryEvent(
@@ -285,4 +285,4 @@ def _recover(coordinator: Any, exc: StageFailedError, options: RunOptions, done:
     # The launcher forks once (launcher.py): the new stages start as fresh interpreters.
     # Workers started over ssh follow the new plan: the next coordinator keeps their sessions.
     return recovery.plan, path, replace(options, host=where, resume=None, checkpoint=memory, recovery=event,
-                                        launcher=None, ssh_workers=coordinator.ssh)
+                                        launcher=None, ssh_workers=coordinator.link.ssh)

@@ -108,8 +108,8 @@ def run_profile(plan: Plan, run_dir: Path, steps: list[StepLine],
                                (environments or {}).get(f"stage{k}", {}), k in timed_cpu)
                for k in range(len(plan.stages))]
     measured = run_links(plan, warm, prior, origin)
-    links = measured + [replace_method(lk, prior) for lk in (prior.links if prior is not None else [])
-                        if not any({lk.a, lk.b} == {m.a, m.b} for m in measured)]
+    links = measured + ([replace_method(lk, prior) for lk in prior.links
+                         if not any({lk.a, lk.b} == {m.a, m.b} for m in measured)] if prior is not None else [])
     tokens = plan.train.micro_batch_size * plan.model.seq_len
     return Profile(
         fleet=plan.cluster.name, fleet_hash=fleet_hash(plan.cluster), model=plan.model.name,
@@ -344,7 +344,8 @@ def _device_profile(plan: Plan, k: int, ops: dict[str, float], cpu: dict[str, fl
         measured_with=list(dict.fromkeys(  # its host's CPU stages ran beside it (every replica's)
             s.device for s in plan.stages if sp.backend == "cpu" and s.backend == "cpu" and s.host == sp.host
             and s.device != sp.device)),
-        sources={**sources, **({"codec_encode": prior.origin or "profile"} if before and before.codec_encode else {})},
+        sources={**sources, **({"codec_encode": prior.origin or "profile"}
+                               if prior is not None and before and before.codec_encode else {})},
         # A run does not time the codec apart from its messages: the prior profile's figures stay.
         codec_encode=dict(before.codec_encode) if before is not None else {},
         codec_decode=dict(before.codec_decode) if before is not None else {},

@@ -30,7 +30,7 @@ def bind_address(endpoint: str) -> str:
     host, port = _parse_tcp_endpoint(endpoint)
     if host != "localhost" and not _is_ip(host):
         try:  # ZeroMQ binds interfaces and addresses, not host names
-            host = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+            host = str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
         except (OSError, IndexError):
             raise WireError(f"cannot resolve {host!r} of {endpoint!r} to one of this host's addresses: "
                             "write the host's IP address in the fleet file") from None

@@ -142,7 +142,10 @@ class Transport:
         if isinstance(kind, Record):
             if meta is not None:
                 raise WireError(f"{self.name}: a {kind.KIND!r} record is the message's meta; pass no meta= with it")
-            kind, meta = kind.KIND, kind.to_wire()
+            kind_name, meta = kind.KIND, kind.to_wire()
+        else:
+            kind_name = kind
+        kind = kind_name
         record_type(kind)  # refuses a kind the protocol does not define
         msg = Message(kind=kind, sender=self.name, step=step, mb=mb, meta=meta or {}, tensors=tensors or {})
         frames = encode(msg, plan_hash or self.plan_hash)

@@ -120,12 +120,13 @@ def _in_namespace(hosts: Any, side: int, tmp_path: Path, sessions: bool = True) 
     return found
 
 
-@pytest.mark.parametrize("layout", ["2 hosts x 2 stages", "2 hosts x (1 stage x 2 replicas)", "a, b, b, a"])
+# Two stages on each host as a pipeline that comes back to host a ("a, b, b, a": its ranks 0, 2, 3, 1 are not in
+# order) holds the plain layout's case ("a, a, b, b", its ranks in order: a layout of its own until 2026-12-03, 40 s of
+# the suite) and the reordering besides; replicas split across the hosts are the other path.
+@pytest.mark.parametrize("layout", ["2 hosts x (1 stage x 2 replicas)", "a, b, b, a"])
 def test_one_command_trains_on_two_hosts_like_one_process(two_hosts: Any, tiny_model_dir: Path, tiny_spec: ModelSpec,
                                                            tmp_path: Path, layout: str) -> None:
-    if layout == "2 hosts x 2 stages":
-        plan = _plan(two_hosts, tiny_model_dir, tiny_spec, ["a", "a", "b", "b"], split=[1, 2, 2, 1])
-    elif layout == "a, b, b, a":  # a pipeline that comes back to host a: its ranks 0, 2, 3, 1 are not in order
+    if layout == "a, b, b, a":  # a pipeline that comes back to host a: its ranks 0, 2, 3, 1 are not in order
         plan = _plan(two_hosts, tiny_model_dir, tiny_spec, ["a", "b", "b", "a"], split=[1, 2, 2, 1])
     else:
         plan = _plan(two_hosts, tiny_model_dir, tiny_spec, ["a", "b", "a", "b"], split=[[3, 3], [3, 3]], shares=[2, 2])

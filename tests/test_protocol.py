@@ -167,12 +167,16 @@ RECORD_NAMES = {r.__name__ for r in RECORDS.values()}
 
 
 def sends(source: str, path: str = "<source>") -> list[tuple[str, int, str]]:
-    """Every ``x.send(peer, kind, ...)`` whose kind is a literal or a record: (where, line, kind or record)."""
+    """Every ``x.send(peer, kind, ...)`` (and the coordinator's ``link.send_all(kind, ...)`` and
+    ``link.broadcast(kind)``, to every stage) whose kind is a literal or a record: (where, line, kind or record)."""
     found = []
     for node in ast.walk(ast.parse(source, path)):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "send"):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("send", "send_all", "broadcast")):
             continue
-        kind = node.args[1] if len(node.args) >= 2 else next((k.value for k in node.keywords if k.arg == "kind"), None)
+        at = 1 if node.func.attr == "send" else 0  # send_all/broadcast: no peer, the kind first
+        kind = (node.args[at] if len(node.args) > at
+                else next((k.value for k in node.keywords if k.arg in ("kind", "record")), None))
         if isinstance(kind, ast.Constant) and isinstance(kind.value, str):
             found.append((path, node.lineno, kind.value))
         elif isinstance(kind, ast.Call) and isinstance(kind.func, ast.Name) and kind.func.id[:1].isupper():
@@ -193,9 +197,11 @@ def test_the_send_checker_finds_undefined_kinds() -> None:
               "wire.send(peer, kind='logits')\n"
               "wire.send(peer, Bogus(x=1))\n"
               "sock.send(b'raw bytes')\n"  # a socket's send: one argument, not a message
-              "t.send(peer, kind)\n")  # a variable: checked where the kind is made
+              "t.send(peer, kind)\n"  # a variable: checked where the kind is made
+              "link.send_all(Snapshot(), step=2)\n"
+              "link.broadcast(Stop(reason='done'))\n")
     found = sends(source, "demo.py")
-    assert [kind for _, _, kind in found] == ["act", "Clip()", "generate", "logits", "Bogus()"]
+    assert [kind for _, _, kind in found] == ["act", "Clip()", "generate", "logits", "Bogus()", "Snapshot()", "Stop()"]
     assert undefined(found) == ["demo.py:3 sends 'generate'", "demo.py:4 sends 'logits'", "demo.py:5 sends 'Bogus()'"]
 
 

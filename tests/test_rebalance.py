@@ -214,6 +214,11 @@ def test_an_undisturbed_run_never_rebalances(tmp_path: Path) -> None:
         assert {tuple(r["split"]) for r in rows} == {tuple(rows[0]["split"])}
 
 
+# A stage's stepdone as the coordinator's side reads it (hetero.protocol.StepDone), its op times given by each test.
+REPORT = {"step": 0, "loss_sum": None, "num_label_tokens": None, "grad_sumsq": 0.0, "lr": 1e-4, "busy_s": 0.0,
+          "wall_s": 0.0}
+
+
 def test_a_throttling_gpu_is_named_as_the_cause(w1_like_plan: Plan) -> None:
     """The coordinator's side (runtime/run/moves.py) on stepdone reports as the stages send them: the move's
     event names the device, its slowdown and, from the step's NVML telemetry, why."""
@@ -227,9 +232,10 @@ def test_a_throttling_gpu_is_named_as_the_cause(w1_like_plan: Plan) -> None:
     hot = {"sm_clock_mhz": 1100, "max_sm_clock_mhz": 1980, "temperature_c": 87, "throttle": ["hw_thermal_slowdown"]}
     for step in range(36):
         slow = step >= 6
-        done = {k: SimpleNamespace(meta={"op_time_s": {"F": c / 3 * (3.3 if slow and k == 0 else 1),
+        done = {k: SimpleNamespace(meta={**REPORT, "step": step,
+                                         "op_time_s": {"F": c / 3 * (3.3 if slow and k == 0 else 1),
                                                        "B": 2 * c / 3 * (3.3 if slow and k == 0 else 1)},
-                                         "telemetry": hot if slow and k == 0 else None})
+                                         **({"telemetry": hot} if slow and k == 0 else {})})
                 for k, c in enumerate(priced)}
         mover.observe(step, done)
         if mover.pending is not None:
@@ -259,7 +265,7 @@ def test_moves_back_off_and_stop_at_the_cap(w1_like_plan: Plan, capsys) -> None:
     noise = RebalanceEvent(after_step=0, cause=MoveCause(reason="noise"), old_split=[], new_split=[], old_spans=[],
                            new_spans=[])
     mover._proposed = lambda after, proposal: Move(after, spans, [[] for _ in spans], noise, proposal)  # type: ignore[method-assign]
-    done = {k: SimpleNamespace(meta={"op_time_s": {"F": 0.1, "B": 0.2}}) for k in range(len(plan.stages))}
+    done = {k: SimpleNamespace(meta={**REPORT, "op_time_s": {"F": 0.1, "B": 0.2}}) for k in range(len(plan.stages))}
     moved_after = []
     for step in range(5000):
         if mover.due(step):

@@ -30,7 +30,8 @@ def plan(tiny_spec) -> Plan:
 
 def _done(plan: Plan, loss_sum: float, label_tokens: int) -> dict[int, Any]:
     """Every stage's stepdone for one step: the last holds the loss over ``label_tokens``."""
-    meta = {"lr": 1e-4, "busy_s": 0.4, "wall_s": 0.5, "op_time_s": {"F": 0.2, "B": 0.2}}
+    meta = {"step": 4, "loss_sum": None, "num_label_tokens": None, "grad_sumsq": 1.0, "lr": 1e-4, "busy_s": 0.4,
+            "wall_s": 0.5, "op_time_s": {"F": 0.2, "B": 0.2}}
     last = {**meta, "loss_sum": loss_sum, "num_label_tokens": label_tokens}
     return {k: SimpleNamespace(meta=last if k == len(plan.stages) - 1 else meta) for k in range(len(plan.stages))}
 

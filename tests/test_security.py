@@ -121,6 +121,21 @@ def delivered_and_still_serving(plan: Plan, stage1: Transport, stage0: Transport
     assert float(msg.tensors["h"][0, 0, 0]) == value
 
 
+def test_a_received_message_keeps_the_record_its_rules_checked(keyed) -> None:
+    """Receivers read the typed record of a message (runtime/wire/frames.py record_of), not its raw meta."""
+    from hetero.protocol import Act
+    from hetero.runtime.wire.frames import record_of
+
+    plan, stage1, stage0 = keyed
+    stage0.send("stage1", Act(sent=123.5), step=0, mb=0, tensors={"h": act(plan)})
+    msg = stage1.recv("act", step=0, mb=0, sender="stage0")
+    assert isinstance(msg.record, Act) and msg.record.sent == 123.5 and record_of(msg, Act) is msg.record
+    with pytest.raises(WireError, match="lacks meta field 'coef'"):
+        from hetero.protocol import Clip
+
+        record_of(msg, Clip)  # the meta is no clip: said in one line, as a bad message is
+
+
 def test_a_client_without_the_key_delivers_nothing(keyed) -> None:
     plan, stage1, stage0 = keyed
     with Transport("stage0", None, plan.input_hash) as stranger:  # knows the address and plan hash, no key

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from hetero.plan import Plan
-from hetero.protocol import Clip, Labels, Reduced, Stop
+from hetero.protocol import Clip, GradNorm, Labels, Reduced, Stop
 from hetero.runtime.base.processes import StageFailedError, raise_open_file_limit, stop_processes
 from hetero.runtime.run.coordinator_failures import Failures, SignalWatch
 from hetero.runtime.run.coordinator_greeting import StageLink, handshake
@@ -45,6 +45,7 @@ from hetero.runtime.run.reduce import clip_coef, norm_from_sumsq, norm_of, sum_r
 from hetero.runtime.run.run_profile import write_run_profile
 from hetero.runtime.run.stage_eval import StageEval, evaluates_on_stages
 from hetero.runtime.wire.control import Heartbeat, heartbeat_interval
+from hetero.runtime.wire.frames import record_of
 
 __all__ = ["Coordinator", "RunOptions", "RunResult", "StageFailedError", "coordinator_endpoint"]
 
@@ -191,7 +192,7 @@ class Coordinator:
         max_norm = self.plan.train.max_grad_norm
         if len(self.plan.pipelines) == 1:
             norms = self.link.gather("gradnorm", step, timeout)
-            grad_norm = norm_from_sumsq({k: float(msg.meta["sumsq"]) for k, msg in norms.items()})
+            grad_norm = norm_from_sumsq({k: float(record_of(msg, GradNorm).sumsq) for k, msg in norms.items()})
             coef = clip_coef(max_norm, grad_norm)
             self.mover.announce(step, lambda record: [self.link.transport.send(n, record, step=step) for n in self.link.names])
             self.keeper.announce(step)

@@ -19,12 +19,13 @@ from typing import Any
 
 from hetero.errors import WireError
 from hetero.plan import Plan
-from hetero.protocol import WIRE_VERSION, Record, Welcome
+from hetero.protocol import WIRE_VERSION, Hello, Record, Start, Welcome
 from hetero.runtime.base.processes import StageFailedError, spawn_stages, stop_processes
 from hetero.runtime.base.rundir import write_run_file
 from hetero.runtime.run.handshake import HandshakeWatch, connect_stages
 from hetero.runtime.run.options import RunOptions, step_timeout_hint, step_timeout_s
 from hetero.runtime.wire.control import Mailbox, is_timeout
+from hetero.runtime.wire.frames import record_of
 from hetero.security import COORDINATOR
 from hetero.serde import to_dict
 
@@ -146,18 +147,18 @@ class StageLink:
         environments.json); from then on a silent stage is a lost one."""
         plan = self.plan
         for k, msg in sorted(self.gather("hello", 0, self.options.handshake_timeout_s).items()):
-            meta = msg.meta
-            if meta.get("input_hash") != plan.input_hash or meta.get("stage") != k:
+            hello = record_of(msg, Hello)
+            if hello.input_hash != plan.input_hash or hello.stage != k:
                 raise StageFailedError(
-                    f"stage {k} runs plan {meta.get('input_hash')} as stage {meta.get('stage')}, this coordinator "
+                    f"stage {k} runs plan {hello.input_hash} as stage {hello.stage}, this coordinator "
                     f"runs {plan.input_hash}: restart every host with the same plan.json"
                 )
-            if meta.get("wire_version") != WIRE_VERSION:
-                raise StageFailedError(f"stage {k} speaks wire v{meta.get('wire_version')}, this coordinator v{WIRE_VERSION}: "
+            if hello.wire_version != WIRE_VERSION:
+                raise StageFailedError(f"stage {k} speaks wire v{hello.wire_version}, this coordinator v{WIRE_VERSION}: "
                                        "install the same hetero version on every host")
-            environments[f"stage{k}"] = {"host": plan.stages[k].host, "pid": meta.get("pid"), **meta.get("env", {})}
-            if isinstance(meta.get("pid"), int):
-                self.pids.setdefault(k, int(meta["pid"]))
+            environments[f"stage{k}"] = {"host": plan.stages[k].host, "pid": hello.pid, **(hello.env or {})}
+            if hello.pid is not None:
+                self.pids.setdefault(k, hello.pid)
         write_run_file(self.run_dir, "environments.json", json.dumps(environments, indent=1, default=str))
         now = time.monotonic()
         self.mailbox.last_seen = {name: now for name in self.names}  # from now on, silence means death
@@ -199,6 +200,6 @@ def handshake(link: StageLink, records: Any, welcome_fields: dict[str, Any]) -> 
         from hetero.runtime.run.checkpoint import select_payload
 
         for k, msg in ready.items():
-            tensors, meta = select_payload(*resume, list(msg.meta["keys"]), k)
+            tensors, meta = select_payload(*resume, list(record_of(msg, Start).keys), k)
             link.transport.send(link.names[k], "state", tensors=tensors, meta=meta)
-    return Started(start_step, resume, {k: float(m.meta.get("build_s", 0.0)) for k, m in ready.items()})
+    return Started(start_step, resume, {k: float(record_of(m, Start).build_s or 0.0) for k, m in ready.items()})

@@ -28,8 +28,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hetero.plan import Plan
-from hetero.protocol import Rebalance
+from hetero.protocol import Rebalance, Start, StepDone
 from hetero.runtime.run.metrics_file import MoveCause, RebalanceEvent
+from hetero.runtime.wire.frames import record_of
 
 log = logging.getLogger("hetero.run")
 
@@ -50,7 +51,7 @@ def stage_compute_s(done: dict[int, Any]) -> list[float]:
     """Per stage: the step's measured forward + backward seconds (its ``stepdone`` op times)."""
     from hetero.runtime.run.run_segments import compute_s
 
-    return [compute_s(done[k].meta["op_time_s"]) for k in sorted(done)]
+    return [compute_s(record_of(done[k], StepDone).op_time_s) for k in sorted(done)]
 
 
 @dataclass
@@ -104,7 +105,7 @@ class Mover:
 
     def observe(self, step: int, done: dict[int, Any]) -> None:
         """Step ``step``'s reports are in: decide whether the stages move after the next step."""
-        self.telemetry = [done[k].meta.get("telemetry") for k in sorted(done)]
+        self.telemetry = [record_of(done[k], StepDone).telemetry for k in sorted(done)]
         if not self.enabled or self.pending is not None or self.sent is not None:
             return
         if step + 1 in self.forced:
@@ -148,7 +149,7 @@ class Mover:
         state = merge_payloads([(m.tensors, m.meta) for _, m in sorted(payloads.items())],
                                f"the stages' states after step {step} disagree on the step")
         for k, msg in sorted(gather("start", 0).items()):
-            send_state(k, *select_payload(*state, list(msg.meta["keys"]), k))
+            send_state(k, *select_payload(*state, list(record_of(msg, Start).keys), k))
         return self.moved(clock())
 
     def moved(self, move_s: float) -> tuple[Plan, RebalanceEvent]:

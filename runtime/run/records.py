@@ -13,10 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hetero.errors import WireError
 from hetero.plan import Plan
+from hetero.protocol import StepDone
 from hetero.runtime.base.payloads import checkpoint_due
 from hetero.runtime.run.metrics_file import EvalLine, Event, MetricsFile, StepLine, eval_line
 from hetero.runtime.stage.telemetry import clean_telemetry
+from hetero.runtime.wire.frames import record_of
 from hetero.serde import to_dict
 from hetero.specs import RUNTIME_OVERRIDABLE
 
@@ -60,18 +63,20 @@ def metrics_line(plan: Plan, step: int, done: dict[int, Any], grad_norm: float, 
     """Step ``step``'s metrics.jsonl line from every stage's ``stepdone`` (loss over the step's ``label_tokens``;
     ``record_tokens``: the step's tokens that are not padding, StepBatch.num_tokens, when the caller passes them).
     ``step`` counts from 0, as the wire does; the line's ``step`` is the step's number, from 1 (STEP_NUMBERS)."""
-    lasts = [done[rep.stages[-1]].meta for rep in plan.pipelines]
-    loss = sum(float(m["loss_sum"]) for m in lasts) / label_tokens
-    metas = [done[k].meta for k in range(len(plan.stages))]
+    reports = [record_of(done[k], StepDone) for k in range(len(plan.stages))]
+    sums = [reports[rep.stages[-1]].loss_sum for rep in plan.pipelines]
+    if any(x is None for x in sums):
+        raise WireError(f"step {step + 1}: a pipeline's last stage reported no loss")
+    loss = sum(float(x) for x in sums if x is not None) / label_tokens
     streams = any(sp.stream_layers for sp in plan.stages)  # only plans that stream: the others' lines stay as they were
     return StepLine(
-        step=step + 1, loss=loss, lr=float(metas[0]["lr"]), grad_norm=grad_norm, clip_coef=coef,
+        step=step + 1, loss=loss, lr=float(reports[0].lr), grad_norm=grad_norm, clip_coef=coef,
         **throughput(plan, label_tokens, step_time, record_tokens),
-        stage_busy=[float(m["busy_s"]) for m in metas], stage_wall=[float(m["wall_s"]) for m in metas],
-        stage_ops=[m["op_time_s"] for m in metas], stage_cpu_ops=[m.get("op_cpu_s") for m in metas],
-        stage_links=[m.get("link_s") for m in metas], stage_telemetry=[clean_telemetry(m.get("telemetry")) for m in metas],
-        stage_streamed_bytes=[m.get("streamed_bytes") for m in metas] if streams else None,
-        stage_frozen_resident_peak_bytes=[m.get("frozen_resident_peak_bytes") for m in metas] if streams else None)
+        stage_busy=[float(r.busy_s) for r in reports], stage_wall=[float(r.wall_s) for r in reports],
+        stage_ops=[r.op_time_s for r in reports], stage_cpu_ops=[r.op_cpu_s for r in reports],
+        stage_links=[r.link_s for r in reports], stage_telemetry=[clean_telemetry(r.telemetry) for r in reports],
+        stage_streamed_bytes=[r.streamed_bytes for r in reports] if streams else None,
+        stage_frozen_resident_peak_bytes=[r.frozen_resident_peak_bytes for r in reports] if streams else None)
 
 
 class RunRecords:

@@ -21,9 +21,10 @@ import torch
 from hetero.errors import ConfigError, WireError
 from hetero.loss import IGNORE_INDEX
 from hetero.plan import Plan
-from hetero.protocol import Labels
+from hetero.protocol import EvalDone, Labels
 from hetero.runtime.base.payloads import stage_eval_due
 from hetero.runtime.run.metrics_file import EvalLine
+from hetero.runtime.wire.frames import record_of
 
 
 def evaluates_on_stages(plan: Plan) -> bool:
@@ -91,11 +92,11 @@ class StageEval:
             transport.send(self.first, "batch", step=step, tensors=inputs)
             transport.send(self.last, Labels(num_label_tokens=max(1, int((labels[..., 1:] != IGNORE_INDEX).sum()))),
                            step=step, tensors={"labels": labels})
-            done = mailbox.recv("evaldone", step=step, sender=self.last, timeout_s=timeout_s)
-            if int(done.meta["round"]) != r:
-                raise WireError(f"{self.last} answered round {done.meta['round']} of the evaluation after step "
+            done = record_of(mailbox.recv("evaldone", step=step, sender=self.last, timeout_s=timeout_s), EvalDone)
+            if done.round != r:
+                raise WireError(f"{self.last} answered round {done.round} of the evaluation after step "
                                 f"{step + 1}, expected {r}")
-            loss_sum += float(done.meta["loss_sum"])
-            tokens += int(done.meta["num_label_tokens"])
+            loss_sum += float(done.loss_sum)
+            tokens += done.num_label_tokens
         return EvalLine(step=step + 1, eval_loss=loss_sum / max(tokens, 1), eval_tokens=tokens,
                         eval_s=time.perf_counter() - start, eval_on="training stages")

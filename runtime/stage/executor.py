@@ -21,7 +21,7 @@ import torch
 
 from hetero.errors import TrainingDivergedError, WireError
 from hetero.program import Action
-from hetero.protocol import Act, Grad, GradNorm, Record
+from hetero.protocol import Act, Clip, Grad, GradNorm, Labels, Record, Reduced
 from hetero.runtime.stage.lora import peft_key
 from hetero.runtime.stage.loss import chunked_loss_sum
 from hetero.runtime.stage.lr import make_scheduler
@@ -29,7 +29,7 @@ from hetero.runtime.stage.model import Stage
 from hetero.runtime.stage.telemetry import open_telemetry
 from hetero.runtime.stage.telemetry import sample as sample_telemetry
 from hetero.runtime.wire import compress
-from hetero.runtime.wire.frames import accumulate_dtype
+from hetero.runtime.wire.frames import accumulate_dtype, record_of
 from hetero.security import COORDINATOR, stage_name
 from hetero.specs import TrainSpec
 
@@ -220,7 +220,7 @@ class Executor:
         which averaging the two directions of a link cancels: runtime/run/run_profile.py)."""
         waiting = time.time()
         msg = self.wire.recv(kind, step=step, mb=mb, sender=sender, chunk=self.chunk)
-        sent = msg.meta.get("sent")
+        sent = record_of(msg, Act if kind == "act" else Grad).sent
         if isinstance(sent, float) and sent >= waiting:
             self._deliveries[kind].append(time.time() - sent)
         return msg
@@ -243,7 +243,7 @@ class Executor:
         if self.stage.is_last and self._labels is None:
             msg = self.wire.recv("labels", step=step, sender=COORDINATOR)
             self._labels = msg.tensors["labels"]
-            self._num_label_tokens = int(msg.meta["num_label_tokens"])
+            self._num_label_tokens = record_of(msg, Labels).num_label_tokens
             if self._num_label_tokens < 1:
                 raise WireError(f"step {step}: coordinator sent num_label_tokens={self._num_label_tokens}")
 
@@ -334,7 +334,7 @@ class Executor:
                                     f"the parameter {tuple(p.shape)}")
                 p.grad = total.to(p.device, p.dtype).clone()
         self._grad_sumsq = grad_sumsq(self.params)
-        return float(msg.meta["coef"])
+        return float(record_of(msg, Reduced).coef)
 
 
 DIVERGED_HINT = "training diverged; lower train.lr (or raise train.warmup_steps) and resume from the last checkpoint"
@@ -366,7 +366,7 @@ def clip_round_trip(wire: Wire, sumsq: float, step: int, index: int) -> tuple[fl
     wire.send(COORDINATOR, GradNorm(sumsq=sumsq), step=step)
     t0 = time.perf_counter()
     msg = wire.recv("clip", step=step, sender=COORDINATOR)
-    return float(msg.meta["coef"]), time.perf_counter() - t0
+    return float(record_of(msg, Clip).coef), time.perf_counter() - t0
 
 
 def _check_finite(t: torch.Tensor, what: str, k: int, step: int, mb: int) -> None:

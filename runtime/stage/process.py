@@ -27,7 +27,17 @@ from typing import Any
 
 from hetero.errors import HeteroError, PlanError, WireError
 from hetero.plan import Plan
-from hetero.protocol import EXIT_REPLAN, FAILURE_TIMEOUT_S, Error, Hello, Rebalance, Start, StepDone
+from hetero.protocol import (
+    EXIT_REPLAN,
+    FAILURE_TIMEOUT_S,
+    Error,
+    Hello,
+    Rebalance,
+    Start,
+    StepDone,
+    Stop,
+    Welcome,
+)
 from hetero.runtime.wire.control import (
     ConnectionWatch,
     Heartbeat,
@@ -38,6 +48,7 @@ from hetero.runtime.wire.control import (
     heartbeat_interval,
     is_timeout,
 )
+from hetero.runtime.wire.frames import record_of
 from hetero.security import COORDINATOR, key_dirs
 from hetero.serde import from_dict, to_dict
 from hetero.specs import TrainSpec
@@ -180,10 +191,10 @@ def _say_hello(transport: Any, plan: Plan, k: int, device: Any, coordinator: str
 def _serve(plan: Plan, k: int, device: Any, mailbox: Mailbox, heartbeat: Heartbeat,
            neighbours: tuple[int | None, int | None]) -> None:
     """The life of a stage after hello: welcome, build, (state), its steps, stop."""
-    welcome = await_welcome(mailbox, mailbox.transport, plan, 600.0)
-    plan = _follow_welcome(plan, welcome.meta, mailbox, heartbeat)
+    welcome = record_of(await_welcome(mailbox, mailbox.transport, plan, 600.0), Welcome)
+    plan = _follow_welcome(plan, welcome, mailbox, heartbeat)
     executor = _build(plan, k, device, mailbox, neighbours)
-    if welcome.meta.get("resume"):
+    if welcome.resume:
         _restore(executor, mailbox, k)
 
     def rebuild(record: Any) -> Any:
@@ -193,24 +204,23 @@ def _serve(plan: Plan, k: int, device: Any, mailbox: Mailbox, heartbeat: Heartbe
         return _build(plan, k, device, mailbox, neighbours)
 
     stage_eval = None  # (every, rounds): this stage evaluates after those steps (runtime/stage/evaluate.py)
-    if welcome.meta.get("stage_eval_every") and k in plan.pipelines[0].stages:
-        stage_eval = (int(welcome.meta["stage_eval_every"]), int(welcome.meta.get("stage_eval_rounds") or 1))
-    train_steps(executor, mailbox, plan.input_hash, int(welcome.meta.get("start_step", 0)),
-                eval_every=int(welcome.meta.get("eval_every", 0)), rebuild=rebuild, stage_eval=stage_eval)
-    stop = mailbox.recv("stop", sender=COORDINATOR, timeout_s=None)
-    plan_text, replan = stop.meta.get("plan"), stop.meta.get("replan")
-    if isinstance(plan_text, str) and isinstance(replan, int):  # lost a device after the last step: go on there
-        raise StopRequested(str(stop.meta.get("reason", "stop requested")), plan_text, replan)
-    log.info("stopping: %s", stop.meta.get("reason", "stop requested"))
+    if welcome.stage_eval_every and k in plan.pipelines[0].stages:
+        stage_eval = (welcome.stage_eval_every, welcome.stage_eval_rounds or 1)
+    train_steps(executor, mailbox, plan.input_hash, welcome.start_step, eval_every=welcome.eval_every or 0,
+                rebuild=rebuild, stage_eval=stage_eval)
+    stop = record_of(mailbox.recv("stop", sender=COORDINATOR, timeout_s=None), Stop)
+    if stop.plan is not None and stop.replan is not None:  # lost a device after the last step: go on there
+        raise StopRequested(stop.reason or "stop requested", stop.plan, stop.replan)
+    log.info("stopping: %s", stop.reason or "stop requested")
 
 
-def _follow_welcome(plan: Plan, welcome: dict[str, Any], mailbox: Mailbox, heartbeat: Heartbeat) -> Plan:
+def _follow_welcome(plan: Plan, welcome: Welcome, mailbox: Mailbox, heartbeat: Heartbeat) -> Plan:
     """Take the welcome's failure bound (for the coordinator's silence and our beats) and training settings."""
-    failure_timeout_s = float(welcome.get("failure_timeout_s", FAILURE_TIMEOUT_S))
+    failure_timeout_s = float(welcome.failure_timeout_s if welcome.failure_timeout_s is not None else FAILURE_TIMEOUT_S)
     mailbox.last_seen[COORDINATOR] = time.monotonic()
     mailbox.silence_s = failure_timeout_s
     heartbeat.interval_s = heartbeat_interval(failure_timeout_s)
-    return replace(plan, train=apply_train_settings(plan.train, welcome.get("train", {})))
+    return replace(plan, train=apply_train_settings(plan.train, welcome.train))
 
 
 def _build(plan: Plan, k: int, device: Any, mailbox: Mailbox, neighbours: tuple[int | None, int | None]) -> Any:

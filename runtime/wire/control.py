@@ -18,7 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 from hetero.errors import HeteroError, WireError
-from hetero.protocol import FAILURE_TIMEOUT_S, LOST_GRACE_S, SLICE_S, Record
+from hetero.protocol import FAILURE_TIMEOUT_S, LOST_GRACE_S, SLICE_S, Error, Record, Stop
+from hetero.runtime.wire.frames import record_of
 
 # SLICE_S, FAILURE_TIMEOUT_S and LOST_GRACE_S are defined (and explained) in hetero/protocol.py.
 log = logging.getLogger("hetero.control")
@@ -219,15 +220,13 @@ class Mailbox:
         while (msg := self._take("heartbeat")) is not None:
             self.last_seen[msg.sender] = now
         if (msg := self._take("stop")) is not None:
-            done = msg.meta.get("checkpoint")
-            if isinstance(done, int) and self.on_checkpoint is not None:
-                self.on_checkpoint(done)  # then keep waiting: the state must not change until the final stop
+            stop = record_of(msg, Stop)
+            if stop.checkpoint is not None and self.on_checkpoint is not None:
+                self.on_checkpoint(stop.checkpoint)  # then keep waiting: the state must not change until the final stop
             else:
-                plan, replan = msg.meta.get("plan"), msg.meta.get("replan")
-                raise StopRequested(str(msg.meta.get("reason", "stop requested")), plan if isinstance(plan, str) else None,
-                                    replan if isinstance(replan, int) else None)
+                raise StopRequested(stop.reason or "stop requested", stop.plan, stop.replan)
         if (msg := self._take("error")) is not None:
-            raise PeerError(msg.sender, str(msg.meta.get("message", "failed")))
+            raise PeerError(msg.sender, record_of(msg, Error).message)
         if self.on_idle is not None:
             self.on_idle()
         if self.connections is not None and (lost := self.connections.lost()):

@@ -15,13 +15,13 @@ import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import torch
 
 from hetero.errors import WireError
-from hetero.protocol import KINDS, MAX_HEADER_BYTES, PLAN_DTYPES, WIRE_DTYPES, WIRE_VERSION
+from hetero.protocol import KINDS, MAX_HEADER_BYTES, PLAN_DTYPES, WIRE_DTYPES, WIRE_VERSION, Record
 
 # KINDS (every kind hetero/protocol.py defines a record for) is all a process sends or decodes.
 # Wire dtype names (hetero/protocol.py): stable strings, independent of the torch version on either host.
@@ -54,12 +54,28 @@ class Message:
     meta: dict[str, Any] = field(default_factory=dict)  # msgpack-able scalars/lists/dicts only
     # Received tensors are CPU tensors of their wire dtype, viewing the receive buffer (no copy).
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # A received message's meta as its kind's record (hetero/protocol.py), once the receiver's rules checked it
+    # (runtime/wire/rules.py): what receivers read, by field (``record_of``).
+    record: Record | None = field(default=None, repr=False, compare=False)
 
     def describe(self) -> str:
         """Short text form for logs and errors, e.g. ``'grad' step 3 mb 2 from stage2`` (a sender's name that is not
         printable text, a line break say, quoted: a log line stays one line whatever a peer claims)."""
         sender = self.sender if self.sender.isprintable() else repr(self.sender)
         return f"{self.kind!r} step {self.step} mb {self.mb} from {sender}"
+
+
+R = TypeVar("R", bound=Record)
+
+
+def record_of(msg: Any, cls: type[R]) -> R:
+    """``msg``'s meta as the record ``cls``: the one its receiver's rules checked, or checked now (a message made by
+    hand, or received without rules); a meta that is not one is a WireError naming the message."""
+    record = getattr(msg, "record", None)
+    if isinstance(record, cls):
+        return record
+    where = msg.describe() if isinstance(msg, Message) else f"a {cls.KIND!r} message"
+    return cls.from_wire(msg.meta, where)
 
 
 def _wire_bytes(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:

@@ -72,7 +72,7 @@ class Rules:
             raise WireError(f"{msg.describe()}: {self.me} never receives {msg.kind!r}")
         if msg.sender not in allowed:
             raise WireError(f"{msg.describe()}: {self.me} takes {msg.kind!r} only from {', '.join(sorted(allowed))}")
-        check_meta(msg)
+        msg.record = check_meta(msg)  # receivers read the record, not the meta it was checked from
         if msg.kind not in UNSTEPPED:
             if self.step is not None and not self.step <= msg.step <= self.step + 1:
                 raise WireError(f"{msg.describe()}: {self.me} is at step {self.step} (accepts {self.step} and "

@@ -229,6 +229,7 @@ def drive(executors: list, wires: list, coord, batches, steps: int, max_grad_nor
     import math
     import threading
 
+    from hetero.protocol import Clip
     from hetero.runtime.stage.executor import COORDINATOR, stage_name
 
     names = [stage_name(k) for k in range(len(executors))]
@@ -258,8 +259,8 @@ def drive(executors: list, wires: list, coord, batches, steps: int, max_grad_nor
             sumsq = sum(coord.recv("gradnorm", step=step).meta["sumsq"] for _ in names)
             coef = min(1.0, max_grad_norm / (math.sqrt(sumsq) + 1e-6)) if max_grad_norm > 0 else 1.0
             coefs.append(coef)
-            for name in names:
-                coord.send(name, "clip", step=step, meta={"coef": coef})
+            for name in names:  # as the coordinator sends it: the record the stages read (hetero.protocol.Clip)
+                coord.send(name, Clip(coef=coef, grad_norm=math.sqrt(sumsq)), step=step)
             done = [coord.recv("stepdone", step=step) for _ in names]
             last = next(d for d in done if d.sender == names[-1])
             losses.append(last.meta["loss_sum"] / batch.num_label_tokens)

@@ -73,10 +73,10 @@ class Coordinator:
             self.link.abandon()
             raise
         self.result = self.records.result
-        self.stage_eval = StageEval(plan, self.link.names) if evaluates_on_stages(plan) else None
+        self.stage_eval: StageEval | None = None  # the training stages evaluate (made in run: it may refuse)
         # The eval.every by which the stages send their state: a spare evaluator's adapters (the training stages
         # evaluate without them).
-        self.keeper = StateKeeper(self.link, self.records, plan.eval.every if self.stage_eval is None else 0)
+        self.keeper = StateKeeper(self.link, self.records, 0 if evaluates_on_stages(plan) else plan.eval.every)
         self.failures = Failures(self.link, self.keeper)
         self.signals = SignalWatch()
         self.heartbeat = Heartbeat(self.link.transport, self.link.names,
@@ -115,6 +115,7 @@ class Coordinator:
         link, options = self.link, self.options
         remote = sorted({s.host for s in self.plan.stages if s.host != self.host})
         self.records.open_evaluator(link.plan_path, self.host)
+        self.stage_eval = StageEval(self.plan, link.names) if evaluates_on_stages(self.plan) else None
         self.records.record_eval([{"error": line} for line in (self.stage_eval.skipped if self.stage_eval else [])])
         if options.ssh_workers is not None:  # a re-planned run: the workers follow its plan (host.py)
             link.ssh = options.ssh_workers

@@ -1,7 +1,7 @@
 """Recovery without a person (`hetero run ... runtime.elastic=auto`, the default).
 
 While it trains, the coordinator copies every stage's state (LoRA weights, AdamW moments, step count: the
-checkpoint payload) into its own memory every few steps (Coordinator._keep_in_memory), so a stage that is
+checkpoint payload) into its own memory every few steps (StateKeeper.keep: runtime/run/coordinator_state.py), so a stage that is
 lost does not take the run's state with it. When a stage's device is lost (its process killed by a signal,
 silent past runtime.failure_timeout_s, its connection gone for good), the run:
 

@@ -2,8 +2,8 @@
 
 ``start`` runs a command in a child of tests/warm_server.py, which has `hetero run`'s imports done (about 6 s less
 per command than a fresh interpreter), or as the console script itself where the start is the point: a working
-directory holding a folder named hetero (issue 53), an environment of the test's own (read at start-up), ``cold``,
-or HETERO_TESTS_COLD=1 for the whole session.
+directory holding a folder named hetero (issue 53), a PYTHON* variable of the test's own (read at start-up),
+``cold``, or HETERO_TESTS_COLD=1 for the whole session.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def clone_beside(folder: Path) -> Path:
 def start(args: list[str], cwd: Path, cold: bool = False, **env: str) -> Any:
     """``hetero ARGS`` started in ``cwd``: a Popen, or a Warm with the part of Popen's interface tests use."""
     environ = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
-    if cold or env or os.environ.get("HETERO_TESTS_COLD") or (Path(cwd) / "hetero").exists():
+    startup = [k for k in env if k.startswith("PYTHON")]  # read as the interpreter starts: a fork has started
+    if cold or startup or os.environ.get("HETERO_TESTS_COLD") or (Path(cwd) / "hetero").exists():
         proc: Any = subprocess.Popen(HETERO + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=environ)
     else:
@@ -127,6 +128,13 @@ class Warm:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def run_hetero(args: list[str], cwd: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess[str]:
+    """``hetero ARGS`` in ``cwd`` to its end, as ``subprocess.run(..., capture_output=True, text=True)`` answers."""
+    proc = start(args, cwd, **env)
+    code, out, err = finish(proc, timeout)
+    return subprocess.CompletedProcess(proc.args, code, out, err)
 
 
 def _drain(stream: Any, into: list[str]) -> None:

@@ -4,7 +4,6 @@ delegation to the runtime, and (once compiler + planner exist) `hetero compile` 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -194,9 +193,9 @@ def test_ctrl_c_exits_130(monkeypatch, capsys: pytest.CaptureFixture[str]) -> No
 
 
 def _hetero(args: list[str], cwd: Path, **env_vars: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160", **env_vars}
-    return subprocess.run([sys.executable, "-m", "hetero.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    from procs import run_hetero
+
+    return run_hetero(args, cwd, COLUMNS="160", **env_vars)
 
 
 THREE_BOXES = """name: three_boxes

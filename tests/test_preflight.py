@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from plans import free_ports, make_plan
-from procs import HETERO, clean_up, finish, start
+from procs import HETERO, clean_up, finish, run_hetero, start
 from safetensors.torch import load_file, save_file
 
 from hetero.errors import CheckpointError, ConfigError, WireError
@@ -372,7 +372,6 @@ def test_worker_check_names_what_each_box_lacks_one_line_each(tiny_model_dir: Pa
     port is taken, gamma declares an RTX 3090 it does not have. `hetero worker --check` names each box's problem in
     one line with its fix and exits 2; a box with everything passes."""
     import json
-    import os
     import socket
 
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [2, 2, 2], train=TRAIN, hosts=["alpha", "beta", "gamma"])
@@ -389,8 +388,7 @@ def test_worker_check_names_what_each_box_lacks_one_line_each(tiny_model_dir: Pa
     (tmp_path / "alpha").mkdir()
 
     def check(host: str, home: str) -> tuple[int, list[str]]:
-        done = subprocess.run([*HETERO, "worker", "plan.json", "--host", host, "--check"], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": str(tmp_path / home)})
+        done = run_hetero(["worker", "plan.json", "--host", host, "--check"], tmp_path, 120, HOME=str(tmp_path / home))
         assert "Traceback" not in done.stderr, done.stderr
         json.loads(done.stdout.strip().splitlines()[-1].removeprefix("hetero-check: "))  # what `hetero run` reads
         return done.returncode, done.stderr.strip().splitlines()

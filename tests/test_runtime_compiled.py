@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from plans import run_in_threads
+from procs import run_hetero
 from reference import make_init_adapter, train_reference
 
 from hetero.plan import Plan
@@ -20,10 +19,10 @@ from hetero.specs import LoraSpec
 
 def test_compiled_plan_trains_like_the_reference(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "compiled"
-    cmd = [sys.executable, "-m", "hetero.cli", "compile", "model=tiny", "hardware=local", "hardware.num_devices=3",
+    cmd = ["compile", "model=tiny", "hardware=local", "hardware.num_devices=3",
            "planner.split=[1,3,2]", "model.seq_len=64", "train.micro_batch_size=2", "train.num_micro_batches=3",
            "train.max_grad_norm=0.2", f"output={out}"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = run_hetero(cmd, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     plan = Plan.load(out / "plan.json")
     assert [len(s.node_names) for s in plan.stages] == [2, 3, 4]  # embed+1 layer, 3 layers, 2 layers+norm+head

@@ -21,6 +21,7 @@ import pytest
 import torch
 from metrics_rows import read_metrics, step_lines
 from plans import free_ports, make_plan
+from procs import run_hetero, start
 from safetensors.torch import save_file
 
 from hetero.errors import CheckpointError
@@ -539,10 +540,8 @@ def test_a_run_whose_disk_fills_up_stops_cleanly_and_resumes(tiny_model_dir: Pat
     plan.save(tmp_path / "plan.json")
     disk = tmpfs("64m")
     run_dir = disk / "run"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     port = str(free_ports(1)[0])
-    proc = subprocess.Popen([*HETERO, "run", "plan.json", "--run-dir", str(run_dir), "--port", port, "--no-progress"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = start(["run", "plan.json", "--run-dir", str(run_dir), "--port", port, "--no-progress"], tmp_path)
     try:
         first = checkpoint_dir(run_dir, 4)
         deadline = time.monotonic() + 240
@@ -572,8 +571,7 @@ def test_a_run_whose_disk_fills_up_stops_cleanly_and_resumes(tiny_model_dir: Pat
     filler.unlink()  # space freed: the command from the message, run as printed, continues the run
     printed = shlex.split(_one_line(err).rsplit("`", 2)[1])
     assert printed[:2] == ["hetero", "run"]
-    done = subprocess.run([*HETERO, *printed[1:], "--no-progress"], cwd=tmp_path, capture_output=True, text=True,
-                          env=env, timeout=240)
+    done = run_hetero([*printed[1:], "--no-progress"], tmp_path, 240)
     assert done.returncode == 0, done.stderr[-3000:]
     # --resume CHECKPOINT starts a new run directory (--resume RUN_DIR would go on in RUN_DIR).
     adapter = Path(done.stdout.split("adapter: ", 1)[1].split()[0])

@@ -346,10 +346,10 @@ def test_an_attacked_run_trains_exactly_like_an_unattacked_one(tmp_path: Path, t
                      seq_len=SEQ_LEN)
     plan = replace(plan, security=generate("curve", [s.host for s in plan.stages], tmp_path))
     plan.save(tmp_path / "plan.json")
-    hetero = [sys.executable, "-m", "hetero.cli", "run", "plan.json", "--no-progress"]
+    from procs import run_hetero
 
     def run(name: str) -> list[float]:
-        done = subprocess.run([*hetero, "--run-dir", name], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        done = run_hetero(["run", "plan.json", "--no-progress", "--run-dir", name], tmp_path)
         assert done.returncode == 0, done.stderr[-2000:]
         return [line["loss"] for line in step_lines(read_metrics(tmp_path / name / "metrics.jsonl"))]
 

@@ -40,17 +40,24 @@ def clone_beside(folder: Path) -> Path:
     return folder
 
 
-def start(args: list[str], cwd: Path, cold: bool = False, **env: str) -> Any:
-    """``hetero ARGS`` started in ``cwd``: a Popen, or a Warm with the part of Popen's interface tests use."""
+def start(args: list[str], cwd: Path, cold: bool = False, nofile: int | None = None, **env: str) -> Any:
+    """``hetero ARGS`` started in ``cwd``: a Popen, or a Warm with the part of Popen's interface tests use;
+    ``nofile``: the command's soft limit on open files (its stages inherit it)."""
     environ = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
     startup = [k for k in env if k.startswith("PYTHON")]  # read as the interpreter starts: a fork has started
     if cold or startup or os.environ.get("HETERO_TESTS_COLD") or (Path(cwd) / "hetero").exists():
         proc: Any = subprocess.Popen(HETERO + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=environ)
+                                     text=True, env=environ, preexec_fn=None if nofile is None else lambda: _limit(nofile))
     else:
-        proc = Warm(HETERO + args, Path(cwd), environ)
+        proc = Warm(HETERO + args, Path(cwd), environ, nofile)
     STARTED.append(proc)
     return proc
+
+
+def _limit(nofile: int) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
 
 def _server() -> str:
@@ -72,7 +79,7 @@ def _server() -> str:
 class Warm:
     """A command run by the warm server: pid, args, stdout/stderr (text), poll, wait, communicate, signals."""
 
-    def __init__(self, args: list[str], cwd: Path, env: dict[str, str]) -> None:
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str], nofile: int | None = None) -> None:
         self.args, self.returncode = args, None
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -80,7 +87,7 @@ class Warm:
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._conn.connect(_server())
-            body = json.dumps({"argv": args, "cwd": str(cwd), "env": env}).encode()
+            body = json.dumps({"argv": args, "cwd": str(cwd), "env": env, "nofile": nofile}).encode()
             socket.send_fds(self._conn, [struct.pack("!I", len(body)) + body], [null, out_w, err_w])
         finally:
             for fd in (null, out_w, err_w):

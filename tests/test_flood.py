@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import pytest
 from metrics_rows import read_metrics, step_lines
 from plans import free_ports, make_plan
-from procs import STARTED, clean_up, finish
+from procs import STARTED, clean_up, finish, start
 
 import hetero.runtime.wire.inbox as inbox_module
 from hetero.plan import Plan
@@ -233,14 +233,8 @@ def _port(endpoint: str) -> int:
 
 def _start_run(tmp_path: Path, name: str, port: int) -> subprocess.Popen:
     """`hetero run` under a soft open-file limit of SOFT_NOFILE (its stages inherit it)."""
-    def low_limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (SOFT_NOFILE, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-
-    proc = subprocess.Popen([sys.executable, "-m", "hetero.cli", "run", "plan.json", "--run-dir", name, "--port",
-                             str(port), "--no-progress"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=low_limit)
-    STARTED.append(proc)
-    return proc
+    return start(["run", "plan.json", "--run-dir", name, "--port", str(port), "--no-progress"], tmp_path,
+                 nofile=SOFT_NOFILE)
 
 
 def _losses(run_dir: Path) -> list[float]:

@@ -10,7 +10,7 @@ script would. The server reaps each child and answers its exit code as Popen rep
     python -P tests/warm_server.py SOCKET PADDING
 
 Protocol on the Unix socket, one connection per command: the client sends a 4-byte length, then a JSON object
-``{"argv", "cwd", "env"}``, with its stdin, stdout and stderr descriptors attached to the first message; the
+``{"argv", "cwd", "env", "nofile"}`` (nofile: a soft limit on open files, or null), with its stdin, stdout and stderr descriptors attached to the first message; the
 server answers ``PID\\n`` and later ``EXITCODE\\n``. The server exits when its parent does. Tests that are
 about how a process starts (a folder named hetero in the working directory, another interpreter, ssh) start
 the real console script instead.
@@ -65,6 +65,10 @@ def child(request: dict, fds: list[int]) -> None:
             os.dup2(fd, target)
             os.close(fd)
         os.chdir(request["cwd"])
+        if request.get("nofile") is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (request["nofile"], resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
         os.environ.clear()
         os.environ.update(request["env"])
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE):

@@ -6,7 +6,7 @@ real loopback transports; per-step losses and the saved adapter must equal plain
 (tests/reference.py) within 1e-9 of scale. In float32 the two differ by summation order alone (Adam lifts rounding on
 tiny gradients, so float32 checks allow 1e-4 of scale): float64 leaves no room for a bug to hide there.
 The runtime's processes (plan.json, the wire between processes, the coordinator's adapter) are checked in
-float32 by tests/test_packing.py for the families whose stages differ most, and tests/test_runtime_equivalence.py.
+float32 by tests/test_packing.py (llama and gemma3_text) and tests/test_runtime_equivalence.py.
 A model_type outside the table, and LoRA targets a family does not have, are one line at compile time.
 """
 

@@ -2,9 +2,9 @@
 
 The strongest checks are tests/test_families.py's, where every family trains packed rows on 3 stages in float64 and
 equals plain transformers+peft trained on the same records one per row (tests/reference.py) within 1e-9. Here the
-same holds through `hetero run`'s processes in float32 (within 1e-5) for the families whose stages differ most:
-llama, gemma3_text (sliding windows shorter than the records, two rotary bases), gpt_oss (attention sinks, biased
-experts) and deepseek_v2 (latent attention, routed and shared experts).
+same holds through `hetero run`'s processes in float32 (within 1e-5) for llama and gemma3_text (sliding windows
+shorter than the records, two rotary bases): the wire and the processes are the same for every family, so gpt_oss
+and deepseek_v2 (run here until 2026-12-03) are checked in one process by test_families.py.
 """
 
 from __future__ import annotations
@@ -116,8 +116,8 @@ def test_packing_off_keeps_one_record_per_row(tiny_model_dir: Path) -> None:
 
 
 FAMILIES = ["llama", "qwen3", "gemma3_text", "phi3", "qwen3_moe", "gpt_oss", "deepseek_v2"]
-# Through `hetero run`'s processes (qwen3, phi3 and qwen3_moe: tests/test_families.py in float64, in one process).
-RUN_FAMILIES = ["llama", "gemma3_text", "gpt_oss", "deepseek_v2"]
+# Through `hetero run`'s processes (the others: tests/test_families.py in float64, in one process).
+RUN_FAMILIES = ["llama", "gemma3_text"]
 
 
 @pytest.mark.parametrize(("model_type", "attention"), [(f, "auto") for f in FAMILIES] + [

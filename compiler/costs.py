@@ -72,7 +72,7 @@ class MoE:
         return float(dtype_bytes * (2 + 7 * self.top_k) * self.hidden + 4 * 8 * self.top_k)
 
     def activation_bytes(self, dtype_bytes: float) -> float:
-        """What autograd keeps per token for the MoE block (frozen experts), as measured in tests/test_experts.py.
+        """What autograd keeps per token for the MoE block (frozen experts), as measured in tests/unit/test_experts.py.
         Grouped: per chosen expert its gathered input (H), the gate/up output and the activation (``gate_kept`` I:
         3 for SwiGLU, 6 for gpt-oss's clamped one), the routing
         weight, its top-k value (fp32) and index, and three int64 row indices (the sort's order, the rows' tokens,

@@ -26,7 +26,7 @@ model forward's steps outside the layers) and the LoRA checks (which Linear laye
 
 Parameters, FLOPs and activation bytes are counted from the module structure (compiler/costs.py), so a
 family needs no formula of its own (a mixture of experts counts every expert in memory and top-k in compute).
-Adding a family is one entry here plus its row in the equivalence test (tests/test_families.py) and
+Adding a family is one entry here plus its row in the equivalence test (tests/unit/test_families.py) and
 docs/models.md.
 """
 
@@ -65,7 +65,7 @@ class Experts:
     module: str = "mlp.experts"
     # What its gate keeps for backward per chosen expert, in units of the expert's intermediate size: SwiGLU keeps
     # the gate/up output (2 I) and the activation (I); gpt-oss's clamped SwiGLU also its clamped gate, sigmoid and
-    # up + 1 (6 I; tests/test_experts.py measures both).
+    # up + 1 (6 I; tests/unit/test_experts.py measures both).
     gate_kept: int = 3
     # How the family's published checkpoints store the experts when not as weights of the compute dtype (gpt-oss:
     # "MXFP4"); runtime/stage/weights.py dequantizes them on loading.

@@ -52,7 +52,7 @@ WIRE_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "int64", "int3
 COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # what model.dtype and a device may choose
 # ... and what a plan's stage may name: float64 too, which `hetero compile` never chooses (no card is priced for it).
 # A hand-made CPU plan in float64 checks the runtime's arithmetic against transformers+peft to 1e-9
-# (tests/test_families.py), where float32's rounding would hide a bug below 1e-4.
+# (tests/unit/test_families.py), where float32's rounding would hide a bug below 1e-4.
 PLAN_DTYPES: tuple[str, ...] = (*COMPUTE_DTYPES, "float64")
 
 

@@ -1,7 +1,7 @@
 """The planner: the graph placed on the fleet, with its programs, predictions, baselines and verdict. Never
 imports torch.
 
-Its wings import only the wings below them (tests/test_import_rules.py), bottom up:
+Its wings import only the wings below them (tests/unit/test_import_rules.py), bottom up:
 
 - ``schedule``: the schedules' programs, their closed step forms and the event simulator;
 - ``model``: what a placement costs: the cost table, the cost models (datasheets, profiles), links, streaming,

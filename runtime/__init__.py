@@ -1,7 +1,7 @@
 """The pipeline runtime: stage processes exchanging activations and gradients over ZeroMQ.
 
 Floors, bottom up; a module imports its own floor and those below, never one above
-(tests/test_import_rules.py):
+(tests/unit/test_import_rules.py):
 
 - ``base``: what every process of a run shares: the run directory, the process environment and limits,
   prompt templates (and ``pretrained.py``: where a model's files are);

@@ -151,7 +151,7 @@ def synthetic_profile(cluster, model: ModelSpec, decoder_b: dict[str, float], ki
 
 
 def _plan(cluster, graph, quant="nf4", m=4, schedule="1f1b", **opts):  # type: ignore[no-untyped-def]
-    # The placement as the solvers find it (one chunk per device; tests/test_interleaved.py plans interleaving).
+    # The placement as the solvers find it (one chunk per device; tests/unit/test_interleaved.py plans interleaving).
     opts.setdefault("interleave", "off")
     train = TrainSpec(micro_batch_size=1, num_micro_batches=m, schedule=schedule)
     return plan(make_model(quant), graph, cluster, train, DataSpec(), PlannerOptions(time_limit_s=20.0, **opts))

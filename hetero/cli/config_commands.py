@@ -66,7 +66,7 @@ def compile_config(cfg: Config, say: Callable[[str], None],
 
         say("weighing each device against the plan without it")
         # At most half the solver's limit (10 s at most): a compile keeps to planner.time_limit_s and a few seconds
-        # (tests/test_planner_limits.py); a re-plan cut short names nothing.
+        # (tests/unit/test_planner_limits.py); a re-plan cut short names nothing.
         budget_s = min(10.0, cfg.planner.time_limit_s / 2)
         plan = replace(plan, verdict=[*plan.verdict, *cheap_device_lines(plan, cost_model, budget_s=budget_s)])
     by = None if started is None else started + tracing_s + cfg.planner.time_limit_s + PICTURES_ALLOWANCE_S

@@ -22,7 +22,7 @@ sum of its period groups' bottlenecks. Each part is bounded from below:
 
 T(U, m) >= the least, over the s that fit, of round trip(s) + (m - 1) x period(s). With s = |U|, no
 hand-offs and every capacity 1 this is the earlier bound W + (m - 1) max(W / |U|, largest layer); every
-part above only raises it (tests/test_replica_bound.py checks it against solved pipelines).
+part above only raises it (tests/unit/test_replica_bound.py checks it against solved pipelines).
 """
 
 from __future__ import annotations

@@ -258,7 +258,7 @@ FORMS: dict[str, StepForm] = {
                       bound=(BoundGroup(_forward_phase, 1.0), BoundGroup(_backward_phase, 1.0)), suffix=_no_suffix),
 }
 # The names live with the programs (hetero/program.py: a plan is checked without importing the planner); they are
-# these forms' (tests/test_step_form.py).
+# these forms' (tests/unit/test_step_form.py).
 assert set(SCHEDULES) == set(FORMS), (SCHEDULES, list(FORMS))
 
 

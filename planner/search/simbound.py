@@ -21,7 +21,7 @@ to stage k+1, ``A_k = sum_{j<k} (phi_j + c_j)`` the first activation's arrival, 
   Gamma_k + T_k`` with r = (m - 1) mod q;
 
 and then the optimizer step: the simulator's STEP is a barrier, so the step is exactly the barrier
-plus ``max_k (sync_k + STEP_k)``. tests/test_planner_simulated.py checks the bound against the
+plus ``max_k (sync_k + STEP_k)``. tests/unit/test_planner_simulated.py checks the bound against the
 simulator on random placements.
 """
 

@@ -4,7 +4,7 @@ The simulated search (planner/search/simsearch.py) proves its placement by bound
 12-16 cards it cannot visit enough of them within the time limit. What it can use instead is the step
 form's lower bound (``StepForm.bound``, ``StepForm.suffix``): ``L(P) = base + (m - 1) p(P)`` where ``base``
 is the first micro-batch's round trip and ``p`` the largest of the stages' bound weights, the links and the
-round trips of each suffix of stages over (m - 1). The simulator never beats L (tests/test_step_form.py checks
+round trips of each suffix of stages over (m - 1). The simulator never beats L (tests/unit/test_step_form.py checks
 ``StepForm.least_step`` against it on random pipelines), so its least value over all placements bounds the
 simulated optimum from below.
 

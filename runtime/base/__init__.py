@@ -3,5 +3,5 @@
 The run directory's layout and its atomic files (``rundir``), a process's environment (``env``), process
 limits and lines from a process's log (``processes``), how records become prompt text (``prompts``), and where
 third-party warnings go (``warnings_log``: the run's or the plan's log, not the terminal).
-Nothing here imports another runtime package (tests/test_import_rules.py: floors).
+Nothing here imports another runtime package (tests/unit/test_import_rules.py: floors).
 """

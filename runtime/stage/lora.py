@@ -22,7 +22,7 @@ scaling folded into the GEMM), and in backward the adapter's input gradient into
 drops, per adapted projection, a full-width delta tensor, its scaling multiply and the add, forward
 and backward -- about a quarter of a W1 stage's compute on this CPU (docs/benchmarks.md). Peers
 running stock peft pay them. The rounding of the delta differs from peft's by an ulp; fp32 training
-equals plain peft to 1e-4 (tests/test_runtime_equivalence.py), and a run equals itself bit for bit.
+equals plain peft to 1e-4 (tests/e2e/test_runtime_equivalence.py), and a run equals itself bit for bit.
 Elsewhere (bitsandbytes 4-bit, bf16 base with fp32 adapters) the delta runs on its own, as peft
 orders it.
 """

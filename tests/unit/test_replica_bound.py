@@ -1,6 +1,6 @@
 """planner/replica/replica_bound.py: the replica search's lower bounds on T(U, m) hold against brute force.
 
-On random small tables (tests/test_planner_replicas.py's generator: 2-3 device kinds on two hosts, both
+On random small tables (tests/unit/test_planner_replicas.py's generator: 2-3 device kinds on two hosts, both
 schedules, every recomputation mode) every multiset U of device classes and share m is checked against the
 fastest placement on U's devices found by enumerating every placement and recomputation:
 

@@ -212,7 +212,7 @@ def test_no_preset_verdict_contradicts_itself() -> None:
     from hetero.compiler.trace import trace
     from hetero.planner import plan as make_plan
 
-    fleets = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "hardware").glob("*.yaml"))
+    fleets = sorted(p.stem for p in (Path(__file__).parents[2] / "conf" / "hardware").glob("*.yaml"))
     assert len(fleets) >= 6
     graphs: dict[str, object] = {}
     forced_said = 0

@@ -7,7 +7,7 @@ forward / one backward, then the cool-down backwards; GPipe: every forward, then
 interleaved 1F1B: device d's ``2 (p - d - 1) + (v - 1) p`` warm-up forwards, micro-batches in groups of p
 through chunk 0, then chunk 1, backwards through the chunks in reverse).
 
-Regenerate after an intended change:  HETERO_UPDATE_GOLDEN=1 python -m pytest tests/test_schedule_golden.py
+Regenerate after an intended change:  HETERO_UPDATE_GOLDEN=1 python -m pytest tests/unit/test_schedule_golden.py
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from hetero.planner.schedule.simulator import chunks_of, simulate
 from hetero.planner.schedule.step_form import programs_for
 from hetero.program import Action, format_program, parse_program
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 UPDATE = "HETERO_UPDATE_GOLDEN"
-REGENERATE = f"{UPDATE}=1 python -m pytest tests/test_schedule_golden.py"
+REGENERATE = f"{UPDATE}=1 python -m pytest tests/unit/test_schedule_golden.py"
 
 
 def replica_programs(schedule: str, stages: list[int], shares: list[int]) -> list[list[Action]]:

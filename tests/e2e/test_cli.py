@@ -21,7 +21,7 @@ from hetero.plan import Baseline, MemoryBreakdown, Plan, Prediction, SolverRepor
 from hetero.planner.schedule.simulator import Event, Timeline
 from hetero.specs import DataSpec, ModelSpec, PlannerOptions, TrainSpec
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 
 def _node(name: str, kind: str) -> LayerNode:

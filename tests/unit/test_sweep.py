@@ -189,7 +189,7 @@ def test_csv_table_and_docs_take_their_columns_from_one_definition() -> None:
     shown = [key for column in TABLE_COLUMNS for key in column.keys]
     assert set(shown) <= set(SUMMARY_KEYS), set(shown) - set(SUMMARY_KEYS)
     # docs/quickstart.md lists the CSV's columns, the swept keys between `name` and `status`.
-    text = (Path(__file__).parents[1] / "docs" / "quickstart.md").read_text()
+    text = (Path(__file__).parents[2] / "docs" / "quickstart.md").read_text()
     listed = text.split("`output/sweep.csv` has a header", 1)[1].split("\n- ", 1)[0]
     documented = re.findall(r"`([a-z_]+)`", re.sub(r"\([^)]*\)", "", listed))  # not (`ok`/`error`)
     assert documented == list(CSV_COLUMNS), documented

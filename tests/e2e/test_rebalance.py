@@ -199,7 +199,7 @@ def test_an_undisturbed_run_never_rebalances(tmp_path: Path) -> None:
     nothing moves."""
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from w1_hetero import compile_hetero, run_plan
     from w1_model import prepare
 

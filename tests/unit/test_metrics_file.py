@@ -24,7 +24,7 @@ from hetero.runtime.run.metrics_file import (
     to_json,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 STEP = StepLine(step=3, loss=2.5, step_time_s=0.4, lr=1e-4, grad_norm=0.9, clip_coef=1.0, label_tokens=300,
                 computed_tokens=512, tokens_per_s=750.0, computed_tokens_per_s=1280.0, stage_busy=[0.3, 0.2],

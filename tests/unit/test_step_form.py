@@ -15,7 +15,7 @@ from hetero.planner.schedule.step_form import FORMS, SCHEDULES, step_form
 from hetero.planner.search.simbound import StageTimes, barrier_bound
 from hetero.specs import TrainSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Where a schedule's name may appear in code (docstrings and comments aside): its form and its generator. The
 # config schema takes any name and checks it against the registered forms (hetero/specs.py check_ranges); its
 # default is the one name it holds, as a value (no code branches on it).

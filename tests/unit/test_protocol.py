@@ -27,7 +27,7 @@ from hetero.runtime.wire.frames import Message, decode, encode
 from hetero.runtime.wire.rules import check_meta
 from hetero.runtime.wire.transport import Transport
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PLAN = "0123456789abcdef0123"
 
 # One valid meta per kind: a kind added to the protocol without a sample here fails test_every_kind_has_a_sample.

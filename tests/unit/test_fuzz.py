@@ -39,7 +39,7 @@ from hetero import cli, config, hardware
 from hetero.errors import HeteroError, PlanError
 from hetero.plan import Plan, compute_input_hash
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 FLEETS = {p.stem: yaml.safe_load(p.read_text()) for p in sorted((ROOT / "conf" / "hardware").glob("*.yaml"))}
 DATASHEET = yaml.safe_load((ROOT / "hardware_specs" / "rtx3090.yaml").read_text())
 CHEAP = ["model=tiny", "planner.time_limit_s=1"]  # every compile here plans the tiny model, briefly

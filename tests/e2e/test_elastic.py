@@ -144,7 +144,7 @@ def test_a_run_of_replicas_goes_on_without_a_killed_one(root: Path, reference: d
                                                        tiny_spec: ModelSpec) -> None:
     """Three one-stage replicas (what `hardware=local hardware.num_devices=3` compiles to for the tiny model): one
     killed at step 8, the run is planned again by the solver on the two devices left and trains like the
-    undisturbed pipeline (replicas sum gradients in another order: 1e-4, as tests/test_runtime_replicas.py)."""
+    undisturbed pipeline (replicas sum gradients in another order: 1e-4, as tests/e2e/test_runtime_replicas.py)."""
     plan = make_plan(tiny_model_dir, tiny_spec.architecture, [[6], [6], [6]], train=TRAIN,  # type: ignore[list-item]
                      shares=[2, 1, 1])
     plan.save(root / "replicas.json")
@@ -363,7 +363,7 @@ def test_a_host_cut_off_is_left_out_and_the_run_goes_on(root: Path, reference: d
     import sys
     from dataclasses import replace
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import w3_net
     from procs import HETERO, STARTED
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root (ip netns)")]

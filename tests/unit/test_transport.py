@@ -27,7 +27,7 @@ from hetero.runtime.wire.frames import WIRE_VERSION, Message, encode
 from hetero.runtime.wire.transport import Transport
 
 PLAN = "9f8e7d6c5b4a39281706"
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def sample_tensors() -> dict[str, torch.Tensor]:

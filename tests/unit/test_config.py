@@ -180,7 +180,7 @@ def test_user_fleet_from_config_dir_with_overrides(tmp_path: Path) -> None:
 
 
 def test_user_hardware_specs_dir_adds_device_types(tmp_path: Path) -> None:
-    spec = (Path(__file__).parents[1] / "hardware_specs" / "rtx3090.yaml").read_text()
+    spec = (Path(__file__).parents[2] / "hardware_specs" / "rtx3090.yaml").read_text()
     _write(tmp_path / "hardware_specs" / "rtx3090ti.yaml", spec.replace("name: rtx3090", "name: rtx3090ti"))
     _write(tmp_path / "hardware" / "ti.yaml", "name: ti\nhosts:\n  - name: a\n    devices: [rtx3090ti]\n")
     assert load(["hardware=ti"], str(tmp_path)).cluster.devices[0].type == "rtx3090ti"
@@ -372,7 +372,7 @@ def test_build_cluster_rejects_duplicate_names_and_bad_numbers() -> None:
 
 def test_wheel_ships_conf_and_hardware_specs(tmp_path: Path) -> None:
     # A non-editable install must find conf/ and hardware_specs/ as package data.
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(root), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
         check=True, capture_output=True, timeout=300,

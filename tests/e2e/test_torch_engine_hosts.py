@@ -29,7 +29,7 @@ from hetero.plan import Plan, compute_input_hash
 from hetero.runtime.torch_engine.rank import node_hosts, rank_order
 from hetero.specs import ModelSpec
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
 pytestmark = [pytest.mark.slow,

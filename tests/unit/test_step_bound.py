@@ -64,7 +64,7 @@ def test_a_rig_of_twelve_cards_gets_a_faster_plan_and_a_bound_within_five_percen
     """Issue 36's compile: llama8b nf4 on 12 cards of 3 kinds on x1 risers at planner.time_limit_s=10. Before
     the step form's bound the search stopped with a gap of 0.68 (its bound came from stage counts it never
     reached); now the placement part is within 5 % of its bound, and the plan says where the bound comes from."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from bench_rig_proofs import RIG12, compile_row
 
     row = compile_row(RIG12, "nf4", 10.0, with_bound=True)

@@ -36,7 +36,7 @@ STEPS = 10
 TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=STEPS, lr=1e-3)
 # Given to the interrupted runs only: `--resume` must take them from the checkpoint.
 SETTINGS = ["lr=2e-3", "scheduler=cosine", "warmup_steps=2", "max_grad_norm=0.5"]
-# runtime.elastic=off: these runs stop at a lost stage (tests/test_elastic.py has the runs that go on without it).
+# runtime.elastic=off: these runs stop at a lost stage (tests/e2e/test_elastic.py has the runs that go on without it).
 RUNTIME = [f"runtime.failure_timeout_s={FAILURE_TIMEOUT_S:g}", "runtime.elastic=off"]
 
 # -- the control plane, in one process ---------------------------------------------------------------

@@ -5,7 +5,7 @@ Tables here are random dense arrays on 2-3 hosts that each hold the same devices
 alike: every host is interchangeable with every other. Changing one host's RAM, one device, or the link between
 two hosts sets them apart (and only as far as the change reaches). On such tables the replica search, summing
 the gradients on the first host only, still finds the brute-force optimum over every plan with every coordinator
-(tests/test_planner_replicas.py's brute force), and with its multi-host replicas' reductions only bounded
+(tests/unit/test_planner_replicas.py's brute force), and with its multi-host replicas' reductions only bounded
 (planner/replica/replica_bound.py CoordinatorShare) it never claims better than that optimum.
 """
 

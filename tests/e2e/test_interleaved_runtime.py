@@ -189,7 +189,7 @@ def test_an_interleaved_run_through_compressed_links_follows_the_reference(setup
     device 1 plain. The receiving stages accept nothing but compressed parts on that link (runtime/wire/rules.py),
     so the run finishing means every hand-off over it crossed compressed; the losses stay within 3 % of
     transformers+peft's and the adapter moves as the reference's does, as for a pipeline of one chunk per device
-    (tests/test_compressed_links.py)."""
+    (tests/e2e/test_compressed_links.py)."""
     plan = interleave(make_plan(tiny_model_dir, tiny_spec.architecture, [2, 1, 1, 2], train=TRAIN, lora=setup["lora"],
                                 seq_len=SEQ_LEN), 2)
     plan = replace(plan, stages=[replace(s, compress_out=scheme) for s, scheme in zip(plan.stages, ["none", "int4"],

@@ -6,7 +6,7 @@ real loopback transports; per-step losses and the saved adapter must equal plain
 (tests/reference.py) within 1e-9 of scale. In float32 the two differ by summation order alone (Adam lifts rounding on
 tiny gradients, so float32 checks allow 1e-4 of scale): float64 leaves no room for a bug to hide there.
 The runtime's processes (plan.json, the wire between processes, the coordinator's adapter) are checked in
-float32 by tests/test_packing.py (llama and gemma3_text) and tests/test_runtime_equivalence.py.
+float32 by tests/e2e/test_packing.py (llama and gemma3_text) and tests/e2e/test_runtime_equivalence.py.
 A model_type outside the table, and LoRA targets a family does not have, are one line at compile time.
 """
 
@@ -146,7 +146,7 @@ PRESETS = ["llama8b", "mistral7b", "qwen2_7b", "qwen3_8b", "qwen3_14b", "phi4", 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_presets_cost_model_counts_the_hf_models_parameters(preset: str) -> None:
     """The parameters the cost model places (every unit of the traced graph) are the HF model's, built on the meta
-    device from the preset's config.json (the published sizes are checked in tests/test_config.py)."""
+    device from the preset's config.json (the published sizes are checked in tests/unit/test_config.py)."""
     from hetero.compiler.fxgraph import build_meta_model
     from hetero.compiler.trace import trace
     from hetero.config import load

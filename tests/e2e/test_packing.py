@@ -1,6 +1,6 @@
 """Packing (data.packing, the default): rows hold several records, and training them equals training each alone.
 
-The strongest checks are tests/test_families.py's, where every family trains packed rows on 3 stages in float64 and
+The strongest checks are tests/unit/test_families.py's, where every family trains packed rows on 3 stages in float64 and
 equals plain transformers+peft trained on the same records one per row (tests/reference.py) within 1e-9. Here the
 same holds through `hetero run`'s processes in float32 (within 1e-5) for llama and gemma3_text (sliding windows
 shorter than the records, two rotary bases): the wire and the processes are the same for every family, so gpt_oss
@@ -116,7 +116,7 @@ def test_packing_off_keeps_one_record_per_row(tiny_model_dir: Path) -> None:
 
 
 FAMILIES = ["llama", "qwen3", "gemma3_text", "phi3", "qwen3_moe", "gpt_oss", "deepseek_v2"]
-# Through `hetero run`'s processes (the others: tests/test_families.py in float64, in one process).
+# Through `hetero run`'s processes (the others: tests/unit/test_families.py in float64, in one process).
 RUN_FAMILIES = ["llama", "gemma3_text"]
 
 

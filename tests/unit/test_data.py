@@ -19,12 +19,12 @@ from hetero.runtime.run.data import IGNORE_INDEX, StepBatches
 from hetero.runtime.tools.evaluator import held_out_batches
 from hetero.specs import DataSpec, EvalSpec, ModelSpec, TrainSpec
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEMO = [json.loads(line) for line in demo_data_text().splitlines() if line.strip()]
 
 
 def _batches(model_dir: Path, data: DataSpec | None = None, **kw) -> StepBatches:
-    # One record per row (data.packing=false): packed rows are tests/test_packing.py's
+    # One record per row (data.packing=false): packed rows are tests/e2e/test_packing.py's
     args = {"seq_len": 128, "micro_batch_size": 4, "num_micro_batches": 3, "seed": 0, "shuffle": True,
             "packing": False} | kw
     return StepBatches(data or DataSpec(), model_dir, **args)

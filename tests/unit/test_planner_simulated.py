@@ -198,7 +198,7 @@ def test_llama8b_on_slow_links_is_the_simulated_optimum(name: str) -> None:
     cfg, graph = llama8b_graph()
     cluster = home_fleet(hosts, gbps, intra)
     # One chunk per device: the brute force and the proof are over such placements (interleaving, where it wins
-    # on these fleets now that chunks may recompute, is tests/test_interleaved.py's).
+    # on these fleets now that chunks may recompute, is tests/unit/test_interleaved.py's).
     p = plan(cfg.model, graph, cluster, cfg.train, cfg.data, dataclasses.replace(cfg.planner, replicas=1,
                                                                                  interleave="off"))
     table = build_cost_table(graph, cfg.model, cluster, cfg.train, cfg.planner,

@@ -4,7 +4,7 @@ The cost model's arithmetic for one MoE layer is written out here (every expert 
 its activation bytes are checked against what autograd keeps (runtime.memory.kept_bytes). NF4Experts must compute
 what transformers' experts compute with the dequantized weights, keep back-propagating after an eval forward, and
 an nf4 pipeline of a tiny Qwen3-MoE must train on three stages. Full-precision training of each MoE family against
-transformers+peft is tests/test_families.py.
+transformers+peft is tests/unit/test_families.py.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ EVERY_MOE = sorted(t for t in TINY if family(t).experts is not None)
 
 
 def arch(model_type: str, **more: object) -> dict:
-    """The tiny ``model_type`` of tests/test_families.py, with ``more`` (its layer kinds cut to its layers)."""
+    """The tiny ``model_type`` of tests/unit/test_families.py, with ``more`` (its layer kinds cut to its layers)."""
     found = {**COMMON, **TINY[model_type], **more}
     if "layer_types" in found and "layer_types" not in more:
         found["layer_types"] = found["layer_types"][:found["num_hidden_layers"]]
@@ -211,7 +211,7 @@ def test_nf4_experts_compute_as_transformers_with_the_dequantized_weights(model_
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import bitsandbytes.nn.modules as bnb_modules
 
-    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)  # the repacking trap (tests/test_stage.py)
+    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)  # the repacking trap (tests/unit/test_stage.py)
     torch.manual_seed(1)
     more = {"intermediate_size": 48} if model_type == "gpt_oss" else {}  # [E, H, 2I] not square: a transpose shows
     config = build_config(arch(model_type, num_hidden_layers=2, **more), experts=experts)
@@ -259,7 +259,7 @@ def test_llama4_nf4_experts_compute_as_transformers_block_with_the_dequantized_w
 
     from hetero.runtime.stage.routed import use_routed
 
-    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)  # the repacking trap (tests/test_stage.py)
+    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)  # the repacking trap (tests/unit/test_stage.py)
     moe = family("llama4_text").experts
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(build_config(arch("llama4_text", num_hidden_layers=1, intermediate_size=48)),
@@ -369,7 +369,7 @@ def test_grouped_experts_read_to_the_host_at_most_once_per_layer(nf4: bool, monk
     does not grow with the experts for dense weights."""
     import bitsandbytes.nn.modules as bnb_modules
 
-    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)  # the repacking trap (tests/test_stage.py)
+    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)  # the repacking trap (tests/unit/test_stage.py)
     x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(5))
     counted = {}
     for experts, count in (("eager", 8), ("grouped", 8), ("grouped", 32), ("sorted", 8), ("sorted", 32)):

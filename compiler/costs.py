@@ -133,7 +133,8 @@ def norm_bytes(config: Any, module: nn.Module) -> float:
     total = 0.0
     for name, sub in module.named_modules():
         weight = getattr(sub, "weight", None)
-        if type(sub).__name__.endswith("L2Norm"):  # Llama 4's q/k norm without a weight: q and k per head, in fp32
+        # Llama 4's q/k norm without a weight (transformers 5.25 renamed Llama4TextL2Norm): q and k per head, in fp32
+        if type(sub).__name__.endswith(("L2Norm", "WeightlessRMSNorm")):
             q, k = width["q_norm"], width["k_norm"]
             total += 4 * (q + k) + 4 * (heads + config.num_key_value_heads)
         if not type(sub).__name__.endswith("RMSNorm") or weight is None:

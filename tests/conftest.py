@@ -23,6 +23,20 @@ def load_tiny_spec() -> ModelSpec:
     return from_dict(ModelSpec, model, where="conf/model/tiny.yaml:model", error=ConfigError)
 
 
+@pytest.fixture(autouse=True)
+def _torch_state_of_the_session() -> Iterator[None]:
+    """Each test starts with torch's process-wide settings as the session had them: a test that sets the
+    thread count (as the profiler and the evaluator do in this process) or the default dtype must not change
+    the rounding of the tests after it (a float64 comparison at one thread is not the one at two)."""
+    import torch
+
+    threads, dtype, grad = torch.get_num_threads(), torch.get_default_dtype(), torch.is_grad_enabled()
+    yield
+    torch.set_num_threads(threads)
+    torch.set_default_dtype(dtype)
+    torch.set_grad_enabled(grad)
+
+
 @pytest.fixture(scope="session")
 def tiny_spec() -> ModelSpec:
     """The tiny Llama ModelSpec from conf/model/tiny.yaml."""

@@ -311,7 +311,7 @@ import os, pickle, socket, sys, time, torch
 from hetero.plan import Plan
 from hetero.runtime.wire.transport import Transport
 from hetero.security import key_dirs, load_identity
-plan = Plan.load(sys.argv[1]); target = plan.stages[1].endpoint; stop_file = sys.argv[2]
+plan = Plan.load(sys.argv[1]); target = plan.stages[1].endpoint; stop_file, ready_file = sys.argv[2:4]
 keyed = load_identity(plan.security, "stage2", key_dirs(sys.argv[1], plan.stages[2].host))  # a real key, wrong peer
 shape = (plan.train.micro_batch_size, plan.model.seq_len, plan.graph.hidden_size)
 host, port = target.removeprefix("tcp://").rsplit(":", 1)
@@ -324,6 +324,7 @@ with Transport("stage0", None, plan.input_hash, identity=keyed, peer_keys=plan.s
                 nan = torch.full(shape, float("nan"))
                 liar.send("stage1", "act", step=step, mb=mb, tensors={"h": nan})      # claims stage0, is stage2
                 stranger.send("stage1", "act", step=step, mb=mb, tensors={"h": nan})  # has no key at all
+        open(ready_file, "w").close()  # queued for the stage's first connection: the run may start
         try:
             with socket.create_connection((host, int(port)), timeout=2) as s:  # no ZeroMQ at all
                 s.sendall(os.urandom(64 << 10) + pickle.dumps({"evil": print}))
@@ -353,9 +354,15 @@ def test_an_attacked_run_trains_exactly_like_an_unattacked_one(tmp_path: Path, t
         assert done.returncode == 0, done.stderr[-2000:]
         return [line["loss"] for line in step_lines(read_metrics(tmp_path / name / "metrics.jsonl"))]
 
-    stop_file = tmp_path / "stop-attacking"
-    attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, str(tmp_path / "plan.json"), str(stop_file)])
-    try:
+    stop_file, ready_file = tmp_path / "stop-attacking", tmp_path / "attacking"
+    attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, str(tmp_path / "plan.json"), str(stop_file),
+                                 str(ready_file)])
+    try:  # a warm run takes under a second: it must not be over before the attacker has imported torch
+        for _ in range(600):
+            if ready_file.exists() or attacker.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert ready_file.exists(), f"the attacker did not start (exit {attacker.poll()})"
         attacked = run("attacked")
     finally:
         stop_file.write_text("")

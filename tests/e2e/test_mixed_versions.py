@@ -60,10 +60,16 @@ def other_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
     _see_this_environment(venv)
     python = venv / "bin" / "python"
+    # Where the venv sees a `kernels` package (this environment's or the base interpreter's), it gets the release
+    # that transformers declares for it: a newer one breaks `import transformers` of older releases ("Either a
+    # revision or a version must be specified", kernels >= 0.15 with transformers 5.12), seen on a CI machine.
+    kernels = subprocess.run([str(python), "-c", "import importlib.util as u; print(u.find_spec('kernels') is not None)"],
+                             capture_output=True, text=True, timeout=120).stdout.strip() == "True"
+    extra = "[kernels]" if kernels else ""
     # --no-compile: byte-compiling every transformers module takes longer than importing the few a stage uses.
     done = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                           "--no-compile", f"transformers=={OTHER_TRANSFORMERS}"], capture_output=True, text=True,
-                          timeout=600)
+                           "--no-compile", f"transformers{extra}=={OTHER_TRANSFORMERS}"], capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return python
 

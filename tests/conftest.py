@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tqdm
 import yaml
 
 from hetero.errors import ConfigError
@@ -14,6 +15,12 @@ from hetero.serde import from_dict
 from hetero.specs import ModelSpec
 
 REPO = Path(__file__).resolve().parent.parent
+
+# tqdm's monitor thread outlives the first progress bar a test makes (transformers and the hub make them) and would
+# keep `hetero run`'s launcher from forking in this process (runtime/run/launcher.py forks only a one-thread process):
+# every later in-process run would start its stages as fresh interpreters, seconds of imports each.
+tqdm.tqdm.monitor_interval = 0
+
 TINY_YAML = REPO / "conf" / "model" / "tiny.yaml"
 
 

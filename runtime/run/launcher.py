@@ -216,8 +216,10 @@ def _fork_stage(argv: list[str], log_path: Path, answers: int, go: int) -> int:
         from hetero.runtime.stage.process import exit_stage
 
         exit_stage(argv)
-    except SystemExit as exc:  # what a fresh interpreter would exit with (argparse: 2)
-        code = exc.code if isinstance(exc.code, int) else 1
+    except SystemExit as exc:  # what a fresh interpreter would exit with (argparse: 2), and say (a message: 1)
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        if not isinstance(exc.code, int) and exc.code is not None:
+            print(exc.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
     finally:
@@ -232,8 +234,16 @@ def _redirect(out_fd: int) -> None:
     os.dup2(out_fd, 2)
     os.close(null)
     os.close(out_fd)
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        stream = getattr(sys, name)
+        try:
+            on_fd = stream.fileno() == fd
+        except (AttributeError, OSError, ValueError):  # a notebook's or pytest's stream object: no descriptor
+            on_fd = False
+        if on_fd:
+            stream.reconfigure(line_buffering=True)
+        else:  # the log is the stage's only output: faulthandler and tracebacks need the descriptor itself
+            setattr(sys, name, open(fd, "w", buffering=1, closefd=False, errors="backslashreplace"))
 
 
 def _reset_process_state() -> None:

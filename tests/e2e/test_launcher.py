@@ -66,3 +66,32 @@ def test_a_launcher_that_died_is_one_line_and_leaves_nothing(tiny_spec: ModelSpe
     assert got["outcome"].startswith("could not start this host's stages: the stage launcher "), got
     assert "\n" not in got["outcome"]
     assert got["launcher_alive"] is False and got["children"] is False
+
+
+def test_stages_forked_where_the_streams_have_no_descriptor_train_and_log(
+        tiny_model_dir: Path, tiny_spec: ModelSpec, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hetero run` called where sys.stdout and sys.stderr are objects without a descriptor (a notebook's, pytest's
+    capsys): the launcher's stages write their logs to their files and train. They died before (faulthandler asked
+    for a descriptor) and said nothing: the traceback went to the parent's stream object."""
+    import threading
+
+    from plans import make_plan
+
+    from hetero.runtime.cli import main_run
+    from hetero.runtime.run import coordinator_greeting
+    from hetero.specs import TrainSpec
+
+    if threading.active_count() != 1:
+        pytest.skip("a thread of another test is alive here: the launcher forks only a one-thread process")
+
+    def fresh_interpreters(*_: object, **__: object) -> None:
+        raise AssertionError("the stages started as fresh interpreters, not from the launcher")
+
+    monkeypatch.setattr(coordinator_greeting, "spawn_stages", fresh_interpreters)
+    make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TrainSpec(micro_batch_size=1, num_micro_batches=2,
+                                                                             steps=1)).save(tmp_path / "plan.json")
+    assert main_run([str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 0
+    for k in (0, 1):
+        log = (tmp_path / "run" / "logs" / f"stage{k}.log").read_text()
+        assert f"stage {k} built in" in log and "training finished" in log, log

@@ -141,6 +141,14 @@ def test_a_search_cut_off_by_the_time_limit_says_what_it_proved() -> None:
     assert "cut off by the time limit" in report.message and "closed-form optimum" in report.message
     assert report.lower_bound_s is not None and 0 < report.lower_bound_s <= report.objective_s
     assert report.gap == pytest.approx(1 - report.lower_bound_s / report.objective_s)
+    # With no time left for the search at all (the closed form's solve took it, as on a fast machine where the ILP
+    # finished), the step the plan reports is still the simulated step of the placement it returns, not the closed
+    # form's (it said 5.08 s for a placement that simulates at 6.09 s).
+    late = solve_simulated(table, None, time_limit_s=2.0, starts=candidate_placements(table, graph),
+                           deadline=time.perf_counter())
+    assert late.evaluation is not None and not late.report.proven_optimal
+    assert late.report.objective_s == pytest.approx(simulated_step_s(table, late.evaluation), rel=1e-12)
+    assert "cut off by the time limit" in late.report.message
 
 
 # --- Llama-8B on home-lab fleets ---------------------------------------------------------------------

@@ -9,6 +9,8 @@ directory holding a folder named hetero (issue 53), a PYTHON* variable of the te
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import json
 import os
 import select
@@ -20,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,19 @@ HETERO = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-P", "-m", "
 STARTED: list[Any] = []
 PIDS: list[int] = []  # stage processes a test learned of (killed too: a SIGSTOPped one ignores its parent)
 _SERVER: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def default_ports() -> Iterator[None]:
+    """Held while a test runs a plan compiled for hardware=local, whose coordinator and stages listen on the fleet
+    file's ports (29499 and up): one such test at a time on this machine, across pytest-xdist's workers (and test
+    sessions). Every other runtime test takes free ports of its own (plans.free_ports)."""
+    with open(Path(tempfile.gettempdir()) / "hetero-tests-default-ports.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def clone_beside(folder: Path) -> Path:

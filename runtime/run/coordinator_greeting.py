@@ -64,6 +64,8 @@ class StageLink:
         except BaseException:
             stop_processes(self.procs, grace_s=0.0)
             raise
+        # Before anything is read: what a stage sent under an earlier plan of this run is no misconfiguration.
+        self.transport.inbox.returning = (set(options.earlier_plans), set(self.names))
         try:
             connect_stages(self.transport, plan, self.names)  # watched from the first attempt (handshake.py)
             self.mailbox = Mailbox(self.transport, silence_s=options.failure_timeout_s, on_idle=on_idle)

@@ -76,9 +76,10 @@ class Inbox:
         self.rejections: deque[tuple[str, str]] = deque(maxlen=20)  # (claimed sender, why), newest last
         # A coordinator's: (plans the run went through before, its stages' names now). A stage of an earlier plan
         # whose name the run no longer has is a lost device coming back (runtime/run/elastic.py decides whether to
-        # take it back, and says so): its messages are dropped and kept as rejections, but logged as what they are.
+        # take it back, and says so); one the run has sent it before the run went on under this plan. Their messages
+        # are dropped and kept as rejections, but logged as what they are (once each), not as another plan.json.
         self.returning: tuple[set[str], set[str]] = (set(), set())
-        self._returned: set[tuple[str, str]] = set()  # (name, plan) of those logged as coming back, once each
+        self._returned: set[tuple[str, str]] = set()  # (name, plan) of those logged so, once each
         self._warned = 0  # drops warned about (or counted towards the next warning)
         self._gate: InboxWatch | None = None  # the inbox's watch (a Gatekeeper when the run has keys)
         self._recv_lock = threading.Lock()
@@ -228,11 +229,15 @@ class Inbox:
             self.rejected += 1  # (the coordinator looks for a lost device coming back when this grows)
             peer = user or _peer_address(frames[0])
             self.rejections.append((peer, str(exc)))
-            if (back := self._returning(peer, str(exc))) is not None:  # its hello, then a heartbeat a second
-                if back not in self._returned:
-                    self._returned.add(back)
-                    log.info("%s: %s says hello under plan %s, an earlier plan of this run: a lost device coming "
-                             "back (taken back at a step boundary where that is faster)", self.name, back[0], back[1])
+            if (earlier := self._of_an_earlier_plan(peer, str(exc))) is not None:  # its hello, then a heartbeat a
+                if earlier not in self._returned:  # second; or what a stage sent before the run's last switch
+                    self._returned.add(earlier)
+                    if earlier[0] in self.returning[1]:
+                        log.info("%s: %s's messages under plan %s, an earlier plan of this run, sent before the run "
+                                 "went on under this one, are dropped", self.name, *earlier)
+                    else:
+                        log.info("%s: %s says hello under plan %s, an earlier plan of this run: a lost device coming "
+                                 "back (taken back at a step boundary where that is faster)", self.name, *earlier)
                 return None
             self._warned += 1  # the first 20 drops of other kinds are each told, then one in 1000
             if self._warned <= 20 or self._warned % 1000 == 0:
@@ -241,14 +246,15 @@ class Inbox:
             return None
         return msg
 
-    def _returning(self, peer: str, why: str) -> tuple[str, str] | None:
-        """(its name, its plan) when ``why`` drops a message of an earlier plan of the run from a stage the run lost."""
-        earlier, current = self.returning
+    def _of_an_earlier_plan(self, peer: str, why: str) -> tuple[str, str] | None:
+        """(its name, its plan) when ``why`` drops a message of an earlier plan of the run: from a stage the run lost,
+        a device coming back; from a stage of this plan, one it sent before the run went on under this plan (a
+        rejoin, a re-plan). Neither is a host of another plan.json."""
+        earlier, _ = self.returning
         mismatch = plan_mismatch(why) if earlier else None
         if mismatch is None or mismatch[1] not in earlier:
             return None
-        name = peer if self.identity is not None else mismatch[0]  # with keys: the name its key proves
-        return (name, mismatch[1]) if name not in current else None
+        return (peer if self.identity is not None else mismatch[0], mismatch[1])  # with keys: the name its key proves
 
     def _timeout_message(self, kind: str | None, step: int | None, mb: int | None,
                          sender: str | None, timeout: float) -> str:

@@ -395,6 +395,7 @@ def check_measured_fleet(profile: Profile) -> None:
     assert devices[0].measured_with == [devices[1].device] and devices[1].measured_with == [devices[0].device]
 
 
+@pytest.mark.usefixtures("default_ports")
 def test_profile_compile_run_predicts_the_step(tmp_path: Path, capsys, monkeypatch) -> None:
     """The whole loop on this machine, as a user follows the hints: a datasheet plan's "measure the fleet"
     hints, run as printed (they keep the user's overrides), profile hardware=local and compile with it; run,

@@ -36,6 +36,8 @@ def _prior(tmp_path: Path) -> Path:
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """compile with a profile file -> run 4 steps (2 pipeline stages) -> the run directory."""
+    from procs import default_ports
+
     from hetero.cli import main
 
     tmp = tmp_path_factory.mktemp("loop")
@@ -43,7 +45,9 @@ def loop(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # One chunk per device: the profile's arithmetic reads each stage's own span.
     common = ["model=tiny", "hardware=local", "planner.num_stages=2", "planner.time_limit_s=10", "planner.interleave=off"]
     assert main(["compile", *common, f"profile={prior}", f"output={tmp / 'plan'}"]) == 0
-    assert main(["run", str(tmp / "plan" / "plan.json"), "steps=4", "--run-dir", str(tmp / "run"), "--no-progress"]) == 0
+    with default_ports():
+        assert main(["run", str(tmp / "plan" / "plan.json"), "steps=4", "--run-dir", str(tmp / "run"),
+                     "--no-progress"]) == 0
     return {"tmp": tmp, "prior": prior, "plan": tmp / "plan" / "plan.json", "run": tmp / "run"}
 
 

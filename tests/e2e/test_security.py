@@ -208,10 +208,11 @@ def test_the_plans_rules_drop_what_the_program_cannot_send(keyed, case: str) -> 
     if case == "duplicate":
         stage0.send("stage1", "act", step=0, mb=0, tensors={"h": act(plan)})
     stage0.send("stage1", kind, **bad)
-    with pytest.raises(WireError, match="no 'grad'"):
-        stage1.recv("grad", timeout_s=1.0)  # reads (and keeps or drops) everything that arrived
-    assert stage1.rejected == 1, stage1.rejections
+    # One connection delivers in order: by the time the good activation after it is read, the bad message was read
+    # and dropped (no second wait of a timeout: 16 cases x 1 s).
     delivered_and_still_serving(plan, stage1, stage0, 4.0)
+    assert stage1.rejected == 1, stage1.rejections
+    assert stage1.pending() == (1 if case == "duplicate" else 0)  # the first act of mb 0 only: nothing else kept
 
 
 def test_garbage_and_pickles_never_reach_a_keyed_stage(keyed) -> None:

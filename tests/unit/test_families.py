@@ -36,7 +36,14 @@ SEQ_LEN = 32
 EXACT_SEQ_LEN = 96
 TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=3, lr=2e-3, scheduler="cosine", warmup_steps=1,
                   max_grad_norm=0.05, seed=3, shuffle=True)  # small enough to clip in every family
-EXACT = 1e-9  # float64 (measured: 1e-15 of scale and below for every family, 2026-12-02)
+EXACT = 1e-9  # float64 (measured: 2e-15 of scale and below for every family, 2026-12-04)
+# Gemma 2's attention is soft-capped, so eager (SDPA cannot cap): its softmax runs in float32 even in a float64
+# model, in transformers' eager_attention_forward (dtype=torch.float32) and in hetero's eager over a packed row's
+# records (runtime/stage/attention.py _eager), on other shapes (each record alone against the masked row). That is
+# float32 summation order: 8e-16 of scale at two threads, 7.7e-9 at one (OMP_NUM_THREADS=1, 2026-12-04). With both
+# softmaxes (and Gemma 2's RMSNorm, float32 too) patched to float64, the two agree within 1e-14 at one thread and
+# hetero's gradients no longer depend on the thread count. A bug moves 1e-3.
+FLOAT32_SOFTMAX = {"gemma2": 1e-7}
 
 
 def test_every_family_but_llama_has_a_tiny_model_here() -> None:
@@ -63,8 +70,9 @@ def test_family_in_float64_equals_the_reference(model_type: str, tiny_spec: Mode
     coefs: list[float] = []
     losses = run_in_threads(stages, plan, batches, train.steps, coefs_out=coefs)
     assert min(coefs) < 0.99  # the global clip acted
+    exact = FLOAT32_SOFTMAX.get(model_type, EXACT)
     for step, (got, want) in enumerate(zip(losses, setup["losses"], strict=True), start=1):
-        assert got == pytest.approx(want, rel=EXACT), f"{model_type} step {step}: {got} vs {want}"
+        assert got == pytest.approx(want, rel=exact), f"{model_type} step {step}: {got} vs {want}"
     # The adapter as the run saves it (the coordinator's writer), read back with safetensors alone.
     save_adapter({k: v for s in stages for k, v in s.lora_state().items()}, setup["lora"], str(model_dir),
                  tmp_path / "adapter")
@@ -73,7 +81,7 @@ def test_family_in_float64_equals_the_reference(model_type: str, tiny_spec: Mode
     initial = load_adapter_state(Path(setup["lora"].init_from))
     for key, want in setup["state"].items():
         assert trained[key].dtype == torch.float64 and not torch.equal(initial[key].double(), want)
-        assert_close_to_scale(key, trained[key], want, EXACT)
+        assert_close_to_scale(key, trained[key], want, exact)
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY))

@@ -44,15 +44,6 @@ def _torch_state_of_the_session() -> Iterator[None]:
     torch.set_grad_enabled(grad)
 
 
-@pytest.fixture
-def default_ports() -> Iterator[None]:
-    """For a test that runs a plan compiled for hardware=local (its fleet file's ports): procs.default_ports."""
-    from procs import default_ports as held
-
-    with held():
-        yield
-
-
 @pytest.fixture(scope="session")
 def tiny_spec() -> ModelSpec:
     """The tiny Llama ModelSpec from conf/model/tiny.yaml."""

@@ -41,11 +41,8 @@ def default_ports() -> Iterator[None]:
     file's ports (29499 and up): one such test at a time on this machine, across pytest-xdist's workers (and test
     sessions). Every other runtime test takes free ports of its own (plans.free_ports)."""
     with open(Path(tempfile.gettempdir()) / "hetero-tests-default-ports.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def clone_beside(folder: Path) -> Path:

@@ -64,7 +64,8 @@ class StageLink:
         except BaseException:
             stop_processes(self.procs, grace_s=0.0)
             raise
-        # Before anything is read: what a stage sent under an earlier plan of this run is no misconfiguration.
+        # Before anything is read: what a stage sent under an earlier plan of this run is no misconfiguration (a lost
+        # device's hello, or a message sent before the run went on under this plan).
         self.transport.inbox.returning = (set(options.earlier_plans), set(self.names))
         try:
             connect_stages(self.transport, plan, self.names)  # watched from the first attempt (handshake.py)

@@ -48,8 +48,7 @@ class HandshakeWatch:
         self.plan, self.transport, self.names = plan, transport, names
         # Hashes of the plans the run went through before this one (runtime.elastic): a stage of such a plan that has
         # not exited yet may still reach this endpoint; it is no misconfiguration.
-        self.earlier = earlier or set()
-        transport.inbox.returning = (self.earlier, set(names))  # their hellos are a lost device coming back
+        self.earlier = earlier or set()  # (the inbox knows them from the transport's start: coordinator_greeting.py)
         self.endpoint, self.plan_path = endpoint, plan_path
         self.keyed = plan.security.mode != "none"
         self.refused_before = transport.refused_handshakes()

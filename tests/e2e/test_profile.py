@@ -395,7 +395,6 @@ def check_measured_fleet(profile: Profile) -> None:
     assert devices[0].measured_with == [devices[1].device] and devices[1].measured_with == [devices[0].device]
 
 
-@pytest.mark.usefixtures("default_ports")
 def test_profile_compile_run_predicts_the_step(tmp_path: Path, capsys, monkeypatch) -> None:
     """The whole loop on this machine, as a user follows the hints: a datasheet plan's "measure the fleet"
     hints, run as printed (they keep the user's overrides), profile hardware=local and compile with it; run,
@@ -406,6 +405,13 @@ def test_profile_compile_run_predicts_the_step(tmp_path: Path, capsys, monkeypat
     15% check is bench/bench_prediction.py, over rounds. This catches plumbing errors (a profile
     number lost, a unit off), which put the prediction off by far more.
     """
+    from procs import default_ports
+
+    with default_ports():  # the profile's workers and the run listen on hardware=local's ports
+        _whole_loop(tmp_path, capsys, monkeypatch)
+
+
+def _whole_loop(tmp_path: Path, capsys, monkeypatch) -> None:
     import json
     import statistics
 

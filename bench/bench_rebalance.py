@@ -25,7 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hetero.errors import ConfigError
 from hetero.runtime.run.metrics_file import NAME, read_metrics
+from hetero.runtime.run.run_files import stage_pids
 from hetero.runtime.run.run_segments import compute_s
 
 BENCH = Path(__file__).resolve().parent
@@ -75,8 +77,8 @@ class Throttle:
 
 def _stage_pid(run_dir: Path, k: int) -> int | None:
     try:
-        return int(json.loads((run_dir / "environments.json").read_text())[f"stage{k}"]["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return stage_pids(run_dir).get(k)
+    except ConfigError:  # not written yet, or being written
         return None
 
 

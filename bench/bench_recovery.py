@@ -18,7 +18,6 @@ machine), the steps trained again, and the largest difference of a step's loss b
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -33,6 +32,7 @@ from w1_hetero import compile_hetero, hetero_cmd
 from w1_model import prepare
 
 from hetero.runtime.run.metrics_file import NAME, RunLines, read_metrics
+from hetero.runtime.run.run_files import stage_pids
 
 TARGET_S = 30.0
 TARGET_LOSS = 1e-5
@@ -59,8 +59,7 @@ def _run(plan: Path, work: Path, name: str, kill_after: int | None) -> tuple[Run
     deadline = time.monotonic() + 1800
     while proc.poll() is None and time.monotonic() < deadline:
         if not killed and any(s.step >= kill_after for s in _rows(run_dir).steps):
-            envs = json.loads((run_dir / "environments.json").read_text())
-            os.kill(int(envs["stage1"]["pid"]), signal.SIGKILL)
+            os.kill(stage_pids(run_dir)[1], signal.SIGKILL)
             killed = True
             print(f"{name}: stage 1 SIGKILLed after step {kill_after}", flush=True)
         time.sleep(0.05)

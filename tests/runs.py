@@ -36,7 +36,7 @@ def _one_error_line(err: str) -> str:
 
 def _stage_pids(run_dir: Path) -> list[int]:
     envs = json.loads((run_dir / "environments.json").read_text())
-    pids = [int(envs[f"stage{k}"]["pid"]) for k in range(len(envs))]
+    pids = [int(envs[f"stage{k}"]["pid"]) for k in range(len([n for n in envs if n.startswith("stage")]))]
     PIDS.extend(pids)
     return pids
 

@@ -10,7 +10,6 @@ the run's settings and a resumed run's state. The coordinator (runtime/run/coord
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,9 +20,9 @@ from hetero.errors import WireError
 from hetero.plan import Plan
 from hetero.protocol import WIRE_VERSION, Hello, Record, Start, Welcome
 from hetero.runtime.base.processes import StageFailedError, spawn_stages, stop_processes
-from hetero.runtime.base.rundir import write_run_file
 from hetero.runtime.run.handshake import HandshakeWatch, connect_stages
 from hetero.runtime.run.options import RunOptions, step_timeout_hint, step_timeout_s
+from hetero.runtime.run.run_files import write_environments
 from hetero.runtime.wire.control import Mailbox, is_timeout
 from hetero.runtime.wire.frames import record_of
 from hetero.security import COORDINATOR
@@ -162,7 +161,7 @@ class StageLink:
             environments[f"stage{k}"] = {"host": plan.stages[k].host, "pid": hello.pid, **(hello.env or {})}
             if hello.pid is not None:
                 self.pids.setdefault(k, hello.pid)
-        write_run_file(self.run_dir, "environments.json", json.dumps(environments, indent=1, default=str))
+        write_environments(self.run_dir, environments)
         now = time.monotonic()
         self.mailbox.last_seen = {name: now for name in self.names}  # from now on, silence means death
         self.mailbox.bounds = {name: self.options.load_timeout_s for name in self.names}  # ... once built

@@ -7,7 +7,6 @@ that split (the plan's for the first, the move's event line for the next; runtim
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -154,8 +153,8 @@ def _mb(x: float | None) -> str:
 def write_report(plan: Plan, steps: list[StepLine], build_s: dict[int, float], run_dir: Path,
                  events: list[Event] | None = None) -> dict[str, Any]:
     """build_report, then steps.png and report.json in the run directory; returns the report."""
-    from hetero.runtime.base.rundir import write_run_file
     from hetero.runtime.run.loss_picture import draw_loss
+    from hetero.runtime.run.run_files import write_report as write_report_file
     from hetero.runtime.run.steps_picture import draw_steps, label
 
     report = build_report(plan, steps, build_s, str(run_dir), events)
@@ -178,7 +177,7 @@ def write_report(plan: Plan, steps: list[StepLine], build_s: dict[int, float], r
             report["loss_picture"] = str(draw_loss(lines, run_dir / "loss.png", title))
         except (OSError, ValueError) as exc:  # a full disk (or a line cut short by one) costs the picture only
             print(f"hetero run: could not write {run_dir / 'loss.png'}: {exc}", file=sys.stderr)
-    write_run_file(run_dir, "report.json", json.dumps(report, indent=1))
+    write_report_file(run_dir, report)
     return report
 
 

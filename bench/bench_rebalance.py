@@ -98,14 +98,21 @@ def run_slowed(plan: Path, work: Path, name: str, rebalance: str) -> dict[str, A
     throttle = Throttle(f"hetero-w5-{os.getpid()}-{name}", QUOTA)
     log = (work / f"{name}.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=work)
-    slowed_at = None
+    slowed_at, throttled = None, set()
     try:
         deadline = time.monotonic() + 1800
         while proc.poll() is None and time.monotonic() < deadline:
             steps = read_metrics(run_dir / NAME).steps if (run_dir / NAME).is_file() else []  # a live run's lines
             if slowed_at is None and len(steps) > SLOW_AFTER and (pid := _stage_pid(run_dir, slow)) is not None:
                 throttle.add(pid)
+                throttled.add(pid)
                 slowed_at = len(steps) - 1
+            elif slowed_at is not None and (pid := _stage_pid(run_dir, slow)) is not None and pid not in throttled:
+                # A re-plan move (runtime/run/replan_moves.py) restarts the stages: the device stays slow, so its
+                # new process is throttled too (a card that throttles does so whichever process drives it). The
+                # re-plan keeps the devices' order, so the slow device's stage keeps its index.
+                throttle.add(pid)
+                throttled.add(pid)
             time.sleep(0.05)
         if proc.poll() is None:
             proc.kill()

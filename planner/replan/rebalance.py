@@ -256,16 +256,8 @@ class Watch:
         return proposal
 
     def _drifted(self, recent: list[list[float]]) -> int | None:
-        """The stage whose factor moved beyond ``drift`` the same way in every recent step (the largest), or None."""
         assert self.reference is not None
-        worst, cause = 0.0, None
-        for k, ref in enumerate(self.reference):
-            ratios = [row[k] / ref for row in recent]
-            slower, faster = min(ratios) > self.drift, max(ratios) < 1 / self.drift
-            size = statistics.median(ratios) if slower else 1 / statistics.median(ratios) if faster else 0.0
-            if size > worst:
-                worst, cause = size, k
-        return cause
+        return drifted(self.reference, recent, self.drift)
 
     def _propose(self, factors: list[float], cause: int, base: list[float] | None = None,
                  why: str | None = None) -> Proposal | None:
@@ -295,6 +287,65 @@ class Watch:
         """The stages hold ``spans`` now (a move the watcher did not propose): watch them, calibrating afresh."""
         self.spans, self.recompute = spans, recompute
         self.history, self.reference = [], None
+
+
+def drifted(reference: list[float], recent: list[list[float]], drift: float) -> int | None:
+    """The stage whose factor moved beyond ``drift`` against ``reference`` the same way in every recent step (the
+    largest such change), or None."""
+    worst, cause = 0.0, None
+    for k, ref in enumerate(reference):
+        ratios = [row[k] / ref for row in recent]
+        slower, faster = min(ratios) > drift, max(ratios) < 1 / drift
+        size = statistics.median(ratios) if slower else 1 / statistics.median(ratios) if faster else 0.0
+        if size > worst:
+            worst, cause = size, k
+    return cause
+
+
+@dataclass
+class DeviceWatch:
+    """Per step, each stage's measured compute over the plan's own prediction of it: the speed factors of a plan
+    whose layers cannot move in place (interleaved chunks, streamed weights), which a move re-plans whole
+    (runtime/run/moves.py). The same rules as Watch: ``skip`` warm-up steps, a reference over ``calibrate``, a
+    change beyond ``drift`` on one stage in each of the last ``sustain`` steps."""
+
+    priced_s: list[float]  # per stage: the plan's F + B seconds per step (every chunk's, streaming included)
+    skip: int = 1
+    calibrate: int = 3
+    sustain: int = 4
+    drift: float = 1.3
+    history: list[list[float]] = field(default_factory=list)
+    reference: list[float] | None = None
+
+    @classmethod
+    def of(cls, plan: Plan) -> DeviceWatch:
+        rep = {k: r.num_micro_batches for r in plan.pipelines for k in r.stages}
+        return cls([rep[k] * sum(f + b for f, b in [(s.fwd_time_s, s.bwd_time_s),
+                                                     *((c.fwd_time_s, c.bwd_time_s) for c in s.chunks)])
+                    for k, s in enumerate(plan.stages)])
+
+    def factors(self, measured_s: list[float]) -> list[float]:
+        return [m / p if p > 0 else 1.0 for m, p in zip(measured_s, self.priced_s, strict=True)]
+
+    def observe(self, measured_s: list[float]) -> tuple[int, list[float]] | None:
+        """One step's per-stage F + B seconds; (the stage that changed most, the recent factors) once a change
+        is sustained."""
+        self.history.append(self.factors(measured_s))
+        seen = self.history[self.skip:]
+        if self.reference is None:
+            if len(seen) >= self.calibrate:
+                self.reference = _medians(seen[-self.calibrate:])
+            return None
+        if len(seen) < self.sustain:
+            return None
+        recent = seen[-self.sustain:]
+        cause = drifted(self.reference, recent, self.drift)
+        return None if cause is None else (cause, _medians(recent))
+
+    def settle(self, factors: list[float]) -> None:
+        """Nothing to move at ``factors``: they become the reference, and the next verdict needs ``sustain`` new
+        steps."""
+        self.reference, self.history = list(factors), self.history[:self.skip]
 
 
 def _medians(rows: list[list[float]]) -> list[float]:

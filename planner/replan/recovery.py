@@ -44,10 +44,11 @@ def without_devices(cluster: ClusterSpec, lost: set[str]) -> ClusterSpec:
                                    for h in cluster.hosts])
 
 
-def plan_without(plan: Plan, lost: set[str], factors: dict[str, float] | None = None) -> Recovery:
+def plan_without(plan: Plan, lost: set[str], factors: dict[str, float] | None = None, note: str | None = None
+                 ) -> Recovery:
     """``plan`` re-planned on its devices less ``lost``, in the same order; ``factors``: device name -> measured
-    compute over priced (1.0 where absent). A one-line InfeasiblePlanError when the devices left cannot hold the
-    model, or none is left."""
+    compute over priced (1.0 where absent); ``note``: the plan's first verdict line (default: what was lost). A
+    one-line InfeasiblePlanError when the devices left cannot hold the model, or none is left."""
     from hetero.planner import plan as make_plan
 
     if len(plan.pipelines) != 1:
@@ -66,10 +67,24 @@ def plan_without(plan: Plan, lost: set[str], factors: dict[str, float] | None = 
     options = replace(plan.planner, devices=order, split=split, num_stages=None, replicas=1, interleave="off")
     new = make_plan(plan.model, plan.graph, fleet, plan.train, plan.data, options, cost_model, plan.eval,
                     plan.config, plan.data_stats)
-    note = (f"Re-planned during the run after losing {', '.join(sorted(lost))}: {len(order)} stage(s) on the devices "
-            f"left, split {'/'.join(map(str, split))} chosen by simulation at the speeds the run measured.")
+    note = note or (f"Re-planned during the run after losing {', '.join(sorted(lost))}: {len(order)} stage(s) on the "
+                    f"devices left, split {'/'.join(map(str, split))} chosen by simulation at the speeds the run measured.")
     new = named_like(replace(new, security=plan.security, verdict=[note, *new.verdict]), plan)
     return Recovery(new, split, order, new.prediction.step_time_s, best.step_s)
+
+
+def step_at_speeds(plan: Plan, factors: dict[str, float]) -> float:
+    """``plan``'s stored programs simulated with each stage's (and chunk's) forward and backward seconds times its
+    device's measured speed factor (device -> measured compute over priced, 1.0 where absent): the step the plan
+    takes on the fleet as the run measured it. Messages, links and the optimizer stay as planned."""
+    from hetero.planner.schedule.simulator import simulate_plan
+
+    def scaled(s: Any) -> Any:
+        f = float(factors.get(s.device, 1.0))
+        chunks = [replace(c, fwd_time_s=c.fwd_time_s * f, bwd_time_s=c.bwd_time_s * f) for c in s.chunks]
+        return replace(s, fwd_time_s=s.fwd_time_s * f, bwd_time_s=s.bwd_time_s * f, chunks=chunks)
+
+    return float(simulate_plan(replace(plan, stages=[scaled(s) for s in plan.stages])).step_time_s)
 
 
 def simulated_step_s(plan: Plan, lost: set[str], factors: dict[str, float]) -> float | None:

@@ -26,7 +26,6 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +35,13 @@ from hetero.runtime.base.processes import StageFailedError, raise_open_file_limi
 from hetero.runtime.run.coordinator_failures import Failures, SignalWatch
 from hetero.runtime.run.coordinator_greeting import StageLink, handshake
 from hetero.runtime.run.coordinator_state import StateKeeper
-from hetero.runtime.run.elastic import Rejoining
-from hetero.runtime.run.metrics_file import RecoveryEvent, StepLine
+from hetero.runtime.run.elastic import Rejoining, completed
+from hetero.runtime.run.metrics_file import StepLine
 from hetero.runtime.run.moves import Mover, split_of
 from hetero.runtime.run.options import RunOptions, coordinator_endpoint
 from hetero.runtime.run.records import ProgressBar, RunRecords, RunResult, metrics_line
 from hetero.runtime.run.reduce import clip_coef, norm_from_sumsq, norm_of, sum_replica_grads
+from hetero.runtime.run.replan_moves import replanning
 from hetero.runtime.run.run_profile import write_run_profile
 from hetero.runtime.run.stage_eval import StageEval, evaluates_on_stages
 from hetero.runtime.wire.control import Heartbeat, heartbeat_interval
@@ -61,6 +61,7 @@ class Coordinator:
     failures: Failures  # (declared: the link's idle check, made before it, calls it)
 
     def __init__(self, plan: Plan, plan_path: Path, options: RunOptions) -> None:
+        self.began = time.perf_counter()  # a re-plan move costs about this coordinator's start (it restarts stages)
         raise_open_file_limit()  # before the inbox listens: a flood of idle connections must not exhaust it
         self.options, self.run_dir = options, options.run_dir
         self.host = options.host or plan.stages[0].host
@@ -81,7 +82,7 @@ class Coordinator:
         self.signals = SignalWatch()
         self.heartbeat = Heartbeat(self.link.transport, self.link.names,
                                    interval_s=heartbeat_interval(options.failure_timeout_s))
-        self.mover = Mover(plan, options.rebalance, options.moves)
+        self.mover = Mover(plan, options.rebalance, options.moves, options.replans, options.replans_made)
         self.start_step = 0  # > 0 when resuming from a checkpoint
         # ... and at a step boundary, whether a device that was lost is back (a Rejoining to go on with it, or None)
         self.on_return: Callable[[], Rejoining | None] | None = None
@@ -160,7 +161,7 @@ class Coordinator:
         self.start_step = self.keeper.start_step = started.start_step
         self.keeper.memory = started.resume
         self.result.build_s = started.build_s
-        self.mover.started(started.build_s)
+        self.mover.started(started.build_s, time.perf_counter() - self.began)
 
     def _close(self, restore_signals: Callable[[], None]) -> None:
         """Whatever happened: the evaluator, the ssh workers, signal handlers, heartbeats, sockets."""
@@ -232,6 +233,8 @@ class Coordinator:
                     self.result.interrupted_after = step
                     self.result.checkpoint = self.keeper.checkpoint(step, signals.stop_signal)
                     return
+                if (replan := self.mover.replan_due(step)) is not None and (turn := replanning(self, replan)):
+                    raise turn  # rebalanced by a re-plan (replan_moves.py): the stages go on under it
                 if self.on_return is not None and link.transport.rejected != self.rejected_seen:
                     self.rejected_seen = link.transport.rejected  # something was dropped: a lost device back?
                     if (back := self._returned()) is not None:
@@ -258,7 +261,7 @@ class Coordinator:
         self.last = now
         self.records.step(line)
         if self.options.recovery is not None and step == self.start_step:
-            self._record_recovery(self.options.recovery)
+            self.records.event(completed(self.options.recovery))  # the recovery (or re-plan) this run goes on from
         self.records.record_eval()
         if self.stage_eval is not None and self.stage_eval.due(step):  # the training stages evaluate
             self.records.record_eval([self.stage_eval.run(self.link.transport, self.link.mailbox, step, timeout)])
@@ -270,13 +273,6 @@ class Coordinator:
         if self.mover.due(step):
             self._move(step, payloads, max(timeout, self.options.handshake_timeout_s))  # stages rebuild
         return line
-
-    def _record_recovery(self, event: RecoveryEvent) -> None:
-        """The recovery this run continues (runtime/run/elastic.py), after its first step on the new split: a
-        metrics.jsonl line with the seconds from the loss to that step."""
-        if event.lost_at is not None:
-            event = replace(event, recovery_s=round(time.monotonic() - event.lost_at, 3), lost_at=None)
-        self.records.event(event)
 
     def _returned(self) -> Rejoining | None:
         """on_return's answer; a failure to plan with a device that came back is said, and the run goes on as it is."""

@@ -46,7 +46,7 @@ from hetero.errors import HeteroError
 from hetero.plan import Plan
 from hetero.protocol import MAX_HEADER_BYTES
 from hetero.runtime.base.processes import StageFailedError
-from hetero.runtime.run.metrics_file import Event, RecoveryEvent
+from hetero.runtime.run.metrics_file import Event, RebalanceEvent, RecoveryEvent
 from hetero.runtime.run.moves import split_of
 from hetero.runtime.run.options import RunOptions
 from hetero.runtime.run.records import RunResult
@@ -63,7 +63,7 @@ def run_elastic(plan: Plan, plan_path: Path, options: RunOptions) -> tuple[Plan,
     does not recover from."""
     from hetero.runtime.run.coordinator import Coordinator
 
-    done = 0  # re-plans made
+    done = 0  # re-plans made (after losses, for devices back, and rebalancing re-plans: RunOptions.replans_made)
     earlier: list[Event] = []  # the recovery lines that the coordinators before the last one wrote
     history = Lineage([plan])
     while True:
@@ -80,9 +80,11 @@ def run_elastic(plan: Plan, plan_path: Path, options: RunOptions) -> tuple[Plan,
             history.losses.update(recovered[2].recovery.lost_devices or [])  # type: ignore[union-attr]
         except Rejoining as back:
             where = options.host if options.host is not None else coordinator.host
+            moved = isinstance(back.event, RebalanceEvent)  # a re-plan move is no recovery (runtime.max_recoveries)
             recovered = (back.plan, back.path, replace(options, host=where, resume=None, checkpoint=coordinator.keeper.memory,
                                                        recovery=back.event, launcher=None,
-                                                       ssh_workers=coordinator.link.ssh))
+                                                       ssh_workers=coordinator.link.ssh,
+                                                       replans_made=options.replans_made + moved))
         else:
             result.events[:0] = earlier
             return plan, plan_path, result
@@ -91,6 +93,16 @@ def run_elastic(plan: Plan, plan_path: Path, options: RunOptions) -> tuple[Plan,
         history.plans.append(plan)
         options = replace(options, earlier_plans=tuple(p.input_hash for p in history.plans[:-1]))
         done += 1
+
+
+def completed(event: RecoveryEvent | RebalanceEvent) -> RecoveryEvent | RebalanceEvent:
+    """The recovery (or re-plan move) a run goes on from, after its first step on the new plan: with the seconds
+    from the loss (the stages' stop) to that step."""
+    if isinstance(event, RebalanceEvent) and event.started_at is not None:
+        return replace(event, move_s=round(time.monotonic() - event.started_at, 3), started_at=None)
+    if isinstance(event, RecoveryEvent) and event.lost_at is not None:
+        return replace(event, recovery_s=round(time.monotonic() - event.lost_at, 3), lost_at=None)
+    return event
 
 
 class Lineage:
@@ -129,10 +141,11 @@ class Joiner:
 
 class Rejoining(Exception):  # noqa: N818 (a turn of the run, not an error)
     """Raised by the coordinator at a step boundary, with the stages' state copied: the run goes on under ``plan``,
-    with the devices that came back."""
+    with the devices that came back (none: a rebalancing re-plan on the same devices, ``event`` its move)."""
 
-    def __init__(self, plan: Plan, path: Path, event: RecoveryEvent, joiners: list[Joiner]) -> None:
-        super().__init__(f"the run goes on under {path.name} with {', '.join(j.device for j in joiners)}")
+    def __init__(self, plan: Plan, path: Path, event: RecoveryEvent | RebalanceEvent, joiners: list[Joiner]) -> None:
+        super().__init__(f"the run goes on under {path.name}"
+                         + (f" with {', '.join(j.device for j in joiners)}" if joiners else ""))
         self.plan, self.path, self.event, self.joiners = plan, path, event, joiners
 
 
@@ -176,9 +189,9 @@ def _rejoin(coordinator: Any, history: Lineage, options: RunOptions, done: int) 
     if asked in history.declined:  # its heartbeats keep being dropped: decided already
         return None
     history.declined.add(asked)  # taken back below when it is not declined
-    if done >= options.max_recoveries:
-        history.say(f"{back} is back, but the run re-planned {done} times (runtime.max_recoveries="
-                    f"{options.max_recoveries}): going on without it")
+    if done - options.replans_made >= options.max_recoveries:
+        history.say(f"{back} is back, but the run re-planned {done - options.replans_made} times after losses "
+                    f"(runtime.max_recoveries={options.max_recoveries}): going on without it")
         return None
     plan: Plan = coordinator.plan
     first = history.plans[0]
@@ -249,8 +262,9 @@ def _recover(coordinator: Any, exc: StageFailedError, options: RunOptions, done:
         return None  # before training began, a failure is a setup problem: it would fail again
     plan: Plan = coordinator.plan
     device = plan.stages[lost.stage].device
-    if done >= options.max_recoveries:
-        print(f"hetero run: runtime.elastic: {done} recover{'y' if done == 1 else 'ies'} made "
+    made = done - options.replans_made  # rebalancing re-plans are no recoveries
+    if made >= options.max_recoveries:
+        print(f"hetero run: runtime.elastic: {made} recover{'y' if made == 1 else 'ies'} made "
               f"(runtime.max_recoveries={options.max_recoveries}): not going on without {device}",
               file=sys.stderr, flush=True)
         return None
@@ -278,7 +292,7 @@ def _recover(coordinator: Any, exc: StageFailedError, options: RunOptions, done:
         devices=recovery.devices, plan=path.name, predicted_step_s_after=recovery.predicted_step_s, lost_at=lost.at)
     print(f"hetero run: stage {lost.stage} ({device} on {event.host}) {lost.what}: {lost.cause}; going on without "
           f"it on {len(recovery.devices)} stage(s), split {'/'.join(map(str, recovery.split))}, from step {resumed + 1} "
-          f"({event.replayed_steps} step(s) trained again); plan {path} (recovery {number} of at most "
+          f"({event.replayed_steps} step(s) trained again); plan {path} (recovery {made + 1} of at most "
           f"{options.max_recoveries}: runtime.max_recoveries)", file=sys.stderr, flush=True)
     # The coordinator stays where it was (its endpoint is the one every stage dials), whichever stage is first now.
     where = options.host if options.host is not None or recovery.plan.stages[0].host == host else host

@@ -93,8 +93,9 @@ class MoveCause:
 
 @dataclass(kw_only=True)
 class RebalanceEvent:
-    """A move of layers after ``after_step`` steps: the split and node spans before and after, what the watcher
-    predicted of it, how long the move took and the split it left."""
+    """A move of layers after ``after_step`` steps: the split and node spans before and after (a re-plan's: every
+    chunk's span, stage by stage), what the watcher predicted of it, how long the move took (a re-plan's: from the
+    stages' stop to the first step after it) and the split it left."""
 
     event: Literal["rebalance"] = "rebalance"
     after_step: int
@@ -110,6 +111,8 @@ class RebalanceEvent:
     predicted_stage_s_after: list[float] | None = None
     move_s: float | None = None
     split: list[int] | None = None
+    plan: str | None = None  # a re-plan's plan file in the run dir (runtime/run/replan_moves.py); None: in place
+    started_at: float | None = None  # time.monotonic() when a re-plan stopped the stages (not written)
 
 
 @dataclass(kw_only=True)
@@ -184,7 +187,7 @@ def charted(line: StepLine | EvalLine) -> dict[str, float]:
 
 def to_json(line: Line) -> str:
     """The line as metrics.jsonl holds it: its fields that are set, and its format."""
-    data = {k: v for k, v in to_dict(line).items() if v is not None and k != "lost_at"}
+    data = {k: v for k, v in to_dict(line).items() if v is not None and k not in ("lost_at", "started_at")}
     return json.dumps({**data, "format": FORMAT})
 
 

@@ -30,6 +30,7 @@ from typing import Any
 from hetero.plan import Plan
 from hetero.protocol import Rebalance, Start, StepDone
 from hetero.runtime.run.metrics_file import MoveCause, RebalanceEvent
+from hetero.runtime.run.replan_moves import Replan
 from hetero.runtime.wire.frames import record_of
 
 log = logging.getLogger("hetero.run")
@@ -71,10 +72,17 @@ class Mover:
     ``forced`` maps a step to a split (decoder layers per stage) to move to after it, whatever the times say:
     tests of the move's math use it."""
 
-    def __init__(self, plan: Plan, mode: str, forced: dict[int, list[int]] | None = None) -> None:
+    def __init__(self, plan: Plan, mode: str, forced: dict[int, list[int]] | None = None,
+                 replans: dict[int, dict[str, float]] | None = None, made: int = 0) -> None:
+        """``replans``: step -> device speed factors to re-plan at after it, whatever the times say (tests of a
+        re-plan move's math); ``made``: re-plan moves earlier in the run (runtime/run/replan_moves.py)."""
+        from hetero.runtime.run.replan_moves import PlanMover, replan_kind
         from hetero.runtime.wire.rules import can_rebalance
 
         self.plan, self.forced = plan, dict(forced or {})
+        self.replans = dict(replans or {})
+        self.replanner: PlanMover | None = None  # plans whose layers move by a re-plan (replan_moves.py)
+        self.replan: Replan | None = None  # the re-plan due at a step boundary
         self.watch: Any = None
         self.pending: Move | None = None
         self.telemetry: list[Any] = []  # per stage: its device's clocks, temperature, throttling (last step)
@@ -83,6 +91,10 @@ class Mover:
         self.quiet_until = 0  # no proposal is taken for a move after a step before this one (MOVE_BACKOFF_STEPS)
         if not can_rebalance(plan):
             self.forced = {}
+            if replan_kind(plan) is not None and (mode == "auto" or self.replans):
+                self.replanner = PlanMover(plan, made, MAX_MOVES)
+                if mode != "auto":
+                    self.replanner.watch = None
         elif mode == "auto":
             self.watch = _watch(plan)
 
@@ -98,14 +110,45 @@ class Mover:
         rows = self.watch.history[self.watch.skip:][-last:]
         return {s.device: statistics.median(row[k] for row in rows) for k, s in enumerate(self.plan.stages)}
 
-    def started(self, build_s: dict[int, float]) -> None:
-        """The stages are built: a move costs about their slowest build (it rebuilds every stage)."""
+    def started(self, build_s: dict[int, float], startup_s: float | None = None) -> None:
+        """The stages are built: a move costs about their slowest build (it rebuilds every stage), a re-plan about
+        ``startup_s`` (the seconds from this coordinator's start to its stages' start: it restarts them)."""
         if self.watch is not None and build_s:
             self.watch.move_cost_s = max(build_s.values())
+        if self.replanner is not None and startup_s is not None:
+            self.replanner.restart_s = startup_s
+
+    def _observe_replan(self, step: int, done: dict[int, Any]) -> None:
+        """A plan whose layers move by a re-plan: is one due after the next step?"""
+        from hetero.runtime.run.replan_moves import forced_factors
+
+        assert self.replanner is not None
+        if self.replan is not None:
+            return
+        if step + 1 in self.replans:
+            factors = forced_factors(self.plan, self.replans.pop(step + 1))
+            self.replan = self.replanner.decide(step + 1, factors, None, None, forced=True)
+        elif step + 1 < self.plan.train.steps - 1:
+            try:
+                self.replan = self.replanner.observe(step, stage_compute_s(done))
+            except Exception as exc:  # never let the watcher stop a run: train on with the plan as it is
+                log.warning("runtime.rebalance: off from step %d on, the watcher failed (%s: %s)", step,
+                            type(exc).__name__, exc)
+                self.replanner.watch = None
+
+    def replan_due(self, done: int) -> Replan | None:
+        """The re-plan to go on under after ``done`` steps, if one is due then (taken: asked once)."""
+        if self.replan is None or self.replan.after_step != done:
+            return None
+        replan, self.replan = self.replan, None
+        return replan
 
     def observe(self, step: int, done: dict[int, Any]) -> None:
         """Step ``step``'s reports are in: decide whether the stages move after the next step."""
         self.telemetry = [record_of(done[k], StepDone).telemetry for k in sorted(done)]
+        if self.replanner is not None:
+            self._observe_replan(step, done)
+            return
         if not self.enabled or self.pending is not None or self.sent is not None:
             return
         if step + 1 in self.forced:

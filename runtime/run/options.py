@@ -12,7 +12,7 @@ from hetero.errors import PlanError
 from hetero.plan import Plan
 from hetero.protocol import FAILURE_TIMEOUT_S, LOAD_TIMEOUT_S
 from hetero.runtime.base.rundir import rerun_options
-from hetero.runtime.run.metrics_file import RecoveryEvent
+from hetero.runtime.run.metrics_file import RebalanceEvent, RecoveryEvent
 
 
 def coordinator_endpoint(plan: Plan, host: str | None = None, port: int | None = None) -> str:
@@ -76,9 +76,12 @@ class RunOptions:
     rebalance: str = "auto"  # runtime.rebalance: move layers when a device's speed changes (runtime/run/moves.py)
     snapshot_every_s: float = SNAPSHOT_EVERY_S  # runtime.snapshot_every_s: a checkpoint after this much training
     moves: dict[int, list[int]] = field(default_factory=dict)  # step -> split to move to after it, whatever the times
+    replans: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> device speeds to re-plan at after it
+    replans_made: int = 0  # rebalancing re-plans earlier in this run (runtime/run/replan_moves.py)
     elastic: str = "auto"  # runtime.elastic: auto: go on without a lost device (runtime/run/elastic.py); off: stop
     max_recoveries: int = MAX_RECOVERIES  # runtime.max_recoveries: losses a run recovers from before it stops
-    recovery: RecoveryEvent | None = None  # the recovery this run continues: its metrics.jsonl event, to complete
+    recovery: RecoveryEvent | RebalanceEvent | None = None  # the recovery (or re-plan move) this run continues: its
+    # metrics.jsonl event, to complete
     wandb: str | None = None  # runtime.wandb: a Weights & Biases project to log the steps to (runtime/run/wandb_log.py)
 
     @property

@@ -217,3 +217,53 @@ def test_an_interleaved_run_through_compressed_links_follows_the_reference(setup
     for dev in profile.devices:
         said = "(this run's hand-offs were compressed)"
         assert said in dev.sources["message_send"] and said in dev.sources["message_recv"], dev.sources
+
+
+def test_a_rebalancing_re_plan_of_an_interleaved_run_trains_like_one_process(setup: dict, tiny_model_dir: Path,
+                                                                            tiny_spec: ModelSpec) -> None:
+    """An interleaved plan's layers cannot move in place, so rebalancing re-plans them (runtime/run/replan_moves.py):
+    after step 1, device 0 measured 4x slower (forced), the run goes on under plan-rebalance-1.json with fewer of
+    its layers on device 0, from the state after step 1 (no step trained twice); the losses and the saved adapter
+    are the reference's, and the move is one metrics line with its plan, predictions and duration."""
+    from hetero.planner import plan as make_planned
+    from hetero.planner.model.cost_model import plan_roofline
+    from hetero.planner.replan.recovery import named_like
+    from hetero.runtime.run.elastic import run_elastic
+    from hetero.runtime.run.options import RunOptions
+
+    # Planned by the planner (interleave=always on the hand-built plan's 2 devices), so its predicted times are the
+    # cost model's, as a compiled plan's are: a re-plan compares the two plans at the measured speeds.
+    hand = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN, lora=setup["lora"], seq_len=SEQ_LEN)
+    options = replace(hand.planner, devices=[s.device for s in hand.stages], split=None, num_stages=None, replicas=1,
+                      interleave="always")
+    # The hand-built graph prices no compute: its decoder layers get ~1 ms a micro-batch, so that compute, not the
+    # per-message costs, decides the split.
+    graph = replace(hand.graph, nodes=[replace(n, fwd_flops_per_token=6e6, bwd_flops_per_token=1.2e7)
+                                       if n.kind == "decoder" else n for n in hand.graph.nodes])
+    plan = named_like(replace(make_planned(hand.model, graph, hand.cluster, hand.train, hand.data, options,
+                                           plan_roofline(hand), hand.eval, hand.config, hand.data_stats),
+                              security=hand.security), hand)
+    assert all(s.chunks for s in plan.stages)
+    run_dir = setup["root"] / "run-interleaved-replan"
+    run_dir.mkdir()
+    plan.save(run_dir / "plan.json")
+    slow = plan.stages[0].device
+    run = RunOptions(run_dir=run_dir, progress=False, replans={1: {slow: 4.0}})
+    final, path, _ = run_elastic(plan, run_dir / "plan.json", run)
+    assert path == run_dir / "plan-rebalance-1.json" and Plan.load(path).input_hash == final.input_hash
+    assert [s.device for s in final.stages] == [s.device for s in plan.stages]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    steps = step_lines(rows)
+    moves = [r for r in rows if r.get("event") == "rebalance"]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [m["after_step"] for m in moves] == [1] and moves[0]["plan"] == "plan-rebalance-1.json"
+    move = moves[0]
+    assert move["new_split"][0] < move["old_split"][0] and sum(move["new_split"]) == sum(move["old_split"]) == 6
+    assert [r["split"] for r in steps] == [move["old_split"], move["new_split"], move["new_split"]]
+    assert move["predicted_step_s_after"] < move["predicted_step_s_before"] and move["move_s"] > 0
+    assert move["speed_factors"] == [4.0, 1.0]
+    assert [m["loss"] for m in steps] == pytest.approx(setup["losses"], rel=1e-5)
+    trained = load_adapter_state(run_dir / "adapter", setup["lora"])
+    assert set(trained) == set(setup["state"])
+    for key, want in setup["state"].items():
+        assert_close_to_scale(key, trained[key], want, 1e-5)

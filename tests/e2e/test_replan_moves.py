@@ -1,0 +1,129 @@
+"""Rebalancing by a re-plan (runtime/run/replan_moves.py): plans whose layers cannot move in place (interleaved
+chunks; replicas are said to wait) watched per device, re-planned at the measured speeds when a device's speed
+changed for good and the re-plan pays, and said once when no move can help.
+
+The decisions are checked on a compiled interleaved plan of the tiny model, fed measured-time series made here;
+the move itself (the run going on under the re-plan, exactly) is tests/e2e/test_interleaved_runtime.py's
+``test_a_rebalancing_re_plan_of_an_interleaved_run_trains_like_one_process``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from hetero.plan import Plan
+from hetero.planner.replan.recovery import step_at_speeds
+from hetero.planner.schedule.simulator import simulate_plan
+from hetero.runtime.run.moves import MAX_MOVES, Mover
+
+# A stage's stepdone as the coordinator's side reads it (hetero.protocol.StepDone), its op times given by each test.
+REPORT = {"step": 0, "loss_sum": None, "num_label_tokens": None, "grad_sumsq": 0.0, "lr": 1e-4, "busy_s": 0.0,
+          "wall_s": 0.0}
+
+
+def _compiled(tmp: Path, *overrides: str) -> Plan:
+    from hetero.cli import main
+
+    assert main(["compile", "model=tiny", "hardware=local", "data.packing=false", "train.steps=200",
+                 f"output={tmp}", *overrides]) == 0
+    return Plan.load(tmp / "plan.json")
+
+
+@pytest.fixture(scope="module")
+def interleaved(tmp_path_factory: pytest.TempPathFactory) -> Plan:
+    plan = _compiled(tmp_path_factory.mktemp("replan") / "plan", "planner.num_stages=2", "planner.interleave=always")
+    assert all(s.chunks for s in plan.stages) and len(plan.pipelines) == 1
+    return plan
+
+
+def _feed(mover: Mover, plan: Plan, steps: int, slow: dict[int, float], noise: float = 0.03, seed: int = 0,
+          first: int = 0) -> int | None:
+    """Steps of measured times as priced (x ``slow[k]`` on stage k from step 5 on, and noise): the step after
+    which the mover has a re-plan due, or None."""
+    rng = random.Random(seed)
+    priced = [sum(f + b for f, b in [(s.fwd_time_s, s.bwd_time_s), *((c.fwd_time_s, c.bwd_time_s) for c in s.chunks)])
+              * plan.train.num_micro_batches for s in plan.stages]
+    for step in range(first, first + steps):
+        done = {}
+        for k, p in enumerate(priced):
+            c = p * (slow.get(k, 1.0) if step >= 5 else 1.0) * (1 + rng.uniform(-noise, noise))
+            done[k] = SimpleNamespace(meta={**REPORT, "step": step, "op_time_s": {"F": c / 3, "B": 2 * c / 3}})
+        mover.observe(step, done)
+        if mover.replan is not None:
+            return step
+    return None
+
+
+def test_the_plan_at_the_measured_speeds_is_the_plan_where_they_are_priced(interleaved: Plan) -> None:
+    assert step_at_speeds(interleaved, {}) == pytest.approx(simulate_plan(interleaved).step_time_s, rel=1e-12)
+    slowed = step_at_speeds(interleaved, {interleaved.stages[0].device: 3.0})
+    assert slowed > step_at_speeds(interleaved, {interleaved.stages[0].device: 1.5}) > simulate_plan(
+        interleaved).step_time_s
+
+
+def test_noise_never_re_plans_an_interleaved_run(interleaved: Plan, capsys) -> None:
+    for seed in range(3):
+        mover = Mover(interleaved, "auto")
+        assert mover.replanner is not None and mover.watch is None
+        assert _feed(mover, interleaved, 60, {}, noise=0.1, seed=seed) is None
+    assert capsys.readouterr().err == ""
+
+
+def test_a_sustained_slowdown_re_plans_layers_off_the_slow_device(interleaved: Plan, capsys) -> None:
+    mover = Mover(interleaved, "auto")
+    mover.started({0: 0.5, 1: 0.5}, 2.0)
+    # 1 warm-up step, 3 calibrating, then 4 sustained slow steps from step 5: decided after step 8.
+    assert _feed(mover, interleaved, 40, {0: 3.0}) == 8
+    replan = mover.replan
+    assert replan is not None and replan.after_step == 9
+    assert mover.replan_due(8) is None and mover.replan_due(9) is replan and mover.replan_due(9) is None
+    event = replan.event
+    assert event.new_split[0] < event.old_split[0] and sum(event.new_split) == sum(event.old_split)
+    assert event.predicted_gain is not None and event.predicted_gain >= 1.15
+    assert event.cause.stage == 0 and event.cause.slowdown == pytest.approx(3.0, rel=0.1)
+    assert "runs 3." in event.cause.reason and "re-planned" in event.cause.reason
+    assert [s.device for s in replan.plan.stages] == [s.device for s in interleaved.stages]
+    assert [s.name for s in replan.plan.stages] == [interleaved.stage_id(k) for k in range(len(interleaved.stages))]
+    assert replan.plan.verdict[0].startswith("Re-planned during the run at the speeds it measured")
+    assert capsys.readouterr().err == ""
+
+
+def test_a_re_plan_that_cannot_pay_is_said_once_and_not_made(interleaved: Plan, capsys) -> None:
+    mover = Mover(interleaved, "auto")
+    mover.started({0: 0.5, 1: 0.5}, 1e6)  # a restart as long as the run: nothing pays
+    assert _feed(mover, interleaved, 60, {0: 3.0}) is None
+    err = capsys.readouterr().err
+    assert err.count("no move can help") == 1 and err.count("\n") == 1, err
+    assert "less than twice the 1e+06 s a restart of the stages costs" in err
+
+
+def test_a_plan_of_replicas_says_once_that_it_does_not_re_plan(tmp_path: Path, capsys) -> None:
+    plan = _compiled(tmp_path / "plan", "planner.replicas=2", "hardware.num_devices=2")
+    assert len(plan.pipelines) == 2
+    mover = Mover(plan, "auto")
+    assert _feed(mover, plan, 40, {0: 3.0}) is None
+    err = capsys.readouterr().err
+    assert err.count("no move can help yet: a plan of 2 data x pipeline replicas") == 1 and err.count("\n") == 1
+
+
+def test_off_or_the_cap_keeps_the_plan(interleaved: Plan, capsys) -> None:
+    assert Mover(interleaved, "off").replanner is None
+    forced = Mover(interleaved, "off", replans={3: {interleaved.stages[0].device: 4.0}})
+    assert forced.replanner is not None and forced.replanner.watch is None
+    assert _feed(forced, interleaved, 10, {}) == 2 and forced.replan is not None
+    capped = Mover(interleaved, "auto", made=MAX_MOVES)
+    assert capped.replanner is not None and capped.replanner.watch is None
+    assert _feed(capped, interleaved, 40, {0: 3.0}) is None
+    assert capsys.readouterr().err.count("the most one run makes") == 1
+
+
+def test_a_run_near_its_end_is_not_re_planned(interleaved: Plan) -> None:
+    plan = replace(interleaved, train=replace(interleaved.train, steps=9))
+    mover = Mover(plan, "auto")
+    mover.started({0: 0.5, 1: 0.5}, 0.01)
+    assert _feed(mover, plan, 9, {0: 3.0}) is None  # decided after step 8 at the earliest: no step would be left

@@ -6,7 +6,8 @@ cgroup with a CPU quota of 30 % of one core (a card that throttles, or is taken 
 process stays in the run. Three runs in one script, each with the same slowdown:
 
   off     `hetero run plan.json runtime.rebalance=off`  (the plan's split to the end)
-  auto    `hetero run plan.json`                        (runtime.rebalance=auto, the default)
+  auto    `hetero run plan.json`                        (runtime.rebalance=auto, the default; an interleaved
+          plan is re-planned and its stages restarted: the slowed device's new process is throttled too)
   fresh   a plan compiled for the slowed fleet: stage 0's device priced at the speed the `off` run measured
           after the slowdown (its datasheet numbers scaled by it), run with rebalance off
 

@@ -17,6 +17,7 @@ from hetero.runtime.run.metrics_file import NAME, Event, Line, RunLines, StepLin
 from hetero.runtime.run.run_compare import compare_run
 from hetero.runtime.run.run_segments import (
     Segment,
+    across_plans,
     move_line,
     plan_busy_s,
     run_moves,
@@ -165,6 +166,7 @@ def write_report(plan: Plan, steps: list[StepLine], build_s: dict[int, float], r
     except (OSError, ValueError) as exc:  # a line cut short by a full disk costs the whole run's headline only
         print(f"hetero run: could not read {run_dir / NAME}: {exc}", file=sys.stderr)
     whole = RunLines(lines).steps
+    report["moves"] = [across_plans(move, whole) for move in report["moves"]]
     if len(whole) > report["steps"]:  # resumed, or re-planned after a loss: the headline counts the whole run
         report["run_steps"], report["run_first_loss"] = len(whole), whole[0].loss
     if report["steps"]:

@@ -131,9 +131,23 @@ def run_moves(segments: list[Segment]) -> list[dict[str, Any]]:
             "predicted_gain": event.predicted_gain, "measured_gain": gain,
             "measured_step_s_before": _median([s.step_time_s for s in ahead]),
             "measured_step_s_after": _median([s.step_time_s for s in behind]),
-            "steps_before": _span(ahead), "steps_after": _span(behind), "move_s": event.move_s,
+            "steps_before": _span(ahead), "steps_after": _span(behind), "move_s": event.move_s, "plan": event.plan,
         })
     return out
+
+
+def across_plans(move: dict[str, Any], steps: list[StepLine]) -> dict[str, Any]:
+    """A re-plan move (``plan`` set: runtime/run/replan_moves.py) measured over the whole run's ``steps``: the steps
+    before it ran under the plan before, in another coordinator, so this run's own segments cannot see them."""
+    if move.get("plan") is None or move.get("measured_gain") is not None:
+        return move
+    after = move["after_step"]
+    ahead = [s for s in steps if s.step <= after][-GAIN_WINDOW:]
+    behind = [s for s in steps if s.step > after][1:1 + GAIN_WINDOW]  # the first step after it left out
+    slow, fast = _median([s.step_time_s for s in ahead]), _median([s.step_time_s for s in behind])
+    return {**move, "measured_gain": slow / fast if slow is not None and fast else None,
+            "measured_step_s_before": slow, "measured_step_s_after": fast,
+            "steps_before": _span(ahead), "steps_after": _span(behind)}
 
 
 def split_text(split: Any) -> str:

@@ -230,6 +230,7 @@ def test_a_rebalancing_re_plan_of_an_interleaved_run_trains_like_one_process(set
     from hetero.planner.replan.recovery import named_like
     from hetero.runtime.run.elastic import run_elastic
     from hetero.runtime.run.options import RunOptions
+    from hetero.runtime.run.report import write_report
 
     # Planned by the planner (interleave=always on the hand-built plan's 2 devices), so its predicted times are the
     # cost model's, as a compiled plan's are: a re-plan compares the two plans at the measured speeds.
@@ -249,7 +250,7 @@ def test_a_rebalancing_re_plan_of_an_interleaved_run_trains_like_one_process(set
     plan.save(run_dir / "plan.json")
     slow = plan.stages[0].device
     run = RunOptions(run_dir=run_dir, progress=False, replans={1: {slow: 4.0}})
-    final, path, _ = run_elastic(plan, run_dir / "plan.json", run)
+    final, path, result = run_elastic(plan, run_dir / "plan.json", run)
     assert path == run_dir / "plan-rebalance-1.json" and Plan.load(path).input_hash == final.input_hash
     assert [s.device for s in final.stages] == [s.device for s in plan.stages]
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -262,6 +263,11 @@ def test_a_rebalancing_re_plan_of_an_interleaved_run_trains_like_one_process(set
     assert [r["split"] for r in steps] == [move["old_split"], move["new_split"], move["new_split"]]
     assert move["predicted_step_s_after"] < move["predicted_step_s_before"] and move["move_s"] > 0
     assert move["speed_factors"] == [4.0, 1.0]
+    # The report (written by `hetero run` with the plan the run ended on) measures the move across both plans.
+    report = write_report(final, result.steps, result.build_s, run_dir, result.events)
+    assert [(m["plan"], m["steps_before"], m["steps_after"]) for m in report["moves"]] == [
+        ("plan-rebalance-1.json", [1, 1], [3, 3])]
+    assert report["moves"][0]["measured_gain"] > 0
     assert [m["loss"] for m in steps] == pytest.approx(setup["losses"], rel=1e-5)
     trained = load_adapter_state(run_dir / "adapter", setup["lora"])
     assert set(trained) == set(setup["state"])

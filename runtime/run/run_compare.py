@@ -179,6 +179,8 @@ def _segment_versus_plan(plan: Plan, run_dir: Path, steps: list[StepLine], predi
 
     if not steps:
         return ["no step ran on the plan's own split"]
+    if move is not None and move.plan and (run_dir / move.plan).is_file():
+        plan = Plan.load(run_dir / move.plan)  # a re-plan move: its steps ran that plan's programs
     timings = stage_timings_from_metrics(steps)
     if not timings or len(timings) != len(plan.stages):
         raise ConfigError(f"{run_dir / NAME} has no per-stage timings for this {len(plan.stages)}-stage plan")

@@ -220,7 +220,7 @@ def test_an_interleaved_run_through_compressed_links_follows_the_reference(setup
 
 
 def test_a_rebalancing_re_plan_of_an_interleaved_run_trains_like_one_process(setup: dict, tiny_model_dir: Path,
-                                                                            tiny_spec: ModelSpec) -> None:
+                                                                            tiny_spec: ModelSpec, monkeypatch) -> None:
     """An interleaved plan's layers cannot move in place, so rebalancing re-plans them (runtime/run/replan_moves.py):
     after step 1, device 0 measured 4x slower (forced), the run goes on under plan-rebalance-1.json with fewer of
     its layers on device 0, from the state after step 1 (no step trained twice); the losses and the saved adapter
@@ -231,6 +231,7 @@ def test_a_rebalancing_re_plan_of_an_interleaved_run_trains_like_one_process(set
     from hetero.runtime.run.elastic import run_elastic
     from hetero.runtime.run.options import RunOptions
     from hetero.runtime.run.report import write_report
+    from hetero.runtime.run.run_compare import versus_plan
 
     # Planned by the planner (interleave=always on the hand-built plan's 2 devices), so its predicted times are the
     # cost model's, as a compiled plan's are: a re-plan compares the two plans at the measured speeds.
@@ -268,6 +269,16 @@ def test_a_rebalancing_re_plan_of_an_interleaved_run_trains_like_one_process(set
     assert [(m["plan"], m["steps_before"], m["steps_after"]) for m in report["moves"]] == [
         ("plan-rebalance-1.json", [1, 1], [3, 3])]
     assert report["moves"][0]["measured_gain"] > 0
+    # `hetero simulate plan.json --run RUN_DIR`: the first plan's steps, the move, the re-plan's steps replayed with
+    # the re-plan's own programs.
+    new = "/".join(map(str, move["new_split"]))
+    from hetero.planner.schedule import simulator
+
+    replayed, replay = [], simulator.replay_run
+    monkeypatch.setattr(simulator, "replay_run", lambda p, t, **kw: replayed.append(p) or replay(p, t, **kw))
+    said = "\n".join(versus_plan(plan, run_dir))
+    assert [bool(p.stages[0].chunks) for p in replayed] == [True, False]
+    assert f"split {'/'.join(map(str, move['old_split']))} -> {new}" in said and f"on split {new}: measured" in said
     assert [m["loss"] for m in steps] == pytest.approx(setup["losses"], rel=1e-5)
     trained = load_adapter_state(run_dir / "adapter", setup["lora"])
     assert set(trained) == set(setup["state"])

@@ -304,25 +304,18 @@ def drifted(reference: list[float], recent: list[list[float]], drift: float) -> 
 
 @dataclass
 class DeviceWatch:
-    """Per step, each stage's measured compute over the plan's own prediction of it: the speed factors of a plan
+    """Per step, each stage's measured compute over its price (``priced_s``): the speed factors of a plan
     whose layers cannot move in place (interleaved chunks, streamed weights), which a move re-plans whole
     (runtime/run/moves.py). The same rules as Watch: ``skip`` warm-up steps, a reference over ``calibrate``, a
     change beyond ``drift`` on one stage in each of the last ``sustain`` steps."""
 
-    priced_s: list[float]  # per stage: the plan's F + B seconds per step (every chunk's, streaming included)
+    priced_s: list[float]  # per stage: F + B seconds per step at the re-plan's prices (recovery.Pricing.compute_s)
     skip: int = 1
     calibrate: int = 3
     sustain: int = 4
     drift: float = 1.3
     history: list[list[float]] = field(default_factory=list)
     reference: list[float] | None = None
-
-    @classmethod
-    def of(cls, plan: Plan) -> DeviceWatch:
-        rep = {k: r.num_micro_batches for r in plan.pipelines for k in r.stages}
-        return cls([rep[k] * sum(f + b for f, b in [(s.fwd_time_s, s.bwd_time_s),
-                                                     *((c.fwd_time_s, c.bwd_time_s) for c in s.chunks)])
-                    for k, s in enumerate(plan.stages)])
 
     def factors(self, measured_s: list[float]) -> list[float]:
         return [m / p if p > 0 else 1.0 for m, p in zip(measured_s, self.priced_s, strict=True)]

@@ -73,6 +73,47 @@ def plan_without(plan: Plan, lost: set[str], factors: dict[str, float] | None = 
     return Recovery(new, split, order, new.prediction.step_time_s, best.step_s)
 
 
+class Pricing:
+    """A plan's layers priced by its datasheet cost table (the table ``plan_without`` re-plans with), whatever its
+    stored predictions came from (a plan compiled with ``profile=`` stores the profile's): a plan and its re-plan,
+    and the speeds measured against either, compare on one footing."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.replanner = Replanner(plan)
+        self.index = {d.name: k for k, d in enumerate(self.replanner.table.devices)}
+        self.node = {n.name: i for i, n in enumerate(plan.graph.nodes)}
+
+    def times(self, device: str, first: int, last: int, recompute: list[str]) -> tuple[float, float]:
+        """(forward, backward) seconds per micro-batch of nodes ``first..last`` on ``device``, recomputing
+        ``recompute``."""
+        t, d = self.replanner.table, self.index[device]
+        again = sum(t.recompute_s[self.node[name]][d] for name in recompute if name in self.node)
+        return (sum(t.fwd_s[i][d] for i in range(first, last + 1)),
+                sum(t.bwd_s[i][d] for i in range(first, last + 1)) + again)
+
+    def repriced(self, plan: Plan) -> Plan:
+        """``plan`` (on this plan's devices) with every stage's and chunk's forward and backward from the table."""
+        def stage(s: Any) -> Any:
+            chunks = [replace(c, **dict(zip(("fwd_time_s", "bwd_time_s"),
+                                            self.times(s.device, c.first_node, c.last_node, c.recompute_layers),
+                                            strict=True))) for c in s.chunks]
+            fwd, bwd = self.times(s.device, s.first_node, s.last_node, s.recompute_layers)
+            return replace(s, fwd_time_s=fwd, bwd_time_s=bwd, chunks=chunks)
+
+        return replace(plan, stages=[stage(s) for s in plan.stages])
+
+    def compute_s(self, plan: Plan) -> list[float]:
+        """Per stage: its F + B seconds per step at the table's prices (every chunk's)."""
+        m = {k: r.num_micro_batches for r in plan.pipelines for k in r.stages}
+        return [m[k] * (st.fwd_time_s + st.bwd_time_s + sum(c.fwd_time_s + c.bwd_time_s for c in st.chunks))
+                for k, st in enumerate(self.repriced(plan).stages)]
+
+    def step_at_speeds(self, plan: Plan, factors: dict[str, float]) -> float:
+        """``plan``'s programs simulated at the table's prices, each device's compute times its measured speed
+        factor (device -> measured compute over priced, 1.0 where absent)."""
+        return step_at_speeds(self.repriced(plan), factors)
+
+
 def step_at_speeds(plan: Plan, factors: dict[str, float]) -> float:
     """``plan``'s stored programs simulated with each stage's (and chunk's) forward and backward seconds times its
     device's measured speed factor (device -> measured compute over priced, 1.0 where absent): the step the plan

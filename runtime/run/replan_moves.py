@@ -5,7 +5,8 @@ An interleaved plan's devices hold several chunks each: moving the edges of span
 apply to them. For those plans the watcher (planner/replan/rebalance.py DeviceWatch) compares each stage's
 measured compute with the plan's prediction of it; when one device's speed changed for good, the run plans its
 layers again over the same devices in the same order at the measured speeds (planner/replan/recovery.py
-``plan_without`` with nothing lost), simulates both plans at those speeds (``step_at_speeds``), and moves only
+``plan_without`` with nothing lost), simulates both plans at those speeds (``Pricing``: both priced by the
+datasheet table the re-plan uses, and the speeds measured against it), and moves only
 when the new plan is ``MIN_GAIN`` faster and the seconds it saves over the steps left exceed twice what a
 restart of the stages cost at the start of this run. The move: every stage's state after the step is copied, the
 new plan is saved as RUN_DIR/plan-rebalance-N.json, and the run goes on under it from the next step (remote hosts'
@@ -45,11 +46,18 @@ class PlanMover:
 
     def __init__(self, plan: Plan, made: int, max_moves: int) -> None:
         from hetero.planner.replan.rebalance import DeviceWatch
+        from hetero.planner.replan.recovery import Pricing
 
         self.plan, self.made, self.max_moves = plan, made, max_moves
-        self.watch: DeviceWatch | None = DeviceWatch.of(plan)
         self.restart_s = 10.0  # until measured: what restarting every stage costs (started())
         self.said: set[str] = set()
+        self.watch: DeviceWatch | None = None
+        try:  # priced by the datasheet table the re-plan uses, whatever the plan's own predictions came from
+            self.pricing = Pricing(plan)
+            self.watch = DeviceWatch(self.pricing.compute_s(plan))
+        except Exception as exc:  # a plan the cost model cannot price again: train on, without moves
+            log.warning("runtime.rebalance: off for this run, its plan's costs cannot be rebuilt (%s)", exc)
+            return
         if made >= max_moves:
             self.say(f"runtime.rebalance made {made} moves, the most one run makes: the stages keep this plan to the "
                      "end (a device whose speed keeps changing is better left out of the fleet)")
@@ -80,7 +88,7 @@ class PlanMover:
                forced: bool = False) -> Replan | None:
         """The re-plan after ``done`` steps at the per-stage speed ``factors`` if it pays (``forced``: whatever
         it gains); else None, said once."""
-        from hetero.planner.replan.recovery import plan_without, step_at_speeds
+        from hetero.planner.replan.recovery import plan_without
 
         plan = self.plan
         speeds = {s.device: f for s, f in zip(plan.stages, factors, strict=True)}
@@ -100,7 +108,7 @@ class PlanMover:
             return None
         try:
             new = plan_without(plan, set(), speeds, note=note)
-            before, after = step_at_speeds(plan, speeds), step_at_speeds(new.plan, speeds)
+            before, after = self.pricing.step_at_speeds(plan, speeds), self.pricing.step_at_speeds(new.plan, speeds)
         except HeteroError as exc:
             self.say(f"{what}, but its layers cannot be planned again: {exc}")
             return None
@@ -114,7 +122,6 @@ class PlanMover:
             self.say(f"{what}; no move can help: {because}")
             return None
         split = [len([i for i in s.nodes() if plan.graph.nodes[i].kind == "decoder"]) for s in plan.stages]
-        m = {k: r.num_micro_batches for r in new.plan.pipelines for k in r.stages}
         event = RebalanceEvent(
             after_step=done,
             cause=MoveCause(reason=f"{what}; re-planned: {split} -> {new.split} decoder layers, simulated "
@@ -126,9 +133,8 @@ class PlanMover:
             new_spans=[[a, b] for s in new.plan.stages for a, b in s.spans()],
             predicted_step_s_before=round(before, 6), predicted_step_s_after=round(after, 6),
             predicted_gain=round(before / after, 4) if after > 0 else None,
-            predicted_stage_s_after=[round(m[k] * (s.fwd_time_s + s.bwd_time_s + sum(
-                c.fwd_time_s + c.bwd_time_s for c in s.chunks)) * speeds.get(s.device, 1.0), 6)
-                for k, s in enumerate(new.plan.stages)])
+            predicted_stage_s_after=[round(c * speeds.get(s.device, 1.0), 6)
+                                     for s, c in zip(new.plan.stages, self.pricing.compute_s(new.plan), strict=True)])
         return Replan(done, new.plan, event)
 
 

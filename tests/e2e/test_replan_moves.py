@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from hetero.plan import Plan
-from hetero.planner.replan.recovery import step_at_speeds
+from hetero.planner.replan.recovery import Pricing, step_at_speeds
 from hetero.planner.schedule.simulator import simulate_plan
 from hetero.runtime.run.moves import MAX_MOVES, Mover
 
@@ -46,8 +46,7 @@ def _feed(mover: Mover, plan: Plan, steps: int, slow: dict[int, float], noise: f
     """Steps of measured times as priced (x ``slow[k]`` on stage k from step 5 on, and noise): the step after
     which the mover has a re-plan due, or None."""
     rng = random.Random(seed)
-    priced = [sum(f + b for f, b in [(s.fwd_time_s, s.bwd_time_s), *((c.fwd_time_s, c.bwd_time_s) for c in s.chunks)])
-              * plan.train.num_micro_batches for s in plan.stages]
+    priced = Pricing(plan).compute_s(plan)
     for step in range(first, first + steps):
         done = {}
         for k, p in enumerate(priced):
@@ -64,6 +63,19 @@ def test_the_plan_at_the_measured_speeds_is_the_plan_where_they_are_priced(inter
     slowed = step_at_speeds(interleaved, {interleaved.stages[0].device: 3.0})
     assert slowed > step_at_speeds(interleaved, {interleaved.stages[0].device: 1.5}) > simulate_plan(
         interleaved).step_time_s
+
+
+def test_a_compiled_plans_own_predictions_are_its_datasheet_prices(interleaved: Plan) -> None:
+    """The re-plan prices both plans by the datasheet table; for a plan compiled on datasheet costs that is what it
+    stores (a plan compiled with ``profile=`` stores the profile's, which Pricing leaves aside)."""
+    pricing = Pricing(interleaved)
+    assert pricing.step_at_speeds(interleaved, {}) == pytest.approx(simulate_plan(interleaved).step_time_s, rel=1e-9)
+    m = interleaved.train.num_micro_batches
+    assert pricing.compute_s(interleaved) == pytest.approx(
+        [m * (s.fwd_time_s + s.bwd_time_s + sum(c.fwd_time_s + c.bwd_time_s for c in s.chunks))
+         for s in interleaved.stages], rel=1e-9)
+    doubled = replace(interleaved, stages=[replace(s, fwd_time_s=2 * s.fwd_time_s) for s in interleaved.stages])
+    assert pricing.compute_s(doubled) == pytest.approx(pricing.compute_s(interleaved), rel=1e-12)
 
 
 def test_noise_never_re_plans_an_interleaved_run(interleaved: Plan, capsys) -> None:

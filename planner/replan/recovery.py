@@ -52,7 +52,7 @@ def plan_without(plan: Plan, lost: set[str], factors: dict[str, float] | None = 
     from hetero.planner import plan as make_plan
 
     if len(plan.pipelines) != 1:
-        return _replicas_without(plan, lost)
+        return _replicas_without(plan, lost, factors if not lost else None, note)
     order = [s.device for s in plan.stages if s.device not in lost]
     if not order:
         raise InfeasiblePlanError("no training device is left")
@@ -149,9 +149,29 @@ def _best_split(plan: Plan, order: list[str], fleet: ClusterSpec, cost_model: Ro
     return replanner, replanner.best([float(factors.get(name, 1.0)) for name in order])
 
 
-def _replicas_without(plan: Plan, lost: set[str]) -> Recovery:
+class AtSpeeds(RooflineCostModel):
+    """The plan's datasheet cost model with each device's compute (layers and optimizer) times its measured speed
+    factor (device name -> measured over priced; 1.0 where absent): the solver plans for the fleet as the run
+    measured it."""
+
+    def __init__(self, base: RooflineCostModel, factors: dict[str, float]) -> None:
+        super().__init__(base.efficiency)
+        self.cipher_s_per_byte, self.factors = base.cipher_s_per_byte, dict(factors)
+
+    def node_time_s(self, graph: Any, model: Any, node: int, device: Any, tokens: int) -> tuple[float, float]:
+        f = self.factors.get(device.name, 1.0)
+        fwd, bwd = super().node_time_s(graph, model, node, device, tokens)
+        return fwd * f, bwd * f
+
+    def optimizer_step_s(self, device: Any, model: Any, lora_params: int, lora_tensors: int) -> float:
+        return super().optimizer_step_s(device, model, lora_params, lora_tensors) * self.factors.get(device.name, 1.0)
+
+
+def _replicas_without(plan: Plan, lost: set[str], factors: dict[str, float] | None = None,
+                      note: str | None = None) -> Recovery:
     """A data x pipeline plan planned again on the devices it trained on, less ``lost`` (devices it left unused stay
-    unused; a held-out evaluation keeps its spare device, so such plans are refused)."""
+    unused; a held-out evaluation keeps its spare device, so such plans are refused); ``factors``: the measured
+    speeds the solver plans at (AtSpeeds; None: the datasheet's, as after a loss)."""
     from hetero.planner import plan as make_plan
 
     if plan.eval.every > 0:
@@ -162,7 +182,7 @@ def _replicas_without(plan: Plan, lost: set[str]) -> Recovery:
     if not left:
         raise InfeasiblePlanError("no training device is left")
     fleet = without_devices(plan.cluster, {d.name for d in plan.cluster.devices} - set(left))
-    cost_model = plan_roofline(plan)
+    cost_model = AtSpeeds(plan_roofline(plan), factors) if factors else plan_roofline(plan)
     options = replace(plan.planner, devices=None, split=None, num_stages=None, replicas=None, interleave="off",
                       time_limit_s=min(plan.planner.time_limit_s, RECOVERY_TIME_LIMIT_S))
     new = make_plan(plan.model, plan.graph, fleet, plan.train, plan.data, options, cost_model, plan.eval,
@@ -171,9 +191,9 @@ def _replicas_without(plan: Plan, lost: set[str]) -> Recovery:
     split = [sum(1 for i in s.nodes() if nodes[i].kind == "decoder") for s in new.stages]
     shape = " + ".join(f"{len(r.stages)} stage(s) x {r.num_micro_batches} micro-batch(es)" for r in new.pipelines)
     devices = [s.device for s in new.stages]
-    note = (f"Re-planned during the run after losing {', '.join(sorted(lost))}: {len(new.pipelines)} replica(s) "
-            f"({shape}) on {len(set(devices))} of the {len(left)} device(s) left, planned again by the solver "
-            "(datasheet or profile costs, not the speeds the run measured).")
+    note = note or (f"Re-planned during the run after losing {', '.join(sorted(lost))}: {len(new.pipelines)} "
+                    f"replica(s) ({shape}) on {len(set(devices))} of the {len(left)} device(s) left, planned again by "
+                    "the solver (datasheet or profile costs, not the speeds the run measured).")
     new = named_like(replace(new, security=plan.security, verdict=[note, *new.verdict]), plan)
     return Recovery(new, split, devices, new.prediction.step_time_s, new.prediction.step_time_s)
 

@@ -1,18 +1,20 @@
 """Rebalancing a plan whose layers cannot move in place: a re-plan at the speeds the run measured, taken at a step
 boundary the way a device that came back is (runtime/run/elastic.py).
 
-An interleaved plan's devices hold several chunks each: moving the edges of spans (runtime/run/moves.py) does not
-apply to them. For those plans the watcher (planner/replan/rebalance.py DeviceWatch) compares each stage's
-measured compute with the plan's prediction of it; when one device's speed changed for good, the run plans its
-layers again over the same devices in the same order at the measured speeds (planner/replan/recovery.py
-``plan_without`` with nothing lost), simulates both plans at those speeds (``Pricing``: both priced by the
-datasheet table the re-plan uses, and the speeds measured against it), and moves only
-when the new plan is ``MIN_GAIN`` faster and the seconds it saves over the steps left exceed twice what a
-restart of the stages cost at the start of this run. The move: every stage's state after the step is copied, the
-new plan is saved as RUN_DIR/plan-rebalance-N.json, and the run goes on under it from the next step (remote hosts'
-workers start their stages of it), so no step is trained twice and the math is that of one process. Where no
-move pays, the run says so once; so does a plan of data x pipeline replicas or one that streams weights from host
-RAM, whose re-plans are not built yet (the watcher watches them, and says it once their device slows).
+An interleaved plan's devices hold several chunks each, and a plan of data x pipeline replicas shares each step's
+micro-batches among pipelines: moving the edges of spans (runtime/run/moves.py) applies to neither. For those plans
+the watcher (planner/replan/rebalance.py DeviceWatch) compares each stage's measured compute with the plan's
+prediction of it; when one device's speed changed for good, the run plans its layers again over the same devices at
+the measured speeds (planner/replan/recovery.py ``plan_without`` with nothing lost: one pipeline in the same order
+by the split search recovery uses; replicas by the solver, each device's compute scaled by its speed, ``AtSpeeds``,
+so a slowed replica may get fewer micro-batches or fewer layers), simulates both plans at those speeds (``Pricing``:
+both priced by the datasheet table the re-plan uses, and the speeds measured against it), and moves only when the
+new plan is ``MIN_GAIN`` faster and the seconds it saves over the steps left exceed twice what a restart of the
+stages cost at the start of this run. The move: every stage's state after the step is copied, the new plan is saved
+as RUN_DIR/plan-rebalance-N.json, and the run goes on under it from the next step (remote hosts' workers start their
+stages of it), so no step is trained twice and the math is that of one process. Where no move pays, the run says so
+once; so does a plan that streams weights from host RAM, whose re-plan is not built yet (the watcher watches it, and
+says it once its device slows).
 """
 
 from __future__ import annotations
@@ -97,12 +99,7 @@ class PlanMover:
                 and change else "forced by the caller")
         note = (f"Re-planned during the run at the speeds it measured (compute over priced: "
                 f"{', '.join(f'{d} {f:.2f}x' for d, f in speeds.items())}): {what}.")
-        kind = replan_kind(plan)
-        if kind == "replicas":
-            self.say(f"{what}; no move can help yet: a plan of {len(plan.pipelines)} data x pipeline replicas is not "
-                     "re-planned during a run (its replicas keep their layers and micro-batches to the end)")
-            return None
-        if kind == "streamed":
+        if replan_kind(plan) == "streamed":
             self.say(f"{what}; no move can help yet: a plan that streams weights from host RAM is not re-planned "
                      "during a run (its streamed layers and resident caps stay as compiled)")
             return None
@@ -122,9 +119,11 @@ class PlanMover:
             self.say(f"{what}; no move can help: {because}")
             return None
         split = [len([i for i in s.nodes() if plan.graph.nodes[i].kind == "decoder"]) for s in plan.stages]
+        shares = ("" if len(plan.pipelines) == len(new.plan.pipelines) == 1 else
+                  f", micro-batches per replica {_shares(plan)} -> {_shares(new.plan)}")
         event = RebalanceEvent(
             after_step=done,
-            cause=MoveCause(reason=f"{what}; re-planned: {split} -> {new.split} decoder layers, simulated "
+            cause=MoveCause(reason=f"{what}; re-planned: {split} -> {new.split} decoder layers{shares}, simulated "
                                    f"{before:.3g} -> {after:.3g} s/step at the measured speeds",
                             stage=cause, device=plan.stages[cause].device if cause is not None else None,
                             slowdown=round(change, 3) if change else None),
@@ -158,6 +157,10 @@ def replanning(coordinator: Any, replan: Replan) -> Any:
     event = replace(replan.event, plan=path.name, started_at=time.monotonic())
     print(f"hetero run: rebalancing after step {done}: {event.cause.reason}; plan {path}", file=sys.stderr, flush=True)
     return Rejoining(replan.plan, path, event, [])
+
+
+def _shares(plan: Plan) -> str:
+    return "/".join(str(r.num_micro_batches) for r in plan.pipelines)
 
 
 def forced_factors(plan: Plan, by_device: dict[str, float]) -> list[float]:

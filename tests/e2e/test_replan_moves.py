@@ -1,6 +1,7 @@
 """Rebalancing by a re-plan (runtime/run/replan_moves.py): plans whose layers cannot move in place (interleaved
-chunks; replicas are said to wait) watched per device, re-planned at the measured speeds when a device's speed
-changed for good and the re-plan pays, and said once when no move can help.
+chunks, data x pipeline replicas) watched per device, re-planned at the measured speeds when a device's speed
+changed for good and the re-plan pays (replicas by the solver at the measured speeds), and said once when no move
+can help.
 
 The decisions are checked on a compiled interleaved plan of the tiny model, fed measured-time series made here;
 the move itself (the run going on under the re-plan, exactly) is tests/e2e/test_interleaved_runtime.py's
@@ -10,16 +11,22 @@ the move itself (the run going on under the re-plan, exactly) is tests/e2e/test_
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from metrics_rows import read_metrics, step_lines
+from plans import make_plan
+from reference import assert_close_to_scale
 
 from hetero.plan import Plan
 from hetero.planner.replan.recovery import Pricing, step_at_speeds
 from hetero.planner.schedule.simulator import simulate_plan
 from hetero.runtime.run.moves import MAX_MOVES, Mover
+from hetero.runtime.stage.adapter import load_adapter_state
+from hetero.specs import ModelSpec, TrainSpec
 
 # A stage's stepdone as the coordinator's side reads it (hetero.protocol.StepDone), its op times given by each test.
 REPORT = {"step": 0, "loss_sum": None, "num_label_tokens": None, "grad_sumsq": 0.0, "lr": 1e-4, "busy_s": 0.0,
@@ -114,13 +121,24 @@ def test_a_re_plan_that_cannot_pay_is_said_once_and_not_made(interleaved: Plan, 
     assert "less than twice the 1e+06 s a restart of the stages costs" in err
 
 
-def test_a_plan_of_replicas_says_once_that_it_does_not_re_plan(tmp_path: Path, capsys) -> None:
+def test_a_slowed_replica_is_re_planned_at_the_measured_speeds(tmp_path: Path, capsys) -> None:
+    """Two one-stage replicas sharing the step's micro-batches evenly: a lasting 3x slowdown of one re-plans them by
+    the solver at the measured speeds, which gives the slowed device less of the step (fewer micro-batches, or fewer
+    layers in a pipeline with the other)."""
     plan = _compiled(tmp_path / "plan", "planner.replicas=2", "hardware.num_devices=2")
-    assert len(plan.pipelines) == 2
+    assert len(plan.pipelines) == 2 and [r.num_micro_batches for r in plan.pipelines] == [4, 4]
     mover = Mover(plan, "auto")
-    assert _feed(mover, plan, 40, {0: 3.0}) is None
-    err = capsys.readouterr().err
-    assert err.count("no move can help yet: a plan of 2 data x pipeline replicas") == 1 and err.count("\n") == 1
+    mover.started({0: 0.5, 1: 0.5}, 0.5)
+    assert _feed(mover, plan, 40, {0: 3.0}) == 8
+    assert mover.replan is not None
+    new, slow = mover.replan.plan, plan.stages[0].device
+    share = {s.device: sum(r.num_micro_batches for r in new.pipelines if k in r.stages)
+             * len([i for i in s.nodes() if new.graph.nodes[i].kind == "decoder"]) for k, s in enumerate(new.stages)}
+    assert share.get(slow, 0) < max(share.values()), share  # less of the step's work on the slowed device
+    event = mover.replan.event
+    assert event.predicted_gain is not None and event.predicted_gain >= 1.15
+    assert new.verdict[0].startswith("Re-planned during the run at the speeds it measured")
+    assert capsys.readouterr().err == ""
 
 
 def test_off_or_the_cap_keeps_the_plan(interleaved: Plan, capsys) -> None:
@@ -139,3 +157,46 @@ def test_a_run_near_its_end_is_not_re_planned(interleaved: Plan) -> None:
     mover = Mover(plan, "auto")
     mover.started({0: 0.5, 1: 0.5}, 0.01)
     assert _feed(mover, plan, 9, {0: 3.0}) is None  # decided after step 8 at the earliest: no step would be left
+
+
+SEQ_LEN = 32
+TRAIN = TrainSpec(micro_batch_size=2, num_micro_batches=4, steps=3, lr=2e-3, scheduler="cosine", warmup_steps=1,
+                  max_grad_norm=0.3, seed=3, shuffle=True)
+
+
+def test_a_re_plan_of_replicas_trains_like_one_process(references: Callable[..., dict], tiny_model_dir: Path,
+                                                       tiny_spec: ModelSpec) -> None:
+    """Two one-stage replicas on stage processes (2 micro-batches each), device 0 measured 4x slower after step 1
+    (forced): the solver re-plans at the measured speeds, the run goes on under plan-rebalance-1.json with less of
+    the step on device 0, and the losses and saved adapter are transformers+peft's (every micro-batch of a step is
+    still trained once, whichever replica trains it)."""
+    from hetero.plan import compute_input_hash
+    from hetero.runtime.run.elastic import run_elastic
+    from hetero.runtime.run.options import RunOptions
+
+    setup = references(tiny_model_dir, TRAIN, SEQ_LEN)
+    hand = make_plan(tiny_model_dir, tiny_spec.architecture, [[6], [6]], train=TRAIN,  # type: ignore[list-item]
+                     lora=setup["lora"], seq_len=SEQ_LEN, shares=[2, 2])
+    # The hand-built graph prices no compute: its decoder layers get ~1 ms a micro-batch, so that compute decides.
+    plan = replace(hand, graph=replace(hand.graph, nodes=[
+        replace(n, fwd_flops_per_token=6e6, bwd_flops_per_token=1.2e7) if n.kind == "decoder" else n
+        for n in hand.graph.nodes]))
+    plan = replace(plan, input_hash=compute_input_hash(plan))
+    run_dir = setup["root"] / "run-replicas-replan"
+    run_dir.mkdir()
+    plan.save(run_dir / "plan.json")
+    slow = plan.stages[0].device
+    final, path, _ = run_elastic(plan, run_dir / "plan.json",
+                                 RunOptions(run_dir=run_dir, progress=False, replans={1: {slow: 4.0}}))
+    assert path.name == "plan-rebalance-1.json"
+    work = {s.device: sum(r.num_micro_batches for r in final.pipelines if k in r.stages)
+            * len([i for i in s.nodes() if final.graph.nodes[i].kind == "decoder"]) for k, s in enumerate(final.stages)}
+    assert work.get(slow, 0) < 2 * 6, work  # device 0 did 2 micro-batches x 6 layers before
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["after_step"] for r in rows if r.get("event") == "rebalance"] == [1]
+    steps = step_lines(rows)
+    assert [r["loss"] for r in steps] == pytest.approx(setup["losses"], rel=1e-5)
+    trained = load_adapter_state(run_dir / "adapter", setup["lora"])
+    assert set(trained) == set(setup["state"])
+    for key, want in setup["state"].items():
+        assert_close_to_scale(key, trained[key], want, 1e-5)

@@ -11,8 +11,9 @@ Runs, in this order (each section measures its own baseline in the same run):
   eval       held-out evaluation on a spare CPU device: training step with vs without it (bench_eval.py)
   prediction run -> compile profile=RUN_DIR -> run, 2 and 3 tiny stages: measured / predicted (bench_prediction.py)
 
-`python -m bench rebalance` runs W5 alone (a stage slowed mid-run by a cgroup quota, with and without
-runtime.rebalance, and a plan compiled for the slowed fleet; bench_rebalance.py, root only) and prints it.
+`python -m bench rebalance [--shape replicas]` runs W5 alone (a stage slowed mid-run by a cgroup quota, with and
+without runtime.rebalance, and a plan compiled for the slowed fleet; bench_rebalance.py, root only) and prints it;
+`--shape replicas` trains two one-stage replicas instead of the planner's default plan.
 
 `python -m bench data [--quick] [--json FILE]` runs W7 alone (real-length records at seq_len 1024: hetero packed,
 padded and on full rows, TRL's SFTTrainer packed and default, in trained tokens/s; bench_data.py, ~15 min) and
@@ -371,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["rebalance"]:  # W5: its own script (root: it slows a stage with a cgroup), printed only
         import bench_rebalance
 
-        return bench_rebalance.main()
+        return bench_rebalance.main(argv[1:])
     if argv[:1] == ["data"]:  # W7: its own script (~15 min), printed only; `--only data` records it in docs/
         import bench_data
 

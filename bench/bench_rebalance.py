@@ -162,13 +162,17 @@ def fresh_plan(model_dir: Path, data: Path, work: Path, slowdown: float) -> Path
     return plan
 
 
-def run_w5(work: Path, log: Any = print) -> dict[str, Any]:
-    """The three runs; the figures W5 reports."""
+SHAPES = {"default": (), "replicas": ("planner.replicas=2", "planner.num_stages=null")}  # W1's plan; 2 x 1 stage
+
+
+def run_w5(work: Path, log: Any = print, shape: str = "default") -> dict[str, Any]:
+    """The three runs; the figures W5 reports. ``shape``: the plan the off and auto runs train (SHAPES: the
+    planner's default, which interleaves, or two one-stage replicas)."""
     from w1_hetero import compile_hetero, plan_split
     from w1_model import prepare
 
     model_dir, data = prepare(work, STEPS)
-    plan, note = compile_hetero(model_dir, data, STEPS, work)
+    plan, note = compile_hetero(model_dir, data, STEPS, work, extra=SHAPES[shape])
     if plan is None:
         raise RuntimeError(note)
     runs = {}
@@ -208,11 +212,17 @@ def lines(result: dict[str, Any]) -> list[str]:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench rebalance [--shape replicas]`."""
+    import argparse
     import tempfile
 
+    parser = argparse.ArgumentParser(prog="python -m bench rebalance")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="default",
+                        help="the plan the off and auto runs train (default: the planner's, which interleaves)")
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hetero-w5-") as tmp:
-        result = run_w5(Path(tmp), log=lambda s: print("  " + s, flush=True))
+        result = run_w5(Path(tmp), log=lambda s: print("  " + s, flush=True), shape=args.shape)
     print("\n".join(lines(result)))
     return 0
 

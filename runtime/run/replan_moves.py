@@ -54,6 +54,7 @@ class PlanMover:
         self.restart_s = 10.0  # until measured: what restarting every stage costs (started())
         self.said: set[str] = set()
         self.watch: DeviceWatch | None = None
+        self.pricing: Pricing | None = None
         try:  # priced by the datasheet table the re-plan uses, whatever the plan's own predictions came from
             self.pricing = Pricing(plan)
             self.watch = DeviceWatch(self.pricing.compute_s(plan))
@@ -93,6 +94,8 @@ class PlanMover:
         from hetero.planner.replan.recovery import plan_without
 
         plan = self.plan
+        if self.pricing is None:  # its costs could not be rebuilt (logged when the run began)
+            return None
         speeds = {s.device: f for s, f in zip(plan.stages, factors, strict=True)}
         what = (f"stage {cause} ({plan.stages[cause].device}) runs {max(change, 1 / change):.2f}x "
                 f"{'slower' if change > 1 else 'faster'} than when this plan was made" if cause is not None

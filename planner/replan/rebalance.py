@@ -215,6 +215,8 @@ class Watch:
     history: list[list[float]] = field(default_factory=list)  # factors of the steps since the last (re)start
     reference: list[float] | None = None
     last_move: Proposal | None = None  # the move just made, checked once on the speeds measured after it
+    declined: str | None = None  # a lasting change no move can help, in words (the run says it once)
+    _why: str = ""  # why the last proposal was not made
 
     def observe(self, measured_s: list[float], steps_left: int) -> Proposal | None:
         """One step's per-stage F + B seconds, and the steps the run has left after the next one (when a
@@ -233,7 +235,13 @@ class Watch:
         if cause is None:
             return None
         factors = _medians(recent)
+        self._why = ""
         proposal = self._paying(self._propose(factors, cause), steps_left)
+        if proposal is None and self._why:
+            change = factors[cause] / self.reference[cause]
+            how = f"{change:.2f}x slower" if change > 1 else f"{1 / change:.2f}x faster"
+            self.declined = (f"stage {cause} ({self.replanner.plan.stages[cause].device}) runs {how} than when its "
+                             f"split was planned; no move can help: {self._why}")
         if proposal is None:
             self.reference = factors  # the split is still the best at these speeds
             self.history = self.history[:self.skip]  # and the next verdict needs `sustain` new steps
@@ -251,7 +259,12 @@ class Watch:
 
     def _paying(self, proposal: Proposal | None, steps_left: int) -> Proposal | None:
         """``proposal`` if the seconds it saves before the run ends exceed twice a move's cost, else None."""
-        if proposal is None or (proposal.old.step_s - proposal.new.step_s) * steps_left < 2 * self.move_cost_s:
+        if proposal is None:
+            return None
+        saved = (proposal.old.step_s - proposal.new.step_s) * steps_left
+        if saved < 2 * self.move_cost_s:
+            self._why = (f"a move would save {saved:.3g} s over the {steps_left} steps left, less than twice the "
+                         f"{self.move_cost_s:.3g} s a move costs")
             return None
         return proposal
 
@@ -265,7 +278,13 @@ class Watch:
         current split was planned for, default the reference; ``why``: the reason's first words)."""
         old = self.replanner.option(self.spans, self.recompute, factors)
         new = self.replanner.best(factors)
-        if old is None or new is None or new.spans == self.spans or old.step_s < new.step_s * self.min_gain:
+        if old is None or new is None:
+            self._why = "no split of its layers over the running stages fits their memory"
+            return None
+        if new.spans == self.spans or old.step_s < new.step_s * self.min_gain:
+            self._why = ("the running split is still the best at the measured speeds" if new.spans == self.spans else
+                         f"the best split, {self.counts_of(new)}, simulates {new.step_s:.3g} s a step against "
+                         f"{old.step_s:.3g} s now (a move needs {self.min_gain:g}x)")
             return None
         base = base or self.reference
         assert base is not None
@@ -277,6 +296,9 @@ class Watch:
         reason = (f"{why}; split {self.replanner.counts(self.spans)} -> {self.replanner.counts(new.spans)} decoder "
                   f"layers, predicted {old.step_s:.3g} -> {new.step_s:.3g} s/step")
         return Proposal(old, new, tuple(factors), change, cause, reason)
+
+    def counts_of(self, option: Option) -> list[int]:
+        return self.replanner.counts(option.spans)
 
     def moved(self, proposal: Proposal) -> None:
         """The stages now hold ``proposal.new``: watch that split, calibrating afresh."""

@@ -89,6 +89,7 @@ class Mover:
         self.sent: Move | None = None
         self.moves = 0  # the watcher's moves so far (MAX_MOVES)
         self.quiet_until = 0  # no proposal is taken for a move after a step before this one (MOVE_BACKOFF_STEPS)
+        self.said = False  # whether the run said that no move can help (once)
         if not can_rebalance(plan):
             self.forced = {}
             if replan_kind(plan) is not None and (mode == "auto" or self.replans):
@@ -163,8 +164,19 @@ class Mover:
                         type(exc).__name__, exc)
             self.watch = None
             return
+        if self.watch.declined is not None:
+            self._say_once(self.watch.declined)
+            self.watch.declined = None
         if proposal is not None and step + 1 >= self.quiet_until:
             self.pending = self._proposed(step + 1, proposal)
+
+    def _say_once(self, line: str) -> None:
+        """A lasting change no move can help, said on stderr the first time only (the run goes on as it is)."""
+        if self.said:
+            return
+        self.said = True
+        log.warning("runtime.rebalance: %s", line)
+        print(f"hetero run: runtime.rebalance: {line}", file=sys.stderr, flush=True)
 
     def announce(self, step: int, send: Callable[[Rebalance], None]) -> None:
         """Before step ``step``'s clip: tell every stage to move after it (when a move is due)."""

@@ -119,6 +119,29 @@ def test_a_move_that_cannot_pay_for_itself_is_not_made(w1_like_plan: Plan) -> No
     assert len(_watch(w1_like_plan, series[:12], move_cost_s=0.01)) == 1
 
 
+def test_a_run_where_no_move_can_pay_says_so_once(w1_like_plan: Plan, capsys) -> None:
+    """The run's Mover with moves that cost a minute: a lasting 3.3x slowdown makes no move, and the run says why
+    once (not silence), however long the slowdown lasts."""
+    from types import SimpleNamespace
+
+    from hetero.runtime.run.moves import Mover
+
+    mover = Mover(w1_like_plan, "auto")
+    mover.started({0: 60.0, 1: 60.0})
+    priced = Replanner(w1_like_plan).compute_s(tuple((s.first_node, s.last_node) for s in w1_like_plan.stages))
+    for step in range(40):
+        factor = 3.3 if step >= 6 else 1.0
+        done = {k: SimpleNamespace(meta={**REPORT, "step": step, "op_time_s": {
+            "F": c / 3 * (factor if k == 0 else 1), "B": 2 * c / 3 * (factor if k == 0 else 1)}})
+            for k, c in enumerate(priced)}
+        mover.observe(step, done)
+        assert mover.pending is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hetero run: runtime.rebalance: stage 0 (")
+    assert "runs 3.30x slower than when its split was planned; no move can help: a move would save" in err
+    assert "less than twice the 60 s a move costs" in err
+
+
 def test_a_device_that_recovers_gets_its_layers_back(w1_like_plan: Plan) -> None:
     series = _series(w1_like_plan, 40, 6, 3.3, 0.05, seed=2)
     for row in series[20:]:
@@ -262,7 +285,7 @@ def test_moves_back_off_and_stop_at_the_cap(w1_like_plan: Plan, capsys) -> None:
     plan = replace(w1_like_plan, train=replace(w1_like_plan.train, steps=10_000))
     mover = Mover(plan, "auto")
     spans = [[s.first_node, s.last_node] for s in plan.stages]
-    mover.watch = SimpleNamespace(observe=lambda *_: "propose", moved=lambda _p: None)
+    mover.watch = SimpleNamespace(observe=lambda *_: "propose", moved=lambda _p: None, declined=None)
     noise = RebalanceEvent(after_step=0, cause=MoveCause(reason="noise"), old_split=[], new_split=[], old_spans=[],
                            new_spans=[])
     mover._proposed = lambda after, proposal: Move(after, spans, [[] for _ in spans], noise, proposal)  # type: ignore[method-assign]

@@ -141,11 +141,12 @@ def measured_slowdown(run: dict[str, Any]) -> float:
     return after / before
 
 
-def fresh_plan(model_dir: Path, data: Path, work: Path, slowdown: float) -> Path:
-    """W1 compiled for the slowed fleet: device 0's compute and memory bandwidth divided by ``slowdown``."""
+def fresh_plan(model_dir: Path, data: Path, work: Path, slowdown: float, shape: str = "default") -> Path:
+    """W1 compiled for the slowed fleet: device 0's compute and memory bandwidth divided by ``slowdown`` (the
+    planner chooses the plan's shape, within what ``shape`` keeps: FRESH_EXTRA)."""
     from w1_hetero import compile_hetero
 
-    fleet = ("name: w1\nhosts:\n  - name: localhost\n    address: 127.0.0.1\n    port: {port}\n    devices:\n"
+    fleet = ("name: w1\nhosts:\n  - name: localhost\n    address: 127.0.0.1\n    port: {port}{host_extra}\n    devices:\n"
              f"      - {{{{type: cpu, count: 1, threads: 1, tflops_fp32: {CPU_TFLOPS / slowdown:.5g}, "
              f"memory_bandwidth_gbs: {CPU_BANDWIDTH / slowdown:.5g}}}}}\n"
              "      - {{type: cpu, count: 1, threads: 1}}\n")
@@ -154,7 +155,8 @@ def fresh_plan(model_dir: Path, data: Path, work: Path, slowdown: float) -> Path
     saved = w1_hetero.HARDWARE_YAML
     w1_hetero.HARDWARE_YAML = fleet
     try:
-        plan, note = compile_hetero(model_dir, data, STEPS, work / "fresh", name="plan-fresh")
+        plan, note = compile_hetero(model_dir, data, STEPS, work / "fresh", name="plan-fresh",
+                                    extra=FRESH_EXTRA.get(shape, ()), ram_gb=HOST_RAM_GB.get(shape))
     finally:
         w1_hetero.HARDWARE_YAML = saved
     if plan is None:
@@ -162,7 +164,12 @@ def fresh_plan(model_dir: Path, data: Path, work: Path, slowdown: float) -> Path
     return plan
 
 
-SHAPES = {"default": (), "replicas": ("planner.replicas=2", "planner.num_stages=null")}  # W1's plan; 2 x 1 stage
+# The plan the off and auto runs train: W1's (which interleaves), two one-stage replicas, or every decoder layer
+# streaming its frozen weights from host RAM (the host sets 1 GB aside for them; W1's 8 layers are 23 MB).
+SHAPES: dict[str, tuple[str, ...]] = {"default": (), "replicas": ("planner.replicas=2", "planner.num_stages=null"),
+                                      "streamed": ("planner.offload=full",)}
+HOST_RAM_GB = {"streamed": 1.0}  # hardware.hosts[].ram_gb per shape (none: the host streams nothing)
+FRESH_EXTRA = {"streamed": SHAPES["streamed"]}  # what the fresh plan keeps of the shape (a user's own constraint)
 
 
 def run_w5(work: Path, log: Any = print, shape: str = "default") -> dict[str, Any]:
@@ -172,7 +179,7 @@ def run_w5(work: Path, log: Any = print, shape: str = "default") -> dict[str, An
     from w1_model import prepare
 
     model_dir, data = prepare(work, STEPS)
-    plan, note = compile_hetero(model_dir, data, STEPS, work, extra=SHAPES[shape])
+    plan, note = compile_hetero(model_dir, data, STEPS, work, extra=SHAPES[shape], ram_gb=HOST_RAM_GB.get(shape))
     if plan is None:
         raise RuntimeError(note)
     runs = {}
@@ -180,7 +187,7 @@ def run_w5(work: Path, log: Any = print, shape: str = "default") -> dict[str, An
         runs[name] = run_slowed(plan, work, name, mode)
         log(f"{name}: last {TAIL} steps median {runs[name]['tail_s']:.3f} s, split at the end {runs[name]['split']}")
     slowdown = measured_slowdown(runs["off"])
-    fresh = fresh_plan(model_dir, data, work, slowdown)
+    fresh = fresh_plan(model_dir, data, work, slowdown, shape)
     runs["fresh"] = run_slowed(fresh, work, "fresh", "off")
     log(f"fresh (split {plan_split(fresh)}, {SLOW_DEVICE} as stage {slow_stage(fresh)}, for it {slowdown:.2f}x "
         f"slower): last {TAIL} steps median "
@@ -213,13 +220,14 @@ def lines(result: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m bench rebalance [--shape replicas]`."""
+    """`python -m bench rebalance [--shape replicas|streamed]`."""
     import argparse
     import tempfile
 
     parser = argparse.ArgumentParser(prog="python -m bench rebalance")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="default",
-                        help="the plan the off and auto runs train (default: the planner's, which interleaves)")
+                        help="the plan the off and auto runs train (default: the planner's, which interleaves; "
+                             "replicas: two one-stage replicas; streamed: planner.offload=full)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hetero-w5-") as tmp:
         result = run_w5(Path(tmp), log=lambda s: print("  " + s, flush=True), shape=args.shape)

@@ -40,13 +40,19 @@ Spans = tuple[tuple[int, int], ...]
 
 
 def scaled_table(table: CostTable, factors: dict[int, float]) -> CostTable:
-    """``table`` with device d's compute (forward, backward, recomputation, optimizer) times ``factors[d]``."""
-    def scale(rows: list[list[float]]) -> list[list[float]]:
-        return [[v * factors.get(d, 1.0) for d, v in enumerate(row)] for row in rows]
+    """``table`` with device d's compute (forward, backward, recomputation, optimizer) times ``factors[d]``, and a
+    CPU device's copies of streamed weights too: there the copy is a memcpy on the cores that slowed, where a GPU's
+    is a DMA over its host link, which a throttled card does not slow."""
+    def scale(rows: list[list[float]], only: set[int] | None = None) -> list[list[float]]:
+        return [[v * factors.get(d, 1.0) if only is None or d in only else v for d, v in enumerate(row)]
+                for row in rows]
 
+    cpus = {d for d, dev in enumerate(table.devices) if dev.backend == "cpu"}
     return replace(table, fwd_s=scale(table.fwd_s), bwd_s=scale(table.bwd_s), recompute_s=scale(table.recompute_s),
                    opt_s=scale(table.opt_s),
-                   opt_fixed_s=[v * factors.get(d, 1.0) for d, v in enumerate(table.opt_fixed_s)])
+                   opt_fixed_s=[v * factors.get(d, 1.0) for d, v in enumerate(table.opt_fixed_s)],
+                   stream_fetch_s=scale(table.stream_fetch_s, cpus),
+                   stream_start_s=scale([table.stream_start_s], cpus)[0], _stream_prefix={})
 
 
 @dataclass(frozen=True)
@@ -63,8 +69,9 @@ class Option:
 class Replanner:
     """The plan's cost table and device order; simulates and re-splits them under measured speed factors.
 
-    Plans that stream weights from host RAM never get here: which layers stream and the resident cap were
-    planned for each stage's own span (runtime/wire/rules.py's can_rebalance keeps runtime.rebalance off)."""
+    A plan that streams weights from host RAM is re-split here too, but its layers move by a re-plan
+    (runtime/run/replan_moves.py): which layers stream and the resident cap are planned again for each new span
+    (runtime/wire/rules.py's can_rebalance keeps in-place moves off)."""
 
     def __init__(self, plan: Plan, cost_model: CostModel | None = None, cluster: ClusterSpec | None = None,
                  order: list[str] | None = None) -> None:

@@ -91,14 +91,23 @@ class Pricing:
         return (sum(t.fwd_s[i][d] for i in range(first, last + 1)),
                 sum(t.bwd_s[i][d] for i in range(first, last + 1)) + again)
 
+    def copy_s(self, device: str, streamed: list[str]) -> float:
+        """Seconds per pass (the forward's, and again the backward's) that copying the ``streamed`` layers' frozen
+        weights from host RAM adds on ``device`` (planner/model/objective.py stream_terms, layer by layer)."""
+        t, d = self.replanner.table, self.index[device]
+        nodes = [self.node[name] for name in streamed if name in self.node]
+        return sum(t.stream_fetch_s[i][d] for i in nodes) + (t.stream_start_s[d] if nodes else 0.0)
+
     def repriced(self, plan: Plan) -> Plan:
-        """``plan`` (on this plan's devices) with every stage's and chunk's forward and backward from the table."""
+        """``plan`` (on this plan's devices) with every stage's and chunk's forward and backward from the table, a
+        streaming stage's copies included."""
         def stage(s: Any) -> Any:
             chunks = [replace(c, **dict(zip(("fwd_time_s", "bwd_time_s"),
                                             self.times(s.device, c.first_node, c.last_node, c.recompute_layers),
                                             strict=True))) for c in s.chunks]
             fwd, bwd = self.times(s.device, s.first_node, s.last_node, s.recompute_layers)
-            return replace(s, fwd_time_s=fwd, bwd_time_s=bwd, chunks=chunks)
+            copy = self.copy_s(s.device, s.stream_layers)
+            return replace(s, fwd_time_s=fwd + copy, bwd_time_s=bwd + copy, stream_time_s=2 * copy, chunks=chunks)
 
         return replace(plan, stages=[stage(s) for s in plan.stages])
 
@@ -117,13 +126,18 @@ class Pricing:
 def step_at_speeds(plan: Plan, factors: dict[str, float]) -> float:
     """``plan``'s stored programs simulated with each stage's (and chunk's) forward and backward seconds times its
     device's measured speed factor (device -> measured compute over priced, 1.0 where absent): the step the plan
-    takes on the fleet as the run measured it. Messages, links and the optimizer stay as planned."""
+    takes on the fleet as the run measured it. Messages, links and the optimizer stay as planned; so do a GPU's
+    copies of streamed weights (a CPU's are scaled with its compute: planner/replan/rebalance.py scaled_table)."""
     from hetero.planner.schedule.simulator import simulate_plan
+
+    backend = {d.name: d.backend for d in plan.cluster.devices}
 
     def scaled(s: Any) -> Any:
         f = float(factors.get(s.device, 1.0))
         chunks = [replace(c, fwd_time_s=c.fwd_time_s * f, bwd_time_s=c.bwd_time_s * f) for c in s.chunks]
-        return replace(s, fwd_time_s=s.fwd_time_s * f, bwd_time_s=s.bwd_time_s * f, chunks=chunks)
+        kept = 0.0 if backend.get(s.device) == "cpu" else s.stream_time_s / 2  # see scaled_table: copies by DMA
+        return replace(s, fwd_time_s=(s.fwd_time_s - kept) * f + kept, bwd_time_s=(s.bwd_time_s - kept) * f + kept,
+                       chunks=chunks)
 
     return float(simulate_plan(replace(plan, stages=[scaled(s) for s in plan.stages])).step_time_s)
 

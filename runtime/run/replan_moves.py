@@ -1,20 +1,21 @@
 """Rebalancing a plan whose layers cannot move in place: a re-plan at the speeds the run measured, taken at a step
 boundary the way a device that came back is (runtime/run/elastic.py).
 
-An interleaved plan's devices hold several chunks each, and a plan of data x pipeline replicas shares each step's
-micro-batches among pipelines: moving the edges of spans (runtime/run/moves.py) applies to neither. For those plans
-the watcher (planner/replan/rebalance.py DeviceWatch) compares each stage's measured compute with the plan's
+An interleaved plan's devices hold several chunks each, a plan of data x pipeline replicas shares each step's
+micro-batches among pipelines, and a plan that streams weights from host RAM planned which layers stream and each
+stage's resident cap for its own span: moving the edges of spans (runtime/run/moves.py) applies to none. For those
+plans the watcher (planner/replan/rebalance.py DeviceWatch) compares each stage's measured compute with the plan's
 prediction of it; when one device's speed changed for good, the run plans its layers again over the same devices at
 the measured speeds (planner/replan/recovery.py ``plan_without`` with nothing lost: one pipeline in the same order
-by the split search recovery uses; replicas by the solver, each device's compute scaled by its speed, ``AtSpeeds``,
+by the split search recovery uses, a streaming plan's streamed layers and resident caps planned again for the new
+spans by the same planner; replicas by the solver, each device's compute scaled by its speed, ``AtSpeeds``,
 so a slowed replica may get fewer micro-batches or fewer layers), simulates both plans at those speeds (``Pricing``:
 both priced by the datasheet table the re-plan uses, and the speeds measured against it), and moves only when the
 new plan is ``MIN_GAIN`` faster and the seconds it saves over the steps left exceed twice what a restart of the
 stages cost at the start of this run. The move: every stage's state after the step is copied, the new plan is saved
 as RUN_DIR/plan-rebalance-N.json, and the run goes on under it from the next step (remote hosts' workers start their
 stages of it), so no step is trained twice and the math is that of one process. Where no move pays, the run says so
-once; so does a plan that streams weights from host RAM, whose re-plan is not built yet (the watcher watches it, and
-says it once its device slows).
+once.
 """
 
 from __future__ import annotations
@@ -102,10 +103,6 @@ class PlanMover:
                 and change else "forced by the caller")
         note = (f"Re-planned during the run at the speeds it measured (compute over priced: "
                 f"{', '.join(f'{d} {f:.2f}x' for d, f in speeds.items())}): {what}.")
-        if replan_kind(plan) == "streamed":
-            self.say(f"{what}; no move can help yet: a plan that streams weights from host RAM is not re-planned "
-                     "during a run (its streamed layers and resident caps stay as compiled)")
-            return None
         try:
             new = plan_without(plan, set(), speeds, note=note)
             before, after = self.pricing.step_at_speeds(plan, speeds), self.pricing.step_at_speeds(new.plan, speeds)

@@ -201,9 +201,10 @@ def coordinator_rules(plan: Any) -> Rules:
 
 
 def can_rebalance(plan: Any) -> bool:
-    """Whether layers of this plan may move between stages during the run (one pipeline of two or more stages, no
+    """Whether layers of this plan may move between running stages, in place (one pipeline of two or more stages, no
     weight streaming: which layers stream, and the resident cap, were planned for each stage's own span; one chunk
-    per device: a rebalance moves the edges of contiguous spans)."""
+    per device: a rebalance moves the edges of contiguous spans). Other plans move by a re-plan
+    (runtime/run/replan_moves.py)."""
     return (len(plan.pipelines) == 1 and len(plan.stages) > 1
             and not any(s.stream_layers or s.chunks for s in plan.stages))
 

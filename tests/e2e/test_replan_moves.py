@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from metrics_rows import read_metrics, step_lines
@@ -72,9 +73,20 @@ def test_the_plan_at_the_measured_speeds_is_the_plan_where_they_are_priced(inter
         interleaved).step_time_s
 
 
-def test_a_compiled_plans_own_predictions_are_its_datasheet_prices(interleaved: Plan) -> None:
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory: pytest.TempPathFactory) -> Plan:
+    plan = _compiled(tmp_path_factory.mktemp("replan") / "plan", "planner.num_stages=2", "planner.offload=full",
+                     "+hardware.hosts.0.ram_gb=1")
+    assert all(s.stream_layers for s in plan.stages) and len(plan.pipelines) == 1
+    return plan
+
+
+@pytest.mark.parametrize("shape", ["interleaved", "streamed"])
+def test_a_compiled_plans_own_predictions_are_its_datasheet_prices(shape: str, request: pytest.FixtureRequest) -> None:
     """The re-plan prices both plans by the datasheet table; for a plan compiled on datasheet costs that is what it
-    stores (a plan compiled with ``profile=`` stores the profile's, which Pricing leaves aside)."""
+    stores (a plan compiled with ``profile=`` stores the profile's, which Pricing leaves aside), a streaming stage's
+    copies of its layers' weights included."""
+    interleaved: Plan = request.getfixturevalue(shape)
     pricing = Pricing(interleaved)
     assert pricing.step_at_speeds(interleaved, {}) == pytest.approx(simulate_plan(interleaved).step_time_s, rel=1e-9)
     m = interleaved.train.num_micro_batches
@@ -109,6 +121,27 @@ def test_a_sustained_slowdown_re_plans_layers_off_the_slow_device(interleaved: P
     assert [s.device for s in replan.plan.stages] == [s.device for s in interleaved.stages]
     assert [s.name for s in replan.plan.stages] == [interleaved.stage_id(k) for k in range(len(interleaved.stages))]
     assert replan.plan.verdict[0].startswith("Re-planned during the run at the speeds it measured")
+    assert capsys.readouterr().err == ""
+
+
+def test_a_streaming_plan_is_re_planned_with_its_streamed_layers_and_caps_for_the_new_spans(streamed: Plan,
+                                                                                              capsys) -> None:
+    """A plan that streams every layer from host RAM (planner.offload=full): a lasting 3x slowdown of device 0 moves
+    layers to device 1, and the new plan streams each stage's own layers, under a resident cap planned for them."""
+    mover = Mover(streamed, "auto")
+    assert mover.replanner is not None and mover.watch is None  # its spans do not move in place
+    mover.started({0: 0.5, 1: 0.5}, 2.0)
+    assert _feed(mover, streamed, 40, {0: 3.0}) == 8
+    replan = mover.replan
+    assert replan is not None
+    event, new = replan.event, replan.plan
+    assert event.new_split[0] < event.old_split[0] and sum(event.new_split) == sum(event.old_split)
+    assert event.predicted_gain is not None and event.predicted_gain >= 1.15
+    for stage in new.stages:
+        assert stage.stream_layers == [n for n in stage.node_names if n.startswith("layers.")]
+        assert stage.frozen_resident_cap_bytes > 0
+    # Stage 1 streams more layers than before: what it copies per step grows with them.
+    assert new.stages[1].streamed_bytes_per_step > streamed.stages[1].streamed_bytes_per_step
     assert capsys.readouterr().err == ""
 
 
@@ -195,6 +228,63 @@ def test_a_re_plan_of_replicas_trains_like_one_process(references: Callable[...,
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["after_step"] for r in rows if r.get("event") == "rebalance"] == [1]
     steps = step_lines(rows)
+    assert [r["loss"] for r in steps] == pytest.approx(setup["losses"], rel=1e-5)
+    trained = load_adapter_state(run_dir / "adapter", setup["lora"])
+    assert set(trained) == set(setup["state"])
+    for key, want in setup["state"].items():
+        assert_close_to_scale(key, trained[key], want, 1e-5)
+
+
+def test_a_re_plan_of_a_streaming_pipeline_trains_like_one_process(references: Callable[..., dict],
+                                                                  tiny_model_dir: Path, tiny_spec: ModelSpec) -> None:
+    """Two stages streaming every layer's frozen weights from host RAM (planned by the planner with
+    planner.offload=full), device 0 measured 4x slower after step 1 (forced): the run goes on under
+    plan-rebalance-1.json, whose stages stream their new layers under the caps planned for them, and the losses and
+    saved adapter are transformers+peft's."""
+    from hetero.planner import plan as make_planned
+    from hetero.planner.model.cost_model import plan_roofline
+    from hetero.planner.replan.recovery import named_like
+    from hetero.runtime.run.elastic import run_elastic
+    from hetero.runtime.run.options import RunOptions
+
+    setup = references(tiny_model_dir, TRAIN, SEQ_LEN)
+    hand = make_plan(tiny_model_dir, tiny_spec.architecture, [3, 3], train=TRAIN, lora=setup["lora"], seq_len=SEQ_LEN)
+    cluster = replace(hand.cluster, hosts=[replace(h, ram_gb=1.0) for h in hand.cluster.hosts])
+    options = replace(hand.planner, devices=[s.device for s in hand.stages], split=[3, 3], num_stages=None, replicas=1,
+                      interleave="off", offload="full")
+    # The hand-built graph prices neither compute nor memory: each decoder layer gets ~1 ms a micro-batch, and every
+    # node its parameters as saved (fp32), of which the projections are the Linear weights that stream.
+    from math import prod
+
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as h:
+        numel = {key: prod(h.get_slice(key).get_shape()) for key in h.keys()}
+
+    def priced(n: Any) -> Any:
+        params = sum(numel.get(k, 0) for k in n.param_names)
+        n = replace(n, num_params=params, param_bytes=4 * params)
+        if n.kind != "decoder":
+            return n
+        return replace(n, fwd_flops_per_token=6e6, bwd_flops_per_token=1.2e7,
+                       linear_params=sum(numel[k] for k in n.param_names if k.endswith("_proj.weight")))
+
+    graph = replace(hand.graph, nodes=[priced(n) for n in hand.graph.nodes])
+    plan = named_like(replace(make_planned(hand.model, graph, cluster, hand.train, hand.data, options,
+                                           plan_roofline(hand), hand.eval, hand.config, hand.data_stats),
+                              security=hand.security), hand)
+    assert [len(s.stream_layers) for s in plan.stages] == [3, 3]
+    run_dir = setup["root"] / "run-streamed-replan"
+    run_dir.mkdir()
+    plan.save(run_dir / "plan.json")
+    final, path, _ = run_elastic(plan, run_dir / "plan.json",
+                                 RunOptions(run_dir=run_dir, progress=False, replans={1: {plan.stages[0].device: 4.0}}))
+    assert path.name == "plan-rebalance-1.json"
+    assert len(final.stages[0].stream_layers) < 3 and sum(len(s.stream_layers) for s in final.stages) == 6
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["after_step"] for r in rows if r.get("event") == "rebalance"] == [1]
+    steps = step_lines(rows)
+    assert [len(r["stage_streamed_bytes"]) for r in steps] == [2, 2, 2]
     assert [r["loss"] for r in steps] == pytest.approx(setup["losses"], rel=1e-5)
     trained = load_adapter_state(run_dir / "adapter", setup["lora"])
     assert set(trained) == set(setup["state"])

@@ -11,6 +11,9 @@ process stays in the run. Three runs in one script, each with the same slowdown:
   fresh   a plan compiled for the slowed fleet: stage 0's device priced at the speed the `off` run measured
           after the slowdown (its datasheet numbers scaled by it), run with rebalance off
 
+`--shape replicas` trains two one-stage replicas instead, `--shape streamed` a plan that streams every decoder
+layer's frozen weights from host RAM (planner.offload=full; the fresh plan streams too).
+
 Reports the median of the last 8 step times of each, auto/off and auto/fresh, when the move happened and
 what it moved, and the largest per-step loss difference between the runs (they must agree within 1e-5).
 """
